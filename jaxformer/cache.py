@@ -1,0 +1,114 @@
+"""The KV cache: an immutable pytree of fixed shape.
+
+Autoregressive decoding feeds one new token per step; the keys and values of the
+tokens before it do not change, so each layer keeps them instead of recomputing the
+prefix. Here the cache is a value, not a buffer: a model call takes a cache and
+returns a new one. Under `jit` XLA turns the `dynamic_update_slice` writes into in-place
+updates, and because every shape is fixed by `capacity`, one compiled step serves every
+position.
+
+Keys are stored after RoPE (a cached key never moves again) and with only `n_kv_head`
+heads: grouped-query attention saves memory only if K/V are not repeated first.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class LayerKV:
+    """One layer's cached keys and values."""
+
+    k: jax.Array  # [batch, capacity, n_kv_head, head_dim]
+    v: jax.Array  # [batch, capacity, n_kv_head, head_dim]
+
+    def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerKV":
+        """Returns a copy with `k_new` / `v_new` (`[batch, T, n_kv, head_dim]`) at slots `pos .. pos+T-1`.
+
+        `dynamic_update_slice` clamps a start that does not fit instead of failing, which
+        would overwrite the last slots; callers check `pos + T <= capacity` where the
+        numbers are concrete (see `Decoder` and `generate`).
+        """
+        start = (0, pos, 0, 0)
+        return LayerKV(
+            k=jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), start),
+            v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), start),
+        )
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys and values plus the write position.
+
+    Attributes:
+      layers: one `LayerKV` per block.
+      pos: int32 scalar, the number of tokens already written. The model advances it
+        once per call, after all layers, so every layer of one call writes at the same
+        slots.
+    """
+
+    layers: tuple[LayerKV, ...]
+    pos: jax.Array  # [] int32
+
+    @classmethod
+    def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None) -> "KVCache":
+        """An empty cache for `config` (a `DecoderConfig` or any config with `n_layer`,
+        `n_kv_head`, `head_dim`, `max_seq_len` and `dtype`).
+
+        Args:
+          config: the model's config.
+          batch_size: number of sequences decoded together.
+          capacity: positions to allocate; defaults to `config.max_seq_len`, which is also
+            its upper limit (RoPE has no angles beyond it).
+          dtype: storage dtype; defaults to `config.dtype`.
+
+        Returns:
+          A `KVCache` of zeros with `pos == 0`.
+        """
+        capacity = config.max_seq_len if capacity is None else capacity
+        if type(batch_size) is not int or batch_size < 1:
+            raise ValueError(f"KVCache.create: batch_size must be a positive int, got {batch_size!r}")
+        if type(capacity) is not int or not 1 <= capacity <= config.max_seq_len:
+            raise ValueError(
+                f"KVCache.create: capacity must be an int in [1, max_seq_len={config.max_seq_len}], "
+                f"got {capacity!r}")
+        shape = (batch_size, capacity, config.n_kv_head, config.head_dim)
+        dtype = config.dtype if dtype is None else dtype
+        layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+                       for _ in range(config.n_layer))
+        return cls(layers=layers, pos=jnp.zeros((), jnp.int32))
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].k.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Positions allocated (static)."""
+        return self.layers[0].k.shape[1]
+
+    @property
+    def length(self) -> jax.Array:
+        """Tokens written so far (`pos`; `int(cache.length)` outside `jit`)."""
+        return self.pos
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position takes across all layers and the batch: `2 * L * B * n_kv * d * itemsize`."""
+        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers) // self.capacity
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (all `capacity` positions)."""
+        return self.bytes_per_token * self.capacity
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes holding written tokens, `length * bytes_per_token` (host-side: reads `pos`)."""
+        return int(self.pos) * self.bytes_per_token
+
+    def advance(self, n_tokens: int) -> "KVCache":
+        return self.replace(pos=self.pos + n_tokens)

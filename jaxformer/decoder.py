@@ -1,0 +1,128 @@
+"""The modern decoder-only Transformer (Llama-style).
+
+    x = embed(tokens)
+    for each block:  x = x + attn(rmsnorm(x))     # GQA + RoPE, causal, KV cache
+                     x = x + swiglu(rmsnorm(x))
+    logits = rmsnorm(x) @ embed^T                 # tied output head (or its own matrix)
+
+Pre-norm keeps an identity path through the residual stream; no dropout, no biases.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer.attention import GQASelfAttention
+from jaxformer.cache import KVCache, LayerKV
+from jaxformer.config import DecoderConfig
+from jaxformer.feedforward import SwiGLU
+from jaxformer.norms import RMSNorm
+from jaxformer.positions import rope_tables
+from jaxformer.validation import check_fits, check_token_ids, is_traced
+
+
+class Block(nn.Module):
+    """One pre-norm block: attention reads across positions, SwiGLU works on each."""
+
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask, layer_cache: LayerKV | None = None, pos=None):
+        c = self.config
+        h, layer_cache = GQASelfAttention(c, name="attn")(
+            RMSNorm(c.norm_eps, name="attn_norm")(x), cos, sin, mask, layer_cache, pos)
+        x = x + h  # [batch, T, d_model]
+        x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x))
+        return x, layer_cache
+
+
+class Decoder(nn.Module):
+    """Decoder-only language model.
+
+    `Decoder(config).apply({'params': params}, tokens, cache=None) -> (logits, cache)`
+
+    Without a cache it is the plain causal forward and returns `(logits, None)`. With a
+    cache the T tokens are the next T of the sequence: query i sits at absolute position
+    `cache.pos + i` and may read every cached key up to it, so a multi-token prefill and
+    a one-token step are the same call. The returned cache has them written and
+    `pos + T`. The cache's shape is fixed by its capacity, so one jitted function serves
+    every step.
+
+    Attributes:
+      config: the `DecoderConfig`.
+    """
+
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, cache: KVCache | None = None):
+        """
+        Args:
+          tokens: int `[batch, T]`, ids in `[0, vocab_size)`.
+          cache: a `KVCache` from `KVCache.create(config, batch)`, or None.
+
+        Returns:
+          `(logits, cache)`: logits `[batch, T, vocab_size]` in `config.dtype`; the
+          updated cache (None when none was given).
+        """
+        c = self.config
+        batch, T = tokens.shape
+        pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
+        S = T if cache is None else cache.capacity
+        self._check(tokens, cache)
+
+        embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.d_model))
+        # An id outside the vocabulary must not wrap or clamp to a real row: it reads NaN
+        # (negative ids are first sent past the end, since jnp.take would wrap them).
+        ids = jnp.where((tokens >= 0) & (tokens < c.vocab_size), tokens, c.vocab_size)
+        x = jnp.take(embed, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(c.dtype)  # [batch, T, d_model]
+
+        cos_table, sin_table = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)  # [max_seq_len, head_dim/2]
+        cos = jax.lax.dynamic_slice_in_dim(cos_table, pos, T)  # [T, head_dim/2], angles of pos .. pos+T-1
+        sin = jax.lax.dynamic_slice_in_dim(sin_table, pos, T)
+        # Query i is at absolute position pos + i; key slot s holds position s. Slots past
+        # pos + i are the future or not yet written: causal mask, (T, S), not square once
+        # a prefix is cached.
+        q_pos = pos + jnp.arange(T)  # [T]
+        mask = jnp.arange(S)[None, :] <= q_pos[:, None]  # [T, S]
+
+        new_layers = []
+        for i in range(c.n_layer):
+            layer_cache = None if cache is None else cache.layers[i]
+            x, layer_cache = Block(c, name=f"block_{i}")(x, cos, sin, mask, layer_cache, pos)
+            new_layers.append(layer_cache)
+        x = RMSNorm(c.norm_eps, name="final_norm")(x)
+
+        if c.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, embed.astype(c.dtype))  # [batch, T, vocab]
+        else:
+            lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.d_model, c.vocab_size))
+            logits = jnp.einsum("btd,dv->btv", x, lm_head.astype(c.dtype))
+        if cache is None:
+            return logits, None
+        # Past the capacity the writes above were clamped: make that loud, never silent.
+        # (Concrete inputs were rejected in _check; this is the guard inside jit.)
+        logits = jnp.where(pos + T <= S, logits, jnp.nan)
+        # pos advances once, after every layer has written at the same slots.
+        return logits, KVCache(layers=tuple(new_layers), pos=pos + T)
+
+    def _check(self, tokens, cache: KVCache | None) -> None:
+        """Shape checks always (shapes are static); value checks when values are concrete."""
+        c = self.config
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be 2-D [batch, seq], got shape {tokens.shape}")
+        limit, limit_name = (c.max_seq_len, "max_seq_len") if cache is None else (cache.capacity, "cache capacity")
+        check_fits(0, tokens.shape[1], limit, "tokens length", limit_name)
+        if cache is not None:
+            want = (tokens.shape[0], cache.capacity, c.n_kv_head, c.head_dim)
+            if len(cache.layers) != c.n_layer or any(l.k.shape != want or l.v.shape != want for l in cache.layers):
+                raise ValueError(
+                    f"cache does not fit this model: want {c.n_layer} layers of k/v {want} "
+                    f"[batch, capacity, n_kv_head, head_dim], got {len(cache.layers)} layers of "
+                    f"{cache.layers[0].k.shape if cache.layers else None}")
+            if not is_traced(cache.pos):
+                check_fits(int(cache.pos), tokens.shape[1], cache.capacity, "cache.pos + tokens", "cache capacity")
+        if not is_traced(tokens):
+            check_token_ids(tokens, c.vocab_size)

@@ -1,0 +1,29 @@
+"""Position-wise feed-forward networks: every position transformed on its own."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class SwiGLU(nn.Module):
+    """`W_down (silu(x W_gate) * (x W_up))`: a gated FFN with three matrices.
+
+    Attributes:
+      config: a `DecoderConfig` (`d_model`, `ffn_dim`, `n_layer`, `dtype`).
+    """
+
+    config: "DecoderConfig"  # noqa: F821
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        init = nn.initializers.normal(0.02)
+        residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))  # see GQASelfAttention
+        w_gate = self.param("w_gate", init, (c.d_model, c.ffn_dim)).astype(c.dtype)
+        w_up = self.param("w_up", init, (c.d_model, c.ffn_dim)).astype(c.dtype)
+        w_down = self.param("w_down", residual_init, (c.ffn_dim, c.d_model)).astype(c.dtype)
+        gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
+        up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
+        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)  # [batch, T, d_model]

@@ -1,0 +1,78 @@
+"""Positions: rotary position embedding (RoPE) for the decoder-only model.
+
+RoPE does not add anything to the input. In every layer it rotates each pair of q/k
+channels by an angle proportional to the token's position, `pos * theta_i` with
+`theta_i = rope_theta ** (-2i / head_dim)`. A rotation by `m * theta` on the query and
+`n * theta` on the key leaves `(m - n) * theta` in their dot product: the position
+factor in the score depends only on the offset.
+
+Two pairings are in use and differ only by a fixed permutation of the head channels:
+  split_half:  channel i with channel i + head_dim/2 (GPT-NeoX, HF Llama),
+  interleaved: channel 2i with channel 2i + 1 (RoFormer, Meta's original Llama).
+Weights trained with one pairing need their W_Q / W_K output channels permuted
+(`interleaved_to_split_half`) to be used with the other.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every rotation angle, computed once per (head_dim, length, theta).
+
+    Args:
+      head_dim: channels per head (even).
+      max_seq_len: number of positions in the table.
+      theta: the RoPE base.
+
+    Returns:
+      `(cos, sin)`, each `[max_seq_len, head_dim // 2]` float32 (read-only numpy arrays:
+      under `jit` they become constants, sliced at the cache position).
+    """
+    # inv_freq_i = theta^(-2i/d), i = 0 .. d/2 - 1; angles in float64, then stored as f32.
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), inv_freq)  # [max_seq_len, d/2]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    cos.flags.writeable = sin.flags.writeable = False  # shared by every caller of the cache
+    return cos, sin
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str = "split_half") -> jax.Array:
+    """Rotates each channel pair `(a, b)` to `(a cos - b sin, a sin + b cos)`.
+
+    Args:
+      x: `[batch, seq, heads, head_dim]` queries or keys.
+      cos: `[seq, head_dim // 2]` (or `[batch, seq, head_dim // 2]`), the angles of `x`'s
+        positions.
+      sin: same shape as `cos`.
+      pairing: "split_half" or "interleaved" (see the module docstring).
+
+    Returns:
+      The rotated `x`, same shape and dtype (the rotation is computed in float32).
+    """
+    x32 = x.astype(jnp.float32)
+    cos, sin = cos[..., None, :], sin[..., None, :]  # [..., seq, 1, head_dim/2]: same for every head
+    if pairing == "split_half":
+        a, b = jnp.split(x32, 2, axis=-1)  # [batch, seq, heads, head_dim/2] each
+        rotated = jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    elif pairing == "interleaved":
+        a, b = x32[..., 0::2], x32[..., 1::2]
+        rotated = jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
+    else:
+        raise ValueError(f"pairing must be 'split_half' or 'interleaved', got {pairing!r}")
+    return rotated.astype(x.dtype)
+
+
+def interleaved_to_split_half(head_dim: int) -> np.ndarray:
+    """Channel order that turns an interleaved-RoPE head into a split-half one.
+
+    `x_split = x_interleaved[..., perm]`: split-half channel i is interleaved channel 2i
+    and split-half channel i + head_dim/2 is interleaved channel 2i + 1, so each rotation
+    pair keeps its frequency. Apply it to the head_dim axis of W_Q and W_K (never W_V);
+    `np.argsort(perm)` goes the other way.
+    """
+    return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
