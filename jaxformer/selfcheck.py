@@ -10,6 +10,7 @@ The test suite runs the same checks (tests/test_selfcheck.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Callable
@@ -38,10 +39,13 @@ class CheckResult:
     figure: str
 
 
+@functools.lru_cache(maxsize=None)
 def _model_and_params(config: DecoderConfig = CONFIG, seed: int = 0):
+    """`(apply, params)`: the model's jitted apply (one compile per input shape instead
+    of one per operation, shared by the checks) and its freshly initialised parameters."""
     model = Decoder(config)
-    params = model.init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))["params"]
-    return model, params
+    params = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))["params"]
+    return jax.jit(model.apply), params
 
 
 def _random_tokens(seed: int, shape: tuple[int, int], vocab_size: int = CONFIG.vocab_size) -> jax.Array:
@@ -50,11 +54,11 @@ def _random_tokens(seed: int, shape: tuple[int, int], vocab_size: int = CONFIG.v
 
 def check_causality() -> CheckResult:
     """Changing token 9 of 16 must leave logits at positions < 9 exactly unchanged."""
-    model, params = _model_and_params()
+    apply, params = _model_and_params()
     tokens = _random_tokens(1, (2, 16))
     changed = tokens.at[:, 9].set((tokens[:, 9] + 1) % CONFIG.vocab_size)
-    base, _ = model.apply({"params": params}, tokens)
-    pert, _ = model.apply({"params": params}, changed)
+    base, _ = apply({"params": params}, tokens)
+    pert, _ = apply({"params": params}, changed)
     past = float(jnp.abs(base[:, :9] - pert[:, :9]).max())
     future = float(jnp.abs(base[:, 9:] - pert[:, 9:]).max())
     # future > 1e-4 proves the perturbation did something: otherwise past == 0 is vacuous.
@@ -64,14 +68,14 @@ def check_causality() -> CheckResult:
 
 def check_kv_cache() -> CheckResult:
     """Prefill 5 tokens, then 7 single steps: the logits of one full forward, pos == 12."""
-    model, params = _model_and_params()
+    apply, params = _model_and_params()
     tokens = _random_tokens(2, (2, 12))
-    full, _ = model.apply({"params": params}, tokens)
+    full, _ = apply({"params": params}, tokens)
     cache = KVCache.create(CONFIG, batch_size=2)
-    logits, cache = model.apply({"params": params}, tokens[:, :5], cache)
+    logits, cache = apply({"params": params}, tokens[:, :5], cache)
     pieces = [logits]
     for t in range(5, 12):
-        logits, cache = model.apply({"params": params}, tokens[:, t:t + 1], cache)
+        logits, cache = apply({"params": params}, tokens[:, t:t + 1], cache)
         pieces.append(logits)
     err = float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max())
     pos = int(cache.pos)
@@ -100,7 +104,7 @@ def check_rope_relative() -> CheckResult:
 
 def check_gqa_grouping() -> CheckResult:
     """Query heads 2h and 2h+1 read kv head h, and the cache holds only the kv heads."""
-    model, params = _model_and_params()
+    apply, params = _model_and_params()
     n_head, n_kv, head_dim = CONFIG.n_head, CONFIG.n_kv_head, CONFIG.head_dim
     q = jax.random.normal(jax.random.key(4), (1, 3, n_head, head_dim))
     k = jax.random.normal(jax.random.key(5), (1, 3, n_kv, head_dim))
@@ -133,9 +137,9 @@ def check_rmsnorm() -> CheckResult:
 
 def check_initial_loss() -> CheckResult:
     """A freshly initialised LM predicts near-uniformly: loss close to ln V."""
-    model, params = _model_and_params()
+    apply, params = _model_and_params()
     tokens = _random_tokens(8, (8, 32))
-    logits, _ = model.apply({"params": params}, tokens[:, :-1])
+    logits, _ = apply({"params": params}, tokens[:, :-1])
     loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean())
     expected = math.log(CONFIG.vocab_size)
     return CheckResult("initial loss", abs(loss - expected) < 0.15,
@@ -144,14 +148,14 @@ def check_initial_loss() -> CheckResult:
 
 def check_tying_and_shapes() -> CheckResult:
     """The tied head is the embedding (no matrix of its own); logits and generate shapes."""
-    model, params = _model_and_params()
+    apply, params = _model_and_params()
     _, untied_params = _model_and_params(CONFIG.replace(tie_embeddings=False))
     n_params = sum(p.size for p in jax.tree.leaves(params))
     n_untied = sum(p.size for p in jax.tree.leaves(untied_params))
     n_embed = params["embed"].size
     tokens = _random_tokens(9, (3, 11))
-    logits, _ = model.apply({"params": params}, tokens)
-    out = generate(model, params, tokens, max_new_tokens=5)
+    logits, _ = apply({"params": params}, tokens)
+    out = generate(Decoder(CONFIG), params, tokens, max_new_tokens=5)
     ok = ("lm_head" not in params and n_untied - n_params == n_embed
           and logits.shape == (3, 11, CONFIG.vocab_size) and out.shape == (3, 16))
     return CheckResult("tying & shapes", ok,

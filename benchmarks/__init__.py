@@ -1,0 +1,1 @@
+"""Measurements of jitted incremental decoding, reported as ratios within one run."""

@@ -1,0 +1,79 @@
+"""Shared fixtures: the reference's small test model, and a numpy reference forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import Decoder, DecoderConfig
+
+# The reference's test config (REFERENCE.md section 1).
+SMALL = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
+
+
+def init_params(config: DecoderConfig, seed: int = 0):
+    return Decoder(config).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def scaled_random_params(params, seed: int, scale: float = 0.3):
+    """Every leaf redrawn at a large scale, so attention is sharp and a wrong head
+    grouping, RoPE pairing or projection layout changes the logits a lot.
+    Norm weights are drawn around 1 so they still matter but do not vanish."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [1.0 + 0.5 * jax.random.normal(k, x.shape) if x.ndim == 1 else scale * jax.random.normal(k, x.shape)
+           for k, x in zip(keys, leaves)]
+    return jax.tree.unflatten(treedef, new)
+
+
+@pytest.fixture(scope="session")
+def small():
+    """(config, model, params) at the reference init."""
+    return SMALL, Decoder(SMALL), init_params(SMALL)
+
+
+def numpy_decoder_logits(params, tokens, config: DecoderConfig) -> np.ndarray:
+    """An independent float64 forward of the decoder, written the slow, obvious way:
+    RoPE as multiplication by complex exponentials, attention one query head at a time
+    with its kv head picked by index, a causal mask of -inf."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    tokens = np.asarray(tokens)
+    B, T = tokens.shape
+    d, H, K, D = config.d_model, config.n_head, config.n_kv_head, config.head_dim
+
+    def rms(x, w):
+        return x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + config.norm_eps) * w
+
+    angles = np.arange(T)[:, None] * config.rope_theta ** (-np.arange(0, D, 2) / D)  # [T, D/2]
+    rotation = np.exp(1j * angles)[None, :, None, :]
+
+    def rope(x):  # [B, T, heads, D]
+        if config.rope_pairing == "split_half":
+            z = (x[..., :D // 2] + 1j * x[..., D // 2:]) * rotation
+            return np.concatenate([z.real, z.imag], -1)
+        z = (x[..., 0::2] + 1j * x[..., 1::2]) * rotation
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = z.real, z.imag
+        return out
+
+    causal = np.tril(np.ones((T, T), bool))
+    x = p["embed"][tokens]
+    for i in range(config.n_layer):
+        b = p[f"block_{i}"]
+        h = rms(x, b["attn_norm"]["weight"])
+        q = rope((h @ b["attn"]["wq"].reshape(d, H * D)).reshape(B, T, H, D))
+        k = rope((h @ b["attn"]["wk"].reshape(d, K * D)).reshape(B, T, K, D))
+        v = (h @ b["attn"]["wv"].reshape(d, K * D)).reshape(B, T, K, D)
+        heads = []
+        for j in range(H):
+            kv = j // (H // K)
+            s = np.einsum("btd,bsd->bts", q[:, :, j], k[:, :, kv]) / np.sqrt(D)
+            s = np.where(causal, s, -np.inf)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            heads.append((w / w.sum(-1, keepdims=True)) @ v[:, :, kv])
+        x = x + np.concatenate(heads, -1) @ b["attn"]["wo"].reshape(H * D, d)
+        h = rms(x, b["mlp_norm"]["weight"])
+        gate = h @ b["mlp"]["w_gate"]
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ b["mlp"]["w_up"])) @ b["mlp"]["w_down"]
+    x = rms(x, p["final_norm"]["weight"])
+    return x @ (p["embed"].T if config.tie_embeddings else p["lm_head"])

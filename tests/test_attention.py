@@ -1,0 +1,51 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import dot_product_attention
+
+
+def _qkv(seed, batch=2, T=5, S=7, n_head=6, n_kv=2, head_dim=8):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (batch, T, n_head, head_dim)) * 2,
+            jax.random.normal(kk, (batch, S, n_kv, head_dim)) * 2,
+            jax.random.normal(kv, (batch, S, n_kv, head_dim)))
+
+
+def test_grouped_einsum_equals_repeated_kv():
+    q, k, v = _qkv(0)
+    mask = jax.random.bernoulli(jax.random.key(1), 0.7, (2, 5, 7)).at[:, :, 0].set(True)
+    out, weights = dot_product_attention(q, k, v, mask)
+    chex.assert_shape(out, (2, 5, 6, 8))
+    chex.assert_shape(weights, (2, 6, 5, 7))
+    # The slow path: repeat each kv head n_rep times, contiguously, then plain MHA.
+    k_rep, v_rep = jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2)  # [batch, S, n_head, head_dim]
+    scores = jnp.einsum("bthd,bshd->bhts", q, k_rep) / np.sqrt(8)
+    scores = jnp.where(mask[:, None], scores, -jnp.inf)
+    want_w = jax.nn.softmax(scores, axis=-1)
+    want = jnp.einsum("bhts,bshd->bthd", want_w, v_rep)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    np.testing.assert_allclose(weights, want_w, atol=1e-6)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
+    assert float(jnp.where(mask[:, None], 0.0, weights).max()) == 0.0  # blocked keys get exactly 0
+
+
+def test_matches_per_head_numpy_formula():
+    q, k, v = _qkv(2, n_head=4, n_kv=4)  # plain multi-head attention
+    mask = np.tril(np.ones((5, 7), bool), k=2)
+    out, _ = dot_product_attention(q, k, v, jnp.asarray(mask))
+    qn, kn, vn = (np.asarray(a, np.float64) for a in (q, k, v))
+    for b in range(2):
+        for h in range(4):
+            s = qn[b, :, h] @ kn[b, :, h].T / np.sqrt(8)
+            s[~mask] = -np.inf
+            w = np.exp(s - s.max(-1, keepdims=True))
+            np.testing.assert_allclose(out[b, :, h], (w / w.sum(-1, keepdims=True)) @ vn[b, :, h], atol=1e-5)
+
+
+def test_fully_masked_row_is_finite():
+    q, k, v = _qkv(3)
+    mask = jnp.ones((5, 7), bool).at[2].set(False)
+    out, weights = dot_product_attention(q, k, v, mask)
+    assert bool(jnp.isfinite(out).all()) and bool(jnp.isfinite(weights).all())

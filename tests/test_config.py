@@ -1,0 +1,50 @@
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from jaxformer import DecoderConfig
+from jaxformer.config import swiglu_hidden_dim
+
+
+def test_reference_defaults():
+    c = DecoderConfig()
+    assert (c.vocab_size, c.n_layer, c.n_head, c.n_kv_head, c.d_model, c.max_seq_len) == (256, 4, 8, 2, 256, 512)
+    assert (c.rope_theta, c.norm_eps, c.rope_pairing, c.tie_embeddings) == (1e4, 1e-6, "split_half", True)
+    assert c.dtype == jnp.float32
+    assert c.ffn_dim == 704 == round(256 * 8 / 3 / 64) * 64
+    assert (c.head_dim, c.n_rep) == (32, 4)
+
+
+def test_frozen_and_replace_revalidates():
+    c = DecoderConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.d_model = 128
+    wider = c.replace(d_model=512)
+    assert wider.ffn_dim == swiglu_hidden_dim(512) == 1344  # the derived width follows d_model
+    assert DecoderConfig(hidden_dim=100).ffn_dim == 100
+    with pytest.raises(ValueError, match="n_head"):
+        c.replace(n_kv_head=3)
+    assert DecoderConfig(dtype="bfloat16").dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("changes, field, rule", [
+    (dict(d_model=250), "d_model", "divisible by n_head"),
+    (dict(n_head=8, n_kv_head=3), "n_head", "divisible by n_kv_head"),
+    (dict(d_model=24, n_head=8, n_kv_head=2), "d_model", "even"),
+    (dict(vocab_size=0), "vocab_size", "positive"),
+    (dict(n_layer=-1), "n_layer", "positive"),
+    (dict(n_head=0), "n_head", "positive"),
+    (dict(n_kv_head=0), "n_kv_head", "positive"),
+    (dict(d_model=0), "d_model", "positive"),
+    (dict(max_seq_len=0), "max_seq_len", "positive"),
+    (dict(max_seq_len=1.5), "max_seq_len", "positive int"),
+    (dict(hidden_dim=0), "hidden_dim", "positive"),
+    (dict(rope_theta=0.0), "rope_theta", "> 0"),
+    (dict(norm_eps=-1e-6), "norm_eps", "> 0"),
+    (dict(rope_pairing="adjacent"), "rope_pairing", "one of"),
+    (dict(dtype=jnp.int32), "dtype", "floating"),
+])
+def test_each_rule_names_field_and_rule(changes, field, rule):
+    with pytest.raises(ValueError, match=rf"DecoderConfig\.{field}: .*{rule}"):
+        DecoderConfig(**changes)

@@ -1,0 +1,184 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SMALL, init_params, numpy_decoder_logits, scaled_random_params
+
+from jaxformer import Decoder, DecoderConfig, KVCache
+
+
+def _tokens(seed, shape, vocab=SMALL.vocab_size):
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
+
+
+class DecoderVariantsTest(chex.TestCase):
+    """The forward and the cached step, traced and untraced."""
+
+    def setUp(self):
+        super().setUp()
+        self.model = Decoder(SMALL)
+        self.params = init_params(SMALL)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_forward_shapes_and_causality(self):
+        forward = self.variant(lambda tokens: self.model.apply({"params": self.params}, tokens)[0])
+        tokens = _tokens(0, (2, 16))
+        logits = forward(tokens)
+        chex.assert_shape(logits, (2, 16, SMALL.vocab_size))
+        chex.assert_tree_all_finite(logits)
+        changed = forward(tokens.at[:, 9].set((tokens[:, 9] + 1) % SMALL.vocab_size))
+        assert float(jnp.abs(logits[:, :9] - changed[:, :9]).max()) == 0.0
+        assert float(jnp.abs(logits[:, 9:] - changed[:, 9:]).max()) > 1e-4
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_prefill_then_steps_equals_full_forward(self):
+        step = self.variant(lambda tokens, cache: self.model.apply({"params": self.params}, tokens, cache))
+        tokens = _tokens(1, (2, 12))
+        full, none = self.model.apply({"params": self.params}, tokens)
+        assert none is None
+        cache = KVCache.create(SMALL, batch_size=2)
+        logits, cache = step(tokens[:, :5], cache)
+        pieces = [logits]
+        for t in range(5, 12):
+            logits, cache = step(tokens[:, t:t + 1], cache)
+            chex.assert_shape(logits, (2, 1, SMALL.vocab_size))
+            pieces.append(logits)
+        chex.assert_tree_shape_prefix(cache.layers, (2, SMALL.max_seq_len, SMALL.n_kv_head, SMALL.head_dim))
+        assert int(cache.pos) == 12
+        assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
+
+
+def test_chunked_prefill_equals_full_forward(small):
+    config, model, params = small
+    tokens = _tokens(2, (3, 20))
+    full, _ = model.apply({"params": params}, tokens)
+    step = jax.jit(lambda t, c: model.apply({"params": params}, t, c))
+    cache = KVCache.create(config, batch_size=3, capacity=20)
+    pieces, start = [], 0
+    for size in (3, 4, 1, 6, 1, 5):
+        logits, cache = step(tokens[:, start:start + size], cache)
+        pieces.append(logits)
+        start += size
+    assert int(cache.pos) == 20
+    assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
+
+
+@pytest.mark.parametrize("changes", [
+    dict(),  # GQA, split-half, tied
+    dict(rope_pairing="interleaved"),
+    dict(tie_embeddings=False),
+    dict(n_kv_head=4),  # plain multi-head attention
+    dict(n_kv_head=1),  # multi-query attention
+])
+def test_matches_independent_numpy_forward(changes):
+    """Weights at a large scale, so a wrong pairing, grouping or layout cannot hide."""
+    config = SMALL.replace(**changes)
+    model = Decoder(config)
+    params = scaled_random_params(init_params(config), seed=3)
+    tokens = _tokens(4, (2, 24))
+    want = numpy_decoder_logits(params, tokens, config)
+    assert np.abs(want).max() > 1.0  # the check has teeth: logits far from uniform
+    logits, _ = jax.jit(model.apply)({"params": params}, tokens)
+    np.testing.assert_allclose(logits, want, atol=1e-4, rtol=1e-4)
+    # ... and one cached step at a time gives the same numbers.
+    cache = KVCache.create(config, batch_size=2, capacity=24)
+    step = jax.jit(lambda t, c: model.apply({"params": params}, t, c))
+    steps = []
+    for t in range(24):
+        out, cache = step(tokens[:, t:t + 1], cache)
+        steps.append(out)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), want, atol=1e-4, rtol=1e-4)
+
+
+def test_parameter_tree_and_reference_init():
+    config = DecoderConfig(vocab_size=512, n_layer=4, n_head=8, n_kv_head=2, d_model=256, max_seq_len=32)
+    params = init_params(config)
+    attn, mlp = params["block_0"]["attn"], params["block_0"]["mlp"]
+    chex.assert_shape([attn["wq"], attn["wk"], attn["wv"], attn["wo"]],
+                      [(256, 8, 32), (256, 2, 32), (256, 2, 32), (8, 32, 256)])
+    chex.assert_shape([mlp["w_gate"], mlp["w_up"], mlp["w_down"]], [(256, 704), (256, 704), (704, 256)])
+    assert set(params) == {"embed", "final_norm", *(f"block_{i}" for i in range(4))}
+    residual_std = 0.02 / np.sqrt(2 * config.n_layer)
+    for leaf, std in [(params["embed"], 0.02), (attn["wq"], 0.02), (mlp["w_up"], 0.02),
+                      (attn["wo"], residual_std), (mlp["w_down"], residual_std)]:
+        assert abs(float(jnp.std(leaf)) / std - 1) < 0.03
+        assert abs(float(jnp.mean(leaf))) < 0.1 * std
+    np.testing.assert_array_equal(params["final_norm"]["weight"], np.ones(256))
+    untied = init_params(config.replace(tie_embeddings=False))
+    chex.assert_shape(untied["lm_head"], (256, 512))
+
+
+def test_tied_head_is_the_embedding(small):
+    """Logits are the final hidden state times the embedding matrix, transposed."""
+    config, model, params = small
+    tokens = _tokens(5, (2, 7))
+    logits, _ = model.apply({"params": params}, tokens)
+    # Moving one embedding row moves that token's logit column at every position.
+    bumped = jax.tree.map(lambda x: x, params)
+    bumped["embed"] = params["embed"].at[7].set(params["embed"][7] * 0 + 1.0)
+    tokens_without_7 = jnp.where(tokens == 7, 8, tokens)
+    before, _ = model.apply({"params": params}, tokens_without_7)
+    after, _ = model.apply({"params": bumped}, tokens_without_7)
+    changed_columns = np.flatnonzero(np.abs(np.asarray(after - before)).max(axis=(0, 1)) > 0)
+    assert changed_columns.tolist() == [7]
+    chex.assert_shape(logits, (2, 7, config.vocab_size))
+
+
+def test_bfloat16_compute():
+    config = SMALL.replace(dtype="bfloat16")
+    model = Decoder(config)
+    params = init_params(config)
+    assert jax.tree.leaves(params)[0].dtype == jnp.float32  # parameters stay float32
+    cache = KVCache.create(config, batch_size=2)
+    assert cache.layers[0].k.dtype == jnp.bfloat16
+    logits, cache = model.apply({"params": params}, _tokens(6, (2, 5)), cache)
+    assert logits.dtype == jnp.bfloat16
+    chex.assert_tree_all_finite(logits)
+
+
+class TestBadInput:
+    def test_token_ids_outside_vocab(self, small):
+        config, model, params = small
+        for bad in (config.vocab_size, -1):
+            with pytest.raises(ValueError, match=r"tokens holds ids outside \[0, vocab_size=64\)"):
+                model.apply({"params": params}, jnp.array([[1, 2, bad]]))
+
+    def test_longer_than_max_seq_len(self, small):
+        config, model, params = small
+        with pytest.raises(ValueError, match="exceed max_seq_len=64"):
+            model.apply({"params": params}, jnp.zeros((1, 65), jnp.int32))
+
+    def test_writing_past_the_cache(self, small):
+        config, model, params = small
+        cache = KVCache.create(config, batch_size=1, capacity=8)
+        _, cache = model.apply({"params": params}, jnp.zeros((1, 6), jnp.int32), cache)
+        with pytest.raises(ValueError, match=r"cache.pos \+ tokens: 6 \+ 3 = 9 .*cache capacity=8"):
+            model.apply({"params": params}, jnp.zeros((1, 3), jnp.int32), cache)
+        with pytest.raises(ValueError, match="cache capacity=8"):
+            model.apply({"params": params}, jnp.zeros((1, 9), jnp.int32), KVCache.create(config, 1, capacity=8))
+
+    def test_cache_of_another_model(self, small):
+        config, model, params = small
+        other = KVCache.create(config.replace(n_kv_head=4), batch_size=1)
+        with pytest.raises(ValueError, match="cache does not fit this model"):
+            model.apply({"params": params}, jnp.zeros((1, 2), jnp.int32), other)
+        wrong_batch = KVCache.create(config, batch_size=2)
+        with pytest.raises(ValueError, match="cache does not fit this model"):
+            model.apply({"params": params}, jnp.zeros((1, 2), jnp.int32), wrong_batch)
+
+    def test_inside_jit_overflow_and_bad_ids_are_nan_not_silent(self, small):
+        """Traced values cannot raise; they must not quietly clamp or wrap either."""
+        config, model, params = small
+        step = jax.jit(lambda t, c: model.apply({"params": params}, t, c))
+        cache = KVCache.create(config, batch_size=1, capacity=8)
+        logits, cache = step(jnp.ones((1, 6), jnp.int32), cache)
+        assert bool(jnp.isfinite(logits).all())
+        logits, _ = step(jnp.ones((1, 6), jnp.int32), cache)  # 12 > capacity 8
+        assert bool(jnp.isnan(logits).all())
+        forward = jax.jit(lambda t: model.apply({"params": params}, t)[0])
+        for bad in (-1, 64):
+            logits = forward(jnp.array([[3, 4, 5], [3, bad, 5]]))
+            # The NaN embedding reaches every position of its row (0 * NaN in the masked
+            # attention sum); the other row is untouched.
+            assert bool(jnp.isnan(logits[1]).all()) and bool(jnp.isfinite(logits[0]).all())

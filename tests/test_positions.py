@@ -1,0 +1,76 @@
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import apply_rope, interleaved_to_split_half, rope_tables
+
+HEAD_DIM = 32
+
+
+def _score(q, k, i, j, pairing, cos, sin):
+    qi = apply_rope(q, cos[i:i + 1], sin[i:i + 1], pairing)
+    kj = apply_rope(k, cos[j:j + 1], sin[j:j + 1], pairing)
+    return float(jnp.sum(qi * kj))
+
+
+def test_tables_match_formula():
+    cos, sin = rope_tables(HEAD_DIM, 64, 10000.0)
+    chex.assert_shape([cos, sin], (64, HEAD_DIM // 2))
+    angles = np.arange(64)[:, None] / 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    np.testing.assert_allclose(cos, np.cos(angles), atol=1e-6)
+    np.testing.assert_allclose(sin, np.sin(angles), atol=1e-6)
+    assert rope_tables(HEAD_DIM, 64, 10000.0)[0] is cos  # computed once
+
+
+@pytest.mark.parametrize("pairing", ["split_half", "interleaved"])
+def test_rope_is_relative_and_identity_at_zero(pairing):
+    cos, sin = rope_tables(HEAD_DIM, 64, 10000.0)
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, HEAD_DIM))
+    a, b, c = (_score(q, k, i, j, pairing, cos, sin) for i, j in [(5, 2), (20, 17), (20, 10)])
+    assert abs(a - b) < 1e-4
+    assert abs(a - c) > 1e-3
+    np.testing.assert_allclose(apply_rope(q, cos[:1], sin[:1], pairing), q, atol=1e-6)
+
+
+@pytest.mark.parametrize("pairing", ["split_half", "interleaved"])
+def test_rope_matches_rotation_matrices(pairing):
+    """Each pair (a, b) is rotated by R(m theta_i) = [[cos, -sin], [sin, cos]]."""
+    x = jax.random.normal(jax.random.key(1), (2, 5, 3, 8))  # [batch, seq, heads, head_dim]
+    cos, sin = rope_tables(8, 16, 10000.0)
+    got = np.asarray(apply_rope(x, cos[3:8], sin[3:8], pairing))
+    xn = np.asarray(x)
+    pairs = [(i, i + 4) for i in range(4)] if pairing == "split_half" else [(2 * i, 2 * i + 1) for i in range(4)]
+    for t in range(5):
+        for i, (ia, ib) in enumerate(pairs):
+            angle = (3 + t) * 10000.0 ** (-2 * i / 8)
+            R = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+            want = np.einsum("ij,bhj->bhi", R, np.stack([xn[:, t, :, ia], xn[:, t, :, ib]], -1))
+            np.testing.assert_allclose(got[:, t, :, ia], want[..., 0], atol=1e-5)
+            np.testing.assert_allclose(got[:, t, :, ib], want[..., 1], atol=1e-5)
+
+
+def test_pairings_agree_only_after_permuting_channels():
+    cos, sin = rope_tables(HEAD_DIM, 64, 10000.0)
+    q = jax.random.normal(jax.random.key(2), (1, 24, 2, HEAD_DIM))
+    k = jax.random.normal(jax.random.key(3), (1, 24, 2, HEAD_DIM))
+    perm = interleaved_to_split_half(HEAD_DIM)
+
+    def scores(q, k, pairing):
+        qr, kr = apply_rope(q, cos[:24], sin[:24], pairing), apply_rope(k, cos[:24], sin[:24], pairing)
+        return np.asarray(jnp.einsum("bthd,bshd->bhts", qr, kr))
+
+    interleaved = scores(q, k, "interleaved")
+    np.testing.assert_allclose(scores(q[..., perm], k[..., perm], "split_half"), interleaved, atol=1e-4)
+    assert np.abs(scores(q, k, "split_half") - interleaved).max() > 1e-1  # unpermuted: different
+    # The inverse permutation goes back.
+    split = scores(q, k, "split_half")
+    inv = np.argsort(perm)
+    np.testing.assert_allclose(scores(q[..., inv], k[..., inv], "interleaved"), split, atol=1e-4)
+
+
+def test_bad_pairing():
+    cos, sin = rope_tables(8, 4, 10000.0)
+    with pytest.raises(ValueError, match="pairing"):
+        apply_rope(jnp.zeros((1, 4, 1, 8)), cos, sin, "adjacent")
