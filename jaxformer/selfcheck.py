@@ -178,7 +178,9 @@ def main() -> int:
     device = jax.devices()[0]
     print(f"jaxformer selfcheck: jax {jax.__version__}, backend {jax.default_backend()} ({device.device_kind})")
     print(f"config: {CONFIG}\n")
-    results = [check() for check in CHECKS]
+    # float32 tolerances need float32 matmuls: GPUs default to TF32, TPUs to bf16 passes.
+    with jax.default_matmul_precision("highest"):
+        results = [check() for check in CHECKS]
     for r in results:
         print(f"  {r.name + ':':<16} {r.figure}  {'OK' if r.passed else 'FAILED'}")
     failed = [r.name for r in results if not r.passed]

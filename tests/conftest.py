@@ -7,6 +7,10 @@ import pytest
 
 from jaxformer import Decoder, DecoderConfig
 
+# The tests compare float32 numbers at float32 tolerances. CPUs compute float32 matmuls
+# exactly so; GPUs (TF32) and TPUs (bf16 passes) do not unless asked to.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 # The reference's test config (REFERENCE.md section 1).
 SMALL = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
 

@@ -73,6 +73,8 @@ def test_sample_token_frequencies_follow_softmax_over_temperature():
 def test_top_k_keeps_only_the_k_largest():
     logits = jnp.array([2.0, 1.0, 0.0, -1.0, 0.5, -3.0])
     tokens = sample_token(jnp.broadcast_to(logits, (5000, 6)), jax.random.key(4), jnp.float32(10.0), jnp.int32(3))
+    chex.assert_shape(tokens, (5000,))
+    assert tokens.dtype == jnp.int32
     assert set(np.unique(np.asarray(tokens)).tolist()) == {0, 1, 4}  # all of the top 3, nothing else
     greedy = sample_token(jnp.broadcast_to(logits, (3, 6)), jax.random.key(4), jnp.float32(0.0), jnp.int32(6))
     np.testing.assert_array_equal(greedy, [0, 0, 0])

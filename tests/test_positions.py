@@ -39,7 +39,10 @@ def test_rope_matches_rotation_matrices(pairing):
     """Each pair (a, b) is rotated by R(m theta_i) = [[cos, -sin], [sin, cos]]."""
     x = jax.random.normal(jax.random.key(1), (2, 5, 3, 8))  # [batch, seq, heads, head_dim]
     cos, sin = rope_tables(8, 16, 10000.0)
-    got = np.asarray(apply_rope(x, cos[3:8], sin[3:8], pairing))
+    got = apply_rope(x, cos[3:8], sin[3:8], pairing)
+    chex.assert_shape(got, x.shape)
+    assert got.dtype == x.dtype
+    got = np.asarray(got)
     xn = np.asarray(x)
     pairs = [(i, i + 4) for i in range(4)] if pairing == "split_half" else [(2 * i, 2 * i + 1) for i in range(4)]
     for t in range(5):
@@ -68,6 +71,20 @@ def test_pairings_agree_only_after_permuting_channels():
     split = scores(q, k, "split_half")
     inv = np.argsort(perm)
     np.testing.assert_allclose(scores(q[..., inv], k[..., inv], "interleaved"), split, atol=1e-4)
+
+
+@pytest.mark.parametrize("pairing", ["split_half", "interleaved"])
+def test_per_row_angles_equal_rowwise_application(pairing):
+    """cos/sin may carry a batch axis (each row at its own positions)."""
+    cos, sin = rope_tables(8, 32, 10000.0)
+    x = jax.random.normal(jax.random.key(4), (2, 3, 5, 8))  # [batch, seq, heads, head_dim]
+    starts = (4, 11)
+    batched_cos = jnp.stack([cos[s:s + 3] for s in starts])  # [batch, seq, head_dim/2]
+    batched_sin = jnp.stack([sin[s:s + 3] for s in starts])
+    got = apply_rope(x, batched_cos, batched_sin, pairing)
+    chex.assert_shape(got, (2, 3, 5, 8))
+    for b, s in enumerate(starts):
+        np.testing.assert_array_equal(got[b], apply_rope(x[b:b + 1], cos[s:s + 3], sin[s:s + 3], pairing)[0])
 
 
 def test_bad_pairing():
