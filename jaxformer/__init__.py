@@ -1,17 +1,29 @@
 """jaxformer: the 2017 encoder-decoder Transformer and a modern decoder-only
 Transformer, written out plainly in JAX/Flax."""
 
-from jaxformer.attention import GQASelfAttention, dot_product_attention
+from jaxformer.attention import (GQASelfAttention, MultiHeadAttention, attention_weights, combine_values,
+                                 dot_product_attention)
 from jaxformer.cache import KVCache, LayerKV
-from jaxformer.config import DecoderConfig
+from jaxformer.config import DecoderConfig, VanillaConfig
 from jaxformer.decoder import Block, Decoder
-from jaxformer.feedforward import SwiGLU
+from jaxformer.feedforward import FeedForward, SwiGLU
 from jaxformer.generation import generate, sample_token
 from jaxformer.norms import RMSNorm
-from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_tables
+from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_tables, sinusoidal_table
+from jaxformer.vanilla import DecoderLayer, EncoderLayer, Residual, VanillaTransformer
 
 __all__ = [
     "Block",
+    "DecoderLayer",
+    "EncoderLayer",
+    "FeedForward",
+    "MultiHeadAttention",
+    "Residual",
+    "VanillaConfig",
+    "VanillaTransformer",
+    "attention_weights",
+    "combine_values",
+    "sinusoidal_table",
     "Decoder",
     "DecoderConfig",
     "GQASelfAttention",

@@ -5,6 +5,11 @@
 `dot_product_attention` is the whole idea in a few lines; the modules around it only
 project the inputs into heads and the heads back out.
 
+The 2017 model's `MultiHeadAttention` is one module used three ways: encoder
+self-attention `(x, x, x)`, masked decoder self-attention, and cross-attention
+`(x, memory, memory)`, where queries come from the decoder and keys and values from
+the encoder's output. Cross-attention is the only place the two stacks meet.
+
 Grouped-query attention (GQA): `n_head` query heads share `n_kv_head` key/value heads,
 query head j reading kv head `j // n_rep` with `n_rep = n_head // n_kv_head`. Instead
 of repeating K and V `n_rep` times, the queries are viewed as
@@ -22,18 +27,17 @@ from jaxformer.cache import LayerKV
 from jaxformer.positions import apply_rope
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scaled dot-product attention with grouped kv heads.
+def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+    """`softmax(q k^T / sqrt(d_k))` over the keys each query may read.
 
     Args:
       q: `[batch, T, n_head, head_dim]` queries.
       k: `[batch, S, n_kv, head_dim]` keys, `n_head % n_kv == 0`.
-      v: `[batch, S, n_kv, head_dim]` values.
-      mask: bool `[T, S]` or `[batch, T, S]`, True where query t may read key s.
+      mask: bool, `[T, S]` or broadcastable to `[batch, T, S]`: True where query t may
+        read key s.
 
     Returns:
-      `(out, weights)`: out `[batch, T, n_head, head_dim]` in `v.dtype`; weights
-      `[batch, n_head, T, S]` float32, each row summing to 1 (the map to visualise).
+      `[batch, n_head, T, S]` float32 weights, each row summing to 1 (the map to look at).
     """
     batch, T, n_head, head_dim = q.shape
     n_kv = k.shape[2]
@@ -49,8 +53,41 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     # turns into an exact 0 weight and keeps a fully blocked row finite.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # [batch, n_kv, n_rep, T, S]
-    out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v)  # [batch, T, n_kv, n_rep, head_dim]
-    return out.reshape(batch, T, n_head, head_dim), weights.reshape(batch, n_head, T, -1)
+    return weights.reshape(batch, n_head, T, -1)  # head j = kv head j // n_rep, member j % n_rep
+
+
+def combine_values(weights: jax.Array, v: jax.Array) -> jax.Array:
+    """Each query's weighted average of the values: `weights @ V`, per head.
+
+    Args:
+      weights: `[batch, n_head, T, S]` attention weights.
+      v: `[batch, S, n_kv, head_dim]` values.
+
+    Returns:
+      `[batch, T, n_head, head_dim]` in `v.dtype`.
+    """
+    batch, n_head, T, S = weights.shape
+    n_kv, head_dim = v.shape[2], v.shape[3]
+    weights = weights.reshape(batch, n_kv, n_head // n_kv, T, S).astype(v.dtype)  # [batch, n_kv, n_rep, T, S]
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)  # [batch, T, n_kv, n_rep, head_dim]
+    return out.reshape(batch, T, n_head, head_dim)
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scaled dot-product attention with grouped kv heads (see `attention_weights`).
+
+    Args:
+      q: `[batch, T, n_head, head_dim]` queries.
+      k: `[batch, S, n_kv, head_dim]` keys, `n_head % n_kv == 0`.
+      v: `[batch, S, n_kv, head_dim]` values.
+      mask: bool `[T, S]` or `[batch, T, S]`, True where query t may read key s.
+
+    Returns:
+      `(out, weights)`: out `[batch, T, n_head, head_dim]` in `v.dtype`; weights
+      `[batch, n_head, T, S]` float32.
+    """
+    weights = attention_weights(q, k, mask)
+    return combine_values(weights, v), weights
 
 
 class GQASelfAttention(nn.Module):
@@ -99,3 +136,72 @@ class GQASelfAttention(nn.Module):
             k, v = layer_cache.k, layer_cache.v  # [batch, capacity, n_kv, head_dim]
         out, _ = dot_product_attention(q, k, v, mask)  # [batch, T, n_head, head_dim]
         return jnp.einsum("bthk,hkd->btd", out, wo), layer_cache  # concat heads, then W_O
+
+
+class MultiHeadAttention(nn.Module):
+    """The 2017 multi-head attention: one packed Q/K/V projection, heads by reshape.
+
+    `h` heads of width `d_model / h` cost about what one full-width head costs, but give
+    `h` separate attention patterns. The heads are not `h` small matrices: one
+    `[d_model, 3, h, d_k]` projection (torch packs the same as `in_proj_weight`) is
+    read as Q, K, V split into heads.
+
+    Attributes:
+      config: a `VanillaConfig`.
+    """
+
+    config: "VanillaConfig"  # noqa: F821
+
+    def setup(self):
+        c = self.config
+        # Xavier-uniform per matrix: W_Q, W_K, W_V are each a [d_model, d_model] map.
+        self.w_qkv = self.param("w_qkv", nn.initializers.xavier_uniform(in_axis=0, out_axis=(2, 3), batch_axis=(1,)),
+                                (c.d_model, 3, c.n_head, c.head_dim))
+        self.b_qkv = self.param("b_qkv", nn.initializers.zeros, (3, c.n_head, c.head_dim))
+        self.w_o = self.param("w_o", nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2),
+                              (c.n_head, c.head_dim, c.d_model))
+        self.b_o = self.param("b_o", nn.initializers.zeros, (c.d_model,))
+        self.dropout = nn.Dropout(c.dropout)
+
+    def project_kv(self, memory: jax.Array) -> LayerKV:
+        """Keys and values of `memory` `[batch, S, d_model]`: cross-attention's K/V, computed
+        once per source and reused at every decoding step."""
+        dtype = self.config.dtype
+        kv = jnp.einsum("bsd,dchk->cbshk", memory, self.w_qkv[:, 1:].astype(dtype))
+        kv = kv + self.b_qkv[1:, None, None].astype(dtype)  # [2, batch, S, n_head, head_dim]
+        return LayerKV(k=kv[0], v=kv[1])
+
+    def __call__(self, x, mask, *, memory=None, memory_kv: LayerKV | None = None,
+                 layer_cache: LayerKV | None = None, pos=None, deterministic: bool = True):
+        """
+        Args:
+          x: `[batch, T, d_model]`, the queries' input.
+          mask: bool, broadcastable to `[batch, T, S]`, True where a query may read a key.
+          memory: `[batch, S, d_model]` keys' and values' input for cross-attention;
+            None for self-attention (keys and values from `x`).
+          memory_kv: cross-attention K/V already projected by `project_kv`.
+          layer_cache: self-attention KV cache of this layer (cached decoding).
+          pos: int32 scalar, where this call's K/V are written in `layer_cache`.
+          deterministic: False applies dropout to the attention weights.
+
+        Returns:
+          `(y, layer_cache)`: y `[batch, T, d_model]`; the cache with this call's K/V
+          written (None without one). The weights `[batch, n_head, T, S]` are sown into
+          the 'intermediates' collection as `attention_weights`.
+        """
+        dtype = self.config.dtype
+        if memory is None and memory_kv is None:  # self-attention: one GEMM for Q, K and V
+            qkv = jnp.einsum("btd,dchk->cbthk", x, self.w_qkv.astype(dtype))
+            q, k, v = qkv + self.b_qkv[:, None, None].astype(dtype)  # each [batch, T, n_head, head_dim]
+        else:  # cross-attention: Q from the decoder, K and V from the encoder's output
+            q = jnp.einsum("btd,dhk->bthk", x, self.w_qkv[:, 0].astype(dtype)) + self.b_qkv[0].astype(dtype)
+            memory_kv = self.project_kv(memory) if memory_kv is None else memory_kv
+            k, v = memory_kv.k, memory_kv.v  # [batch, S, n_head, head_dim]
+        if layer_cache is not None:
+            layer_cache = layer_cache.write(k, v, pos)
+            k, v = layer_cache.k, layer_cache.v  # [batch, capacity, n_head, head_dim]
+        weights = attention_weights(q, k, mask)  # [batch, n_head, T, S]
+        self.sow("intermediates", "attention_weights", weights)
+        out = combine_values(self.dropout(weights, deterministic=deterministic), v)  # [batch, T, n_head, head_dim]
+        y = jnp.einsum("bthk,hkd->btd", out, self.w_o.astype(dtype)) + self.b_o.astype(dtype)  # concat heads, W_O
+        return y, layer_cache

@@ -24,9 +24,26 @@ def swiglu_hidden_dim(d_model: int) -> int:
     return int(round(d_model * 8 / 3 / 64) * 64)
 
 
-def _require(condition: bool, field: str, rule: str, value: Any) -> None:
+def _require(config, condition: bool, field: str, rule: str) -> None:
     if not condition:
-        raise ValueError(f"DecoderConfig.{field}: {rule} (got {value!r})")
+        raise ValueError(f"{type(config).__name__}.{field}: {rule} (got {getattr(config, field)!r})")
+
+
+def _require_positive_ints(config, *fields: str) -> None:
+    for field in fields:
+        value = getattr(config, field)
+        _require(config, type(value) is int and value > 0, field, "must be a positive int")
+
+
+def _normalise_dtype(config) -> None:
+    """Accepts "bfloat16", jnp.bfloat16, np.dtype(...): stores a numpy dtype."""
+    try:
+        dtype = jnp.dtype(config.dtype)
+    except TypeError:
+        dtype = None
+    _require(config, dtype is not None and jnp.issubdtype(dtype, jnp.floating), "dtype",
+             "must be a floating dtype")
+    object.__setattr__(config, "dtype", dtype)  # a frozen dataclass sets fields this way
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,29 +83,18 @@ class DecoderConfig:
     dtype: Any = jnp.float32
 
     def __post_init__(self):
-        for field in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len"):
-            value = getattr(self, field)
-            _require(type(value) is int and value > 0, field, "must be a positive int", value)
-        _require(self.hidden_dim is None or (type(self.hidden_dim) is int and self.hidden_dim > 0),
-                 "hidden_dim", "must be None or a positive int", self.hidden_dim)
-        _require(self.rope_theta > 0, "rope_theta", "must be > 0", self.rope_theta)
-        _require(self.norm_eps > 0, "norm_eps", "must be > 0", self.norm_eps)
-        _require(self.d_model % self.n_head == 0, "d_model",
-                 f"must be divisible by n_head={self.n_head}", self.d_model)
-        _require(self.n_head % self.n_kv_head == 0, "n_head",
-                 f"must be divisible by n_kv_head={self.n_kv_head}", self.n_head)
-        _require(self.head_dim % 2 == 0, "d_model",
-                 f"d_model // n_head (head_dim={self.head_dim}) must be even for RoPE pairs",
-                 self.d_model)
-        _require(self.rope_pairing in ROPE_PAIRINGS, "rope_pairing",
-                 f"must be one of {ROPE_PAIRINGS}", self.rope_pairing)
-        try:
-            dtype = jnp.dtype(self.dtype)
-        except TypeError:
-            dtype = None
-        _require(dtype is not None and jnp.issubdtype(dtype, jnp.floating), "dtype",
-                 "must be a floating dtype", self.dtype)
-        object.__setattr__(self, "dtype", dtype)  # normalise "bfloat16", jnp.bfloat16, ...
+        _require_positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
+        _require(self, self.hidden_dim is None or (type(self.hidden_dim) is int and self.hidden_dim > 0),
+                 "hidden_dim", "must be None or a positive int")
+        _require(self, self.rope_theta > 0, "rope_theta", "must be > 0")
+        _require(self, self.norm_eps > 0, "norm_eps", "must be > 0")
+        _require(self, self.d_model % self.n_head == 0, "d_model", f"must be divisible by n_head={self.n_head}")
+        _require(self, self.n_head % self.n_kv_head == 0, "n_head",
+                 f"must be divisible by n_kv_head={self.n_kv_head}")
+        _require(self, self.head_dim % 2 == 0, "d_model",
+                 f"d_model // n_head (head_dim={self.head_dim}) must be even for RoPE pairs")
+        _require(self, self.rope_pairing in ROPE_PAIRINGS, "rope_pairing", f"must be one of {ROPE_PAIRINGS}")
+        _normalise_dtype(self)
 
     @property
     def head_dim(self) -> int:
@@ -105,4 +111,69 @@ class DecoderConfig:
         return self.n_head // self.n_kv_head
 
     def replace(self, **changes) -> "DecoderConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class VanillaConfig:
+    """The 2017 encoder-decoder ("Attention Is All You Need"); defaults are the paper's base model.
+
+    Attributes:
+      src_vocab_size: source token ids are `0 .. src_vocab_size - 1`.
+      tgt_vocab_size: target token ids are `0 .. tgt_vocab_size - 1`.
+      n_layer: encoder layers, and as many decoder layers (the paper's N).
+      d_model: model width; each of the `n_head` heads has `d_model // n_head` channels.
+      d_ff: hidden width of the ReLU feed-forward network.
+      n_head: attention heads (each with its own K and V).
+      dropout: rate on every sublayer output, on embeddings + positions, on attention
+        weights and inside the FFN.
+      pad_id: the padding id, masked out as a key and ignored by the loss.
+      max_seq_len: longest source or target sequence (length of the sinusoid table).
+      norm_first: False for the paper's post-norm `LayerNorm(x + Dropout(Sublayer(x)))`;
+        True for pre-norm `x + Dropout(Sublayer(LayerNorm(x)))` plus a final LayerNorm
+        after each stack.
+      tie_embeddings: source and target embeddings and the output projection share one
+        matrix (section 3.4); needs equal vocabularies.
+      layer_norm_eps: LayerNorm epsilon (PyTorch's default).
+      dtype: activation and compute dtype (parameters are stored in float32).
+    """
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    n_layer: int = 6
+    d_model: int = 512
+    d_ff: int = 2048
+    n_head: int = 8
+    dropout: float = 0.1
+    pad_id: int = 0
+    max_seq_len: int = 512
+    norm_first: bool = False
+    tie_embeddings: bool = True
+    layer_norm_eps: float = 1e-5
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        _require_positive_ints(self, "src_vocab_size", "tgt_vocab_size", "n_layer", "d_model", "d_ff",
+                               "n_head", "max_seq_len")
+        _require(self, self.d_model % self.n_head == 0, "d_model", f"must be divisible by n_head={self.n_head}")
+        _require(self, self.d_model % 2 == 0, "d_model", "must be even (sin and cos channel pairs)")
+        _require(self, 0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        _require(self, type(self.pad_id) is int and 0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size),
+                 "pad_id", f"must be an id in [0, min(src_vocab_size, tgt_vocab_size)="
+                           f"{min(self.src_vocab_size, self.tgt_vocab_size)})")
+        _require(self, not self.tie_embeddings or self.src_vocab_size == self.tgt_vocab_size, "tie_embeddings",
+                 f"needs src_vocab_size == tgt_vocab_size ({self.src_vocab_size} != {self.tgt_vocab_size})")
+        _require(self, self.layer_norm_eps > 0, "layer_norm_eps", "must be > 0")
+        _normalise_dtype(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def n_kv_head(self) -> int:
+        """Every head has its own K and V (so `KVCache.create` works for the decoder stack)."""
+        return self.n_head
+
+    def replace(self, **changes) -> "VanillaConfig":
         return dataclasses.replace(self, **changes)

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from jaxformer.attention import GQASelfAttention
 from jaxformer.cache import KVCache, LayerKV
 from jaxformer.config import DecoderConfig
+from jaxformer.embeddings import lookup
 from jaxformer.feedforward import SwiGLU
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import rope_tables
-from jaxformer.validation import check_fits, check_token_ids, is_traced
+from jaxformer.validation import check_step_inputs
 
 
 class Block(nn.Module):
@@ -71,13 +72,10 @@ class Decoder(nn.Module):
         batch, T = tokens.shape
         pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
         S = T if cache is None else cache.capacity
-        self._check(tokens, cache)
+        check_step_inputs(tokens, c, c.vocab_size, cache)
 
         embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.d_model))
-        # An id outside the vocabulary must not wrap or clamp to a real row: it reads NaN
-        # (negative ids are first sent past the end, since jnp.take would wrap them).
-        ids = jnp.where((tokens >= 0) & (tokens < c.vocab_size), tokens, c.vocab_size)
-        x = jnp.take(embed, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(c.dtype)  # [batch, T, d_model]
+        x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
 
         cos_table, sin_table = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)  # [max_seq_len, head_dim/2]
         cos = jax.lax.dynamic_slice_in_dim(cos_table, pos, T)  # [T, head_dim/2], angles of pos .. pos+T-1
@@ -107,22 +105,3 @@ class Decoder(nn.Module):
         logits = jnp.where(pos + T <= S, logits, jnp.nan)
         # pos advances once, after every layer has written at the same slots.
         return logits, KVCache(layers=tuple(new_layers), pos=pos + T)
-
-    def _check(self, tokens, cache: KVCache | None) -> None:
-        """Shape checks always (shapes are static); value checks when values are concrete."""
-        c = self.config
-        if tokens.ndim != 2:
-            raise ValueError(f"tokens must be 2-D [batch, seq], got shape {tokens.shape}")
-        limit, limit_name = (c.max_seq_len, "max_seq_len") if cache is None else (cache.capacity, "cache capacity")
-        check_fits(0, tokens.shape[1], limit, "tokens length", limit_name)
-        if cache is not None:
-            want = (tokens.shape[0], cache.capacity, c.n_kv_head, c.head_dim)
-            if len(cache.layers) != c.n_layer or any(l.k.shape != want or l.v.shape != want for l in cache.layers):
-                raise ValueError(
-                    f"cache does not fit this model: want {c.n_layer} layers of k/v {want} "
-                    f"[batch, capacity, n_kv_head, head_dim], got {len(cache.layers)} layers of "
-                    f"{cache.layers[0].k.shape if cache.layers else None}")
-            if not is_traced(cache.pos):
-                check_fits(int(cache.pos), tokens.shape[1], cache.capacity, "cache.pos + tokens", "cache capacity")
-        if not is_traced(tokens):
-            check_token_ids(tokens, c.vocab_size)

@@ -27,3 +27,25 @@ class SwiGLU(nn.Module):
         gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
         up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
         return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)  # [batch, T, d_model]
+
+
+class FeedForward(nn.Module):
+    """The 2017 FFN, `max(0, x W1 + b1) W2 + b2`, with dropout on the hidden layer.
+
+    Attributes:
+      config: a `VanillaConfig` (`d_model`, `d_ff`, `dropout`, `dtype`).
+    """
+
+    config: "VanillaConfig"  # noqa: F821
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
+        c = self.config
+        init = nn.initializers.xavier_uniform()
+        w1 = self.param("w1", init, (c.d_model, c.d_ff)).astype(c.dtype)
+        b1 = self.param("b1", nn.initializers.zeros, (c.d_ff,)).astype(c.dtype)
+        w2 = self.param("w2", init, (c.d_ff, c.d_model)).astype(c.dtype)
+        b2 = self.param("b2", nn.initializers.zeros, (c.d_model,)).astype(c.dtype)
+        hidden = jax.nn.relu(jnp.einsum("btd,df->btf", x, w1) + b1)  # [batch, T, d_ff]
+        hidden = nn.Dropout(c.dropout)(hidden, deterministic=deterministic)
+        return jnp.einsum("btf,fd->btd", hidden, w2) + b2  # [batch, T, d_model]

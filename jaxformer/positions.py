@@ -1,4 +1,13 @@
-"""Positions: rotary position embedding (RoPE) for the decoder-only model.
+"""Positions: the 2017 sinusoids, and rotary position embedding (RoPE).
+
+Without positions (and without a causal mask) self-attention is permutation
+equivariant: shuffle the inputs and the outputs shuffle the same way.
+
+The 2017 model adds a fixed sinusoid to each embedding (not concatenated):
+    PE[pos, 2i] = sin(pos / 10000^(2i/d)),   PE[pos, 2i+1] = cos(pos / 10000^(2i/d)).
+Wavelengths grow geometrically from 2 pi to about 10000 * 2 pi, a bank of clocks
+running at different speeds. For a fixed offset k, PE[pos + k] is a fixed linear map
+(a rotation of each (sin, cos) pair) of PE[pos], so relative offsets are easy to read.
 
 RoPE does not add anything to the input. In every layer it rotates each pair of q/k
 channels by an angle proportional to the token's position, `pos * theta_i` with
@@ -18,6 +27,25 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def sinusoidal_table(max_seq_len: int, d_model: int) -> np.ndarray:
+    """The paper's positional encoding: sin on even channels, cos on odd ones.
+
+    Args:
+      max_seq_len: number of positions.
+      d_model: model width (even).
+
+    Returns:
+      `[max_seq_len, d_model]` float32, read-only (a constant under `jit`).
+    """
+    freq = 10000.0 ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)  # [d_model/2], 1/10000^(2i/d)
+    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), freq)  # [max_seq_len, d_model/2]
+    table = np.empty((max_seq_len, d_model), np.float32)
+    table[:, 0::2], table[:, 1::2] = np.sin(angles), np.cos(angles)
+    table.flags.writeable = False
+    return table
 
 
 @functools.lru_cache(maxsize=None)

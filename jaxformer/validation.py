@@ -33,3 +33,34 @@ def check_fits(start: int, n_tokens: int, limit: int, name: str, limit_name: str
         raise ValueError(
             f"{name}: {start} + {n_tokens} = {start + n_tokens} positions exceed "
             f"{limit_name}={limit}")
+
+
+def check_step_inputs(tokens, config, vocab_size: int, cache=None, name: str = "tokens") -> None:
+    """What a model call checks before it computes anything.
+
+    Shapes are static, so they are checked even under `jit`; the token ids and the cache
+    position only when they are concrete (outside `jit`).
+
+    Args:
+      tokens: `[batch, T]` ids.
+      config: the model's config (`n_layer`, `n_kv_head`, `head_dim`, `max_seq_len`).
+      vocab_size: ids must lie in `[0, vocab_size)`.
+      cache: the `KVCache` the call writes to, or None.
+      name: the argument's name, for the messages.
+    """
+    if tokens.ndim != 2:
+        raise ValueError(f"{name} must be 2-D [batch, seq], got shape {tokens.shape}")
+    if cache is None:
+        check_fits(0, tokens.shape[1], config.max_seq_len, f"{name} length", "max_seq_len")
+    else:
+        want = (tokens.shape[0], cache.capacity, config.n_kv_head, config.head_dim)
+        if len(cache.layers) != config.n_layer or any(l.k.shape != want or l.v.shape != want for l in cache.layers):
+            raise ValueError(
+                f"cache does not fit this model: want {config.n_layer} layers of k/v {want} "
+                f"[batch, capacity, n_kv_head, head_dim], got {len(cache.layers)} layers of "
+                f"{cache.layers[0].k.shape if cache.layers else None}")
+        check_fits(0, tokens.shape[1], cache.capacity, f"{name} length", "cache capacity")
+        if not is_traced(cache.pos):
+            check_fits(int(cache.pos), tokens.shape[1], cache.capacity, f"cache.pos + {name}", "cache capacity")
+    if not is_traced(tokens):
+        check_token_ids(tokens, vocab_size, name)

@@ -1,0 +1,68 @@
+"""The learning-rate schedule of "Attention Is All You Need" (the "Noam" schedule).
+
+    lr(step) = factor * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)
+
+The rate rises linearly for the first `warmup_steps` steps and then decays as the
+inverse square root of the step. The two branches of the `min` meet at
+`step == warmup_steps`, where the rate peaks at `factor * (d_model * warmup_steps)^-0.5`.
+The paper trains with Adam (b1 = 0.9, b2 = 0.98, eps = 1e-9), d_model = 512, 4000
+warmup steps and factor 1.
+"""
+
+import math
+import numbers
+
+import jax.numpy as jnp
+import optax
+
+
+def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax.Schedule:
+    """The paper's learning rate, as an optax schedule.
+
+    The schedule is the learning rate itself, not a multiplier of some base rate:
+
+        schedule = noam_schedule(d_model=512, warmup_steps=4000)
+        optimizer = optax.adam(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
+
+    Step numbering: the paper counts steps from 1; optax calls the schedule with the
+    number of updates already applied, 0 for the first update. The schedule therefore
+    evaluates the formula at `step = count + 1`, so the first update uses the paper's
+    step 1 and update `warmup_steps - 1` (0-based) is the peak. `step` is also clamped
+    to `>= 1`: for the counts optax passes (`>= 0`) the clamp never triggers, but it
+    keeps a direct call with any count (0, or a negative one) finite instead of
+    dividing by zero in `step^-0.5`.
+
+    The PyTorch pitfall this avoids: `torch.optim.lr_scheduler.LambdaLR` multiplies the
+    optimizer's base lr by the lambda. Porting the formula into a lambda while giving the
+    optimizer `lr=0` trains with lr 0 forever; the loss still wiggles from dropout, which
+    hides that nothing is learned (such a port needs base lr 1). In optax the schedule's
+    value is the rate that scales each update, so there is no base lr to get wrong.
+
+    Args:
+      d_model: the model width, an int >= 1.
+      warmup_steps: steps of linear warm-up, an int >= 1.
+      factor: a finite float > 0 scaling the whole curve.
+
+    Returns:
+      A function `count -> lr`, float32, safe on traced int counts (inside `jit`).
+
+    Raises:
+      ValueError: an argument outside the limits above.
+    """
+    for name, value in (("d_model", d_model), ("warmup_steps", warmup_steps)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"noam_schedule: {name} must be an int >= 1, got {value!r}")
+    if (not isinstance(factor, numbers.Real) or isinstance(factor, bool)
+            or not math.isfinite(factor) or not factor > 0):
+        raise ValueError(f"noam_schedule: factor must be a finite float > 0, got {factor!r}")
+    # The constant parts, in Python float64; they enter the traced math as weak-typed scalars.
+    scale = float(d_model) ** -0.5
+    warmup_slope = float(warmup_steps) ** -1.5  # the warm-up branch is step * warmup^-1.5
+
+    def schedule(count):
+        # optax's 0-based count of applied updates -> the paper's 1-based step, clamped at 1.
+        step = jnp.maximum(jnp.asarray(count, jnp.float32) + 1.0, 1.0)  # []
+        return scale * jnp.minimum(step ** -0.5, step * warmup_slope)  # []
+
+    return schedule
+

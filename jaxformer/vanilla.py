@@ -1,0 +1,222 @@
+"""The 2017 encoder-decoder Transformer, faithful to "Attention Is All You Need".
+
+    memory = encoder(dropout(embed(src) * sqrt(d) + PE))          # N x [self-attn, FFN]
+    y      = decoder(dropout(embed(tgt_in) * sqrt(d) + PE), memory)  # N x [masked self-attn,
+                                                                  #      cross-attn, FFN]
+    logits = y @ embed^T + b                                      # tied with both embeddings
+
+Every sublayer is wrapped post-norm, `LayerNorm(x + Dropout(Sublayer(x)))`: the norm sits
+on the residual path itself, which is why the paper needs its warmup schedule
+(`jaxformer.schedules.noam_schedule`). `norm_first=True` gives the pre-norm variant.
+
+Masks are True where a query may read a key (the reference uses True = blocked):
+  source padding:  keys that are `pad_id` in `src` (encoder self-attn and cross-attn);
+  target:          causal AND keys that are not `pad_id` in `tgt_in`.
+
+For decoding, the decoder's self-attention K/V go through the same immutable `KVCache`
+as the decoder-only model, and the cross-attention K/V are projected from the memory
+once (`cross_kv`) instead of at every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer.attention import MultiHeadAttention
+from jaxformer.cache import KVCache, LayerKV
+from jaxformer.config import VanillaConfig
+from jaxformer.embeddings import lookup
+from jaxformer.feedforward import FeedForward
+from jaxformer.positions import sinusoidal_table
+from jaxformer.validation import check_step_inputs
+
+
+class Residual(nn.Module):
+    """The sublayer connection around every attention and FFN sublayer.
+
+    post-norm (the paper):  LayerNorm(x + Dropout(Sublayer(x)))
+    pre-norm:               x + Dropout(Sublayer(LayerNorm(x)))
+
+    Use: `y = residual(x, sublayer(residual.sublayer_input(x)))`.
+    """
+
+    config: VanillaConfig
+
+    def setup(self):
+        self.norm = nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.config.dtype)
+        self.dropout = nn.Dropout(self.config.dropout)
+
+    def sublayer_input(self, x: jax.Array) -> jax.Array:
+        return self.norm(x) if self.config.norm_first else x
+
+    def __call__(self, x: jax.Array, sublayer_out: jax.Array, deterministic: bool = True) -> jax.Array:
+        x = x + self.dropout(sublayer_out, deterministic=deterministic)
+        return x if self.config.norm_first else self.norm(x)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention over the whole source, then the FFN."""
+
+    config: VanillaConfig
+
+    def setup(self):
+        self.self_attn = MultiHeadAttention(self.config)
+        self.attn_residual = Residual(self.config)
+        self.ffn = FeedForward(self.config)
+        self.ffn_residual = Residual(self.config)
+
+    def __call__(self, x, src_mask, deterministic: bool = True):
+        h, _ = self.self_attn(self.attn_residual.sublayer_input(x), src_mask, deterministic=deterministic)
+        x = self.attn_residual(x, h, deterministic)  # [batch, S, d_model]
+        return self.ffn_residual(x, self.ffn(self.ffn_residual.sublayer_input(x), deterministic), deterministic)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention into the memory, then the FFN."""
+
+    config: VanillaConfig
+
+    def setup(self):
+        self.self_attn = MultiHeadAttention(self.config)
+        self.self_residual = Residual(self.config)
+        self.cross_attn = MultiHeadAttention(self.config)
+        self.cross_residual = Residual(self.config)
+        self.ffn = FeedForward(self.config)
+        self.ffn_residual = Residual(self.config)
+
+    def cross_kv(self, memory: jax.Array) -> LayerKV:
+        return self.cross_attn.project_kv(memory)
+
+    def __call__(self, y, tgt_mask, src_mask, *, memory=None, memory_kv=None, layer_cache=None, pos=None,
+                 deterministic: bool = True):
+        h, layer_cache = self.self_attn(self.self_residual.sublayer_input(y), tgt_mask, layer_cache=layer_cache,
+                                        pos=pos, deterministic=deterministic)
+        y = self.self_residual(y, h, deterministic)  # [batch, T, d_model]
+        # The key line: queries from the decoder, keys and values from the encoder.
+        h, _ = self.cross_attn(self.cross_residual.sublayer_input(y), src_mask, memory=memory, memory_kv=memory_kv,
+                               deterministic=deterministic)
+        y = self.cross_residual(y, h, deterministic)
+        y = self.ffn_residual(y, self.ffn(self.ffn_residual.sublayer_input(y), deterministic), deterministic)
+        return y, layer_cache
+
+
+class VanillaTransformer(nn.Module):
+    """The encoder-decoder.
+
+    `__call__(src, tgt_in) -> logits` for teacher forcing; `encode(src) -> memory` and
+    `decode(tgt_in, memory, src, cache=None) -> (logits, cache)` for inference.
+    Dropout needs `deterministic=False` and `rngs={'dropout': key}`. Attention weights
+    are sown: `apply(..., mutable=['intermediates'])` returns them per layer.
+
+    Attributes:
+      config: the `VanillaConfig`.
+    """
+
+    config: VanillaConfig
+
+    def setup(self):
+        c = self.config
+        init = nn.initializers.xavier_uniform()  # the reference's init for every matrix
+        if c.tie_embeddings:  # section 3.4: one matrix for both embeddings and the output
+            self.src_embed = self.tgt_embed = self.param("embed", init, (c.src_vocab_size, c.d_model))
+        else:
+            self.src_embed = self.param("src_embed", init, (c.src_vocab_size, c.d_model))
+            self.tgt_embed = self.param("tgt_embed", init, (c.tgt_vocab_size, c.d_model))
+            self.out_proj = self.param("out_proj", init, (c.d_model, c.tgt_vocab_size))
+        self.out_bias = self.param("out_bias", nn.initializers.zeros, (c.tgt_vocab_size,))
+        self.encoder_layers = [EncoderLayer(c) for _ in range(c.n_layer)]
+        self.decoder_layers = [DecoderLayer(c) for _ in range(c.n_layer)]
+        self.embed_dropout = nn.Dropout(c.dropout)
+        if c.norm_first:  # pre-norm leaves the residual stream unnormalised: norm it once at the end
+            self.encoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype)
+            self.decoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype)
+
+    def embed(self, table: jax.Array, tokens: jax.Array, offset, deterministic: bool = True) -> jax.Array:
+        """`Dropout(embedding * sqrt(d_model) + PE)` for tokens at positions `offset ..`.
+
+        The sqrt(d_model) scale lifts the embeddings (xavier-initialised, entries about
+        1/sqrt(d)) to the sinusoid's amplitude of 1, so positions do not drown tokens.
+        """
+        c = self.config
+        pe = jax.lax.dynamic_slice_in_dim(sinusoidal_table(c.max_seq_len, c.d_model), offset, tokens.shape[1])
+        x = lookup(table, tokens).astype(c.dtype) * math.sqrt(c.d_model) + pe.astype(c.dtype)  # [batch, T, d_model]
+        return self.embed_dropout(x, deterministic=deterministic)
+
+    def source_mask(self, src: jax.Array) -> jax.Array:
+        """`[batch, 1, S]`, True at real (non-pad) source tokens: the keys every query may read."""
+        return (src != self.config.pad_id)[:, None, :]
+
+    def encode(self, src: jax.Array, deterministic: bool = True) -> jax.Array:
+        """
+        Args:
+          src: int `[batch, S]` source ids, right-padded with `pad_id`.
+
+        Returns:
+          The memory, `[batch, S, d_model]`.
+        """
+        c = self.config
+        check_step_inputs(src, c, c.src_vocab_size, name="src")
+        src_mask = self.source_mask(src)
+        x = self.embed(self.src_embed, src, 0, deterministic)  # [batch, S, d_model]
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask, deterministic)
+        return self.encoder_norm(x) if c.norm_first else x
+
+    def cross_kv(self, memory: jax.Array) -> tuple[LayerKV, ...]:
+        """Every decoder layer's cross-attention K/V of `memory`, computed once per source."""
+        return tuple(layer.cross_kv(memory) for layer in self.decoder_layers)
+
+    def decode(self, tgt_in: jax.Array, memory, src: jax.Array, *, cache: KVCache | None = None,
+               memory_kv: tuple[LayerKV, ...] | None = None, deterministic: bool = True):
+        """
+        Args:
+          tgt_in: int `[batch, T]` decoder input (BOS then the target, shifted right).
+          memory: `[batch, S, d_model]` from `encode`; may be None when `memory_kv` is given.
+          src: int `[batch, S]` source ids (for its padding mask).
+          cache: the decoder self-attention `KVCache` (`KVCache.create(config, batch)`), or
+            None. With a cache, `tgt_in` continues the cached prefix (no target padding).
+          memory_kv: `cross_kv(memory)`, to skip projecting the memory at every step.
+          deterministic: False applies dropout.
+
+        Returns:
+          `(logits, cache)`: logits `[batch, T, tgt_vocab_size]`; the cache with `tgt_in`
+          written and `pos + T` (None without one).
+        """
+        c = self.config
+        check_step_inputs(tgt_in, c, c.tgt_vocab_size, cache, name="tgt_in")
+        T = tgt_in.shape[1]
+        pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
+        src_mask = self.source_mask(src)  # [batch, 1, S]
+        if cache is None:  # teacher forcing: causal AND not padding
+            tgt_mask = jnp.tril(jnp.ones((T, T), bool))[None] & (tgt_in != c.pad_id)[:, None, :]  # [batch, T, T]
+        else:  # query i at position pos + i reads cache slots 0 .. pos + i: (T, capacity)
+            tgt_mask = jnp.arange(cache.capacity)[None, :] <= (pos + jnp.arange(T))[:, None]
+        y = self.embed(self.tgt_embed, tgt_in, pos, deterministic)  # [batch, T, d_model]
+        new_layers = []
+        for i, layer in enumerate(self.decoder_layers):
+            y, layer_cache = layer(y, tgt_mask, src_mask, memory=memory,
+                                   memory_kv=None if memory_kv is None else memory_kv[i],
+                                   layer_cache=None if cache is None else cache.layers[i], pos=pos,
+                                   deterministic=deterministic)
+            new_layers.append(layer_cache)
+        if c.norm_first:
+            y = self.decoder_norm(y)
+        if c.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", y, self.tgt_embed.astype(c.dtype))  # [batch, T, tgt_vocab]
+        else:
+            logits = jnp.einsum("btd,dv->btv", y, self.out_proj.astype(c.dtype))
+        logits = logits + self.out_bias.astype(c.dtype)
+        if cache is None:
+            return logits, None
+        # Inside jit a write past the capacity was clamped: make it loud (see Decoder).
+        logits = jnp.where(pos + T <= cache.capacity, logits, jnp.nan)
+        return logits, KVCache(layers=tuple(new_layers), pos=pos + T)
+
+    def __call__(self, src: jax.Array, tgt_in: jax.Array, deterministic: bool = True) -> jax.Array:
+        """Teacher-forced logits `[batch, T, tgt_vocab_size]` for `tgt_in` given `src`."""
+        memory = self.encode(src, deterministic)
+        return self.decode(tgt_in, memory, src, deterministic=deterministic)[0]
