@@ -56,7 +56,7 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
             or not math.isfinite(factor) or not factor > 0):
         raise ValueError(f"noam_schedule: factor must be a finite float > 0, got {factor!r}")
     # The constant parts, in Python float64; they enter the traced math as weak-typed scalars.
-    scale = float(d_model) ** -0.5
+    scale = float(factor) * float(d_model) ** -0.5
     warmup_slope = float(warmup_steps) ** -1.5  # the warm-up branch is step * warmup^-1.5
 
     def schedule(count):

@@ -1,0 +1,110 @@
+"""The Noam schedule against the paper's formula, and driving a real optax.adam."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxformer.schedules import noam_schedule
+
+
+def _paper_lr(step, d_model, warmup, factor=1.0):
+    """The paper's formula at its 1-based step, in Python float64."""
+    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def test_step_one_peak_and_four_times_warmup():
+    schedule = noam_schedule(d_model=64, warmup_steps=400)
+    first, peak, later = (float(schedule(count)) for count in (0, 399, 1599))  # paper steps 1, 400, 1600
+    np.testing.assert_allclose(first, 64 ** -0.5 * 400 ** -1.5, rtol=1e-6)  # the warm-up branch at step 1
+    np.testing.assert_allclose(peak, 6.25e-3, rtol=1e-6)  # 64^-0.5 * 400^-0.5 = 1/8 * 1/20
+    np.testing.assert_allclose(later, 6.25e-3 / 2, rtol=1e-6)  # (4 w)^-0.5 = w^-0.5 / 2
+    for count in (0, 1, 17, 398, 399, 400, 1599, 123_456):
+        np.testing.assert_allclose(float(schedule(count)), _paper_lr(count + 1, 64, 400), rtol=1e-6)
+
+
+def test_rises_to_the_peak_then_falls():
+    warmup = 400
+    schedule = noam_schedule(d_model=512, warmup_steps=warmup)
+    lrs = np.asarray(jax.vmap(schedule)(jnp.arange(10 * warmup)))
+    chex.assert_shape(lrs, (10 * warmup,))
+    assert np.all(np.diff(lrs[:warmup]) > 0)  # counts 0 .. warmup-1: strictly rising
+    assert np.all(np.diff(lrs[warmup - 1:]) < 0)  # from the peak on: strictly falling
+    assert int(np.argmax(lrs)) == warmup - 1  # the peak is paper step warmup, count warmup - 1
+    # The warm-up branch is linear in the step: lr(count) = (count + 1) * lr(0).
+    np.testing.assert_allclose(lrs[:warmup], np.arange(1, warmup + 1) * lrs[0], rtol=1e-5)
+
+
+def test_factor_scales_the_curve():
+    counts = jnp.array([0, 10, 99, 500, 5000])
+    base = np.asarray(jax.vmap(noam_schedule(128, 100))(counts))
+    scaled = np.asarray(jax.vmap(noam_schedule(128, 100, factor=2.5))(counts))
+    np.testing.assert_allclose(scaled, 2.5 * base, rtol=1e-6)
+    np.testing.assert_allclose(scaled, [_paper_lr(int(c) + 1, 128, 100, 2.5) for c in counts], rtol=1e-6)
+
+
+def test_jit_with_traced_count_and_the_clamp():
+    schedule = noam_schedule(d_model=256, warmup_steps=50)
+    jitted = jax.jit(schedule)
+    for count in (0, 49, 200):
+        lr = jitted(jnp.int32(count))
+        chex.assert_shape(lr, ())
+        assert lr.dtype == jnp.float32
+        np.testing.assert_allclose(float(lr), _paper_lr(count + 1, 256, 50), rtol=1e-6)
+    # Without the clamp, count -1 is step 0 (0^-0.5 = inf) and count -3 is step -2 (NaN).
+    for count in (-1, -3):
+        np.testing.assert_allclose(float(jitted(jnp.int32(count))), _paper_lr(1, 256, 50), rtol=1e-6)
+
+
+def test_drives_adam_with_the_schedule_as_the_learning_rate():
+    """The LambdaLR pitfall: the schedule must be the rate itself, not a factor of 0.
+
+    The loss is linear, so every gradient is the same constant g. Adam's bias-corrected
+    moments are then exactly g and g^2, and each update is -lr * g / (|g| + eps), i.e.
+    -lr * sign(g) to within eps: the updates read out the learning rate used.
+    """
+    schedule = noam_schedule(d_model=64, warmup_steps=4)
+    coefficients = {"w": jnp.array([[1.5, -2.0], [0.25, -0.75], [3.0, 1.0]]), "b": jnp.array([-0.5, 4.0])}
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros((2,))}
+
+    def loss(p):
+        return sum(jnp.sum(c * x) for c, x in zip(jax.tree.leaves(coefficients), jax.tree.leaves(p)))
+
+    adam = optax.adam(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
+    # The same optimizer with its learning rate exposed in the state.
+    watched = optax.inject_hyperparams(optax.adam)(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
+    state, watched_state = adam.init(params), watched.init(params)
+    p = params
+    for count in range(8):  # through the peak (count 3) and past it
+        grads = jax.grad(loss)(p)
+        updates, state = adam.update(grads, state, p)
+        watched_updates, watched_state = watched.update(grads, watched_state, p)
+        lr = _paper_lr(count + 1, 64, 4)
+        np.testing.assert_allclose(float(watched_state.hyperparams["learning_rate"]), lr, rtol=1e-6)
+        for u, wu, c in zip(jax.tree.leaves(updates), jax.tree.leaves(watched_updates), jax.tree.leaves(coefficients)):
+            np.testing.assert_allclose(u, -lr * np.sign(c), rtol=1e-5)
+            np.testing.assert_allclose(wu, u, rtol=1e-6)
+        p = optax.apply_updates(p, updates)
+    # Each parameter moved by the summed rates, against its gradient.
+    total = sum(_paper_lr(step, 64, 4) for step in range(1, 9))
+    for moved, start, c in zip(jax.tree.leaves(p), jax.tree.leaves(params), jax.tree.leaves(coefficients)):
+        assert np.all(np.abs(np.asarray(moved - start)) > 0.1 * total)
+        np.testing.assert_allclose(moved - start, -total * np.sign(c), rtol=1e-4)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(d_model=0, warmup_steps=10), "d_model"),
+    (dict(d_model=-8, warmup_steps=10), "d_model"),
+    (dict(d_model=64.0, warmup_steps=10), "d_model"),
+    (dict(d_model=64, warmup_steps=0), "warmup_steps"),
+    (dict(d_model=64, warmup_steps=2.5), "warmup_steps"),
+    (dict(d_model=64, warmup_steps=10, factor=0.0), "factor"),
+    (dict(d_model=64, warmup_steps=10, factor=-1.0), "factor"),
+    (dict(d_model=64, warmup_steps=10, factor=float("nan")), "factor"),
+    (dict(d_model=64, warmup_steps=10, factor=float("inf")), "factor"),
+])
+def test_bad_arguments_raise(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        noam_schedule(**kwargs)
