@@ -1,5 +1,8 @@
 """Shared fixtures: the reference's small test model, and a numpy reference forward."""
 
+import os
+import tempfile
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +13,8 @@ from jaxformer import Decoder, DecoderConfig
 # The tests compare float32 numbers at float32 tolerances. CPUs compute float32 matmuls
 # exactly so; GPUs (TF32) and TPUs (bf16 passes) do not unless asked to.
 jax.config.update("jax_default_matmul_precision", "highest")
+# The demos keep compiled programs on disk; tests keep theirs out of the user's cache.
+os.environ.setdefault("JAXFORMER_CACHE_DIR", tempfile.mkdtemp(prefix="jaxformer-test-xla-"))
 
 # The reference's test config (REFERENCE.md section 1).
 SMALL = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)

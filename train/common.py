@@ -36,6 +36,23 @@ CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 
 
+def enable_compilation_cache(directory=None) -> Path:
+    """Keeps compiled XLA programs on disk, so a second run of a demo skips compilation.
+
+    Args:
+      directory: where; defaults to `$JAXFORMER_CACHE_DIR`, else `~/.cache/jaxformer/xla`.
+
+    Returns:
+      The directory used.
+    """
+    directory = Path(directory or os.environ.get("JAXFORMER_CACHE_DIR") or Path.home() / ".cache" / "jaxformer" / "xla")
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    # Cache every program that took noticeable time to compile, however small its binary.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
 @struct.dataclass
 class TrainState:
     """Everything a resumed run needs: the update count, parameters, optimizer state.

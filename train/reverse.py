@@ -32,7 +32,8 @@ from jaxformer import VanillaConfig, VanillaTransformer, generate
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.viz import ascii_attention, save_attention_grid
-from train.common import TrainState, check_run_config, make_train_step, save_run_config, train_loop
+from train.common import (TrainState, check_run_config, enable_compilation_cache, make_train_step, save_run_config,
+                          train_loop)
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 MIN_LEN, MAX_LEN = 5, 10
@@ -164,6 +165,7 @@ def cross_attention_map(model, params, run_dir: Path) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     config = model_config(args)
+    enable_compilation_cache()
     model = VanillaTransformer(config)
     init_batch = reverse_batch(jax.random.key(args.seed), 1)
     params = jax.jit(model.init)(jax.random.key(args.seed), init_batch["src"], init_batch["tgt_in"])["params"]
