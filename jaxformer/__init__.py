@@ -8,8 +8,10 @@ from jaxformer.config import DecoderConfig, VanillaConfig
 from jaxformer.decoder import Block, Decoder
 from jaxformer.feedforward import FeedForward, SwiGLU
 from jaxformer.generation import generate, sample_token
+from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_tables, sinusoidal_table
+from jaxformer.schedules import noam_schedule
 from jaxformer.vanilla import DecoderLayer, EncoderLayer, Residual, VanillaTransformer
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "dot_product_attention",
     "generate",
     "interleaved_to_split_half",
+    "label_smoothed_cross_entropy",
+    "noam_schedule",
     "rope_tables",
     "sample_token",
 ]

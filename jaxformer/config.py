@@ -46,8 +46,21 @@ def _normalise_dtype(config) -> None:
     object.__setattr__(config, "dtype", dtype)  # a frozen dataclass sets fields this way
 
 
+class _ModelConfig:
+    """What both configs share."""
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head, `d_model // n_head`."""
+        return self.d_model // self.n_head
+
+    def replace(self, **changes):
+        """A copy with `changes` applied, validated again."""
+        return dataclasses.replace(self, **changes)
+
+
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
+class DecoderConfig(_ModelConfig):
     """The modern decoder-only Transformer (RMSNorm, RoPE, GQA, SwiGLU, KV cache).
 
     Defaults are the reference's. `hidden_dim=None` means `swiglu_hidden_dim(d_model)`
@@ -97,10 +110,6 @@ class DecoderConfig:
         _normalise_dtype(self)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
     def ffn_dim(self) -> int:
         """SwiGLU hidden width: `hidden_dim`, or the reference's rule when it is None."""
         return self.hidden_dim if self.hidden_dim is not None else swiglu_hidden_dim(self.d_model)
@@ -110,12 +119,10 @@ class DecoderConfig:
         """Query heads per kv head."""
         return self.n_head // self.n_kv_head
 
-    def replace(self, **changes) -> "DecoderConfig":
-        return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True)
-class VanillaConfig:
+class VanillaConfig(_ModelConfig):
     """The 2017 encoder-decoder ("Attention Is All You Need"); defaults are the paper's base model.
 
     Attributes:
@@ -167,13 +174,7 @@ class VanillaConfig:
         _normalise_dtype(self)
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
-
-    @property
     def n_kv_head(self) -> int:
         """Every head has its own K and V (so `KVCache.create` works for the decoder stack)."""
         return self.n_head
 
-    def replace(self, **changes) -> "VanillaConfig":
-        return dataclasses.replace(self, **changes)
