@@ -119,6 +119,11 @@ def step_keys(seed: int, step: int) -> tuple[jax.Array, jax.Array]:
         raise ValueError(f"seed must be an int (got {seed!r})")
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**32:
         raise ValueError(f"step must be an int in [0, 2**32) (got {step!r})")
+    return _step_keys(seed, jnp.uint32(step))
+
+
+@jax.jit  # one dispatch per step instead of four eager ones
+def _step_keys(seed, step):
     data_stream, dropout_stream = jax.random.split(jax.random.key(seed))
     return jax.random.fold_in(data_stream, step), jax.random.fold_in(dropout_stream, step)
 

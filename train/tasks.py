@@ -8,6 +8,8 @@ anti-diagonal.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +19,7 @@ FIRST_SYMBOL = 3
 REVERSE_VOCAB = FIRST_SYMBOL + N_SYMBOLS  # 19
 
 
+@functools.partial(jax.jit, static_argnames=("batch_size", "min_len", "max_len", "width"))
 def reverse_batch(key: jax.Array, batch_size: int, min_len: int = 5, max_len: int = 10,
                   width: int | None = None) -> dict[str, jax.Array]:
     """A batch of the reversal task, lengths uniform in `[min_len, max_len]`.
