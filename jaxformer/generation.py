@@ -3,9 +3,9 @@
 The loop is written against a step function `step(tokens, cache) -> (logits, cache)`,
 so it does not care which model produced the logits or what the cache holds: the
 decoder-only model steps itself; the encoder-decoder encodes the source once and steps
-its decoder from BOS. The
-whole loop (prefill, every step, every sample) runs inside one `jit`; the sampling
-knobs are traced arrays, so a new temperature or top-k reuses the compiled loop.
+its decoder from BOS. The whole loop (prefill, every step, every sample, the stop at
+EOS) runs inside one `jit`; the sampling knobs are traced arrays, so a new temperature
+or top-k reuses the compiled loop.
 """
 
 from __future__ import annotations

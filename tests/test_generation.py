@@ -39,6 +39,19 @@ def test_greedy_equals_recompute_the_prefix_loop():
     assert len(np.unique(np.asarray(out[:, 7:]))) > 5  # a varied continuation, not one repeated token
 
 
+def test_rows_stop_at_eos_and_then_pad():
+    prompt = _prompt(0, (3, 7))
+    free = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20))
+    eos = int(free[0, 7 + 5])  # a token row 0 emits at its 6th step (or earlier)
+    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=eos, pad_id=1))
+    for row_free, row in zip(free[:, 7:], out[:, 7:]):
+        hits = np.flatnonzero(row_free == eos)
+        stop = hits[0] if hits.size else len(row_free)
+        np.testing.assert_array_equal(row[:stop + 1], row_free[:stop + 1])  # identical up to and with EOS
+        np.testing.assert_array_equal(row[stop + 1:], 1)  # then padding
+    assert np.flatnonzero(out[0, 7:] == eos)[0] <= 5
+
+
 def test_one_new_token_and_full_capacity():
     prompt = _prompt(1, (2, 63))
     out = generate(MODEL, PARAMS, prompt, max_new_tokens=1)  # prompt + new == max_seq_len
