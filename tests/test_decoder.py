@@ -49,6 +49,28 @@ class DecoderVariantsTest(chex.TestCase):
         assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
 
 
+def test_one_compiled_step_serves_every_position(small):
+    config, model, params = small
+    step = jax.jit(lambda t, c: model.apply({"params": params}, t, c))
+    cache = KVCache.create(config, batch_size=2, capacity=16)
+    _, cache = step(jnp.ones((2, 4), jnp.int32), cache)  # prefill compiles once
+    _, cache = step(jnp.ones((2, 1), jnp.int32), cache)  # the one-token step compiles once
+    token = jnp.ones((2, 1), jnp.int32)
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for _ in range(8):  # positions 5 .. 12: same shapes, traced pos
+            _, cache = step(token, cache)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [] and int(cache.pos) == 13
+
+
 def test_chunked_prefill_equals_full_forward(small):
     config, model, params = small
     tokens = _tokens(2, (3, 20))
