@@ -1,5 +1,6 @@
 """Shared fixtures: the reference's small test model, and a numpy reference forward."""
 
+import contextlib
 import os
 import tempfile
 
@@ -33,6 +34,22 @@ def scaled_random_params(params, seed: int, scale: float = 0.3):
     new = [1.0 + 0.5 * jax.random.normal(k, x.shape) if x.ndim == 1 else scale * jax.random.normal(k, x.shape)
            for k, x in zip(keys, leaves)]
     return jax.tree.unflatten(treedef, new)
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Yields a list that collects one entry per XLA compilation inside the block."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, init_params, numpy_decoder_logits, scaled_random_params
+from conftest import SMALL, count_compiles, init_params, numpy_decoder_logits, scaled_random_params
 
 from jaxformer import Decoder, DecoderConfig, KVCache
 
@@ -56,18 +56,9 @@ def test_one_compiled_step_serves_every_position(small):
     _, cache = step(jnp.ones((2, 4), jnp.int32), cache)  # prefill compiles once
     _, cache = step(jnp.ones((2, 1), jnp.int32), cache)  # the one-token step compiles once
     token = jnp.ones((2, 1), jnp.int32)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as compiles:
         for _ in range(8):  # positions 5 .. 12: same shapes, traced pos
             _, cache = step(token, cache)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [] and int(cache.pos) == 13
 
 

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, init_params, scaled_random_params
+from conftest import SMALL, count_compiles, init_params, scaled_random_params
 
 from jaxformer import Decoder, generate, sample_token
 
@@ -98,26 +98,13 @@ def test_new_prompt_temperature_or_top_k_does_not_recompile():
     generate(MODEL, PARAMS, prompt, max_new_tokens=8)  # compiles once
     other_prompt = _prompt(6, (2, 6))
     key = jax.random.key(7)
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as compiles:
         generate(MODEL, PARAMS, other_prompt, max_new_tokens=8)
         generate(MODEL, PARAMS, other_prompt, max_new_tokens=8, temperature=0.7, key=key)
         generate(MODEL, PARAMS, prompt, max_new_tokens=8, temperature=1.3, top_k=5, key=key)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
-    # The guard can fail: a new shape does compile.
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as compiles:  # the guard can fail: a new shape does compile
         generate(MODEL, PARAMS, prompt, max_new_tokens=9)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles
 
 

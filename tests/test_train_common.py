@@ -11,6 +11,8 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import count_compiles
+
 from train.common import (
     Checkpointer,
     MetricsLog,
@@ -54,26 +56,18 @@ def test_train_step_lowers_loss_increments_step_and_compiles_once():
     inputs = [(make_batch(d), k) for d, k in (step_keys(0, s) for s in range(40))]
     half = jax.tree.map(lambda x: x[: BATCH // 2], inputs[0][0])
 
-    compiles = []
-    def on_event(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
     state, first = train_step(state, *inputs[0])
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    try:
+    with count_compiles() as compiles:
         for batch, key in inputs[1:]:
             state, metrics = train_step(state, batch, key)
         jax.block_until_ready(state)
-        assert compiles == []  # steps 2..40 reuse the first step's executable
-        assert int(state.step) == 40
-        assert set(metrics) == {"loss", "mae"}
-        assert float(metrics["loss"]) < 0.25 * float(first["loss"])
-        # The listener does see compiles: a new batch shape is one.
+    assert compiles == []  # steps 2..40 reuse the first step's executable
+    assert int(state.step) == 40
+    assert set(metrics) == {"loss", "mae"}
+    assert float(metrics["loss"]) < 0.25 * float(first["loss"])
+    with count_compiles() as compiles:  # the counter does see compiles: a new batch shape is one
         train_step(state, half, inputs[0][1])
-        assert len(compiles) == 1
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert len(compiles) == 1
 
 
 def test_train_step_donates_the_state():
