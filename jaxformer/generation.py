@@ -22,33 +22,45 @@ from jaxformer.validation import check_fits, check_token_ids
 from jaxformer.vanilla import VanillaTransformer
 
 
-def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array) -> jax.Array:
-    """Picks one token per row.
+def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                 top_p: jax.Array) -> jax.Array:
+    """Picks one token per row: greedy, or sampled after temperature, top-k and top-p.
+
+    Every knob is a traced array, one value per row, so new values never recompile.
+    The filters run in the order HF transformers uses: scale by the temperature, keep
+    the k largest logits, then keep the smallest set of those whose probability
+    (renormalised among them) reaches p, and sample from what is left.
 
     Args:
       logits: `[batch, vocab]` next-token logits.
       key: PRNG key for this step.
-      temperature: scalar; 0 means argmax, otherwise sample from `softmax(logits / T)`.
-      top_k: int scalar in `[1, vocab]`; only the k largest logits may be sampled
-        (`vocab` keeps them all). Ties with the k-th value are kept.
+      temperature: `[batch]`; 0 takes the argmax for that row, > 0 samples from
+        `softmax(logits / temperature)`.
+      top_k: int `[batch]` in `[1, vocab]`; `vocab` keeps every token.
+      top_p: `[batch]` in `(0, 1]`; 1 keeps every token.
 
     Returns:
-      `[batch]` int32 token ids.
+      `[batch]` int32 token ids. Tokens tied with the last one kept are kept too.
     """
-
-    def greedy(_):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
 
     def sample(_):
-        scaled = logits.astype(jnp.float32) / temperature  # [batch, vocab]
-        vocab = scaled.shape[-1]
-        # k-th largest = entry vocab - k of the ascending sort; k is traced, so index dynamically.
-        kth = jax.lax.dynamic_index_in_dim(jnp.sort(scaled, axis=-1), vocab - top_k, axis=-1)  # [batch, 1]
-        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+        scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        ranked = -jnp.sort(-scaled, axis=-1)  # [batch, vocab], largest first
+        rank = jnp.arange(scaled.shape[-1])[None, :]  # [1, vocab]
+        in_top_k = rank < top_k[:, None]
+        probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)  # renormalised over the top k
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
+        # The nucleus: tokens whose predecessors hold less than p (the first always does).
+        # p = 1 is "off" outright, so a cumulative sum that rounds below 1 cannot cut a token.
+        in_nucleus = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        n_keep = jnp.sum(in_top_k & in_nucleus, axis=-1)  # [batch], >= 1
+        cutoff = jnp.take_along_axis(ranked, n_keep[:, None] - 1, axis=-1)  # [batch, 1], the last kept logit
+        sampled = jax.random.categorical(key, jnp.where(scaled < cutoff, -jnp.inf, scaled), axis=-1)
+        return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
-    # A cond, not a where: greedy decoding skips the sort and the sampling entirely.
-    return jax.lax.cond(temperature > 0, sample, greedy, None)
+    # A cond, not a where: when every row is greedy the sort and the sampling are skipped.
+    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
 
 
 def _decode(step: Callable, logits: jax.Array, cache, sample: Callable, key: jax.Array,
@@ -95,7 +107,8 @@ def _decode(step: Callable, logits: jax.Array, cache, sample: Callable, key: jax
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens"))
-def _generate_jit(model, params, prompt, key, temperature, top_k, eos_id, pad_id, bos_id, max_new_tokens: int):
+def _generate_jit(model, params, prompt, key, temperature, top_k, top_p, eos_id, pad_id, bos_id,
+                  max_new_tokens: int):
     variables = {"params": params}
     batch = prompt.shape[0]
     if isinstance(model, VanillaTransformer):
@@ -115,7 +128,7 @@ def _generate_jit(model, params, prompt, key, temperature, top_k, eos_id, pad_id
         decoder_prompt = prompt
 
     def sample(logits, key):
-        return sample_token(logits, key, temperature, top_k)
+        return sample_token(logits, key, temperature, top_k, top_p)
 
     # Capacity: the prompt plus every new token but the last (which is never fed back).
     cache = KVCache.create(model.config, batch, capacity=decoder_prompt.shape[1] + max_new_tokens - 1)
@@ -124,8 +137,16 @@ def _generate_jit(model, params, prompt, key, temperature, top_k, eos_id, pad_id
     return jnp.concatenate([decoder_prompt, new_tokens], axis=1)
 
 
+def _per_row(value, batch: int, name: str, dtype) -> np.ndarray:
+    """A knob given as a scalar or one value per row, as a `[batch]` array."""
+    array = np.asarray(value, dtype)
+    if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != batch):
+        raise ValueError(f"{name} must be a scalar or hold one value per row ({batch}), got shape {array.shape}")
+    return np.broadcast_to(array, (batch,))
+
+
 def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
-             temperature: float = 0.0, top_k: int | None = None, eos_id: int | None = None,
+             temperature=0.0, top_k=None, top_p=None, eos_id: int | None = None,
              pad_id: int | None = None, bos_id: int | None = None) -> jax.Array:
     """Continues each prompt by up to `max_new_tokens` tokens with a KV-cached decode loop.
 
@@ -139,11 +160,14 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
         encoder-decoder: the source, right-padded with `pad_id`).
       max_new_tokens: tokens to generate, >= 1. The output (decoder prompt plus new
         tokens) must fit `config.max_seq_len`.
-      key: PRNG key (`jax.random.key(seed)`); required when `temperature > 0`. The same key
-        gives the same tokens.
+      key: PRNG key (`jax.random.key(seed)`); required when a temperature is > 0. The same
+        key gives the same tokens.
       temperature: 0 for greedy argmax, > 0 to sample from `softmax(logits / temperature)`.
+        A scalar, or one value per row (as are `top_k` and `top_p`).
       top_k: sample only among the k most likely tokens, `1 <= top_k <= vocab`; None keeps
         them all.
+      top_p: nucleus sampling: only among the most likely tokens whose probability adds up
+        to `top_p`, in `(0, 1]`; None (or 1) keeps them all.
       eos_id: a row that produces it is finished: it emits `pad_id` afterwards, and the
         loop stops once every row is finished. None never stops early.
       pad_id: filler after EOS; defaults to the config's `pad_id`, or 0.
@@ -153,8 +177,8 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
       int32 `[batch, decoder_prompt_len + max_new_tokens]`: the decoder's prompt (`prompt`,
       or the BOS column for the encoder-decoder) followed by the new tokens.
 
-    Changing the prompt's values, `temperature`, `top_k`, `key`, `eos_id`, `pad_id` or
-    `bos_id` reuses the compiled loop; a new prompt shape or `max_new_tokens` compiles a
+    Changing the prompt's values, `temperature`, `top_k`, `top_p`, `key`, `eos_id`, `pad_id`
+    or `bos_id` reuses the compiled loop; a new prompt shape or `max_new_tokens` compiles a
     new one.
     """
     config = model.config
@@ -174,22 +198,27 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
             raise ValueError("bos_id is required for an encoder-decoder: the decoder's first token")
     else:
         check_fits(prompt_len, max_new_tokens, config.max_seq_len, "prompt length + max_new_tokens", "max_seq_len")
-    if not np.ndim(temperature) == 0 or not float(temperature) >= 0:  # `not >=` also rejects NaN
-        raise ValueError(f"temperature must be a scalar >= 0, got {temperature!r}")
-    if top_k is not None and (type(top_k) is not int or not 1 <= top_k <= out_vocab):
-        raise ValueError(f"top_k must be None or an int in [1, vocab_size={out_vocab}], got {top_k!r}")
+    temperature = _per_row(temperature, batch, "temperature", np.float32)
+    if not np.all(temperature >= 0):  # NaN fails too
+        raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
+    top_k = _per_row(out_vocab if top_k is None else top_k, batch, "top_k", np.float64)
+    if not np.all((top_k >= 1) & (top_k <= out_vocab) & (top_k == np.round(top_k))):
+        raise ValueError(f"top_k must be None or an int in [1, vocab_size={out_vocab}], got {top_k.tolist()}")
+    top_p = _per_row(1.0 if top_p is None else top_p, batch, "top_p", np.float32)
+    if not np.all((top_p > 0) & (top_p <= 1)):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p.tolist()}")
     pad_id = getattr(config, "pad_id", 0) if pad_id is None else pad_id
     for name, value in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)):
         if value is not None and (type(value) is not int or not 0 <= value < out_vocab):
             raise ValueError(f"{name} must be an int in [0, vocab_size={out_vocab}), got {value!r}")
     if key is None:
-        if float(temperature) > 0:
+        if np.any(temperature > 0):
             raise ValueError("key is required when temperature > 0: pass key=jax.random.key(seed)")
         key = jax.random.key(0)  # unused by greedy decoding; keeps the traced signature fixed
 
     def as_int32(value, default):
         return jnp.asarray(default if value is None else value, jnp.int32)
 
-    return _generate_jit(model, params, jnp.asarray(prompt, jnp.int32), key,
-                         jnp.asarray(temperature, jnp.float32), as_int32(top_k, out_vocab),
-                         as_int32(eos_id, -1), as_int32(pad_id, 0), as_int32(bos_id, 0), max_new_tokens)
+    return _generate_jit(model, params, jnp.asarray(prompt, jnp.int32), key, jnp.asarray(temperature),
+                         jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p), as_int32(eos_id, -1),
+                         as_int32(pad_id, 0), as_int32(bos_id, 0), max_new_tokens)

@@ -71,29 +71,74 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     assert not np.array_equal(a, greedy)
 
 
+def _draw(probs, n=20000, temperature=1.0, top_k=None, top_p=1.0, seed=3):
+    """n samples from logits log(probs), one row each, all rows with the same knobs."""
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(probs, jnp.float32)), (n, len(probs)))
+    knob = lambda v, dtype: jnp.full((n,), v, dtype)  # noqa: E731
+    tokens = sample_token(logits, jax.random.key(seed), knob(temperature, jnp.float32),
+                          knob(len(probs) if top_k is None else top_k, jnp.int32), knob(top_p, jnp.float32))
+    chex.assert_shape(tokens, (n,))
+    assert tokens.dtype == jnp.int32
+    return np.bincount(np.asarray(tokens), minlength=len(probs)) / n
+
+
+def _assert_frequencies(freq, p, n=20000):
+    sigma = np.sqrt(p * (1 - p) / n)
+    assert np.all(np.abs(freq - p) < 5 * sigma + 1e-4), (freq, p)
+
+
 def test_sample_token_frequencies_follow_softmax_over_temperature():
-    logits = jnp.array([2.0, 1.0, 0.0, -1.0, 0.5, -3.0])
-    n = 20000
-    batch_logits = jnp.broadcast_to(logits, (n, 6))
+    logits = np.array([2.0, 1.0, 0.0, -1.0, 0.5, -3.0])
     for temperature in (0.5, 2.0):
-        tokens = sample_token(batch_logits, jax.random.key(3), jnp.float32(temperature), jnp.int32(6))
-        freq = np.bincount(np.asarray(tokens), minlength=6) / n
-        p = np.asarray(jax.nn.softmax(logits / temperature))
-        sigma = np.sqrt(p * (1 - p) / n)
-        assert np.all(np.abs(freq - p) < 5 * sigma + 1e-4), (temperature, freq, p)
+        freq = _draw(np.exp(logits), temperature=temperature)  # log(exp(x)) = x
+        _assert_frequencies(freq, np.asarray(jax.nn.softmax(logits / temperature)))
 
 
 def test_top_k_keeps_only_the_k_largest():
-    logits = jnp.array([2.0, 1.0, 0.0, -1.0, 0.5, -3.0])
-    tokens = sample_token(jnp.broadcast_to(logits, (5000, 6)), jax.random.key(4), jnp.float32(10.0), jnp.int32(3))
-    chex.assert_shape(tokens, (5000,))
-    assert tokens.dtype == jnp.int32
-    assert set(np.unique(np.asarray(tokens)).tolist()) == {0, 1, 4}  # all of the top 3, nothing else
-    greedy = sample_token(jnp.broadcast_to(logits, (3, 6)), jax.random.key(4), jnp.float32(0.0), jnp.int32(6))
-    np.testing.assert_array_equal(greedy, [0, 0, 0])
+    probs = np.array([0.3, 0.2, 0.1, 0.05, 0.25, 0.1])
+    freq = _draw(probs, temperature=10.0, top_k=3)
+    assert set(np.flatnonzero(freq)) == {0, 1, 4}  # all of the top 3, nothing else
+    tempered = np.where(np.isin(np.arange(6), [0, 1, 4]), probs ** (1 / 10.0), 0.0)  # softmax(log p / T) on the top 3
+    _assert_frequencies(freq, tempered / tempered.sum())
 
 
-def test_new_prompt_temperature_or_top_k_does_not_recompile():
+def test_top_p_keeps_exactly_the_nucleus():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    for top_p, nucleus in [(0.5, {0}), (0.75, {0, 1}), (0.8, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})]:
+        freq = _draw(probs, top_p=top_p)
+        assert set(np.flatnonzero(freq)) == nucleus, (top_p, freq)
+        kept = np.array([probs[i] if i in nucleus else 0.0 for i in range(4)])
+        _assert_frequencies(freq, kept / kept.sum())  # renormalised over the nucleus
+
+
+def test_top_p_applies_to_the_top_k_distribution():
+    """HF's order: top-k first, then the nucleus of the renormalised top k."""
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    # Renormalised over the top 3, tokens 0 and 1 hold 0.78 >= 0.75: token 2 is out (over the
+    # whole distribution they would hold 0.7 and token 2 would stay).
+    assert set(np.flatnonzero(_draw(probs, top_k=3, top_p=0.75))) == {0, 1}
+    assert set(np.flatnonzero(_draw(probs, top_p=0.75))) == {0, 1, 2}
+
+
+def test_temperature_to_zero_is_greedy_and_knobs_are_per_row():
+    logits = jax.random.normal(jax.random.key(5), (6, 50)) * 3
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    near_zero = sample_token(logits, jax.random.key(6), jnp.full((6,), 1e-4), jnp.full((6,), 50), jnp.ones(6))
+    np.testing.assert_array_equal(near_zero, greedy)
+    # Rows 0-2 greedy, rows 3-5 hot: one call, per-row temperatures.
+    temperature = jnp.array([0.0, 0.0, 0.0, 50.0, 50.0, 50.0])
+    draws = np.stack([np.asarray(sample_token(logits, jax.random.key(i), temperature, jnp.full((6,), 50), jnp.ones(6)))
+                      for i in range(20)])
+    np.testing.assert_array_equal(draws[:, :3], np.broadcast_to(greedy[:3], (20, 3)))
+    assert all(len(np.unique(draws[:, r])) > 3 for r in range(3, 6))
+    # Per-row top-k: row 0 may only take its argmax.
+    top_k = jnp.array([1, 50, 50, 50, 50, 50])
+    hot = jnp.full((6,), 50.0)
+    firsts = [int(sample_token(logits, jax.random.key(i), hot, top_k, jnp.ones(6))[0]) for i in range(20)]
+    assert set(firsts) == {int(greedy[0])}
+
+
+def test_new_prompt_or_knob_values_do_not_recompile():
     prompt = _prompt(5, (2, 6))
     generate(MODEL, PARAMS, prompt, max_new_tokens=8)  # compiles once
     other_prompt = _prompt(6, (2, 6))
@@ -102,6 +147,8 @@ def test_new_prompt_temperature_or_top_k_does_not_recompile():
         generate(MODEL, PARAMS, other_prompt, max_new_tokens=8)
         generate(MODEL, PARAMS, other_prompt, max_new_tokens=8, temperature=0.7, key=key)
         generate(MODEL, PARAMS, prompt, max_new_tokens=8, temperature=1.3, top_k=5, key=key)
+        generate(MODEL, PARAMS, prompt, max_new_tokens=8, temperature=[0.0, 0.9], top_k=[3, 64], top_p=[0.9, 0.5],
+                 key=key, eos_id=3)
     assert compiles == []
     with count_compiles() as compiles:  # the guard can fail: a new shape does compile
         generate(MODEL, PARAMS, prompt, max_new_tokens=9)
@@ -121,6 +168,13 @@ def test_new_prompt_temperature_or_top_k_does_not_recompile():
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, temperature=1.0, top_k=0, key=jax.random.key(0)), "top_k"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, temperature=1.0, top_k=65, key=jax.random.key(0)), "top_k"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, temperature=1.0), "key is required"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, temperature=[0.0, 1.0]), "key is required"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, temperature=[0.5, -1.0]), "temperature must be >= 0"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, temperature=[0.5, 0.5, 0.5]), "one value per row"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_k=2.5), "top_k"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_p=0.0), r"top_p must be None or in \(0, 1\]"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_p=1.5), "top_p"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, eos_id=64), "eos_id"),
 ])
 def test_bad_input_is_rejected_before_jit(prompt, kwargs, match):
     with pytest.raises(ValueError, match=match):
