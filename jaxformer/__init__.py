@@ -7,7 +7,7 @@ from jaxformer.cache import KVCache, LayerKV
 from jaxformer.config import DecoderConfig, VanillaConfig
 from jaxformer.decoder import Block, Decoder
 from jaxformer.feedforward import FeedForward, SwiGLU
-from jaxformer.generation import generate, sample_token
+from jaxformer.generation import generate, sample_token, stream
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_tables, sinusoidal_table
@@ -26,6 +26,7 @@ __all__ = [
     "attention_weights",
     "combine_values",
     "sinusoidal_table",
+    "stream",
     "Decoder",
     "DecoderConfig",
     "GQASelfAttention",

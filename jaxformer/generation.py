@@ -11,11 +11,12 @@ or top-k reuses the compiled loop.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxformer.cache import KVCache
 from jaxformer.validation import check_fits, check_token_ids
@@ -63,78 +64,94 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
     return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
 
 
-def _decode(step: Callable, logits: jax.Array, cache, sample: Callable, key: jax.Array,
-            n_new: int, eos_id: jax.Array, pad_id: jax.Array) -> jax.Array:
-    """Samples up to `n_new` tokens, feeding each back through `step`.
+@struct.dataclass
+class _Knobs:
+    """The traced settings of one decoding run (arrays, so new values never recompile)."""
 
-    A row that has produced `eos_id` emits `pad_id` from then on, and the loop stops as
-    soon as every row has (shapes stay fixed: the remaining slots hold `pad_id`).
+    key: jax.Array
+    temperature: jax.Array  # [batch] float32
+    top_k: jax.Array  # [batch] int32
+    top_p: jax.Array  # [batch] float32
+    eos_id: jax.Array  # [] int32, -1 for none
+    pad_id: jax.Array  # [] int32
+    bos_id: jax.Array  # [] int32
 
-    Args:
-      step: `(tokens [batch, 1], cache) -> (logits [batch, 1, vocab], cache)`.
-      logits: `[batch, vocab]`, the prefill's logits at the last prompt position.
-      cache: the cache after the prefill.
-      sample: `(logits [batch, vocab], key) -> [batch]` token ids.
-      key: PRNG key; step i samples with `fold_in(key, i)`.
-      n_new: tokens to generate (static).
-      eos_id: int32 scalar; -1 for none.
-      pad_id: int32 scalar written after a row's EOS.
+
+def _pick(knobs: _Knobs, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Token `i` of each row from `logits` `[batch, vocab]`: sampled with `fold_in(key, i)`,
+    or `pad_id` for rows already done; and the rows done after it."""
+    token = sample_token(logits, jax.random.fold_in(knobs.key, i), knobs.temperature, knobs.top_k, knobs.top_p)
+    token = jnp.where(done, knobs.pad_id, token)  # [batch]
+    return token, done | (token == knobs.eos_id)
+
+
+def _context(model, params, prompt):
+    """What every step reads besides the cache: for the encoder-decoder, the cross-attention
+    K/V of the source, encoded and projected once; nothing for the decoder-only model."""
+    if isinstance(model, VanillaTransformer):
+        memory = model.apply({"params": params}, prompt, method="encode")  # [batch, S, d_model]
+        return model.apply({"params": params}, memory, method="cross_kv")
+    return None
+
+
+def _step_fn(model, params, prompt, context) -> Callable:
+    """`step(tokens [batch, T], cache) -> (logits [batch, T, vocab], cache)` for either model."""
+    if isinstance(model, VanillaTransformer):
+        return lambda tokens, cache: model.apply({"params": params}, tokens, None, prompt, cache=cache,
+                                                 memory_kv=context, method="decode")
+    return lambda tokens, cache: model.apply({"params": params}, tokens, cache)
+
+
+def _start(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
+    """Prefills the cache with the decoder's prompt and picks the first token.
 
     Returns:
-      `[batch, n_new]` int32 new tokens.
+      `(decoder_prompt, token, cache, done, context)`.
     """
+    batch = prompt.shape[0]
+    # The encoder-decoder's decoder starts from BOS; the decoder-only model from the prompt.
+    decoder_prompt = (jnp.full((batch, 1), knobs.bos_id, jnp.int32) if isinstance(model, VanillaTransformer)
+                      else prompt)
+    context = _context(model, params, prompt)
+    # Capacity: the prompt plus every new token but the last (which is never fed back).
+    cache = KVCache.create(model.config, batch, capacity=decoder_prompt.shape[1] + max_new_tokens - 1)
+    logits, cache = _step_fn(model, params, prompt, context)(decoder_prompt, cache)  # the whole prompt at once
+    token, done = _pick(knobs, 0, logits[:, -1], jnp.zeros(batch, bool))
+    return decoder_prompt, token, cache, done, context
 
-    def pick(i, logits, done):
-        token = jnp.where(done, pad_id, sample(logits, jax.random.fold_in(key, i)))  # [batch]
-        return token, done | (token == eos_id)
 
-    # The first token comes from the prefill's logits, so the loop below runs n_new - 1
-    # forward passes: the last token is never fed back.
-    token, done = pick(0, logits, jnp.zeros(logits.shape[0], bool))
-    tokens = jnp.full((logits.shape[0], n_new), pad_id, jnp.int32).at[:, 0].set(token)  # [batch, n_new]
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens"))
+def _generate_jit(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
+    """The whole decoding run in one program: a `while_loop` that stops at `max_new_tokens`
+    or once every row has produced EOS (the remaining slots hold `pad_id`)."""
+    decoder_prompt, token, cache, done, context = _start(model, params, prompt, knobs, max_new_tokens)
+    step = _step_fn(model, params, prompt, context)
+    tokens = jnp.full((prompt.shape[0], max_new_tokens), knobs.pad_id, jnp.int32).at[:, 0].set(token)
 
     def keep_going(state):
         i, _, _, done, _ = state
-        return (i < n_new) & ~jnp.all(done)
+        return (i < max_new_tokens) & ~jnp.all(done)
 
     def body(state):
         i, token, cache, done, tokens = state
         logits, cache = step(token[:, None], cache)
-        token, done = pick(i, logits[:, -1], done)
+        token, done = _pick(knobs, i, logits[:, -1], done)
         return i + 1, token, cache, done, tokens.at[:, i].set(token)
 
-    return jax.lax.while_loop(keep_going, body, (1, token, cache, done, tokens))[-1]
+    tokens = jax.lax.while_loop(keep_going, body, (1, token, cache, done, tokens))[-1]  # [batch, max_new_tokens]
+    return jnp.concatenate([decoder_prompt, tokens], axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens"))
-def _generate_jit(model, params, prompt, key, temperature, top_k, top_p, eos_id, pad_id, bos_id,
-                  max_new_tokens: int):
-    variables = {"params": params}
-    batch = prompt.shape[0]
-    if isinstance(model, VanillaTransformer):
-        # The source is encoded once and its cross-attention K/V projected once; the
-        # decoder starts from BOS.
-        memory = model.apply(variables, prompt, method="encode")  # [batch, S, d_model]
-        memory_kv = model.apply(variables, memory, method="cross_kv")
+# Streaming: the same start and the same step as the loop above, one jitted call per token.
+_stream_start = jax.jit(_start, static_argnames=("model", "max_new_tokens"))
 
-        def step(tokens, cache):
-            return model.apply(variables, tokens, None, prompt, cache=cache, memory_kv=memory_kv, method="decode")
 
-        decoder_prompt = jnp.full((batch, 1), bos_id, jnp.int32)
-    else:
-        def step(tokens, cache):
-            return model.apply(variables, tokens, cache)
-
-        decoder_prompt = prompt
-
-    def sample(logits, key):
-        return sample_token(logits, key, temperature, top_k, top_p)
-
-    # Capacity: the prompt plus every new token but the last (which is never fed back).
-    cache = KVCache.create(model.config, batch, capacity=decoder_prompt.shape[1] + max_new_tokens - 1)
-    logits, cache = step(decoder_prompt, cache)  # prefill: the whole prompt in one call
-    new_tokens = _decode(step, logits[:, -1], cache, sample, key, max_new_tokens, eos_id, pad_id)
-    return jnp.concatenate([decoder_prompt, new_tokens], axis=1)
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def _stream_next(model, params, prompt, context, knobs: _Knobs, i, token, cache, done):
+    # The cache is donated: XLA writes the new K/V into its buffers instead of copying it.
+    logits, cache = _step_fn(model, params, prompt, context)(token[:, None], cache)
+    token, done = _pick(knobs, i, logits[:, -1], done)
+    return token, cache, done
 
 
 def _per_row(value, batch: int, name: str, dtype) -> np.ndarray:
@@ -181,6 +198,35 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
     or `bos_id` reuses the compiled loop; a new prompt shape or `max_new_tokens` compiles a
     new one.
     """
+    knobs = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id)
+    return _generate_jit(model, params, jnp.asarray(prompt, jnp.int32), knobs, max_new_tokens)
+
+
+def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
+           temperature=0.0, top_k=None, top_p=None, eos_id: int | None = None,
+           pad_id: int | None = None, bos_id: int | None = None) -> Iterator[np.ndarray]:
+    """Yields the new tokens one step at a time, as `generate` would produce them.
+
+    Takes `generate`'s arguments and gives the same tokens (the same key gives the same
+    samples): the prefill and each step are jitted once and driven from Python, with the
+    cache donated to each step. Stops after `max_new_tokens` steps, or once every row has
+    produced `eos_id`.
+
+    Yields:
+      int32 `[batch]` numpy arrays: step i's token of each row (`pad_id` once a row is done).
+    """
+    knobs = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id)
+    prompt = jnp.asarray(prompt, jnp.int32)
+    _, token, cache, done, context = _stream_start(model, params, prompt, knobs, max_new_tokens)
+    for i in range(1, max_new_tokens + 1):
+        yield np.asarray(token)
+        if i == max_new_tokens or bool(jnp.all(done)):
+            return
+        token, cache, done = _stream_next(model, params, prompt, context, knobs, jnp.int32(i), token, cache, done)
+
+
+def _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id) -> _Knobs:
+    """Checks `generate`'s arguments on the host and packs the knobs as arrays."""
     config = model.config
     seq2seq = isinstance(model, VanillaTransformer)
     prompt_vocab, out_vocab = ((config.src_vocab_size, config.tgt_vocab_size) if seq2seq
@@ -219,6 +265,6 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
     def as_int32(value, default):
         return jnp.asarray(default if value is None else value, jnp.int32)
 
-    return _generate_jit(model, params, jnp.asarray(prompt, jnp.int32), key, jnp.asarray(temperature),
-                         jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p), as_int32(eos_id, -1),
-                         as_int32(pad_id, 0), as_int32(bos_id, 0), max_new_tokens)
+    return _Knobs(key=key, temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k, jnp.int32),
+                  top_p=jnp.asarray(top_p), eos_id=as_int32(eos_id, -1), pad_id=as_int32(pad_id, 0),
+                  bos_id=as_int32(bos_id, 0))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import SMALL, count_compiles, init_params, scaled_random_params
 
-from jaxformer import Decoder, generate, sample_token
+from jaxformer import Decoder, generate, sample_token, stream
 
 MODEL = Decoder(SMALL)
 # Large random weights: greedy continuations vary instead of repeating one token.
@@ -50,6 +50,34 @@ def test_rows_stop_at_eos_and_then_pad():
         np.testing.assert_array_equal(row[:stop + 1], row_free[:stop + 1])  # identical up to and with EOS
         np.testing.assert_array_equal(row[stop + 1:], 1)  # then padding
     assert np.flatnonzero(out[0, 7:] == eos)[0] <= 5
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),  # greedy
+    dict(temperature=[1.0, 0.0, 2.0], top_k=[5, 64, 64], top_p=[1.0, 1.0, 0.8], key=jax.random.key(9)),
+    dict(eos_id=41),  # every row's greedy continuation of this prompt emits 41 within 12 steps
+])
+def test_stream_yields_what_generate_returns(kwargs):
+    prompt = _prompt(6, (3, 5))
+    want = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=16, **kwargs))[:, 5:]
+    steps = list(stream(MODEL, PARAMS, prompt, max_new_tokens=16, **kwargs))
+    assert all(t.shape == (3,) and t.dtype == np.int32 for t in steps)
+    got = np.stack(steps, axis=1)  # [batch, steps taken]
+    np.testing.assert_array_equal(got, want[:, :got.shape[1]])
+    if "eos_id" in kwargs:  # stopped once every row was done; generate padded the rest
+        assert got.shape[1] <= 12 and np.all(want[:, got.shape[1]:] == 0)
+        assert all((row == 41).any() for row in got)
+    else:
+        assert got.shape[1] == 16
+
+
+def test_stream_compiles_its_step_once():
+    prompt = _prompt(4, (2, 5))
+    list(stream(MODEL, PARAMS, prompt, max_new_tokens=6))
+    with count_compiles() as compiles:
+        steps = list(stream(MODEL, PARAMS, _prompt(5, (2, 5)), max_new_tokens=6, temperature=0.5,
+                            key=jax.random.key(1)))
+    assert len(steps) == 6 and compiles == []
 
 
 def test_one_new_token_and_full_capacity():

@@ -7,7 +7,7 @@ import pytest
 from conftest import scaled_random_params
 
 from jaxformer import (DecoderLayer, EncoderLayer, FeedForward, KVCache, MultiHeadAttention, Residual, VanillaConfig,
-                       VanillaTransformer, attention_weights, generate, sinusoidal_table)
+                       VanillaTransformer, attention_weights, generate, sinusoidal_table, stream)
 
 # The reference demo's model (REFERENCE.md, "The reversal demo").
 DEMO = VanillaConfig(src_vocab_size=19, tgt_vocab_size=19, n_layer=2, d_model=64, d_ff=128, n_head=4, max_seq_len=32)
@@ -272,6 +272,9 @@ def test_cached_greedy_equals_uncached(norm_first, tie):
     np.testing.assert_array_equal(stopped, _slow_greedy(model, params, src, 12, 1, eos, config.pad_id))
     first_eos = int(np.argmax(np.asarray(stopped[0]) == eos))
     assert first_eos <= 4 and np.all(np.asarray(stopped[0, first_eos + 1:]) == config.pad_id)
+    # Streaming yields the same tokens, step by step.
+    streamed = np.stack(list(stream(model, params, src, max_new_tokens=12, bos_id=1, eos_id=eos)), axis=1)
+    np.testing.assert_array_equal(streamed, np.asarray(stopped)[:, 1:1 + streamed.shape[1]])
 
 
 def test_cached_steps_equal_teacher_forcing(demo):
