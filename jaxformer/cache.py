@@ -41,17 +41,22 @@ class LayerKV:
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys and values plus the write position.
+    """Per-layer keys and values, the write position, and each row's first real slot.
 
     Attributes:
       layers: one `LayerKV` per block.
-      pos: int32 scalar, the number of tokens already written. The model advances it
+      pos: int32 scalar, the number of slots already written. The model advances it
         once per call, after all layers, so every layer of one call writes at the same
         slots.
+      start: int32 `[batch]`, the slot holding each row's first real token. Prompts of
+        different lengths share one cache by left padding: row b's slots before
+        `start[b]` are padding, never attended to, and its token in slot s sits at
+        position `s - start[b]`. All zeros when every row is full.
     """
 
     layers: tuple[LayerKV, ...]
     pos: jax.Array  # [] int32
+    start: jax.Array  # [batch] int32
 
     @classmethod
     def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None) -> "KVCache":
@@ -79,7 +84,7 @@ class KVCache:
         dtype = config.dtype if dtype is None else dtype
         layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
                        for _ in range(config.n_layer))
-        return cls(layers=layers, pos=jnp.zeros((), jnp.int32))
+        return cls(layers=layers, pos=jnp.zeros((), jnp.int32), start=jnp.zeros((batch_size,), jnp.int32))
 
     @property
     def batch_size(self) -> int:

@@ -49,7 +49,9 @@ class Decoder(nn.Module):
     `cache.pos + i` and may read every cached key up to it, so a multi-token prefill and
     a one-token step are the same call. The returned cache has them written and
     `pos + T`. The cache's shape is fixed by its capacity, so one jitted function serves
-    every step.
+    every step. Prompts of different lengths share a batch left-padded: `cache.start[b]`
+    is row b's first real slot; its padding is never attended to and its positions (for
+    RoPE) count from there.
 
     Attributes:
       config: the `DecoderConfig`.
@@ -78,13 +80,19 @@ class Decoder(nn.Module):
         x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
 
         cos_table, sin_table = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)  # [max_seq_len, head_dim/2]
-        cos = jax.lax.dynamic_slice_in_dim(cos_table, pos, T)  # [T, head_dim/2], angles of pos .. pos+T-1
-        sin = jax.lax.dynamic_slice_in_dim(sin_table, pos, T)
-        # Query i is at absolute position pos + i; key slot s holds position s. Slots past
-        # pos + i are the future or not yet written: causal mask, (T, S), not square once
-        # a prefix is cached.
-        q_pos = pos + jnp.arange(T)  # [T]
-        mask = jnp.arange(S)[None, :] <= q_pos[:, None]  # [T, S]
+        slot = pos + jnp.arange(T)  # [T], the cache slots (absolute positions) of the T queries
+        if cache is None:
+            cos, sin = cos_table[:T], sin_table[:T]  # [T, head_dim/2]
+            mask = jnp.arange(S)[None, :] <= slot[:, None]  # [T, S], causal
+        else:
+            # Row b's token in slot s sits at position s - start[b] (start > 0: left padding).
+            # A padding query's position is negative and clipped; nobody reads its output.
+            position = jnp.maximum(slot[None, :] - cache.start[:, None], 0)  # [batch, T]
+            cos, sin = jnp.take(cos_table, position, axis=0), jnp.take(sin_table, position, axis=0)  # [batch, T, hd/2]
+            # Query t reads slots start[b] .. pos + t: causal over the cache, padding hidden.
+            # Slots past pos + t are the future or not yet written. Not square: (T, S).
+            key_slot = jnp.arange(S)[None, None, :]  # [1, 1, S]
+            mask = (key_slot <= slot[None, :, None]) & (key_slot >= cache.start[:, None, None])  # [batch, T, S]
 
         new_layers = []
         for i in range(c.n_layer):
@@ -104,4 +112,4 @@ class Decoder(nn.Module):
         # (Concrete inputs were rejected in _check; this is the guard inside jit.)
         logits = jnp.where(pos + T <= S, logits, jnp.nan)
         # pos advances once, after every layer has written at the same slots.
-        return logits, KVCache(layers=tuple(new_layers), pos=pos + T)
+        return logits, cache.replace(layers=tuple(new_layers), pos=pos + T)

@@ -75,6 +75,7 @@ class _Knobs:
     eos_id: jax.Array  # [] int32, -1 for none
     pad_id: jax.Array  # [] int32
     bos_id: jax.Array  # [] int32
+    start: jax.Array  # [batch] int32, each prompt's left padding (its first real slot)
 
 
 def _pick(knobs: _Knobs, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -115,6 +116,7 @@ def _start(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
     context = _context(model, params, prompt)
     # Capacity: the prompt plus every new token but the last (which is never fed back).
     cache = KVCache.create(model.config, batch, capacity=decoder_prompt.shape[1] + max_new_tokens - 1)
+    cache = cache.replace(start=knobs.start)
     logits, cache = _step_fn(model, params, prompt, context)(decoder_prompt, cache)  # the whole prompt at once
     token, done = _pick(knobs, 0, logits[:, -1], jnp.zeros(batch, bool))
     return decoder_prompt, token, cache, done, context
@@ -164,7 +166,7 @@ def _per_row(value, batch: int, name: str, dtype) -> np.ndarray:
 
 def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
              temperature=0.0, top_k=None, top_p=None, eos_id: int | None = None,
-             pad_id: int | None = None, bos_id: int | None = None) -> jax.Array:
+             pad_id: int | None = None, bos_id: int | None = None, prompt_lengths=None) -> jax.Array:
     """Continues each prompt by up to `max_new_tokens` tokens with a KV-cached decode loop.
 
     The whole loop (prefill, every step, every sample) is one jitted function.
@@ -189,22 +191,28 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
         loop stops once every row is finished. None never stops early.
       pad_id: filler after EOS; defaults to the config's `pad_id`, or 0.
       bos_id: the encoder-decoder's first decoder token (required for it, unused otherwise).
+      prompt_lengths: decoder-only: each row's prompt length, `1 .. prompt_len`, for a
+        batch of prompts of different lengths, right-padded (what follows a row's length
+        is ignored). Each row then decodes as it would alone. None: every row is full.
 
     Returns:
-      int32 `[batch, decoder_prompt_len + max_new_tokens]`: the decoder's prompt (`prompt`,
-      or the BOS column for the encoder-decoder) followed by the new tokens.
+      int32 `[batch, decoder_prompt_len + max_new_tokens]`: the decoder's prompt (`prompt`
+      as given, or the BOS column for the encoder-decoder) followed by the new tokens.
 
     Changing the prompt's values, `temperature`, `top_k`, `top_p`, `key`, `eos_id`, `pad_id`
     or `bos_id` reuses the compiled loop; a new prompt shape or `max_new_tokens` compiles a
     new one.
     """
-    knobs = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id)
-    return _generate_jit(model, params, jnp.asarray(prompt, jnp.int32), knobs, max_new_tokens)
+    knobs, decoder_input = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id,
+                                    bos_id, prompt_lengths)
+    out = _generate_jit(model, params, decoder_input, knobs, max_new_tokens)
+    # The prompt as the caller gave it (right-padded rows included), then the new tokens.
+    return out if prompt_lengths is None else out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt, jnp.int32))
 
 
 def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
            temperature=0.0, top_k=None, top_p=None, eos_id: int | None = None,
-           pad_id: int | None = None, bos_id: int | None = None) -> Iterator[np.ndarray]:
+           pad_id: int | None = None, bos_id: int | None = None, prompt_lengths=None) -> Iterator[np.ndarray]:
     """Yields the new tokens one step at a time, as `generate` would produce them.
 
     Takes `generate`'s arguments and gives the same tokens (the same key gives the same
@@ -215,8 +223,8 @@ def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None 
     Yields:
       int32 `[batch]` numpy arrays: step i's token of each row (`pad_id` once a row is done).
     """
-    knobs = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id)
-    prompt = jnp.asarray(prompt, jnp.int32)
+    knobs, prompt = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id,
+                             prompt_lengths)
     _, token, cache, done, context = _stream_start(model, params, prompt, knobs, max_new_tokens)
     for i in range(1, max_new_tokens + 1):
         yield np.asarray(token)
@@ -225,8 +233,14 @@ def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None 
         token, cache, done = _stream_next(model, params, prompt, context, knobs, jnp.int32(i), token, cache, done)
 
 
-def _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id) -> _Knobs:
-    """Checks `generate`'s arguments on the host and packs the knobs as arrays."""
+def _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id,
+             prompt_lengths) -> tuple[_Knobs, jax.Array]:
+    """Checks `generate`'s arguments on the host.
+
+    Returns:
+      `(knobs, prompt)`: the knobs as arrays, and the prompt as the model reads it (rows
+      of `prompt_lengths` moved to the right end, left-padded).
+    """
     config = model.config
     seq2seq = isinstance(model, VanillaTransformer)
     prompt_vocab, out_vocab = ((config.src_vocab_size, config.tgt_vocab_size) if seq2seq
@@ -262,9 +276,25 @@ def _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_
             raise ValueError("key is required when temperature > 0: pass key=jax.random.key(seed)")
         key = jax.random.key(0)  # unused by greedy decoding; keeps the traced signature fixed
 
+    prompt = np.asarray(prompt, np.int32)
+    start = np.zeros(batch, np.int32)
+    if prompt_lengths is not None:
+        if seq2seq:
+            raise ValueError("prompt_lengths is for the decoder-only model; an encoder-decoder's source "
+                             "is right-padded with pad_id")
+        lengths = _per_row(prompt_lengths, batch, "prompt_lengths", np.int64)
+        if not np.all((lengths >= 1) & (lengths <= prompt_len)):
+            raise ValueError(f"prompt_lengths must lie in [1, prompt_len={prompt_len}], got {lengths.tolist()}")
+        # Left padding: row b's tokens move to the end, so every row's next token goes to
+        # the same cache slot; the slots before start[b] are masked out.
+        start = (prompt_len - lengths).astype(np.int32)
+        source = np.arange(prompt_len)[None, :] - start[:, None]  # [batch, prompt_len]
+        prompt = np.where(source >= 0, np.take_along_axis(prompt, np.maximum(source, 0), axis=1), 0)
+
     def as_int32(value, default):
         return jnp.asarray(default if value is None else value, jnp.int32)
 
-    return _Knobs(key=key, temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k, jnp.int32),
-                  top_p=jnp.asarray(top_p), eos_id=as_int32(eos_id, -1), pad_id=as_int32(pad_id, 0),
-                  bos_id=as_int32(bos_id, 0))
+    knobs = _Knobs(key=key, temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k, jnp.int32),
+                   top_p=jnp.asarray(top_p), eos_id=as_int32(eos_id, -1), pad_id=as_int32(pad_id, 0),
+                   bos_id=as_int32(bos_id, 0), start=jnp.asarray(start))
+    return knobs, jnp.asarray(prompt, jnp.int32)

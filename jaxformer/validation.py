@@ -59,6 +59,9 @@ def check_step_inputs(tokens, config, vocab_size: int, cache=None, name: str = "
                 f"cache does not fit this model: want {config.n_layer} layers of k/v {want} "
                 f"[batch, capacity, n_kv_head, head_dim], got {len(cache.layers)} layers of "
                 f"{cache.layers[0].k.shape if cache.layers else None}")
+        if cache.start.shape != (tokens.shape[0],):
+            raise ValueError(f"cache.start must hold one slot per row, shape ({tokens.shape[0]},), "
+                             f"got {cache.start.shape}")
         check_fits(0, tokens.shape[1], cache.capacity, f"{name} length", "cache capacity")
         if not is_traced(cache.pos):
             check_fits(int(cache.pos), tokens.shape[1], cache.capacity, f"cache.pos + {name}", "cache capacity")

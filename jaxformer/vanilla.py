@@ -214,7 +214,7 @@ class VanillaTransformer(nn.Module):
             return logits, None
         # Inside jit a write past the capacity was clamped: make it loud (see Decoder).
         logits = jnp.where(pos + T <= cache.capacity, logits, jnp.nan)
-        return logits, KVCache(layers=tuple(new_layers), pos=pos + T)
+        return logits, cache.replace(layers=tuple(new_layers), pos=pos + T)
 
     def __call__(self, src: jax.Array, tgt_in: jax.Array, deterministic: bool = True) -> jax.Array:
         """Teacher-forced logits `[batch, T, tgt_vocab_size]` for `tgt_in` given `src`."""

@@ -15,6 +15,8 @@ def test_create_shapes_and_inspection():
     chex.assert_tree_shape_prefix(cache.layers, (2, 16, 2, 8))
     chex.assert_shape(cache.pos, ())
     assert cache.pos.dtype == jnp.int32 and int(cache.length) == 0
+    chex.assert_shape(cache.start, (2,))
+    np.testing.assert_array_equal(cache.start, [0, 0])
     assert (cache.capacity, cache.batch_size) == (16, 2)
     # 2 (k, v) * 3 layers * batch 2 * 2 kv heads * head_dim 8 * 4 bytes per position
     assert cache.bytes_per_token == 2 * 3 * 2 * 2 * 8 * 4
@@ -41,7 +43,7 @@ def test_write_is_functional_and_lands_at_pos():
 def test_is_a_pytree():
     cache = KVCache.create(CONFIG, batch_size=2, capacity=4)
     leaves = jax.tree.leaves(cache)
-    assert len(leaves) == 2 * 3 + 1
+    assert len(leaves) == 2 * 3 + 2  # k and v per layer, pos, start
     doubled = jax.tree.map(lambda x: x * 2, cache)
     assert isinstance(doubled, KVCache)
 

@@ -62,6 +62,28 @@ def test_one_compiled_step_serves_every_position(small):
     assert compiles == [] and int(cache.pos) == 13
 
 
+def test_left_padded_rows_match_their_unpadded_forward():
+    """cache.start hides a row's left padding and starts its positions after it."""
+    config = SMALL
+    model = Decoder(config)
+    params = scaled_random_params(init_params(config), seed=4)
+    short = _tokens(7, (1, 6))
+    full = _tokens(8, (1, 10))
+    padded = jnp.concatenate([jnp.full((1, 4), 13), short], axis=1)  # 4 slots of padding, any id
+    cache = KVCache.create(config, batch_size=2, capacity=12).replace(start=jnp.array([4, 0], jnp.int32))
+    step = jax.jit(lambda t, c: model.apply({"params": params}, t, c))
+    logits, cache = step(jnp.concatenate([padded, full], axis=0), cache)  # one prefill for both rows
+    nxt = jnp.array([[5], [9]])
+    last, cache = step(nxt, cache)
+    want_short, _ = model.apply({"params": params}, jnp.concatenate([short, nxt[:1]], axis=1))
+    want_full, _ = model.apply({"params": params}, jnp.concatenate([full, nxt[1:]], axis=1))
+    np.testing.assert_allclose(logits[0, 4:], want_short[0, :6], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(last[0, 0], want_short[0, 6], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits[1], want_full[0, :10], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(last[1, 0], want_full[0, 10], atol=1e-4, rtol=1e-4)
+    chex.assert_tree_all_finite(logits)  # padding queries read nothing, and stay finite
+
+
 def test_chunked_prefill_equals_full_forward(small):
     config, model, params = small
     tokens = _tokens(2, (3, 20))

@@ -80,6 +80,22 @@ def test_stream_compiles_its_step_once():
     assert len(steps) == 6 and compiles == []
 
 
+def test_ragged_batch_decodes_each_row_as_if_alone():
+    lengths = [3, 8, 5]
+    rows = [np.asarray(_prompt(10 + i, (1, n)))[0] for i, n in enumerate(lengths)]
+    prompt = np.full((3, 8), 63, np.int32)  # right-padded; the filler must not matter
+    for b, row in enumerate(rows):
+        prompt[b, :len(row)] = row
+    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=24, prompt_lengths=lengths))
+    chex.assert_shape(out, (3, 8 + 24))
+    np.testing.assert_array_equal(out[:, :8], prompt)  # the prompt as given, then the new tokens
+    for b, row in enumerate(rows):
+        alone = np.asarray(generate(MODEL, PARAMS, row[None], max_new_tokens=24))[0, len(row):]
+        np.testing.assert_array_equal(out[b, 8:], alone)
+    streamed = np.stack(list(stream(MODEL, PARAMS, prompt, max_new_tokens=24, prompt_lengths=lengths)), axis=1)
+    np.testing.assert_array_equal(streamed, out[:, 8:])
+
+
 def test_one_new_token_and_full_capacity():
     prompt = _prompt(1, (2, 63))
     out = generate(MODEL, PARAMS, prompt, max_new_tokens=1)  # prompt + new == max_seq_len
@@ -203,6 +219,9 @@ def test_new_prompt_or_knob_values_do_not_recompile():
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_p=0.0), r"top_p must be None or in \(0, 1\]"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_p=1.5), "top_p"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, eos_id=64), "eos_id"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[0, 3]), r"prompt_lengths must lie in \[1, prompt_len=3\]"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[2, 4]), "prompt_lengths"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[2, 2, 2]), "one value per row"),
 ])
 def test_bad_input_is_rejected_before_jit(prompt, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -311,6 +311,8 @@ def test_bad_input(demo):
         generate(model, params, src, max_new_tokens=32, bos_id=1)
     with pytest.raises(ValueError, match="eos_id"):
         generate(model, params, src, max_new_tokens=3, bos_id=1, eos_id=19)
+    with pytest.raises(ValueError, match="prompt_lengths is for the decoder-only model"):
+        generate(model, params, src, max_new_tokens=3, bos_id=1, prompt_lengths=[3, 6])
 
 
 @pytest.mark.parametrize("changes, field", [
