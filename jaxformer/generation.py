@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxformer.beam_search import beam_search
 from jaxformer.cache import KVCache
 from jaxformer.validation import check_fits, check_token_ids
 from jaxformer.vanilla import VanillaTransformer
@@ -76,6 +77,7 @@ class _Knobs:
     pad_id: jax.Array  # [] int32
     bos_id: jax.Array  # [] int32
     start: jax.Array  # [batch] int32, each prompt's left padding (its first real slot)
+    length_penalty: jax.Array  # [] float32, beam search's alpha
 
 
 def _pick(knobs: _Knobs, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -103,11 +105,12 @@ def _step_fn(model, params, prompt, context) -> Callable:
     return lambda tokens, cache: model.apply({"params": params}, tokens, cache)
 
 
-def _start(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
-    """Prefills the cache with the decoder's prompt and picks the first token.
+def _prefill(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
+    """Runs the decoder's whole prompt through the model once.
 
     Returns:
-      `(decoder_prompt, token, cache, done, context)`.
+      `(decoder_prompt, logits, cache, context)`: logits `[batch, vocab]` at the prompt's
+      last position, the cache holding the prompt, and the step's context.
     """
     batch = prompt.shape[0]
     # The encoder-decoder's decoder starts from BOS; the decoder-only model from the prompt.
@@ -117,15 +120,32 @@ def _start(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
     # Capacity: the prompt plus every new token but the last (which is never fed back).
     cache = KVCache.create(model.config, batch, capacity=decoder_prompt.shape[1] + max_new_tokens - 1)
     cache = cache.replace(start=knobs.start)
-    logits, cache = _step_fn(model, params, prompt, context)(decoder_prompt, cache)  # the whole prompt at once
-    token, done = _pick(knobs, 0, logits[:, -1], jnp.zeros(batch, bool))
+    logits, cache = _step_fn(model, params, prompt, context)(decoder_prompt, cache)
+    return decoder_prompt, logits[:, -1], cache, context
+
+
+def _start(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
+    """The prefill and the first token: `(decoder_prompt, token, cache, done, context)`."""
+    decoder_prompt, logits, cache, context = _prefill(model, params, prompt, knobs, max_new_tokens)
+    token, done = _pick(knobs, 0, logits, jnp.zeros(prompt.shape[0], bool))
     return decoder_prompt, token, cache, done, context
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens"))
-def _generate_jit(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "num_beams"))
+def _generate_jit(model, params, prompt, knobs: _Knobs, max_new_tokens: int, num_beams: int = 1):
     """The whole decoding run in one program: a `while_loop` that stops at `max_new_tokens`
-    or once every row has produced EOS (the remaining slots hold `pad_id`)."""
+    or once every row has produced EOS (the remaining slots hold `pad_id`); or, with
+    `num_beams > 1`, beam search."""
+    if num_beams > 1:
+        # Every row becomes num_beams adjacent rows: one cache, one batch for all beams.
+        prompt = jnp.repeat(prompt, num_beams, axis=0)
+        knobs = knobs.replace(start=jnp.repeat(knobs.start, num_beams))
+        decoder_prompt, logits, cache, context = _prefill(model, params, prompt, knobs, max_new_tokens)
+        tokens, _ = beam_search(_step_fn(model, params, prompt, context), logits, cache, n_beams=num_beams,
+                                n_new=max_new_tokens, eos_id=knobs.eos_id, pad_id=knobs.pad_id,
+                                alpha=knobs.length_penalty)
+        return jnp.concatenate([decoder_prompt[::num_beams], tokens], axis=1)
+
     decoder_prompt, token, cache, done, context = _start(model, params, prompt, knobs, max_new_tokens)
     step = _step_fn(model, params, prompt, context)
     tokens = jnp.full((prompt.shape[0], max_new_tokens), knobs.pad_id, jnp.int32).at[:, 0].set(token)
@@ -166,7 +186,8 @@ def _per_row(value, batch: int, name: str, dtype) -> np.ndarray:
 
 def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
              temperature=0.0, top_k=None, top_p=None, eos_id: int | None = None,
-             pad_id: int | None = None, bos_id: int | None = None, prompt_lengths=None) -> jax.Array:
+             pad_id: int | None = None, bos_id: int | None = None, prompt_lengths=None, num_beams: int = 1,
+             length_penalty: float = 0.0) -> jax.Array:
     """Continues each prompt by up to `max_new_tokens` tokens with a KV-cached decode loop.
 
     The whole loop (prefill, every step, every sample) is one jitted function.
@@ -194,6 +215,10 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
       prompt_lengths: decoder-only: each row's prompt length, `1 .. prompt_len`, for a
         batch of prompts of different lengths, right-padded (what follows a row's length
         is ignored). Each row then decodes as it would alone. None: every row is full.
+      num_beams: 1 decodes greedily or samples; > 1 runs beam search (deterministic: the
+        temperature must be 0, top-k and top-p unset) and returns each row's best beam.
+      length_penalty: beam search's alpha in `((5 + length) / 6) ** alpha`, >= 0; a beam
+        scores `log p / that`. 0 compares raw log-probabilities.
 
     Returns:
       int32 `[batch, decoder_prompt_len + max_new_tokens]`: the decoder's prompt (`prompt`
@@ -203,9 +228,16 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
     or `bos_id` reuses the compiled loop; a new prompt shape or `max_new_tokens` compiles a
     new one.
     """
+    if type(num_beams) is not int or num_beams < 1:
+        raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
+    if num_beams > 1 and (np.any(np.asarray(temperature) != 0) or top_k is not None or top_p is not None):
+        raise ValueError("beam search is deterministic: with num_beams > 1 leave temperature at 0 "
+                         "and top_k, top_p unset")
+    if not np.ndim(length_penalty) == 0 or not float(length_penalty) >= 0:
+        raise ValueError(f"length_penalty must be a scalar >= 0, got {length_penalty!r}")
     knobs, decoder_input = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id,
-                                    bos_id, prompt_lengths)
-    out = _generate_jit(model, params, decoder_input, knobs, max_new_tokens)
+                                    bos_id, prompt_lengths, length_penalty)
+    out = _generate_jit(model, params, decoder_input, knobs, max_new_tokens, num_beams)
     # The prompt as the caller gave it (right-padded rows included), then the new tokens.
     return out if prompt_lengths is None else out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt, jnp.int32))
 
@@ -224,7 +256,7 @@ def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None 
       int32 `[batch]` numpy arrays: step i's token of each row (`pad_id` once a row is done).
     """
     knobs, prompt = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id,
-                             prompt_lengths)
+                             prompt_lengths, 0.0)
     _, token, cache, done, context = _stream_start(model, params, prompt, knobs, max_new_tokens)
     for i in range(1, max_new_tokens + 1):
         yield np.asarray(token)
@@ -234,7 +266,7 @@ def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None 
 
 
 def _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id,
-             prompt_lengths) -> tuple[_Knobs, jax.Array]:
+             prompt_lengths, length_penalty) -> tuple[_Knobs, jax.Array]:
     """Checks `generate`'s arguments on the host.
 
     Returns:
@@ -296,5 +328,6 @@ def _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_
 
     knobs = _Knobs(key=key, temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k, jnp.int32),
                    top_p=jnp.asarray(top_p), eos_id=as_int32(eos_id, -1), pad_id=as_int32(pad_id, 0),
-                   bos_id=as_int32(bos_id, 0), start=jnp.asarray(start))
+                   bos_id=as_int32(bos_id, 0), start=jnp.asarray(start),
+                   length_penalty=jnp.asarray(length_penalty, jnp.float32))
     return knobs, jnp.asarray(prompt, jnp.int32)

@@ -1,0 +1,157 @@
+"""Beam search on fixed next-token tables (right answer known) and on a real model."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SMALL, init_params, scaled_random_params
+
+from jaxformer import Decoder, KVCache, VanillaConfig, VanillaTransformer, generate
+from jaxformer.beam_search import beam_search, gather_beams, length_penalty
+
+EOS, PAD = 0, 9
+
+
+def _table_step(table):
+    """A fake model: the next token's log-probabilities depend only on the last token.
+    The cache counts the steps each beam has taken, so a wrong beam gather shows."""
+    table = jnp.log(jnp.asarray(table, jnp.float32))  # [vocab, vocab]: row = last token
+
+    def step(tokens, cache):
+        return table[tokens[:, 0]][:, None, :], {"steps": cache["steps"] + 1}
+
+    return step
+
+
+def _search(first, table, n_beams, n_new, alpha=0.0, eos=EOS, batch=1):
+    step = _table_step(table)
+    logits = jnp.tile(jnp.log(jnp.asarray(first, jnp.float32)), (batch * n_beams, 1))
+    cache = {"steps": jnp.zeros((batch * n_beams,), jnp.int32)}
+    return beam_search(step, logits, cache, n_beams=n_beams, n_new=n_new, eos_id=jnp.int32(eos),
+                       pad_id=jnp.int32(PAD), alpha=alpha)
+
+
+# Tokens: 0 = EOS, 1 = A, 2 = B, 3..5 = C, D, E. After A the next token is spread out;
+# after B it is almost certainly C.
+FIRST = [1e-6, 0.6, 0.4, 1e-6, 1e-6, 1e-6]
+TABLE = np.full((6, 6), 1e-6)
+TABLE[1, 3:6] = [0.4, 0.3, 0.3]  # A -> C, D, E
+TABLE[2, 3] = 0.99  # B -> C
+TABLE[3:6, 1] = 0.99  # C, D, E -> A
+TABLE[0, 0] = 1.0
+TABLE /= TABLE.sum(1, keepdims=True)
+
+
+def test_beam_finds_what_greedy_misses():
+    greedy, _ = _search(FIRST, TABLE, n_beams=1, n_new=2)
+    np.testing.assert_array_equal(greedy, [[1, 3]])  # A (0.6), then C (0.4): p = 0.24
+    beam, score = _search(FIRST, TABLE, n_beams=2, n_new=2)
+    np.testing.assert_array_equal(beam, [[2, 3]])  # B (0.4), then C (0.99): p = 0.396
+    first = np.asarray(FIRST) / np.sum(FIRST)  # (the model's softmax normalises the first step)
+    np.testing.assert_allclose(score, [np.log(first[2] * TABLE[2, 3])], rtol=1e-5)
+    chex.assert_shape(beam, (1, 2))
+
+
+def test_length_penalty_decides_between_short_and_long():
+    # First step: EOS right away (p 0.45), or A (0.55) followed by a likely tail A -> C -> EOS.
+    first = [0.45, 0.55, 1e-6, 1e-6, 1e-6, 1e-6]
+    table = np.full((6, 6), 1e-6)
+    table[1, 3:5] = [0.8, 0.2]  # A -> C or D
+    table[3, [0, 5]] = [0.8, 0.2]  # C -> EOS or E
+    table[0, 0] = 1.0
+    table /= table.sum(1, keepdims=True)
+    first = np.asarray(first) / np.sum(first)
+    short_logp = np.log(first[0])
+    long_logp = np.log(first[1] * table[1, 3] * table[3, 0])  # A C EOS
+    assert long_logp < short_logp  # raw log-probability prefers stopping at once
+    tokens, score = _search(first, table, n_beams=2, n_new=4, alpha=0.0)
+    np.testing.assert_array_equal(tokens, [[EOS, PAD, PAD, PAD]])
+    np.testing.assert_allclose(score, [short_logp], rtol=1e-5)
+    alpha = 3.0  # long enough outputs win once lengths are normalised
+    assert long_logp / float(length_penalty(3, alpha)) > short_logp / float(length_penalty(1, alpha))
+    tokens, score = _search(first, table, n_beams=2, n_new=4, alpha=alpha)
+    np.testing.assert_array_equal(tokens, [[1, 3, EOS, PAD]])
+    np.testing.assert_allclose(score, [long_logp / float(length_penalty(3, alpha))], rtol=1e-5)
+
+
+def test_length_penalty_formula():
+    np.testing.assert_allclose(length_penalty(jnp.arange(1, 4), 0.6), ((5 + np.arange(1, 4)) / 6) ** 0.6, rtol=1e-6)
+    np.testing.assert_array_equal(length_penalty(jnp.arange(1, 4), 0.0), 1.0)
+
+
+def test_gather_beams_moves_each_beam_within_its_row():
+    tree = {"x": jnp.arange(6) * 10, "shared": jnp.int32(7), "y": jnp.arange(12).reshape(6, 2)}
+    out = gather_beams(tree, jnp.array([[2, 2, 0], [1, 0, 0]]), n_beams=3)
+    np.testing.assert_array_equal(out["x"], [20, 20, 0, 40, 30, 30])
+    np.testing.assert_array_equal(out["y"][:, 0], [4, 4, 0, 8, 6, 6])
+    assert int(out["shared"]) == 7
+
+
+MODEL = Decoder(SMALL)
+PARAMS = scaled_random_params(init_params(SMALL), seed=11, scale=0.3)
+
+
+def _prefilled(prompt, n_beams, n_new):
+    step = lambda t, c: MODEL.apply({"params": PARAMS}, t, c)  # noqa: E731
+    prompt = jnp.repeat(prompt, n_beams, axis=0)
+    cache = KVCache.create(SMALL, prompt.shape[0], capacity=prompt.shape[1] + n_new - 1)
+    logits, cache = step(prompt, cache)
+    return step, logits[:, -1], cache
+
+
+@pytest.mark.parametrize("eos", [-1, "emitted"])
+def test_one_beam_is_greedy_on_a_real_model(eos):
+    prompt = jax.random.randint(jax.random.key(0), (3, 7), 0, SMALL.vocab_size)
+    greedy = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20))[:, 7:]
+    if eos == "emitted":
+        eos = int(greedy[1, 6])
+    want = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=None if eos == -1 else eos,
+                               pad_id=PAD))[:, 7:]
+    step, logits, cache = _prefilled(prompt, 1, 20)
+    tokens, _ = jax.jit(lambda l, c: beam_search(step, l, c, n_beams=1, n_new=20, eos_id=jnp.int32(eos),
+                                                 pad_id=jnp.int32(PAD), alpha=0.0))(logits, cache)
+    np.testing.assert_array_equal(tokens, want)
+
+
+def test_beam_score_is_the_sequence_log_probability():
+    """The score equals log p of the returned tokens under an independent full forward."""
+    prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, SMALL.vocab_size)
+    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=10, num_beams=4))
+    chex.assert_shape(out, (2, 15))
+    np.testing.assert_array_equal(out[:, :5], prompt)
+    step, logits, cache = _prefilled(prompt, 4, 10)
+    tokens, score = beam_search(step, logits, cache, n_beams=4, n_new=10, eos_id=jnp.int32(-1),
+                                pad_id=jnp.int32(PAD), alpha=0.0)
+    np.testing.assert_array_equal(tokens, out[:, 5:])
+    full, _ = MODEL.apply({"params": PARAMS}, jnp.asarray(out))
+    logp = jax.nn.log_softmax(full[:, 4:-1].astype(jnp.float32), axis=-1)  # predictions of tokens 5..14
+    want = jnp.take_along_axis(logp, jnp.asarray(out[:, 5:, None]), axis=-1).sum(axis=(1, 2))
+    np.testing.assert_allclose(score, want, atol=1e-4, rtol=1e-5)
+    greedy = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=10))
+    full_greedy, _ = MODEL.apply({"params": PARAMS}, jnp.asarray(greedy))
+    greedy_logp = jnp.take_along_axis(jax.nn.log_softmax(full_greedy[:, 4:-1], -1), jnp.asarray(greedy[:, 5:, None]),
+                                      axis=-1).sum(axis=(1, 2))
+    assert np.all(np.asarray(score) >= np.asarray(greedy_logp) - 1e-5)  # no worse than greedy here
+
+
+def test_encoder_decoder_beam_search_runs():
+    vconfig = VanillaConfig(src_vocab_size=19, tgt_vocab_size=19, n_layer=1, d_model=32, d_ff=64, n_head=2,
+                            max_seq_len=32, tie_embeddings=False)
+    model = VanillaTransformer(vconfig)
+    src = jax.random.randint(jax.random.key(2), (2, 6), 3, 19)
+    params = model.init(jax.random.key(3), src, src)["params"]
+    out = generate(model, params, src, max_new_tokens=8, bos_id=1, eos_id=2, num_beams=3, length_penalty=0.6)
+    chex.assert_shape(out, (2, 9))
+    np.testing.assert_array_equal(out[:, 0], 1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_beams=0), "num_beams"),
+    (dict(num_beams=2, temperature=0.5, key=jax.random.key(0)), "deterministic"),
+    (dict(num_beams=2, top_k=3), "deterministic"),
+    (dict(num_beams=2, length_penalty=-1.0), "length_penalty"),
+])
+def test_bad_beam_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        generate(MODEL, PARAMS, np.zeros((1, 3), np.int32), max_new_tokens=4, **kwargs)
