@@ -11,7 +11,7 @@ from jaxformer.generation import generate, sample_token, stream
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_tables, sinusoidal_table
-from jaxformer.schedules import noam_schedule
+from jaxformer.schedules import noam_schedule, warmup_cosine_schedule
 from jaxformer.vanilla import DecoderLayer, EncoderLayer, Residual, VanillaTransformer
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "combine_values",
     "sinusoidal_table",
     "stream",
+    "warmup_cosine_schedule",
     "Decoder",
     "DecoderConfig",
     "GQASelfAttention",

@@ -66,3 +66,42 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
 
     return schedule
 
+
+
+def warmup_cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int,
+                           final_fraction: float = 0.1) -> optax.Schedule:
+    """Linear warm-up to `peak_lr`, then a cosine down to `final_fraction * peak_lr`.
+
+        count < warmup:  lr = peak * (count + 1) / warmup
+        otherwise:       lr = peak * (f + (1 - f) * (1 + cos(pi * t)) / 2),
+                         t = (count - warmup) / max(1, total - warmup), clipped to [0, 1]
+
+    (the reference decoder-only demo's schedule, with optax's 0-based count as its step).
+
+    Args:
+      peak_lr: the rate at the end of warm-up, > 0.
+      warmup_steps: steps of warm-up, an int >= 1.
+      total_steps: the step at which the cosine reaches its floor, >= warmup_steps.
+      final_fraction: the floor as a fraction of the peak, in [0, 1].
+
+    Returns:
+      A function `count -> lr` (float32, jit-safe).
+    """
+    if not (isinstance(peak_lr, numbers.Real) and math.isfinite(peak_lr) and peak_lr > 0):
+        raise ValueError(f"warmup_cosine_schedule: peak_lr must be a finite float > 0, got {peak_lr!r}")
+    if not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 1:
+        raise ValueError(f"warmup_cosine_schedule: warmup_steps must be an int >= 1, got {warmup_steps!r}")
+    if not isinstance(total_steps, numbers.Integral) or total_steps < warmup_steps:
+        raise ValueError(f"warmup_cosine_schedule: total_steps must be an int >= warmup_steps={warmup_steps}, "
+                         f"got {total_steps!r}")
+    if not 0.0 <= final_fraction <= 1.0:
+        raise ValueError(f"warmup_cosine_schedule: final_fraction must be in [0, 1], got {final_fraction!r}")
+
+    def schedule(count):
+        count = jnp.asarray(count, jnp.float32)
+        warm = peak_lr * (count + 1.0) / warmup_steps
+        t = jnp.clip((count - warmup_steps) / max(1, total_steps - warmup_steps), 0.0, 1.0)
+        cosine = peak_lr * (final_fraction + (1.0 - final_fraction) * 0.5 * (1.0 + jnp.cos(jnp.pi * t)))
+        return jnp.where(count < warmup_steps, warm, cosine)
+
+    return schedule

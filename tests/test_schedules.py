@@ -1,5 +1,7 @@
 """The Noam schedule against the paper's formula, and driving a real optax.adam."""
 
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -108,3 +110,31 @@ def test_drives_adam_with_the_schedule_as_the_learning_rate():
 def test_bad_arguments_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
         noam_schedule(**kwargs)
+
+
+def _reference_lr_at(step, total, base_lr, warmup=100):
+    """The reference demo's lr_at, written out (train.py of the seed code)."""
+    if step < warmup:
+        return base_lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, total - warmup)
+    return 0.1 * base_lr + 0.9 * base_lr * 0.5 * (1 + math.cos(math.pi * p))
+
+
+def test_warmup_cosine_matches_the_reference_formula():
+    from jaxformer import warmup_cosine_schedule
+    schedule = warmup_cosine_schedule(3e-3, 100, 800)
+    for step in (0, 1, 50, 99, 100, 101, 400, 799, 800):
+        np.testing.assert_allclose(float(schedule(step)), _reference_lr_at(step, 800, 3e-3), rtol=1e-5)
+    np.testing.assert_allclose(float(schedule(800)), 3e-4, rtol=1e-5)  # the floor: 10 % of the peak
+    np.testing.assert_allclose(float(schedule(5000)), 3e-4, rtol=1e-5)  # and it stays there
+    np.testing.assert_allclose(float(jax.jit(schedule)(jnp.int32(99))), 3e-3, rtol=1e-6)  # the peak
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0.0, 100, 800), "peak_lr"), ((3e-3, 0, 800), "warmup_steps"), ((3e-3, 100, 50), "total_steps"),
+    ((3e-3, 100, 800, 1.5), "final_fraction"),
+])
+def test_warmup_cosine_bad_arguments(args, match):
+    from jaxformer import warmup_cosine_schedule
+    with pytest.raises(ValueError, match=match):
+        warmup_cosine_schedule(*args)

@@ -223,15 +223,17 @@ def test_reference_init_is_xavier_uniform(demo):
 
 def _slow_greedy(model, params, src, n_new, bos, eos, pad):
     """No cache: every step runs the whole decoder over the prefix (the reference's way),
-    with the same EOS rule (a finished row emits pad)."""
+    with the same EOS rule (a finished row emits pad). The prefix is padded to its final
+    length so one compiled forward serves every step; causality hides the padding."""
     forward = jax.jit(lambda s, t: model.apply({"params": params}, s, t))
-    ys = np.full((src.shape[0], 1), bos)
+    ys = np.full((src.shape[0], n_new + 1), pad)
+    ys[:, 0] = bos
     done = np.zeros(src.shape[0], bool)
-    for _ in range(n_new):
-        nxt = np.asarray(forward(src, jnp.asarray(ys)))[:, -1].argmax(-1)
+    for t in range(n_new):
+        nxt = np.asarray(forward(src, jnp.asarray(ys)))[:, t].argmax(-1)
         nxt = np.where(done, pad, nxt)
         done |= nxt == eos
-        ys = np.concatenate([ys, nxt[:, None]], axis=1)
+        ys[:, t + 1] = nxt
     return ys
 
 
@@ -253,27 +255,27 @@ def _randomised(params, seed):
 
 @pytest.mark.parametrize("norm_first, tie", [(False, False), (True, False), (False, True)])
 def test_cached_greedy_equals_uncached(norm_first, tie):
-    config = DEMO.replace(norm_first=norm_first, tie_embeddings=tie)
+    config = DEMO.replace(norm_first=norm_first, tie_embeddings=tie, max_seq_len=40)
     model = VanillaTransformer(config)
     src = _ids(20, (4, S)).at[2, 5:].set(0)
     params = _randomised(model.init(jax.random.key(1), src, src)["params"], seed=21)
     # Random weights would also emit PAD mid-row. Teacher forcing masks PAD keys, the cache
     # holds what was fed (generation has no target padding), so keep PAD out of the race.
     params["out_bias"] = params["out_bias"].at[config.pad_id].set(-1e4)
-    free = generate(model, params, src, max_new_tokens=12, bos_id=1)  # no EOS: 12 tokens per row
-    chex.assert_shape(free, (4, 13))
-    np.testing.assert_array_equal(free, _slow_greedy(model, params, src, 12, 1, -1, config.pad_id))
+    free = generate(model, params, src, max_new_tokens=32, bos_id=1)  # no EOS: 32 tokens per row
+    chex.assert_shape(free, (4, 33))
+    np.testing.assert_array_equal(free, _slow_greedy(model, params, src, 32, 1, -1, config.pad_id))
     if not tie:  # (a random tied model mostly repeats its input token)
         rows = np.asarray(free[:, 1:])
         assert len(np.unique(rows)) >= 3 and any(len(np.unique(row)) > 1 for row in rows)
     # An EOS that row 0 emits at its 4th step: rows stop where they emit it, then pad.
     eos = int(free[0, 4])
-    stopped = generate(model, params, src, max_new_tokens=12, bos_id=1, eos_id=eos)
-    np.testing.assert_array_equal(stopped, _slow_greedy(model, params, src, 12, 1, eos, config.pad_id))
+    stopped = generate(model, params, src, max_new_tokens=32, bos_id=1, eos_id=eos)
+    np.testing.assert_array_equal(stopped, _slow_greedy(model, params, src, 32, 1, eos, config.pad_id))
     first_eos = int(np.argmax(np.asarray(stopped[0]) == eos))
     assert first_eos <= 4 and np.all(np.asarray(stopped[0, first_eos + 1:]) == config.pad_id)
     # Streaming yields the same tokens, step by step.
-    streamed = np.stack(list(stream(model, params, src, max_new_tokens=12, bos_id=1, eos_id=eos)), axis=1)
+    streamed = np.stack(list(stream(model, params, src, max_new_tokens=32, bos_id=1, eos_id=eos)), axis=1)
     np.testing.assert_array_equal(streamed, np.asarray(stopped)[:, 1:1 + streamed.shape[1]])
 
 

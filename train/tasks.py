@@ -53,3 +53,80 @@ def reverse_batch(key: jax.Array, batch_size: int, min_len: int = 5, max_len: in
     tgt_out = jnp.concatenate([reversed_, pad_column], axis=1).at[jnp.arange(batch_size), length].set(EOS)
     return {"src": src.astype(jnp.int32), "tgt_in": tgt_in.astype(jnp.int32),
             "tgt_out": tgt_out.astype(jnp.int32), "length": length.astype(jnp.int32)}
+
+
+# The copy task (the reference's train.py): [BOS] p_1..p_L [SEP] p_1..p_L with a fresh
+# random pattern p every time. Only the second copy is scored, and since the pattern is
+# noise nothing can be memorised in the weights: it takes attention reading back across
+# SEP (an induction head).
+COPY_LEN, COPY_SYMBOLS = 32, 48
+COPY_BOS, COPY_SEP = COPY_SYMBOLS, COPY_SYMBOLS + 1
+COPY_VOCAB = COPY_SYMBOLS + 2  # 50
+IGNORE = -1  # target id of unscored positions
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "length"))
+def copy_batch(key: jax.Array, batch_size: int, length: int = COPY_LEN) -> dict[str, jax.Array]:
+    """`tokens [batch, 2L + 1]` and next-token `targets` (the first L + 1 are IGNORE)."""
+    pattern = jax.random.randint(key, (batch_size, length), 0, COPY_SYMBOLS)
+    column = lambda token: jnp.full((batch_size, 1), token, jnp.int32)  # noqa: E731
+    sequence = jnp.concatenate([column(COPY_BOS), pattern, column(COPY_SEP), pattern], axis=1)  # [batch, 2L + 2]
+    targets = sequence[:, 1:].at[:, :length + 1].set(IGNORE)  # score only the second copy
+    return {"tokens": sequence[:, :-1], "targets": targets}
+
+
+def copy_prompts(key: jax.Array, n: int, length: int = COPY_LEN) -> tuple[jax.Array, jax.Array]:
+    """`([BOS] pattern [SEP]` prompts `[n, L + 2]`, the patterns `[n, L]`) to copy back."""
+    batch = copy_batch(key, n, length)
+    return batch["tokens"][:, :length + 2], batch["targets"][:, length + 1:]
+
+
+class CharText:
+    """A character-level corpus: every distinct character of a UTF-8 file is a token.
+
+    The first 90 % of the text trains, the rest validates.
+
+    Raises:
+      ValueError: the file cannot be read, is not UTF-8, or is too short for `seq_len`.
+    """
+
+    def __init__(self, path, seq_len: int):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --data {path}: {e}") from None
+        self.chars = sorted(set(text))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+        self.seq_len = seq_len
+        ids = jnp.asarray([self.index[c] for c in text], jnp.int32)
+        split = int(0.9 * len(ids))
+        self.train, self.val = ids[:split], ids[split:]
+        if min(len(self.train), len(self.val)) < seq_len + 2:
+            raise ValueError(f"--data {path} holds {len(text)} characters: too few for --seq-len {seq_len} "
+                             f"(each of the 90/10 train/validation splits needs {seq_len + 2})")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def batch(self, key: jax.Array, batch_size: int, split: str = "train") -> dict[str, jax.Array]:
+        return _windows(self.train if split == "train" else self.val, key, batch_size, self.seq_len)
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted(set(text) - set(self.chars))
+        if unknown:
+            raise ValueError(f"--prompt holds characters the corpus does not: {unknown}")
+        return [self.index[c] for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "seq_len"))
+def _windows(data: jax.Array, key: jax.Array, batch_size: int, seq_len: int) -> dict[str, jax.Array]:
+    """Random windows of `data`: `tokens [batch, seq_len]` and the next characters."""
+    start = jax.random.randint(key, (batch_size,), 0, data.shape[0] - seq_len - 1)
+    index = start[:, None] + jnp.arange(seq_len + 1)[None, :]  # [batch, seq_len + 1]
+    window = data[index]
+    return {"tokens": window[:, :-1], "targets": window[:, 1:]}
