@@ -17,6 +17,7 @@ metrics line labelled s holds the result of the first s updates.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -34,6 +35,34 @@ from flax import struct
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+
+
+def fail(prog: str, message: str) -> None:
+    """Stops a demo with one clear line on stderr (exit status 2), not a traceback."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (`prog: error: ...`), not a usage dump."""
+
+    def error(self, message):
+        fail(self.prog, message)
+
+
+def start_run(run_dir, config: dict, resume: bool) -> None:
+    """Checks and records a run's config in `run_dir` before training starts.
+
+    Raises:
+      ValueError: resuming a run directory that holds a different config, or starting a
+        new run in a directory that is not empty (its checkpoints would be mixed in).
+    """
+    run_dir = Path(run_dir)
+    if resume:
+        check_run_config(run_dir, config)
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"{run_dir} is not empty: pass --resume to continue that run, or choose a new --run-dir")
+    save_run_config(run_dir, config)
 
 
 def enable_compilation_cache(directory=None) -> Path:

@@ -29,23 +29,20 @@ import numpy as np
 import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
-from train.common import (TrainState, check_run_config, enable_compilation_cache, make_train_step, save_run_config,
-                          train_loop)
+from train import common
+from train.common import OneLineParser, TrainState, enable_compilation_cache, make_train_step, start_run, train_loop
 from train.tasks import COPY_LEN, COPY_SYMBOLS, COPY_VOCAB, IGNORE, CharText, copy_batch, copy_prompts
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one clear line, not a usage dump
-        fail(message)
+PROG = "python -m train.lm"
 
 
 def fail(message: str) -> None:
-    print(f"train.lm: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    common.fail(PROG, message)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(prog="python -m train.lm", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--task", choices=["copy", "text"], default="copy")
     p.add_argument("--data", type=Path, help="UTF-8 text file for --task text")
@@ -117,13 +114,9 @@ def main(argv=None) -> int:
     run = {"task": args.task, "data": str(args.data), "config": {k: v for k, v in vars(config).items() if k != "dtype"},
            **{k: getattr(args, k) for k in ("seed", "steps", "batch_size", "lr", "warmup", "weight_decay", "clip")}}
     try:
-        if args.resume:
-            check_run_config(args.run_dir, run)
-        elif args.run_dir.exists() and any(args.run_dir.iterdir()):
-            fail(f"{args.run_dir} is not empty: pass --resume to continue that run, or choose a new --run-dir")
+        start_run(args.run_dir, run, args.resume)
     except ValueError as e:
         fail(str(e))
-    save_run_config(args.run_dir, run)
 
     schedule = warmup_cosine_schedule(args.lr, args.warmup, args.steps)
     optimizer = optax.chain(

@@ -33,8 +33,8 @@ from jaxformer import VanillaConfig, VanillaTransformer, generate
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.viz import ascii_attention, save_attention_grid
-from train.common import (TrainState, check_run_config, enable_compilation_cache, make_train_step, save_run_config,
-                          train_loop)
+from train import common
+from train.common import OneLineParser, TrainState, enable_compilation_cache, make_train_step, start_run, train_loop
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 MIN_LEN, MAX_LEN = 5, 10
@@ -42,18 +42,15 @@ PROBE_LENGTHS = (11, 12, 13, 14, 15, 16)  # never seen in training
 MAP_LENGTH = 8
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one clear line, not a usage dump
-        fail(message)
+PROG = "python -m train.reverse"
 
 
 def fail(message: str) -> None:
-    print(f"train.reverse: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    common.fail(PROG, message)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(prog="python -m train.reverse", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=3000, help="training steps (updates)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -193,13 +190,9 @@ def run(args) -> int:
     shape_trace(model, params)
 
     try:
-        if args.resume:
-            check_run_config(args.run_dir, run_config(args, config))
-        elif args.run_dir.exists() and any(args.run_dir.iterdir()):
-            fail(f"{args.run_dir} is not empty: pass --resume to continue that run, or choose a new --run-dir")
+        start_run(args.run_dir, run_config(args, config), args.resume)
     except ValueError as e:
         fail(str(e))
-    save_run_config(args.run_dir, run_config(args, config))
 
     schedule = noam_schedule(config.d_model, args.warmup)
     # The paper's Adam: beta2 0.98 and eps 1e-9. The schedule *is* the learning rate.
