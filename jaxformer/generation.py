@@ -239,7 +239,7 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
                                     bos_id, prompt_lengths, length_penalty)
     out = _generate_jit(model, params, decoder_input, knobs, max_new_tokens, num_beams)
     # The prompt as the caller gave it (right-padded rows included), then the new tokens.
-    return out if prompt_lengths is None else out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt, jnp.int32))
+    return out if prompt_lengths is None else out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))
 
 
 def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
@@ -277,10 +277,23 @@ def _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_
     seq2seq = isinstance(model, VanillaTransformer)
     prompt_vocab, out_vocab = ((config.src_vocab_size, config.tgt_vocab_size) if seq2seq
                                else (config.vocab_size, config.vocab_size))
-    check_token_ids(prompt, prompt_vocab, "prompt")
-    batch, prompt_len = np.shape(prompt)
-    if batch < 1 or prompt_len < 1:
-        raise ValueError(f"prompt must hold at least one token per row, got shape {np.shape(prompt)}")
+    prompt = np.asarray(prompt)
+    if prompt.ndim != 2 or prompt.shape[0] < 1 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must be 2-D [batch, seq] with at least one token per row, got shape {prompt.shape}")
+    batch, prompt_len = prompt.shape
+    lengths = None
+    if prompt_lengths is not None:
+        if seq2seq:
+            raise ValueError("prompt_lengths is for the decoder-only model; an encoder-decoder's source "
+                             "is right-padded with pad_id")
+        lengths = _per_row(prompt_lengths, batch, "prompt_lengths", np.float64)
+        if not np.all((lengths >= 1) & (lengths <= prompt_len) & (lengths == np.round(lengths))):
+            raise ValueError(f"prompt_lengths must be ints in [1, prompt_len={prompt_len}], got {lengths.tolist()}")
+        lengths = lengths.astype(np.int32)
+    # Only the real tokens must be ids: what follows a row's length is ignored.
+    real = np.arange(prompt_len)[None, :] < (prompt_len if lengths is None else lengths[:, None])
+    check_token_ids(np.where(real, prompt, 0) if np.issubdtype(prompt.dtype, np.integer) else prompt,
+                    prompt_vocab, "prompt")
     if type(max_new_tokens) is not int or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if seq2seq:
@@ -308,15 +321,9 @@ def _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_
             raise ValueError("key is required when temperature > 0: pass key=jax.random.key(seed)")
         key = jax.random.key(0)  # unused by greedy decoding; keeps the traced signature fixed
 
-    prompt = np.asarray(prompt, np.int32)
+    prompt = np.where(real, prompt, 0).astype(np.int32)
     start = np.zeros(batch, np.int32)
-    if prompt_lengths is not None:
-        if seq2seq:
-            raise ValueError("prompt_lengths is for the decoder-only model; an encoder-decoder's source "
-                             "is right-padded with pad_id")
-        lengths = _per_row(prompt_lengths, batch, "prompt_lengths", np.int64)
-        if not np.all((lengths >= 1) & (lengths <= prompt_len)):
-            raise ValueError(f"prompt_lengths must lie in [1, prompt_len={prompt_len}], got {lengths.tolist()}")
+    if lengths is not None:
         # Left padding: row b's tokens move to the end, so every row's next token goes to
         # the same cache slot; the slots before start[b] are masked out.
         start = (prompt_len - lengths).astype(np.int32)

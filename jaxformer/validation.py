@@ -65,5 +65,12 @@ def check_step_inputs(tokens, config, vocab_size: int, cache=None, name: str = "
         check_fits(0, tokens.shape[1], cache.capacity, f"{name} length", "cache capacity")
         if not is_traced(cache.pos):
             check_fits(int(cache.pos), tokens.shape[1], cache.capacity, f"cache.pos + {name}", "cache capacity")
+            if not is_traced(cache.start):
+                start = np.asarray(cache.start)
+                # A row's first real slot must be written by now or by this call, or every
+                # query of that row would be blocked from every key.
+                if start.min() < 0 or start.max() >= int(cache.pos) + tokens.shape[1]:
+                    raise ValueError(f"cache.start must lie in [0, cache.pos + {name} length = "
+                                     f"{int(cache.pos) + tokens.shape[1]}), got {start.tolist()}")
     if not is_traced(tokens):
         check_token_ids(tokens, vocab_size, name)

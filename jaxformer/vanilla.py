@@ -32,7 +32,7 @@ from jaxformer.config import VanillaConfig
 from jaxformer.embeddings import lookup
 from jaxformer.feedforward import FeedForward
 from jaxformer.positions import sinusoidal_table
-from jaxformer.validation import check_step_inputs
+from jaxformer.validation import check_step_inputs, is_traced
 
 
 class Residual(nn.Module):
@@ -178,7 +178,8 @@ class VanillaTransformer(nn.Module):
           memory: `[batch, S, d_model]` from `encode`; may be None when `memory_kv` is given.
           src: int `[batch, S]` source ids (for its padding mask).
           cache: the decoder self-attention `KVCache` (`KVCache.create(config, batch)`), or
-            None. With a cache, `tgt_in` continues the cached prefix (no target padding).
+            None. With a cache, `tgt_in` continues the cached prefix (no target padding;
+            `cache.start` must be all zeros: every decoder row starts at BOS).
           memory_kv: `cross_kv(memory)`, to skip projecting the memory at every step.
           deterministic: False applies dropout.
 
@@ -188,6 +189,8 @@ class VanillaTransformer(nn.Module):
         """
         c = self.config
         check_step_inputs(tgt_in, c, c.tgt_vocab_size, cache, name="tgt_in")
+        if cache is not None and not is_traced(cache.start) and bool(jnp.any(cache.start != 0)):
+            raise ValueError("cache.start must be all zeros for the encoder-decoder: its decoder rows all start at BOS")
         T = tgt_in.shape[1]
         pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
         src_mask = self.source_mask(src)  # [batch, 1, S]

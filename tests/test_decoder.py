@@ -193,6 +193,12 @@ class TestBadInput:
         with pytest.raises(ValueError, match="cache capacity=8"):
             model.apply({"params": params}, jnp.zeros((1, 9), jnp.int32), KVCache.create(config, 1, capacity=8))
 
+    def test_cache_start_out_of_range(self, small):
+        config, model, params = small
+        cache = KVCache.create(config, batch_size=2, capacity=8).replace(start=jnp.array([0, 5], jnp.int32))
+        with pytest.raises(ValueError, match=r"cache.start must lie in \[0, cache.pos \+ tokens length = 3\)"):
+            model.apply({"params": params}, jnp.zeros((2, 3), jnp.int32), cache)
+
     def test_cache_of_another_model(self, small):
         config, model, params = small
         other = KVCache.create(config.replace(n_kv_head=4), batch_size=1)

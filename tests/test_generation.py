@@ -83,7 +83,7 @@ def test_stream_compiles_its_step_once():
 def test_ragged_batch_decodes_each_row_as_if_alone():
     lengths = [3, 8, 5]
     rows = [np.asarray(_prompt(10 + i, (1, n)))[0] for i, n in enumerate(lengths)]
-    prompt = np.full((3, 8), 63, np.int32)  # right-padded; the filler must not matter
+    prompt = np.full((3, 8), -7, np.int32)  # right-padded; the filler is ignored, even if not an id
     for b, row in enumerate(rows):
         prompt[b, :len(row)] = row
     out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=24, prompt_lengths=lengths))
@@ -219,9 +219,11 @@ def test_new_prompt_or_knob_values_do_not_recompile():
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_p=0.0), r"top_p must be None or in \(0, 1\]"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_p=1.5), "top_p"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, eos_id=64), "eos_id"),
-    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[0, 3]), r"prompt_lengths must lie in \[1, prompt_len=3\]"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[0, 3]), r"prompt_lengths must be ints in \[1, prompt_len=3\]"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[2, 4]), "prompt_lengths"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[2, 2, 2]), "one value per row"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[2.5, 3]), "prompt_lengths must be ints"),
+    (np.array([[1, 99, 0], [1, 2, 3]]), dict(max_new_tokens=5, prompt_lengths=[2, 3]), "prompt holds ids outside"),
 ])
 def test_bad_input_is_rejected_before_jit(prompt, kwargs, match):
     with pytest.raises(ValueError, match=match):

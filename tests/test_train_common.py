@@ -3,7 +3,6 @@
 import io
 import shutil
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

@@ -1,12 +1,11 @@
 import chex
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import scaled_random_params
 
-from jaxformer import (DecoderLayer, EncoderLayer, FeedForward, KVCache, MultiHeadAttention, Residual, VanillaConfig,
+from jaxformer import (DecoderLayer, EncoderLayer, FeedForward, KVCache, MultiHeadAttention, VanillaConfig,
                        VanillaTransformer, attention_weights, generate, sinusoidal_table, stream)
 
 # The reference demo's model (REFERENCE.md, "The reversal demo").
@@ -307,6 +306,11 @@ def test_bad_input(demo):
         model.apply({"params": params}, src, tgt_in.at[0, 0].set(-1))
     with pytest.raises(ValueError, match="src length.*max_seq_len=32"):
         model.apply({"params": params}, jnp.ones((1, 33), jnp.int32), tgt_in[:1])
+    cache = KVCache.create(DEMO, batch_size=B, capacity=4).replace(start=jnp.array([0, 1], jnp.int32))
+    with pytest.raises(ValueError, match="cache.start must be all zeros"):
+        model.apply({"params": params}, tgt_in[:, :2], None, src, cache=cache,
+                    memory_kv=model.apply({"params": params}, model.apply({"params": params}, src, method="encode"),
+                                          method="cross_kv"), method="decode")
     with pytest.raises(ValueError, match="bos_id is required"):
         generate(model, params, src, max_new_tokens=3)
     with pytest.raises(ValueError, match=r"BOS \+ max_new_tokens: 1 \+ 32 = 33"):
