@@ -260,7 +260,7 @@ def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None 
     _, token, cache, done, context = _stream_start(model, params, prompt, knobs, max_new_tokens)
     for i in range(1, max_new_tokens + 1):
         yield np.asarray(token)
-        if i == max_new_tokens or bool(jnp.all(done)):
+        if i == max_new_tokens or np.asarray(done).all():  # (on the host: no extra device op)
             return
         token, cache, done = _stream_next(model, params, prompt, context, knobs, jnp.int32(i), token, cache, done)
 
