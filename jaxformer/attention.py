@@ -128,6 +128,10 @@ class GQASelfAttention(nn.Module):
         q = jnp.einsum("btd,dhk->bthk", x, wq)  # [batch, T, n_head, head_dim]
         k = jnp.einsum("btd,dhk->bthk", x, wk)  # [batch, T, n_kv, head_dim]
         v = jnp.einsum("btd,dhk->bthk", x, wv)  # [batch, T, n_kv, head_dim]
+        if c.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
+            q = q + self.param("bq", nn.initializers.zeros, (H, D)).astype(c.dtype)
+            k = k + self.param("bk", nn.initializers.zeros, (K, D)).astype(c.dtype)
+            v = v + self.param("bv", nn.initializers.zeros, (K, D)).astype(c.dtype)
         # Rotate q and k (never v) before caching: a cached key keeps its position.
         q = apply_rope(q, cos, sin, c.rope_pairing)
         k = apply_rope(k, cos, sin, c.rope_pairing)

@@ -51,8 +51,8 @@ class _ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head, `d_model // n_head`."""
-        return self.d_model // self.n_head
+        """Channels per attention head: `d_model // n_head`, unless the config sets its own."""
+        return getattr(self, "head_dim_override", None) or self.d_model // self.n_head
 
     def replace(self, **changes):
         """A copy with `changes` applied, validated again."""
@@ -80,6 +80,10 @@ class DecoderConfig(_ModelConfig):
         "interleaved" (channels 2i, 2i+1: RoFormer, Meta's original Llama).
       tie_embeddings: the output head reuses the token embedding matrix.
       dtype: activation and compute dtype (parameters are stored in float32).
+      head_dim_override: channels per head when they are not `d_model // n_head` (some
+        checkpoints, e.g. Qwen2 or Mistral variants, use wider heads); None for the rule.
+        Read the resolved width from `head_dim`.
+      qkv_bias: Q, K and V projections carry a bias (Qwen2); the output projection never does.
     """
 
     vocab_size: int = 256
@@ -94,6 +98,8 @@ class DecoderConfig(_ModelConfig):
     rope_pairing: str = "split_half"
     tie_embeddings: bool = True
     dtype: Any = jnp.float32
+    head_dim_override: int | None = None
+    qkv_bias: bool = False
 
     def __post_init__(self):
         _require_positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
@@ -101,11 +107,15 @@ class DecoderConfig(_ModelConfig):
                  "hidden_dim", "must be None or a positive int")
         _require(self, self.rope_theta > 0, "rope_theta", "must be > 0")
         _require(self, self.norm_eps > 0, "norm_eps", "must be > 0")
-        _require(self, self.d_model % self.n_head == 0, "d_model", f"must be divisible by n_head={self.n_head}")
+        _require(self, self.head_dim_override is None
+                 or (type(self.head_dim_override) is int and self.head_dim_override > 0),
+                 "head_dim_override", "must be None or a positive int")
+        _require(self, self.head_dim_override is not None or self.d_model % self.n_head == 0, "d_model",
+                 f"must be divisible by n_head={self.n_head} (or set head_dim_override)")
         _require(self, self.n_head % self.n_kv_head == 0, "n_head",
                  f"must be divisible by n_kv_head={self.n_kv_head}")
-        _require(self, self.head_dim % 2 == 0, "d_model",
-                 f"d_model // n_head (head_dim={self.head_dim}) must be even for RoPE pairs")
+        _require(self, self.head_dim % 2 == 0, "head_dim_override" if self.head_dim_override else "d_model",
+                 f"head_dim={self.head_dim} must be even for RoPE pairs")
         _require(self, self.rope_pairing in ROPE_PAIRINGS, "rope_pairing", f"must be one of {ROPE_PAIRINGS}")
         _normalise_dtype(self)
 
@@ -118,7 +128,6 @@ class DecoderConfig(_ModelConfig):
     def n_rep(self) -> int:
         """Query heads per kv head."""
         return self.n_head // self.n_kv_head
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +146,11 @@ class VanillaConfig(_ModelConfig):
       pad_id: the padding id, masked out as a key and ignored by the loss.
       max_seq_len: longest source or target sequence (length of the sinusoid table).
       norm_first: False for the paper's post-norm `LayerNorm(x + Dropout(Sublayer(x)))`;
-        True for pre-norm `x + Dropout(Sublayer(LayerNorm(x)))` plus a final LayerNorm
-        after each stack.
+        True for pre-norm `x + Dropout(Sublayer(LayerNorm(x)))`.
+      final_norm: a LayerNorm after the last encoder layer and after the last decoder
+        layer. None means `norm_first` (pre-norm needs it, the paper has none); torch's
+        `nn.Transformer` has it in both modes. Read the resolved choice from
+        `has_final_norm`.
       tie_embeddings: source and target embeddings and the output projection share one
         matrix (section 3.4); needs equal vocabularies.
       layer_norm_eps: LayerNorm epsilon (PyTorch's default).
@@ -158,6 +170,7 @@ class VanillaConfig(_ModelConfig):
     tie_embeddings: bool = True
     layer_norm_eps: float = 1e-5
     dtype: Any = jnp.float32
+    final_norm: bool | None = None
 
     def __post_init__(self):
         _require_positive_ints(self, "src_vocab_size", "tgt_vocab_size", "n_layer", "d_model", "d_ff",
@@ -172,6 +185,11 @@ class VanillaConfig(_ModelConfig):
                  f"needs src_vocab_size == tgt_vocab_size ({self.src_vocab_size} != {self.tgt_vocab_size})")
         _require(self, self.layer_norm_eps > 0, "layer_norm_eps", "must be > 0")
         _normalise_dtype(self)
+
+    @property
+    def has_final_norm(self) -> bool:
+        """Whether each stack ends in a LayerNorm (`final_norm`, or `norm_first` when None)."""
+        return self.norm_first if self.final_norm is None else self.final_norm
 
     @property
     def n_kv_head(self) -> int:

@@ -61,9 +61,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarr
       `(cos, sin)`, each `[max_seq_len, head_dim // 2]` float32 (read-only numpy arrays:
       under `jit` they become constants, sliced at the cache position).
     """
-    # inv_freq_i = theta^(-2i/d), i = 0 .. d/2 - 1; angles in float64, then stored as f32.
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), inv_freq)  # [max_seq_len, d/2]
+    # inv_freq_i = theta^(-2i/d), i = 0 .. d/2 - 1, and the angles pos * inv_freq, both
+    # rounded to float32 as the reference, Meta's Llama and Hugging Face compute them: a
+    # checkpoint was trained with exactly these angles. (Exact float64 angles drift from
+    # them by ~4e-6 rad near position 100, which moves a sharp model's logits by ~1e-4.)
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = np.float32(1.0) / (np.float64(theta) ** exponent).astype(np.float32)  # [d/2]
+    angles = np.outer(np.arange(max_seq_len, dtype=np.float32), inv_freq)  # [max_seq_len, d/2] float32
+    angles = angles.astype(np.float64)  # cos and sin of those angles, correctly rounded
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     cos.flags.writeable = sin.flags.writeable = False  # shared by every caller of the cache
     return cos, sin

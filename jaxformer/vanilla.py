@@ -131,7 +131,7 @@ class VanillaTransformer(nn.Module):
         self.encoder_layers = [EncoderLayer(c) for _ in range(c.n_layer)]
         self.decoder_layers = [DecoderLayer(c) for _ in range(c.n_layer)]
         self.embed_dropout = nn.Dropout(c.dropout)
-        if c.norm_first:  # pre-norm leaves the residual stream unnormalised: norm it once at the end
+        if c.has_final_norm:  # pre-norm leaves the residual stream unnormalised: norm it once at the end
             self.encoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype)
             self.decoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype)
 
@@ -164,7 +164,7 @@ class VanillaTransformer(nn.Module):
         x = self.embed(self.src_embed, src, 0, deterministic)  # [batch, S, d_model]
         for layer in self.encoder_layers:
             x = layer(x, src_mask, deterministic)
-        return self.encoder_norm(x) if c.norm_first else x
+        return self.encoder_norm(x) if c.has_final_norm else x
 
     def cross_kv(self, memory: jax.Array) -> tuple[LayerKV, ...]:
         """Every decoder layer's cross-attention K/V of `memory`, computed once per source."""
@@ -206,7 +206,7 @@ class VanillaTransformer(nn.Module):
                                    layer_cache=None if cache is None else cache.layers[i], pos=pos,
                                    deterministic=deterministic)
             new_layers.append(layer_cache)
-        if c.norm_first:
+        if c.has_final_norm:
             y = self.decoder_norm(y)
         if c.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", y, self.tgt_embed.astype(c.dtype))  # [batch, T, tgt_vocab]

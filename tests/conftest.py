@@ -21,6 +21,12 @@ os.environ.setdefault("JAXFORMER_CACHE_DIR", tempfile.mkdtemp(prefix="jaxformer-
 SMALL = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
 
 
+def import_peer(module: str):
+    """A peer package for a parity test, or a skip that says how to get it."""
+    return pytest.importorskip(module, reason=f"{module} is missing: the parity tests need the peers extra, "
+                                              f"pip install -e '.[peers]'")
+
+
 def init_params(config: DecoderConfig, seed: int = 0):
     return Decoder(config).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))["params"]
 
@@ -87,9 +93,10 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig) -> np.ndarray:
     for i in range(config.n_layer):
         b = p[f"block_{i}"]
         h = rms(x, b["attn_norm"]["weight"])
-        q = rope((h @ b["attn"]["wq"].reshape(d, H * D)).reshape(B, T, H, D))
-        k = rope((h @ b["attn"]["wk"].reshape(d, K * D)).reshape(B, T, K, D))
-        v = (h @ b["attn"]["wv"].reshape(d, K * D)).reshape(B, T, K, D)
+        bias = {name: b["attn"][name].reshape(-1) if config.qkv_bias else 0.0 for name in ("bq", "bk", "bv")}
+        q = rope((h @ b["attn"]["wq"].reshape(d, H * D) + bias["bq"]).reshape(B, T, H, D))
+        k = rope((h @ b["attn"]["wk"].reshape(d, K * D) + bias["bk"]).reshape(B, T, K, D))
+        v = (h @ b["attn"]["wv"].reshape(d, K * D) + bias["bv"]).reshape(B, T, K, D)
         heads = []
         for j in range(H):
             kv = j // (H // K)

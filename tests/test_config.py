@@ -3,7 +3,7 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from jaxformer import DecoderConfig
+from jaxformer import DecoderConfig, VanillaConfig
 from jaxformer.config import swiglu_hidden_dim
 
 
@@ -28,6 +28,19 @@ def test_frozen_and_replace_revalidates():
     assert DecoderConfig(dtype="bfloat16").dtype == jnp.bfloat16
 
 
+def test_head_dim_override_frees_the_head_width_from_d_model():
+    c = DecoderConfig(d_model=250, n_head=5, n_kv_head=1, head_dim_override=64)  # 250 / 5 would be 50
+    assert c.head_dim == 64 and c.replace(d_model=500).head_dim == 64
+    assert c.replace(head_dim_override=None, d_model=320).head_dim == 64  # back to the rule
+
+
+def test_vanilla_final_norm_follows_norm_first_unless_set():
+    c = VanillaConfig(src_vocab_size=10, tgt_vocab_size=10)
+    assert not c.has_final_norm and c.replace(norm_first=True).has_final_norm
+    assert c.replace(final_norm=True).has_final_norm  # torch's nn.Transformer: post-norm with final norms
+    assert not c.replace(norm_first=True, final_norm=False).has_final_norm
+
+
 @pytest.mark.parametrize("changes, field, rule", [
     (dict(d_model=250), "d_model", "divisible by n_head"),
     (dict(n_head=8, n_kv_head=3), "n_head", "divisible by n_kv_head"),
@@ -44,6 +57,8 @@ def test_frozen_and_replace_revalidates():
     (dict(norm_eps=-1e-6), "norm_eps", "> 0"),
     (dict(rope_pairing="adjacent"), "rope_pairing", "one of"),
     (dict(dtype=jnp.int32), "dtype", "floating"),
+    (dict(head_dim_override=0), "head_dim_override", "positive"),
+    (dict(head_dim_override=15), "head_dim_override", "even"),
 ])
 def test_each_rule_names_field_and_rule(changes, field, rule):
     with pytest.raises(ValueError, match=rf"DecoderConfig\.{field}: .*{rule}"):

@@ -105,6 +105,8 @@ def test_chunked_prefill_equals_full_forward(small):
     dict(tie_embeddings=False),
     dict(n_kv_head=4),  # plain multi-head attention
     dict(n_kv_head=1),  # multi-query attention
+    dict(qkv_bias=True),  # Qwen2
+    dict(head_dim_override=24),  # heads wider than d_model // n_head
 ])
 def test_matches_independent_numpy_forward(changes):
     """Weights at a large scale, so a wrong pairing, grouping or layout cannot hide."""

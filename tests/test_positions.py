@@ -16,11 +16,18 @@ def _score(q, k, i, j, pairing, cos, sin):
 
 
 def test_tables_match_formula():
+    """theta^(-2i/d) and pos * inv_freq rounded to float32 (as the PyTorch reference, Meta
+    and Hugging Face compute them), then cos and sin."""
     cos, sin = rope_tables(HEAD_DIM, 64, 10000.0)
     chex.assert_shape([cos, sin], (64, HEAD_DIM // 2))
-    angles = np.arange(64)[:, None] / 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
-    np.testing.assert_allclose(cos, np.cos(angles), atol=1e-6)
-    np.testing.assert_allclose(sin, np.sin(angles), atol=1e-6)
+    inv_freq = np.float32(1) / np.float32(10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))
+    angles32 = np.arange(64, dtype=np.float32)[:, None] * inv_freq[None, :]  # float32 products
+    np.testing.assert_allclose(cos, np.cos(angles32.astype(np.float64)), rtol=0, atol=6e-8)
+    np.testing.assert_allclose(sin, np.sin(angles32.astype(np.float64)), rtol=0, atol=6e-8)
+    # Within float32 rounding of the exact angles: at most a few ulps of the largest angle, 63.
+    exact = np.arange(64)[:, None] / 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    np.testing.assert_allclose(cos, np.cos(exact), rtol=0, atol=2 * 63 * 2.0 ** -23)
+    np.testing.assert_allclose(sin, np.sin(exact), rtol=0, atol=2 * 63 * 2.0 ** -23)
     assert rope_tables(HEAD_DIM, 64, 10000.0)[0] is cos  # computed once
 
 
