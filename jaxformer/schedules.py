@@ -30,7 +30,9 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
     step 1 and update `warmup_steps - 1` (0-based) is the peak. `step` is also clamped
     to `>= 1`: for the counts optax passes (`>= 0`) the clamp never triggers, but it
     keeps a direct call with any count (0, or a negative one) finite instead of
-    dividing by zero in `step^-0.5`.
+    dividing by zero in `step^-0.5`. (The reference's `LambdaLR` calls its lambda with
+    0 for the first update and clamps it to 1, so it spends two updates at step 1: its
+    rates are this schedule's, one update later.)
 
     The PyTorch pitfall this avoids: `torch.optim.lr_scheduler.LambdaLR` multiplies the
     optimizer's base lr by the lambda. Porting the formula into a lambda while giving the

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import import_peer
 
 from jaxformer.schedules import noam_schedule
 
@@ -138,3 +139,40 @@ def test_warmup_cosine_bad_arguments(args, match):
     from jaxformer import warmup_cosine_schedule
     with pytest.raises(ValueError, match=match):
         warmup_cosine_schedule(*args)
+
+
+@pytest.mark.peers
+def test_matches_the_reference_torch_lambda_lr_step_by_step():
+    """The reference's PyTorch loop: Adam at base lr 1, a LambdaLR of the formula with the
+    step clamped to >= 1, and `scheduler.step()` after every `optimizer.step()`.
+
+    LambdaLR calls the lambda with its own counter: 0 for the first update (clamped to
+    the paper's step 1), then 1, 2, ... So the reference spends its first two updates at
+    step 1, and its update k (0-based) runs at step max(k, 1), which is
+    `noam_schedule(k - 1)` (the clamp covers k = 0). jaxformer's update c, at step c + 1,
+    is the reference's update c + 1: the same sequence of rates, less the repeated first.
+
+    With a constant gradient Adam's bias-corrected moments are exact, each update is
+    `-lr * g / (|g| + eps)`, and the change of a float64 parameter reads out the rate used.
+    """
+    torch = import_peer("torch")
+    d_model, warmup, factor, n_steps = 64, 400, 1.0, 1000
+    param = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    optimizer = torch.optim.Adam([param], lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: factor * d_model ** -0.5 * min(max(step, 1) ** -0.5, max(step, 1) * warmup ** -1.5))
+    set_lrs, used_lrs = [], []
+    for _ in range(n_steps):
+        set_lrs.append(optimizer.param_groups[0]["lr"])
+        before = param.detach().clone()
+        param.grad = torch.tensor([1.0, -1.0], dtype=torch.float64)
+        optimizer.step()
+        scheduler.step()
+        used_lrs.append(float((before - param.detach())[0]) * (1 + 1e-9))  # undo Adam's eps
+    np.testing.assert_allclose(used_lrs, set_lrs, rtol=1e-12)
+
+    schedule = noam_schedule(d_model, warmup, factor)
+    counts = np.arange(n_steps) - 1  # the reference's update k is jaxformer's count k - 1
+    np.testing.assert_allclose(used_lrs, np.asarray(jax.vmap(schedule)(jnp.asarray(counts))), rtol=1e-6)
+    assert set_lrs[0] == set_lrs[1]  # the reference's repeated step 1
+    assert int(np.argmax(set_lrs)) == warmup  # its peak is one update later than count warmup - 1

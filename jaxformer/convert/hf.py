@@ -1,0 +1,313 @@
+"""Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2) to and from `Decoder`.
+
+A checkpoint folder holds `config.json` and the weights in safetensors, one file
+(`model.safetensors`) or shards listed by `model.safetensors.index.json`. The three
+architectures are the decoder of `jaxformer.decoder` with different defaults:
+
+    Llama:    RMSNorm, split-half RoPE, GQA, SwiGLU, no biases
+    Mistral:  the same, plus a sliding attention window (equal to full attention for
+              sequences no longer than the window)
+    Qwen2:    the same, plus biases on Q, K and V
+
+Weights: a torch `Linear` stores `[out, in]` and computes `x @ W.T`; jaxformer stores
+`[in, out]` split into heads (`wq: [d_model, n_head, head_dim]`). So every matrix is
+transposed and reshaped, one table (`_tensor_table`) lists each tensor once, and
+`load_hf` and `save_hf` read it in opposite directions.
+
+Anything the decoder cannot compute exactly (RoPE scaling, an active sliding window,
+another activation, an output bias...) is refused with the config field named: a model
+that loads gives the checkpoint's logits or does not load at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxformer.config import DecoderConfig
+from jaxformer.convert.rope_pairing import with_rope_pairing
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
+
+
+def _fail(field: str, rule: str, value: Any) -> None:
+    raise ValueError(f"config.json {field}: {rule} (got {value!r})")
+
+
+def _rope_theta(hf: dict) -> float:
+    """The RoPE base, from `rope_parameters` (transformers >= 5) or the older keys.
+
+    Only plain RoPE is representable: a scaled variant (linear, dynamic, yarn, llama3,
+    longrope...) changes the angles, and loading it as plain RoPE would be silently wrong.
+    """
+    params = hf.get("rope_parameters") or {}
+    if "rope_type" not in params and isinstance(params, dict) and params and all(
+            isinstance(v, dict) for v in params.values()):
+        _fail("rope_parameters", "per-layer-type RoPE parameters are not supported", params)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        _fail("rope_parameters.rope_type", "only 'default' (unscaled) RoPE is supported", rope_type)
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        _fail("rope_scaling", "only unscaled RoPE is supported", scaling)
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        _fail("partial_rotary_factor", "RoPE must rotate every channel (1.0)", hf["partial_rotary_factor"])
+    return float(params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA)))
+
+
+def _sliding_window(hf: dict) -> int | None:
+    """The attention window, or None when every layer attends to the whole prefix."""
+    if hf["model_type"] == "qwen2" and not hf.get("use_sliding_window", False):
+        return None
+    return hf.get("sliding_window")
+
+
+def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float32) -> DecoderConfig:
+    """The `DecoderConfig` of a Hugging Face `config.json` (as a dict).
+
+    Args:
+      hf: the parsed `config.json`.
+      max_seq_len: longest sequence to accept; defaults to `max_position_embeddings`.
+        A sliding window is no window at all for sequences no longer than it, so a
+        Mistral checkpoint with `sliding_window=4096` loads with `max_seq_len <= 4096`.
+      dtype: compute dtype of the returned config.
+
+    Returns:
+      The config. Raises `ValueError` naming the `config.json` field that the decoder
+      cannot represent.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        _fail("model_type", f"must be one of {sorted(ARCHITECTURES)}", model_type)
+    if hf.get("hidden_act", "silu") != "silu":
+        _fail("hidden_act", "the SwiGLU gate must be 'silu'", hf["hidden_act"])
+    for flag in ("attention_bias", "mlp_bias"):  # Llama's flags; they also add an o_proj / MLP bias
+        if hf.get(flag, False):
+            _fail(flag, "must be false (only Qwen2's q/k/v biases are supported)", hf[flag])
+    rope_theta = _rope_theta(hf)
+    max_seq_len = max_seq_len or hf["max_position_embeddings"]
+    window = _sliding_window(hf)
+    if window is not None and window < max_seq_len:
+        _fail("sliding_window", f"an active window is not supported: it is shorter than max_seq_len={max_seq_len}; "
+              f"load with max_seq_len <= {window} to use the model within its window", window)
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if window is None and layer_types != {"full_attention"}:
+        _fail("layer_types", "every layer must be 'full_attention'", hf["layer_types"])
+
+    n_head = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
+    return DecoderConfig(
+        vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"],
+        n_head=n_head,
+        n_kv_head=hf.get("num_key_value_heads") or n_head,
+        d_model=hf["hidden_size"],
+        max_seq_len=max_seq_len,
+        rope_theta=rope_theta,
+        norm_eps=hf["rms_norm_eps"],
+        hidden_dim=hf["intermediate_size"],
+        rope_pairing="split_half",  # the only pairing transformers implements
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype,
+        head_dim_override=None if head_dim * n_head == hf["hidden_size"] else head_dim,
+        qkv_bias=model_type == "qwen2",
+    )
+
+
+def config_to_hf(config: DecoderConfig) -> dict:
+    """The `config.json` (as a dict) of a `DecoderConfig`: Qwen2 if it has q/k/v biases, else Llama."""
+    model_type = "qwen2" if config.qkv_bias else "llama"
+    hf = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": None,  # jaxformer's config knows no special tokens
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": "float32",
+    }
+    if model_type == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    else:
+        hf.update(use_sliding_window=False, sliding_window=None)
+    return hf
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One checkpoint tensor: its name and shape there, its place and shape in jaxformer's tree."""
+
+    hf_key: str
+    hf_shape: tuple[int, ...]
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    transpose: bool = False  # a torch Linear weight: [out, in] there, [in, out] (split into heads) here
+
+    def to_jax(self, w: np.ndarray) -> np.ndarray:
+        return (w.T if self.transpose else w).reshape(self.shape)
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        return w.reshape(self.hf_shape[::-1]).T if self.transpose else w.reshape(self.hf_shape)
+
+
+def _tensor_table(c: DecoderConfig) -> list[_Tensor]:
+    """Every tensor of the checkpoint: name, `[out, in]` shape there; path, shape here."""
+    V, d, H, K, D, F = c.vocab_size, c.d_model, c.n_head, c.n_kv_head, c.head_dim, c.ffn_dim
+    table = [_Tensor("model.embed_tokens.weight", (V, d), ("embed",), (V, d)),
+             _Tensor("model.norm.weight", (d,), ("final_norm", "weight"), (d,))]
+    if not c.tie_embeddings:  # a tied checkpoint has no lm_head.weight: it is embed_tokens
+        table.append(_Tensor("lm_head.weight", (V, d), ("lm_head",), (d, V), transpose=True))
+    for i in range(c.n_layer):
+        hf, block = f"model.layers.{i}.", f"block_{i}"
+        table += [
+            _Tensor(hf + "input_layernorm.weight", (d,), (block, "attn_norm", "weight"), (d,)),
+            _Tensor(hf + "self_attn.q_proj.weight", (H * D, d), (block, "attn", "wq"), (d, H, D), transpose=True),
+            _Tensor(hf + "self_attn.k_proj.weight", (K * D, d), (block, "attn", "wk"), (d, K, D), transpose=True),
+            _Tensor(hf + "self_attn.v_proj.weight", (K * D, d), (block, "attn", "wv"), (d, K, D), transpose=True),
+            _Tensor(hf + "self_attn.o_proj.weight", (d, H * D), (block, "attn", "wo"), (H, D, d), transpose=True),
+            _Tensor(hf + "post_attention_layernorm.weight", (d,), (block, "mlp_norm", "weight"), (d,)),
+            _Tensor(hf + "mlp.gate_proj.weight", (F, d), (block, "mlp", "w_gate"), (d, F), transpose=True),
+            _Tensor(hf + "mlp.up_proj.weight", (F, d), (block, "mlp", "w_up"), (d, F), transpose=True),
+            _Tensor(hf + "mlp.down_proj.weight", (d, F), (block, "mlp", "w_down"), (F, d), transpose=True),
+        ]
+        if c.qkv_bias:
+            table += [_Tensor(hf + f"self_attn.{x}_proj.bias", (n * D,), (block, "attn", f"b{x}"), (n, D))
+                      for x, n in (("q", H), ("k", K), ("v", K))]
+    return table
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint folder (single file or shards), as float32 numpy arrays.
+
+    Read through the flax loader: it understands bfloat16, which numpy alone does not.
+    """
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"path: no model.safetensors or model.safetensors.index.json in {path}")
+    tensors = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="flax") as f:
+            for key in f.keys():
+                tensors[key] = np.asarray(f.get_tensor(key).astype(jnp.float32))
+    return tensors
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for name in path[:-1]:
+        tree = tree.setdefault(name, {})
+    tree[path[-1]] = value
+
+
+def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
+    """Loads a Hugging Face `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` folder.
+
+    Needs only `safetensors` (no torch, no transformers).
+
+    Args:
+      path: a folder with `config.json` and `model.safetensors` (or shards plus
+        `model.safetensors.index.json`), as `save_pretrained` writes it.
+      max_seq_len: longest sequence the loaded model accepts; defaults to the
+        checkpoint's `max_position_embeddings` (see `config_from_hf` for sliding windows).
+      dtype: compute dtype of the returned config (parameters stay float32).
+
+    Returns:
+      `(config, params)`: a `DecoderConfig` and the parameter tree for `Decoder(config)`.
+      Raises `ValueError` naming the config field or tensor that does not fit.
+    """
+    with open(os.path.join(path, "config.json")) as f:
+        config = config_from_hf(json.load(f), max_seq_len=max_seq_len, dtype=dtype)
+    tensors = _read_safetensors(path)
+    # Older checkpoints store RoPE's inverse frequencies; they follow from rope_theta.
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_embeddings and "lm_head.weight" in tensors:
+        # Some tied checkpoints store the head anyway; it must be the embedding itself.
+        head = tensors.pop("lm_head.weight")
+        if not np.array_equal(head, tensors.get("model.embed_tokens.weight")):
+            _fail("tie_word_embeddings", "is true but lm_head.weight differs from model.embed_tokens.weight", True)
+    table = _tensor_table(config)
+    missing = sorted({t.hf_key for t in table} - tensors.keys())
+    unexpected = sorted(tensors.keys() - {t.hf_key for t in table})
+    if missing or unexpected:
+        raise ValueError(f"{path}: tensors do not match config.json: missing {missing}, unexpected {unexpected}")
+    params: dict = {}
+    for t in table:
+        w = tensors[t.hf_key]
+        if w.shape != t.hf_shape:
+            raise ValueError(f"{t.hf_key}: expected shape {t.hf_shape} from config.json, got {tuple(w.shape)}")
+        _set(params, t.path, jnp.asarray(t.to_jax(w)))
+    return config, params
+
+
+def _write_atomically(path: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` then rename tmp to `path`: a crash never leaves a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def save_hf(config: DecoderConfig, params, path: str) -> None:
+    """Writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    Llama, or Qwen2 when the config has q/k/v biases. An interleaved-RoPE model is saved
+    with its query/key channels permuted to split-half (`with_rope_pairing`), the only
+    pairing transformers implements, so the saved model computes the same logits.
+
+    Args:
+      config: the `DecoderConfig`.
+      params: the `Decoder` parameter tree.
+      path: the folder (created if needed); `config.json` and `model.safetensors` in it
+        are replaced, each atomically.
+    """
+    config, params = with_rope_pairing(config, params, "split_half")
+    os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for t in _tensor_table(config):
+        w = np.asarray(_get(params, t.path), np.float32)
+        if w.shape != t.shape:
+            raise ValueError(f"params{''.join(f'[{p!r}]' for p in t.path)}: expected shape {t.shape}, "
+                             f"got {tuple(w.shape)}")
+        tensors[t.hf_key] = np.ascontiguousarray(t.to_hf(w))
+    _write_atomically(os.path.join(path, "model.safetensors"),
+                      lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+    def write_config(tmp):
+        with open(tmp, "w") as f:
+            json.dump(config_to_hf(config), f, indent=2)
+
+    _write_atomically(os.path.join(path, "config.json"), write_config)
+
+
+def _get(tree, path: tuple[str, ...]):
+    for name in path:
+        tree = tree[name]
+    return tree

@@ -1,0 +1,163 @@
+"""load_hf / save_hf without the peers: config mapping, the tensor table, and every refusal.
+
+The parity tests against transformers itself are in test_hf_parity.py.
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import SMALL, init_params, scaled_random_params
+from safetensors.numpy import load_file, save_file
+
+from jaxformer import Decoder
+from jaxformer.convert import config_from_hf, config_to_hf, load_hf, save_hf
+
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
+         "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
+
+
+def _saved(tmp_path, config=SMALL, seed=0):
+    params = scaled_random_params(init_params(config), seed=seed)
+    save_hf(config, params, str(tmp_path))
+    return params
+
+
+def _edit_config(path, **changes):
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    hf.update(changes)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+
+
+def test_config_from_hf_maps_every_field():
+    config = config_from_hf(LLAMA)
+    assert (config.vocab_size, config.d_model, config.ffn_dim, config.n_layer) == (64, 64, 96, 3)
+    assert (config.n_head, config.n_kv_head, config.head_dim, config.max_seq_len) == (4, 2, 16, 64)
+    assert (config.rope_theta, config.norm_eps, config.rope_pairing) == (500.0, 1e-6, "split_half")
+    assert not config.tie_embeddings and not config.qkv_bias and config.head_dim_override is None
+    assert config_from_hf({**LLAMA, "head_dim": 24}).head_dim == 24  # wider heads than hidden / heads
+    assert config_from_hf({**LLAMA, "model_type": "qwen2"}).qkv_bias
+    assert config_from_hf({**LLAMA, "max_position_embeddings": 4096}, max_seq_len=100).max_seq_len == 100
+
+
+def test_rope_theta_from_the_older_top_level_key():
+    older = {k: v for k, v in LLAMA.items() if k != "rope_parameters"}
+    assert config_from_hf({**older, "rope_theta": 1e6, "rope_scaling": None}).rope_theta == 1e6
+    assert config_from_hf(older).rope_theta == 10000.0  # transformers' default
+    # rope_parameters (transformers >= 5) wins over a stale top-level key.
+    assert config_from_hf({**LLAMA, "rope_theta": 1e6}).rope_theta == 500.0
+
+
+def test_config_round_trips_through_config_json():
+    for config in (SMALL, SMALL.replace(tie_embeddings=False, qkv_bias=True, head_dim_override=24, rope_theta=123.0)):
+        # config.json states the SwiGLU width; jaxformer's None (the reference's rule) resolves to it.
+        assert config_from_hf(config_to_hf(config)) == config.replace(hidden_dim=config.ffn_dim)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(model_type="gpt2"), "model_type"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "rope_parameters.rope_type"),
+    (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(model_type="mistral", sliding_window=16), "sliding_window"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "sliding_window"),
+    (dict(layer_types=["full_attention", "sliding_attention", "full_attention"]), "layer_types"),
+])
+def test_unrepresentable_configs_are_refused_by_name(changes, field):
+    with pytest.raises(ValueError, match=f"config.json {field}:"):
+        config_from_hf({**LLAMA, **changes})
+
+
+def test_a_sliding_window_no_shorter_than_the_sequence_is_no_window():
+    mistral = {**LLAMA, "model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match="load with max_seq_len <= 4096"):
+        config_from_hf(mistral)
+    assert config_from_hf(mistral, max_seq_len=4096).max_seq_len == 4096
+    qwen_off = {**LLAMA, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16}
+    assert config_from_hf(qwen_off).max_seq_len == 64
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(tie_embeddings=False), dict(qkv_bias=True),
+                                     dict(head_dim_override=24)])
+def test_save_then_load_gives_back_the_same_model(tmp_path, changes):
+    config = SMALL.replace(**changes)
+    params = _saved(tmp_path, config)
+    loaded_config, loaded = load_hf(str(tmp_path))
+    assert loaded_config == config.replace(hidden_dim=config.ffn_dim)
+    assert jax.tree.structure(loaded) == jax.tree.structure(params)
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+    names = load_file(str(tmp_path / "model.safetensors")).keys()
+    assert ("lm_head.weight" in names) == (not config.tie_embeddings)  # a tied head is the embedding
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == config.qkv_bias
+
+
+def test_interleaved_model_is_saved_split_half_with_the_same_logits(tmp_path):
+    config = SMALL.replace(rope_pairing="interleaved")
+    params = _saved(tmp_path, config)
+    loaded_config, loaded = load_hf(str(tmp_path))
+    assert loaded_config == config.replace(rope_pairing="split_half", hidden_dim=config.ffn_dim)
+    tokens = np.arange(40).reshape(2, 20) % config.vocab_size
+    want, _ = Decoder(config).apply({"params": params}, tokens)
+    got, _ = Decoder(loaded_config).apply({"params": loaded}, tokens)
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_sharded_checkpoint_loads_like_one_file(tmp_path):
+    params = _saved(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    os.remove(tmp_path / "model.safetensors")
+    names = sorted(tensors)
+    shards = {f"model-0000{i + 1}-of-00003.safetensors": names[i::3] for i in range(3)}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
+    with open(tmp_path / "model.safetensors.index.json", "w") as f:
+        json.dump({"weight_map": {k: file for file, keys in shards.items() for k in keys}}, f)
+    _, loaded = load_hf(str(tmp_path))
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_wrong_shape_names_the_tensor(tmp_path):
+    _saved(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_proj.weight"] = tensors["model.layers.1.self_attn.q_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.k_proj.weight: expected shape \(32, 64\)"):
+        load_hf(str(tmp_path))
+
+
+def test_config_that_disagrees_with_the_tensors_is_refused(tmp_path):
+    _saved(tmp_path)
+    _edit_config(tmp_path, num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"unexpected \['model.layers.2.input_layernorm.weight'"):
+        load_hf(str(tmp_path))
+    _edit_config(tmp_path, num_hidden_layers=4)
+    with pytest.raises(ValueError, match=r"missing \['model.layers.3.input_layernorm.weight'"):
+        load_hf(str(tmp_path))
+
+
+def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
+    _saved(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, str(tmp_path / "model.safetensors"))
+    load_hf(str(tmp_path))  # a stored copy of the embedding is fine
+    save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        load_hf(str(tmp_path))
+
+
+def test_missing_weights_file_is_a_clear_error(tmp_path):
+    _saved(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_hf(str(tmp_path))
