@@ -87,37 +87,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    enable_compilation_cache()
-    try:
-        corpus = CharText(args.data, args.seq_len) if args.task == "text" else None
-        vocab, seq_len = (corpus.vocab_size, args.seq_len) if corpus else (COPY_VOCAB, 2 * COPY_LEN + 1)
-        max_seq_len = seq_len + 8 if corpus is None else max(seq_len, len(args.prompt) + args.sample_tokens) + 8
-        config = DecoderConfig(vocab_size=vocab, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
-                               d_model=args.d_model, max_seq_len=max_seq_len)
-        prompt_ids = corpus.encode(args.prompt) if corpus else None
-    except ValueError as e:
-        fail(str(e))
+def training_length(args, corpus: CharText | None) -> int:
+    """Tokens per training sequence: the copy task's [BOS] p [SEP] p less one, or the text window."""
+    return args.seq_len if corpus else 2 * COPY_LEN + 1
 
-    model = Decoder(config)
-    params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))["params"]
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-    print(f"task {args.task}: vocab {vocab}, sequences of {seq_len}")
-    print(f"model: {config.n_layer} layers x {config.d_model}, {config.n_head} query / {config.n_kv_head} kv heads, "
-          f"{n_params:,} params ({n_params - params['embed'].size:,} non-embedding)")
-    chance = math.log(COPY_SYMBOLS if corpus is None else vocab)
-    print(f"chance loss (uniform) = {chance:.4f}\n")
 
-    # What --resume must match; --steps too, since the cosine's length depends on it.
-    run = {"task": args.task, "data": str(args.data), "config": {k: v for k, v in vars(config).items() if k != "dtype"},
-           **{k: getattr(args, k) for k in ("seed", "steps", "batch_size", "lr", "warmup", "weight_decay", "clip")}}
-    try:
-        start_run(args.run_dir, run, args.resume)
-    except ValueError as e:
-        fail(str(e))
+def model_config(args, corpus: CharText | None) -> DecoderConfig:
+    seq_len = training_length(args, corpus)
+    max_seq_len = seq_len + 8 if corpus is None else max(seq_len, len(args.prompt) + args.sample_tokens) + 8
+    return DecoderConfig(vocab_size=corpus.vocab_size if corpus else COPY_VOCAB, n_layer=args.n_layer,
+                         n_head=args.n_head, n_kv_head=args.n_kv_head, d_model=args.d_model, max_seq_len=max_seq_len)
 
+
+def recipe(args, model: Decoder, corpus: CharText | None):
+    """The reference's training recipe: `(schedule, optimizer, loss_fn, make_batch)`."""
     schedule = warmup_cosine_schedule(args.lr, args.warmup, args.steps)
     optimizer = optax.chain(
         optax.clip_by_global_norm(args.clip),
@@ -133,6 +116,39 @@ def main(argv=None) -> int:
 
     make_batch = (functools.partial(copy_batch, batch_size=args.batch_size) if corpus is None
                   else functools.partial(corpus.batch, batch_size=args.batch_size))
+    return schedule, optimizer, loss_fn, make_batch
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    enable_compilation_cache()
+    try:
+        corpus = CharText(args.data, args.seq_len) if args.task == "text" else None
+        config = model_config(args, corpus)
+        prompt_ids = corpus.encode(args.prompt) if corpus else None
+    except ValueError as e:
+        fail(str(e))
+
+    model = Decoder(config)
+    params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))["params"]
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    vocab, seq_len = config.vocab_size, training_length(args, corpus)
+    print(f"task {args.task}: vocab {vocab}, sequences of {seq_len}")
+    print(f"model: {config.n_layer} layers x {config.d_model}, {config.n_head} query / {config.n_kv_head} kv heads, "
+          f"{n_params:,} params ({n_params - params['embed'].size:,} non-embedding)")
+    chance = math.log(COPY_SYMBOLS if corpus is None else vocab)
+    print(f"chance loss (uniform) = {chance:.4f}\n")
+
+    # What --resume must match; --steps too, since the cosine's length depends on it.
+    run = {"task": args.task, "data": str(args.data), "config": {k: v for k, v in vars(config).items() if k != "dtype"},
+           **{k: getattr(args, k) for k in ("seed", "steps", "batch_size", "lr", "warmup", "weight_decay", "clip")}}
+    try:
+        start_run(args.run_dir, run, args.resume)
+    except ValueError as e:
+        fail(str(e))
+
+    schedule, optimizer, loss_fn, make_batch = recipe(args, model, corpus)
     start = time.perf_counter()
     state = train_loop(TrainState.create(params, optimizer), make_train_step(loss_fn, optimizer), make_batch,
                        seed=args.seed, num_steps=args.steps, run_dir=args.run_dir,

@@ -179,11 +179,30 @@ def main(argv=None) -> int:
         return run(args)
 
 
+def init_params(args, model: VanillaTransformer):
+    init_batch = reverse_batch(jax.random.key(args.seed), 1)
+    return jax.jit(model.init)(jax.random.key(args.seed), init_batch["src"], init_batch["tgt_in"])["params"]
+
+
+def recipe(args, model: VanillaTransformer):
+    """The paper's training recipe: `(schedule, optimizer, loss_fn, make_batch)`."""
+    schedule = noam_schedule(model.config.d_model, args.warmup)
+    # The paper's Adam: beta2 0.98 and eps 1e-9. The schedule *is* the learning rate.
+    optimizer = optax.adam(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
+
+    def loss_fn(params, batch, dropout_key):
+        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=False,
+                             rngs={"dropout": dropout_key})
+        return label_smoothed_cross_entropy(logits, batch["tgt_out"], args.label_smoothing, ignore_id=PAD), {}
+
+    make_batch = functools.partial(reverse_batch, batch_size=args.batch_size, min_len=MIN_LEN, max_len=MAX_LEN)
+    return schedule, optimizer, loss_fn, make_batch
+
+
 def run(args) -> int:
     config = model_config(args)
     model = VanillaTransformer(config)
-    init_batch = reverse_batch(jax.random.key(args.seed), 1)
-    params = jax.jit(model.init)(jax.random.key(args.seed), init_batch["src"], init_batch["tgt_in"])["params"]
+    params = init_params(args, model)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
     print(f"params: {n_params:,}   (the paper's base model: 65M)\n")
@@ -194,16 +213,7 @@ def run(args) -> int:
     except ValueError as e:
         fail(str(e))
 
-    schedule = noam_schedule(config.d_model, args.warmup)
-    # The paper's Adam: beta2 0.98 and eps 1e-9. The schedule *is* the learning rate.
-    optimizer = optax.adam(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
-
-    def loss_fn(params, batch, dropout_key):
-        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=False,
-                             rngs={"dropout": dropout_key})
-        return label_smoothed_cross_entropy(logits, batch["tgt_out"], args.label_smoothing, ignore_id=PAD), {}
-
-    make_batch = functools.partial(reverse_batch, batch_size=args.batch_size, min_len=MIN_LEN, max_len=MAX_LEN)
+    schedule, optimizer, loss_fn, make_batch = recipe(args, model)
     print(f"\n{'=' * 72}\ntraining on 'reverse the sequence': {args.steps} steps, batch {args.batch_size}, "
           f"run dir {args.run_dir}\n")
     start = time.perf_counter()

@@ -1,0 +1,371 @@
+"""Incremental decoding speed: jaxformer against Hugging Face and against the machine's limit.
+
+    python -m benchmarks.decode [--batch 1 8] [--prompt 128] [--new 256] [--reps 5]
+                                [--dtype float32] [--out decode.json] [--plot DIR]
+
+The default model is REFERENCE.md section 3's: vocab 8192, d_model 512, 8 layers, 8
+heads, 2 kv heads, SwiGLU 1376, untied (30.5 M parameters), greedy, prompt 128, 256
+new tokens. Everything is measured in this one process, so the ratios compare like with
+like. Variants, for each batch size:
+
+  jaxformer loop      `generate`: prefill, every step and every pick in one jitted program
+  jaxformer stream    `stream`: a jitted step driven from Python, cache donated
+  jaxformer no cache  the reference's way: every step runs the whole sequence again (one
+                      compiled forward over the padded [batch, prompt + new] tokens)
+  HF generate         transformers on torch, the same weights (`jaxformer.convert.save_hf`),
+                      when the peers extra is installed; its greedy tokens must equal ours
+
+Per variant: prefill time, time per decode step, new tokens/s (whole run, prefill
+included), compile time, peak memory, and "% of floor": the time a step must take at
+least, reading the weights and the live KV cache once at the memory bandwidth measured
+in this run, over the measured step time. Medians over `--reps` runs, spread as
+(max - min) / median. The scaling part times one cached step and one uncached forward
+at each context length of `--contexts` (batch 1).
+
+JSON fields: `config`, `machine` (`bandwidth_gb_s`, versions), `settings`, `variants`
+(one object per variant and batch: `variant`, `batch`, `prefill_ms`, `step_ms`,
+`tokens_per_s` each as `{median, spread}`, `compile_s`, `peak_memory_mb`,
+`floor_step_ms`, `floor_pct`, `vs_hf`, `same_tokens`), `scaling` (`context`,
+`cached_ms`, `uncached_ms`, `speedup`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import Decoder, DecoderConfig, KVCache, generate, stream
+from jaxformer.generation import _generate_jit, _prepare
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn", type=int, default=1376)
+    p.add_argument("--tied", action="store_true", help="tie the output head to the embedding (default: untied)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--uncached-steps", type=int, default=4, help="steps timed for the no-cache variant")
+    p.add_argument("--contexts", type=int, nargs="*", default=[128, 256, 512, 1024, 2048])
+    p.add_argument("--no-hf", action="store_true", help="skip transformers even if installed")
+    p.add_argument("--out", default="decode.json")
+    p.add_argument("--plot", metavar="DIR", help="write tokens_per_s.png and context_scaling.png there")
+    return p.parse_args(argv)
+
+
+def _stats(values) -> dict:
+    median = statistics.median(values)
+    return {"median": median, "spread": (max(values) - min(values)) / median if median else 0.0}
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+def measure_bandwidth(mb: int = 512, reps: int = 5) -> float:
+    """Bytes per second this machine reads from memory: the best of three jitted kernels
+    over `mb` MB (a sum, a max over rows, a matrix-vector product, decoding's own access
+    pattern), each the best of `reps` runs. The fastest read is the honest floor."""
+    rows = mb * 2 ** 20 // 4 // 4096
+    x = jnp.ones((rows, 4096), jnp.float32)
+    vector = jnp.ones((1, rows), jnp.float32)
+    kernels = [jax.jit(jnp.sum), jax.jit(lambda x: jnp.max(x, axis=1)), jax.jit(lambda x: vector @ x)]
+    best = float("inf")
+    for kernel in kernels:
+        kernel(x).block_until_ready()
+        best = min(best, *(_seconds(lambda: kernel(x)) for _ in range(reps)))
+    return x.nbytes / best
+
+
+def floor_step_seconds(config: DecoderConfig, params, batch: int, context: float, bandwidth: float) -> float:
+    """The least time a decode step can take: every weight it multiplies by, plus the
+    live part of the KV cache, read once. The embedding table is only gathered from
+    (batch rows) unless it is also the output head."""
+    itemsize = jnp.dtype(config.dtype).itemsize
+    weights = sum(x.size for x in jax.tree.leaves(params)) * itemsize
+    if not config.tie_embeddings:
+        weights -= (config.vocab_size - batch) * config.d_model * itemsize
+    kv = 2 * config.n_layer * batch * context * config.n_kv_head * config.head_dim * itemsize
+    return (weights + kv) / bandwidth
+
+
+def _peak_mb(compiled) -> float:
+    """XLA's own account of a compiled program's memory: arguments, outputs, temporaries."""
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes) / 2 ** 20
+
+
+def bench_loop(model, params, prompt, new: int, reps: int) -> dict:
+    """`generate`, the whole loop in one jit; the prefill is timed on its own."""
+    knobs, prompt_j = _prepare(model, prompt, new, None, 0.0, None, None, None, None, None, None, 0.0)
+    start = time.perf_counter()
+    compiled = _generate_jit.lower(model, params, prompt_j, knobs, new).compile()
+    compile_s = time.perf_counter() - start
+    capacity = prompt.shape[1] + new - 1
+    prefill = jax.jit(lambda p, t: model.apply({"params": p}, t, KVCache.create(model.config, t.shape[0], capacity)))
+    tokens = generate(model, params, prompt, max_new_tokens=new)  # (the loop above, through the public API)
+    # Warm up: the first runs of a program, and the first after another program ran,
+    # are up to twice as slow on this CPU (measured), so neither is timed.
+    for _ in range(2):
+        prefill(params, prompt_j)[0].block_until_ready()
+        compiled(params, prompt_j, knobs).block_until_ready()
+    prefill_s = [_seconds(lambda: prefill(params, prompt_j)) for _ in range(reps)]
+    compiled(params, prompt_j, knobs).block_until_ready()
+    total_s = [_seconds(lambda: compiled(params, prompt_j, knobs)) for _ in range(reps)]
+    step_s = [(t - statistics.median(prefill_s)) / (new - 1) for t in total_s]
+    return {"tokens": np.asarray(tokens), "prefill_s": prefill_s, "step_s": step_s, "total_s": total_s,
+            "compile_s": compile_s, "peak_memory_mb": _peak_mb(compiled)}
+
+
+def bench_stream(model, params, prompt, new: int, reps: int) -> dict:
+    """`stream`: one jitted step per token from Python, timed between yields."""
+    runs = []
+    for _ in range(reps + 2):  # the first run compiles, the second warms up
+        stamps, tokens = [time.perf_counter()], []
+        for token in stream(model, params, prompt, max_new_tokens=new):
+            tokens.append(token)
+            stamps.append(time.perf_counter())
+        runs.append((np.diff(stamps), np.stack(tokens, axis=1)))
+    first, runs = runs[0], runs[2:]
+    total_s = [float(d.sum()) for d, _ in runs]
+    return {"tokens": np.concatenate([prompt, runs[0][1]], axis=1), "prefill_s": [float(d[0]) for d, _ in runs],
+            "step_s": [float(np.median(d[1:])) for d, _ in runs], "total_s": total_s,
+            "compile_s": float(first[0].sum()) - statistics.median(total_s), "peak_memory_mb": None}
+
+
+def bench_uncached(model, params, prompt, new: int, reps: int, steps: int) -> dict:
+    """Greedy without a cache: each step one forward over the sequence padded to its final
+    length (causality hides the padding), so one compiled forward serves every step."""
+    batch, prompt_len = prompt.shape
+    seq = jnp.zeros((batch, prompt_len + new), jnp.int32).at[:, :prompt_len].set(prompt)
+
+    def step(p, seq, t):  # the token at position t from the logits at t - 1
+        logits = model.apply({"params": p}, seq)[0]  # [batch, prompt + new, vocab]
+        return seq.at[:, t].set(jnp.argmax(jax.lax.dynamic_index_in_dim(logits, t - 1, 1, False), -1))
+
+    start = time.perf_counter()
+    compiled = jax.jit(step).lower(params, seq, prompt_len).compile()
+    compile_s = time.perf_counter() - start
+    compiled(params, seq, prompt_len).block_until_ready()  # warm-up
+    step_s = []
+    for _ in range(reps):
+        out = seq
+        for t in range(prompt_len, prompt_len + steps):
+            start = time.perf_counter()
+            out = compiled(params, out, t).block_until_ready()
+            step_s.append(time.perf_counter() - start)
+    return {"tokens": np.asarray(out)[:, :prompt_len + steps], "prefill_s": [step_s[0]], "step_s": step_s,
+            "total_s": [statistics.median(step_s) * new], "compile_s": compile_s,
+            "peak_memory_mb": _peak_mb(compiled)}
+
+
+def hf_model(config: DecoderConfig, params):
+    """transformers' model with jaxformer's weights, or None without the peers extra."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from jaxformer.convert import save_hf
+    folder = tempfile.mkdtemp(prefix="jaxformer-bench-hf-")
+    save_hf(config, params, folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def bench_hf(model, prompt: np.ndarray, new: int, reps: int) -> dict:
+    import torch
+    ids = torch.tensor(prompt, dtype=torch.long)
+
+    def run():
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                                  min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+
+    start = time.perf_counter()
+    tokens = run().numpy()
+    first_s = time.perf_counter() - start
+    prefill_s = []
+    for _ in range(reps):
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(ids, use_cache=True)
+            prefill_s.append(time.perf_counter() - start)
+    total_s = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        run()
+        total_s.append(time.perf_counter() - start)
+    step_s = [(t - statistics.median(prefill_s)) / (new - 1) for t in total_s]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    kv = 2 * cfg.num_hidden_layers * prompt.shape[0] * (prompt.shape[1] + new) * cfg.num_key_value_heads \
+        * cfg.head_dim * 4
+    return {"tokens": tokens, "prefill_s": prefill_s, "step_s": step_s, "total_s": total_s,
+            "compile_s": first_s - statistics.median(total_s), "peak_memory_mb": (weights + kv) / 2 ** 20}
+
+
+def bench_scaling(model, params, contexts, reps: int) -> list[dict]:
+    """Batch 1: one cached step at each context length, against one uncached forward over it."""
+    step = jax.jit(lambda p, t, cache: model.apply({"params": p}, t, cache), donate_argnums=2)
+    forward = jax.jit(lambda p, t: model.apply({"params": p}, t)[0][:, -1])
+    rows = []
+    for context in contexts:
+        tokens = jnp.ones((1, context), jnp.int32)
+        _, cache = step(params, tokens, KVCache.create(model.config, 1, capacity=context + reps + 1))
+        token = jnp.ones((1, 1), jnp.int32)
+        _, cache = step(params, token, cache)  # compiles the one-token step
+        cached = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            logits, cache = step(params, token, cache)
+            logits.block_until_ready()
+            cached.append(time.perf_counter() - start)
+        forward(params, tokens)
+        uncached = [_seconds(lambda: forward(params, tokens)) for _ in range(max(2, reps // 2))]
+        c, u = statistics.median(cached), statistics.median(uncached)
+        rows.append({"context": context, "cached_ms": 1e3 * c, "uncached_ms": 1e3 * u, "speedup": u / c})
+        print(f"  context {context:5d}: cached step {1e3 * c:8.2f} ms   uncached forward {1e3 * u:9.2f} ms   "
+              f"{u / c:7.1f}x", flush=True)
+    return rows
+
+
+def _row(name: str, batch: int, result: dict, new: int, floor_s: float) -> dict:
+    step = _stats(result["step_s"])
+    tokens_per_s = _stats([batch * new / t for t in result["total_s"]])
+    return {"variant": name, "batch": batch, "prefill_ms": _stats([1e3 * t for t in result["prefill_s"]]),
+            "step_ms": {"median": 1e3 * step["median"], "spread": step["spread"]}, "tokens_per_s": tokens_per_s,
+            "compile_s": result["compile_s"], "peak_memory_mb": result["peak_memory_mb"],
+            "floor_step_ms": 1e3 * floor_s, "floor_pct": 100 * floor_s / step["median"]}
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'variant':20s} {'batch':>5s} {'prefill ms':>11s} {'step ms':>9s} {'spread':>7s} {'new tok/s':>10s} "
+              f"{'vs HF':>6s} {'floor %':>8s} {'compile s':>9s} {'memory MB':>10s}  same tokens")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        vs_hf = f"{r['vs_hf']:.2f}x" if r.get("vs_hf") else "-"
+        memory = f"{r['peak_memory_mb']:.1f}" if r["peak_memory_mb"] is not None else "-"
+        print(f"{r['variant']:20s} {r['batch']:5d} {r['prefill_ms']['median']:11.1f} {r['step_ms']['median']:9.2f} "
+              f"{100 * r['step_ms']['spread']:6.0f}% {r['tokens_per_s']['median']:10.1f} {vs_hf:>6s} "
+              f"{r['floor_pct']:7.0f}% {r['compile_s']:9.2f} {memory:>10s}  {r['same_tokens']}")
+
+
+def plot(result: dict, folder: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(folder, exist_ok=True)
+    rows, batches = result["variants"], sorted({r["batch"] for r in result["variants"]})
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [next((r["tokens_per_s"]["median"] for r in rows if r["variant"] == name and r["batch"] == b), 0)
+                  for b in batches]
+        ax.bar(np.arange(len(batches)) + i * width, values, width, label=name)
+    ax.set_xticks(np.arange(len(batches)) + width * (len(names) - 1) / 2, [f"batch {b}" for b in batches])
+    ax.set_ylabel("new tokens / s")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("greedy decoding, " + result["settings"]["summary"])
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "tokens_per_s.png"), dpi=120)
+    if result["scaling"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        contexts = [r["context"] for r in result["scaling"]]
+        ax.plot(contexts, [r["cached_ms"] for r in result["scaling"]], "o-", label="cached step")
+        ax.plot(contexts, [r["uncached_ms"] for r in result["scaling"]], "s-", label="uncached (whole prefix)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length")
+        ax.set_ylabel("ms per new token (batch 1)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(folder, "context_scaling.png"), dpi=120)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    max_context = max([args.prompt + args.new, *[c + args.reps + 1 for c in args.contexts]])
+    config = DecoderConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_kv_head=args.kv_heads,
+                           d_model=args.d_model, hidden_dim=args.ffn, max_seq_len=max_context,
+                           tie_embeddings=args.tied, dtype=args.dtype)
+    model = Decoder(config)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    bandwidth = measure_bandwidth()
+    summary = (f"{n_params / 1e6:.1f} M params, prompt {args.prompt}, {args.new} new tokens, {args.dtype}, "
+               f"{os.cpu_count()} CPU cores")
+    print(f"decode benchmark: {summary}; memory bandwidth {bandwidth / 1e9:.1f} GB/s (best read of 512 MB)",
+          flush=True)
+    hf = None if args.no_hf else hf_model(config, params)
+    if hf is None:
+        print("HF generate: skipped (" + ("--no-hf" if args.no_hf else
+              "transformers/torch not installed: pip install -e '.[peers]'") + ")", flush=True)
+
+    rows = []
+    for batch in args.batch:
+        prompt = np.asarray(jax.random.randint(jax.random.key(batch), (batch, args.prompt), 0, args.vocab), np.int32)
+        floor_s = floor_step_seconds(config, params, batch, args.prompt + args.new / 2, bandwidth)
+        results = {"jaxformer loop": bench_loop(model, params, prompt, args.new, args.reps),
+                   "jaxformer stream": bench_stream(model, params, prompt, args.new, args.reps),
+                   "jaxformer no cache": bench_uncached(model, params, prompt, args.new, args.reps,
+                                                        args.uncached_steps)}
+        if hf is not None:
+            results["HF generate"] = bench_hf(hf, prompt, args.new, args.reps)
+        reference = results["jaxformer loop"]["tokens"]
+        for name, result in results.items():
+            row = _row(name, batch, result, args.new, floor_s)
+            width = result["tokens"].shape[1]
+            row["same_tokens"] = bool(np.array_equal(result["tokens"], reference[:, :width]))
+            rows.append(row)
+        if hf is not None:
+            hf_rate = rows[-1]["tokens_per_s"]["median"]
+            for row in rows[-len(results):]:
+                row["vs_hf"] = row["tokens_per_s"]["median"] / hf_rate
+        print_table([r for r in rows if r["batch"] == batch])
+        print(flush=True)
+
+    print("per-token time against context length (batch 1):", flush=True)
+    scaling = bench_scaling(model, params, args.contexts, args.reps) if args.contexts else []
+    versions = {"jax": jax.__version__}
+    if hf is not None:
+        import torch
+        import transformers
+        versions |= {"torch": torch.__version__, "transformers": transformers.__version__}
+    result = {"config": {k: str(v) if k == "dtype" else v for k, v in vars(config).items()},
+              "machine": {"bandwidth_gb_s": bandwidth / 1e9, "cpu_count": os.cpu_count(), **versions},
+              "settings": {**vars(args), "summary": summary}, "variants": rows, "scaling": scaling}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.out}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}/tokens_per_s.png and context_scaling.png")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)

@@ -1,0 +1,187 @@
+"""Training-step throughput of both demos, against the PyTorch reference's own step.
+
+    python -m benchmarks.train_step [--steps 100] [--reference PATH/00-foundations/code] [--out F.json]
+
+Each demo is set up exactly as its CLI sets it up (`train.reverse`: the 2017 model,
+Noam-scheduled Adam, label smoothing, dropout; `train.lm`: the copy task, AdamW with
+warmup-cosine and clipping), then `--steps` updates are timed one at a time, after the
+first (which compiles). Batches are made before the clock starts, so this is the update
+itself: forward, backward and optimizer. Tokens/s counts the decoder positions trained
+per second (reverse: 64 x 11 target tokens per step; copy: 64 x 65).
+
+With `--reference`, the reference's PyTorch modules (`vanilla.py`, `model.py`,
+`train.py` in that folder) build the same models and optimizers in this process and
+their updates are timed the same way, so the ratio compares like with like. Without it,
+the table shows REFERENCE.md's wall times of the reference demos (whole runs, divided by
+their step counts) for orientation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import Decoder, VanillaTransformer
+from train import lm, reverse
+from train.common import TrainState, make_train_step
+
+# REFERENCE.md section 1: the reference demos' whole-run wall times on this kind of machine.
+REFERENCE_WALL = {"reverse": (100.0, 3000), "copy": (160.0, 800)}
+
+
+def _time_steps(step, n_steps: int) -> tuple[float, list[float]]:
+    """`step(i)` returns something to wait on; the first call's time, then each later one's."""
+    start = time.perf_counter()
+    jax.block_until_ready(step(0))
+    first = time.perf_counter() - start
+    times = []
+    for i in range(1, n_steps + 1):
+        start = time.perf_counter()
+        jax.block_until_ready(step(i))
+        times.append(time.perf_counter() - start)
+    return first, times
+
+
+def jaxformer_reverse(n_steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        args = reverse.parse_args(["--run-dir", tmp])
+    model = VanillaTransformer(reverse.model_config(args))
+    _, optimizer, loss_fn, make_batch = reverse.recipe(args, model)
+    # train.reverse draws dropout bits with threefry's classic layout (see its main()).
+    with jax.threefry_partitionable(False):
+        params = reverse.init_params(args, model)
+        return _jaxformer(params, optimizer, loss_fn, make_batch, n_steps, tokens=64 * 11)
+
+
+def jaxformer_copy(n_steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        args = lm.parse_args(["--run-dir", tmp])
+    model = Decoder(lm.model_config(args, None))
+    _, optimizer, loss_fn, make_batch = lm.recipe(args, model, None)
+    params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))["params"]
+    return _jaxformer(params, optimizer, loss_fn, make_batch, n_steps, tokens=64 * lm.training_length(args, None))
+
+
+def _jaxformer(params, optimizer, loss_fn, make_batch, n_steps: int, tokens: int) -> dict:
+    train_step = make_train_step(loss_fn, optimizer)
+    keys = jax.random.split(jax.random.key(0), n_steps + 1)
+    batches = [make_batch(k) for k in keys]
+    state = TrainState.create(params, optimizer)
+
+    def step(i):
+        nonlocal state
+        state, metrics = train_step(state, batches[i], keys[i])
+        return metrics["loss"]
+
+    first, times = _time_steps(step, n_steps)
+    return _row(first, times, tokens)
+
+
+def _import(code: Path, file: str, name: str):
+    """The reference's `code/file` as module `name` (its own folder on the path while it
+    imports its siblings; `name` differs from `file` where that would shadow ours)."""
+    spec = importlib.util.spec_from_file_location(name, code / file)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(code))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(code))
+    return module
+
+
+def reference_reverse(code: Path, n_steps: int) -> dict:
+    import torch
+    vanilla = _import(code, "vanilla.py", "vanilla")
+    demo = _import(code, "vanilla_demo.py", "vanilla_demo")
+    torch.manual_seed(0)
+    model = vanilla.VanillaTransformer(demo.VOCAB, demo.VOCAB, n=2, d_model=64, d_ff=128, h=4, dropout=0.1,
+                                       pad_idx=demo.PAD)
+    opt, sched = vanilla.make_optimizer(model, d_model=64, warmup=400)
+    model.train()
+    batches = [demo.make_batch(64, "cpu")[:3] for _ in range(n_steps + 1)]
+
+    def step(i):
+        src, tgt_in, tgt_out = batches[i]
+        loss = vanilla.loss_fn(model(src, tgt_in), tgt_out, demo.PAD)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+
+    first, times = _time_steps(step, n_steps)
+    return _row(first, times, 64 * 11)
+
+
+def reference_copy(code: Path, n_steps: int) -> dict:
+    import torch
+    model_py = _import(code, "model.py", "model")
+    train_py = _import(code, "train.py", "reference_train")  # not "train": that is ours
+    torch.manual_seed(1337)
+    task = train_py.CopyTask()
+    cfg = model_py.Config(vocab_size=task.vocab_size, n_layer=4, n_head=4, n_kv_head=2, d_model=128,
+                          max_seq_len=task.seq_len + 8)
+    model = model_py.Transformer(cfg)
+    opt = train_py.make_optimizer(model, 3e-3)
+    model.train()
+    batches = [task.batch(64, "cpu") for _ in range(n_steps + 1)]
+
+    def step(i):
+        for group in opt.param_groups:
+            group["lr"] = train_py.lr_at(i, 800, 3e-3)
+        _, loss = model(*batches[i])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    first, times = _time_steps(step, n_steps)
+    return _row(first, times, 64 * (task.seq_len - 1))
+
+
+def _row(first: float, times: list[float], tokens: int) -> dict:
+    median = statistics.median(times)
+    return {"first_step_s": first, "step_ms": 1e3 * median,
+            "spread": (max(times) - min(times)) / median, "tokens_per_s": tokens / median}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="updates timed per demo (after the first)")
+    p.add_argument("--reference", type=Path, help="the reference's code folder (vanilla.py, model.py, train.py)")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = p.parse_args(argv)
+
+    rows = []
+    for demo, measure in (("reverse", jaxformer_reverse), ("copy", jaxformer_copy)):
+        rows.append({"demo": demo, "variant": "jaxformer", **measure(args.steps)})
+        if args.reference:
+            reference = {"reverse": reference_reverse, "copy": reference_copy}[demo]
+            rows.append({"demo": demo, "variant": "PyTorch reference", **reference(args.reference.resolve(),
+                                                                                    args.steps)})
+    print(f"{'demo':8s} {'variant':18s} {'step ms':>8s} {'spread':>7s} {'tokens/s':>9s} {'vs ref':>7s} "
+          f"{'1st step s':>10s}  reference demo wall time / steps (REFERENCE.md)")
+    for r in rows:
+        ref = next((x for x in rows if x["demo"] == r["demo"] and x["variant"] != "jaxformer"), None)
+        ratio = f"{ref['step_ms'] / r['step_ms']:.2f}x" if ref else "-"
+        wall, steps = REFERENCE_WALL[r["demo"]]
+        print(f"{r['demo']:8s} {r['variant']:18s} {r['step_ms']:8.2f} {100 * r['spread']:6.0f}% "
+              f"{r['tokens_per_s']:9.0f} {ratio:>7s} {r['first_step_s']:10.2f}  {1e3 * wall / steps:.0f} ms")
+    print("vs ref: the reference's step time over this row's (above 1 is faster than the reference)")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""`python -m benchmarks.decode` at a tiny config: it runs, every variant decodes the same
+greedy tokens, and the JSON and plots are written as documented. No timing is asserted."""
+
+import importlib.util
+import json
+
+from benchmarks import decode
+
+TINY = ["--vocab", "64", "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
+        "--batch", "1", "2", "--prompt", "4", "--new", "6", "--reps", "1", "--uncached-steps", "2",
+        "--contexts", "8", "16"]
+ROW_FIELDS = {"variant", "batch", "prefill_ms", "step_ms", "tokens_per_s", "compile_s", "peak_memory_mb",
+              "floor_step_ms", "floor_pct", "same_tokens"}
+
+
+def test_every_variant_decodes_the_same_tokens(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    decode.main([*TINY, "--out", str(out), "--plot", str(tmp_path / "plots")])
+    result = json.loads(out.read_text())
+    assert set(result) == {"config", "machine", "settings", "variants", "scaling"}
+    assert result["machine"]["bandwidth_gb_s"] > 0
+    peers = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+    variants = {"jaxformer loop", "jaxformer stream", "jaxformer no cache"} | ({"HF generate"} if peers else set())
+    assert {(r["variant"], r["batch"]) for r in result["variants"]} == {(v, b) for v in variants for b in (1, 2)}
+    for row in result["variants"]:
+        assert ROW_FIELDS <= set(row)
+        assert row["same_tokens"], row["variant"]  # greedy tokens equal to the one-jit loop's
+        assert {"median", "spread"} <= set(row["step_ms"]) and {"median", "spread"} <= set(row["tokens_per_s"])
+        assert ("vs_hf" in row) == peers
+    assert [r["context"] for r in result["scaling"]] == [8, 16]
+    assert all({"cached_ms", "uncached_ms", "speedup"} <= set(r) for r in result["scaling"])
+    assert (tmp_path / "plots" / "tokens_per_s.png").exists() and (tmp_path / "plots" / "context_scaling.png").exists()
+    printed = capsys.readouterr().out
+    assert "new tok/s" in printed and ("HF generate: skipped" in printed) == (not peers)
+
+
+def test_without_hf_says_so(tmp_path, capsys):
+    decode.main([*TINY, "--batch", "1", "--contexts", "--no-hf", "--out", str(tmp_path / "d.json")])
+    assert "HF generate: skipped (--no-hf)" in capsys.readouterr().out
