@@ -29,7 +29,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxformer import Decoder, VanillaTransformer
 from train import lm, reverse
