@@ -308,6 +308,8 @@ def save_hf(config: DecoderConfig, params, path: str) -> None:
 
 
 def _get(tree, path: tuple[str, ...]):
-    for name in path:
+    for depth, name in enumerate(path):
+        if not isinstance(tree, dict) or name not in tree:
+            raise ValueError(f"params has no {'/'.join(path[:depth + 1])}: not a Decoder(config) parameter tree")
         tree = tree[name]
     return tree

@@ -161,3 +161,11 @@ def test_missing_weights_file_is_a_clear_error(tmp_path):
     os.remove(tmp_path / "model.safetensors")
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load_hf(str(tmp_path))
+
+
+def test_save_refuses_params_of_another_config(tmp_path):
+    params = init_params(SMALL)
+    with pytest.raises(ValueError, match="params has no lm_head"):
+        save_hf(SMALL.replace(tie_embeddings=False), params, str(tmp_path))
+    with pytest.raises(ValueError, match=r"params\['block_0'\]\['attn'\]\['wq'\]: expected shape \(64, 8, 8\)"):
+        save_hf(SMALL.replace(n_head=8, n_kv_head=2), params, str(tmp_path))
