@@ -107,13 +107,15 @@ class TrainState:
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
+def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, state_sharding=None) -> Callable:
     """One jitted optimizer update.
 
     Args:
       loss_fn: `loss_fn(params, batch, dropout_key) -> (loss, aux)`, loss a scalar and
         aux a dict of scalar metrics (without a "loss" key).
       optimizer: an optax transformation.
+      state_sharding: a `TrainState` of shardings (`jaxformer.sharding.tree_shardings`)
+        to keep the updated state where the mesh rules put it; None for one device.
 
     Returns:
       `train_step(state, batch, dropout_key) -> (state, metrics)`, metrics
@@ -134,7 +136,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation) 
         state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return state, {"loss": loss, **aux}
 
-    return jax.jit(train_step, donate_argnums=0)
+    out_shardings = None if state_sharding is None else (state_sharding, None)
+    return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
 
 
 def step_keys(seed: int, step: int) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,142 @@
+"""Sharding cases; `tests/test_sharding.py` runs this file on 8 simulated CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, label_smoothed_cross_entropy
+from jaxformer.sharding import (batch_sharding, check_fits, make_mesh, parse_mesh, partition_spec,
+                                tree_shardings)
+from train.common import TrainState, make_train_step
+
+jax.config.update("jax_default_matmul_precision", "highest")
+assert jax.device_count() == 8, "run through tests/test_sharding.py (8 simulated devices)"
+
+DECODER = DecoderConfig(vocab_size=64, n_layer=2, n_head=8, n_kv_head=2, d_model=64, max_seq_len=32,
+                        tie_embeddings=False)
+VANILLA = VanillaConfig(src_vocab_size=24, tgt_vocab_size=24, n_layer=2, d_model=64, d_ff=128, n_head=8,
+                        dropout=0.1, max_seq_len=16)
+MESHES = [("dp", 8, 1), ("fsdp", 8, 1), ("dp", 1, 8), ("dp", 2, 4), ("fsdp", 2, 4)]
+BATCH = 8
+
+
+def _decoder_setup():
+    model = Decoder(DECODER)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    tokens = jax.random.randint(jax.random.key(1), (BATCH, 17), 0, DECODER.vocab_size)
+    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+    def loss_fn(params, batch, dropout_key):
+        logits, _ = model.apply({"params": params}, batch["tokens"])
+        return label_smoothed_cross_entropy(logits, batch["targets"], 0.0), {}
+
+    return params, batch, loss_fn
+
+
+def _vanilla_setup():
+    model = VanillaTransformer(VANILLA)
+    src = jax.random.randint(jax.random.key(2), (BATCH, 10), 1, VANILLA.src_vocab_size)
+    tgt = jax.random.randint(jax.random.key(3), (BATCH, 11), 1, VANILLA.tgt_vocab_size)
+    params = model.init(jax.random.key(0), src, tgt)["params"]
+    batch = {"src": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
+
+    def loss_fn(params, batch, dropout_key):  # dropout on: its bits must not depend on the sharding
+        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=False,
+                             rngs={"dropout": dropout_key})
+        return label_smoothed_cross_entropy(logits, batch["tgt_out"], 0.1, ignore_id=VANILLA.pad_id), {}
+
+    return params, batch, loss_fn
+
+
+# Adam divides by sqrt(v) + eps, so a gradient component that is float noise (~1e-9, and
+# summed in another order on another mesh) becomes an update of about lr * noise / eps.
+# eps 1e-3 keeps that near 1e-8, so the comparison below can stay tight.
+OPTIMIZER = optax.adam(1e-2, eps=1e-3)
+
+
+def _two_steps(params, batch, loss_fn, mesh=None, strategy="dp"):
+    state = TrainState.create(params, OPTIMIZER)
+    state_sharding = None
+    if mesh is not None:
+        state_sharding = tree_shardings(state, mesh, strategy)
+        state = jax.device_put(state, state_sharding)
+        batch = jax.device_put(batch, batch_sharding(mesh))
+    step = make_train_step(loss_fn, OPTIMIZER, state_sharding)
+    losses = []
+    for i in range(2):
+        state, metrics = step(state, batch, jax.random.key(10 + i))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@pytest.mark.parametrize("setup, config", [(_decoder_setup, DECODER), (_vanilla_setup, VANILLA)],
+                         ids=["decoder", "vanilla"])
+@pytest.mark.parametrize("strategy, data, model", MESHES, ids=[f"{s}-{d}x{m}" for s, d, m in MESHES])
+def test_sharded_train_steps_match_one_device(setup, config, strategy, data, model):
+    params, batch, loss_fn = setup()
+    want_state, want_losses = _two_steps(params, batch, loss_fn)
+    mesh = make_mesh(data=data, model=model)
+    check_fits(config, mesh)
+    state, losses = _two_steps(params, batch, loss_fn, mesh, strategy)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5), state.params,
+                 want_state.params)
+    # Parameters and optimizer moments stay where the rules put them.
+    for tree in (state.params, state.opt_state):
+        for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(tree),
+                                          jax.tree.leaves(tree_shardings(tree, mesh, strategy))):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), jax.tree_util.keystr(path)
+
+
+def test_the_rules_split_what_they_say():
+    mesh = make_mesh(data=2, model=4)
+    params = Decoder(DECODER).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    specs = {"/".join(k.key for k in path): sharding.spec for path, sharding in
+             jax.tree_util.tree_leaves_with_path(tree_shardings(params, mesh, "fsdp"),
+                                                 is_leaf=lambda x: isinstance(x, NamedSharding))}
+    P = PartitionSpec
+    assert specs["block_0/attn/wq"] == P("data", "model", None)  # [d_model, 8 heads, head_dim]: heads on model
+    assert specs["block_0/attn/wk"] == P("data", None, None)  # 2 kv heads do not split 4 ways: kept whole
+    assert specs["block_0/attn/wo"] == P("model", None, "data")
+    assert specs["block_0/mlp/w_gate"] == P("data", "model") and specs["block_0/mlp/w_down"] == P("model", "data")
+    assert specs["block_0/attn_norm/weight"] == P("data")
+    sharded = jax.device_put(params, tree_shardings(params, mesh, "fsdp"))
+    wq = sharded["block_0"]["attn"]["wq"]  # [64, 8, 8] over data 2 x model 4
+    assert {shard.data.shape for shard in wq.addressable_shards} == {(32, 2, 8)}
+    assert partition_spec("block_0/attn/wq", (64, 8, 8), mesh, "dp") == P(None, "model", None)
+    assert partition_spec("block_0/attn/wq", (64, 8, 8), make_mesh(data=8), "dp") == P(None, None, None)
+
+
+@pytest.mark.parametrize("strategy, data, model", [("dp", 2, 4), ("fsdp", 8, 1)])
+def test_sharded_generation_matches_one_device(strategy, data, model):
+    params = Decoder(DECODER).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    params = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(x.size), x.shape), params)
+    prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
+    want = generate(Decoder(DECODER), params, prompt, max_new_tokens=20)
+    mesh = make_mesh(data=data, model=model)
+    got = generate(Decoder(DECODER), jax.device_put(params, tree_shardings(params, mesh, strategy)),
+                   jax.device_put(prompt, batch_sharding(mesh)), max_new_tokens=20)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(np.asarray(want[:, 5:]))) > 5
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: make_mesh(data=3), r"data \* model must equal the device count 8"),
+    (lambda: make_mesh(model=3), "model must be a positive int dividing the device count 8"),
+    (lambda: parse_mesh("data=2,pipeline=4"), "each part must be data=N or model=M"),
+    (lambda: parse_mesh("data=0"), "data must be a positive int"),
+    (lambda: check_fits(DECODER.replace(n_head=4, n_kv_head=2, d_model=64), make_mesh(data=1, model=8)),
+     r"DecoderConfig.n_head=4 is not divisible by the mesh's model axis \(8\)"),
+    (lambda: partition_spec("x", (4,), make_mesh(), "zero3"), "strategy must be one of"),
+])
+def test_bad_meshes_are_clear_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_parse_mesh():
+    assert parse_mesh("data=4,model=2") == {"data": 4, "model": 2}
+    assert parse_mesh("model=8") == {"model": 8}
