@@ -32,6 +32,8 @@ import optax
 import orbax.checkpoint as ocp
 from flax import struct
 
+from jaxformer.sharding import DATA, batch_sharding, check_fits, make_mesh, parse_mesh, tree_shardings
+
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -63,6 +65,38 @@ def start_run(run_dir, config: dict, resume: bool) -> None:
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise ValueError(f"{run_dir} is not empty: pass --resume to continue that run, or choose a new --run-dir")
     save_run_config(run_dir, config)
+
+
+def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
+    """`--mesh data=N,model=M` and `--fsdp`, shared by the demos."""
+    parser.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                        help="train on a device mesh: batch split over data, heads and FFN units over model "
+                             "(default: one device)")
+    parser.add_argument("--fsdp", action="store_true", help="with --mesh: also split parameters and optimizer "
+                                                            "state over the data axis")
+
+
+def shard_training(state: "TrainState", make_batch: Callable, args, config, batch_size: int):
+    """Places a run on the mesh of `args.mesh` (or leaves it on one device).
+
+    Returns:
+      `(state, make_batch, state_sharding)`: the state on the mesh, a `make_batch` whose
+      batches are split over `data`, and the state's shardings for `make_train_step`
+      (None without a mesh). Raises `ValueError` for a mesh that does not fit the devices,
+      the model's heads or the batch.
+    """
+    if args.mesh is None:
+        if args.fsdp:
+            raise ValueError("--fsdp needs --mesh")
+        return state, make_batch, None
+    mesh = make_mesh(**parse_mesh(args.mesh))
+    check_fits(config, mesh)
+    if batch_size % mesh.shape[DATA]:
+        raise ValueError(f"--batch-size {batch_size} is not divisible by the mesh's data axis ({mesh.shape[DATA]})")
+    state_sharding = tree_shardings(state, mesh, "fsdp" if args.fsdp else "dp")
+    rows = batch_sharding(mesh)
+    return (jax.device_put(state, state_sharding), lambda key: jax.device_put(make_batch(key), rows),
+            state_sharding)
 
 
 def enable_compilation_cache(directory=None) -> Path:

@@ -30,7 +30,8 @@ import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
 from train import common
-from train.common import OneLineParser, TrainState, enable_compilation_cache, make_train_step, start_run, train_loop
+from train.common import (OneLineParser, TrainState, add_mesh_flags, enable_compilation_cache, make_train_step,
+                          shard_training, start_run, train_loop)
 from train.tasks import COPY_LEN, COPY_SYMBOLS, COPY_VOCAB, IGNORE, CharText, copy_batch, copy_prompts
 
 
@@ -67,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where config, metrics and checkpoints go (default: runs/lm-<task>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    add_mesh_flags(p)
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=50)
     args = p.parse_args(argv)
@@ -143,18 +145,20 @@ def main(argv=None) -> int:
     # What --resume must match; --steps too, since the cosine's length depends on it.
     run = {"task": args.task, "data": str(args.data), "config": {k: v for k, v in vars(config).items() if k != "dtype"},
            **{k: getattr(args, k) for k in ("seed", "steps", "batch_size", "lr", "warmup", "weight_decay", "clip")}}
-    try:
+    schedule, optimizer, loss_fn, make_batch = recipe(args, model, corpus)
+    try:  # a mesh that does not fit is refused before the run directory is touched
+        state, make_batch, state_sharding = shard_training(TrainState.create(params, optimizer), make_batch, args,
+                                                           config, args.batch_size)
         start_run(args.run_dir, run, args.resume)
     except ValueError as e:
         fail(str(e))
-
-    schedule, optimizer, loss_fn, make_batch = recipe(args, model, corpus)
     start = time.perf_counter()
-    state = train_loop(TrainState.create(params, optimizer), make_train_step(loss_fn, optimizer), make_batch,
+    state = train_loop(state, make_train_step(loss_fn, optimizer, state_sharding), make_batch,
                        seed=args.seed, num_steps=args.steps, run_dir=args.run_dir,
                        checkpoint_every=args.checkpoint_every, log_every=args.log_every, lr_schedule=schedule,
                        resume=args.resume)
     train_seconds = time.perf_counter() - start
+    params = jax.device_get(state.params)  # gathered from the mesh, if any: the evaluation runs on one device
     last = json.loads((args.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     print(f"\ntrained to step {int(state.step)} in {train_seconds:.1f} s (compile included): "
           f"final loss {last['loss']:.4f}")
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
     results = {"steps": int(state.step), "final_loss": last["loss"], "train_seconds": train_seconds}
     if corpus is None:
         prompts, patterns = copy_prompts(eval_key, args.eval_size)
-        out = generate(model, state.params, prompts, max_new_tokens=COPY_LEN)[:, COPY_LEN + 2:]
+        out = generate(model, params, prompts, max_new_tokens=COPY_LEN)[:, COPY_LEN + 2:]
         token_acc = float(jnp.mean(out == patterns))
         exact = float(jnp.mean(jnp.all(out == patterns, axis=1)))
         print(f"\nKV-cached greedy decoding on {args.eval_size} unseen patterns:")
@@ -171,11 +175,11 @@ def main(argv=None) -> int:
         print(f"  target  {np.asarray(patterns[0, :12]).tolist()} ...\n  decoded {np.asarray(out[0, :12]).tolist()} ...")
         results.update(token_accuracy=token_acc, exact_match=exact)
     else:
-        val = jnp.mean(jnp.stack([loss_fn(state.params, corpus.batch(k, args.batch_size, "val"), None)[0]
+        val = jnp.mean(jnp.stack([loss_fn(params, corpus.batch(k, args.batch_size, "val"), None)[0]
                                   for k in jax.random.split(eval_key, 20)]))
         print(f"\ntrain loss {last['loss']:.4f}   validation loss {float(val):.4f} (ppl {math.exp(float(val)):.2f})")
         prompt = jnp.asarray([prompt_ids or [0]], jnp.int32)
-        sample = generate(model, state.params, prompt, max_new_tokens=args.sample_tokens, key=jax.random.key(args.seed),
+        sample = generate(model, params, prompt, max_new_tokens=args.sample_tokens, key=jax.random.key(args.seed),
                           temperature=args.temperature, top_k=min(args.top_k, vocab), top_p=args.top_p)
         text = corpus.decode(np.asarray(sample[0, 0 if prompt_ids else 1:]))
         print("-" * 60 + "\n" + text + "\n" + "-" * 60)

@@ -34,7 +34,8 @@ from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.viz import ascii_attention, save_attention_grid
 from train import common
-from train.common import OneLineParser, TrainState, enable_compilation_cache, make_train_step, start_run, train_loop
+from train.common import (OneLineParser, TrainState, add_mesh_flags, enable_compilation_cache, make_train_step,
+                          shard_training, start_run, train_loop)
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 MIN_LEN, MAX_LEN = 5, 10
@@ -67,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where config, metrics, checkpoints and plots go (default: runs/reverse-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    add_mesh_flags(p)
     p.add_argument("--checkpoint-every", type=int, default=500)
     p.add_argument("--log-every", type=int, default=100)
     args = p.parse_args(argv)
@@ -208,21 +210,22 @@ def run(args) -> int:
     print(f"params: {n_params:,}   (the paper's base model: 65M)\n")
     shape_trace(model, params)
 
-    try:
+    schedule, optimizer, loss_fn, make_batch = recipe(args, model)
+    try:  # a mesh that does not fit is refused before the run directory is touched
+        state, make_batch, state_sharding = shard_training(TrainState.create(params, optimizer), make_batch, args,
+                                                           config, args.batch_size)
         start_run(args.run_dir, run_config(args, config), args.resume)
     except ValueError as e:
         fail(str(e))
-
-    schedule, optimizer, loss_fn, make_batch = recipe(args, model)
     print(f"\n{'=' * 72}\ntraining on 'reverse the sequence': {args.steps} steps, batch {args.batch_size}, "
           f"run dir {args.run_dir}\n")
     start = time.perf_counter()
-    state = train_loop(TrainState.create(params, optimizer), make_train_step(loss_fn, optimizer),
+    state = train_loop(state, make_train_step(loss_fn, optimizer, state_sharding),
                        make_batch, seed=args.seed, num_steps=args.steps, run_dir=args.run_dir,
                        checkpoint_every=args.checkpoint_every, log_every=args.log_every,
                        lr_schedule=schedule, resume=args.resume)
     train_seconds = time.perf_counter() - start
-    params = state.params
+    params = jax.device_get(state.params)  # gathered from the mesh, if any: the evaluation runs on one device
     last = json.loads((args.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     print(f"\ntrained to step {int(state.step)} in {train_seconds:.1f} s (compile included): "
           f"final loss {last['loss']:.4f}, lr {last['lr']:.2e}")

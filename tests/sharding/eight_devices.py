@@ -1,5 +1,7 @@
 """Sharding cases; `tests/test_sharding.py` runs this file on 8 simulated CPU devices."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,3 +142,44 @@ def test_bad_meshes_are_clear_errors(call, match):
 def test_parse_mesh():
     assert parse_mesh("data=4,model=2") == {"data": 4, "model": 2}
     assert parse_mesh("model=8") == {"model": 8}
+
+
+LM_TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",
+           "--log-every", "2", "--checkpoint-every", "2", "--warmup", "2", "--eval-size", "8"]
+
+
+def _losses(run_dir):
+    from train.common import read_metrics
+    return [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl")]
+
+
+REVERSE_TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
+                "--eval-size", "16", "--log-every", "2", "--checkpoint-every", "2"]
+
+
+def test_train_reverse_on_a_mesh_resumes_on_another(tmp_path):
+    """4 steps on a 4 x 2 mesh, then resumed on 8 x 1 with FSDP: the losses of one
+    uninterrupted single-device run, step for step (dropout included)."""
+    from train import reverse
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    assert reverse.main([*REVERSE_TINY, "--steps", "8", "--run-dir", str(single)]) == 0
+    assert reverse.main([*REVERSE_TINY, "--steps", "4", "--run-dir", str(sharded), "--mesh", "data=4,model=2"]) == 0
+    assert reverse.main([*REVERSE_TINY, "--steps", "8", "--run-dir", str(sharded), "--mesh", "data=8", "--fsdp",
+                         "--resume"]) == 0
+    assert len(_losses(single)) == 4
+    np.testing.assert_allclose(_losses(sharded), _losses(single), rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "data=3"], r"data \* model must equal the device count 8"),
+    (["--mesh", "data=4,model=2", "--n-head", "3", "--d-model", "48"], "n_head=3 is not divisible"),
+    (["--mesh", "data=8", "--batch-size", "4"], "--batch-size 4 is not divisible by the mesh's data axis"),
+    (["--fsdp"], "--fsdp needs --mesh"),
+])
+def test_train_lm_refuses_a_mesh_that_does_not_fit(tmp_path, capsys, flags, message):
+    from train import lm
+    with pytest.raises(SystemExit) as exit_info:
+        lm.main([*LM_TINY, "--steps", "2", "--run-dir", str(tmp_path / "run"), *flags])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
