@@ -14,7 +14,8 @@ A mesh has two named axes:
             across devices finishes each block.
 
 The rules name tensors by the end of their path in the parameter tree, so the same
-rules fit the optimizer state, whose moment trees repeat the parameter paths.
+rules fit the optimizer state, whose moment trees repeat the parameter paths. A
+dimension that does not divide evenly over its axis is kept whole.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ TENSOR_PARALLEL = (
     # 2017 model: w_qkv [d_model, 3, heads, head_dim], b_qkv [3, heads, head_dim],
     # w_o [heads, head_dim, d_model]; the ReLU FFN's w1 [d_model, d_ff], b1, w2 [d_ff, d_model].
     ("_attn/w_qkv", 2), ("_attn/b_qkv", 1), ("_attn/w_o", 0), ("ffn/w1", 1), ("ffn/b1", 0), ("ffn/w2", 0),
+    # Vocabulary-parallel embeddings and output layers: [vocab, d_model] tables split their
+    # rows, [d_model, vocab] heads their columns; the softmax then spans the devices.
+    ("embed", 0), ("lm_head", 1), ("out_proj", 1), ("out_bias", 0),
 )
 
 

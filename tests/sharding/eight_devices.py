@@ -105,6 +105,7 @@ def test_the_rules_split_what_they_say():
     assert specs["block_0/attn/wo"] == P("model", None, "data")
     assert specs["block_0/mlp/w_gate"] == P("data", "model") and specs["block_0/mlp/w_down"] == P("model", "data")
     assert specs["block_0/attn_norm/weight"] == P("data")
+    assert specs["embed"] == P("model", "data") and specs["lm_head"] == P("data", "model")  # vocabulary-parallel
     sharded = jax.device_put(params, tree_shardings(params, mesh, "fsdp"))
     wq = sharded["block_0"]["attn"]["wq"]  # [64, 8, 8] over data 2 x model 4
     assert {shard.data.shape for shard in wq.addressable_shards} == {(32, 2, 8)}
