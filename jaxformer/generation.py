@@ -20,6 +20,7 @@ from flax import struct
 
 from jaxformer.beam_search import beam_search
 from jaxformer.cache import KVCache
+from jaxformer.sharding import cache_shardings, mesh_of
 from jaxformer.validation import check_fits, check_token_ids
 from jaxformer.vanilla import VanillaTransformer
 
@@ -105,7 +106,7 @@ def _step_fn(model, params, prompt, context) -> Callable:
     return lambda tokens, cache: model.apply({"params": params}, tokens, cache)
 
 
-def _prefill(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
+def _prefill(model, params, prompt, knobs: _Knobs, max_new_tokens: int, mesh=None):
     """Runs the decoder's whole prompt through the model once.
 
     Returns:
@@ -120,19 +121,21 @@ def _prefill(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
     # Capacity: the prompt plus every new token but the last (which is never fed back).
     cache = KVCache.create(model.config, batch, capacity=decoder_prompt.shape[1] + max_new_tokens - 1)
     cache = cache.replace(start=knobs.start)
+    if mesh is not None:  # rows over `data`, kv heads over `model`: each device keeps its own part
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
     logits, cache = _step_fn(model, params, prompt, context)(decoder_prompt, cache)
     return decoder_prompt, logits[:, -1], cache, context
 
 
-def _start(model, params, prompt, knobs: _Knobs, max_new_tokens: int):
+def _start(model, params, prompt, knobs: _Knobs, max_new_tokens: int, mesh=None):
     """The prefill and the first token: `(decoder_prompt, token, cache, done, context)`."""
-    decoder_prompt, logits, cache, context = _prefill(model, params, prompt, knobs, max_new_tokens)
+    decoder_prompt, logits, cache, context = _prefill(model, params, prompt, knobs, max_new_tokens, mesh)
     token, done = _pick(knobs, 0, logits, jnp.zeros(prompt.shape[0], bool))
     return decoder_prompt, token, cache, done, context
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "num_beams"))
-def _generate_jit(model, params, prompt, knobs: _Knobs, max_new_tokens: int, num_beams: int = 1):
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "num_beams", "mesh"))
+def _generate_jit(model, params, prompt, knobs: _Knobs, max_new_tokens: int, num_beams: int = 1, mesh=None):
     """The whole decoding run in one program: a `while_loop` that stops at `max_new_tokens`
     or once every row has produced EOS (the remaining slots hold `pad_id`); or, with
     `num_beams > 1`, beam search."""
@@ -140,13 +143,13 @@ def _generate_jit(model, params, prompt, knobs: _Knobs, max_new_tokens: int, num
         # Every row becomes num_beams adjacent rows: one cache, one batch for all beams.
         prompt = jnp.repeat(prompt, num_beams, axis=0)
         knobs = knobs.replace(start=jnp.repeat(knobs.start, num_beams))
-        decoder_prompt, logits, cache, context = _prefill(model, params, prompt, knobs, max_new_tokens)
+        decoder_prompt, logits, cache, context = _prefill(model, params, prompt, knobs, max_new_tokens, mesh)
         tokens, _ = beam_search(_step_fn(model, params, prompt, context), logits, cache, n_beams=num_beams,
                                 n_new=max_new_tokens, eos_id=knobs.eos_id, pad_id=knobs.pad_id,
                                 alpha=knobs.length_penalty)
         return jnp.concatenate([decoder_prompt[::num_beams], tokens], axis=1)
 
-    decoder_prompt, token, cache, done, context = _start(model, params, prompt, knobs, max_new_tokens)
+    decoder_prompt, token, cache, done, context = _start(model, params, prompt, knobs, max_new_tokens, mesh)
     step = _step_fn(model, params, prompt, context)
     tokens = jnp.full((prompt.shape[0], max_new_tokens), knobs.pad_id, jnp.int32).at[:, 0].set(token)
 
@@ -165,7 +168,7 @@ def _generate_jit(model, params, prompt, knobs: _Knobs, max_new_tokens: int, num
 
 
 # Streaming: the same start and the same step as the loop above, one jitted call per token.
-_stream_start = jax.jit(_start, static_argnames=("model", "max_new_tokens"))
+_stream_start = jax.jit(_start, static_argnames=("model", "max_new_tokens", "mesh"))
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
@@ -237,7 +240,7 @@ def generate(model, params, prompt, *, max_new_tokens: int, key: jax.Array | Non
         raise ValueError(f"length_penalty must be a scalar >= 0, got {length_penalty!r}")
     knobs, decoder_input = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id,
                                     bos_id, prompt_lengths, length_penalty)
-    out = _generate_jit(model, params, decoder_input, knobs, max_new_tokens, num_beams)
+    out = _generate_jit(model, params, decoder_input, knobs, max_new_tokens, num_beams, mesh_of(params))
     # The prompt as the caller gave it (right-padded rows included), then the new tokens.
     return out if prompt_lengths is None else out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))
 
@@ -257,7 +260,7 @@ def stream(model, params, prompt, *, max_new_tokens: int, key: jax.Array | None 
     """
     knobs, prompt = _prepare(model, prompt, max_new_tokens, key, temperature, top_k, top_p, eos_id, pad_id, bos_id,
                              prompt_lengths, 0.0)
-    _, token, cache, done, context = _stream_start(model, params, prompt, knobs, max_new_tokens)
+    _, token, cache, done, context = _stream_start(model, params, prompt, knobs, max_new_tokens, mesh_of(params))
     for i in range(1, max_new_tokens + 1):
         yield np.asarray(token)
         if i == max_new_tokens or np.asarray(done).all():  # (on the host: no extra device op)

@@ -120,6 +120,26 @@ def tree_shardings(tree, mesh: Mesh, strategy: str = "dp"):
         lambda path, x: NamedSharding(mesh, partition_spec(_path_name(path), np.shape(x), mesh, strategy)), tree)
 
 
+def mesh_of(params) -> Mesh | None:
+    """The mesh `params` are placed on (by `tree_shardings`), or None on a single device."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            return sharding.mesh
+    return None
+
+
+def cache_shardings(cache, mesh: Mesh):
+    """Where a `KVCache` lives on `mesh`: rows over `data` and kv heads over `model`, each
+    where it divides evenly (else kept whole), as the attention that reads it is split."""
+    batch, n_kv = cache.layers[0].k.shape[0], cache.layers[0].k.shape[2]
+    rows = DATA if batch % mesh.shape[DATA] == 0 else None
+    heads = MODEL if n_kv % mesh.shape[MODEL] == 0 else None
+    kv = NamedSharding(mesh, PartitionSpec(rows, None, heads, None))  # [batch, capacity, n_kv, head_dim]
+    return cache.replace(layers=tuple(layer.replace(k=kv, v=kv) for layer in cache.layers),
+                         pos=NamedSharding(mesh, PartitionSpec()), start=NamedSharding(mesh, PartitionSpec(rows)))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Rows split over `data`, everything else whole: for every array of a batch."""
     return NamedSharding(mesh, PartitionSpec(DATA))

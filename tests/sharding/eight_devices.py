@@ -126,6 +126,25 @@ def test_sharded_generation_matches_one_device(strategy, data, model):
     assert len(np.unique(np.asarray(want[:, 5:]))) > 5
 
 
+@pytest.mark.parametrize("data, model, spec", [
+    (2, 4, PartitionSpec("data", None, None, None)),  # 2 kv heads do not split 4 ways: whole on each device
+    (4, 2, PartitionSpec("data", None, "model", None)),
+])
+def test_the_kv_cache_is_sharded_like_the_attention(data, model, spec):
+    from jaxformer.generation import _prepare, _stream_next, _stream_start
+    decoder = Decoder(DECODER)
+    params = decoder.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    mesh = make_mesh(data=data, model=model)
+    params = jax.device_put(params, tree_shardings(params, mesh, "dp"))
+    prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
+    knobs, prompt = _prepare(decoder, prompt, 4, None, 0.0, None, None, None, None, None, None, 0.0)
+    _, token, cache, done, context = _stream_start(decoder, params, prompt, knobs, 4, mesh)
+    for _ in range(2):  # and it stays so through the donated steps
+        for array in (cache.layers[0].k, cache.layers[-1].v):
+            assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4), array.sharding
+        token, cache, done = _stream_next(decoder, params, prompt, context, knobs, jnp.int32(1), token, cache, done)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: make_mesh(data=3), r"data \* model must equal the device count 8"),
     (lambda: make_mesh(model=3), "model must be a positive int dividing the device count 8"),
