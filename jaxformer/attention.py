@@ -120,18 +120,18 @@ class GQASelfAttention(nn.Module):
         # The output projection adds into the residual stream once per block; 1/sqrt(2L)
         # keeps the stream's variance from growing with depth (GPT-2).
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
-        wq = self.param("wq", init, (d, H, D)).astype(c.dtype)
-        wk = self.param("wk", init, (d, K, D)).astype(c.dtype)
-        wv = self.param("wv", init, (d, K, D)).astype(c.dtype)
-        wo = self.param("wo", residual_init, (H, D, d)).astype(c.dtype)
+        wq = self.param("wq", init, (d, H, D), c.param_dtype).astype(c.dtype)
+        wk = self.param("wk", init, (d, K, D), c.param_dtype).astype(c.dtype)
+        wv = self.param("wv", init, (d, K, D), c.param_dtype).astype(c.dtype)
+        wo = self.param("wo", residual_init, (H, D, d), c.param_dtype).astype(c.dtype)
 
         q = jnp.einsum("btd,dhk->bthk", x, wq)  # [batch, T, n_head, head_dim]
         k = jnp.einsum("btd,dhk->bthk", x, wk)  # [batch, T, n_kv, head_dim]
         v = jnp.einsum("btd,dhk->bthk", x, wv)  # [batch, T, n_kv, head_dim]
         if c.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
-            q = q + self.param("bq", nn.initializers.zeros, (H, D)).astype(c.dtype)
-            k = k + self.param("bk", nn.initializers.zeros, (K, D)).astype(c.dtype)
-            v = v + self.param("bv", nn.initializers.zeros, (K, D)).astype(c.dtype)
+            q = q + self.param("bq", nn.initializers.zeros, (H, D), c.param_dtype).astype(c.dtype)
+            k = k + self.param("bk", nn.initializers.zeros, (K, D), c.param_dtype).astype(c.dtype)
+            v = v + self.param("bv", nn.initializers.zeros, (K, D), c.param_dtype).astype(c.dtype)
         # Rotate q and k (never v) before caching: a cached key keeps its position.
         q = apply_rope(q, cos, sin, c.rope_pairing)
         k = apply_rope(k, cos, sin, c.rope_pairing)
@@ -160,11 +160,11 @@ class MultiHeadAttention(nn.Module):
         c = self.config
         # Xavier-uniform per matrix: W_Q, W_K, W_V are each a [d_model, d_model] map.
         self.w_qkv = self.param("w_qkv", nn.initializers.xavier_uniform(in_axis=0, out_axis=(2, 3), batch_axis=(1,)),
-                                (c.d_model, 3, c.n_head, c.head_dim))
-        self.b_qkv = self.param("b_qkv", nn.initializers.zeros, (3, c.n_head, c.head_dim))
+                                (c.d_model, 3, c.n_head, c.head_dim), c.param_dtype)
+        self.b_qkv = self.param("b_qkv", nn.initializers.zeros, (3, c.n_head, c.head_dim), c.param_dtype)
         self.w_o = self.param("w_o", nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2),
-                              (c.n_head, c.head_dim, c.d_model))
-        self.b_o = self.param("b_o", nn.initializers.zeros, (c.d_model,))
+                              (c.n_head, c.head_dim, c.d_model), c.param_dtype)
+        self.b_o = self.param("b_o", nn.initializers.zeros, (c.d_model,), c.param_dtype)
         self.dropout = nn.Dropout(c.dropout)
 
     def project_kv(self, memory: jax.Array) -> LayerKV:

@@ -35,15 +35,15 @@ def _require_positive_ints(config, *fields: str) -> None:
         _require(config, type(value) is int and value > 0, field, "must be a positive int")
 
 
-def _normalise_dtype(config) -> None:
+def _normalise_dtype(config, field: str = "dtype") -> None:
     """Accepts "bfloat16", jnp.bfloat16, np.dtype(...): stores a numpy dtype."""
     try:
-        dtype = jnp.dtype(config.dtype)
+        dtype = jnp.dtype(getattr(config, field))
     except TypeError:
         dtype = None
-    _require(config, dtype is not None and jnp.issubdtype(dtype, jnp.floating), "dtype",
+    _require(config, dtype is not None and jnp.issubdtype(dtype, jnp.floating), field,
              "must be a floating dtype")
-    object.__setattr__(config, "dtype", dtype)  # a frozen dataclass sets fields this way
+    object.__setattr__(config, field, dtype)  # a frozen dataclass sets fields this way
 
 
 class _ModelConfig:
@@ -79,7 +79,10 @@ class DecoderConfig(_ModelConfig):
       rope_pairing: "split_half" (channel i with i + head_dim/2: GPT-NeoX, HF Llama) or
         "interleaved" (channels 2i, 2i+1: RoFormer, Meta's original Llama).
       tie_embeddings: the output head reuses the token embedding matrix.
-      dtype: activation and compute dtype (parameters are stored in float32).
+      dtype: activation and compute dtype: "bfloat16" computes in bf16 while the
+        parameters (and so the optimizer state) stay in `param_dtype`; norms, softmax and
+        the loss accumulate in float32 either way.
+      param_dtype: storage dtype of the parameters, float32 by default (master weights).
       head_dim_override: channels per head when they are not `d_model // n_head` (some
         checkpoints, e.g. Qwen2 or Mistral variants, use wider heads); None for the rule.
         Read the resolved width from `head_dim`.
@@ -100,6 +103,7 @@ class DecoderConfig(_ModelConfig):
     dtype: Any = jnp.float32
     head_dim_override: int | None = None
     qkv_bias: bool = False
+    param_dtype: Any = jnp.float32
 
     def __post_init__(self):
         _require_positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
@@ -118,6 +122,7 @@ class DecoderConfig(_ModelConfig):
                  f"head_dim={self.head_dim} must be even for RoPE pairs")
         _require(self, self.rope_pairing in ROPE_PAIRINGS, "rope_pairing", f"must be one of {ROPE_PAIRINGS}")
         _normalise_dtype(self)
+        _normalise_dtype(self, "param_dtype")
 
     @property
     def ffn_dim(self) -> int:
@@ -154,7 +159,8 @@ class VanillaConfig(_ModelConfig):
       tie_embeddings: source and target embeddings and the output projection share one
         matrix (section 3.4); needs equal vocabularies.
       layer_norm_eps: LayerNorm epsilon (PyTorch's default).
-      dtype: activation and compute dtype (parameters are stored in float32).
+      dtype: activation and compute dtype (see `DecoderConfig.dtype`).
+      param_dtype: storage dtype of the parameters, float32 by default.
     """
 
     src_vocab_size: int
@@ -171,6 +177,7 @@ class VanillaConfig(_ModelConfig):
     layer_norm_eps: float = 1e-5
     dtype: Any = jnp.float32
     final_norm: bool | None = None
+    param_dtype: Any = jnp.float32
 
     def __post_init__(self):
         _require_positive_ints(self, "src_vocab_size", "tgt_vocab_size", "n_layer", "d_model", "d_ff",
@@ -185,6 +192,7 @@ class VanillaConfig(_ModelConfig):
                  f"needs src_vocab_size == tgt_vocab_size ({self.src_vocab_size} != {self.tgt_vocab_size})")
         _require(self, self.layer_norm_eps > 0, "layer_norm_eps", "must be > 0")
         _normalise_dtype(self)
+        _normalise_dtype(self, "param_dtype")
 
     @property
     def has_final_norm(self) -> bool:

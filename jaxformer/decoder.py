@@ -33,9 +33,9 @@ class Block(nn.Module):
     def __call__(self, x, cos, sin, mask, layer_cache: LayerKV | None = None, pos=None):
         c = self.config
         h, layer_cache = GQASelfAttention(c, name="attn")(
-            RMSNorm(c.norm_eps, name="attn_norm")(x), cos, sin, mask, layer_cache, pos)
+            RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x), cos, sin, mask, layer_cache, pos)
         x = x + h  # [batch, T, d_model]
-        x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, name="mlp_norm")(x))
+        x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x))
         return x, layer_cache
 
 
@@ -76,7 +76,7 @@ class Decoder(nn.Module):
         S = T if cache is None else cache.capacity
         check_step_inputs(tokens, c, c.vocab_size, cache)
 
-        embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.d_model))
+        embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.d_model), c.param_dtype)
         x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
 
         cos_table, sin_table = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)  # [max_seq_len, head_dim/2]
@@ -99,12 +99,13 @@ class Decoder(nn.Module):
             layer_cache = None if cache is None else cache.layers[i]
             x, layer_cache = Block(c, name=f"block_{i}")(x, cos, sin, mask, layer_cache, pos)
             new_layers.append(layer_cache)
-        x = RMSNorm(c.norm_eps, name="final_norm")(x)
+        x = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x)
 
         if c.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, embed.astype(c.dtype))  # [batch, T, vocab]
         else:
-            lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.d_model, c.vocab_size))
+            lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.d_model, c.vocab_size),
+                                 c.param_dtype)
             logits = jnp.einsum("btd,dv->btv", x, lm_head.astype(c.dtype))
         if cache is None:
             return logits, None

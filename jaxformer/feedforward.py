@@ -21,9 +21,9 @@ class SwiGLU(nn.Module):
         c = self.config
         init = nn.initializers.normal(0.02)
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))  # see GQASelfAttention
-        w_gate = self.param("w_gate", init, (c.d_model, c.ffn_dim)).astype(c.dtype)
-        w_up = self.param("w_up", init, (c.d_model, c.ffn_dim)).astype(c.dtype)
-        w_down = self.param("w_down", residual_init, (c.ffn_dim, c.d_model)).astype(c.dtype)
+        w_gate = self.param("w_gate", init, (c.d_model, c.ffn_dim), c.param_dtype).astype(c.dtype)
+        w_up = self.param("w_up", init, (c.d_model, c.ffn_dim), c.param_dtype).astype(c.dtype)
+        w_down = self.param("w_down", residual_init, (c.ffn_dim, c.d_model), c.param_dtype).astype(c.dtype)
         gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
         up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
         return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)  # [batch, T, d_model]
@@ -42,10 +42,10 @@ class FeedForward(nn.Module):
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         c = self.config
         init = nn.initializers.xavier_uniform()
-        w1 = self.param("w1", init, (c.d_model, c.d_ff)).astype(c.dtype)
-        b1 = self.param("b1", nn.initializers.zeros, (c.d_ff,)).astype(c.dtype)
-        w2 = self.param("w2", init, (c.d_ff, c.d_model)).astype(c.dtype)
-        b2 = self.param("b2", nn.initializers.zeros, (c.d_model,)).astype(c.dtype)
+        w1 = self.param("w1", init, (c.d_model, c.d_ff), c.param_dtype).astype(c.dtype)
+        b1 = self.param("b1", nn.initializers.zeros, (c.d_ff,), c.param_dtype).astype(c.dtype)
+        w2 = self.param("w2", init, (c.d_ff, c.d_model), c.param_dtype).astype(c.dtype)
+        b2 = self.param("b2", nn.initializers.zeros, (c.d_model,), c.param_dtype).astype(c.dtype)
         hidden = jax.nn.relu(jnp.einsum("btd,df->btf", x, w1) + b1)  # [batch, T, d_ff]
         hidden = nn.Dropout(c.dropout)(hidden, deterministic=deterministic)
         return jnp.einsum("btf,fd->btd", hidden, w2) + b2  # [batch, T, d_model]

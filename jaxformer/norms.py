@@ -17,13 +17,15 @@ class RMSNorm(nn.Module):
 
     Attributes:
       eps: added to the mean square before the reciprocal square root.
+      param_dtype: storage dtype of the weight.
     """
 
     eps: float = 1e-6
+    param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],))  # [d_model]
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)  # [d_model]
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return normed.astype(x.dtype) * weight.astype(x.dtype)

@@ -47,7 +47,8 @@ class Residual(nn.Module):
     config: VanillaConfig
 
     def setup(self):
-        self.norm = nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.config.dtype)
+        self.norm = nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.config.dtype,
+                                 param_dtype=self.config.param_dtype)
         self.dropout = nn.Dropout(self.config.dropout)
 
     def sublayer_input(self, x: jax.Array) -> jax.Array:
@@ -122,18 +123,19 @@ class VanillaTransformer(nn.Module):
         c = self.config
         init = nn.initializers.xavier_uniform()  # the reference's init for every matrix
         if c.tie_embeddings:  # section 3.4: one matrix for both embeddings and the output
-            self.src_embed = self.tgt_embed = self.param("embed", init, (c.src_vocab_size, c.d_model))
+            self.src_embed = self.tgt_embed = self.param("embed", init, (c.src_vocab_size, c.d_model),
+                                                         c.param_dtype)
         else:
-            self.src_embed = self.param("src_embed", init, (c.src_vocab_size, c.d_model))
-            self.tgt_embed = self.param("tgt_embed", init, (c.tgt_vocab_size, c.d_model))
-            self.out_proj = self.param("out_proj", init, (c.d_model, c.tgt_vocab_size))
-        self.out_bias = self.param("out_bias", nn.initializers.zeros, (c.tgt_vocab_size,))
+            self.src_embed = self.param("src_embed", init, (c.src_vocab_size, c.d_model), c.param_dtype)
+            self.tgt_embed = self.param("tgt_embed", init, (c.tgt_vocab_size, c.d_model), c.param_dtype)
+            self.out_proj = self.param("out_proj", init, (c.d_model, c.tgt_vocab_size), c.param_dtype)
+        self.out_bias = self.param("out_bias", nn.initializers.zeros, (c.tgt_vocab_size,), c.param_dtype)
         self.encoder_layers = [EncoderLayer(c) for _ in range(c.n_layer)]
         self.decoder_layers = [DecoderLayer(c) for _ in range(c.n_layer)]
         self.embed_dropout = nn.Dropout(c.dropout)
         if c.has_final_norm:  # pre-norm leaves the residual stream unnormalised: norm it once at the end
-            self.encoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype)
-            self.decoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype)
+            self.encoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+            self.decoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
 
     def embed(self, table: jax.Array, tokens: jax.Array, offset, deterministic: bool = True) -> jax.Array:
         """`Dropout(embedding * sqrt(d_model) + PE)` for tokens at positions `offset ..`.

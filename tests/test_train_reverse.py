@@ -69,3 +69,12 @@ def test_resume_with_a_different_config_or_into_a_used_dir(tmp_path, capsys):
         reverse.main(["--steps", "10", "--run-dir", str(run_dir), *TINY])
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not empty" in err, err
+
+
+def test_bfloat16_training_lowers_the_loss(tmp_path):
+    run_dir = tmp_path / "bf16"
+    assert reverse.main([*TINY, "--steps", "150", "--log-every", "50", "--checkpoint-every", "150", "--warmup", "50",
+                         "--dtype", "bfloat16", "--run-dir", str(run_dir)]) == 0
+    losses = [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl")]
+    # Measured: 2.83 -> 2.64 in bf16, 2.81 -> 2.58 in float32 (the full demo in bf16: 100% exact).
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.1

@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where config, metrics and checkpoints go (default: runs/lm-<task>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype; parameters and optimizer state stay float32")
     add_mesh_flags(p)
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--log-every", type=int, default=50)
@@ -98,7 +100,8 @@ def model_config(args, corpus: CharText | None) -> DecoderConfig:
     seq_len = training_length(args, corpus)
     max_seq_len = seq_len + 8 if corpus is None else max(seq_len, len(args.prompt) + args.sample_tokens) + 8
     return DecoderConfig(vocab_size=corpus.vocab_size if corpus else COPY_VOCAB, n_layer=args.n_layer,
-                         n_head=args.n_head, n_kv_head=args.n_kv_head, d_model=args.d_model, max_seq_len=max_seq_len)
+                         n_head=args.n_head, n_kv_head=args.n_kv_head, d_model=args.d_model, max_seq_len=max_seq_len,
+                         dtype=args.dtype)
 
 
 def recipe(args, model: Decoder, corpus: CharText | None):
@@ -143,7 +146,8 @@ def main(argv=None) -> int:
     print(f"chance loss (uniform) = {chance:.4f}\n")
 
     # What --resume must match; --steps too, since the cosine's length depends on it.
-    run = {"task": args.task, "data": str(args.data), "config": {k: v for k, v in vars(config).items() if k != "dtype"},
+    model_fields = {k: v for k, v in vars(config).items() if k not in ("dtype", "param_dtype")}
+    run = {"task": args.task, "data": str(args.data), "config": model_fields,
            **{k: getattr(args, k) for k in ("seed", "steps", "batch_size", "lr", "warmup", "weight_decay", "clip")}}
     schedule, optimizer, loss_fn, make_batch = recipe(args, model, corpus)
     try:  # a mesh that does not fit is refused before the run directory is touched

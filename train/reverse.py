@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", type=Path, default=None,
                    help="where config, metrics, checkpoints and plots go (default: runs/reverse-<time>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype; parameters and optimizer state stay float32")
     add_mesh_flags(p)
     p.add_argument("--checkpoint-every", type=int, default=500)
     p.add_argument("--log-every", type=int, default=100)
@@ -88,14 +90,15 @@ def model_config(args) -> VanillaConfig:
     try:
         return VanillaConfig(src_vocab_size=REVERSE_VOCAB, tgt_vocab_size=REVERSE_VOCAB, n_layer=args.n_layer,
                              d_model=args.d_model, d_ff=args.d_ff, n_head=args.n_head, dropout=args.dropout,
-                             pad_id=PAD, max_seq_len=max(PROBE_LENGTHS) + 2, norm_first=args.norm_first)
+                             pad_id=PAD, max_seq_len=max(PROBE_LENGTHS) + 2, norm_first=args.norm_first,
+                             dtype=args.dtype)
     except ValueError as e:
         fail(str(e))
 
 
 def run_config(args, config: VanillaConfig) -> dict:
     """What must match for `--resume` to continue the same run (not: steps, eval, logging)."""
-    model = {k: v for k, v in dataclasses.asdict(config).items() if k != "dtype"}
+    model = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("dtype", "param_dtype")}
     return {"model": model, "seed": args.seed, "batch_size": args.batch_size, "warmup": args.warmup,
             "label_smoothing": args.label_smoothing}
 
