@@ -230,3 +230,24 @@ def test_progress_bar_prints_plain_lines_when_not_a_terminal():
     assert [line.split("/")[0].strip() for line in lines] == ["30", "50", "80", "100"]
     assert lines[-1].startswith("100/100 [" + "#" * ProgressBar.WIDTH + "]")
     assert "loss 0.0200" in lines[-1] and "lr 1.00e-03" in lines[-1] and "12.3 steps/s" in lines[-1]
+
+
+@pytest.mark.parametrize("env, called_with", [
+    ({}, None),  # one host: nothing to join
+    ({"SLURM_NTASKS": "1"}, None),
+    ({"SLURM_NTASKS": "4"}, {}),  # jax reads Slurm's variables itself
+    ({"TPU_WORKER_HOSTNAMES": "host0,host1"}, {}),
+    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"},
+     {"num_processes": 2, "process_id": 1}),
+])
+def test_initialize_distributed_only_when_the_environment_names_other_hosts(monkeypatch, env, called_with):
+    from train import common
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
+                 "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(common.jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
+    assert common.initialize_distributed() == (called_with is not None)
+    assert calls == ([] if called_with is None else [called_with])

@@ -67,6 +67,27 @@ def start_run(run_dir, config: dict, resume: bool) -> None:
     save_run_config(run_dir, config)
 
 
+def initialize_distributed() -> bool:
+    """Joins the other processes of a multi-host run when the environment names some.
+
+    `jax.distributed.initialize()` reads the coordinator, the process count and this
+    process's index from Slurm (`SLURM_NTASKS` > 1), Open MPI (`mpirun`) and Cloud TPU pod
+    slices (several `TPU_WORKER_HOSTNAMES`) by itself. Elsewhere set
+    `JAX_COORDINATOR_ADDRESS=host:port`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` on every
+    host. Must run before anything touches a device. Returns whether it initialized.
+    """
+    explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
+    if not (explicit or int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "OMPI_MCA_orte_hnp_uri" in os.environ
+            or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")):
+        return False
+    counts = {}
+    if explicit and "JAX_NUM_PROCESSES" in os.environ:
+        counts = dict(num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                      process_id=int(os.environ.get("JAX_PROCESS_ID", "0")))
+    jax.distributed.initialize(**counts)
+    return True
+
+
 def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     """`--mesh data=N,model=M` and `--fsdp`, shared by the demos."""
     parser.add_argument("--mesh", default=None, metavar="data=N,model=M",

@@ -30,8 +30,8 @@ import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
 from train import common
-from train.common import (OneLineParser, TrainState, add_mesh_flags, enable_compilation_cache, make_train_step,
-                          shard_training, start_run, train_loop)
+from train.common import (OneLineParser, TrainState, add_mesh_flags, enable_compilation_cache,
+                          initialize_distributed, make_train_step, shard_training, start_run, train_loop)
 from train.tasks import COPY_LEN, COPY_SYMBOLS, COPY_VOCAB, IGNORE, CharText, copy_batch, copy_prompts
 
 
@@ -126,6 +126,7 @@ def recipe(args, model: Decoder, corpus: CharText | None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    initialize_distributed()
     enable_compilation_cache()
     try:
         corpus = CharText(args.data, args.seq_len) if args.task == "text" else None

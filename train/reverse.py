@@ -34,8 +34,8 @@ from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.viz import ascii_attention, save_attention_grid
 from train import common
-from train.common import (OneLineParser, TrainState, add_mesh_flags, enable_compilation_cache, make_train_step,
-                          shard_training, start_run, train_loop)
+from train.common import (OneLineParser, TrainState, add_mesh_flags, enable_compilation_cache,
+                          initialize_distributed, make_train_step, shard_training, start_run, train_loop)
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 MIN_LEN, MAX_LEN = 5, 10
@@ -176,6 +176,7 @@ def cross_attention_map(model, params, run_dir: Path) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    initialize_distributed()
     enable_compilation_cache()
     # Dropout draws about a million random numbers a step. The classic threefry layout
     # gets two 32-bit numbers out of each hash block where the partitionable one (JAX's
