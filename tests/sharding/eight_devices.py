@@ -203,3 +203,17 @@ def test_train_lm_refuses_a_mesh_that_does_not_fit(tmp_path, capsys, flags, mess
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
+
+
+def test_readme_mesh_example_runs():
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "make_mesh" in b)
+    import jaxformer
+    model = Decoder(DECODER)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    prompt = jnp.ones((BATCH, 4), jnp.int32)
+    namespace = {"jax": jax, "jf": jaxformer, "model": model, "params": params, "prompt": prompt}
+    exec(compile(block, "README mesh block", "exec"), namespace)
+    assert namespace["out"].shape == (BATCH, 24)
+    assert namespace["params"]["block_0"]["attn"]["wq"].sharding.spec == PartitionSpec("data", "model", None)
