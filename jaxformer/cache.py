@@ -68,7 +68,7 @@ class KVCache:
           batch_size: number of sequences decoded together.
           capacity: positions to allocate; defaults to `config.max_seq_len`, which is also
             its upper limit (RoPE has no angles beyond it).
-          dtype: storage dtype; defaults to `config.dtype`.
+          dtype: storage dtype; defaults to the config's `cache_dtype`, else its `dtype`.
 
         Returns:
           A `KVCache` of zeros with `pos == 0`.
@@ -81,7 +81,7 @@ class KVCache:
                 f"KVCache.create: capacity must be an int in [1, max_seq_len={config.max_seq_len}], "
                 f"got {capacity!r}")
         shape = (batch_size, capacity, config.n_kv_head, config.head_dim)
-        dtype = config.dtype if dtype is None else dtype
+        dtype = dtype or getattr(config, "cache_dtype", None) or config.dtype
         layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
                        for _ in range(config.n_layer))
         return cls(layers=layers, pos=jnp.zeros((), jnp.int32), start=jnp.zeros((batch_size,), jnp.int32))

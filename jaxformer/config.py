@@ -83,6 +83,8 @@ class DecoderConfig(_ModelConfig):
         parameters (and so the optimizer state) stay in `param_dtype`; norms, softmax and
         the loss accumulate in float32 either way.
       param_dtype: storage dtype of the parameters, float32 by default (master weights).
+      cache_dtype: storage dtype of the KV cache (`KVCache.create`, `generate`); None
+        means `dtype`. A bf16 cache halves its memory while the compute stays float32.
       head_dim_override: channels per head when they are not `d_model // n_head` (some
         checkpoints, e.g. Qwen2 or Mistral variants, use wider heads); None for the rule.
         Read the resolved width from `head_dim`.
@@ -104,6 +106,7 @@ class DecoderConfig(_ModelConfig):
     head_dim_override: int | None = None
     qkv_bias: bool = False
     param_dtype: Any = jnp.float32
+    cache_dtype: Any = None
 
     def __post_init__(self):
         _require_positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
@@ -123,6 +126,8 @@ class DecoderConfig(_ModelConfig):
         _require(self, self.rope_pairing in ROPE_PAIRINGS, "rope_pairing", f"must be one of {ROPE_PAIRINGS}")
         _normalise_dtype(self)
         _normalise_dtype(self, "param_dtype")
+        if self.cache_dtype is not None:
+            _normalise_dtype(self, "cache_dtype")
 
     @property
     def ffn_dim(self) -> int:
@@ -161,6 +166,7 @@ class VanillaConfig(_ModelConfig):
       layer_norm_eps: LayerNorm epsilon (PyTorch's default).
       dtype: activation and compute dtype (see `DecoderConfig.dtype`).
       param_dtype: storage dtype of the parameters, float32 by default.
+      cache_dtype: storage dtype of the decoder's KV cache; None means `dtype`.
     """
 
     src_vocab_size: int
@@ -178,6 +184,7 @@ class VanillaConfig(_ModelConfig):
     dtype: Any = jnp.float32
     final_norm: bool | None = None
     param_dtype: Any = jnp.float32
+    cache_dtype: Any = None
 
     def __post_init__(self):
         _require_positive_ints(self, "src_vocab_size", "tgt_vocab_size", "n_layer", "d_model", "d_ff",
@@ -193,6 +200,8 @@ class VanillaConfig(_ModelConfig):
         _require(self, self.layer_norm_eps > 0, "layer_norm_eps", "must be > 0")
         _normalise_dtype(self)
         _normalise_dtype(self, "param_dtype")
+        if self.cache_dtype is not None:
+            _normalise_dtype(self, "cache_dtype")
 
     @property
     def has_final_norm(self) -> bool:

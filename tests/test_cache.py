@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import DecoderConfig, KVCache
+from jaxformer import Decoder, DecoderConfig, KVCache
 
 CONFIG = DecoderConfig(vocab_size=32, n_layer=3, n_head=4, n_kv_head=2, d_model=32, max_seq_len=16)
 
@@ -56,3 +56,19 @@ def test_is_a_pytree():
 def test_bad_create(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KVCache.create(CONFIG, **kwargs)
+
+
+def test_cache_dtype_is_selectable():
+    """A bf16 cache under float32 compute: half the bytes, logits close to the float32 cache's."""
+    from conftest import init_params
+    config = CONFIG.replace(cache_dtype="bfloat16")
+    cache = KVCache.create(config, batch_size=2, capacity=8)
+    assert cache.layers[0].k.dtype == jnp.bfloat16
+    assert cache.nbytes * 2 == KVCache.create(CONFIG, batch_size=2, capacity=8).nbytes
+    params = init_params(CONFIG)
+    tokens = jnp.arange(12).reshape(2, 6) % CONFIG.vocab_size
+    want, _ = Decoder(CONFIG).apply({"params": params}, tokens, KVCache.create(CONFIG, 2, capacity=8))
+    got, cache = Decoder(config).apply({"params": params}, tokens, cache)
+    assert got.dtype == jnp.float32 and cache.layers[-1].v.dtype == jnp.bfloat16
+    error = float(jnp.abs(got - want).max())
+    assert 0 < error < 0.02 * float(jnp.abs(want).max())

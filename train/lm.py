@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     print(f"chance loss (uniform) = {chance:.4f}\n")
 
     # What --resume must match; --steps too, since the cosine's length depends on it.
-    model_fields = {k: v for k, v in vars(config).items() if k not in ("dtype", "param_dtype")}
+    model_fields = {k: v for k, v in vars(config).items() if k not in ("dtype", "param_dtype", "cache_dtype")}
     run = {"task": args.task, "data": str(args.data), "config": model_fields,
            **{k: getattr(args, k) for k in ("seed", "steps", "batch_size", "lr", "warmup", "weight_decay", "clip")}}
     schedule, optimizer, loss_fn, make_batch = recipe(args, model, corpus)

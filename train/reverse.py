@@ -98,7 +98,7 @@ def model_config(args) -> VanillaConfig:
 
 def run_config(args, config: VanillaConfig) -> dict:
     """What must match for `--resume` to continue the same run (not: steps, eval, logging)."""
-    model = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("dtype", "param_dtype")}
+    model = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("dtype", "param_dtype", "cache_dtype")}
     return {"model": model, "seed": args.seed, "batch_size": args.batch_size, "warmup": args.warmup,
             "label_smoothing": args.label_smoothing}
 
