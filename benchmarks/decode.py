@@ -356,7 +356,7 @@ def main(argv=None) -> dict:
         import torch
         import transformers
         versions |= {"torch": torch.__version__, "transformers": transformers.__version__}
-    result = {"config": {k: str(v) if k == "dtype" else v for k, v in vars(config).items()},
+    result = {"config": {k: str(v) if k.endswith("dtype") else v for k, v in vars(config).items()},
               "machine": {"bandwidth_gb_s": bandwidth / 1e9, "cpu_count": os.cpu_count(), **versions},
               "settings": {**vars(args), "summary": summary}, "variants": rows, "scaling": scaling}
     Path(args.out).write_text(json.dumps(result, indent=2))
