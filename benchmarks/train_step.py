@@ -23,7 +23,6 @@ import importlib.util
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,8 +51,7 @@ def _time_steps(step, n_steps: int) -> tuple[float, list[float]]:
 
 
 def jaxformer_reverse(n_steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        args = reverse.parse_args(["--run-dir", tmp])
+    args = reverse.parse_args([])  # the demo's defaults (nothing is written: no run directory is made)
     model = VanillaTransformer(reverse.model_config(args))
     _, optimizer, loss_fn, make_batch = reverse.recipe(args, model)
     # train.reverse draws dropout bits with threefry's classic layout (see its main()).
@@ -63,8 +61,7 @@ def jaxformer_reverse(n_steps: int) -> dict:
 
 
 def jaxformer_copy(n_steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        args = lm.parse_args(["--run-dir", tmp])
+    args = lm.parse_args([])
     model = Decoder(lm.model_config(args, None))
     _, optimizer, loss_fn, make_batch = lm.recipe(args, model, None)
     params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))["params"]

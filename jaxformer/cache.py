@@ -61,7 +61,7 @@ class KVCache:
     @classmethod
     def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None) -> "KVCache":
         """An empty cache for `config` (a `DecoderConfig` or any config with `n_layer`,
-        `n_kv_head`, `head_dim`, `max_seq_len` and `dtype`).
+        `n_kv_head`, `head_dim`, `max_seq_len`, `dtype` and `cache_dtype`).
 
         Args:
           config: the model's config.
@@ -81,7 +81,8 @@ class KVCache:
                 f"KVCache.create: capacity must be an int in [1, max_seq_len={config.max_seq_len}], "
                 f"got {capacity!r}")
         shape = (batch_size, capacity, config.n_kv_head, config.head_dim)
-        dtype = dtype or getattr(config, "cache_dtype", None) or config.dtype
+        if dtype is None:
+            dtype = config.dtype if config.cache_dtype is None else config.cache_dtype
         layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
                        for _ in range(config.n_layer))
         return cls(layers=layers, pos=jnp.zeros((), jnp.int32), start=jnp.zeros((batch_size,), jnp.int32))

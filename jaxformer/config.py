@@ -58,6 +58,10 @@ class _ModelConfig:
         """A copy with `changes` applied, validated again."""
         return dataclasses.replace(self, **changes)
 
+    def _normalise_dtypes(self) -> None:
+        for field in ("dtype", "param_dtype") + (("cache_dtype",) if self.cache_dtype is not None else ()):
+            _normalise_dtype(self, field)
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig(_ModelConfig):
@@ -124,10 +128,7 @@ class DecoderConfig(_ModelConfig):
         _require(self, self.head_dim % 2 == 0, "head_dim_override" if self.head_dim_override else "d_model",
                  f"head_dim={self.head_dim} must be even for RoPE pairs")
         _require(self, self.rope_pairing in ROPE_PAIRINGS, "rope_pairing", f"must be one of {ROPE_PAIRINGS}")
-        _normalise_dtype(self)
-        _normalise_dtype(self, "param_dtype")
-        if self.cache_dtype is not None:
-            _normalise_dtype(self, "cache_dtype")
+        self._normalise_dtypes()
 
     @property
     def ffn_dim(self) -> int:
@@ -198,10 +199,7 @@ class VanillaConfig(_ModelConfig):
         _require(self, not self.tie_embeddings or self.src_vocab_size == self.tgt_vocab_size, "tie_embeddings",
                  f"needs src_vocab_size == tgt_vocab_size ({self.src_vocab_size} != {self.tgt_vocab_size})")
         _require(self, self.layer_norm_eps > 0, "layer_norm_eps", "must be > 0")
-        _normalise_dtype(self)
-        _normalise_dtype(self, "param_dtype")
-        if self.cache_dtype is not None:
-            _normalise_dtype(self, "cache_dtype")
+        self._normalise_dtypes()
 
     @property
     def has_final_norm(self) -> bool:

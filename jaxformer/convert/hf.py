@@ -94,7 +94,7 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
         if hf.get(flag, False):
             _fail(flag, "must be false (only Qwen2's q/k/v biases are supported)", hf[flag])
     rope_theta = _rope_theta(hf)
-    max_seq_len = max_seq_len or hf["max_position_embeddings"]
+    max_seq_len = hf["max_position_embeddings"] if max_seq_len is None else max_seq_len
     window = _sliding_window(hf)
     if window is not None and window < max_seq_len:
         _fail("sliding_window", f"an active window is not supported: it is shorter than max_seq_len={max_seq_len}; "

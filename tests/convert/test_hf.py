@@ -44,6 +44,8 @@ def test_config_from_hf_maps_every_field():
     assert config_from_hf({**LLAMA, "head_dim": 24}).head_dim == 24  # wider heads than hidden / heads
     assert config_from_hf({**LLAMA, "model_type": "qwen2"}).qkv_bias
     assert config_from_hf({**LLAMA, "max_position_embeddings": 4096}, max_seq_len=100).max_seq_len == 100
+    with pytest.raises(ValueError, match="max_seq_len: must be a positive int"):
+        config_from_hf(LLAMA, max_seq_len=0)  # not taken for "unset"
 
 
 def test_rope_theta_from_the_older_top_level_key():
