@@ -7,9 +7,9 @@ from jaxformer.cache import KVCache, LayerKV
 from jaxformer.config import DecoderConfig, VanillaConfig
 from jaxformer.decoder import Block, Decoder
 from jaxformer.feedforward import FeedForward, SwiGLU
-from jaxformer.generation import generate, sample_token, stream
+from jaxformer.decoding import generate, sample_token, stream
 from jaxformer.losses import label_smoothed_cross_entropy
-from jaxformer.norms import RMSNorm
+from jaxformer.norms import LayerNorm, RMSNorm
 from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_tables, sinusoidal_table
 from jaxformer.schedules import noam_schedule, warmup_cosine_schedule
 from jaxformer.vanilla import DecoderLayer, EncoderLayer, Residual, VanillaTransformer
@@ -32,6 +32,7 @@ __all__ = [
     "DecoderConfig",
     "GQASelfAttention",
     "KVCache",
+    "LayerNorm",
     "LayerKV",
     "RMSNorm",
     "SwiGLU",

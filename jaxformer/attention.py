@@ -15,6 +15,11 @@ query head j reading kv head `j // n_rep` with `n_rep = n_head // n_kv_head`. In
 of repeating K and V `n_rep` times, the queries are viewed as
 `[batch, seq, n_kv, n_rep, head_dim]` and one grouped einsum lets every member of a
 group read its kv head. Plain multi-head attention is the case `n_kv == n_head`.
+
+Einsum letters, one meaning each in this file:
+    b batch   t query position   s key position   d model width (d_model)
+    h query head   n kv head   g query head within its kv group   k channel within a head
+    c which projection of a packed Q/K/V (0 = Q, 1 = K, 2 = V)
 """
 
 import math
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxformer.cache import LayerKV
 from jaxformer.positions import apply_rope
+from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_param, param
 
 
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
@@ -44,7 +50,7 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     q = q.reshape(batch, T, n_kv, n_head // n_kv, head_dim)  # [batch, T, n_kv, n_rep, head_dim]
     # Scale by 1/sqrt(d_k), d_k the per-head width: it keeps the scores' variance near 1
     # so the softmax does not saturate just because heads are wide.
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(head_dim)  # [batch, n_kv, n_rep, T, S] float32
     if mask.ndim == 2:
         mask = mask[None]  # [1, T, S]
@@ -69,7 +75,7 @@ def combine_values(weights: jax.Array, v: jax.Array) -> jax.Array:
     batch, n_head, T, S = weights.shape
     n_kv, head_dim = v.shape[2], v.shape[3]
     weights = weights.reshape(batch, n_kv, n_head // n_kv, T, S).astype(v.dtype)  # [batch, n_kv, n_rep, T, S]
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)  # [batch, T, n_kv, n_rep, head_dim]
+    out = jnp.einsum("bngts,bsnk->btngk", weights, v)  # [batch, T, n_kv, n_rep, head_dim]
     return out.reshape(batch, T, n_head, head_dim)
 
 
@@ -120,18 +126,19 @@ class GQASelfAttention(nn.Module):
         # The output projection adds into the residual stream once per block; 1/sqrt(2L)
         # keeps the stream's variance from growing with depth (GPT-2).
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
-        wq = self.param("wq", init, (d, H, D), c.param_dtype).astype(c.dtype)
-        wk = self.param("wk", init, (d, K, D), c.param_dtype).astype(c.dtype)
-        wv = self.param("wv", init, (d, K, D), c.param_dtype).astype(c.dtype)
-        wo = self.param("wo", residual_init, (H, D, d), c.param_dtype).astype(c.dtype)
+
+        wq = compute_param(self, "wq", init, (d, H, D), (EMBED, HEADS, HEAD_DIM))
+        wk = compute_param(self, "wk", init, (d, K, D), (EMBED, KV_HEADS, HEAD_DIM))
+        wv = compute_param(self, "wv", init, (d, K, D), (EMBED, KV_HEADS, HEAD_DIM))
+        wo = compute_param(self, "wo", residual_init, (H, D, d), (HEADS, HEAD_DIM, EMBED))
 
         q = jnp.einsum("btd,dhk->bthk", x, wq)  # [batch, T, n_head, head_dim]
-        k = jnp.einsum("btd,dhk->bthk", x, wk)  # [batch, T, n_kv, head_dim]
-        v = jnp.einsum("btd,dhk->bthk", x, wv)  # [batch, T, n_kv, head_dim]
+        k = jnp.einsum("btd,dnk->btnk", x, wk)  # [batch, T, n_kv, head_dim]
+        v = jnp.einsum("btd,dnk->btnk", x, wv)  # [batch, T, n_kv, head_dim]
         if c.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
-            q = q + self.param("bq", nn.initializers.zeros, (H, D), c.param_dtype).astype(c.dtype)
-            k = k + self.param("bk", nn.initializers.zeros, (K, D), c.param_dtype).astype(c.dtype)
-            v = v + self.param("bv", nn.initializers.zeros, (K, D), c.param_dtype).astype(c.dtype)
+            q = q + compute_param(self, "bq", nn.initializers.zeros, (H, D), (HEADS, HEAD_DIM))
+            k = k + compute_param(self, "bk", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
+            v = v + compute_param(self, "bv", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
         # Rotate q and k (never v) before caching: a cached key keeps its position.
         q = apply_rope(q, cos, sin, c.rope_pairing)
         k = apply_rope(k, cos, sin, c.rope_pairing)
@@ -159,12 +166,13 @@ class MultiHeadAttention(nn.Module):
     def setup(self):
         c = self.config
         # Xavier-uniform per matrix: W_Q, W_K, W_V are each a [d_model, d_model] map.
-        self.w_qkv = self.param("w_qkv", nn.initializers.xavier_uniform(in_axis=0, out_axis=(2, 3), batch_axis=(1,)),
-                                (c.d_model, 3, c.n_head, c.head_dim), c.param_dtype)
-        self.b_qkv = self.param("b_qkv", nn.initializers.zeros, (3, c.n_head, c.head_dim), c.param_dtype)
-        self.w_o = self.param("w_o", nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2),
-                              (c.n_head, c.head_dim, c.d_model), c.param_dtype)
-        self.b_o = self.param("b_o", nn.initializers.zeros, (c.d_model,), c.param_dtype)
+        self.w_qkv = param(self, "w_qkv", nn.initializers.xavier_uniform(in_axis=0, out_axis=(2, 3), batch_axis=(1,)),
+                           (c.d_model, 3, c.n_head, c.head_dim), (EMBED, QKV, HEADS, HEAD_DIM), c.param_dtype)
+        self.b_qkv = param(self, "b_qkv", nn.initializers.zeros, (3, c.n_head, c.head_dim), (QKV, HEADS, HEAD_DIM),
+                           c.param_dtype)
+        self.w_o = param(self, "w_o", nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2),
+                         (c.n_head, c.head_dim, c.d_model), (HEADS, HEAD_DIM, EMBED), c.param_dtype)
+        self.b_o = param(self, "b_o", nn.initializers.zeros, (c.d_model,), (EMBED,), c.param_dtype)
         self.dropout = nn.Dropout(c.dropout)
 
     def project_kv(self, memory: jax.Array) -> LayerKV:

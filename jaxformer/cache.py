@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxformer.config import DecoderConfig
+
 
 @struct.dataclass
 class LayerKV:
@@ -30,7 +32,8 @@ class LayerKV:
 
         `dynamic_update_slice` clamps a start that does not fit instead of failing, which
         would overwrite the last slots; callers check `pos + T <= capacity` where the
-        numbers are concrete (see `Decoder` and `generate`).
+        numbers are concrete (`validation.check_step_inputs`) and `commit` poisons the
+        logits where they are not.
         """
         start = (0, pos, 0, 0)
         return LayerKV(
@@ -60,11 +63,12 @@ class KVCache:
 
     @classmethod
     def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None) -> "KVCache":
-        """An empty cache for `config` (a `DecoderConfig` or any config with `n_layer`,
-        `n_kv_head`, `head_dim`, `max_seq_len`, `dtype` and `cache_dtype`).
+        """An empty cache for the decoder-only model of `config` (a `DecoderConfig`).
+
+        (The encoder-decoder's decoder cache comes from `VanillaTransformer.init_cache`.)
 
         Args:
-          config: the model's config.
+          config: the model's `DecoderConfig`.
           batch_size: number of sequences decoded together.
           capacity: positions to allocate; defaults to `config.max_seq_len`, which is also
             its upper limit (RoPE has no angles beyond it).
@@ -73,18 +77,31 @@ class KVCache:
         Returns:
           A `KVCache` of zeros with `pos == 0`.
         """
-        capacity = config.max_seq_len if capacity is None else capacity
-        if type(batch_size) is not int or batch_size < 1:
-            raise ValueError(f"KVCache.create: batch_size must be a positive int, got {batch_size!r}")
-        if type(capacity) is not int or not 1 <= capacity <= config.max_seq_len:
-            raise ValueError(
-                f"KVCache.create: capacity must be an int in [1, max_seq_len={config.max_seq_len}], "
-                f"got {capacity!r}")
-        shape = (batch_size, capacity, config.n_kv_head, config.head_dim)
+        if not isinstance(config, DecoderConfig):
+            raise TypeError(f"KVCache.create takes a DecoderConfig, got {type(config).__name__}; for the "
+                            "encoder-decoder use VanillaTransformer(config).init_cache(batch_size)")
         if dtype is None:
             dtype = config.dtype if config.cache_dtype is None else config.cache_dtype
-        layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-                       for _ in range(config.n_layer))
+        return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,
+                         head_dim=config.head_dim, max_seq_len=config.max_seq_len, dtype=dtype)
+
+    @classmethod
+    def zeros(cls, batch_size: int, capacity: int | None, *, n_layer: int, n_kv_head: int, head_dim: int,
+              max_seq_len: int, dtype) -> "KVCache":
+        """An empty cache of `n_layer` layers of `[batch_size, capacity, n_kv_head, head_dim]`.
+
+        Args:
+          capacity: positions, in `[1, max_seq_len]`; None for `max_seq_len`.
+          dtype: storage dtype.
+        """
+        capacity = max_seq_len if capacity is None else capacity
+        if type(batch_size) is not int or batch_size < 1:
+            raise ValueError(f"KVCache.create: batch_size must be a positive int, got {batch_size!r}")
+        if type(capacity) is not int or not 1 <= capacity <= max_seq_len:
+            raise ValueError(
+                f"KVCache.create: capacity must be an int in [1, max_seq_len={max_seq_len}], got {capacity!r}")
+        shape = (batch_size, capacity, n_kv_head, head_dim)
+        layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(n_layer))
         return cls(layers=layers, pos=jnp.zeros((), jnp.int32), start=jnp.zeros((batch_size,), jnp.int32))
 
     @property
@@ -117,4 +134,25 @@ class KVCache:
         return int(self.pos) * self.bytes_per_token
 
     def advance(self, n_tokens: int) -> "KVCache":
+        """The same slots with `pos` moved `n_tokens` on."""
         return self.replace(pos=self.pos + n_tokens)
+
+    def commit(self, layers, logits: jax.Array, n_tokens: int) -> tuple[jax.Array, "KVCache"]:
+        """Ends a model call whose `n_tokens` tokens every layer wrote at slots `pos ..`.
+
+        `pos` advances once, after every layer, so all layers of one call write at the
+        same slots. Past the capacity `dynamic_update_slice` clamps the writes instead of
+        failing; concrete inputs are refused before (`validation.check_step_inputs`),
+        and inside `jit` the logits become NaN: loud, never silently wrong.
+
+        Args:
+          layers: the `LayerKV`s the call returned, one per layer.
+          logits: the call's logits.
+          n_tokens: the tokens the call wrote (static).
+
+        Returns:
+          `(logits, cache)`: the logits (NaN if the writes did not fit) and the cache
+          holding `layers` with `pos + n_tokens`.
+        """
+        logits = jnp.where(self.pos + n_tokens <= self.capacity, logits, jnp.nan)
+        return logits, self.replace(layers=tuple(layers)).advance(n_tokens)

@@ -16,7 +16,7 @@ ROPE_PAIRINGS = ("split_half", "interleaved")
 
 
 def swiglu_hidden_dim(d_model: int) -> int:
-    """The reference's SwiGLU width: 8/3 * d_model rounded to a multiple of 64.
+    """The default SwiGLU width: 8/3 * d_model rounded to a multiple of 64.
 
     SwiGLU has three matrices instead of two, so 8/3 * d keeps the parameter count
     of a 4 * d two-matrix FFN (3 * d * 8d/3 == 2 * d * 4d).
@@ -51,8 +51,8 @@ class _ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head: `d_model // n_head`, unless the config sets its own."""
-        return getattr(self, "head_dim_override", None) or self.d_model // self.n_head
+        """Channels per attention head: `d_model // n_head`."""
+        return self.d_model // self.n_head
 
     def replace(self, **changes):
         """A copy with `changes` applied, validated again."""
@@ -67,8 +67,9 @@ class _ModelConfig:
 class DecoderConfig(_ModelConfig):
     """The modern decoder-only Transformer (RMSNorm, RoPE, GQA, SwiGLU, KV cache).
 
-    Defaults are the reference's. `hidden_dim=None` means `swiglu_hidden_dim(d_model)`
-    (read the resolved width from `ffn_dim`), so `replace(d_model=...)` rescales it.
+    The defaults are a small Llama-shaped model. `d_ff=None` means
+    `swiglu_hidden_dim(d_model)` (read the resolved width from `ffn_dim`), so
+    `replace(d_model=...)` rescales it.
 
     Attributes:
       vocab_size: number of token ids; valid ids are `0 .. vocab_size - 1`.
@@ -79,7 +80,7 @@ class DecoderConfig(_ModelConfig):
       max_seq_len: longest sequence (prompt plus generated tokens) the model accepts.
       rope_theta: RoPE base; pair i rotates by `pos * rope_theta ** (-2i / head_dim)`.
       norm_eps: RMSNorm epsilon.
-      hidden_dim: SwiGLU hidden width, or None for the reference's rule.
+      d_ff: SwiGLU hidden width, or None for `swiglu_hidden_dim(d_model)`.
       rope_pairing: "split_half" (channel i with i + head_dim/2: GPT-NeoX, HF Llama) or
         "interleaved" (channels 2i, 2i+1: RoFormer, Meta's original Llama).
       tie_embeddings: the output head reuses the token embedding matrix.
@@ -103,7 +104,7 @@ class DecoderConfig(_ModelConfig):
     max_seq_len: int = 512
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
-    hidden_dim: int | None = None
+    d_ff: int | None = None
     rope_pairing: str = "split_half"
     tie_embeddings: bool = True
     dtype: Any = jnp.float32
@@ -114,8 +115,8 @@ class DecoderConfig(_ModelConfig):
 
     def __post_init__(self):
         _require_positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
-        _require(self, self.hidden_dim is None or (type(self.hidden_dim) is int and self.hidden_dim > 0),
-                 "hidden_dim", "must be None or a positive int")
+        _require(self, self.d_ff is None or (type(self.d_ff) is int and self.d_ff > 0),
+                 "d_ff", "must be None or a positive int")
         _require(self, self.rope_theta > 0, "rope_theta", "must be > 0")
         _require(self, self.norm_eps > 0, "norm_eps", "must be > 0")
         _require(self, self.head_dim_override is None
@@ -131,9 +132,14 @@ class DecoderConfig(_ModelConfig):
         self._normalise_dtypes()
 
     @property
+    def head_dim(self) -> int:
+        """Channels per attention head: `head_dim_override`, else `d_model // n_head`."""
+        return self.head_dim_override or self.d_model // self.n_head
+
+    @property
     def ffn_dim(self) -> int:
-        """SwiGLU hidden width: `hidden_dim`, or the reference's rule when it is None."""
-        return self.hidden_dim if self.hidden_dim is not None else swiglu_hidden_dim(self.d_model)
+        """SwiGLU hidden width: `d_ff`, or `swiglu_hidden_dim(d_model)` when it is None."""
+        return self.d_ff if self.d_ff is not None else swiglu_hidden_dim(self.d_model)
 
     @property
     def n_rep(self) -> int:
@@ -164,7 +170,7 @@ class VanillaConfig(_ModelConfig):
         `has_final_norm`.
       tie_embeddings: source and target embeddings and the output projection share one
         matrix (section 3.4); needs equal vocabularies.
-      layer_norm_eps: LayerNorm epsilon (PyTorch's default).
+      norm_eps: LayerNorm epsilon (PyTorch's default).
       dtype: activation and compute dtype (see `DecoderConfig.dtype`).
       param_dtype: storage dtype of the parameters, float32 by default.
       cache_dtype: storage dtype of the decoder's KV cache; None means `dtype`.
@@ -181,7 +187,7 @@ class VanillaConfig(_ModelConfig):
     max_seq_len: int = 512
     norm_first: bool = False
     tie_embeddings: bool = True
-    layer_norm_eps: float = 1e-5
+    norm_eps: float = 1e-5
     dtype: Any = jnp.float32
     final_norm: bool | None = None
     param_dtype: Any = jnp.float32
@@ -198,7 +204,7 @@ class VanillaConfig(_ModelConfig):
                            f"{min(self.src_vocab_size, self.tgt_vocab_size)})")
         _require(self, not self.tie_embeddings or self.src_vocab_size == self.tgt_vocab_size, "tie_embeddings",
                  f"needs src_vocab_size == tgt_vocab_size ({self.src_vocab_size} != {self.tgt_vocab_size})")
-        _require(self, self.layer_norm_eps > 0, "layer_norm_eps", "must be > 0")
+        _require(self, self.norm_eps > 0, "norm_eps", "must be > 0")
         self._normalise_dtypes()
 
     @property
@@ -207,7 +213,7 @@ class VanillaConfig(_ModelConfig):
         return self.norm_first if self.final_norm is None else self.final_norm
 
     @property
-    def n_kv_head(self) -> int:
-        """Every head has its own K and V (so `KVCache.create` works for the decoder stack)."""
-        return self.n_head
+    def ffn_dim(self) -> int:
+        """The FFN's hidden width (`d_ff`), read by the same name as `DecoderConfig.ffn_dim`."""
+        return self.d_ff
 

@@ -13,14 +13,17 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.attention import GQASelfAttention
 from jaxformer.cache import KVCache, LayerKV
 from jaxformer.config import DecoderConfig
-from jaxformer.embeddings import lookup
+from jaxformer.decoding.protocol import DecodingSpec
+from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import SwiGLU
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import rope_tables
+from jaxformer.sharding import EMBED, VOCAB, param
 from jaxformer.validation import check_step_inputs
 
 
@@ -74,9 +77,11 @@ class Decoder(nn.Module):
         batch, T = tokens.shape
         pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
         S = T if cache is None else cache.capacity
-        check_step_inputs(tokens, c, c.vocab_size, cache)
+        check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len, cache=cache,
+                          cache_layout=(c.n_layer, c.n_kv_head, c.head_dim))
 
-        embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.d_model), c.param_dtype)
+        init = nn.initializers.normal(0.02)
+        embed = param(self, "embed", init, (c.vocab_size, c.d_model), (VOCAB, EMBED), c.param_dtype)
         x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
 
         cos_table, sin_table = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)  # [max_seq_len, head_dim/2]
@@ -101,16 +106,36 @@ class Decoder(nn.Module):
             new_layers.append(layer_cache)
         x = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x)
 
-        if c.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, embed.astype(c.dtype))  # [batch, T, vocab]
-        else:
-            lm_head = self.param("lm_head", nn.initializers.normal(0.02), (c.d_model, c.vocab_size),
-                                 c.param_dtype)
-            logits = jnp.einsum("btd,dv->btv", x, lm_head.astype(c.dtype))
+        head = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),
+                                                    (EMBED, VOCAB), c.param_dtype)
+        logits = output_logits(x, head, c.tie_embeddings)  # [batch, T, vocab]
         if cache is None:
             return logits, None
-        # Past the capacity the writes above were clamped: make that loud, never silent.
-        # (Concrete inputs were rejected in _check; this is the guard inside jit.)
-        logits = jnp.where(pos + T <= S, logits, jnp.nan)
-        # pos advances once, after every layer has written at the same slots.
-        return logits, cache.replace(layers=tuple(new_layers), pos=pos + T)
+        return cache.commit(new_layers, logits, T)
+
+    # The decoding protocol (`jaxformer.decoding.Decodable`): the model continues its prompt.
+
+    @nn.nowrap
+    def init_inputs(self) -> tuple[jax.Array]:
+        """The smallest input `init` accepts (the parameters depend on the config alone)."""
+        return (jnp.zeros((1, 1), jnp.int32),)
+
+    @nn.nowrap
+    def decoding_spec(self) -> DecodingSpec:
+        c = self.config
+        return DecodingSpec(prompt_vocab_size=c.vocab_size, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len,
+                            pad_id=0, ragged_prompts=True)
+
+    @nn.nowrap
+    def decoder_prompt(self, prompt: np.ndarray, bos_id: int | None) -> np.ndarray:
+        return prompt
+
+    @nn.nowrap
+    def init_cache(self, batch_size: int, capacity: int | None = None) -> KVCache:
+        return KVCache.create(self.config, batch_size, capacity)
+
+    def decode_context(self, prompt: jax.Array) -> None:
+        return None  # every step reads the cache alone
+
+    def decode_step(self, tokens: jax.Array, cache: KVCache, context: None):
+        return self(tokens, cache)

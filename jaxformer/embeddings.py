@@ -1,4 +1,4 @@
-"""Token embedding lookup that never wraps or clamps."""
+"""Tokens in and out: an embedding lookup that never wraps or clamps, and the output head."""
 
 import jax
 import jax.numpy as jnp
@@ -21,3 +21,19 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     # jnp.take's "fill" mode still wraps negative ids, so send them past the end first.
     ids = jnp.where((ids >= 0) & (ids < vocab), ids, vocab)
     return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
+
+
+def output_logits(x: jax.Array, weight: jax.Array, tied: bool) -> jax.Array:
+    """The output head: `[batch, T, vocab]` logits from the final stream `x` `[batch, T, d_model]`.
+
+    Args:
+      x: the normalised residual stream.
+      weight: tied: the `[vocab, d_model]` embedding itself, so the logit of token v is
+        `x . embed[v]` (one matrix for reading and writing tokens); untied: the head's
+        own `[d_model, vocab]` matrix.
+      tied: which of the two `weight` is.
+    """
+    weight = weight.astype(x.dtype)
+    if tied:
+        return jnp.einsum("btd,vd->btv", x, weight)
+    return jnp.einsum("btd,dv->btv", x, weight)

@@ -1,15 +1,21 @@
-"""RMSNorm: LayerNorm without the mean subtraction and without a bias.
+"""The two normalisations, over the last axis (the residual stream's `d_model` channels).
 
-(The 2017 model's LayerNorm is flax's `nn.LayerNorm`.)
+    LayerNorm (2017):  y = (x - mean(x)) / sqrt(var(x) + eps) * scale + bias
+    RMSNorm (modern):  y = x / sqrt(mean(x^2) + eps) * weight
+
+RMSNorm drops the centring and the bias: cheaper, and in practice as good. Both
+accumulate their statistics in float32 whatever the activation dtype.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxformer.sharding import EMBED, param
+
 
 class RMSNorm(nn.Module):
-    """`y = x / sqrt(mean(x^2) + eps) * weight`, normalised over the last axis.
+    """`y = x / sqrt(mean(x^2) + eps) * weight`.
 
     The mean square is accumulated in float32 even for bf16 activations, the result is
     cast back to the activation dtype, and only then multiplied by the weight (HF Llama
@@ -25,7 +31,31 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)  # [d_model]
+        weight = param(self, "weight", nn.initializers.ones, (x.shape[-1],), (EMBED,), self.param_dtype)  # [d_model]
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return normed.astype(x.dtype) * weight.astype(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """`y = (x - mean(x)) / sqrt(var(x) + eps) * scale + bias`, as `torch.nn.LayerNorm`.
+
+    Computed in float32 and cast back to the activation dtype.
+
+    Attributes:
+      eps: added to the variance before the reciprocal square root.
+      param_dtype: storage dtype of `scale` and `bias`.
+    """
+
+    eps: float = 1e-5
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        scale = param(self, "scale", nn.initializers.ones, (d,), (EMBED,), self.param_dtype)  # [d_model]
+        bias = param(self, "bias", nn.initializers.zeros, (d,), (EMBED,), self.param_dtype)  # [d_model]
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        normed = centred * jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + self.eps)
+        return (normed * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)

@@ -1,4 +1,4 @@
-"""`python -m jaxformer.selfcheck`: the reference's correctness checks, on this backend.
+"""`python -m jaxformer.selfcheck`: the correctness checks a from-scratch Transformer needs, on this backend.
 
 These are the checks that catch the bugs a from-scratch Transformer really has:
 information leaking backwards, a cache that drifts from the full forward, RoPE that
@@ -24,11 +24,11 @@ from jaxformer.attention import dot_product_attention
 from jaxformer.cache import KVCache
 from jaxformer.config import DecoderConfig
 from jaxformer.decoder import Decoder
-from jaxformer.generation import generate
+from jaxformer.decoding import generate
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope, rope_tables
 
-# The reference's test model.
+# A small decoder: 3 layers, 4 query heads sharing 2 kv heads, d_model 64.
 CONFIG = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
 
 

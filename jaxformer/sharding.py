@@ -13,34 +13,110 @@ A mesh has two named axes:
             so every device computes whole heads and whole hidden units, and one sum
             across devices finishes each block.
 
-The rules name tensors by the end of their path in the parameter tree, so the same
-rules fit the optimizer state, whose moment trees repeat the parameter paths. A
-dimension that does not divide evenly over its axis is kept whole.
+Every parameter names its dimensions where it is created (`param`), with the logical
+axes below; `RULES` is the one table that maps logical axes to mesh axes. The optimizer
+state follows the parameters: a moment tree repeats the parameter paths, so each of its
+leaves takes the sharding of the parameter whose path it ends with.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+import flax.linen as nn
 import jax
 import numpy as np
+from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA, MODEL = "data", "model"
 STRATEGIES = ("dp", "fsdp")
 
-# (the end of a parameter's path, the dimension split over `model`).
-TENSOR_PARALLEL = (
-    # decoder-only: wq/wk/wv [d_model, heads, head_dim] and their biases [heads, head_dim]
-    # split the heads; wo [heads, head_dim, d_model] its input heads. SwiGLU's
-    # w_gate/w_up [d_model, ffn] split the hidden units, w_down [ffn, d_model] its input.
-    ("attn/wq", 1), ("attn/wk", 1), ("attn/wv", 1), ("attn/bq", 0), ("attn/bk", 0), ("attn/bv", 0),
-    ("attn/wo", 0), ("mlp/w_gate", 1), ("mlp/w_up", 1), ("mlp/w_down", 0),
-    # 2017 model: w_qkv [d_model, 3, heads, head_dim], b_qkv [3, heads, head_dim],
-    # w_o [heads, head_dim, d_model]; the ReLU FFN's w1 [d_model, d_ff], b1, w2 [d_ff, d_model].
-    ("_attn/w_qkv", 2), ("_attn/b_qkv", 1), ("_attn/w_o", 0), ("ffn/w1", 1), ("ffn/b1", 0), ("ffn/w2", 0),
-    # Vocabulary-parallel embeddings and output layers: [vocab, d_model] tables split their
-    # rows, [d_model, vocab] heads their columns; the softmax then spans the devices.
-    ("embed", 0), ("lm_head", 1), ("out_proj", 1), ("out_bias", 0),
+# Logical axes: what a parameter's dimension means, whatever the model.
+EMBED = "embed"  # the residual stream, d_model
+VOCAB = "vocab"  # token ids
+HEADS = "heads"  # query heads (every head, in the 2017 model)
+KV_HEADS = "kv_heads"  # key/value heads of grouped-query attention
+HEAD_DIM = "head_dim"  # channels within one head
+MLP = "mlp"  # the feed-forward network's hidden units
+QKV = "qkv"  # which of Q, K, V in a packed projection
+
+# (logical axis, mesh axis, strategies), in order of preference. A mesh axis splits at
+# most one dimension of an array, and a dimension that does not divide evenly over it is
+# kept whole: GQA's few kv heads (n_kv_head < model) are then computed on every device,
+# which costs a little work and no communication.
+_BOTH, _FSDP = STRATEGIES, ("fsdp",)
+RULES = (
+    # Tensor parallel: whole heads and hidden units per device; vocabulary-parallel
+    # embeddings and output layers (the softmax then spans the devices).
+    (HEADS, MODEL, _BOTH), (KV_HEADS, MODEL, _BOTH), (MLP, MODEL, _BOTH), (VOCAB, MODEL, _BOTH),
+    # FSDP: one more dimension over `data`, the larger kinds first.
+    (VOCAB, DATA, _FSDP), (MLP, DATA, _FSDP), (EMBED, DATA, _FSDP), (HEADS, DATA, _FSDP),
+    (KV_HEADS, DATA, _FSDP), (HEAD_DIM, DATA, _FSDP), (QKV, DATA, _FSDP),
 )
+AXES_COLLECTION = "param_axes"
+
+
+class LogicalAxes(struct.PyTreeNode):
+    """A parameter's logical axis names, kept in the `param_axes` collection at init.
+
+    The names are static (no array leaves), so they pass through `jax.eval_shape`."""
+
+    names: tuple[str, ...] = struct.field(pytree_node=False)
+
+
+def param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...], axes: tuple[str, ...],
+          dtype) -> jax.Array:
+    """`module.param(name, init, shape, dtype)`, its dimensions named by `axes`.
+
+    The parameter itself stays a plain array; `model.init` also returns the names, in
+    the `param_axes` collection, where `param_axes(model)` reads them.
+    """
+    if len(axes) != len(shape):
+        raise ValueError(f"{name}: {len(axes)} axis names {axes} for a {len(shape)}-D parameter")
+    if module.is_mutable_collection(AXES_COLLECTION):
+        module.variable(AXES_COLLECTION, name, LogicalAxes, tuple(axes))
+    return module.param(name, init, shape, dtype)
+
+
+def compute_param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...],
+                  axes: tuple[str, ...]) -> jax.Array:
+    """`param` stored in `module.config.param_dtype` and returned in the compute `dtype`."""
+    config = module.config
+    return param(module, name, init, shape, axes, config.param_dtype).astype(config.dtype)
+
+
+def _names(path) -> tuple[str, ...]:
+    """The dict keys at the end of a tree path: a parameter's path, also inside an optimizer state."""
+    names = []
+    for key in reversed(path):
+        if not isinstance(key, jax.tree_util.DictKey):
+            break
+        names.append(str(key.key))
+    return tuple(reversed(names))
+
+
+def param_axes(model: nn.Module) -> dict:
+    """The logical axis names of every parameter of `model`, a tree shaped like its params.
+
+    Runs `model.init` on shapes only (`jax.eval_shape`): nothing is computed.
+
+    Raises:
+      ValueError: a parameter was created without names (a plain `self.param`), or with
+        as many names as it has dimensions; it would otherwise be silently replicated.
+    """
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs()))
+    declared = {_names(path): axes.names for path, axes in jax.tree_util.tree_flatten_with_path(
+        variables.get(AXES_COLLECTION, {}), is_leaf=lambda x: isinstance(x, LogicalAxes))[0]}
+
+    def names_of(path, leaf):
+        names = declared.get(_names(path))
+        if names is None:
+            raise ValueError(f"parameter {'/'.join(_names(path))} has no logical axis names: create it with "
+                             "jaxformer.sharding.param(...) so that its sharding is declared")
+        return names
+
+    return jax.tree_util.tree_map_with_path(names_of, variables["params"])
 
 
 def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
@@ -79,45 +155,66 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return sizes
 
 
-def check_fits(config, mesh: Mesh) -> None:
+def check_mesh_fits(config, mesh: Mesh) -> None:
     """Query heads are split over `model`: their count must divide evenly. (Key/value
-    heads that do not divide are kept whole on every device instead, see `partition_spec`.)"""
+    heads that do not divide are kept whole on every device instead, see `RULES`.)"""
     n_model = mesh.shape[MODEL]
     if config.n_head % n_model:
         raise ValueError(f"{type(config).__name__}.n_head={config.n_head} is not divisible by the mesh's "
                          f"model axis ({n_model}): tensor parallelism splits whole heads")
 
 
-def _path_name(path) -> str:
-    return "/".join(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
-
-
-def partition_spec(name: str, shape: tuple[int, ...], mesh: Mesh, strategy: str = "dp") -> PartitionSpec:
-    """Where one array lives: its `model` split from `TENSOR_PARALLEL`, then with FSDP
-    its largest remaining dimension that divides evenly split over `data`.
-
-    A dimension that does not divide over its axis stays whole: GQA's few kv heads
-    (`n_kv_head < model`) are then computed on every device, which costs a little work
-    and no communication.
-    """
+def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, strategy: str = "dp") -> PartitionSpec:
+    """Where one array with logical `axes` lives: `RULES` in order, each mesh axis used
+    at most once, a dimension split only where it divides evenly."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     spec = [None] * len(shape)
-    n_model, n_data = mesh.shape[MODEL], mesh.shape[DATA]
-    for suffix, dim in TENSOR_PARALLEL:
-        if name.endswith(suffix) and n_model > 1 and shape[dim] % n_model == 0:
-            spec[dim] = MODEL
-    if strategy == "fsdp" and n_data > 1:
-        free = [i for i, size in enumerate(shape) if spec[i] is None and size % n_data == 0]
-        if free:
-            spec[max(free, key=lambda i: shape[i])] = DATA
+    for logical, mesh_axis, strategies in RULES:
+        n = mesh.shape[mesh_axis]
+        if strategy not in strategies or n == 1 or mesh_axis in spec:
+            continue
+        for dim, name in enumerate(axes):
+            if name == logical and spec[dim] is None and shape[dim] % n == 0:
+                spec[dim] = mesh_axis
+                break
     return PartitionSpec(*spec)
 
 
-def tree_shardings(tree, mesh: Mesh, strategy: str = "dp"):
-    """A `NamedSharding` for every leaf of a parameter or optimizer-state tree."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, partition_spec(_path_name(path), np.shape(x), mesh, strategy)), tree)
+def tree_shardings(tree, axes: dict, mesh: Mesh, strategy: str = "dp"):
+    """A `NamedSharding` for every leaf of a parameter tree, a `TrainState` or an optimizer state.
+
+    Args:
+      tree: the arrays to place (their shapes are read, not their values).
+      axes: `param_axes(model)`.
+      mesh: from `make_mesh`.
+      strategy: "dp" or "fsdp" (tensor parallelism follows from the mesh's `model` axis).
+
+    Returns:
+      A tree of `NamedSharding`s shaped like `tree`: a leaf whose path ends with a
+      parameter's path is placed as that parameter (an optimizer moment like its
+      parameter); a scalar (a step count) is replicated.
+
+    Raises:
+      ValueError: an array leaf that belongs to no named parameter, or whose rank does
+        not match its names.
+    """
+    declared = {_names(path): names for path, names in
+                jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+
+    def place(path, leaf):
+        shape = np.shape(leaf)
+        names = declared.get(_names(path))
+        if names is None:
+            if shape:
+                raise ValueError(f"{jax.tree_util.keystr(path)} {shape}: no parameter of this name has logical "
+                                 "axis names (see jaxformer.sharding.param_axes)")
+            return NamedSharding(mesh, PartitionSpec())
+        if len(names) != len(shape):
+            raise ValueError(f"{jax.tree_util.keystr(path)}: {len(shape)}-D, but its logical axes are {names}")
+        return NamedSharding(mesh, partition_spec(names, shape, mesh, strategy))
+
+    return jax.tree_util.tree_map_with_path(place, tree)
 
 
 def mesh_of(params) -> Mesh | None:

@@ -14,6 +14,14 @@ def is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def per_row(value, batch: int, name: str, dtype) -> np.ndarray:
+    """A setting given as a scalar or one value per row, as a `[batch]` array."""
+    array = np.asarray(value, dtype)
+    if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != batch):
+        raise ValueError(f"{name} must be a scalar or hold one value per row ({batch}), got shape {array.shape}")
+    return np.broadcast_to(array, (batch,))
+
+
 def check_token_ids(tokens, vocab_size: int, name: str = "tokens") -> None:
     """Raises unless `tokens` is a 2-D integer array with ids in `[0, vocab_size)`."""
     tokens = np.asarray(tokens)
@@ -27,7 +35,7 @@ def check_token_ids(tokens, vocab_size: int, name: str = "tokens") -> None:
             f"{name} holds ids outside [0, vocab_size={vocab_size}): e.g. {int(bad[0])}")
 
 
-def check_fits(start: int, n_tokens: int, limit: int, name: str, limit_name: str) -> None:
+def check_positions_fit(start: int, n_tokens: int, limit: int, name: str, limit_name: str) -> None:
     """Raises unless positions `start .. start + n_tokens - 1` fit below `limit`."""
     if start + n_tokens > limit:
         raise ValueError(
@@ -35,7 +43,8 @@ def check_fits(start: int, n_tokens: int, limit: int, name: str, limit_name: str
             f"{limit_name}={limit}")
 
 
-def check_step_inputs(tokens, config, vocab_size: int, cache=None, name: str = "tokens") -> None:
+def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, cache_layout=None,
+                      ragged: bool = True, name: str = "tokens") -> None:
     """What a model call checks before it computes anything.
 
     Shapes are static, so they are checked even under `jit`; the token ids and the cache
@@ -43,34 +52,44 @@ def check_step_inputs(tokens, config, vocab_size: int, cache=None, name: str = "
 
     Args:
       tokens: `[batch, T]` ids.
-      config: the model's config (`n_layer`, `n_kv_head`, `head_dim`, `max_seq_len`).
       vocab_size: ids must lie in `[0, vocab_size)`.
+      max_seq_len: the longest sequence the model accepts.
       cache: the `KVCache` the call writes to, or None.
+      cache_layout: `(n_layer, n_kv_head, head_dim)` of the model's cache (with `cache`).
+      ragged: whether the model reads `cache.start` (left-padded rows); if not, every
+        row must start at slot 0.
       name: the argument's name, for the messages.
     """
     if tokens.ndim != 2:
         raise ValueError(f"{name} must be 2-D [batch, seq], got shape {tokens.shape}")
     if cache is None:
-        check_fits(0, tokens.shape[1], config.max_seq_len, f"{name} length", "max_seq_len")
+        check_positions_fit(0, tokens.shape[1], max_seq_len, f"{name} length", "max_seq_len")
     else:
-        want = (tokens.shape[0], cache.capacity, config.n_kv_head, config.head_dim)
-        if len(cache.layers) != config.n_layer or any(l.k.shape != want or l.v.shape != want for l in cache.layers):
+        n_layer, n_kv_head, head_dim = cache_layout
+        want = (tokens.shape[0], cache.capacity, n_kv_head, head_dim)
+        if len(cache.layers) != n_layer or any(l.k.shape != want or l.v.shape != want for l in cache.layers):
             raise ValueError(
-                f"cache does not fit this model: want {config.n_layer} layers of k/v {want} "
+                f"cache does not fit this model: want {n_layer} layers of k/v {want} "
                 f"[batch, capacity, n_kv_head, head_dim], got {len(cache.layers)} layers of "
                 f"{cache.layers[0].k.shape if cache.layers else None}")
         if cache.start.shape != (tokens.shape[0],):
             raise ValueError(f"cache.start must hold one slot per row, shape ({tokens.shape[0]},), "
                              f"got {cache.start.shape}")
-        check_fits(0, tokens.shape[1], cache.capacity, f"{name} length", "cache capacity")
+        check_positions_fit(0, tokens.shape[1], cache.capacity, f"{name} length", "cache capacity")
         if not is_traced(cache.pos):
-            check_fits(int(cache.pos), tokens.shape[1], cache.capacity, f"cache.pos + {name}", "cache capacity")
+            check_positions_fit(int(cache.pos), tokens.shape[1], cache.capacity, f"cache.pos + {name}",
+                                "cache capacity")
             if not is_traced(cache.start):
-                start = np.asarray(cache.start)
-                # A row's first real slot must be written by now or by this call, or every
-                # query of that row would be blocked from every key.
-                if start.min() < 0 or start.max() >= int(cache.pos) + tokens.shape[1]:
-                    raise ValueError(f"cache.start must lie in [0, cache.pos + {name} length = "
-                                     f"{int(cache.pos) + tokens.shape[1]}), got {start.tolist()}")
+                _check_start(np.asarray(cache.start), int(cache.pos) + tokens.shape[1], ragged, name)
     if not is_traced(tokens):
         check_token_ids(tokens, vocab_size, name)
+
+
+def _check_start(start: np.ndarray, written: int, ragged: bool, name: str) -> None:
+    """A row's first real slot must be written by now or by this call, or every query of
+    that row would be blocked from every key; a model without left padding needs 0."""
+    if not ragged and start.any():
+        raise ValueError(f"cache.start must be all zeros for this model (its rows all start at slot 0), "
+                         f"got {start.tolist()}")
+    if start.min() < 0 or start.max() >= written:
+        raise ValueError(f"cache.start must lie in [0, cache.pos + {name} length = {written}), got {start.tolist()}")

@@ -25,14 +25,18 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.attention import MultiHeadAttention
 from jaxformer.cache import KVCache, LayerKV
 from jaxformer.config import VanillaConfig
-from jaxformer.embeddings import lookup
+from jaxformer.decoding.protocol import DecodingSpec
+from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import FeedForward
+from jaxformer.norms import LayerNorm
 from jaxformer.positions import sinusoidal_table
-from jaxformer.validation import check_step_inputs, is_traced
+from jaxformer.sharding import EMBED, VOCAB, param
+from jaxformer.validation import check_step_inputs
 
 
 class Residual(nn.Module):
@@ -47,8 +51,7 @@ class Residual(nn.Module):
     config: VanillaConfig
 
     def setup(self):
-        self.norm = nn.LayerNorm(epsilon=self.config.layer_norm_eps, dtype=self.config.dtype,
-                                 param_dtype=self.config.param_dtype)
+        self.norm = LayerNorm(self.config.norm_eps, self.config.param_dtype)
         self.dropout = nn.Dropout(self.config.dropout)
 
     def sublayer_input(self, x: jax.Array) -> jax.Array:
@@ -121,21 +124,23 @@ class VanillaTransformer(nn.Module):
 
     def setup(self):
         c = self.config
-        init = nn.initializers.xavier_uniform()  # the reference's init for every matrix
+        init = nn.initializers.xavier_uniform()  # every matrix, as the PyTorch original initialises them
+        table = (VOCAB, EMBED)
         if c.tie_embeddings:  # section 3.4: one matrix for both embeddings and the output
-            self.src_embed = self.tgt_embed = self.param("embed", init, (c.src_vocab_size, c.d_model),
-                                                         c.param_dtype)
+            self.src_embed = self.tgt_embed = param(self, "embed", init, (c.src_vocab_size, c.d_model), table,
+                                                    c.param_dtype)
+            self.head = self.tgt_embed
         else:
-            self.src_embed = self.param("src_embed", init, (c.src_vocab_size, c.d_model), c.param_dtype)
-            self.tgt_embed = self.param("tgt_embed", init, (c.tgt_vocab_size, c.d_model), c.param_dtype)
-            self.out_proj = self.param("out_proj", init, (c.d_model, c.tgt_vocab_size), c.param_dtype)
-        self.out_bias = self.param("out_bias", nn.initializers.zeros, (c.tgt_vocab_size,), c.param_dtype)
-        self.encoder_layers = [EncoderLayer(c) for _ in range(c.n_layer)]
-        self.decoder_layers = [DecoderLayer(c) for _ in range(c.n_layer)]
+            self.src_embed = param(self, "src_embed", init, (c.src_vocab_size, c.d_model), table, c.param_dtype)
+            self.tgt_embed = param(self, "tgt_embed", init, (c.tgt_vocab_size, c.d_model), table, c.param_dtype)
+            self.head = param(self, "out_proj", init, (c.d_model, c.tgt_vocab_size), (EMBED, VOCAB), c.param_dtype)
+        self.out_bias = param(self, "out_bias", nn.initializers.zeros, (c.tgt_vocab_size,), (VOCAB,), c.param_dtype)
+        self.encoder_layers = [EncoderLayer(c, name=f"encoder_layers_{i}") for i in range(c.n_layer)]
+        self.decoder_layers = [DecoderLayer(c, name=f"decoder_layers_{i}") for i in range(c.n_layer)]
         self.embed_dropout = nn.Dropout(c.dropout)
         if c.has_final_norm:  # pre-norm leaves the residual stream unnormalised: norm it once at the end
-            self.encoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
-            self.decoder_norm = nn.LayerNorm(epsilon=c.layer_norm_eps, dtype=c.dtype, param_dtype=c.param_dtype)
+            self.encoder_norm = LayerNorm(c.norm_eps, c.param_dtype)
+            self.decoder_norm = LayerNorm(c.norm_eps, c.param_dtype)
 
     def embed(self, table: jax.Array, tokens: jax.Array, offset, deterministic: bool = True) -> jax.Array:
         """`Dropout(embedding * sqrt(d_model) + PE)` for tokens at positions `offset ..`.
@@ -161,7 +166,7 @@ class VanillaTransformer(nn.Module):
           The memory, `[batch, S, d_model]`.
         """
         c = self.config
-        check_step_inputs(src, c, c.src_vocab_size, name="src")
+        check_step_inputs(src, vocab_size=c.src_vocab_size, max_seq_len=c.max_seq_len, name="src")
         src_mask = self.source_mask(src)
         x = self.embed(self.src_embed, src, 0, deterministic)  # [batch, S, d_model]
         for layer in self.encoder_layers:
@@ -179,7 +184,7 @@ class VanillaTransformer(nn.Module):
           tgt_in: int `[batch, T]` decoder input (BOS then the target, shifted right).
           memory: `[batch, S, d_model]` from `encode`; may be None when `memory_kv` is given.
           src: int `[batch, S]` source ids (for its padding mask).
-          cache: the decoder self-attention `KVCache` (`KVCache.create(config, batch)`), or
+          cache: the decoder self-attention `KVCache` (`init_cache(batch)`), or
             None. With a cache, `tgt_in` continues the cached prefix (no target padding;
             `cache.start` must be all zeros: every decoder row starts at BOS).
           memory_kv: `cross_kv(memory)`, to skip projecting the memory at every step.
@@ -190,9 +195,9 @@ class VanillaTransformer(nn.Module):
           written and `pos + T` (None without one).
         """
         c = self.config
-        check_step_inputs(tgt_in, c, c.tgt_vocab_size, cache, name="tgt_in")
-        if cache is not None and not is_traced(cache.start) and bool(jnp.any(cache.start != 0)):
-            raise ValueError("cache.start must be all zeros for the encoder-decoder: its decoder rows all start at BOS")
+        # Every decoder row starts at BOS, so the cache has no left padding (ragged=False).
+        check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, cache=cache,
+                          cache_layout=(c.n_layer, c.n_head, c.head_dim), ragged=False, name="tgt_in")
         T = tgt_in.shape[1]
         pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
         src_mask = self.source_mask(src)  # [batch, 1, S]
@@ -210,18 +215,47 @@ class VanillaTransformer(nn.Module):
             new_layers.append(layer_cache)
         if c.has_final_norm:
             y = self.decoder_norm(y)
-        if c.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", y, self.tgt_embed.astype(c.dtype))  # [batch, T, tgt_vocab]
-        else:
-            logits = jnp.einsum("btd,dv->btv", y, self.out_proj.astype(c.dtype))
-        logits = logits + self.out_bias.astype(c.dtype)
+        logits = output_logits(y, self.head, c.tie_embeddings) + self.out_bias.astype(c.dtype)  # [batch, T, tgt_vocab]
         if cache is None:
             return logits, None
-        # Inside jit a write past the capacity was clamped: make it loud (see Decoder).
-        logits = jnp.where(pos + T <= cache.capacity, logits, jnp.nan)
-        return logits, cache.replace(layers=tuple(new_layers), pos=pos + T)
+        return cache.commit(new_layers, logits, T)
 
     def __call__(self, src: jax.Array, tgt_in: jax.Array, deterministic: bool = True) -> jax.Array:
         """Teacher-forced logits `[batch, T, tgt_vocab_size]` for `tgt_in` given `src`."""
         memory = self.encode(src, deterministic)
         return self.decode(tgt_in, memory, src, deterministic=deterministic)[0]
+
+    # The decoding protocol (`jaxformer.decoding.Decodable`): the prompt is the source,
+    # encoded once; the decoder starts from BOS.
+
+    @nn.nowrap
+    def init_inputs(self) -> tuple[jax.Array, jax.Array]:
+        """The smallest `(src, tgt_in)` `init` accepts (the parameters depend on the config alone)."""
+        return jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
+
+    @nn.nowrap
+    def decoding_spec(self) -> DecodingSpec:
+        c = self.config
+        return DecodingSpec(prompt_vocab_size=c.src_vocab_size, vocab_size=c.tgt_vocab_size,
+                            max_seq_len=c.max_seq_len, pad_id=c.pad_id, ragged_prompts=False)
+
+    @nn.nowrap
+    def decoder_prompt(self, prompt: np.ndarray, bos_id: int | None) -> np.ndarray:
+        if bos_id is None:
+            raise ValueError("bos_id is required for an encoder-decoder: the decoder's first token")
+        return np.full((prompt.shape[0], 1), bos_id, np.int32)
+
+    @nn.nowrap
+    def init_cache(self, batch_size: int, capacity: int | None = None) -> KVCache:
+        """An empty cache for the decoder's self-attention (every head has its own K and V)."""
+        c = self.config
+        return KVCache.zeros(batch_size, capacity, n_layer=c.n_layer, n_kv_head=c.n_head, head_dim=c.head_dim,
+                             max_seq_len=c.max_seq_len, dtype=c.dtype if c.cache_dtype is None else c.cache_dtype)
+
+    def decode_context(self, src: jax.Array) -> tuple[tuple[LayerKV, ...], jax.Array]:
+        """The cross-attention K/V of the encoded source, and the source (for its padding mask)."""
+        return self.cross_kv(self.encode(src)), src
+
+    def decode_step(self, tokens: jax.Array, cache: KVCache, context):
+        memory_kv, src = context
+        return self.decode(tokens, None, src, cache=cache, memory_kv=memory_kv)

@@ -17,7 +17,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # The demos keep compiled programs on disk; tests keep theirs out of the user's cache.
 os.environ.setdefault("JAXFORMER_CACHE_DIR", tempfile.mkdtemp(prefix="jaxformer-test-xla-"))
 
-# The reference's test config (REFERENCE.md section 1).
+# A small decoder: 3 layers, 4 query heads sharing 2 kv heads, d_model 64.
 SMALL = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
 
 

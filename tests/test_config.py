@@ -22,7 +22,7 @@ def test_frozen_and_replace_revalidates():
         c.d_model = 128
     wider = c.replace(d_model=512)
     assert wider.ffn_dim == swiglu_hidden_dim(512) == 1344  # the derived width follows d_model
-    assert DecoderConfig(hidden_dim=100).ffn_dim == 100
+    assert DecoderConfig(d_ff=100).ffn_dim == 100
     with pytest.raises(ValueError, match="n_head"):
         c.replace(n_kv_head=3)
     assert DecoderConfig(dtype="bfloat16").dtype == jnp.bfloat16
@@ -52,7 +52,7 @@ def test_vanilla_final_norm_follows_norm_first_unless_set():
     (dict(d_model=0), "d_model", "positive"),
     (dict(max_seq_len=0), "max_seq_len", "positive"),
     (dict(max_seq_len=1.5), "max_seq_len", "positive int"),
-    (dict(hidden_dim=0), "hidden_dim", "positive"),
+    (dict(d_ff=0), "d_ff", "positive"),
     (dict(rope_theta=0.0), "rope_theta", "> 0"),
     (dict(norm_eps=-1e-6), "norm_eps", "> 0"),
     (dict(rope_pairing="adjacent"), "rope_pairing", "one of"),

@@ -114,7 +114,7 @@ def test_bad_arguments_raise(kwargs, name):
 
 
 def _reference_lr_at(step, total, base_lr, warmup=100):
-    """The reference demo's lr_at, written out (train.py of the seed code)."""
+    """The PyTorch reference demo's lr_at, written out."""
     if step < warmup:
         return base_lr * (step + 1) / warmup
     p = (step - warmup) / max(1, total - warmup)

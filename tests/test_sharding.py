@@ -19,3 +19,60 @@ def test_sharding_cases_on_eight_devices():
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
+
+
+# One device: the logical axis names every parameter declares where it is created.
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer  # noqa: E402
+from jaxformer.sharding import (EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, VOCAB, make_mesh,  # noqa: E402
+                                param_axes, tree_shardings)
+
+DECODER = DecoderConfig(vocab_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=16, max_seq_len=8)
+VANILLA = VanillaConfig(src_vocab_size=12, tgt_vocab_size=12, n_layer=2, d_model=16, d_ff=24, n_head=4, max_seq_len=8)
+MODELS = [Decoder(DECODER), Decoder(DECODER.replace(tie_embeddings=False, qkv_bias=True)),
+          VanillaTransformer(VANILLA), VanillaTransformer(VANILLA.replace(tie_embeddings=False, src_vocab_size=14,
+                                                                          norm_first=True))]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=["decoder", "decoder-untied-bias", "vanilla", "vanilla-untied-prenorm"])
+def test_every_parameter_names_its_axes(model):
+    params = model.init(jax.random.key(0), *model.init_inputs())["params"]
+    axes = param_axes(model)
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    named = dict(jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0])
+    assert len(named) == len(paths) > 10
+    for path, leaf in paths:
+        names = named[path]
+        assert len(names) == leaf.ndim, (jax.tree_util.keystr(path), names, leaf.shape)
+        assert set(names) <= {EMBED, VOCAB, HEADS, KV_HEADS, HEAD_DIM, MLP, QKV}
+        sizes = {EMBED: model.config.d_model, HEADS: model.config.n_head, HEAD_DIM: model.config.head_dim,
+                 MLP: model.config.ffn_dim}
+        for name, size in zip(names, leaf.shape):  # the names say what the dimension is
+            assert sizes.get(name, size) == size, (jax.tree_util.keystr(path), names, leaf.shape)
+
+
+class _Unnamed(nn.Module):
+    """A model whose one matrix is created with a plain `self.param`."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x @ self.param("w", nn.initializers.ones, (4, 4))
+
+    @nn.nowrap
+    def init_inputs(self):
+        return (jnp.ones((1, 4)),)
+
+
+def test_an_unnamed_parameter_fails_loudly():
+    with pytest.raises(ValueError, match="parameter w has no logical axis names"):
+        param_axes(_Unnamed())
+    params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
+    with pytest.raises(ValueError, match=r"\['b'\] \(4,\): no parameter of this name has logical axis names"):
+        tree_shardings(params, {"w": (EMBED, MLP)}, make_mesh(), "fsdp")
+    with pytest.raises(ValueError, match="2-D, but its logical axes are"):
+        tree_shardings({"w": jnp.ones((4, 4))}, {"w": (EMBED,)}, make_mesh(), "fsdp")

@@ -8,7 +8,7 @@ from conftest import scaled_random_params
 from jaxformer import (DecoderLayer, EncoderLayer, FeedForward, KVCache, MultiHeadAttention, VanillaConfig,
                        VanillaTransformer, attention_weights, generate, sinusoidal_table, stream)
 
-# The reference demo's model (REFERENCE.md, "The reversal demo").
+# The model `python -m train.reverse` trains by default.
 DEMO = VanillaConfig(src_vocab_size=19, tgt_vocab_size=19, n_layer=2, d_model=64, d_ff=128, n_head=4, max_seq_len=32)
 B, S, T = 2, 10, 11
 
@@ -287,7 +287,7 @@ def test_cached_steps_equal_teacher_forcing(demo):
     memory = model.apply(v, src, method="encode")
     memory_kv = model.apply(v, memory, method="cross_kv")
     step = jax.jit(lambda t, c: model.apply(v, t, None, src, cache=c, memory_kv=memory_kv, method="decode"))
-    cache = KVCache.create(DEMO, batch_size=B, capacity=T)
+    cache = model.init_cache(B, capacity=T)
     logits, cache = step(tgt_in[:, :4], cache)  # a multi-token prefill, then single steps
     pieces = [logits]
     for t in range(4, T):
@@ -306,14 +306,16 @@ def test_bad_input(demo):
         model.apply({"params": params}, src, tgt_in.at[0, 0].set(-1))
     with pytest.raises(ValueError, match="src length.*max_seq_len=32"):
         model.apply({"params": params}, jnp.ones((1, 33), jnp.int32), tgt_in[:1])
-    cache = KVCache.create(DEMO, batch_size=B, capacity=4).replace(start=jnp.array([0, 1], jnp.int32))
+    with pytest.raises(TypeError, match="KVCache.create takes a DecoderConfig.*init_cache"):
+        KVCache.create(DEMO, batch_size=B)
+    cache = model.init_cache(B, capacity=4).replace(start=jnp.array([0, 1], jnp.int32))
     with pytest.raises(ValueError, match="cache.start must be all zeros"):
         model.apply({"params": params}, tgt_in[:, :2], None, src, cache=cache,
                     memory_kv=model.apply({"params": params}, model.apply({"params": params}, src, method="encode"),
                                           method="cross_kv"), method="decode")
     with pytest.raises(ValueError, match="bos_id is required"):
         generate(model, params, src, max_new_tokens=3)
-    with pytest.raises(ValueError, match=r"BOS \+ max_new_tokens: 1 \+ 32 = 33"):
+    with pytest.raises(ValueError, match=r"decoder prompt length \+ max_new_tokens: 1 \+ 32 = 33 .*max_seq_len=32"):
         generate(model, params, src, max_new_tokens=32, bos_id=1)
     with pytest.raises(ValueError, match="eos_id"):
         generate(model, params, src, max_new_tokens=3, bos_id=1, eos_id=19)

@@ -24,8 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
-from typing import Any, Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +33,7 @@ from safetensors.numpy import save_file
 
 from jaxformer.config import DecoderConfig
 from jaxformer.convert.rope_pairing import with_rope_pairing
+from jaxformer.files import write_atomically, write_text_atomically
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
@@ -114,7 +114,7 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
         max_seq_len=max_seq_len,
         rope_theta=rope_theta,
         norm_eps=hf["rms_norm_eps"],
-        hidden_dim=hf["intermediate_size"],
+        d_ff=hf["intermediate_size"],
         rope_pairing="split_half",  # the only pairing transformers implements
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dtype,
@@ -263,18 +263,6 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
     return config, params
 
 
-def _write_atomically(path: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)` then rename tmp to `path`: a crash never leaves a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def save_hf(config: DecoderConfig, params, path: str) -> None:
     """Writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
@@ -297,14 +285,9 @@ def save_hf(config: DecoderConfig, params, path: str) -> None:
             raise ValueError(f"params{''.join(f'[{p!r}]' for p in t.path)}: expected shape {t.shape}, "
                              f"got {tuple(w.shape)}")
         tensors[t.hf_key] = np.ascontiguousarray(t.to_hf(w))
-    _write_atomically(os.path.join(path, "model.safetensors"),
-                      lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-
-    def write_config(tmp):
-        with open(tmp, "w") as f:
-            json.dump(config_to_hf(config), f, indent=2)
-
-    _write_atomically(os.path.join(path, "config.json"), write_config)
+    write_atomically(os.path.join(path, "model.safetensors"),
+                     lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_text_atomically(os.path.join(path, "config.json"), json.dumps(config_to_hf(config), indent=2))
 
 
 def _get(tree, path: tuple[str, ...]):

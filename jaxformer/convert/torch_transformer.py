@@ -11,7 +11,7 @@ The two compute the same layers and store them differently:
   - `out_proj.weight` reads the heads concatenated: transposed and split by head it is
     `w_o` `[n_head, head_dim, d_model]`.
 
-The names, per layer i (a LayerNorm's `weight` is flax's `scale`):
+The names, per layer i (a LayerNorm's `weight` is jaxformer's `scale`):
 
     encoder.layers.i.self_attn            -> encoder_layers_i/self_attn
     encoder.layers.i.norm1, norm2         -> encoder_layers_i/{attn,ffn}_residual/norm
@@ -23,7 +23,7 @@ The names, per layer i (a LayerNorm's `weight` is flax's `scale`):
 
 What the state dict cannot tell, and the config must match by hand: `n_head` (every
 shape is the same for any head count), `norm_first` (both modes store the same keys;
-`norm1` is always the first sublayer's norm), `layer_norm_eps`, and the activation
+`norm1` is always the first sublayer's norm), `norm_eps`, and the activation
 (only torch's default `activation="relu"` is representable: jaxformer's FFN is ReLU).
 `nn.Transformer` always ends each stack in a LayerNorm, so the config needs
 `final_norm=True`.
@@ -174,7 +174,7 @@ def from_torch_transformer(state_dict, config: VanillaConfig, *, src_embedding, 
         prefix of an enclosing module first); values torch tensors or arrays.
       config: a `VanillaConfig` matching the torch model: `n_layer` (encoder and decoder),
         `d_model`, `d_ff`, and, unchecked because the weights cannot show them, `n_head`,
-        `norm_first` and `layer_norm_eps` as it was built; `final_norm=True`. Its
+        `norm_first` and `norm_eps` (torch's `layer_norm_eps`) as it was built; `final_norm=True`. Its
         activation must have been torch's default ReLU. Use `dropout=0.0` to compare
         outputs.
       src_embedding: `[src_vocab_size, d_model]`, the source `nn.Embedding.weight`; with

@@ -59,7 +59,7 @@ def test_rope_theta_from_the_older_top_level_key():
 def test_config_round_trips_through_config_json():
     for config in (SMALL, SMALL.replace(tie_embeddings=False, qkv_bias=True, head_dim_override=24, rope_theta=123.0)):
         # config.json states the SwiGLU width; jaxformer's None (the reference's rule) resolves to it.
-        assert config_from_hf(config_to_hf(config)) == config.replace(hidden_dim=config.ffn_dim)
+        assert config_from_hf(config_to_hf(config)) == config.replace(d_ff=config.ffn_dim)
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -94,7 +94,7 @@ def test_save_then_load_gives_back_the_same_model(tmp_path, changes):
     config = SMALL.replace(**changes)
     params = _saved(tmp_path, config)
     loaded_config, loaded = load_hf(str(tmp_path))
-    assert loaded_config == config.replace(hidden_dim=config.ffn_dim)
+    assert loaded_config == config.replace(d_ff=config.ffn_dim)
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
     names = load_file(str(tmp_path / "model.safetensors")).keys()
@@ -106,7 +106,7 @@ def test_interleaved_model_is_saved_split_half_with_the_same_logits(tmp_path):
     config = SMALL.replace(rope_pairing="interleaved")
     params = _saved(tmp_path, config)
     loaded_config, loaded = load_hf(str(tmp_path))
-    assert loaded_config == config.replace(rope_pairing="split_half", hidden_dim=config.ffn_dim)
+    assert loaded_config == config.replace(rope_pairing="split_half", d_ff=config.ffn_dim)
     tokens = np.arange(40).reshape(2, 20) % config.vocab_size
     want, _ = Decoder(config).apply({"params": params}, tokens)
     got, _ = Decoder(loaded_config).apply({"params": loaded}, tokens)

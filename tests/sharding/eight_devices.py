@@ -10,9 +10,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, label_smoothed_cross_entropy
-from jaxformer.sharding import (batch_sharding, check_fits, make_mesh, parse_mesh, partition_spec,
+from jaxformer.decoding import DecodeRequest, stream_start, stream_step
+from jaxformer.sharding import (batch_sharding, check_mesh_fits, make_mesh, param_axes, parse_mesh, partition_spec,
                                 tree_shardings)
-from train.common import TrainState, make_train_step
+from jaxformer.training import TrainState, make_train_step
 
 jax.config.update("jax_default_matmul_precision", "highest")
 assert jax.device_count() == 8, "run through tests/test_sharding.py (8 simulated devices)"
@@ -35,7 +36,7 @@ def _decoder_setup():
         logits, _ = model.apply({"params": params}, batch["tokens"])
         return label_smoothed_cross_entropy(logits, batch["targets"], 0.0), {}
 
-    return params, batch, loss_fn
+    return params, batch, loss_fn, param_axes(model)
 
 
 def _vanilla_setup():
@@ -50,7 +51,7 @@ def _vanilla_setup():
                              rngs={"dropout": dropout_key})
         return label_smoothed_cross_entropy(logits, batch["tgt_out"], 0.1, ignore_id=VANILLA.pad_id), {}
 
-    return params, batch, loss_fn
+    return params, batch, loss_fn, param_axes(model)
 
 
 # Adam divides by sqrt(v) + eps, so a gradient component that is float noise (~1e-9, and
@@ -59,11 +60,11 @@ def _vanilla_setup():
 OPTIMIZER = optax.adam(1e-2, eps=1e-3)
 
 
-def _two_steps(params, batch, loss_fn, mesh=None, strategy="dp"):
+def _two_steps(params, batch, loss_fn, axes, mesh=None, strategy="dp"):
     state = TrainState.create(params, OPTIMIZER)
     state_sharding = None
     if mesh is not None:
-        state_sharding = tree_shardings(state, mesh, strategy)
+        state_sharding = tree_shardings(state, axes, mesh, strategy)
         state = jax.device_put(state, state_sharding)
         batch = jax.device_put(batch, batch_sharding(mesh))
     step = make_train_step(loss_fn, OPTIMIZER, state_sharding)
@@ -78,26 +79,27 @@ def _two_steps(params, batch, loss_fn, mesh=None, strategy="dp"):
                          ids=["decoder", "vanilla"])
 @pytest.mark.parametrize("strategy, data, model", MESHES, ids=[f"{s}-{d}x{m}" for s, d, m in MESHES])
 def test_sharded_train_steps_match_one_device(setup, config, strategy, data, model):
-    params, batch, loss_fn = setup()
-    want_state, want_losses = _two_steps(params, batch, loss_fn)
+    params, batch, loss_fn, axes = setup()
+    want_state, want_losses = _two_steps(params, batch, loss_fn, axes)
     mesh = make_mesh(data=data, model=model)
-    check_fits(config, mesh)
-    state, losses = _two_steps(params, batch, loss_fn, mesh, strategy)
+    check_mesh_fits(config, mesh)
+    state, losses = _two_steps(params, batch, loss_fn, axes, mesh, strategy)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
     jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5), state.params,
                  want_state.params)
     # Parameters and optimizer moments stay where the rules put them.
     for tree in (state.params, state.opt_state):
         for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(tree),
-                                          jax.tree.leaves(tree_shardings(tree, mesh, strategy))):
+                                          jax.tree.leaves(tree_shardings(tree, axes, mesh, strategy))):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), jax.tree_util.keystr(path)
 
 
 def test_the_rules_split_what_they_say():
     mesh = make_mesh(data=2, model=4)
     params = Decoder(DECODER).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    axes = param_axes(Decoder(DECODER))
     specs = {"/".join(k.key for k in path): sharding.spec for path, sharding in
-             jax.tree_util.tree_leaves_with_path(tree_shardings(params, mesh, "fsdp"),
+             jax.tree_util.tree_leaves_with_path(tree_shardings(params, axes, mesh, "fsdp"),
                                                  is_leaf=lambda x: isinstance(x, NamedSharding))}
     P = PartitionSpec
     assert specs["block_0/attn/wq"] == P("data", "model", None)  # [d_model, 8 heads, head_dim]: heads on model
@@ -106,11 +108,12 @@ def test_the_rules_split_what_they_say():
     assert specs["block_0/mlp/w_gate"] == P("data", "model") and specs["block_0/mlp/w_down"] == P("model", "data")
     assert specs["block_0/attn_norm/weight"] == P("data")
     assert specs["embed"] == P("model", "data") and specs["lm_head"] == P("data", "model")  # vocabulary-parallel
-    sharded = jax.device_put(params, tree_shardings(params, mesh, "fsdp"))
+    sharded = jax.device_put(params, tree_shardings(params, axes, mesh, "fsdp"))
     wq = sharded["block_0"]["attn"]["wq"]  # [64, 8, 8] over data 2 x model 4
     assert {shard.data.shape for shard in wq.addressable_shards} == {(32, 2, 8)}
-    assert partition_spec("block_0/attn/wq", (64, 8, 8), mesh, "dp") == P(None, "model", None)
-    assert partition_spec("block_0/attn/wq", (64, 8, 8), make_mesh(data=8), "dp") == P(None, None, None)
+    wq_axes = axes["block_0"]["attn"]["wq"]
+    assert partition_spec(wq_axes, (64, 8, 8), mesh, "dp") == P(None, "model", None)
+    assert partition_spec(wq_axes, (64, 8, 8), make_mesh(data=8), "dp") == P(None, None, None)
 
 
 @pytest.mark.parametrize("strategy, data, model", [("dp", 2, 4), ("fsdp", 8, 1)])
@@ -120,7 +123,8 @@ def test_sharded_generation_matches_one_device(strategy, data, model):
     prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
     want = generate(Decoder(DECODER), params, prompt, max_new_tokens=20)
     mesh = make_mesh(data=data, model=model)
-    got = generate(Decoder(DECODER), jax.device_put(params, tree_shardings(params, mesh, strategy)),
+    got = generate(Decoder(DECODER), jax.device_put(params, tree_shardings(params, param_axes(Decoder(DECODER)),
+                                                                           mesh, strategy)),
                    jax.device_put(prompt, batch_sharding(mesh)), max_new_tokens=20)
     np.testing.assert_array_equal(got, want)
     assert len(np.unique(np.asarray(want[:, 5:]))) > 5
@@ -131,18 +135,17 @@ def test_sharded_generation_matches_one_device(strategy, data, model):
     (4, 2, PartitionSpec("data", None, "model", None)),
 ])
 def test_the_kv_cache_is_sharded_like_the_attention(data, model, spec):
-    from jaxformer.generation import _prepare, _stream_next, _stream_start
     decoder = Decoder(DECODER)
     params = decoder.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     mesh = make_mesh(data=data, model=model)
-    params = jax.device_put(params, tree_shardings(params, mesh, "dp"))
+    params = jax.device_put(params, tree_shardings(params, param_axes(decoder), mesh, "dp"))
     prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
-    knobs, prompt = _prepare(decoder, prompt, 4, None, 0.0, None, None, None, None, None, None, 0.0)
-    _, token, cache, done, context = _stream_start(decoder, params, prompt, knobs, 4, mesh)
+    request = DecodeRequest.create(decoder, prompt, max_new_tokens=4)
+    context, token, cache, done = stream_start(decoder, params, request, mesh)
     for _ in range(2):  # and it stays so through the donated steps
         for array in (cache.layers[0].k, cache.layers[-1].v):
             assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4), array.sharding
-        token, cache, done = _stream_next(decoder, params, prompt, context, knobs, jnp.int32(1), token, cache, done)
+        token, cache, done = stream_step(decoder, params, request, context, jnp.int32(1), token, cache, done)
 
 
 @pytest.mark.parametrize("call, match", [
@@ -150,9 +153,9 @@ def test_the_kv_cache_is_sharded_like_the_attention(data, model, spec):
     (lambda: make_mesh(model=3), "model must be a positive int dividing the device count 8"),
     (lambda: parse_mesh("data=2,pipeline=4"), "each part must be data=N or model=M"),
     (lambda: parse_mesh("data=0"), "data must be a positive int"),
-    (lambda: check_fits(DECODER.replace(n_head=4, n_kv_head=2, d_model=64), make_mesh(data=1, model=8)),
+    (lambda: check_mesh_fits(DECODER.replace(n_head=4, n_kv_head=2, d_model=64), make_mesh(data=1, model=8)),
      r"DecoderConfig.n_head=4 is not divisible by the mesh's model axis \(8\)"),
-    (lambda: partition_spec("x", (4,), make_mesh(), "zero3"), "strategy must be one of"),
+    (lambda: partition_spec(("embed",), (4,), make_mesh(), "zero3"), "strategy must be one of"),
 ])
 def test_bad_meshes_are_clear_errors(call, match):
     with pytest.raises(ValueError, match=match):
@@ -169,7 +172,7 @@ LM_TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", 
 
 
 def _losses(run_dir):
-    from train.common import read_metrics
+    from jaxformer.training import read_metrics
     return [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl")]
 
 
@@ -204,16 +207,3 @@ def test_train_lm_refuses_a_mesh_that_does_not_fit(tmp_path, capsys, flags, mess
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
-
-def test_readme_mesh_example_runs():
-    from pathlib import Path
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "make_mesh" in b)
-    import jaxformer
-    model = Decoder(DECODER)
-    params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-    prompt = jnp.ones((BATCH, 4), jnp.int32)
-    namespace = {"jax": jax, "jf": jaxformer, "model": model, "params": params, "prompt": prompt}
-    exec(compile(block, "README mesh block", "exec"), namespace)
-    assert namespace["out"].shape == (BATCH, 24)
-    assert namespace["params"]["block_0"]["attn"]["wq"].sharding.spec == PartitionSpec("data", "model", None)

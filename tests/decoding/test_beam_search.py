@@ -8,7 +8,7 @@ import pytest
 from conftest import SMALL, init_params, scaled_random_params
 
 from jaxformer import Decoder, KVCache, VanillaConfig, VanillaTransformer, generate
-from jaxformer.beam_search import beam_search, gather_beams, length_penalty
+from jaxformer.decoding.beam_search import beam_search, gather_beams, length_norm
 
 EOS, PAD = 0, 9
 
@@ -24,12 +24,12 @@ def _table_step(table):
     return step
 
 
-def _search(first, table, n_beams, n_new, alpha=0.0, eos=EOS, batch=1):
+def _search(first, table, num_beams, max_new_tokens, length_penalty=0.0, eos=EOS, batch=1):
     step = _table_step(table)
-    logits = jnp.tile(jnp.log(jnp.asarray(first, jnp.float32)), (batch * n_beams, 1))
-    cache = {"steps": jnp.zeros((batch * n_beams,), jnp.int32)}
-    return beam_search(step, logits, cache, n_beams=n_beams, n_new=n_new, eos_id=jnp.int32(eos),
-                       pad_id=jnp.int32(PAD), alpha=alpha)
+    logits = jnp.tile(jnp.log(jnp.asarray(first, jnp.float32)), (batch * num_beams, 1))
+    cache = {"steps": jnp.zeros((batch * num_beams,), jnp.int32)}
+    return beam_search(step, logits, cache, num_beams=num_beams, max_new_tokens=max_new_tokens, eos_id=jnp.int32(eos),
+                       pad_id=jnp.int32(PAD), length_penalty=length_penalty)
 
 
 # Tokens: 0 = EOS, 1 = A, 2 = B, 3..5 = C, D, E. After A the next token is spread out;
@@ -44,9 +44,9 @@ TABLE /= TABLE.sum(1, keepdims=True)
 
 
 def test_beam_finds_what_greedy_misses():
-    greedy, _ = _search(FIRST, TABLE, n_beams=1, n_new=2)
+    greedy, _ = _search(FIRST, TABLE, num_beams=1, max_new_tokens=2)
     np.testing.assert_array_equal(greedy, [[1, 3]])  # A (0.6), then C (0.4): p = 0.24
-    beam, score = _search(FIRST, TABLE, n_beams=2, n_new=2)
+    beam, score = _search(FIRST, TABLE, num_beams=2, max_new_tokens=2)
     np.testing.assert_array_equal(beam, [[2, 3]])  # B (0.4), then C (0.99): p = 0.396
     first = np.asarray(FIRST) / np.sum(FIRST)  # (the model's softmax normalises the first step)
     np.testing.assert_allclose(score, [np.log(first[2] * TABLE[2, 3])], rtol=1e-5)
@@ -65,24 +65,24 @@ def test_length_penalty_decides_between_short_and_long():
     short_logp = np.log(first[0])
     long_logp = np.log(first[1] * table[1, 3] * table[3, 0])  # A C EOS
     assert long_logp < short_logp  # raw log-probability prefers stopping at once
-    tokens, score = _search(first, table, n_beams=2, n_new=4, alpha=0.0)
+    tokens, score = _search(first, table, num_beams=2, max_new_tokens=4, length_penalty=0.0)
     np.testing.assert_array_equal(tokens, [[EOS, PAD, PAD, PAD]])
     np.testing.assert_allclose(score, [short_logp], rtol=1e-5)
-    alpha = 3.0  # long enough outputs win once lengths are normalised
-    assert long_logp / float(length_penalty(3, alpha)) > short_logp / float(length_penalty(1, alpha))
-    tokens, score = _search(first, table, n_beams=2, n_new=4, alpha=alpha)
+    length_penalty = 3.0  # long enough outputs win once lengths are normalised
+    assert long_logp / float(length_norm(3, length_penalty)) > short_logp / float(length_norm(1, length_penalty))
+    tokens, score = _search(first, table, num_beams=2, max_new_tokens=4, length_penalty=length_penalty)
     np.testing.assert_array_equal(tokens, [[1, 3, EOS, PAD]])
-    np.testing.assert_allclose(score, [long_logp / float(length_penalty(3, alpha))], rtol=1e-5)
+    np.testing.assert_allclose(score, [long_logp / float(length_norm(3, length_penalty))], rtol=1e-5)
 
 
-def test_length_penalty_formula():
-    np.testing.assert_allclose(length_penalty(jnp.arange(1, 4), 0.6), ((5 + np.arange(1, 4)) / 6) ** 0.6, rtol=1e-6)
-    np.testing.assert_array_equal(length_penalty(jnp.arange(1, 4), 0.0), 1.0)
+def test_length_norm_formula():
+    np.testing.assert_allclose(length_norm(jnp.arange(1, 4), 0.6), ((5 + np.arange(1, 4)) / 6) ** 0.6, rtol=1e-6)
+    np.testing.assert_array_equal(length_norm(jnp.arange(1, 4), 0.0), 1.0)
 
 
 def test_gather_beams_moves_each_beam_within_its_row():
     tree = {"x": jnp.arange(6) * 10, "shared": jnp.int32(7), "y": jnp.arange(12).reshape(6, 2)}
-    out = gather_beams(tree, jnp.array([[2, 2, 0], [1, 0, 0]]), n_beams=3)
+    out = gather_beams(tree, jnp.array([[2, 2, 0], [1, 0, 0]]), num_beams=3)
     np.testing.assert_array_equal(out["x"], [20, 20, 0, 40, 30, 30])
     np.testing.assert_array_equal(out["y"][:, 0], [4, 4, 0, 8, 6, 6])
     assert int(out["shared"]) == 7
@@ -92,10 +92,10 @@ MODEL = Decoder(SMALL)
 PARAMS = scaled_random_params(init_params(SMALL), seed=11, scale=0.3)
 
 
-def _prefilled(prompt, n_beams, n_new):
+def _prefilled(prompt, num_beams, max_new_tokens):
     step = lambda t, c: MODEL.apply({"params": PARAMS}, t, c)  # noqa: E731
-    prompt = jnp.repeat(prompt, n_beams, axis=0)
-    cache = KVCache.create(SMALL, prompt.shape[0], capacity=prompt.shape[1] + n_new - 1)
+    prompt = jnp.repeat(prompt, num_beams, axis=0)
+    cache = KVCache.create(SMALL, prompt.shape[0], capacity=prompt.shape[1] + max_new_tokens - 1)
     logits, cache = step(prompt, cache)
     return step, logits[:, -1], cache
 
@@ -109,8 +109,8 @@ def test_one_beam_is_greedy_on_a_real_model(eos):
     want = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=None if eos == -1 else eos,
                                pad_id=PAD))[:, 7:]
     step, logits, cache = _prefilled(prompt, 1, 20)
-    tokens, _ = jax.jit(lambda l, c: beam_search(step, l, c, n_beams=1, n_new=20, eos_id=jnp.int32(eos),
-                                                 pad_id=jnp.int32(PAD), alpha=0.0))(logits, cache)
+    tokens, _ = jax.jit(lambda l, c: beam_search(step, l, c, num_beams=1, max_new_tokens=20, eos_id=jnp.int32(eos),
+                                                 pad_id=jnp.int32(PAD), length_penalty=0.0))(logits, cache)
     np.testing.assert_array_equal(tokens, want)
 
 
@@ -121,8 +121,8 @@ def test_beam_score_is_the_sequence_log_probability():
     chex.assert_shape(out, (2, 15))
     np.testing.assert_array_equal(out[:, :5], prompt)
     step, logits, cache = _prefilled(prompt, 4, 10)
-    tokens, score = beam_search(step, logits, cache, n_beams=4, n_new=10, eos_id=jnp.int32(-1),
-                                pad_id=jnp.int32(PAD), alpha=0.0)
+    tokens, score = beam_search(step, logits, cache, num_beams=4, max_new_tokens=10, eos_id=jnp.int32(-1),
+                                pad_id=jnp.int32(PAD), length_penalty=0.0)
     np.testing.assert_array_equal(tokens, out[:, 5:])
     full, _ = MODEL.apply({"params": PARAMS}, jnp.asarray(out))
     logp = jax.nn.log_softmax(full[:, 4:-1].astype(jnp.float32), axis=-1)  # predictions of tokens 5..14

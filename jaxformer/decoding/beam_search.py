@@ -1,0 +1,132 @@
+"""Beam search over any step function and any cache pytree.
+
+Each source row keeps `num_beams` alive hypotheses. A step extends every alive beam by
+every token and ranks the extensions by log-probability. Those among the `num_beams` best
+that end in EOS join the row's finished pool, scored by `log p / length_norm(length, length_penalty)`;
+the `num_beams` best that do not end go on (looking at the `2 * num_beams` best is enough to
+find them). The caches follow their beams: every cache leaf with a batch axis is gathered
+with the beams' parent indices (`jax.tree.map`), so the search works for any model
+whose cache is a pytree with the batch first.
+
+The search stops when no alive beam can still beat the worst finished one. A beam's
+log-probability only falls as it grows, and with `length_penalty >= 0` the length norm is
+largest at the longest length, so `alive_logp / length_norm(max_len, length_penalty)` bounds any score
+an alive beam can reach.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def length_norm(length, length_penalty) -> jax.Array:
+    """GNMT's length normalisation `((5 + length) / 6) ** length_penalty` (Wu et al., 2016).
+
+    A finished beam's score is `log p / length_norm(length, length_penalty)`; a penalty
+    of 0 compares raw log-probabilities (favouring short outputs), a larger one favours
+    longer outputs.
+    """
+    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** length_penalty
+
+
+def gather_beams(tree, parents: jax.Array, num_beams: int):
+    """Reorders the beams of every `[batch * num_beams, ...]` leaf of `tree`.
+
+    Args:
+      tree: a pytree (a cache); leaves without a leading `batch * num_beams` axis (a
+        shared write position, say) are left as they are.
+      parents: int `[batch, num_beams]`, for each new beam the index of the beam it extends.
+      num_beams: beams per row.
+
+    Returns:
+      The tree with new beam j of row b taken from old beam `parents[b, j]` of row b.
+    """
+    batch = parents.shape[0]
+    flat = (parents + num_beams * jnp.arange(batch)[:, None]).reshape(-1)  # [batch * num_beams]
+
+    def gather(leaf):
+        return jnp.take(leaf, flat, axis=0) if leaf.ndim and leaf.shape[0] == batch * num_beams else leaf
+
+    return jax.tree.map(gather, tree)
+
+
+def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max_new_tokens: int, eos_id: jax.Array,
+                pad_id: jax.Array, length_penalty: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The best `max_new_tokens`-token continuation of each row, by beam search.
+
+    Args:
+      step: `(tokens [batch * num_beams, 1], cache) -> (logits [batch * num_beams, 1, vocab], cache)`.
+      logits: `[batch * num_beams, vocab]` next-token logits after the prompt (each row's
+        `num_beams` copies are identical).
+      cache: the cache after the prefill, batch `batch * num_beams`, beams of a row adjacent.
+      num_beams: beams per row (static).
+      max_new_tokens: tokens to generate (static).
+      eos_id: int32 scalar; -1 for none (then every beam runs to `max_new_tokens` tokens).
+      pad_id: int32 scalar filling a finished beam after its EOS.
+      length_penalty: the length normalisation's exponent, >= 0 (a float32 scalar).
+
+    Returns:
+      `(tokens, score)`: tokens int32 `[batch, max_new_tokens]` of each row's best beam (padded
+      after its EOS); score `[batch]`, its `log p / length_norm(length, length_penalty)`.
+    """
+    vocab = logits.shape[-1]
+    batch = logits.shape[0] // num_beams
+    neg_inf = jnp.float32(-jnp.inf)
+
+    def select(i, logits, alive_logp, alive_tokens, done_tokens, done_score):
+        """Extends the alive beams by token i; returns the new pools and the parents."""
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(batch, num_beams, vocab)
+        candidates = (alive_logp[:, :, None] + logp).reshape(batch, num_beams * vocab)
+        top_logp, top_index = jax.lax.top_k(candidates, 2 * num_beams)  # [batch, 2 * num_beams]
+        parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
+        sequences = jnp.take_along_axis(alive_tokens, parent[:, :, None], axis=1)  # [batch, 2K, max_new_tokens]
+        sequences = jnp.where(jnp.arange(max_new_tokens) == i, token[:, :, None], sequences)
+        ends = token == eos_id
+        # A hypothesis finishes when its EOS ranks among the num_beams best extensions (so
+        # that one beam is exactly greedy decoding); the finished pool keeps the num_beams
+        # best of the old finished and the new ones.
+        finishes = ends & (jnp.arange(2 * num_beams) < num_beams)  # top_k sorts, best first
+        new_score = jnp.where(finishes, top_logp / length_norm(i + 1, length_penalty), neg_inf)
+        pool_score = jnp.concatenate([done_score, new_score], axis=1)
+        pool_tokens = jnp.concatenate([done_tokens, sequences], axis=1)
+        done_score, keep = jax.lax.top_k(pool_score, num_beams)
+        done_tokens = jnp.take_along_axis(pool_tokens, keep[:, :, None], axis=1)
+        # Alive pool: the best num_beams candidates that did not end in EOS.
+        alive_logp, keep = jax.lax.top_k(jnp.where(ends, neg_inf, top_logp), num_beams)
+        alive_tokens = jnp.take_along_axis(sequences, keep[:, :, None], axis=1)
+        parents = jnp.take_along_axis(parent, keep, axis=1)  # [batch, num_beams]
+        last = jnp.take_along_axis(token, keep, axis=1).reshape(-1)  # [batch * num_beams]
+        return alive_logp, alive_tokens, done_tokens, done_score, parents, last
+
+    # All copies of a row start identical: only beam 0 may expand at first, or the row
+    # would fill its beams with num_beams copies of one hypothesis.
+    alive_logp = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (num_beams - 1), jnp.float32), (batch, 1))
+    alive_tokens = jnp.full((batch, num_beams, max_new_tokens), pad_id, jnp.int32)
+    done_tokens, done_score = alive_tokens, jnp.full((batch, num_beams), neg_inf)
+    alive_logp, alive_tokens, done_tokens, done_score, parents, last = select(
+        0, logits, alive_logp, alive_tokens, done_tokens, done_score)
+    cache = gather_beams(cache, parents, num_beams)
+
+    def keep_going(state):
+        i, alive_logp, _, _, done_score, _, _ = state
+        best_possible = alive_logp.max(axis=1) / length_norm(max_new_tokens, length_penalty)  # [batch]
+        can_improve = best_possible > done_score.min(axis=1)
+        return (i < max_new_tokens) & jnp.any(can_improve)
+
+    def body(state):
+        i, alive_logp, alive_tokens, done_tokens, done_score, last, cache = state
+        logits, cache = step(last[:, None], cache)
+        alive_logp, alive_tokens, done_tokens, done_score, parents, last = select(
+            i, logits[:, -1], alive_logp, alive_tokens, done_tokens, done_score)
+        return i + 1, alive_logp, alive_tokens, done_tokens, done_score, last, gather_beams(cache, parents, num_beams)
+
+    state = (1, alive_logp, alive_tokens, done_tokens, done_score, last, cache)
+    i, alive_logp, alive_tokens, done_tokens, done_score, _, _ = jax.lax.while_loop(keep_going, body, state)
+    # Beams still alive at the end compete too, scored at the length they reached.
+    scores = jnp.concatenate([done_score, alive_logp / length_norm(i, length_penalty)], axis=1)  # [batch, 2K]
+    tokens = jnp.concatenate([done_tokens, alive_tokens], axis=1)
+    best = jnp.argmax(scores, axis=1)  # [batch]
+    return tokens[jnp.arange(batch), best], scores[jnp.arange(batch), best]

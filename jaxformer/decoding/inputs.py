@@ -1,0 +1,168 @@
+"""A decoding run's inputs, checked once on the host before anything is traced.
+
+`DecodeRequest.create` is the one place that checks `generate`'s and `stream`'s
+arguments (raising `ValueError`s that name the argument and the limit) and that turns a
+ragged batch into the left-padded one the cache reads.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxformer.decoding.protocol import Decodable
+from jaxformer.decoding.sampling import Sampling
+from jaxformer.validation import check_positions_fit, check_token_ids, per_row
+
+
+class DecodeOptions(TypedDict, total=False):
+    """The keywords of `generate` and `stream`.
+
+    Attributes:
+      max_new_tokens: tokens to generate, >= 1 (required). The decoder's prompt plus the
+        new tokens must fit `config.max_seq_len`.
+      key: PRNG key (`jax.random.key(seed)`); required when a temperature is > 0. The same
+        key gives the same tokens.
+      temperature: 0 for greedy argmax, > 0 to sample from `softmax(logits / temperature)`.
+        A scalar, or one value per row (as are `top_k` and `top_p`).
+      top_k: sample only among the k most likely tokens, `1 <= top_k <= vocab`; None keeps
+        them all.
+      top_p: nucleus sampling: only among the most likely tokens whose probability adds up
+        to `top_p`, in `(0, 1]`; None (or 1) keeps them all.
+      eos_id: a row that produces it is finished: it emits `pad_id` afterwards, and the
+        loop stops once every row is finished. None never stops early.
+      pad_id: filler after EOS; defaults to the model's padding id (the encoder-decoder's
+        `config.pad_id`), else 0.
+      bos_id: the encoder-decoder's first decoder token (required for it, unused otherwise).
+      prompt_lengths: decoder-only: each row's prompt length, `1 .. prompt_len`, for a
+        batch of prompts of different lengths, right-padded (what follows a row's length
+        is ignored). Each row then decodes as it would alone. None: every row is full.
+      num_beams: `generate` only: 1 decodes greedily or samples; > 1 runs beam search
+        (deterministic: the temperature must be 0, top-k and top-p unset) and returns
+        each row's best beam.
+      length_penalty: beam search's exponent in `((5 + length) / 6) ** length_penalty`,
+        >= 0; a finished beam scores `log p / that`. 0 compares raw log-probabilities.
+    """
+
+    max_new_tokens: int
+    key: jax.Array | None
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    eos_id: int | None
+    pad_id: int | None
+    bos_id: int | None
+    prompt_lengths: object
+    num_beams: int
+    length_penalty: float
+
+
+@struct.dataclass
+class DecodeRequest:
+    """One decoding run, checked: arrays (traced, so new values reuse the compiled loop)
+    and the two sizes that shape the program (static).
+
+    Attributes:
+      prompt: int32 `[batch, prompt_len]`, ragged rows moved to the right end (left padding).
+      decoder_prompt: int32 `[batch, P]`, the decoder's first input (`Decodable.decoder_prompt`).
+      start: int32 `[batch]`, each row's first real slot (its left padding), 0 when full.
+      sampling: each row's `Sampling` settings.
+      key: the PRNG key; step i samples with `fold_in(key, i)`.
+      eos_id: int32 scalar, -1 for none.
+      pad_id: int32 scalar.
+      length_penalty: float32 scalar, beam search's exponent.
+      max_new_tokens: tokens to generate (static).
+      num_beams: 1, or the beams per row (static).
+    """
+
+    prompt: jax.Array
+    decoder_prompt: jax.Array
+    start: jax.Array
+    sampling: Sampling
+    key: jax.Array
+    eos_id: jax.Array
+    pad_id: jax.Array
+    length_penalty: jax.Array
+    max_new_tokens: int = struct.field(pytree_node=False)
+    num_beams: int = struct.field(pytree_node=False, default=1)
+
+    @classmethod
+    def create(cls, model: Decodable, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
+               temperature=0.0, top_k=None, top_p=None, eos_id: int | None = None, pad_id: int | None = None,
+               bos_id: int | None = None, prompt_lengths=None, num_beams: int = 1,
+               length_penalty: float = 0.0) -> "DecodeRequest":
+        """Checks a run's arguments (see `DecodeOptions`) against `model.decoding_spec()`.
+
+        Returns:
+          The `DecodeRequest`. Raises `ValueError` naming the argument and its limit.
+        """
+        spec = model.decoding_spec()
+        prompt, start = _left_padded(prompt, prompt_lengths, spec.prompt_vocab_size, spec.ragged_prompts)
+        batch, prompt_len = prompt.shape
+        if type(max_new_tokens) is not int or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        _check_beams(num_beams, length_penalty, temperature, top_k, top_p)
+        for name, value in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)):
+            if value is not None and (type(value) is not int or not 0 <= value < spec.vocab_size):
+                raise ValueError(f"{name} must be an int in [0, vocab_size={spec.vocab_size}), got {value!r}")
+        decoder_prompt = np.asarray(model.decoder_prompt(prompt, bos_id), np.int32)
+        check_positions_fit(0, prompt_len, spec.max_seq_len, "prompt length", "max_seq_len")
+        check_positions_fit(decoder_prompt.shape[1], max_new_tokens, spec.max_seq_len,
+                            "decoder prompt length + max_new_tokens", "max_seq_len")
+        sampling = Sampling.create(batch, spec.vocab_size, temperature, top_k, top_p)
+        if key is None:
+            if sampling.samples.any():
+                raise ValueError("key is required when temperature > 0: pass key=jax.random.key(seed)")
+            key = jax.random.key(0)  # unused by greedy decoding; keeps the traced signature fixed
+        return cls(prompt=jnp.asarray(prompt), decoder_prompt=jnp.asarray(decoder_prompt), start=jnp.asarray(start),
+                   sampling=sampling, key=key, eos_id=jnp.int32(-1 if eos_id is None else eos_id),
+                   pad_id=jnp.int32(spec.pad_id if pad_id is None else pad_id),
+                   length_penalty=jnp.float32(length_penalty), max_new_tokens=max_new_tokens, num_beams=num_beams)
+
+    def repeat_rows(self, n: int) -> "DecodeRequest":
+        """Every row as `n` adjacent rows (one per beam)."""
+        def repeat(x):
+            return jnp.repeat(x, n, axis=0) if x.ndim else x
+
+        return self.replace(prompt=repeat(self.prompt), decoder_prompt=repeat(self.decoder_prompt),
+                            start=repeat(self.start), sampling=jax.tree.map(repeat, self.sampling))
+
+
+def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Checks the prompt; returns it int32 with each row's real tokens at the right end
+    (so every row's next token goes to the same cache slot), and each row's first real slot."""
+    prompt = np.asarray(prompt)
+    if prompt.ndim != 2 or prompt.shape[0] < 1 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must be 2-D [batch, seq] with at least one token per row, got shape {prompt.shape}")
+    batch, prompt_len = prompt.shape
+    lengths = np.full(batch, prompt_len, np.int32)
+    if prompt_lengths is not None:
+        if not ragged:
+            raise ValueError("prompt_lengths is for the decoder-only model; an encoder-decoder's source "
+                             "is right-padded with pad_id")
+        given = per_row(prompt_lengths, batch, "prompt_lengths", np.float64)
+        if not np.all((given >= 1) & (given <= prompt_len) & (given == np.round(given))):
+            raise ValueError(f"prompt_lengths must be ints in [1, prompt_len={prompt_len}], got {given.tolist()}")
+        lengths = given.astype(np.int32)
+    # Only the real tokens must be ids: what follows a row's length is ignored.
+    real = np.arange(prompt_len)[None, :] < lengths[:, None]  # [batch, prompt_len]
+    check_token_ids(np.where(real, prompt, 0) if np.issubdtype(prompt.dtype, np.integer) else prompt,
+                    vocab_size, "prompt")
+    start = (prompt_len - lengths).astype(np.int32)  # [batch]
+    source = np.arange(prompt_len)[None, :] - start[:, None]  # [batch, prompt_len], where each slot reads from
+    prompt = np.where(source >= 0, np.take_along_axis(np.where(real, prompt, 0), np.maximum(source, 0), axis=1), 0)
+    return prompt.astype(np.int32), start
+
+
+def _check_beams(num_beams, length_penalty, temperature, top_k, top_p) -> None:
+    if type(num_beams) is not int or num_beams < 1:
+        raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
+    if num_beams > 1 and (np.any(np.asarray(temperature) != 0) or top_k is not None or top_p is not None):
+        raise ValueError("beam search is deterministic: with num_beams > 1 leave temperature at 0 "
+                         "and top_k, top_p unset")
+    if not np.ndim(length_penalty) == 0 or not float(length_penalty) >= 0:
+        raise ValueError(f"length_penalty must be a scalar >= 0, got {length_penalty!r}")

@@ -1,0 +1,182 @@
+"""Autoregressive generation: prefill the prompt once, then one token per step.
+
+The loop speaks to the model only through the `Decodable` protocol: its context
+(computed once per prompt), its cache and its step `(tokens, cache) -> (logits, cache)`.
+The decoder-only model steps itself; the encoder-decoder encodes the source once and
+steps its decoder from BOS. The whole loop (prefill, every step, every sample, the stop
+at EOS) runs inside one `jit`; the sampling settings are traced arrays, so a new
+temperature or top-k reuses the compiled loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.decoding.beam_search import beam_search
+from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest
+from jaxformer.decoding.protocol import Decodable
+from jaxformer.sharding import cache_shardings, mesh_of
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+def _step_fn(model: Decodable, params, context) -> Callable:
+    """`step(tokens [batch, T], cache) -> (logits [batch, T, vocab], cache)`."""
+    return lambda tokens, cache: model.apply({"params": params}, tokens, cache, context, method="decode_step")
+
+
+def _prefill(model: Decodable, params, request: DecodeRequest, mesh=None):
+    """Runs the decoder's whole prompt through the model once.
+
+    Returns:
+      `(context, logits, cache)`: the step's context, logits `[batch, vocab]` at the
+      prompt's last position, and the cache holding the prompt.
+    """
+    context = model.apply({"params": params}, request.prompt, method="decode_context")
+    # Capacity: the prompt plus every new token but the last (which is never fed back).
+    capacity = request.decoder_prompt.shape[1] + request.max_new_tokens - 1
+    cache = model.init_cache(request.prompt.shape[0], capacity).replace(start=request.start)
+    if mesh is not None:  # rows over `data`, kv heads over `model`: each device keeps its own part
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+    logits, cache = _step_fn(model, params, context)(request.decoder_prompt, cache)
+    return context, logits[:, -1], cache
+
+
+def _pick(request: DecodeRequest, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Token `i` of each row from `logits` `[batch, vocab]`: sampled with `fold_in(key, i)`,
+    or `pad_id` for rows already done; and the rows done after it."""
+    token = request.sampling.pick(logits, jax.random.fold_in(request.key, i))
+    token = jnp.where(done, request.pad_id, token)  # [batch]
+    return token, done | (token == request.eos_id)
+
+
+def _start(model: Decodable, params, request: DecodeRequest, mesh=None):
+    """The prefill and the first token: `(context, token, cache, done)`."""
+    context, logits, cache = _prefill(model, params, request, mesh)
+    token, done = _pick(request, 0, logits, jnp.zeros(request.prompt.shape[0], bool))
+    return context, token, cache, done
+
+
+@functools.partial(jax.jit, static_argnames=("model", "mesh"))
+def decode_loop(model: Decodable, params, request: DecodeRequest, mesh=None) -> jax.Array:
+    """The whole decoding run as one program.
+
+    A `while_loop` that stops at `max_new_tokens` or once every row has produced EOS
+    (the remaining slots hold `pad_id`); or, with `num_beams > 1`, beam search.
+
+    Args:
+      model: a `Decodable` model.
+      params: its parameters.
+      request: from `DecodeRequest.create`.
+      mesh: the mesh the parameters live on (`sharding.mesh_of(params)`), or None.
+
+    Returns:
+      int32 `[batch, P + max_new_tokens]`: the decoder prompt, then the new tokens.
+    """
+    max_new_tokens, num_beams = request.max_new_tokens, request.num_beams
+    if num_beams > 1:
+        # Every row becomes num_beams adjacent rows: one cache, one batch for all beams.
+        beams = request.repeat_rows(num_beams)
+        context, logits, cache = _prefill(model, params, beams, mesh)
+        tokens, _ = beam_search(_step_fn(model, params, context), logits, cache, num_beams=num_beams,
+                                max_new_tokens=max_new_tokens, eos_id=request.eos_id, pad_id=request.pad_id,
+                                length_penalty=request.length_penalty)
+        return jnp.concatenate([request.decoder_prompt, tokens], axis=1)
+
+    context, token, cache, done = _start(model, params, request, mesh)
+    step = _step_fn(model, params, context)
+    tokens = jnp.full((request.prompt.shape[0], max_new_tokens), request.pad_id, jnp.int32).at[:, 0].set(token)
+
+    def keep_going(state):
+        i, _, _, done, _ = state
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(state):
+        i, token, cache, done, tokens = state
+        logits, cache = step(token[:, None], cache)
+        token, done = _pick(request, i, logits[:, -1], done)
+        return i + 1, token, cache, done, tokens.at[:, i].set(token)
+
+    tokens = jax.lax.while_loop(keep_going, body, (1, token, cache, done, tokens))[-1]  # [batch, max_new_tokens]
+    return jnp.concatenate([request.decoder_prompt, tokens], axis=1)
+
+
+# Streaming: the same start and the same step as the loop above, one jitted call per
+# token. `stream` drives them; a caller with its own loop (a server, say) can too.
+
+@functools.partial(jax.jit, static_argnames=("model", "mesh"))
+def stream_start(model: Decodable, params, request: DecodeRequest, mesh=None):
+    """The prefill and token 0 of every row: `(context, token, cache, done)`."""
+    return _start(model, params, request, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
+def stream_step(model: Decodable, params, request: DecodeRequest, context, i, token, cache, done):
+    """Token `i` of every row from token `i - 1`: `(token, cache, done)`.
+
+    The cache is donated: XLA writes the new K/V into its buffers instead of copying it,
+    so the cache passed in must not be used again.
+    """
+    logits, cache = _step_fn(model, params, context)(token[:, None], cache)
+    token, done = _pick(request, i, logits[:, -1], done)
+    return token, cache, done
+
+
+def generate(model: Decodable, params, prompt, **options: Unpack[DecodeOptions]) -> jax.Array:
+    """Continues each prompt by up to `max_new_tokens` tokens with a KV-cached decode loop.
+
+    The whole loop (prefill, every step, every sample) is one jitted function.
+
+    Args:
+      model: a `Decoder`, or a `VanillaTransformer` (then `prompt` is the source, and the
+        decoder starts from `bos_id`).
+      params: its parameter tree (`variables['params']`), on one device or placed on a
+        mesh (`jaxformer.sharding`); the cache is then placed alike.
+      prompt: int `[batch, prompt_len]` token ids, `prompt_len >= 1` (for the
+        encoder-decoder: the source, right-padded with `pad_id`).
+      **options: `max_new_tokens` (required), `key`, `temperature`, `top_k`, `top_p`,
+        `eos_id`, `pad_id`, `bos_id`, `prompt_lengths`, `num_beams`, `length_penalty`;
+        see `DecodeOptions`.
+
+    Returns:
+      int32 `[batch, decoder_prompt_len + max_new_tokens]`: the decoder's prompt (`prompt`
+      as given, or the BOS column for the encoder-decoder) followed by the new tokens.
+
+    Changing the prompt's values or any setting but `max_new_tokens` and `num_beams`
+    reuses the compiled loop; a new prompt shape, `max_new_tokens` or `num_beams`
+    compiles a new one.
+    """
+    request = DecodeRequest.create(model, prompt, **options)
+    out = decode_loop(model, params, request, mesh_of(params))
+    # The prompt as the caller gave it (right-padded rows included), then the new tokens.
+    if options.get("prompt_lengths") is None:
+        return out
+    return out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))
+
+
+def stream(model: Decodable, params, prompt, **options: Unpack[DecodeOptions]) -> Iterator[np.ndarray]:
+    """Yields the new tokens one step at a time, as `generate` would produce them.
+
+    Takes `generate`'s arguments (without beam search) and gives the same tokens (the
+    same key gives the same samples): the prefill and each step are jitted once and
+    driven from Python, with the cache donated to each step. Stops after
+    `max_new_tokens` steps, or once every row has produced `eos_id`.
+
+    Yields:
+      int32 `[batch]` numpy arrays: step i's token of each row (`pad_id` once a row is done).
+    """
+    request = DecodeRequest.create(model, prompt, **options)
+    if request.num_beams != 1:
+        raise ValueError("stream decodes one token per step for each row: beam search needs generate(num_beams=)")
+    context, token, cache, done = stream_start(model, params, request, mesh_of(params))
+    for i in range(1, request.max_new_tokens + 1):
+        yield np.asarray(token)
+        if i == request.max_new_tokens or np.asarray(done).all():  # (on the host: no extra device op)
+            return
+        token, cache, done = stream_step(model, params, request, context, jnp.int32(i), token, cache, done)

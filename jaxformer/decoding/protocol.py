@@ -1,0 +1,60 @@
+"""What a model provides to decoding: one small interface, so that `generate`, `stream`
+and beam search never ask which model they drive.
+
+Both models implement it: `Decoder` continues its prompt; `VanillaTransformer` encodes
+its prompt (the source) once and starts its decoder from BOS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from jaxformer.cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingSpec:
+    """The host-side facts decoding checks its inputs against.
+
+    Attributes:
+      prompt_vocab_size: the prompt's ids lie in `[0, prompt_vocab_size)`.
+      vocab_size: the model emits ids in `[0, vocab_size)`.
+      max_seq_len: the longest prompt, and the longest decoder prompt plus new tokens.
+      pad_id: the default filler after EOS.
+      ragged_prompts: prompts of different lengths may share a batch (`prompt_lengths`).
+    """
+
+    prompt_vocab_size: int
+    vocab_size: int
+    max_seq_len: int
+    pad_id: int
+    ragged_prompts: bool
+
+
+class Decodable(Protocol):
+    """A model `generate`, `stream` and beam search can decode.
+
+    The first three are plain methods (marked `nn.nowrap`); the last two are called
+    through `model.apply({"params": params}, ..., method=...)`.
+    """
+
+    def decoding_spec(self) -> DecodingSpec:
+        """Vocabularies, length limit, default padding, whether prompts may be ragged."""
+
+    def decoder_prompt(self, prompt: np.ndarray, bos_id: int | None) -> np.ndarray:
+        """The decoder's first input `[batch, P]`: the prompt itself, or one BOS column."""
+
+    def init_cache(self, batch_size: int, capacity: int) -> KVCache:
+        """An empty `KVCache` of `capacity` positions for `batch_size` rows. The loop sets
+        its `start` (left padding), places it on a mesh, and beam search reorders its
+        batch-first leaves."""
+
+    def decode_context(self, prompt: jax.Array) -> Any:
+        """What every step reads besides the cache, computed once per prompt."""
+
+    def decode_step(self, tokens: jax.Array, cache: Any, context: Any) -> tuple[jax.Array, Any]:
+        """`tokens [batch, T]` -> `(logits [batch, T, vocab], cache)`, the cache advanced by T."""

@@ -1,0 +1,94 @@
+"""The sampling rule: how each row picks its next token from its logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxformer.validation import per_row
+
+
+def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                 top_p: jax.Array) -> jax.Array:
+    """Picks one token per row: greedy, or sampled after temperature, top-k and top-p.
+
+    Every knob is a traced array, one value per row, so new values never recompile.
+    The filters run in the order HF transformers uses: scale by the temperature, keep
+    the k largest logits, then keep the smallest set of those whose probability
+    (renormalised among them) reaches p, and sample from what is left.
+
+    Args:
+      logits: `[batch, vocab]` next-token logits.
+      key: PRNG key for this step.
+      temperature: `[batch]`; 0 takes the argmax for that row, > 0 samples from
+        `softmax(logits / temperature)`.
+      top_k: int `[batch]` in `[1, vocab]`; `vocab` keeps every token.
+      top_p: `[batch]` in `(0, 1]`; 1 keeps every token.
+
+    Returns:
+      `[batch]` int32 token ids. Tokens tied with the last one kept are kept too.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
+
+    def sample(_):
+        scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        ranked = -jnp.sort(-scaled, axis=-1)  # [batch, vocab], largest first
+        rank = jnp.arange(scaled.shape[-1])[None, :]  # [1, vocab]
+        in_top_k = rank < top_k[:, None]
+        probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)  # renormalised over the top k
+        mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
+        # The nucleus: tokens whose predecessors hold less than p (the first always does).
+        # p = 1 is "off" outright, so a cumulative sum that rounds below 1 cannot cut a token.
+        in_nucleus = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        n_keep = jnp.sum(in_top_k & in_nucleus, axis=-1)  # [batch], >= 1
+        cutoff = jnp.take_along_axis(ranked, n_keep[:, None] - 1, axis=-1)  # [batch, 1], the last kept logit
+        sampled = jax.random.categorical(key, jnp.where(scaled < cutoff, -jnp.inf, scaled), axis=-1)
+        return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    # A cond, not a where: when every row is greedy the sort and the sampling are skipped.
+    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
+
+
+@struct.dataclass
+class Sampling:
+    """Each row's sampling settings, as arrays: new values reuse the compiled loop.
+
+    Attributes:
+      temperature: `[batch]` float32, 0 for greedy.
+      top_k: `[batch]` int32 in `[1, vocab]`.
+      top_p: `[batch]` float32 in `(0, 1]`.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def create(cls, batch: int, vocab_size: int, temperature=0.0, top_k=None, top_p=None) -> "Sampling":
+        """Checks the settings on the host: each a scalar or one value per row.
+
+        `top_k=None` keeps every token, as does `top_p=None` (or 1). Raises `ValueError`
+        naming the setting and its range.
+        """
+        temperature = per_row(temperature, batch, "temperature", np.float32)
+        if not np.all(temperature >= 0):  # NaN fails too
+            raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
+        top_k = per_row(vocab_size if top_k is None else top_k, batch, "top_k", np.float64)
+        if not np.all((top_k >= 1) & (top_k <= vocab_size) & (top_k == np.round(top_k))):
+            raise ValueError(f"top_k must be None or an int in [1, vocab_size={vocab_size}], got {top_k.tolist()}")
+        top_p = per_row(1.0 if top_p is None else top_p, batch, "top_p", np.float32)
+        if not np.all((top_p > 0) & (top_p <= 1)):
+            raise ValueError(f"top_p must be None or in (0, 1], got {top_p.tolist()}")
+        return cls(temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k, jnp.int32),
+                   top_p=jnp.asarray(top_p))
+
+    @property
+    def samples(self) -> np.ndarray:
+        """Host-side: which rows sample (temperature > 0) rather than take the argmax."""
+        return np.asarray(self.temperature) > 0
+
+    def pick(self, logits: jax.Array, key: jax.Array) -> jax.Array:
+        """`[batch]` int32: each row's token from its `[batch, vocab]` logits."""
+        return sample_token(logits, key, self.temperature, self.top_k, self.top_p)
