@@ -12,8 +12,8 @@ per second (reverse: 64 x 11 target tokens per step; copy: 64 x 65).
 With `--reference`, the reference's PyTorch modules (`vanilla.py`, `model.py`,
 `train.py` in that folder) build the same models and optimizers in this process and
 their updates are timed the same way, so the ratio compares like with like. Without it,
-the table shows REFERENCE.md's wall times of the reference demos (whole runs, divided by
-their step counts) for orientation.
+the table shows, for orientation, the PyTorch reference demos' whole-run wall times
+measured on a 2-core CPU, divided by their step counts.
 """
 
 from __future__ import annotations
@@ -27,17 +27,15 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
-from jaxformer import Decoder, VanillaTransformer
+from jaxformer.training import TrainState, make_train_step
 from train import lm, reverse
-from train.common import TrainState, make_train_step
 
-# REFERENCE.md section 1: the reference demos' whole-run wall times on this kind of machine.
+# The PyTorch reference demos' whole-run wall times on a 2-core CPU: (seconds, steps).
 REFERENCE_WALL = {"reverse": (100.0, 3000), "copy": (160.0, 800)}
 
 
-def _time_steps(step, n_steps: int) -> tuple[float, list[float]]:
+def time_steps(step, n_steps: int) -> tuple[float, list[float]]:
     """`step(i)` returns something to wait on; the first call's time, then each later one's."""
     start = time.perf_counter()
     jax.block_until_ready(step(0))
@@ -51,39 +49,32 @@ def _time_steps(step, n_steps: int) -> tuple[float, list[float]]:
 
 
 def jaxformer_reverse(n_steps: int) -> dict:
-    args = reverse.parse_args([])  # the demo's defaults (nothing is written: no run directory is made)
-    model = VanillaTransformer(reverse.model_config(args))
-    _, optimizer, loss_fn, make_batch = reverse.recipe(args, model)
     # train.reverse draws dropout bits with threefry's classic layout (see its main()).
     with jax.threefry_partitionable(False):
-        params = reverse.init_params(args, model)
-        return _jaxformer(params, optimizer, loss_fn, make_batch, n_steps, tokens=64 * 11)
+        return time_setup(reverse.build(reverse.Settings()), n_steps)
 
 
 def jaxformer_copy(n_steps: int) -> dict:
-    args = lm.parse_args([])
-    model = Decoder(lm.model_config(args, None))
-    _, optimizer, loss_fn, make_batch = lm.recipe(args, model, None)
-    params = jax.jit(model.init)(jax.random.key(args.seed), jnp.zeros((1, 1), jnp.int32))["params"]
-    return _jaxformer(params, optimizer, loss_fn, make_batch, n_steps, tokens=64 * lm.training_length(args, None))
+    return time_setup(lm.build(lm.Settings()), n_steps)
 
 
-def _jaxformer(params, optimizer, loss_fn, make_batch, n_steps: int, tokens: int) -> dict:
-    train_step = make_train_step(loss_fn, optimizer)
+def time_setup(setup, n_steps: int) -> dict:
+    """Times `n_steps` updates of a demo's `Setup` (its CLI defaults) after the first."""
+    train_step = make_train_step(setup.loss_fn, setup.optimizer)
     keys = jax.random.split(jax.random.key(0), n_steps + 1)
-    batches = [make_batch(k) for k in keys]
-    state = TrainState.create(params, optimizer)
+    batches = [setup.make_batch(k) for k in keys]
+    state = TrainState.create(setup.params, setup.optimizer)
 
     def step(i):
         nonlocal state
         state, metrics = train_step(state, batches[i], keys[i])
         return metrics["loss"]
 
-    first, times = _time_steps(step, n_steps)
-    return _row(first, times, tokens)
+    first, times = time_steps(step, n_steps)
+    return timing_row(first, times, setup.tokens_per_step)
 
 
-def _import(code: Path, file: str, name: str):
+def import_reference(code: Path, file: str, name: str):
     """The reference's `code/file` as module `name` (its own folder on the path while it
     imports its siblings; `name` differs from `file` where that would shadow ours)."""
     spec = importlib.util.spec_from_file_location(name, code / file)
@@ -98,8 +89,8 @@ def _import(code: Path, file: str, name: str):
 
 def reference_reverse(code: Path, n_steps: int) -> dict:
     import torch
-    vanilla = _import(code, "vanilla.py", "vanilla")
-    demo = _import(code, "vanilla_demo.py", "vanilla_demo")
+    vanilla = import_reference(code, "vanilla.py", "vanilla")
+    demo = import_reference(code, "vanilla_demo.py", "vanilla_demo")
     torch.manual_seed(0)
     model = vanilla.VanillaTransformer(demo.VOCAB, demo.VOCAB, n=2, d_model=64, d_ff=128, h=4, dropout=0.1,
                                        pad_idx=demo.PAD)
@@ -115,14 +106,14 @@ def reference_reverse(code: Path, n_steps: int) -> dict:
         opt.step()
         sched.step()
 
-    first, times = _time_steps(step, n_steps)
-    return _row(first, times, 64 * 11)
+    first, times = time_steps(step, n_steps)
+    return timing_row(first, times, 64 * 11)
 
 
 def reference_copy(code: Path, n_steps: int) -> dict:
     import torch
-    model_py = _import(code, "model.py", "model")
-    train_py = _import(code, "train.py", "reference_train")  # not "train": that is ours
+    model_py = import_reference(code, "model.py", "model")
+    train_py = import_reference(code, "train.py", "reference_train")  # not "train": that is ours
     torch.manual_seed(1337)
     task = train_py.CopyTask()
     cfg = model_py.Config(vocab_size=task.vocab_size, n_layer=4, n_head=4, n_kv_head=2, d_model=128,
@@ -141,11 +132,11 @@ def reference_copy(code: Path, n_steps: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    first, times = _time_steps(step, n_steps)
-    return _row(first, times, 64 * (task.seq_len - 1))
+    first, times = time_steps(step, n_steps)
+    return timing_row(first, times, 64 * (task.seq_len - 1))
 
 
-def _row(first: float, times: list[float], tokens: int) -> dict:
+def timing_row(first: float, times: list[float], tokens: int) -> dict:
     median = statistics.median(times)
     return {"first_step_s": first, "step_ms": 1e3 * median,
             "spread": (max(times) - min(times)) / median, "tokens_per_s": tokens / median}
@@ -166,7 +157,7 @@ def main(argv=None) -> int:
             rows.append({"demo": demo, "variant": "PyTorch reference", **reference(args.reference.resolve(),
                                                                                     args.steps)})
     print(f"{'demo':8s} {'variant':18s} {'step ms':>8s} {'spread':>7s} {'tokens/s':>9s} {'vs ref':>7s} "
-          f"{'1st step s':>10s}  reference demo wall time / steps (REFERENCE.md)")
+          f"{'1st step s':>10s}  reference demo wall time / steps (PyTorch, 2-core CPU)")
     for r in rows:
         ref = next((x for x in rows if x["demo"] == r["demo"] and x["variant"] != "jaxformer"), None)
         ratio = f"{ref['step_ms'] / r['step_ms']:.2f}x" if ref else "-"

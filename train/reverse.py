@@ -10,19 +10,19 @@
 4. the cross-attention map of the last decoder layer: decoder step k should read
    source position L - 1 - k, an anti-diagonal.
 
-Defaults reproduce the reference demo (REFERENCE.md, "The reversal demo").
+The defaults (a 2-layer, d_model 64 model; 3000 steps of 64 sequences of 5 to 10
+symbols) train on a CPU and reverse nearly every fresh sequence; the README gives the
+time and figures of one run and the machine it ran on.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -33,74 +33,132 @@ from jaxformer import VanillaConfig, VanillaTransformer, generate
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.viz import ascii_attention, save_attention_grid
-from train import common
-from train.common import (OneLineParser, TrainState, add_mesh_flags, enable_compilation_cache,
-                          initialize_distributed, make_train_step, shard_training, start_run, train_loop)
+from train import cli
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
+PROG = "python -m train.reverse"
 MIN_LEN, MAX_LEN = 5, 10
 PROBE_LENGTHS = (11, 12, 13, 14, 15, 16)  # never seen in training
 MAP_LENGTH = 8
 
 
-PROG = "python -m train.reverse"
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The reversal demo's recipe; the defaults are the command line's.
+
+    Attributes:
+      steps: training steps (updates).
+      batch_size: sequences per update.
+      seed: seeds init, data, dropout and evaluation.
+      n_layer: encoder layers (and as many decoder layers).
+      d_model: model width.
+      d_ff: feed-forward hidden width.
+      n_head: attention heads.
+      dropout: dropout rate.
+      norm_first: pre-norm instead of the paper's post-norm.
+      warmup: Noam warmup steps.
+      label_smoothing: in [0, 1).
+      eval_size: fresh sequences decoded for each evaluation set.
+      dtype: compute dtype, "float32" or "bfloat16".
+
+    Raises:
+      ValueError: naming the flag of a value out of range.
+    """
+
+    steps: int = 3000
+    batch_size: int = 64
+    seed: int = 0
+    n_layer: int = 2
+    d_model: int = 64
+    d_ff: int = 128
+    n_head: int = 4
+    dropout: float = 0.1
+    norm_first: bool = False
+    warmup: int = 400
+    label_smoothing: float = 0.1
+    eval_size: int = 1000
+    dtype: str = "float32"
+
+    # What --resume must match besides the model; not steps: a finished run may be extended.
+    RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("seed", "batch_size", "warmup", "label_smoothing")
+
+    def __post_init__(self):
+        cli.check_shared_settings(self)
+        cli.require_positive(self, "warmup", "eval_size")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing})")
+
+    @property
+    def run_name(self) -> str:
+        """A new run directory is runs/<run_name>-<time>."""
+        return "reverse"
 
 
-def fail(message: str) -> None:
-    common.fail(PROG, message)
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--steps", type=int, default=3000, help="training steps (updates)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0, help="seeds init, data, dropout and evaluation")
-    p.add_argument("--n-layer", type=int, default=2, help="encoder layers (and as many decoder layers)")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--d-ff", type=int, default=128)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
+def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
+    defaults = Settings()
+    p = cli.make_parser(PROG, __doc__, defaults)
+    p.add_argument("--n-layer", type=int, default=defaults.n_layer, help="encoder layers (and as many decoder layers)")
+    p.add_argument("--d-model", type=int, default=defaults.d_model, help="model width")
+    p.add_argument("--d-ff", type=int, default=defaults.d_ff, help="feed-forward hidden width")
+    p.add_argument("--n-head", type=int, default=defaults.n_head, help="attention heads")
+    p.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout rate")
     p.add_argument("--norm-first", action="store_true", help="pre-norm instead of the paper's post-norm")
-    p.add_argument("--warmup", type=int, default=400, help="Noam warmup steps")
-    p.add_argument("--label-smoothing", type=float, default=0.1)
-    p.add_argument("--eval-size", type=int, default=1000, help="fresh sequences decoded for the evaluation")
-    p.add_argument("--run-dir", type=Path, default=None,
-                   help="where config, metrics, checkpoints and plots go (default: runs/reverse-<time>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="compute dtype; parameters and optimizer state stay float32")
-    add_mesh_flags(p)
-    p.add_argument("--checkpoint-every", type=int, default=500)
-    p.add_argument("--log-every", type=int, default=100)
-    args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "warmup", "eval_size", "checkpoint_every", "log_every"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
-    if not 0 <= args.label_smoothing < 1:
-        fail(f"--label-smoothing must be in [0, 1) (got {args.label_smoothing})")
-    if args.resume and args.run_dir is None:
-        fail("--resume needs --run-dir: the run to continue")
-    if args.run_dir is None:
-        args.run_dir = Path("runs") / f"reverse-{datetime.now():%Y%m%d-%H%M%S}"
-    return args
+    p.add_argument("--warmup", type=int, default=defaults.warmup, help="Noam warmup steps")
+    p.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing, help="in [0, 1)")
+    p.add_argument("--eval-size", type=int, default=defaults.eval_size,
+                   help="fresh sequences decoded for each evaluation set")
+    cli.add_run_flags(p, "reverse", checkpoint_every=500, log_every=100)
+    return cli.parse(p, argv, Settings)
 
 
-def model_config(args) -> VanillaConfig:
-    try:
-        return VanillaConfig(src_vocab_size=REVERSE_VOCAB, tgt_vocab_size=REVERSE_VOCAB, n_layer=args.n_layer,
-                             d_model=args.d_model, d_ff=args.d_ff, n_head=args.n_head, dropout=args.dropout,
-                             pad_id=PAD, max_seq_len=max(PROBE_LENGTHS) + 2, norm_first=args.norm_first,
-                             dtype=args.dtype)
-    except ValueError as e:
-        fail(str(e))
+def model_config(settings: Settings) -> VanillaConfig:
+    """The 2017 model at the settings' size, long enough for the generalisation probe."""
+    return VanillaConfig(src_vocab_size=REVERSE_VOCAB, tgt_vocab_size=REVERSE_VOCAB, n_layer=settings.n_layer,
+                         d_model=settings.d_model, d_ff=settings.d_ff, n_head=settings.n_head,
+                         dropout=settings.dropout, pad_id=PAD, max_seq_len=max(PROBE_LENGTHS) + 2,
+                         norm_first=settings.norm_first, dtype=settings.dtype)
 
 
-def run_config(args, config: VanillaConfig) -> dict:
-    """What must match for `--resume` to continue the same run (not: steps, eval, logging)."""
-    model = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("dtype", "param_dtype", "cache_dtype")}
-    return {"model": model, "seed": args.seed, "batch_size": args.batch_size, "warmup": args.warmup,
-            "label_smoothing": args.label_smoothing}
+def build(settings: Settings = Settings()) -> cli.Setup:
+    """The reversal demo ready to train, with the paper's recipe.
+
+    Adam (0.9, 0.98, 1e-9) on the Noam schedule, label smoothing, dropout; batches of
+    `settings.batch_size` sequences of 5 to 10 symbols. The command line builds and
+    trains under `jax.threefry_partitionable(False)` (see `main`): do the same to get its
+    parameters and dropout masks.
+
+    Args:
+      settings: the recipe; `Settings()` is the command line's default.
+
+    Returns:
+      The model, its initial parameters, optimizer, schedule, loss and batches.
+
+    Raises:
+      ValueError: a model config that does not hold together (e.g. `d_model` not
+        divisible by `n_head`).
+    """
+    model = VanillaTransformer(model_config(settings))
+    params = cli.init_params(model, settings.seed)
+    schedule = noam_schedule(settings.d_model, settings.warmup)
+    # The paper's Adam: beta2 0.98 and eps 1e-9. The schedule *is* the learning rate.
+    optimizer = optax.adam(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
+
+    def loss_fn(params, batch, dropout_key):
+        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=False,
+                             rngs={"dropout": dropout_key})
+        return label_smoothed_cross_entropy(logits, batch["tgt_out"], settings.label_smoothing, ignore_id=PAD), {}
+
+    make_batch = functools.partial(reverse_batch, batch_size=settings.batch_size, min_len=MIN_LEN, max_len=MAX_LEN)
+    # Every target row is MAX_LEN + 1 wide: the reversed symbols, EOS, then padding.
+    return cli.Setup(model=model, params=params, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
+                     make_batch=make_batch, tokens_per_step=settings.batch_size * (MAX_LEN + 1))
+
+
+def describe(setup: cli.Setup) -> None:
+    """The device, the parameter count, and the shape trace."""
+    cli.print_device()
+    print(f"params: {cli.count_params(setup.params):,}   (the paper's base model: 65M)\n")
+    shape_trace(setup.model, setup.params)
 
 
 def shape_trace(model: VanillaTransformer, params) -> None:
@@ -142,11 +200,21 @@ def shape_trace(model: VanillaTransformer, params) -> None:
         print(f"  {name:<44} {str(tuple(shape)):<18} {note}")
 
 
-def evaluate(model, params, key, n: int, lengths: tuple[int, ...], width: int) -> dict:
-    """Exact-match rate of cached greedy decoding on `n` fresh sequences per call.
+def decoding_exact_match(model, params, key, n: int, lengths: tuple[int, ...], width: int) -> dict:
+    """Exact-match rate of cached greedy decoding on `n` fresh sequences.
 
     A row counts only if every decoded token is right: the reversed symbols, then EOS
     (then padding).
+
+    Args:
+      model, params: the trained model.
+      key: draws the sequences.
+      n: how many.
+      lengths: their lengths, drawn uniformly from `min(lengths)..max(lengths)`.
+      width: the source width they are padded to.
+
+    Returns:
+      `{"exact_match", "n", "per_length": {length: (rate, count)}, "example": (src, decoded)}`.
     """
     batch = reverse_batch(key, n, min(lengths), max(lengths), width=width)
     out = generate(model, params, batch["src"], max_new_tokens=width + 1, bos_id=BOS, eos_id=EOS)
@@ -174,92 +242,64 @@ def cross_attention_map(model, params, run_dir: Path) -> str:
     return ascii_attention(weights[-1].mean(0), rows, cols)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    initialize_distributed()
-    enable_compilation_cache()
-    # Dropout draws about a million random numbers a step. The classic threefry layout
-    # gets two 32-bit numbers out of each hash block where the partitionable one (JAX's
-    # default, made for sharded arrays) gets one: on a CPU this halves their cost.
-    with jax.threefry_partitionable(False):
-        return run(args)
+def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir: Path) -> dict:
+    """Decodes fresh sequences of the trained lengths and of the probe's longer ones,
+    and draws the cross-attention map (its PNG into `run_dir`).
 
-
-def init_params(args, model: VanillaTransformer):
-    init_batch = reverse_batch(jax.random.key(args.seed), 1)
-    return jax.jit(model.init)(jax.random.key(args.seed), init_batch["src"], init_batch["tgt_in"])["params"]
-
-
-def recipe(args, model: VanillaTransformer):
-    """The paper's training recipe: `(schedule, optimizer, loss_fn, make_batch)`."""
-    schedule = noam_schedule(model.config.d_model, args.warmup)
-    # The paper's Adam: beta2 0.98 and eps 1e-9. The schedule *is* the learning rate.
-    optimizer = optax.adam(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
-
-    def loss_fn(params, batch, dropout_key):
-        logits = model.apply({"params": params}, batch["src"], batch["tgt_in"], deterministic=False,
-                             rngs={"dropout": dropout_key})
-        return label_smoothed_cross_entropy(logits, batch["tgt_out"], args.label_smoothing, ignore_id=PAD), {}
-
-    make_batch = functools.partial(reverse_batch, batch_size=args.batch_size, min_len=MIN_LEN, max_len=MAX_LEN)
-    return schedule, optimizer, loss_fn, make_batch
-
-
-def run(args) -> int:
-    config = model_config(args)
-    model = VanillaTransformer(config)
-    params = init_params(args, model)
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-    print(f"params: {n_params:,}   (the paper's base model: 65M)\n")
-    shape_trace(model, params)
-
-    schedule, optimizer, loss_fn, make_batch = recipe(args, model)
-    try:  # a mesh that does not fit is refused before the run directory is touched
-        state, make_batch, state_sharding = shard_training(TrainState.create(params, optimizer), make_batch, args,
-                                                           config, args.batch_size)
-        start_run(args.run_dir, run_config(args, config), args.resume)
-    except ValueError as e:
-        fail(str(e))
-    print(f"\n{'=' * 72}\ntraining on 'reverse the sequence': {args.steps} steps, batch {args.batch_size}, "
-          f"run dir {args.run_dir}\n")
+    Returns:
+      The results: exact match overall and per length for both sets, an example, the
+      decoding time and the map as ASCII.
+    """
+    model, params = setup.model, trained.params
+    eval_key, probe_key = jax.random.split(cli.evaluation_key(settings.seed))
     start = time.perf_counter()
-    state = train_loop(state, make_train_step(loss_fn, optimizer, state_sharding),
-                       make_batch, seed=args.seed, num_steps=args.steps, run_dir=args.run_dir,
-                       checkpoint_every=args.checkpoint_every, log_every=args.log_every,
-                       lr_schedule=schedule, resume=args.resume)
-    train_seconds = time.perf_counter() - start
-    params = jax.device_get(state.params)  # gathered from the mesh, if any: the evaluation runs on one device
-    last = json.loads((args.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    print(f"\ntrained to step {int(state.step)} in {train_seconds:.1f} s (compile included): "
-          f"final loss {last['loss']:.4f}, lr {last['lr']:.2e}")
+    seen = decoding_exact_match(model, params, eval_key, settings.eval_size, tuple(range(MIN_LEN, MAX_LEN + 1)),
+                                MAX_LEN)
+    probe = decoding_exact_match(model, params, probe_key, settings.eval_size, PROBE_LENGTHS, max(PROBE_LENGTHS))
+    return {"seen": seen, "probe": probe, "decode_seconds": time.perf_counter() - start,
+            "map": cross_attention_map(model, params, run_dir)}
 
-    eval_key, probe_key = jax.random.split(jax.random.fold_in(jax.random.key(args.seed), 0x5EED))
-    start = time.perf_counter()
-    seen = evaluate(model, params, eval_key, args.eval_size, tuple(range(MIN_LEN, MAX_LEN + 1)), MAX_LEN)
-    probe = evaluate(model, params, probe_key, args.eval_size, PROBE_LENGTHS, max(PROBE_LENGTHS))
-    eval_seconds = time.perf_counter() - start
-    print(f"\ncached greedy decoding, {args.eval_size} fresh sequences of lengths {MIN_LEN}-{MAX_LEN} "
+
+def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: Path) -> None:
+    """Prints the evaluation and writes the run's results to `run_dir/eval.json`."""
+    seen, probe = evaluation["seen"], evaluation["probe"]
+    print(f"\ncached greedy decoding, {settings.eval_size} fresh sequences of lengths {MIN_LEN}-{MAX_LEN} "
           f"(exact = every reversed symbol, then EOS):")
     print(f"  exact match {seen['exact_match']:.2%}")
     print("  per length  " + "  ".join(f"{L}: {r:.1%} (n={n})" for L, (r, n) in seen["per_length"].items()))
     src, decoded = seen["example"]
     print(f"  src     {src}\n  decoded {decoded}")
-    print(f"\ngeneralisation probe, {args.eval_size} sequences of unseen lengths "
+    print(f"\ngeneralisation probe, {settings.eval_size} sequences of unseen lengths "
           f"{PROBE_LENGTHS[0]}-{PROBE_LENGTHS[-1]}:")
     print(f"  exact match {probe['exact_match']:.2%}")
     print("  per length  " + "  ".join(f"{L}: {r:.1%}" for L, (r, _) in probe["per_length"].items()))
-    print(f"  (decoding took {eval_seconds:.1f} s for both sets, compile included)")
+    print(f"  (decoding took {evaluation['decode_seconds']:.1f} s for both sets, compile included)")
 
     print(f"\ncross-attention, last decoder layer (heads averaged), one length-{MAP_LENGTH} example, teacher-forced")
-    print(cross_attention_map(model, params, args.run_dir))
+    print(evaluation["map"])
     print(f"\n  decoder step k should be reading source position {MAP_LENGTH + 1}-k -> anti-diagonal")
-    print(f"  every layer and head: {args.run_dir / 'cross_attention.png'}")
+    print(f"  every layer and head: {run_dir / 'cross_attention.png'}")
 
-    results = {"steps": int(state.step), "final_loss": last["loss"], "train_seconds": train_seconds,
-               "exact_match": seen["exact_match"], "per_length": seen["per_length"],
-               "probe_exact_match": probe["exact_match"], "probe_per_length": probe["per_length"]}
-    (args.run_dir / "eval.json").write_text(json.dumps(results, indent=2) + "\n")
+    cli.write_results(run_dir, {
+        "steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds,
+        "exact_match": seen["exact_match"], "per_length": seen["per_length"],
+        "probe_exact_match": probe["exact_match"], "probe_per_length": probe["per_length"]})
+
+
+def main(argv=None) -> int:
+    settings, run = parse_args(argv)
+    cli.start_process()
+    # Dropout draws about a million random numbers a step. The classic threefry layout
+    # gets two 32-bit numbers out of each hash block where the partitionable one (JAX's
+    # default, made for sharded arrays) gets one: on a CPU this halves their cost.
+    with jax.threefry_partitionable(False):
+        setup = cli.build_or_fail(PROG, build, settings)
+        describe(setup)
+        print(f"\n{'=' * 72}\ntraining on 'reverse the sequence': {settings.steps} steps, "
+              f"batch {settings.batch_size}, run dir {run.run_dir}\n")
+        trained = cli.train(PROG, setup, settings, run)
+        evaluation = evaluate(setup, settings, trained, run.run_dir)
+        report(settings, trained, evaluation, run.run_dir)
     return 0
 
 

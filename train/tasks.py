@@ -1,9 +1,8 @@
 """Synthetic tasks whose right answer is known, drawn fresh from a PRNG key.
 
-The reversal task (the reference's `vanilla_demo.py`): `src = a b c d`, target
-`d c b a`. It needs a sequence-to-sequence model, and the right cross-attention is
-known in advance: decoder step k should read source position L - 1 - k, an
-anti-diagonal.
+The reversal task: `src = a b c d`, target `d c b a`. It needs a sequence-to-sequence
+model, and the right cross-attention is known in advance: decoder step k should read
+source position L - 1 - k, an anti-diagonal.
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ def reverse_batch(key: jax.Array, batch_size: int, min_len: int = 5, max_len: in
             "tgt_out": tgt_out.astype(jnp.int32), "length": length.astype(jnp.int32)}
 
 
-# The copy task (the reference's train.py): [BOS] p_1..p_L [SEP] p_1..p_L with a fresh
-# random pattern p every time. Only the second copy is scored, and since the pattern is
-# noise nothing can be memorised in the weights: it takes attention reading back across
-# SEP (an induction head).
+# The copy task: [BOS] p_1..p_L [SEP] p_1..p_L with a fresh random pattern p every
+# time. Only the second copy is scored, and since the pattern is noise nothing can be
+# memorised in the weights: it takes attention reading back across SEP (an induction head).
 COPY_LEN, COPY_SYMBOLS = 32, 48
 COPY_BOS, COPY_SEP = COPY_SYMBOLS, COPY_SYMBOLS + 1
 COPY_VOCAB = COPY_SYMBOLS + 2  # 50

@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
+from jaxformer.training import read_metrics
 from train import lm
-from train.common import read_metrics
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",
         "--log-every", "5", "--checkpoint-every", "5", "--warmup", "2"]

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
+from jaxformer.training import read_metrics
 from train import reverse
-from train.common import read_metrics
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
         "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]

@@ -1,0 +1,60 @@
+"""Training any model: a train state, one jitted step, and a resumable loop.
+
+    from jaxformer.training import TrainState, make_train_step, train_loop
+
+    state = TrainState.create(params, optimizer)
+    step = make_train_step(loss_fn, optimizer)   # loss_fn(params, batch, dropout_key) -> (loss, {metrics})
+    state = train_loop(state, step, make_batch, seed=0, num_steps=100, run_dir="runs/mine",
+                       checkpoint_every=50, log_every=10)
+
+`make_batch(data_key) -> batch` draws one batch from a key. A run directory holds
+`config.json` (`start_run`), `metrics.jsonl` (`read_metrics`) and `checkpoints/<step>/`.
+Resuming needs no saved random state: the data and dropout keys of update s are
+`step_keys(seed, s)`, so a run restored from its step-10 checkpoint draws exactly the
+batches and dropout masks the uninterrupted run drew, and ends with bitwise the same
+parameters.
+
+Steps are counted as updates done: `state.step == s` before update s, and a checkpoint
+or metrics line labelled s holds the result of the first s updates.
+
+On a device mesh, place the state and the batches first:
+
+    state, state_sharding = shard_state(state, param_axes(model), mesh, "fsdp")
+    step = make_train_step(loss_fn, optimizer, state_sharding)
+    state = train_loop(state, step, shard_batches(make_batch, mesh), ...)
+
+Modules: `state` (TrainState, make_train_step, step_keys), `loop` (train_loop),
+`checkpoints` (Checkpointer), `metrics` (MetricsLog, read_metrics), `progress`
+(ProgressBar), `run_dir` (start_run and config.json), `placement` (shard_state,
+shard_batches), `runtime` (initialize_distributed, enable_compilation_cache).
+"""
+
+from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer
+from jaxformer.training.loop import train_loop
+from jaxformer.training.metrics import METRICS_FILE, MetricsLog, read_metrics
+from jaxformer.training.placement import shard_batches, shard_state
+from jaxformer.training.progress import ProgressBar
+from jaxformer.training.run_dir import CONFIG_FILE, check_run_config, save_run_config, start_run
+from jaxformer.training.runtime import enable_compilation_cache, initialize_distributed
+from jaxformer.training.state import TrainState, make_train_step, step_keys
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "CONFIG_FILE",
+    "METRICS_FILE",
+    "Checkpointer",
+    "MetricsLog",
+    "ProgressBar",
+    "TrainState",
+    "check_run_config",
+    "enable_compilation_cache",
+    "initialize_distributed",
+    "make_train_step",
+    "read_metrics",
+    "save_run_config",
+    "shard_batches",
+    "shard_state",
+    "start_run",
+    "step_keys",
+    "train_loop",
+]

@@ -1,0 +1,67 @@
+"""A one-line progress bar for a training loop."""
+
+from __future__ import annotations
+
+import sys
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr: `step/total [####....] loss 1.2345 ...`.
+
+    On a terminal the line is redrawn in place. Elsewhere (CI logs, files) carriage
+    returns would pile up into one unreadable line, so a plain line is printed each time
+    the step passes a multiple of `every`, and at the last step.
+
+    Args:
+      total: the last step.
+      initial: the step the bar starts from (a resumed run's restored step).
+      every: steps between plain lines when not on a terminal; default `total // 10`.
+      stream: where to write; default `sys.stderr`.
+    """
+
+    WIDTH = 24
+
+    def __init__(self, total: int, initial: int = 0, *, every: int | None = None, stream=None):
+        if total < 1:
+            raise ValueError(f"ProgressBar total must be >= 1 (got {total})")
+        self.total = total
+        self.stream = stream if stream is not None else sys.stderr
+        self.is_tty = getattr(self.stream, "isatty", lambda: False)()
+        self.every = every if every is not None else max(1, total // 10)
+        self._shown = initial  # the last step drawn or printed
+        self._drawn = 0  # width of the line on a terminal, to blank a longer old one
+
+    def update(self, step: int, **values) -> None:
+        """Shows `step` and the latest values.
+
+        Args:
+          step: the updates done.
+          **values: loss, lr, steps_per_sec, or any other scalar, shown in this order.
+        """
+        line = self._format(step, values)
+        if self.is_tty:
+            self.stream.write("\r" + line.ljust(self._drawn))
+            self._drawn = len(line)
+        elif step // self.every != self._shown // self.every or step == self.total:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self._shown = step
+
+    def close(self) -> None:
+        """Ends the redrawn line, so what follows starts on a line of its own."""
+        if self.is_tty and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = 0
+
+    def _format(self, step: int, values: dict) -> str:
+        filled = round(self.WIDTH * min(step, self.total) / self.total)
+        parts = [f"{step:>{len(str(self.total))}}/{self.total} [{'#' * filled}{'.' * (self.WIDTH - filled)}]"]
+        for name, v in values.items():
+            if name == "lr":
+                parts.append(f"lr {v:.2e}")
+            elif name == "steps_per_sec":
+                parts.append(f"{v:.1f} steps/s")
+            else:
+                parts.append(f"{name} {v:.4f}")
+        return "  ".join(parts)

@@ -1,0 +1,65 @@
+"""`train.cli`, the skeleton both demos share: help texts, settings, builds and run records."""
+
+import dataclasses
+import re
+
+import jax
+import pytest
+
+from train import cli, lm, reverse
+
+DEMOS = [reverse, lm]
+TINY = {reverse: dict(n_layer=1, d_model=32, d_ff=32, n_head=2, batch_size=4),
+        lm: dict(n_layer=1, d_model=32, n_head=2, n_kv_head=1, batch_size=4)}
+
+
+def help_entries(demo, capsys) -> dict[str, str]:
+    """`--help` as {flag: its whole entry on one line}."""
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--help"])
+    assert exit_info.value.code == 0
+    entries, current = {}, None
+    for line in capsys.readouterr().out.split("options:")[1].splitlines():
+        if re.match(r"  -", line):  # an entry starts at indent 2; its wrapped lines are indented further
+            current = re.findall(r"(?:^|, )(--[a-z-]+)", line.strip())[0]  # "-h, --help  show ..."
+            entries[current] = line
+        elif current is not None:
+            entries[current] += " " + line
+    return {name: " ".join(text.split()) for name, text in entries.items()}
+
+
+@pytest.mark.parametrize("demo", DEMOS, ids=lambda demo: demo.__name__)
+def test_help_shows_every_default_once(demo, capsys):
+    entries = help_entries(demo, capsys)
+    for name, text in entries.items():
+        assert text.count("default:") <= 1, text
+        assert "default: None" not in text, text
+    for field in dataclasses.fields(demo.Settings):
+        default = field.default
+        if default is None or isinstance(default, bool) or default == "":
+            continue  # the help says in words what happens without the flag
+        assert entries[cli.flag(field.name)].count(f"default: {default}") == 1, entries[cli.flag(field.name)]
+    assert "default: runs/" in entries["--run-dir"] and "default: one device" in entries["--mesh"]
+
+
+@pytest.mark.parametrize("demo", DEMOS, ids=lambda demo: demo.__name__)
+def test_settings_name_the_flag_of_a_bad_value(demo):
+    with pytest.raises(ValueError, match="--batch-size must be >= 1"):
+        demo.Settings(batch_size=0)
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        demo.Settings(dtype="float16")
+
+
+@pytest.mark.parametrize("demo", DEMOS, ids=lambda demo: demo.__name__)
+def test_build_gives_one_shape_of_setup_and_record(demo):
+    settings = demo.Settings(**TINY[demo])
+    setup = demo.build(settings)
+    assert isinstance(setup, cli.Setup)
+    batch = setup.make_batch(jax.random.key(0))
+    loss, aux = setup.loss_fn(setup.params, batch, jax.random.key(1))
+    assert loss.shape == () and aux == {}
+    targets = batch["tgt_out"] if demo is reverse else batch["targets"]
+    assert setup.tokens_per_step == targets.size
+    record = cli.run_record(setup.model.config, settings)
+    assert set(record) == {"model", *demo.Settings.RESUME_FIELDS}
+    assert record["model"]["d_model"] == 32 and not set(cli.DTYPE_FIELDS) & set(record["model"])

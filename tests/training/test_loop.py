@@ -1,0 +1,75 @@
+"""`jaxformer.training.loop`: a resumed run equals the uninterrupted one, bitwise."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from linear_regression import LR, init_state, loss_fn, make_batch
+
+from jaxformer.training import Checkpointer, make_train_step, read_metrics, train_loop
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_after(num_batches):
+    """A make_batch that raises when asked for batch number `num_batches + 1`."""
+    calls = []
+
+    def batches(data_key):
+        if len(calls) == num_batches:
+            raise Crash
+        calls.append(1)
+        return make_batch(data_key)
+    return batches
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    schedule = optax.linear_schedule(LR, 0.0, 20)
+    optimizer = optax.adam(schedule)
+    train_step = make_train_step(loss_fn, optimizer)
+    common = dict(seed=1, num_steps=20, checkpoint_every=5, log_every=1, lr_schedule=schedule, progress=False)
+
+    a = train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "a", **common)
+
+    # B crashes while preparing update 12 (12 updates done): checkpoints 5 and 10 exist,
+    # the metrics log runs to step 12, and there is no checkpoint 12.
+    with pytest.raises(Crash):
+        train_loop(init_state(optimizer), train_step, crash_after(12), run_dir=tmp_path / "b", **common)
+    assert Checkpointer(tmp_path / "b").latest_step() == 10
+    assert read_metrics(tmp_path / "b" / "metrics.jsonl")[-1]["step"] == 12
+    b = train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=True, **common)
+
+    assert int(a.step) == int(b.step) == 20
+    for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params, b.opt_state))):
+        np.testing.assert_array_equal(x, y)  # bitwise, not approximately
+    log_a, log_b = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("a", "b"))
+    assert [r["step"] for r in log_b] == [r["step"] for r in log_a] == list(range(1, 21))
+    assert [(r["loss"], r["mae"]) for r in log_b] == [(r["loss"], r["mae"]) for r in log_a]
+    assert log_a[0]["lr"] == pytest.approx(LR) and set(log_a[0]) == {"step", "loss", "mae", "lr", "steps_per_sec"}
+    assert Checkpointer(tmp_path / "a").latest_step() == 20
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name.isdigit()) == ["10", "15", "20"]
+
+
+def test_train_loop_refuses_to_overwrite_a_run(tmp_path):
+    optimizer = optax.adam(LR)
+    train_step = make_train_step(loss_fn, optimizer)
+    kwargs = dict(seed=0, num_steps=2, run_dir=tmp_path, checkpoint_every=2, log_every=1, progress=False)
+    train_loop(init_state(optimizer), train_step, make_batch, **kwargs)
+    with pytest.raises(ValueError, match="resume=True"):
+        train_loop(init_state(optimizer), train_step, make_batch, **kwargs)
+
+
+def test_the_documented_example_runs(tmp_path):
+    """The package docstring's example, with exactly its names and keywords."""
+    from jaxformer.training import TrainState
+    optimizer = optax.adam(LR)
+    params = init_state(optimizer).params
+    state = TrainState.create(params, optimizer)
+    step = make_train_step(loss_fn, optimizer)
+    state = train_loop(state, step, make_batch, seed=0, num_steps=100, run_dir=tmp_path / "mine",
+                       checkpoint_every=50, log_every=10)
+    assert int(state.step) == 100
+    assert [r["step"] for r in read_metrics(tmp_path / "mine" / "metrics.jsonl")] == list(range(10, 101, 10))
+    assert Checkpointer(tmp_path / "mine").latest_step() == 100

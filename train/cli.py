@@ -1,0 +1,317 @@
+"""The command-line skeleton both demos share: parse, build, train, evaluate, report.
+
+A demo module provides a frozen `Settings` dataclass (its recipe; the defaults are the
+CLI's), `build(settings) -> Setup`, and its own evaluation. This module holds the rest:
+the one-line-error parser, the flags every demo has, the run directory's name and
+recorded config, and the path from a `Setup` to trained parameters through
+`jaxformer.training`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import jax
+import optax
+from flax import linen as nn
+
+from jaxformer.files import write_text_atomically
+from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh
+from jaxformer.training import (METRICS_FILE, TrainState, enable_compilation_cache, initialize_distributed,
+                                make_train_step, read_metrics, shard_batches, shard_state, start_run, train_loop)
+
+DTYPES = ("float32", "bfloat16")
+# Config fields a run may change on resume: parameters and optimizer state are stored in
+# param_dtype (float32 in both demos), so the compute precision is not part of the run.
+DTYPE_FIELDS = ("dtype", "param_dtype", "cache_dtype")
+RESULTS_FILE = "eval.json"
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """Stops a demo with one clear line on stderr (exit status 2), not a traceback."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to a flag's help once, only where X says something.
+
+    A help text that already states its default keeps it alone; a default of None (the
+    help says what happens without the flag) or of a switch (off) adds nothing.
+    """
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        unsaid = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default:" in help or unsaid or not action.option_strings:
+            return help
+        return f"{help} (default: %(default)s)".lstrip()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (`prog: error: ...`), not a usage dump."""
+
+    def __init__(self, prog: str, description: str):
+        super().__init__(prog=prog, description=description, formatter_class=DefaultsFormatter)
+
+    def error(self, message) -> NoReturn:
+        fail(self.prog, message)
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a settings field: `batch_size` -> `--batch-size`."""
+    return "--" + field.replace("_", "-")
+
+
+def require_positive(settings, *fields: str) -> None:
+    """Raises ValueError, naming the flag, for the first of `fields` below 1."""
+    for field in fields:
+        value = getattr(settings, field)
+        if value < 1:
+            raise ValueError(f"{flag(field)} must be >= 1 (got {value})")
+
+
+def check_shared_settings(settings) -> None:
+    """The checks of the settings every demo has (steps, batch size, dtype)."""
+    require_positive(settings, "steps", "batch_size")
+    if settings.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {DTYPES} (got {settings.dtype!r})")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Where and how a run is kept; nothing here changes what is learned.
+
+    Attributes:
+      run_dir: where config, metrics, checkpoints and results go.
+      resume: continue the run in `run_dir` from its last checkpoint.
+      mesh: `"data=N,model=M"`, or None for one device.
+      fsdp: with `mesh`, also split parameters and optimizer state over `data`.
+      checkpoint_every: updates between checkpoints.
+      log_every: updates between metrics lines.
+    """
+
+    run_dir: Path
+    resume: bool
+    mesh: str | None
+    fsdp: bool
+    checkpoint_every: int
+    log_every: int
+
+
+def make_parser(prog: str, doc: str, defaults) -> OneLineParser:
+    """A demo's parser with the recipe flags every demo has, defaults from its `Settings()`.
+
+    Args:
+      prog: the command, for usage and error lines.
+      doc: the demo module's docstring; its first paragraph describes the command.
+      defaults: the demo's `Settings()`.
+    """
+    parser = OneLineParser(prog, doc.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="updates to train for")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per update")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seeds init, data, dropout and evaluation")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=DTYPES,
+                        help="compute dtype; parameters and optimizer state stay float32")
+    return parser
+
+
+def add_run_flags(parser: argparse.ArgumentParser, run_name: str, checkpoint_every: int, log_every: int) -> None:
+    """The flags of `RunOptions`.
+
+    Args:
+      parser: from `make_parser`.
+      run_name: how a new run directory is named, e.g. "reverse" for runs/reverse-<time>.
+      checkpoint_every: the demo's default.
+      log_every: the demo's default.
+    """
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help=f"where config, metrics, checkpoints and results go (default: runs/{run_name}-<time>)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
+    parser.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                        help="train on a device mesh: batch split over data, heads and FFN units over model "
+                             "(default: one device)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="with --mesh: also split parameters and optimizer state over the data axis")
+    parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every, help="updates between checkpoints")
+    parser.add_argument("--log-every", type=int, default=log_every, help="updates between metrics lines")
+
+
+def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[Any, RunOptions]:
+    """Parses `argv` into the demo's settings and the run options; bad input exits with one line.
+
+    Every field of `settings_type` is read from the flag of the same name; a new run's
+    directory is named `runs/<settings.run_name>-<time>`.
+
+    Args:
+      parser: from `make_parser`, with `add_run_flags` and the demo's own flags.
+      argv: the arguments (None: `sys.argv[1:]`).
+      settings_type: the demo's `Settings` dataclass.
+
+    Returns:
+      `(settings, run)`.
+    """
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_type(**{f.name: getattr(args, f.name) for f in dataclasses.fields(settings_type)})
+        require_positive(args, "checkpoint_every", "log_every")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.resume and args.run_dir is None:
+        parser.error("--resume needs --run-dir: the run to continue")
+    run_dir = args.run_dir or Path("runs") / f"{settings.run_name}-{datetime.now():%Y%m%d-%H%M%S}"
+    return settings, RunOptions(run_dir=run_dir, resume=args.resume, mesh=args.mesh, fsdp=args.fsdp,
+                                checkpoint_every=args.checkpoint_every, log_every=args.log_every)
+
+
+def start_process() -> None:
+    """What a demo does before touching a device: join the other hosts of a multi-host
+    run, and keep compiled programs on disk for the next run."""
+    initialize_distributed()
+    enable_compilation_cache()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A demo ready to train: what its `build(settings)` returns.
+
+    Attributes:
+      model: the Flax module.
+      params: its initial parameters, from `init_params`.
+      optimizer: the optax transformation of the recipe.
+      schedule: `step -> learning rate`, the rate update `step` uses.
+      loss_fn: `loss_fn(params, batch, dropout_key) -> (loss, {})`, for `make_train_step`.
+      make_batch: `make_batch(data_key) -> batch` of the training data.
+      tokens_per_step: target positions scored per update (batch rows x scored width).
+      corpus: the text the data is drawn from (`train.tasks.CharText`), or None for the
+        synthetic tasks, which draw every batch from a key.
+    """
+
+    model: nn.Module
+    params: Any
+    optimizer: optax.GradientTransformation
+    schedule: Callable[[int], Any]
+    loss_fn: Callable
+    make_batch: Callable
+    tokens_per_step: int
+    corpus: Any = None
+
+
+def build_or_fail(prog: str, build: Callable, settings) -> Setup:
+    """`build(settings)`; a config that does not hold together or unreadable data exits with one line."""
+    try:
+        return build(settings)
+    except ValueError as e:
+        fail(prog, str(e))
+
+
+def init_params(model: nn.Module, seed: int):
+    """`model`'s initial parameters, drawn from `jax.random.key(seed)`.
+
+    Args:
+      model: a jaxformer model; it is traced on its `init_inputs()` (the parameters
+        depend on its config alone).
+      seed: the run's seed.
+    """
+    return jax.jit(model.init)(jax.random.key(seed), *model.init_inputs())["params"]
+
+
+def count_params(params) -> int:
+    """The number of scalars in a parameter tree."""
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def print_device() -> None:
+    """One line: the device the run computes on, and the JAX version."""
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+
+
+def run_record(config, settings) -> dict:
+    """What `--resume` must match: the model config and the settings the demo names.
+
+    Args:
+      config: the model's config dataclass; recorded less its dtypes (`DTYPE_FIELDS`).
+      settings: the demo's settings; its `RESUME_FIELDS` are recorded.
+    """
+    model = {k: v for k, v in dataclasses.asdict(config).items() if k not in DTYPE_FIELDS}
+    return {"model": model, **{field: getattr(settings, field) for field in settings.RESUME_FIELDS}}
+
+
+def place(setup: Setup, batch_size: int, run: RunOptions):
+    """The initial train state and batches, on `run.mesh` or on one device.
+
+    Returns:
+      `(state, make_batch, state_sharding)`; the sharding is None on one device.
+
+    Raises:
+      ValueError: a mesh that does not fit the devices, the model's heads or the batch.
+    """
+    state = TrainState.create(setup.params, setup.optimizer)
+    if run.mesh is None:
+        if run.fsdp:
+            raise ValueError("--fsdp needs --mesh")
+        return state, setup.make_batch, None
+    mesh = make_mesh(**parse_mesh(run.mesh))
+    check_mesh_fits(setup.model.config, mesh)
+    if batch_size % mesh.shape[DATA]:
+        raise ValueError(f"--batch-size {batch_size} is not divisible by the mesh's data axis ({mesh.shape[DATA]})")
+    state, state_sharding = shard_state(state, param_axes(setup.model), mesh, "fsdp" if run.fsdp else "dp")
+    return state, shard_batches(setup.make_batch, mesh), state_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """The end of training.
+
+    Attributes:
+      params: the trained parameters, gathered onto one device (evaluation runs there).
+      steps: the updates done.
+      seconds: training wall time, compilation included.
+      last: the last metrics line (`loss`, `lr`, `steps_per_sec`).
+    """
+
+    params: Any
+    steps: int
+    seconds: float
+    last: dict
+
+
+def train(prog: str, setup: Setup, settings, run: RunOptions) -> Trained:
+    """Places the run, records its config in the run directory, and trains `settings.steps` updates.
+
+    A mesh that does not fit, or a run directory that holds another run, exits with one
+    line before the run directory is touched.
+    """
+    try:
+        state, make_batch, state_sharding = place(setup, settings.batch_size, run)
+        start_run(run.run_dir, run_record(setup.model.config, settings), run.resume)
+    except ValueError as e:
+        fail(prog, str(e))
+    start = time.perf_counter()
+    state = train_loop(state, make_train_step(setup.loss_fn, setup.optimizer, state_sharding), make_batch,
+                       seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
+                       checkpoint_every=run.checkpoint_every, log_every=run.log_every, lr_schedule=setup.schedule,
+                       resume=run.resume)
+    trained = Trained(params=jax.device_get(state.params), steps=int(state.step),
+                      seconds=time.perf_counter() - start, last=read_metrics(run.run_dir / METRICS_FILE)[-1])
+    print(f"\ntrained to step {trained.steps} in {trained.seconds:.1f} s (compile included): "
+          f"final loss {trained.last['loss']:.4f}, lr {trained.last['lr']:.2e}")
+    return trained
+
+
+def evaluation_key(seed: int) -> jax.Array:
+    """The evaluation's key: a stream of its own, apart from every update's data and
+    dropout keys (`jaxformer.training.step_keys`)."""
+    return jax.random.fold_in(jax.random.key(seed), 0x5EED)
+
+
+def write_results(run_dir: Path, results: dict) -> None:
+    """Writes the run's results to `run_dir/eval.json` (atomically)."""
+    write_text_atomically(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
