@@ -3,14 +3,14 @@
     python -m benchmarks.decode [--batch 1 8] [--prompt 128] [--new 256] [--reps 5]
                                 [--dtype float32] [--out decode.json] [--plot DIR]
 
-The default model is REFERENCE.md section 3's: vocab 8192, d_model 512, 8 layers, 8
+The default model is a small Llama-shaped decoder: vocab 8192, d_model 512, 8 layers, 8
 heads, 2 kv heads, SwiGLU 1376, untied (30.5 M parameters), greedy, prompt 128, 256
 new tokens. Everything is measured in this one process, so the ratios compare like with
 like. Variants, for each batch size:
 
   jaxformer loop      `generate`: prefill, every step and every pick in one jitted program
   jaxformer stream    `stream`: a jitted step driven from Python, cache donated
-  jaxformer no cache  the reference's way: every step runs the whole sequence again (one
+  jaxformer no cache  the naive way: every step runs the whole sequence again (one
                       compiled forward over the padded [batch, prompt + new] tokens)
   HF generate         transformers on torch, the same weights (`jaxformer.convert.save_hf`),
                       when the peers extra is installed; its greedy tokens must equal ours
@@ -44,18 +44,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import Decoder, DecoderConfig, KVCache, generate, stream
-from jaxformer.generation import _generate_jit, _prepare
+from jaxformer import Decoder, DecoderConfig, generate, stream
+from jaxformer.decoding import DecodeRequest, decode_loop
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--ffn", type=int, default=1376)
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--n-kv-head", type=int, default=2)
+    p.add_argument("--d-ff", type=int, default=1376)
     p.add_argument("--tied", action="store_true", help="tie the output head to the embedding (default: untied)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt", type=int, default=128)
@@ -117,21 +117,22 @@ def _peak_mb(compiled) -> float:
 
 def bench_loop(model, params, prompt, new: int, reps: int) -> dict:
     """`generate`, the whole loop in one jit; the prefill is timed on its own."""
-    knobs, prompt_j = _prepare(model, prompt, new, None, 0.0, None, None, None, None, None, None, 0.0)
+    request = DecodeRequest.create(model, prompt, max_new_tokens=new)
     start = time.perf_counter()
-    compiled = _generate_jit.lower(model, params, prompt_j, knobs, new).compile()
+    compiled = decode_loop.lower(model, params, request).compile()
     compile_s = time.perf_counter() - start
     capacity = prompt.shape[1] + new - 1
-    prefill = jax.jit(lambda p, t: model.apply({"params": p}, t, KVCache.create(model.config, t.shape[0], capacity)))
+    prefill = jax.jit(lambda p, t: model.apply({"params": p}, t, model.init_cache(t.shape[0], capacity)))
+    prompt_j = request.prompt
     tokens = generate(model, params, prompt, max_new_tokens=new)  # (the loop above, through the public API)
     # Warm up: the first runs of a program, and the first after another program ran,
     # are up to twice as slow on this CPU (measured), so neither is timed.
     for _ in range(2):
         prefill(params, prompt_j)[0].block_until_ready()
-        compiled(params, prompt_j, knobs).block_until_ready()
+        compiled(params, request).block_until_ready()
     prefill_s = [_seconds(lambda: prefill(params, prompt_j)) for _ in range(reps)]
-    compiled(params, prompt_j, knobs).block_until_ready()
-    total_s = [_seconds(lambda: compiled(params, prompt_j, knobs)) for _ in range(reps)]
+    compiled(params, request).block_until_ready()
+    total_s = [_seconds(lambda: compiled(params, request)) for _ in range(reps)]
     step_s = [(t - statistics.median(prefill_s)) / (new - 1) for t in total_s]
     return {"tokens": np.asarray(tokens), "prefill_s": prefill_s, "step_s": step_s, "total_s": total_s,
             "compile_s": compile_s, "peak_memory_mb": _peak_mb(compiled)}
@@ -233,7 +234,7 @@ def bench_scaling(model, params, contexts, reps: int) -> list[dict]:
     rows = []
     for context in contexts:
         tokens = jnp.ones((1, context), jnp.int32)
-        _, cache = step(params, tokens, KVCache.create(model.config, 1, capacity=context + reps + 1))
+        _, cache = step(params, tokens, model.init_cache(1, capacity=context + reps + 1))
         token = jnp.ones((1, 1), jnp.int32)
         _, cache = step(params, token, cache)  # compiles the one-token step
         cached = []
@@ -310,8 +311,8 @@ def plot(result: dict, folder: str) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     max_context = max([args.prompt + args.new, *[c + args.reps + 1 for c in args.contexts]])
-    config = DecoderConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_kv_head=args.kv_heads,
-                           d_model=args.d_model, hidden_dim=args.ffn, max_seq_len=max_context,
+    config = DecoderConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
+                           d_model=args.d_model, d_ff=args.d_ff, max_seq_len=max_context,
                            tie_embeddings=args.tied, dtype=args.dtype)
     model = Decoder(config)
     params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
@@ -328,7 +329,7 @@ def main(argv=None) -> dict:
 
     rows = []
     for batch in args.batch:
-        prompt = np.asarray(jax.random.randint(jax.random.key(batch), (batch, args.prompt), 0, args.vocab), np.int32)
+        prompt = np.asarray(jax.random.randint(jax.random.key(batch), (batch, args.prompt), 0, args.vocab_size), np.int32)
         floor_s = floor_step_seconds(config, params, batch, args.prompt + args.new / 2, bandwidth)
         results = {"jaxformer loop": bench_loop(model, params, prompt, args.new, args.reps),
                    "jaxformer stream": bench_stream(model, params, prompt, args.new, args.reps),

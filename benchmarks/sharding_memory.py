@@ -26,34 +26,32 @@ def main(argv=None) -> int:
                                    + f" --xla_force_host_platform_device_count={args.devices}")
 
     import jax
-    import jax.numpy as jnp
     import optax
 
     from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer
-    from jaxformer.sharding import make_mesh, tree_shardings
-    from train.common import TrainState
+    from jaxformer.sharding import make_mesh, param_axes, tree_shardings
+    from jaxformer.training import TrainState
 
     n = jax.device_count()
     models = {
-        "reverse demo (VanillaTransformer)": lambda: VanillaTransformer(VanillaConfig(
-            src_vocab_size=19, tgt_vocab_size=19, n_layer=2, d_model=64, d_ff=128, n_head=4)).init(
-            jax.random.key(0), jnp.ones((1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32))["params"],
-        "decode benchmark decoder (30.5 M)": lambda: Decoder(DecoderConfig(
-            vocab_size=8192, n_layer=8, n_head=8, n_kv_head=2, d_model=512, hidden_dim=1376,
-            tie_embeddings=False)).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"],
+        "reverse demo (VanillaTransformer)": VanillaTransformer(VanillaConfig(
+            src_vocab_size=19, tgt_vocab_size=19, n_layer=2, d_model=64, d_ff=128, n_head=4)),
+        "decode benchmark decoder (30.5 M)": Decoder(DecoderConfig(
+            vocab_size=8192, n_layer=8, n_head=8, n_kv_head=2, d_model=512, d_ff=1376, tie_embeddings=False)),
     }
     # Every mesh uses all n devices; "TP" keeps 4 on the model axis (the reverse demo has
     # 4 heads), with the rest on data holding copies.
     meshes = [("one device", None, None), ("DP", "dp", (n, 1)), ("FSDP", "fsdp", (n, 1)),
               ("TP", "dp", (n // 4, 4)), ("DP x TP", "dp", (n // 2, 2)), ("FSDP x TP", "fsdp", (n // 4, 4))]
     rows = []
-    for model_name, init in models.items():
-        params = jax.jit(init)()
+    for model_name, model in models.items():
+        params = jax.jit(model.init)(jax.random.key(0), *model.init_inputs())["params"]
         state = TrainState.create(params, optax.adam(1e-3))
+        axes = param_axes(model)
         for label, strategy, shape in meshes:
             if shape is not None:
                 mesh = make_mesh(data=shape[0], model=shape[1])
-                state_on_mesh = jax.device_put(state, tree_shardings(state, mesh, strategy))
+                state_on_mesh = jax.device_put(state, tree_shardings(state, axes, mesh, strategy))
             else:
                 state_on_mesh = state
             device = jax.devices()[0]

@@ -6,7 +6,7 @@ import json
 
 from benchmarks import decode
 
-TINY = ["--vocab", "64", "--d-model", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
+TINY = ["--vocab-size", "64", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--n-kv-head", "1", "--d-ff", "64",
         "--batch", "1", "2", "--prompt", "4", "--new", "6", "--reps", "1", "--uncached-steps", "2",
         "--contexts", "8", "16"]
 ROW_FIELDS = {"variant", "batch", "prefill_ms", "step_ms", "tokens_per_s", "compile_s", "peak_memory_mb",
