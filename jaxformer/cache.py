@@ -80,10 +80,9 @@ class KVCache:
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"KVCache.create takes a DecoderConfig, got {type(config).__name__}; for the "
                             "encoder-decoder use VanillaTransformer(config).init_cache(batch_size)")
-        if dtype is None:
-            dtype = config.dtype if config.cache_dtype is None else config.cache_dtype
         return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,
-                         head_dim=config.head_dim, max_seq_len=config.max_seq_len, dtype=dtype)
+                         head_dim=config.head_dim, max_seq_len=config.max_seq_len,
+                         dtype=config.cache_storage_dtype if dtype is None else dtype)
 
     @classmethod
     def zeros(cls, batch_size: int, capacity: int | None, *, n_layer: int, n_kv_head: int, head_dim: int,

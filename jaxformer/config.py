@@ -54,6 +54,11 @@ class _ModelConfig:
         """Channels per attention head: `d_model // n_head`."""
         return self.d_model // self.n_head
 
+    @property
+    def cache_storage_dtype(self):
+        """The KV cache's storage dtype: `cache_dtype`, or the compute `dtype` when it is None."""
+        return self.dtype if self.cache_dtype is None else self.cache_dtype
+
     def replace(self, **changes):
         """A copy with `changes` applied, validated again."""
         return dataclasses.replace(self, **changes)

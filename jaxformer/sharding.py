@@ -193,7 +193,7 @@ def tree_shardings(tree, axes: dict, mesh: Mesh, strategy: str = "dp"):
     Returns:
       A tree of `NamedSharding`s shaped like `tree`: a leaf whose path ends with a
       parameter's path is placed as that parameter (an optimizer moment like its
-      parameter); a scalar (a step count) is replicated.
+      parameter); a scalar is replicated.
 
     Raises:
       ValueError: an array leaf that belongs to no named parameter, or whose rank does
@@ -204,12 +204,12 @@ def tree_shardings(tree, axes: dict, mesh: Mesh, strategy: str = "dp"):
 
     def place(path, leaf):
         shape = np.shape(leaf)
+        if not shape:  # a step count, or a scalar an optimizer keeps per parameter
+            return NamedSharding(mesh, PartitionSpec())
         names = declared.get(_names(path))
         if names is None:
-            if shape:
-                raise ValueError(f"{jax.tree_util.keystr(path)} {shape}: no parameter of this name has logical "
-                                 "axis names (see jaxformer.sharding.param_axes)")
-            return NamedSharding(mesh, PartitionSpec())
+            raise ValueError(f"{jax.tree_util.keystr(path)} {shape}: no parameter of this name has logical "
+                             "axis names (see jaxformer.sharding.param_axes)")
         if len(names) != len(shape):
             raise ValueError(f"{jax.tree_util.keystr(path)}: {len(shape)}-D, but its logical axes are {names}")
         return NamedSharding(mesh, partition_spec(names, shape, mesh, strategy))

@@ -250,7 +250,7 @@ class VanillaTransformer(nn.Module):
         """An empty cache for the decoder's self-attention (every head has its own K and V)."""
         c = self.config
         return KVCache.zeros(batch_size, capacity, n_layer=c.n_layer, n_kv_head=c.n_head, head_dim=c.head_dim,
-                             max_seq_len=c.max_seq_len, dtype=c.dtype if c.cache_dtype is None else c.cache_dtype)
+                             max_seq_len=c.max_seq_len, dtype=c.cache_storage_dtype)
 
     def decode_context(self, src: jax.Array) -> tuple[tuple[LayerKV, ...], jax.Array]:
         """The cross-attention K/V of the encoded source, and the source (for its padding mask)."""

@@ -1,4 +1,5 @@
-"""jaxformer.sharding on 8 simulated CPU devices.
+"""jaxformer.sharding: the logical axis names every parameter declares, on one device;
+and the meshes on 8 simulated CPU devices.
 
 JAX fixes its device count when it starts, so the cases in `sharding/eight_devices.py` run
 in a subprocess started with `--xla_force_host_platform_device_count=8`; the rest of the
@@ -10,6 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec
+
+from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer
+from jaxformer.sharding import (EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, VOCAB, make_mesh, param_axes,
+                                tree_shardings)
+
 CASES = Path(__file__).parent / "sharding" / "eight_devices.py"
 
 
@@ -20,17 +31,6 @@ def test_sharding_cases_on_eight_devices():
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
 
-
-# One device: the logical axis names every parameter declares where it is created.
-
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import pytest  # noqa: E402
-
-from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer  # noqa: E402
-from jaxformer.sharding import (EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, VOCAB, make_mesh,  # noqa: E402
-                                param_axes, tree_shardings)
 
 DECODER = DecoderConfig(vocab_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=16, max_seq_len=8)
 VANILLA = VanillaConfig(src_vocab_size=12, tgt_vocab_size=12, n_layer=2, d_model=16, d_ff=24, n_head=4, max_seq_len=8)
@@ -76,3 +76,6 @@ def test_an_unnamed_parameter_fails_loudly():
         tree_shardings(params, {"w": (EMBED, MLP)}, make_mesh(), "fsdp")
     with pytest.raises(ValueError, match="2-D, but its logical axes are"):
         tree_shardings({"w": jnp.ones((4, 4))}, {"w": (EMBED,)}, make_mesh(), "fsdp")
+    # A scalar an optimizer keeps per parameter (under the parameter's path) is replicated.
+    scalar = tree_shardings({"count": {"w": jnp.float32(0)}}, {"w": (EMBED, MLP)}, make_mesh(), "fsdp")
+    assert scalar["count"]["w"].spec == PartitionSpec()

@@ -149,12 +149,12 @@ def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple
             raise ValueError(f"prompt_lengths must be ints in [1, prompt_len={prompt_len}], got {given.tolist()}")
         lengths = given.astype(np.int32)
     # Only the real tokens must be ids: what follows a row's length is ignored.
-    real = np.arange(prompt_len)[None, :] < lengths[:, None]  # [batch, prompt_len]
-    check_token_ids(np.where(real, prompt, 0) if np.issubdtype(prompt.dtype, np.integer) else prompt,
-                    vocab_size, "prompt")
+    if np.issubdtype(prompt.dtype, np.integer):  # (other dtypes are refused just below)
+        prompt = np.where(np.arange(prompt_len)[None, :] < lengths[:, None], prompt, 0)
+    check_token_ids(prompt, vocab_size, "prompt")
     start = (prompt_len - lengths).astype(np.int32)  # [batch]
     source = np.arange(prompt_len)[None, :] - start[:, None]  # [batch, prompt_len], where each slot reads from
-    prompt = np.where(source >= 0, np.take_along_axis(np.where(real, prompt, 0), np.maximum(source, 0), axis=1), 0)
+    prompt = np.where(source >= 0, np.take_along_axis(prompt, np.maximum(source, 0), axis=1), 0)
     return prompt.astype(np.int32), start
 
 
