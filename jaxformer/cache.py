@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxformer.config import DecoderConfig
+from jaxformer.validation import as_int, floating_dtype
 
 
 @struct.dataclass
@@ -72,10 +73,15 @@ class KVCache:
           batch_size: number of sequences decoded together.
           capacity: positions to allocate; defaults to `config.max_seq_len`, which is also
             its upper limit (RoPE has no angles beyond it).
-          dtype: storage dtype; defaults to the config's `cache_dtype`, else its `dtype`.
+          dtype: a floating storage dtype; defaults to the config's `cache_dtype`, else
+            its `dtype`.
 
         Returns:
           A `KVCache` of zeros with `pos == 0`.
+
+        Raises:
+          TypeError: `config` is not a `DecoderConfig`.
+          ValueError: see `zeros`.
         """
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"KVCache.create takes a DecoderConfig, got {type(config).__name__}; for the "
@@ -90,17 +96,23 @@ class KVCache:
         """An empty cache of `n_layer` layers of `[batch_size, capacity, n_kv_head, head_dim]`.
 
         Args:
+          batch_size: rows, an integral scalar >= 1 (a numpy int too).
           capacity: positions, in `[1, max_seq_len]`; None for `max_seq_len`.
-          dtype: storage dtype.
+          dtype: a floating storage dtype, as the configs' `cache_dtype`: an integer or
+            bool cache would round every key and value, and the logits with them.
+
+        Raises:
+          ValueError: naming `batch_size`, `capacity` or `dtype` when out of its limits.
         """
-        capacity = max_seq_len if capacity is None else capacity
-        if type(batch_size) is not int or batch_size < 1:
-            raise ValueError(f"KVCache.create: batch_size must be a positive int, got {batch_size!r}")
-        if type(capacity) is not int or not 1 <= capacity <= max_seq_len:
-            raise ValueError(
-                f"KVCache.create: capacity must be an int in [1, max_seq_len={max_seq_len}], got {capacity!r}")
+        batch_size = as_int(batch_size, "KVCache.create: batch_size", minimum=1)
+        capacity = as_int(max_seq_len if capacity is None else capacity, "KVCache.create: capacity", minimum=1,
+                          maximum=max_seq_len, maximum_name="max_seq_len")
+        storage = floating_dtype(dtype)
+        if storage is None:
+            raise ValueError(f"KVCache.create: dtype must be a floating dtype, as the configs' cache_dtype "
+                             f"(got {dtype!r})")
         shape = (batch_size, capacity, n_kv_head, head_dim)
-        layers = tuple(LayerKV(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in range(n_layer))
+        layers = tuple(LayerKV(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage)) for _ in range(n_layer))
         return cls(layers=layers, pos=jnp.zeros((), jnp.int32), start=jnp.zeros((batch_size,), jnp.int32))
 
     @property

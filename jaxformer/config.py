@@ -8,9 +8,12 @@ validated again, so an inconsistent config can never reach a model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.validation import finite_float, floating_dtype, python_int
 
 ROPE_PAIRINGS = ("split_half", "interleaved")
 
@@ -29,21 +32,42 @@ def _require(config, condition: bool, field: str, rule: str) -> None:
         raise ValueError(f"{type(config).__name__}.{field}: {rule} (got {getattr(config, field)!r})")
 
 
-def _require_positive_ints(config, *fields: str) -> None:
+def _normalise(config, field: str, convert: Callable[[Any], Any], rule: str,
+               condition: Callable[[Any], bool] = lambda value: True) -> None:
+    """Stores `convert(value)` in place of `field`'s value, or raises naming `rule`.
+
+    `convert` returns None for a value of the wrong kind; `condition` is then asked of the
+    converted value. Fields hold plain Python values (an `np.int64` becomes an int), so
+    configs built from numpy scalars hash and compare like any other, and
+    `dataclasses.asdict` gives numbers that `json` writes.
+    """
+    value = convert(getattr(config, field))
+    _require(config, value is not None and condition(value), field, rule)
+    object.__setattr__(config, field, value)  # a frozen dataclass sets fields this way
+
+
+def _as_bool(value) -> bool | None:
+    return bool(value) if isinstance(value, (bool, np.bool_)) else None
+
+
+def _positive_ints(config, *fields: str, optional: bool = False) -> None:
+    """Each field a positive int; with `optional`, None is allowed too."""
     for field in fields:
-        value = getattr(config, field)
-        _require(config, type(value) is int and value > 0, field, "must be a positive int")
+        if not (optional and getattr(config, field) is None):
+            _normalise(config, field, python_int, "must be None or a positive int" if optional else
+                       "must be a positive int", lambda value: value > 0)
 
 
-def _normalise_dtype(config, field: str = "dtype") -> None:
-    """Accepts "bfloat16", jnp.bfloat16, np.dtype(...): stores a numpy dtype."""
-    try:
-        dtype = jnp.dtype(getattr(config, field))
-    except TypeError:
-        dtype = None
-    _require(config, dtype is not None and jnp.issubdtype(dtype, jnp.floating), field,
-             "must be a floating dtype")
-    object.__setattr__(config, field, dtype)  # a frozen dataclass sets fields this way
+def _positive_floats(config, *fields: str) -> None:
+    for field in fields:
+        _normalise(config, field, finite_float, "must be a finite number > 0", lambda value: value > 0)
+
+
+def _bools(config, *fields: str, optional: bool = False) -> None:
+    """Each field a bool (or `np.bool_`); with `optional`, None is allowed too."""
+    for field in fields:
+        if not (optional and getattr(config, field) is None):
+            _normalise(config, field, _as_bool, "must be None or a bool" if optional else "must be a bool")
 
 
 class _ModelConfig:
@@ -64,8 +88,9 @@ class _ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def _normalise_dtypes(self) -> None:
+        """Stores each dtype as a numpy dtype: "bfloat16", jnp.bfloat16, np.dtype(...) alike."""
         for field in ("dtype", "param_dtype") + (("cache_dtype",) if self.cache_dtype is not None else ()):
-            _normalise_dtype(self, field)
+            _normalise(self, field, floating_dtype, "must be a floating dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,22 +144,20 @@ class DecoderConfig(_ModelConfig):
     cache_dtype: Any = None
 
     def __post_init__(self):
-        _require_positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
-        _require(self, self.d_ff is None or (type(self.d_ff) is int and self.d_ff > 0),
-                 "d_ff", "must be None or a positive int")
-        _require(self, self.rope_theta > 0, "rope_theta", "must be > 0")
-        _require(self, self.norm_eps > 0, "norm_eps", "must be > 0")
-        _require(self, self.head_dim_override is None
-                 or (type(self.head_dim_override) is int and self.head_dim_override > 0),
-                 "head_dim_override", "must be None or a positive int")
+        # Each field's kind first: the rules between fields below compare plain numbers.
+        _positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
+        _positive_ints(self, "d_ff", "head_dim_override", optional=True)
+        _positive_floats(self, "rope_theta", "norm_eps")
+        _bools(self, "tie_embeddings", "qkv_bias")
+        _normalise(self, "rope_pairing", lambda value: str(value) if isinstance(value, str) else None,
+                   f"must be one of {ROPE_PAIRINGS}", lambda value: value in ROPE_PAIRINGS)
+        self._normalise_dtypes()
         _require(self, self.head_dim_override is not None or self.d_model % self.n_head == 0, "d_model",
                  f"must be divisible by n_head={self.n_head} (or set head_dim_override)")
         _require(self, self.n_head % self.n_kv_head == 0, "n_head",
                  f"must be divisible by n_kv_head={self.n_kv_head}")
         _require(self, self.head_dim % 2 == 0, "head_dim_override" if self.head_dim_override else "d_model",
                  f"head_dim={self.head_dim} must be even for RoPE pairs")
-        _require(self, self.rope_pairing in ROPE_PAIRINGS, "rope_pairing", f"must be one of {ROPE_PAIRINGS}")
-        self._normalise_dtypes()
 
     @property
     def head_dim(self) -> int:
@@ -199,18 +222,21 @@ class VanillaConfig(_ModelConfig):
     cache_dtype: Any = None
 
     def __post_init__(self):
-        _require_positive_ints(self, "src_vocab_size", "tgt_vocab_size", "n_layer", "d_model", "d_ff",
-                               "n_head", "max_seq_len")
+        # Each field's kind first: the rules between fields below compare plain numbers.
+        _positive_ints(self, "src_vocab_size", "tgt_vocab_size", "n_layer", "d_model", "d_ff", "n_head",
+                       "max_seq_len")
+        vocab = min(self.src_vocab_size, self.tgt_vocab_size)
+        _normalise(self, "pad_id", python_int, f"must be an id in [0, min(src_vocab_size, tgt_vocab_size)={vocab})",
+                   lambda value: 0 <= value < vocab)
+        _normalise(self, "dropout", finite_float, "must be a number in [0, 1)", lambda value: 0 <= value < 1)
+        _positive_floats(self, "norm_eps")
+        _bools(self, "norm_first", "tie_embeddings")
+        _bools(self, "final_norm", optional=True)
+        self._normalise_dtypes()
         _require(self, self.d_model % self.n_head == 0, "d_model", f"must be divisible by n_head={self.n_head}")
         _require(self, self.d_model % 2 == 0, "d_model", "must be even (sin and cos channel pairs)")
-        _require(self, 0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
-        _require(self, type(self.pad_id) is int and 0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size),
-                 "pad_id", f"must be an id in [0, min(src_vocab_size, tgt_vocab_size)="
-                           f"{min(self.src_vocab_size, self.tgt_vocab_size)})")
         _require(self, not self.tie_embeddings or self.src_vocab_size == self.tgt_vocab_size, "tie_embeddings",
                  f"needs src_vocab_size == tgt_vocab_size ({self.src_vocab_size} != {self.tgt_vocab_size})")
-        _require(self, self.norm_eps > 0, "norm_eps", "must be > 0")
-        self._normalise_dtypes()
 
     @property
     def has_final_norm(self) -> bool:

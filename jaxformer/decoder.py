@@ -72,13 +72,18 @@ class Decoder(nn.Module):
         Returns:
           `(logits, cache)`: logits `[batch, T, vocab_size]` in `config.dtype`; the
           updated cache (None when none was given).
+
+        Raises:
+          ValueError: `tokens` not a `[batch, T]` integer array (refused under `jit` too,
+            shapes being static), ids outside the vocabulary, positions past
+            `max_seq_len` or the cache (see `validation.check_step_inputs`).
         """
         c = self.config
-        batch, T = tokens.shape
-        pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
-        S = T if cache is None else cache.capacity
         check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len, cache=cache,
                           cache_layout=(c.n_layer, c.n_kv_head, c.head_dim))
+        T = tokens.shape[1]
+        pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
+        S = T if cache is None else cache.capacity
 
         init = nn.initializers.normal(0.02)
         embed = param(self, "embed", init, (c.vocab_size, c.d_model), (VOCAB, EMBED), c.param_dtype)

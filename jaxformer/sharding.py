@@ -29,6 +29,8 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxformer.validation import python_int
+
 DATA, MODEL = "data", "model"
 STRATEGIES = ("dp", "fsdp")
 
@@ -129,16 +131,20 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
 
     Returns:
       A `jax.sharding.Mesh` with axes `("data", "model")`.
+
+    Raises:
+      ValueError: `data` or `model` not a positive int, or the mesh not using every device.
     """
     devices = jax.devices() if devices is None else list(devices)
-    if type(model) is not int or model < 1 or len(devices) % model:
+    n_model = python_int(model)  # numpy ints too, as plain ints
+    if n_model is None or n_model < 1 or len(devices) % n_model:
         raise ValueError(f"make_mesh: model must be a positive int dividing the device count "
                          f"{len(devices)}, got {model!r}")
-    data = len(devices) // model if data is None else data
-    if type(data) is not int or data < 1 or data * model != len(devices):
+    n_data = len(devices) // n_model if data is None else python_int(data)
+    if n_data is None or n_data < 1 or n_data * n_model != len(devices):
         raise ValueError(f"make_mesh: data * model must equal the device count {len(devices)}, "
-                         f"got data={data!r} x model={model}")
-    return Mesh(np.asarray(devices).reshape(data, model), (DATA, MODEL))
+                         f"got data={data!r} x model={n_model}")
+    return Mesh(np.asarray(devices).reshape(n_data, n_model), (DATA, MODEL))
 
 
 def parse_mesh(spec: str) -> dict[str, int]:

@@ -3,9 +3,19 @@
 Inside `jit` a bad index does not fail: `dynamic_update_slice` clamps its start and a
 gather clamps or wraps. So every host-facing entry point checks the concrete numbers
 here first and raises a `ValueError` naming the argument and the limit.
+
+What counts as an int, a number or a floating dtype is decided here once, for the
+configs and the functions alike. numpy scalars (`np.int64(3)`, `np.float32(0.5)`) are
+accepted and turned into Python numbers: configs stay hashable and JSON-serialisable,
+and a static `jit` argument compares equal to the plain int, so it hits the cache.
 """
 
+import math
+import numbers
+import operator
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -14,21 +24,128 @@ def is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def _is_numeric(dtype) -> bool:
+    """An integer or floating dtype (bfloat16 included); not bool, not a string."""
+    return jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+
+
+def python_int(value) -> int | None:
+    """`value` as a Python int if it is an integral scalar, else None.
+
+    Integral: an int, a numpy integer, a 0-d integer array. Not a bool: `True` is no
+    count, and a float is not an int even when it is whole.
+    """
+    if isinstance(value, bool):  # (numpy bools already refuse `operator.index`)
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:  # also a tracer: its value is unknown
+        return None
+
+
+def finite_float(value) -> float | None:
+    """`value` as a Python float if it is a finite real scalar, else None.
+
+    Real: an int or float, a numpy integer or float, a 0-d integer or float array. Not a
+    bool, a string, NaN or an infinity.
+    """
+    scalar = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    array = (isinstance(value, (np.ndarray, jax.Array)) and not is_traced(value) and value.ndim == 0
+             and _is_numeric(value.dtype))
+    if not (scalar or array):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float range
+        return None
+    return value if math.isfinite(value) else None
+
+
+def floating_dtype(value) -> np.dtype | None:
+    """`value` ("bfloat16", `jnp.float16`, `np.dtype(...)`) as a numpy dtype if it names a
+    floating dtype, else None. Activations, parameters and caches must hold floats: an
+    integer or bool storage would round every value silently."""
+    if value is None:  # numpy would read None as float64
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        return None
+    return dtype if jnp.issubdtype(dtype, jnp.floating) else None
+
+
+def as_int(value, name: str, *, minimum: int | None = None, maximum: int | None = None,
+           maximum_name: str | None = None) -> int:
+    """`value` as a Python int in `[minimum, maximum]`, or a `ValueError` naming `name`.
+
+    Args:
+      value: any integral scalar (see `python_int`).
+      name: the argument's name, for the message.
+      minimum: the smallest value allowed, or None.
+      maximum: the largest value allowed, or None.
+      maximum_name: what `maximum` is (e.g. "max_seq_len"), for the message.
+
+    Returns:
+      The Python int.
+
+    Raises:
+      ValueError: `value` is not integral, or lies outside the bounds.
+    """
+    result = python_int(value)
+    if result is None or (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
+        if maximum is not None:
+            top = maximum if maximum_name is None else f"{maximum_name}={maximum}"
+            rule = f"an int in [{minimum}, {top}]"
+        elif minimum == 1:
+            rule = "a positive int"
+        else:
+            rule = "an int" if minimum is None else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {rule} (got {value!r})")
+    return result
+
+
+def numbers_array(value, name: str, dtype) -> np.ndarray:
+    """`value`, a number or an array of them, as a numpy array of `dtype`.
+
+    Raises:
+      ValueError: `value` holds anything but ints and floats (a string, a bool, None).
+    """
+    try:
+        array = np.asarray(value)
+    except ValueError:  # a ragged nesting of lists
+        array = None
+    if array is None or not _is_numeric(array.dtype):
+        raise ValueError(f"{name} must be a number or an array of numbers (got {value!r})")
+    return array.astype(dtype)
+
+
 def per_row(value, batch: int, name: str, dtype) -> np.ndarray:
     """A setting given as a scalar or one value per row, as a `[batch]` array."""
-    array = np.asarray(value, dtype)
+    array = numbers_array(value, name, dtype)
     if array.ndim > 1 or (array.ndim == 1 and array.shape[0] != batch):
         raise ValueError(f"{name} must be a scalar or hold one value per row ({batch}), got shape {array.shape}")
     return np.broadcast_to(array, (batch,))
 
 
+def check_token_layout(tokens, name: str = "tokens") -> None:
+    """Raises unless `tokens` is a 2-D `[batch, T]` integer array.
+
+    Shape and dtype are static, so this holds for traced arrays too (inside `jit`).
+    """
+    if np.ndim(tokens) != 2:
+        raise ValueError(f"{name} must be 2-D [batch, T], got shape {np.shape(tokens)}")
+    dtype = tokens.dtype if hasattr(tokens, "dtype") else np.asarray(tokens).dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {dtype}")
+
+
 def check_token_ids(tokens, vocab_size: int, name: str = "tokens") -> None:
     """Raises unless `tokens` is a 2-D integer array with ids in `[0, vocab_size)`."""
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [batch, seq], got shape {tokens.shape}")
-    if not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    check_token_layout(tokens, name)
+    _check_id_range(np.asarray(tokens), vocab_size, name)
+
+
+def _check_id_range(tokens: np.ndarray, vocab_size: int, name: str) -> None:
     if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
         bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
         raise ValueError(
@@ -47,8 +164,9 @@ def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, 
                       ragged: bool = True, name: str = "tokens") -> None:
     """What a model call checks before it computes anything.
 
-    Shapes are static, so they are checked even under `jit`; the token ids and the cache
-    position only when they are concrete (outside `jit`).
+    Shapes and dtypes are static, so they are checked even under `jit`, before anything
+    reads them; the token ids and the cache position only when they are concrete
+    (outside `jit`).
 
     Args:
       tokens: `[batch, T]` ids.
@@ -60,8 +178,7 @@ def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, 
         row must start at slot 0.
       name: the argument's name, for the messages.
     """
-    if tokens.ndim != 2:
-        raise ValueError(f"{name} must be 2-D [batch, seq], got shape {tokens.shape}")
+    check_token_layout(tokens, name)
     if cache is None:
         check_positions_fit(0, tokens.shape[1], max_seq_len, f"{name} length", "max_seq_len")
     else:
@@ -82,7 +199,7 @@ def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, 
             if not is_traced(cache.start):
                 _check_start(np.asarray(cache.start), int(cache.pos) + tokens.shape[1], ragged, name)
     if not is_traced(tokens):
-        check_token_ids(tokens, vocab_size, name)
+        _check_id_range(np.asarray(tokens), vocab_size, name)
 
 
 def _check_start(start: np.ndarray, written: int, ragged: bool, name: str) -> None:

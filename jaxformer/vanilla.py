@@ -36,7 +36,7 @@ from jaxformer.feedforward import FeedForward
 from jaxformer.norms import LayerNorm
 from jaxformer.positions import sinusoidal_table
 from jaxformer.sharding import EMBED, VOCAB, param
-from jaxformer.validation import check_step_inputs
+from jaxformer.validation import check_step_inputs, check_token_layout
 
 
 class Residual(nn.Module):
@@ -164,6 +164,10 @@ class VanillaTransformer(nn.Module):
 
         Returns:
           The memory, `[batch, S, d_model]`.
+
+        Raises:
+          ValueError: `src` not a `[batch, S]` integer array (refused under `jit` too),
+            ids outside the source vocabulary, or longer than `max_seq_len`.
         """
         c = self.config
         check_step_inputs(src, vocab_size=c.src_vocab_size, max_seq_len=c.max_seq_len, name="src")
@@ -193,11 +197,17 @@ class VanillaTransformer(nn.Module):
         Returns:
           `(logits, cache)`: logits `[batch, T, tgt_vocab_size]`; the cache with `tgt_in`
           written and `pos + T` (None without one).
+
+        Raises:
+          ValueError: `tgt_in` or `src` not a `[batch, T]` integer array (refused under
+            `jit` too), `tgt_in` ids outside the target vocabulary, or positions past
+            `max_seq_len` or the cache (see `validation.check_step_inputs`).
         """
         c = self.config
         # Every decoder row starts at BOS, so the cache has no left padding (ragged=False).
         check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, cache=cache,
                           cache_layout=(c.n_layer, c.n_head, c.head_dim), ragged=False, name="tgt_in")
+        check_token_layout(src, "src")  # only its padding is read here: encode checked its ids
         T = tgt_in.shape[1]
         pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
         src_mask = self.source_mask(src)  # [batch, 1, S]

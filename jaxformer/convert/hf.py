@@ -24,23 +24,60 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxformer.config import DecoderConfig
 from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.files import write_atomically, write_text_atomically
+from jaxformer.validation import as_int, finite_float, python_int
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
 
 
+_REQUIRED = object()  # `_field`'s default: the field must be present
+
+
 def _fail(field: str, rule: str, value: Any) -> None:
     raise ValueError(f"config.json {field}: {rule} (got {value!r})")
+
+
+def _field(hf: dict, key: str, convert: Callable[[Any], Any], rule: str, *, default: Any = _REQUIRED) -> Any:
+    """`config.json`'s `key`, converted and checked to be positive; `default` when absent or null.
+
+    Args:
+      hf: the parsed `config.json`.
+      key: the field.
+      convert: `python_int` or `finite_float`: the plain Python value, or None for the
+        wrong kind.
+      rule: what the field must be, for the message.
+      default: the value of an absent or null field; without one the field is required.
+
+    Raises:
+      ValueError: naming the field: missing, of the wrong kind, or not positive.
+    """
+    if hf.get(key) is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json {key}: missing; it must be {rule}")
+        return default
+    value = convert(hf[key])
+    if value is None or not value > 0:
+        _fail(key, f"must be {rule}", hf[key])
+    return value
+
+
+def _read_json(path: str) -> Any:
+    """The parsed JSON file at `path`; a `ValueError` naming the file if it does not parse."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 def _rope_theta(hf: dict) -> float:
@@ -50,25 +87,30 @@ def _rope_theta(hf: dict) -> float:
     longrope...) changes the angles, and loading it as plain RoPE would be silently wrong.
     """
     params = hf.get("rope_parameters") or {}
-    if "rope_type" not in params and isinstance(params, dict) and params and all(
+    if not isinstance(params, dict):
+        _fail("rope_parameters", "must be an object", params)
+    if "rope_type" not in params and params and all(
             isinstance(v, dict) for v in params.values()):
         _fail("rope_parameters", "per-layer-type RoPE parameters are not supported", params)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         _fail("rope_parameters.rope_type", "only 'default' (unscaled) RoPE is supported", rope_type)
     scaling = hf.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        _fail("rope_scaling", "must be an object or null", scaling)
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         _fail("rope_scaling", "only unscaled RoPE is supported", scaling)
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         _fail("partial_rotary_factor", "RoPE must rotate every channel (1.0)", hf["partial_rotary_factor"])
-    return float(params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA)))
+    return _field(params if "rope_theta" in params else hf, "rope_theta", finite_float, "a finite number > 0",
+                  default=DEFAULT_ROPE_THETA)
 
 
 def _sliding_window(hf: dict) -> int | None:
     """The attention window, or None when every layer attends to the whole prefix."""
     if hf["model_type"] == "qwen2" and not hf.get("use_sliding_window", False):
         return None
-    return hf.get("sliding_window")
+    return _field(hf, "sliding_window", python_int, "a positive int or null", default=None)
 
 
 def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float32) -> DecoderConfig:
@@ -82,9 +124,16 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
       dtype: compute dtype of the returned config.
 
     Returns:
-      The config. Raises `ValueError` naming the `config.json` field that the decoder
-      cannot represent.
+      The config.
+
+    Raises:
+      ValueError: naming the `config.json` field that is missing, malformed, or that
+        the decoder cannot represent.
     """
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+    if max_seq_len is not None:
+        max_seq_len = as_int(max_seq_len, "max_seq_len", minimum=1)
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         _fail("model_type", f"must be one of {sorted(ARCHITECTURES)}", model_type)
@@ -94,31 +143,39 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
         if hf.get(flag, False):
             _fail(flag, "must be false (only Qwen2's q/k/v biases are supported)", hf[flag])
     rope_theta = _rope_theta(hf)
-    max_seq_len = hf["max_position_embeddings"] if max_seq_len is None else max_seq_len
+    if max_seq_len is None:
+        max_seq_len = _field(hf, "max_position_embeddings", python_int, "a positive int")
     window = _sliding_window(hf)
     if window is not None and window < max_seq_len:
         _fail("sliding_window", f"an active window is not supported: it is shorter than max_seq_len={max_seq_len}; "
               f"load with max_seq_len <= {window} to use the model within its window", window)
-    layer_types = set(hf.get("layer_types") or ["full_attention"])
-    if window is None and layer_types != {"full_attention"}:
+    tie_embeddings = hf.get("tie_word_embeddings")
+    tie_embeddings = False if tie_embeddings is None else tie_embeddings
+    if not isinstance(tie_embeddings, bool):  # bool("false") would be True
+        _fail("tie_word_embeddings", "must be true or false", tie_embeddings)
+    layer_types = hf.get("layer_types") or ["full_attention"]
+    if window is None and (not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types)):
         _fail("layer_types", "every layer must be 'full_attention'", hf["layer_types"])
 
-    n_head = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_head
+    def positive_int(key: str, default: Any = _REQUIRED) -> int:
+        return _field(hf, key, python_int, "a positive int", default=default)
+
+    d_model, n_head = positive_int("hidden_size"), positive_int("num_attention_heads")
+    head_dim = positive_int("head_dim", default=d_model // n_head)
     return DecoderConfig(
-        vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"],
+        vocab_size=positive_int("vocab_size"),
+        n_layer=positive_int("num_hidden_layers"),
         n_head=n_head,
-        n_kv_head=hf.get("num_key_value_heads") or n_head,
-        d_model=hf["hidden_size"],
+        n_kv_head=positive_int("num_key_value_heads", default=n_head),
+        d_model=d_model,
         max_seq_len=max_seq_len,
         rope_theta=rope_theta,
-        norm_eps=hf["rms_norm_eps"],
-        d_ff=hf["intermediate_size"],
+        norm_eps=_field(hf, "rms_norm_eps", finite_float, "a finite number > 0"),
+        d_ff=positive_int("intermediate_size"),
         rope_pairing="split_half",  # the only pairing transformers implements
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=tie_embeddings,
         dtype=dtype,
-        head_dim_override=None if head_dim * n_head == hf["hidden_size"] else head_dim,
+        head_dim_override=None if head_dim * n_head == d_model else head_dim,
         qkv_bias=model_type == "qwen2",
     )
 
@@ -203,17 +260,26 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     """
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map each tensor name to its shard file")
+        files = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"path: no model.safetensors or model.safetensors.index.json in {path}")
     tensors = {}
     for name in files:
-        with safe_open(os.path.join(path, name), framework="flax") as f:
-            for key in f.keys():
-                tensors[key] = np.asarray(f.get_tensor(key).astype(jnp.float32))
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{file}: missing; {index} lists it")
+        try:
+            with safe_open(file, framework="flax") as f:
+                for key in f.keys():
+                    tensors[key] = np.asarray(f.get_tensor(key).astype(jnp.float32))
+        except SafetensorError as e:  # truncated, garbage, a bad header: the reader says which
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
     return tensors
 
 
@@ -237,10 +303,26 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
 
     Returns:
       `(config, params)`: a `DecoderConfig` and the parameter tree for `Decoder(config)`.
-      Raises `ValueError` naming the config field or tensor that does not fit.
+
+    Raises:
+      FileNotFoundError: `path`, its `config.json` or its weights do not exist.
+      ValueError: naming the file and what is wrong with it: `path` is not a folder, a
+        file that does not parse, a `config.json` field that is missing or that the
+        decoder cannot represent, a tensor that does not fit.
     """
-    with open(os.path.join(path, "config.json")) as f:
-        config = config_from_hf(json.load(f), max_seq_len=max_seq_len, dtype=dtype)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint folder")
+    if not os.path.isdir(path):
+        raise ValueError(f"path must be a checkpoint folder holding config.json and model.safetensors "
+                         f"(got the file {path!r})")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json")
+    hf = _read_json(config_path)
+    try:
+        config = config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype)
+    except ValueError as e:  # say which checkpoint; the message names the field
+        raise ValueError(f"{path}: {e}") from None
     tensors = _read_safetensors(path)
     # Older checkpoints store RoPE's inverse frequencies; they follow from rope_theta.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
@@ -248,7 +330,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
         # Some tied checkpoints store the head anyway; it must be the embedding itself.
         head = tensors.pop("lm_head.weight")
         if not np.array_equal(head, tensors.get("model.embed_tokens.weight")):
-            _fail("tie_word_embeddings", "is true but lm_head.weight differs from model.embed_tokens.weight", True)
+            raise ValueError(f"{path}: config.json tie_word_embeddings: is true but lm_head.weight differs from "
+                             "model.embed_tokens.weight")
     table = _tensor_table(config)
     missing = sorted({t.hf_key for t in table} - tensors.keys())
     unexpected = sorted(tensors.keys() - {t.hf_key for t in table})
@@ -258,7 +341,7 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
     for t in table:
         w = tensors[t.hf_key]
         if w.shape != t.hf_shape:
-            raise ValueError(f"{t.hf_key}: expected shape {t.hf_shape} from config.json, got {tuple(w.shape)}")
+            raise ValueError(f"{path}: {t.hf_key}: expected shape {t.hf_shape} from config.json, got {tuple(w.shape)}")
         _set(params, t.path, jnp.asarray(t.to_jax(w)))
     return config, params
 

@@ -16,7 +16,8 @@ from flax import struct
 
 from jaxformer.decoding.protocol import Decodable
 from jaxformer.decoding.sampling import Sampling
-from jaxformer.validation import check_positions_fit, check_token_ids, per_row
+from jaxformer.validation import (as_int, check_positions_fit, check_token_ids, check_token_layout,
+                                  finite_float, per_row)
 
 
 class DecodeOptions(TypedDict, total=False):
@@ -97,18 +98,24 @@ class DecodeRequest:
                length_penalty: float = 0.0) -> "DecodeRequest":
         """Checks a run's arguments (see `DecodeOptions`) against `model.decoding_spec()`.
 
+        Integral arguments may be numpy ints and numbers numpy floats: they are read as
+        Python numbers, so `max_new_tokens=np.int64(3)` reuses the program compiled for 3.
+
         Returns:
-          The `DecodeRequest`. Raises `ValueError` naming the argument and its limit.
+          The `DecodeRequest`.
+
+        Raises:
+          ValueError: naming the argument and its limit.
         """
         spec = model.decoding_spec()
         prompt, start = _left_padded(prompt, prompt_lengths, spec.prompt_vocab_size, spec.ragged_prompts)
         batch, prompt_len = prompt.shape
-        if type(max_new_tokens) is not int or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        _check_beams(num_beams, length_penalty, temperature, top_k, top_p)
-        for name, value in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)):
-            if value is not None and (type(value) is not int or not 0 <= value < spec.vocab_size):
-                raise ValueError(f"{name} must be an int in [0, vocab_size={spec.vocab_size}), got {value!r}")
+        max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
+        num_beams, length_penalty = _check_beams(num_beams, length_penalty, temperature, top_k, top_p)
+        eos_id, pad_id, bos_id = (
+            None if value is None else as_int(value, name, minimum=0, maximum=spec.vocab_size - 1,
+                                              maximum_name="vocab_size - 1")
+            for name, value in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)))
         decoder_prompt = np.asarray(model.decoder_prompt(prompt, bos_id), np.int32)
         check_positions_fit(0, prompt_len, spec.max_seq_len, "prompt length", "max_seq_len")
         check_positions_fit(decoder_prompt.shape[1], max_new_tokens, spec.max_seq_len,
@@ -136,8 +143,9 @@ def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple
     """Checks the prompt; returns it int32 with each row's real tokens at the right end
     (so every row's next token goes to the same cache slot), and each row's first real slot."""
     prompt = np.asarray(prompt)
-    if prompt.ndim != 2 or prompt.shape[0] < 1 or prompt.shape[1] < 1:
-        raise ValueError(f"prompt must be 2-D [batch, seq] with at least one token per row, got shape {prompt.shape}")
+    check_token_layout(prompt, "prompt")
+    if prompt.shape[0] < 1 or prompt.shape[1] < 1:
+        raise ValueError(f"prompt must hold at least one token per row, got shape {prompt.shape}")
     batch, prompt_len = prompt.shape
     lengths = np.full(batch, prompt_len, np.int32)
     if prompt_lengths is not None:
@@ -149,8 +157,7 @@ def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple
             raise ValueError(f"prompt_lengths must be ints in [1, prompt_len={prompt_len}], got {given.tolist()}")
         lengths = given.astype(np.int32)
     # Only the real tokens must be ids: what follows a row's length is ignored.
-    if np.issubdtype(prompt.dtype, np.integer):  # (other dtypes are refused just below)
-        prompt = np.where(np.arange(prompt_len)[None, :] < lengths[:, None], prompt, 0)
+    prompt = np.where(np.arange(prompt_len)[None, :] < lengths[:, None], prompt, 0)
     check_token_ids(prompt, vocab_size, "prompt")
     start = (prompt_len - lengths).astype(np.int32)  # [batch]
     source = np.arange(prompt_len)[None, :] - start[:, None]  # [batch, prompt_len], where each slot reads from
@@ -158,11 +165,13 @@ def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple
     return prompt.astype(np.int32), start
 
 
-def _check_beams(num_beams, length_penalty, temperature, top_k, top_p) -> None:
-    if type(num_beams) is not int or num_beams < 1:
-        raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
+def _check_beams(num_beams, length_penalty, temperature, top_k, top_p) -> tuple[int, float]:
+    """`(num_beams, length_penalty)` as Python numbers, checked."""
+    num_beams = as_int(num_beams, "num_beams", minimum=1)
     if num_beams > 1 and (np.any(np.asarray(temperature) != 0) or top_k is not None or top_p is not None):
         raise ValueError("beam search is deterministic: with num_beams > 1 leave temperature at 0 "
                          "and top_k, top_p unset")
-    if not np.ndim(length_penalty) == 0 or not float(length_penalty) >= 0:
-        raise ValueError(f"length_penalty must be a scalar >= 0, got {length_penalty!r}")
+    penalty = finite_float(length_penalty)
+    if penalty is None or penalty < 0:
+        raise ValueError(f"length_penalty must be a finite number >= 0 (got {length_penalty!r})")
+    return num_beams, penalty

@@ -1,4 +1,9 @@
-"""The sampling rule: how each row picks its next token from its logits."""
+"""The sampling rule: how each row picks its next token from its logits.
+
+`check_temperature`, `check_top_k` and `check_top_p` are the one statement of each
+knob's valid range: `Sampling.create` calls them, and so can a command line, naming its
+own flag (`check_top_p(args.top_p, name="--top-p")`).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,72 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxformer.validation import per_row
+from jaxformer.validation import numbers_array, per_row
+
+
+def check_temperature(value, *, name: str = "temperature") -> np.ndarray:
+    """Raises unless `value`, a scalar or one value per row, is finite and >= 0.
+
+    Args:
+      value: 0 for greedy decoding, > 0 to sample.
+      name: the argument's name (or flag), for the message.
+
+    Returns:
+      `value` as a float32 numpy array of its own shape.
+
+    Raises:
+      ValueError: `value` is not a number, or negative, NaN or infinite.
+    """
+    temperature = numbers_array(value, name, np.float32)
+    if not np.all(np.isfinite(temperature) & (temperature >= 0)):
+        raise ValueError(f"{name} must be >= 0 and finite (got {np.asarray(value).tolist()})")
+    return temperature
+
+
+def check_top_k(value, vocab_size: int | None, *, name: str = "top_k") -> np.ndarray | None:
+    """Raises unless `value`, a scalar or one value per row, is None or an int in `[1, vocab_size]`.
+
+    Args:
+      value: how many of the most likely tokens to sample among; None keeps them all.
+      vocab_size: the largest `value` allowed; None when it is not known yet (a command
+        line before its model is built), then only `>= 1` is checked.
+      name: the argument's name (or flag), for the message.
+
+    Returns:
+      `value` as an int32 numpy array of its own shape, or None.
+
+    Raises:
+      ValueError: `value` is not an int, or outside the range.
+    """
+    if value is None:
+        return None
+    top_k = numbers_array(value, name, np.float64)  # whole floats (2.0) are ints here
+    limit = np.inf if vocab_size is None else vocab_size
+    if not np.all((top_k >= 1) & (top_k <= limit) & (top_k == np.round(top_k))):  # NaN and inf fail too
+        rule = "an int >= 1" if vocab_size is None else f"an int in [1, vocab_size={vocab_size}]"
+        raise ValueError(f"{name} must be None or {rule} (got {np.asarray(value).tolist()})")
+    return top_k.astype(np.int32)
+
+
+def check_top_p(value, *, name: str = "top_p") -> np.ndarray | None:
+    """Raises unless `value`, a scalar or one value per row, is None or in `(0, 1]`.
+
+    Args:
+      value: the nucleus's probability mass; None (or 1) keeps every token.
+      name: the argument's name (or flag), for the message.
+
+    Returns:
+      `value` as a float32 numpy array of its own shape, or None.
+
+    Raises:
+      ValueError: `value` is not a number, or outside `(0, 1]` (NaN included).
+    """
+    if value is None:
+        return None
+    top_p = numbers_array(value, name, np.float32)
+    if not np.all((top_p > 0) & (top_p <= 1)):
+        raise ValueError(f"{name} must be None or in (0, 1] (got {np.asarray(value).tolist()})")
+    return top_p
 
 
 def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -69,20 +139,18 @@ class Sampling:
     def create(cls, batch: int, vocab_size: int, temperature=0.0, top_k=None, top_p=None) -> "Sampling":
         """Checks the settings on the host: each a scalar or one value per row.
 
-        `top_k=None` keeps every token, as does `top_p=None` (or 1). Raises `ValueError`
-        naming the setting and its range.
+        `top_k=None` keeps every token, as does `top_p=None` (or 1).
+
+        Raises:
+          ValueError: naming the setting and its range (`check_temperature`,
+            `check_top_k`, `check_top_p`), or a per-row setting of the wrong length.
         """
-        temperature = per_row(temperature, batch, "temperature", np.float32)
-        if not np.all(temperature >= 0):  # NaN fails too
-            raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
-        top_k = per_row(vocab_size if top_k is None else top_k, batch, "top_k", np.float64)
-        if not np.all((top_k >= 1) & (top_k <= vocab_size) & (top_k == np.round(top_k))):
-            raise ValueError(f"top_k must be None or an int in [1, vocab_size={vocab_size}], got {top_k.tolist()}")
+        temperature = per_row(check_temperature(temperature), batch, "temperature", np.float32)
+        top_k = check_top_k(top_k, vocab_size)
+        top_k = per_row(vocab_size if top_k is None else top_k, batch, "top_k", np.int32)
+        top_p = check_top_p(top_p)
         top_p = per_row(1.0 if top_p is None else top_p, batch, "top_p", np.float32)
-        if not np.all((top_p > 0) & (top_p <= 1)):
-            raise ValueError(f"top_p must be None or in (0, 1], got {top_p.tolist()}")
-        return cls(temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k, jnp.int32),
-                   top_p=jnp.asarray(top_p))
+        return cls(temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p))
 
     @property
     def samples(self) -> np.ndarray:

@@ -44,7 +44,7 @@ def test_config_from_hf_maps_every_field():
     assert config_from_hf({**LLAMA, "head_dim": 24}).head_dim == 24  # wider heads than hidden / heads
     assert config_from_hf({**LLAMA, "model_type": "qwen2"}).qkv_bias
     assert config_from_hf({**LLAMA, "max_position_embeddings": 4096}, max_seq_len=100).max_seq_len == 100
-    with pytest.raises(ValueError, match="max_seq_len: must be a positive int"):
+    with pytest.raises(ValueError, match=r"max_seq_len must be a positive int \(got 0\)"):
         config_from_hf(LLAMA, max_seq_len=0)  # not taken for "unset"
 
 
