@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from datetime import datetime
@@ -24,8 +25,9 @@ from flax import linen as nn
 
 from jaxformer.files import write_text_atomically
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh
-from jaxformer.training import (METRICS_FILE, TrainState, enable_compilation_cache, initialize_distributed,
-                                make_train_step, read_metrics, shard_batches, shard_state, start_run, train_loop)
+from jaxformer.training import (METRICS_FILE, Checkpointer, Restored, TrainState, check_run_dir, check_seed,
+                                enable_compilation_cache, initialize_distributed, make_train_step, read_metrics,
+                                shard_batches, shard_state, start_run, train_loop)
 
 DTYPES = ("float32", "bfloat16")
 # Config fields a run may change on resume: parameters and optimizer state are stored in
@@ -78,9 +80,21 @@ def require_positive(settings, *fields: str) -> None:
             raise ValueError(f"{flag(field)} must be >= 1 (got {value})")
 
 
+def require_finite(settings, field: str, *, above: float | None = None, at_least: float | None = None) -> None:
+    """Raises ValueError, naming the flag and its limit, unless the field is a finite
+    number `> above` (or `>= at_least`). NaN fails every comparison, so it is refused."""
+    value = getattr(settings, field)
+    if above is not None and not (math.isfinite(value) and value > above):
+        raise ValueError(f"{flag(field)} must be a finite number > {above:g} (got {value})")
+    if at_least is not None and not (math.isfinite(value) and value >= at_least):
+        raise ValueError(f"{flag(field)} must be a finite number >= {at_least:g} (got {value})")
+
+
 def check_shared_settings(settings) -> None:
-    """The checks of the settings every demo has (steps, batch size, dtype)."""
+    """The checks of the settings every demo has (steps, batch size, seed, dtype), by the
+    library's own rules where it has one."""
     require_positive(settings, "steps", "batch_size")
+    check_seed(settings.seed, "--seed")
     if settings.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {DTYPES} (got {settings.dtype!r})")
 
@@ -166,7 +180,18 @@ def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[A
         parser.error(str(e))
     if args.resume and args.run_dir is None:
         parser.error("--resume needs --run-dir: the run to continue")
+    if args.fsdp and args.mesh is None:
+        parser.error("--fsdp needs --mesh")
     run_dir = args.run_dir or Path("runs") / f"{settings.run_name}-{datetime.now():%Y%m%d-%H%M%S}"
+    try:
+        if args.mesh is not None:
+            parse_mesh(args.mesh)
+    except ValueError as e:
+        parser.error(f"--{e}")  # "--mesh 'data=x': ..."
+    try:
+        check_run_dir(run_dir, None, args.resume)  # where it is; its config once the model is built
+    except ValueError as e:
+        parser.error(str(e))
     return settings, RunOptions(run_dir=run_dir, resume=args.resume, mesh=args.mesh, fsdp=args.fsdp,
                                 checkpoint_every=args.checkpoint_every, log_every=args.log_every)
 
@@ -255,8 +280,6 @@ def place(setup: Setup, batch_size: int, run: RunOptions):
     """
     state = TrainState.create(setup.params, setup.optimizer)
     if run.mesh is None:
-        if run.fsdp:
-            raise ValueError("--fsdp needs --mesh")
         return state, setup.make_batch, None
     mesh = make_mesh(**parse_mesh(run.mesh))
     check_mesh_fits(setup.model.config, mesh)
@@ -283,24 +306,64 @@ class Trained:
     last: dict
 
 
-def train(prog: str, setup: Setup, settings, run: RunOptions) -> Trained:
-    """Places the run, records its config in the run directory, and trains `settings.steps` updates.
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """A run checked and recorded, ready for its first update.
 
-    A mesh that does not fit, or a run directory that holds another run, exits with one
-    line before the run directory is touched.
+    Attributes:
+      state: the initial train state, placed (not yet restored when resuming).
+      make_batch: the batches, placed like the state.
+      state_sharding: the state's sharding on the mesh, or None on one device.
+      restored: with `--resume`, the checkpoint to continue from; else None.
+    """
+
+    state: TrainState
+    make_batch: Callable
+    state_sharding: Any
+    restored: Restored | None
+
+    @property
+    def step(self) -> int:
+        """The step the run starts from."""
+        return self.restored.step if self.restored else 0
+
+
+def start(prog: str, setup: Setup, settings, run: RunOptions) -> Start:
+    """Places the run, checks it against its run directory, and only then records it there.
+
+    The run directory is a transaction: a mesh that does not fit, a run directory that
+    holds another run, or (with `--resume`) no checkpoint that restores, or one past
+    `--steps`, exits with one line before anything in it is written. A new run's
+    `config.json` is written once, atomically; a resumed run's is left as it is.
     """
     try:
         state, make_batch, state_sharding = place(setup, settings.batch_size, run)
-        start_run(run.run_dir, run_record(setup.model.config, settings), run.resume)
+        record = run_record(setup.model.config, settings)
+        check_run_dir(run.run_dir, record, run.resume)
+        restored = None
+        if run.resume:
+            with Checkpointer(run.run_dir, read_only=True) as saved:
+                restored = saved.restore_newest(state)
+            if restored.step > settings.steps:
+                raise ValueError(f"--steps {settings.steps} is below step {restored.step}, which the run in "
+                                 f"{run.run_dir} has reached: pass --steps {restored.step} or more")
+        start_run(run.run_dir, record, run.resume)
     except ValueError as e:
         fail(prog, str(e))
-    start = time.perf_counter()
-    state = train_loop(state, make_train_step(setup.loss_fn, setup.optimizer, state_sharding), make_batch,
-                       seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
+    return Start(state=state, make_batch=make_batch, state_sharding=state_sharding, restored=restored)
+
+
+def train(setup: Setup, settings, run: RunOptions, begun: Start) -> Trained:
+    """Trains from `begun.step` to `settings.steps`, saying where it starts."""
+    print(f"{'resuming' if begun.restored else 'starting'} at step {begun.step} of {settings.steps}"
+          + (": nothing left to train" if begun.step == settings.steps else ""))
+    started = time.perf_counter()
+    state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding),
+                       begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
                        checkpoint_every=run.checkpoint_every, log_every=run.log_every, lr_schedule=setup.schedule,
-                       resume=run.resume)
+                       resume=begun.restored or False)
     trained = Trained(params=jax.device_get(state.params), steps=int(state.step),
-                      seconds=time.perf_counter() - start, last=read_metrics(run.run_dir / METRICS_FILE)[-1])
+                      seconds=time.perf_counter() - started, last=read_metrics(run.run_dir / METRICS_FILE)[-1])
     print(f"\ntrained to step {trained.steps} in {trained.seconds:.1f} s (compile included): "
           f"final loss {trained.last['loss']:.4f}, lr {trained.last['lr']:.2e}")
     return trained

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
+from jaxformer.decoding.sampling import check_temperature, check_top_p
 from train import cli
 from train.tasks import COPY_LEN, COPY_SYMBOLS, COPY_VOCAB, IGNORE, CharText, copy_batch, copy_prompts
 
@@ -93,10 +94,13 @@ class Settings:
         cli.require_positive(self, "warmup", "eval_size", "seq_len", "sample_tokens", "top_k")
         if self.warmup > self.steps:
             raise ValueError(f"--warmup ({self.warmup}) must not exceed --steps ({self.steps})")
-        if not self.lr > 0 or not self.weight_decay >= 0 or not self.clip > 0 or not self.temperature >= 0:
-            raise ValueError("--lr and --clip must be > 0, --weight-decay and --temperature >= 0")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        cli.require_finite(self, "lr", above=0)
+        cli.require_finite(self, "clip", above=0)
+        cli.require_finite(self, "weight_decay", at_least=0)
+        # The sampling knobs by generate's own rules, checked now rather than after training.
+        check_temperature(self.temperature, name="--temperature")
+        if self.top_p is not None:
+            check_top_p(self.top_p, name="--top-p")
         if self.task == "text" and self.data is None:
             raise ValueError("--task text needs --data FILE (a UTF-8 text file)")
 
@@ -249,8 +253,9 @@ def main(argv=None) -> int:
     settings, run = parse_args(argv)
     cli.start_process()
     setup = cli.build_or_fail(PROG, build, settings)
+    begun = cli.start(PROG, setup, settings, run)
     describe(setup, settings)
-    trained = cli.train(PROG, setup, settings, run)
+    trained = cli.train(setup, settings, run, begun)
     evaluation = evaluate(setup, settings, trained)
     report(settings, trained, evaluation, run.run_dir)
     return 0

@@ -294,10 +294,11 @@ def main(argv=None) -> int:
     # default, made for sharded arrays) gets one: on a CPU this halves their cost.
     with jax.threefry_partitionable(False):
         setup = cli.build_or_fail(PROG, build, settings)
+        begun = cli.start(PROG, setup, settings, run)
         describe(setup)
-        print(f"\n{'=' * 72}\ntraining on 'reverse the sequence': {settings.steps} steps, "
+        print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
               f"batch {settings.batch_size}, run dir {run.run_dir}\n")
-        trained = cli.train(PROG, setup, settings, run)
+        trained = cli.train(setup, settings, run, begun)
         evaluation = evaluate(setup, settings, trained, run.run_dir)
         report(settings, trained, evaluation, run.run_dir)
     return 0

@@ -8,7 +8,9 @@
                        checkpoint_every=50, log_every=10)
 
 `make_batch(data_key) -> batch` draws one batch from a key. A run directory holds
-`config.json` (`start_run`), `metrics.jsonl` (`read_metrics`) and `checkpoints/<step>/`.
+`config.json` (`start_run`), `metrics.jsonl` (`read_metrics`) and `checkpoints/<step>/`;
+starting or resuming one checks everything before it writes anything (`check_run_dir`,
+`Checkpointer.restore_newest`), and resumes from the newest checkpoint that restores.
 Resuming needs no saved random state: the data and dropout keys of update s are
 `step_keys(seed, s)`, so a run restored from its step-10 checkpoint draws exactly the
 batches and dropout masks the uninterrupted run drew, and ends with bitwise the same
@@ -29,28 +31,34 @@ Modules: `state` (TrainState, make_train_step, step_keys), `loop` (train_loop),
 shard_batches), `runtime` (initialize_distributed, enable_compilation_cache).
 """
 
-from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer
+from jaxformer.training.checkpoints import CHECKPOINT_DIR, UNRESTORABLE_DIR, Checkpointer, Restored
 from jaxformer.training.loop import train_loop
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog, read_metrics
 from jaxformer.training.placement import shard_batches, shard_state
 from jaxformer.training.progress import ProgressBar
-from jaxformer.training.run_dir import CONFIG_FILE, check_run_config, save_run_config, start_run
+from jaxformer.training.run_dir import (CONFIG_FILE, check_run_config, check_run_dir, read_run_config,
+                                       save_run_config, start_run)
 from jaxformer.training.runtime import enable_compilation_cache, initialize_distributed
-from jaxformer.training.state import TrainState, make_train_step, step_keys
+from jaxformer.training.state import TrainState, check_seed, make_train_step, step_keys
 
 __all__ = [
     "CHECKPOINT_DIR",
     "CONFIG_FILE",
     "METRICS_FILE",
+    "UNRESTORABLE_DIR",
     "Checkpointer",
     "MetricsLog",
     "ProgressBar",
+    "Restored",
     "TrainState",
     "check_run_config",
+    "check_run_dir",
+    "check_seed",
     "enable_compilation_cache",
     "initialize_distributed",
     "make_train_step",
     "read_metrics",
+    "read_run_config",
     "save_run_config",
     "shard_batches",
     "shard_state",

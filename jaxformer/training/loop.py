@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import jax
 
-from jaxformer.training.checkpoints import Checkpointer
+from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restored
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog
 from jaxformer.training.progress import ProgressBar
 from jaxformer.training.state import TrainState, step_keys
@@ -16,7 +17,7 @@ from jaxformer.training.state import TrainState, step_keys
 
 def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *, seed: int, num_steps: int,
                run_dir, checkpoint_every: int, log_every: int, lr_schedule: Callable | None = None,
-               resume: bool = False, progress: bool = True) -> TrainState:
+               resume: bool | Restored = False, progress: bool = True) -> TrainState:
     """Runs updates `state.step .. num_steps - 1`, logging and checkpointing into `run_dir`.
 
     Update s trains on `make_batch(data_key)` with `(data_key, dropout_key) =
@@ -27,8 +28,15 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
     compilation). After every `checkpoint_every` updates (and the last) the state is
     saved.
 
+    Resuming continues from the newest checkpoint that restores
+    (`Checkpointer.restore_newest`); every check happens before anything in `run_dir` is
+    written. Newer checkpoints that failed to restore are reported on stderr and moved to
+    `run_dir/unrestorable_checkpoints/`, and the metrics lines after the restored step
+    are dropped (their updates are redone).
+
     Args:
-      state: the initial state; with `resume`, the structure the checkpoint restores onto.
+      state: the initial state; with `resume=True`, the structure the checkpoint
+        restores onto.
       train_step: from `make_train_step`.
       make_batch: `make_batch(data_key) -> batch`, the same shapes every step.
       seed: the run's seed.
@@ -37,30 +45,46 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
       checkpoint_every: updates between checkpoints.
       log_every: updates between metrics lines.
       lr_schedule: optional `step -> learning rate`, for the log only.
-      resume: continue from the latest checkpoint in `run_dir` if there is one.
+      resume: False for a new run; True to continue the run in `run_dir`; or the
+        `Restored` its caller already got from `Checkpointer(run_dir,
+        read_only=True).restore_newest(state)` (to check it before writing anything).
       progress: show a `ProgressBar` on stderr.
 
     Returns:
       The state after `num_steps` updates, its checkpoint on disk.
 
     Raises:
-      ValueError: on a non-positive interval, or if `run_dir` holds checkpoints and
-        `resume` is False (the new run would mix with the old one's files).
+      ValueError: on a non-positive interval; if `run_dir` holds checkpoints and
+        `resume` is False (the new run would mix with the old one's files); if `resume`
+        finds no checkpoint that restores, or one past `num_steps`.
     """
     for name, value in (("num_steps", num_steps), ("checkpoint_every", checkpoint_every), ("log_every", log_every)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"train_loop {name} must be a positive int (got {value!r})")
     run_dir = Path(run_dir)
+    if resume is True:
+        with Checkpointer(run_dir, read_only=True) as saved:
+            resume = saved.restore_newest(state)
+    if resume:
+        if resume.step > num_steps:
+            raise ValueError(f"num_steps {num_steps} is below the step the run in {run_dir} has reached "
+                             f"({resume.step})")
+        state = resume.state
+    elif (run_dir / CHECKPOINT_DIR).is_dir():
+        with Checkpointer(run_dir, read_only=True) as saved:
+            latest = saved.latest_step()
+        if latest is not None:
+            raise ValueError(f"{run_dir / CHECKPOINT_DIR} already holds step {latest}; "
+                             "pass resume=True to continue that run or choose a new run_dir")
+
+    # Every check is done: from here on the run directory is written.
     checkpointer = Checkpointer(run_dir)
+    for step, why in resume.unrestorable if resume else ():
+        print(f"checkpoint {step} does not restore ({why}): moved to {checkpointer.set_aside(step)}",
+              file=sys.stderr)
     log = MetricsLog(run_dir / METRICS_FILE)
     bar = None
     try:
-        latest = checkpointer.latest_step()
-        if latest is not None and not resume:
-            raise ValueError(f"{checkpointer.directory} already holds step {latest}; "
-                             "pass resume=True to continue that run or choose a new run_dir")
-        if latest is not None:
-            state = checkpointer.restore(state)
         start = int(state.step)
         # Lines past the restored step come from updates after the last checkpoint of an
         # interrupted run; they are about to be redone. (A fresh run clears the file.)

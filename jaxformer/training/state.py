@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxformer.validation import as_int
+
 
 @struct.dataclass
 class TrainState:
@@ -74,6 +76,17 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
 
+SEED_LIMIT = 2**31  # seeds are ints in [0, SEED_LIMIT)
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """`seed` as a Python int, or a ValueError naming `name` and the range.
+
+    A seed reaches the jitted key derivation as an int32, and `jax.random.key` keeps only
+    32 bits of a larger one (2**32 would draw what 0 draws): the range is `[0, 2**31)`.
+    """
+    return as_int(seed, name, minimum=0, maximum=SEED_LIMIT - 1)
+
 
 def step_keys(seed: int, step: int) -> tuple[jax.Array, jax.Array]:
     """The random keys of update `step`, a function of `(seed, step)` only.
@@ -89,8 +102,7 @@ def step_keys(seed: int, step: int) -> tuple[jax.Array, jax.Array]:
     Returns:
       `(data_key, dropout_key)`.
     """
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an int (got {seed!r})")
+    seed = check_seed(seed)
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**32:
         raise ValueError(f"step must be an int in [0, 2**32) (got {step!r})")
     return _step_keys(seed, jnp.uint32(step))

@@ -9,7 +9,7 @@ import optax
 import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import Checkpointer, make_train_step
+from jaxformer.training import UNRESTORABLE_DIR, Checkpointer, make_train_step
 
 
 def test_half_written_checkpoint_is_never_restored(tmp_path):
@@ -44,3 +44,63 @@ def test_restore_keeps_structure_and_values(tmp_path):
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(x, y)
+
+
+def saved_run(tmp_path, steps=(5, 10, 15)):
+    """A checkpoint directory holding `steps`, each a state whose step is its name."""
+    optimizer = optax.adam(LR)
+    state = init_state(optimizer)
+    with Checkpointer(tmp_path) as ckpt:
+        for step in steps:
+            ckpt.save(state.replace(step=jnp.array(step, jnp.int32)))
+    return state
+
+
+def files_under(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def truncate_largest_file(checkpoint):
+    largest = max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:40])
+
+
+def garble_metadata(checkpoint):
+    (checkpoint / "default" / "_METADATA").write_text("{garbled")
+
+
+@pytest.mark.parametrize("damage", [truncate_largest_file, garble_metadata])
+def test_restore_newest_skips_damaged_checkpoints_and_touches_nothing(tmp_path, damage):
+    state = saved_run(tmp_path)
+    damage(tmp_path / "checkpoints" / "15")
+    before = files_under(tmp_path)
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        restored = ckpt.restore_newest(state)
+    assert restored.step == int(restored.state.step) == 10
+    (step, why), = restored.unrestorable
+    assert step == 15 and "\n" not in why and why
+    assert files_under(tmp_path) == before
+
+    damage(tmp_path / "checkpoints" / "10")
+    damage(tmp_path / "checkpoints" / "5")
+    before = files_under(tmp_path)
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        with pytest.raises(ValueError, match=r"no checkpoint in .* restores \(step 15: .*; step 10: .*; step 5: ") as e:
+            ckpt.restore_newest(state)
+    assert "\n" not in str(e.value)
+    assert files_under(tmp_path) == before
+
+
+def test_restore_newest_of_nothing_and_set_aside(tmp_path):
+    state = init_state(optax.adam(LR))
+    (tmp_path / "checkpoints").mkdir()
+    with Checkpointer(tmp_path, read_only=True) as ckpt, pytest.raises(ValueError, match="holds no checkpoint"):
+        ckpt.restore_newest(state)
+    saved_run(tmp_path, steps=(5, 10))
+    with Checkpointer(tmp_path) as ckpt:
+        moved = ckpt.set_aside(10)
+        assert moved == tmp_path / UNRESTORABLE_DIR / "10" and (moved / "commit_success.txt").exists()
+        assert ckpt.all_steps() == [5] and ckpt.latest_step() == 5
+        ckpt.save(state.replace(step=jnp.array(10, jnp.int32)))  # step 10 can be written again
+        ckpt.wait()
+        assert ckpt.set_aside(10) == tmp_path / UNRESTORABLE_DIR / "10-1"  # the first one is kept

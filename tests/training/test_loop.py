@@ -1,12 +1,14 @@
 """`jaxformer.training.loop`: a resumed run equals the uninterrupted one, bitwise."""
 
+import shutil
+
 import jax
 import numpy as np
 import optax
 import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import Checkpointer, make_train_step, read_metrics, train_loop
+from jaxformer.training import UNRESTORABLE_DIR, Checkpointer, make_train_step, read_metrics, train_loop
 
 
 class Crash(Exception):
@@ -73,3 +75,33 @@ def test_the_documented_example_runs(tmp_path):
     assert int(state.step) == 100
     assert [r["step"] for r in read_metrics(tmp_path / "mine" / "metrics.jsonl")] == list(range(10, 101, 10))
     assert Checkpointer(tmp_path / "mine").latest_step() == 100
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
+    """Checkpoint 20 cut short: the run resumes from 15, sets 20 aside, and ends bitwise where
+    an undamaged run ends; a resume below the reached step, or with no checkpoint, is refused."""
+    schedule = optax.linear_schedule(LR, 0.0, 20)
+    optimizer = optax.adam(schedule)
+    train_step = make_train_step(loss_fn, optimizer)
+    common = dict(seed=1, num_steps=20, checkpoint_every=5, log_every=1, lr_schedule=schedule, progress=False)
+    a = train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "a", **common)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "b" / "checkpoints" / "20" / "default" / "_METADATA").write_text("{garbled")
+
+    with pytest.raises(ValueError, match="num_steps 12 is below the step .* has reached \\(15\\)"):
+        train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=True,
+                   **{**common, "num_steps": 12})
+    capsys.readouterr()
+    b = train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=True, **common)
+    err = capsys.readouterr().err
+    assert err.startswith("checkpoint 20 does not restore (JSONDecodeError: ") and err.count("\n") == 1, err
+    assert (tmp_path / "b" / UNRESTORABLE_DIR / "20" / "default" / "_METADATA").read_text() == "{garbled"
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    assert read_metrics(tmp_path / "a" / "metrics.jsonl") != [] and [
+        (r["step"], r["loss"]) for r in read_metrics(tmp_path / "b" / "metrics.jsonl")] == [
+        (r["step"], r["loss"]) for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
+
+    with pytest.raises(ValueError, match="holds no checkpoint to resume from"):
+        train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "c", resume=True, **common)
+    assert not (tmp_path / "c").exists()
