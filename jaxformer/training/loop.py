@@ -13,6 +13,7 @@ from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restore
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog
 from jaxformer.training.progress import ProgressBar
 from jaxformer.training.state import TrainState, step_keys
+from jaxformer.validation import as_int
 
 
 def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *, seed: int, num_steps: int,
@@ -58,9 +59,9 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
         `resume` is False (the new run would mix with the old one's files); if `resume`
         finds no checkpoint that restores, or one past `num_steps`.
     """
-    for name, value in (("num_steps", num_steps), ("checkpoint_every", checkpoint_every), ("log_every", log_every)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"train_loop {name} must be a positive int (got {value!r})")
+    num_steps, checkpoint_every, log_every = (
+        as_int(value, f"train_loop {name}", minimum=1)
+        for name, value in (("num_steps", num_steps), ("checkpoint_every", checkpoint_every), ("log_every", log_every)))
     run_dir = Path(run_dir)
     if resume is True:
         with Checkpointer(run_dir, read_only=True) as saved:

@@ -102,9 +102,7 @@ def step_keys(seed: int, step: int) -> tuple[jax.Array, jax.Array]:
     Returns:
       `(data_key, dropout_key)`.
     """
-    seed = check_seed(seed)
-    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**32:
-        raise ValueError(f"step must be an int in [0, 2**32) (got {step!r})")
+    seed, step = check_seed(seed), as_int(step, "step", minimum=0, maximum=2**32 - 1)  # folded in as a uint32
     return _step_keys(seed, jnp.uint32(step))
 
 

@@ -69,3 +69,13 @@ def test_step_keys_are_a_function_of_seed_and_step():
     assert not np.array_equal(data, jax.random.key_data(step_keys(4, 7)[0]))
     with pytest.raises(ValueError, match="step"):
         step_keys(0, -1)
+
+
+def test_step_keys_take_numpy_ints_and_refuse_what_would_collide():
+    same = [jax.random.key_data(k) for k in step_keys(np.int64(3), np.int32(7))]
+    for x, y in zip(same, (jax.random.key_data(k) for k in step_keys(3, 7))):
+        np.testing.assert_array_equal(x, y)
+    # jax.random.key(2**32) draws what key(0) draws: a seed past 31 bits would silently repeat another.
+    for seed, step in ((2**31, 0), (-1, 0), (True, 0), (0, 2**32), (0, -1), (0, 1.0)):
+        with pytest.raises(ValueError, match="must be an int in"):
+            step_keys(seed, step)
