@@ -561,6 +561,7 @@ FLAG_REFUSALS = [
     ("seed-negative", lm, ["--run-dir", "{run}", "--seed", "-1"], "--seed must be an int in [0, 2147483647]"),
     ("top-p-0", lm, ["--run-dir", "{run}", "--top-p", "0"], "--top-p must be None or in (0, 1]"),
     ("top-p-1.5", lm, ["--run-dir", "{run}", "--top-p", "1.5"], "--top-p must be None or in (0, 1]"),
+    ("top-k-0", lm, ["--run-dir", "{run}", "--top-k", "0"], "--top-k must be None or an int >= 1"),
     ("lr-0", lm, ["--run-dir", "{run}", "--lr", "0"], "--lr must be a finite number > 0"),
     ("clip-inf", lm, ["--run-dir", "{run}", "--clip", "inf"], "--clip must be a finite number > 0"),
     ("weight-decay-negative", lm, ["--run-dir", "{run}", "--weight-decay", "-1"], "--weight-decay must be a finite"),

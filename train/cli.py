@@ -27,7 +27,7 @@ from jaxformer.files import write_text_atomically
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh
 from jaxformer.training import (METRICS_FILE, Checkpointer, Restored, TrainState, check_run_dir, check_seed,
                                 enable_compilation_cache, initialize_distributed, make_train_step, read_metrics,
-                                shard_batches, shard_state, start_run, train_loop)
+                                save_run_config, shard_batches, shard_state, train_loop)
 
 DTYPES = ("float32", "bfloat16")
 # Config fields a run may change on resume: parameters and optimizer state are stored in
@@ -311,7 +311,7 @@ class Start:
     """A run checked and recorded, ready for its first update.
 
     Attributes:
-      state: the initial train state, placed (not yet restored when resuming).
+      state: the train state to start from, placed: the initial one, or the restored one.
       make_batch: the batches, placed like the state.
       state_sharding: the state's sharding on the mesh, or None on one device.
       restored: with `--resume`, the checkpoint to continue from; else None.
@@ -347,7 +347,9 @@ def start(prog: str, setup: Setup, settings, run: RunOptions) -> Start:
             if restored.step > settings.steps:
                 raise ValueError(f"--steps {settings.steps} is below step {restored.step}, which the run in "
                                  f"{run.run_dir} has reached: pass --steps {restored.step} or more")
-        start_run(run.run_dir, record, run.resume)
+            state = restored.state  # the initial state is not kept alive beside it
+        else:
+            save_run_config(run.run_dir, record)  # every check passed: the first write
     except ValueError as e:
         fail(prog, str(e))
     return Start(state=state, make_batch=make_batch, state_sharding=state_sharding, restored=restored)

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
-from jaxformer.decoding.sampling import check_temperature, check_top_p
+from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from train import cli
 from train.tasks import COPY_LEN, COPY_SYMBOLS, COPY_VOCAB, IGNORE, CharText, copy_batch, copy_prompts
 
@@ -91,7 +91,7 @@ class Settings:
         if self.task not in TASKS:
             raise ValueError(f"--task must be one of {TASKS} (got {self.task!r})")
         cli.check_shared_settings(self)
-        cli.require_positive(self, "warmup", "eval_size", "seq_len", "sample_tokens", "top_k")
+        cli.require_positive(self, "warmup", "eval_size", "seq_len", "sample_tokens")
         if self.warmup > self.steps:
             raise ValueError(f"--warmup ({self.warmup}) must not exceed --steps ({self.steps})")
         cli.require_finite(self, "lr", above=0)
@@ -99,6 +99,7 @@ class Settings:
         cli.require_finite(self, "weight_decay", at_least=0)
         # The sampling knobs by generate's own rules, checked now rather than after training.
         check_temperature(self.temperature, name="--temperature")
+        check_top_k(self.top_k, None, name="--top-k")  # the vocabulary is known once the data is read
         if self.top_p is not None:
             check_top_p(self.top_p, name="--top-p")
         if self.task == "text" and self.data is None:
