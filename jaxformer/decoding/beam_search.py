@@ -21,6 +21,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxformer.decoding.inputs import is_eos
+
 
 def length_norm(length, length_penalty) -> jax.Array:
     """GNMT's length normalisation `((5 + length) / 6) ** length_penalty` (Wu et al., 2016).
@@ -64,7 +66,8 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
       cache: the cache after the prefill, batch `batch * num_beams`, beams of a row adjacent.
       num_beams: beams per row (static).
       max_new_tokens: tokens to generate (static).
-      eos_id: int32 scalar; -1 for none (then every beam runs to `max_new_tokens` tokens).
+      eos_id: int32 `[n_eos]`, the ids that finish a beam; `[-1]` for none (then every beam
+        runs to `max_new_tokens` tokens).
       pad_id: int32 scalar filling a finished beam after its EOS.
       length_penalty: the length normalisation's exponent, >= 0 (a float32 scalar).
 
@@ -84,7 +87,7 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
         parent, token = top_index // vocab, (top_index % vocab).astype(jnp.int32)
         sequences = jnp.take_along_axis(alive_tokens, parent[:, :, None], axis=1)  # [batch, 2K, max_new_tokens]
         sequences = jnp.where(jnp.arange(max_new_tokens) == i, token[:, :, None], sequences)
-        ends = token == eos_id
+        ends = is_eos(token, eos_id)
         # A hypothesis finishes when its EOS ranks among the num_beams best extensions (so
         # that one beam is exactly greedy decoding); the finished pool keeps the num_beams
         # best of the old finished and the new ones.

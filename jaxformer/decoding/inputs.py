@@ -7,7 +7,7 @@ ragged batch into the left-padded one the cache reads.
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Sequence, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,8 @@ class DecodeOptions(TypedDict, total=False):
       top_p: nucleus sampling: only among the most likely tokens whose probability adds up
         to `top_p`, in `(0, 1]`; None (or 1) keeps them all.
       eos_id: a row that produces it is finished: it emits `pad_id` afterwards, and the
-        loop stops once every row is finished. None never stops early.
+        loop stops once every row is finished. A sequence of ids stops at any of them
+        (Llama 3 checkpoints name several). None never stops early.
       pad_id: filler after EOS; defaults to the model's padding id (the encoder-decoder's
         `config.pad_id`), else 0.
       bos_id: the encoder-decoder's first decoder token (required for it, unused otherwise).
@@ -54,7 +55,7 @@ class DecodeOptions(TypedDict, total=False):
     temperature: float
     top_k: int | None
     top_p: float | None
-    eos_id: int | None
+    eos_id: int | Sequence[int] | None
     pad_id: int | None
     bos_id: int | None
     prompt_lengths: object
@@ -73,7 +74,7 @@ class DecodeRequest:
       start: int32 `[batch]`, each row's first real slot (its left padding), 0 when full.
       sampling: each row's `Sampling` settings.
       key: the PRNG key; step i samples with `fold_in(key, i)`.
-      eos_id: int32 scalar, -1 for none.
+      eos_id: int32 `[n_eos]`, the ids that finish a row (`[-1]` for none).
       pad_id: int32 scalar.
       length_penalty: float32 scalar, beam search's exponent.
       max_new_tokens: tokens to generate (static).
@@ -93,7 +94,8 @@ class DecodeRequest:
 
     @classmethod
     def create(cls, model: Decodable, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
-               temperature=0.0, top_k=None, top_p=None, eos_id: int | None = None, pad_id: int | None = None,
+               temperature=0.0, top_k=None, top_p=None, eos_id: int | Sequence[int] | None = None,
+               pad_id: int | None = None,
                bos_id: int | None = None, prompt_lengths=None, num_beams: int = 1,
                length_penalty: float = 0.0) -> "DecodeRequest":
         """Checks a run's arguments (see `DecodeOptions`) against `model.decoding_spec()`.
@@ -112,10 +114,12 @@ class DecodeRequest:
         batch, prompt_len = prompt.shape
         max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
         num_beams, length_penalty = _check_beams(num_beams, length_penalty, temperature, top_k, top_p)
-        eos_id, pad_id, bos_id = (
-            None if value is None else as_int(value, name, minimum=0, maximum=spec.vocab_size - 1,
-                                              maximum_name="vocab_size - 1")
-            for name, value in (("eos_id", eos_id), ("pad_id", pad_id), ("bos_id", bos_id)))
+        def token_id(value, name):
+            return as_int(value, name, minimum=0, maximum=spec.vocab_size - 1, maximum_name="vocab_size - 1")
+
+        pad_id, bos_id = (None if value is None else token_id(value, name)
+                          for name, value in (("pad_id", pad_id), ("bos_id", bos_id)))
+        eos_ids = _eos_ids(eos_id, token_id)
         decoder_prompt = np.asarray(model.decoder_prompt(prompt, bos_id), np.int32)
         check_positions_fit(0, prompt_len, spec.max_seq_len, "prompt length", "max_seq_len")
         check_positions_fit(decoder_prompt.shape[1], max_new_tokens, spec.max_seq_len,
@@ -126,7 +130,7 @@ class DecodeRequest:
                 raise ValueError("key is required when temperature > 0: pass key=jax.random.key(seed)")
             key = jax.random.key(0)  # unused by greedy decoding; keeps the traced signature fixed
         return cls(prompt=jnp.asarray(prompt), decoder_prompt=jnp.asarray(decoder_prompt), start=jnp.asarray(start),
-                   sampling=sampling, key=key, eos_id=jnp.int32(-1 if eos_id is None else eos_id),
+                   sampling=sampling, key=key, eos_id=jnp.asarray(eos_ids, jnp.int32),
                    pad_id=jnp.int32(spec.pad_id if pad_id is None else pad_id),
                    length_penalty=jnp.float32(length_penalty), max_new_tokens=max_new_tokens, num_beams=num_beams)
 
@@ -163,6 +167,23 @@ def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple
     source = np.arange(prompt_len)[None, :] - start[:, None]  # [batch, prompt_len], where each slot reads from
     prompt = np.where(source >= 0, np.take_along_axis(prompt, np.maximum(source, 0), axis=1), 0)
     return prompt.astype(np.int32), start
+
+
+def _eos_ids(eos_id, token_id) -> list[int]:
+    """`eos_id` (None, an id, or a sequence of ids) as a non-empty list of checked ids;
+    `[-1]`, which no token equals, for none."""
+    if eos_id is None:
+        return [-1]
+    if np.ndim(eos_id) == 0:
+        return [token_id(eos_id, "eos_id")]
+    if np.ndim(eos_id) != 1 or len(eos_id) == 0:
+        raise ValueError(f"eos_id must be an id, a non-empty sequence of ids, or None (got {eos_id!r})")
+    return [token_id(value, f"eos_id[{i}]") for i, value in enumerate(eos_id)]
+
+
+def is_eos(token: jax.Array, eos_id: jax.Array) -> jax.Array:
+    """Whether each of `token` (any shape) is one of the ids `eos_id` `[n_eos]`."""
+    return jnp.any(token[..., None] == eos_id, axis=-1)
 
 
 def _check_beams(num_beams, length_penalty, temperature, top_k, top_p) -> tuple[int, float]:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.decoding.beam_search import beam_search
-from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest
+from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest, is_eos
 from jaxformer.decoding.protocol import Decodable
 from jaxformer.sharding import cache_shardings, mesh_of
 
@@ -53,7 +53,7 @@ def _pick(request: DecodeRequest, i, logits: jax.Array, done: jax.Array) -> tupl
     or `pad_id` for rows already done; and the rows done after it."""
     token = request.sampling.pick(logits, jax.random.fold_in(request.key, i))
     token = jnp.where(done, request.pad_id, token)  # [batch]
-    return token, done | (token == request.eos_id)
+    return token, done | is_eos(token, request.eos_id)
 
 
 def _start(model: Decodable, params, request: DecodeRequest, mesh=None):
@@ -166,7 +166,7 @@ def stream(model: Decodable, params, prompt, **options: Unpack[DecodeOptions]) -
     Takes `generate`'s arguments (without beam search) and gives the same tokens (the
     same key gives the same samples): the prefill and each step are jitted once and
     driven from Python, with the cache donated to each step. Stops after
-    `max_new_tokens` steps, or once every row has produced `eos_id`.
+    `max_new_tokens` steps, or once every row has produced an `eos_id`.
 
     Yields:
       int32 `[batch]` numpy arrays: step i's token of each row (`pad_id` once a row is done).

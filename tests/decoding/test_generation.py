@@ -52,6 +52,22 @@ def test_rows_stop_at_eos_and_then_pad():
     assert np.flatnonzero(out[0, 7:] == eos)[0] <= 5
 
 
+def test_several_eos_ids_stop_a_row_at_the_first_of_any():
+    prompt = _prompt(0, (3, 7))
+    free = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20))[:, 7:]
+    eos = [int(free[1, 3]), int(free[0, 6])]  # row 1 emits the first by its 4th step, row 0 the second by its 7th
+    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=eos, pad_id=1))[:, 7:]
+    for row_free, row in zip(free, out):
+        hits = np.flatnonzero(np.isin(row_free, eos))
+        stop = hits[0] if hits.size else len(row_free)
+        np.testing.assert_array_equal(row[:stop + 1], row_free[:stop + 1])
+        np.testing.assert_array_equal(row[stop + 1:], 1)
+    assert np.isin(out[1, :4], eos).any() and np.isin(out[0, :7], eos).any()
+    # One EOS given as a list of one is that EOS.
+    np.testing.assert_array_equal(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=[eos[0]]),
+                                  generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=eos[0]))
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(),  # greedy
     dict(temperature=[1.0, 0.0, 2.0], top_k=[5, 64, 64], top_p=[1.0, 1.0, 0.8], key=jax.random.key(9)),
