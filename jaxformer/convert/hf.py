@@ -180,8 +180,12 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
     )
 
 
-def config_to_hf(config: DecoderConfig) -> dict:
-    """The `config.json` (as a dict) of a `DecoderConfig`: Qwen2 if it has q/k/v biases, else Llama."""
+def config_to_hf(config: DecoderConfig, *, bos_id: int | None = None, eos_id: int | list[int] | None = None,
+                 pad_id: int | None = None) -> dict:
+    """The `config.json` (as a dict) of a `DecoderConfig`: Qwen2 if it has q/k/v biases, else Llama.
+
+    The special token ids are the tokenizer's (jaxformer's config knows none); None
+    leaves them null."""
     model_type = "qwen2" if config.qkv_bias else "llama"
     hf = {
         "architectures": [ARCHITECTURES[model_type]],
@@ -198,9 +202,9 @@ def config_to_hf(config: DecoderConfig) -> dict:
         "rms_norm_eps": config.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "tie_word_embeddings": config.tie_embeddings,
-        "bos_token_id": None,  # jaxformer's config knows no special tokens
-        "eos_token_id": None,
-        "pad_token_id": None,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
         "dtype": "float32",
     }
     if model_type == "llama":
@@ -346,7 +350,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
     return config, params
 
 
-def save_hf(config: DecoderConfig, params, path: str) -> None:
+def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = None,
+            eos_id: int | list[int] | None = None, pad_id: int | None = None) -> None:
     """Writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
     Llama, or Qwen2 when the config has q/k/v biases. An interleaved-RoPE model is saved
@@ -356,8 +361,11 @@ def save_hf(config: DecoderConfig, params, path: str) -> None:
     Args:
       config: the `DecoderConfig`.
       params: the `Decoder` parameter tree.
-      path: the folder (created if needed); `config.json` and `model.safetensors` in it
-        are replaced, each atomically.
+      path: the folder (created if needed); `config.json`, `generation_config.json` and
+        `model.safetensors` in it are replaced, each atomically.
+      bos_id, eos_id, pad_id: the tokenizer's special ids (`eos_id` may list several),
+        written to `config.json` and `generation_config.json`, where `generate` in
+        transformers (and `jaxformer.text.load_tokenizer`) read the ids that stop a text.
     """
     config, params = with_rope_pairing(config, params, "split_half")
     os.makedirs(path, exist_ok=True)
@@ -370,7 +378,10 @@ def save_hf(config: DecoderConfig, params, path: str) -> None:
         tensors[t.hf_key] = np.ascontiguousarray(t.to_hf(w))
     write_atomically(os.path.join(path, "model.safetensors"),
                      lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-    write_text_atomically(os.path.join(path, "config.json"), json.dumps(config_to_hf(config), indent=2))
+    special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    write_text_atomically(os.path.join(path, "generation_config.json"), json.dumps(generation, indent=2))
+    write_text_atomically(os.path.join(path, "config.json"), json.dumps(config_to_hf(config, **special), indent=2))
 
 
 def _get(tree, path: tuple[str, ...]):

@@ -1,0 +1,382 @@
+"""`python -m jaxformer.text.generate`: a Hugging Face checkpoint folder in, text out.
+
+  python -m jaxformer.text.generate --checkpoint DIR --prompt "The capital of France is"
+  python -m jaxformer.text.generate --checkpoint DIR --prompts-file prompts.txt --json
+  echo "Tell me a story" | python -m jaxformer.text.generate --checkpoint DIR --chat --stream
+
+Reads a Llama, Mistral or Qwen2 folder (`load_hf`) and its tokenizer
+(`jaxformer.text.load_tokenizer`), decodes every prompt with `jaxformer.stream` (greedy
+unless --temperature > 0; beam search through `jaxformer.generate`) and stops at the
+tokenizer's EOS. Prompts come from --prompt (repeatable), --prompts-file (one a line;
+`-` reads the lines of standard input), or else standard input as one prompt. Several
+prompts decode together as one ragged batch; with --stream they decode one after
+another, each printed as it is generated.
+
+stdout holds the completions only, each followed by a newline (or, with --json, one JSON
+object a prompt); stderr says how long loading, compiling, the prefill and the decoding
+took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.command_line import OneLineParser, fail
+from jaxformer.convert import load_hf
+from jaxformer.decoder import Decoder
+from jaxformer.decoding import generate, stream
+from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
+from jaxformer.text.chat import render_chat
+from jaxformer.text.streaming import TextStream, completion_text
+from jaxformer.text.tokenizer import Tokenizer, load_tokenizer
+from jaxformer.training.runtime import enable_compilation_cache
+from jaxformer.training.state import check_seed
+from jaxformer.validation import finite_float
+
+PROG = "python -m jaxformer.text.generate"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The events in which JAX reports the time it spends tracing, lowering and compiling.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+def parse_args(argv=None):
+    """The flags, each checked by the library's own rule; a bad one exits with one line."""
+    p = OneLineParser(PROG, __doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a Hugging Face folder: config.json, model.safetensors (or shards), tokenizer.json")
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat the flag for a batch")
+    p.add_argument("--prompts-file", metavar="FILE", help="one prompt a line ('-': the lines of standard input)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate after each prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily; > 0 samples")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling: among the likeliest tokens holding this probability, in (0, 1] "
+                        "(default: all)")
+    p.add_argument("--num-beams", type=int, default=1, help="> 1: beam search (deterministic; not with --stream)")
+    p.add_argument("--length-penalty", type=float, default=0.0,
+                   help="beam search: a finished beam scores log p / ((5 + length) / 6) ** this")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
+    p.add_argument("--dtype", default="float32", help=f"compute dtype, one of {', '.join(DTYPES)}")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="longest prompt + completion (default: the checkpoint's max_position_embeddings)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user message in the folder's chat template")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object a prompt: prompt, completion, token ids and counts")
+    args = p.parse_args(argv)
+    try:
+        _check(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def _check(args) -> None:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    check_temperature(args.temperature, name="--temperature")
+    check_top_k(args.top_k, None, name="--top-k")  # against the vocabulary once it is read
+    if args.top_p is not None:
+        check_top_p(args.top_p, name="--top-p")
+    check_seed(args.seed, "--seed")
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (got {args.dtype!r})")
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        raise ValueError(f"--max-seq-len must be >= 1 (got {args.max_seq_len})")
+    if args.num_beams < 1:
+        raise ValueError(f"--num-beams must be >= 1 (got {args.num_beams})")
+    if args.num_beams > 1 and (args.temperature != 0 or args.top_k is not None or args.top_p is not None):
+        raise ValueError("--num-beams > 1 is beam search, which is deterministic: leave --temperature at 0 "
+                         "and --top-k, --top-p unset")
+    penalty = finite_float(args.length_penalty)
+    if penalty is None or penalty < 0:
+        raise ValueError(f"--length-penalty must be a finite number >= 0 (got {args.length_penalty})")
+    if args.stream and args.num_beams > 1:
+        raise ValueError("--stream prints one token after another; beam search (--num-beams > 1) picks its "
+                         "text at the end")
+    if args.stream and args.json:
+        raise ValueError("--stream and --json do not go together: --json prints each completion whole")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat")
+    if args.prompt is not None and args.prompts_file is not None:
+        raise ValueError("give prompts by --prompt or by --prompts-file, not both")
+
+
+def read_prompts(args, stdin=None) -> list[str]:
+    """The prompts: every --prompt, the lines of --prompts-file, or all of standard input.
+
+    Raises:
+      ValueError: an empty prompt (naming which), an unreadable file, or no prompt at all.
+    """
+    stdin = sys.stdin if stdin is None else stdin
+    if args.prompt is not None:
+        prompts, where = args.prompt, [f"--prompt {i + 1}" for i in range(len(args.prompt))]
+    elif args.prompts_file is not None:
+        prompts = _read_lines(args.prompts_file, stdin)
+        where = [f"{args.prompts_file} line {i + 1}" for i in range(len(prompts))]
+        if not prompts:
+            raise ValueError(f"--prompts-file {args.prompts_file} holds no prompt")
+    else:
+        if stdin.isatty():
+            raise ValueError("no prompt: give --prompt TEXT, --prompts-file FILE, or text on standard input")
+        text = stdin.read()
+        prompts, where = [text[:-1] if text.endswith("\n") else text], ["standard input"]
+    for prompt, place in zip(prompts, where):
+        if not prompt.strip():
+            raise ValueError(f"{place} is an empty prompt")
+    return prompts
+
+
+def _read_lines(path: str, stdin) -> list[str]:
+    if path == "-":
+        return stdin.read().splitlines()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --prompts-file {path}: {e}") from None
+
+
+def encode_prompts(tokenizer: Tokenizer, prompts: list[str], args) -> list[list[int]]:
+    """Each prompt's ids: as the tokenizer frames a text (a BOS in front, for Llama's), or
+    with --chat as a user message in the chat template (which writes its own BOS)."""
+    if not args.chat:
+        return [tokenizer.encode(prompt) for prompt in prompts]
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    try:
+        texts = [render_chat(tokenizer, system + [{"role": "user", "content": p}]) for p in prompts]
+    except ValueError as e:
+        raise ValueError(f"--chat: {args.checkpoint}: {e}") from None
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def check_prompts(ids: list[list[int]], prompts: list[str], max_new_tokens: int, max_seq_len: int,
+                  vocab_size: int) -> None:
+    """Every prompt has ids the model knows, and fits `max_seq_len` with its completion.
+
+    Raises:
+      ValueError: naming the prompt and the limit.
+    """
+    for n, (row, prompt) in enumerate(zip(ids, prompts), 1):
+        name = f"prompt {n} ({prompt[:30]!r}{'...' if len(prompt) > 30 else ''})"
+        if not row:
+            raise ValueError(f"{name} encodes to no token")
+        if max(row) >= vocab_size:
+            raise ValueError(f"{name} holds token id {max(row)}, past the model's vocab_size {vocab_size}: "
+                             "the tokenizer does not belong to this model")
+        if len(row) + max_new_tokens > max_seq_len:
+            raise ValueError(f"{name} is {len(row)} tokens: with --max-new-tokens {max_new_tokens} that passes "
+                             f"max_seq_len {max_seq_len}")
+
+
+@dataclasses.dataclass
+class Clock:
+    """Wall time split into compilation (as JAX reports it) and the rest."""
+
+    compile: float = 0.0
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Counts the compilation JAX does in the block into `self.compile`."""
+        def listener(event: str, duration: float, **_):
+            if event in COMPILE_EVENTS:
+                self.compile += duration
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            yield
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+
+    def run(self, fn):
+        """`(fn(), seconds)`: its wall time less the compilation in it."""
+        before, started = self.compile, time.perf_counter()
+        with self.compiling():
+            value = fn()
+        return value, time.perf_counter() - started - (self.compile - before)
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One prompt's result.
+
+    Attributes:
+      prompt: the prompt as given.
+      prompt_ids: its ids, as the model read them (chat template included).
+      ids: the new tokens, the stopping one included.
+      text: the text of the new tokens before the stopping one.
+      finish_reason: "stop" (an EOS id) or "length" (--max-new-tokens).
+    """
+
+    prompt: str
+    prompt_ids: list[int]
+    ids: list[int]
+    text: str
+    finish_reason: str
+
+    def as_json(self) -> dict:
+        return {"prompt": self.prompt, "completion": self.text, "prompt_tokens": len(self.prompt_ids),
+                "completion_tokens": len(self.ids), "token_ids": self.ids, "finish_reason": self.finish_reason}
+
+
+def completion(tokenizer: Tokenizer, prompt: str, prompt_ids: list[int], row: list[int]) -> Completion:
+    """A row of new tokens cut at its first stop id (`pad_id` follows it), as a `Completion`."""
+    stops = [i for i, token in enumerate(row) if token in tokenizer.stop_ids]
+    ids = row[:stops[0] + 1] if stops else row
+    text = completion_text(tokenizer, prompt_ids, ids[:-1] if stops else ids)
+    return Completion(prompt, prompt_ids, ids, text, "stop" if stops else "length")
+
+
+class Printer:
+    """Prints one row's text as its tokens arrive (a `stream` step at a time), up to its stop id."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], out):
+        self._tokenizer, self._out = tokenizer, out
+        self._text = TextStream(tokenizer, prompt_ids)
+        self._stopped = False
+
+    def __call__(self, token: np.ndarray) -> None:
+        token = int(token[0])
+        self._stopped = self._stopped or token in self._tokenizer.stop_ids
+        if not self._stopped:
+            self._out.write(self._text.push([token]))
+            self._out.flush()
+
+    def close(self) -> None:
+        self._out.write(self._text.finish() + "\n")
+        self._out.flush()
+
+
+@dataclasses.dataclass
+class Stats:
+    """What stderr reports, summed over the batches decoded."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0  # up to each row's stop id
+    prefill_seconds: float = 0.0  # the prefill and each row's first token
+    decode_seconds: float = 0.0  # the steps after it (beam search: everything)
+
+
+def _ragged(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Prompts as a right-padded batch, and their lengths (None when all are alike)."""
+    lengths = np.array([len(row) for row in ids], np.int32)
+    batch = np.zeros((len(ids), lengths.max()), np.int32)
+    for row, prompt in zip(batch, ids):
+        row[:len(prompt)] = prompt
+    return batch, (lengths if lengths.min() < lengths.max() else None)
+
+
+def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids: list[list[int]], args,
+           clock: Clock, stats: Stats, on_token=None) -> list[Completion]:
+    """Decodes the prompts as one batch.
+
+    Args:
+      on_token: called with each step's tokens (`[batch]`) as they are made.
+
+    Returns:
+      One `Completion` a prompt.
+    """
+    batch, lengths = _ragged(ids)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, key=jax.random.key(args.seed), eos_id=list(tokenizer.stop_ids) or None,
+                   pad_id=tokenizer.pad_id, prompt_lengths=lengths)
+    if args.num_beams > 1:  # one program: its prefill is not timed apart
+        out, seconds = clock.run(lambda: generate(model, params, batch, num_beams=args.num_beams,
+                                                  length_penalty=args.length_penalty, **options).block_until_ready())
+        rows = np.asarray(out)[:, batch.shape[1]:]
+    else:
+        steps, tokens = stream(model, params, batch, **options), []
+
+        def take(token: np.ndarray) -> None:
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+
+        _, stats_prefill = clock.run(lambda: take(next(steps)))
+        _, seconds = clock.run(lambda: [take(token) for token in steps])
+        stats.prefill_seconds += stats_prefill
+        rows = np.stack(tokens, axis=1)
+    stats.decode_seconds += seconds
+    completions = [completion(tokenizer, prompt, row_ids, row) for prompt, row_ids, row in
+                   zip(prompts, ids, rows.tolist())]
+    stats.prompt_tokens += sum(len(row) for row in ids)
+    stats.new_tokens += sum(len(c.ids) for c in completions)
+    return completions
+
+
+def load(args, prompts: list[str]):
+    """The tokenizer, the prompts' ids, the model and its parameters, every limit checked.
+
+    Raises:
+      FileNotFoundError, ValueError: naming the file, prompt or flag.
+    """
+    tokenizer = load_tokenizer(args.checkpoint)
+    ids = encode_prompts(tokenizer, prompts, args)
+    config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
+    check_prompts(ids, prompts, args.max_new_tokens, config.max_seq_len, config.vocab_size)
+    check_top_k(args.top_k, config.vocab_size, name="--top-k")
+    for name, value in (("pad", tokenizer.pad_id), *(("eos", i) for i in tokenizer.stop_ids)):
+        if value is not None and value >= config.vocab_size:
+            raise ValueError(f"{args.checkpoint}: the tokenizer's {name} id {value} is past the model's vocab_size "
+                             f"{config.vocab_size}")
+    return tokenizer, ids, Decoder(config), params
+
+
+def report(args, config, params, stats: Stats, clock: Clock, load_seconds: float, rows: int) -> None:
+    """Load, compile, prefill and decode times on stderr."""
+    def say(line):
+        print(line, file=sys.stderr)
+
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    say(f"loaded {args.checkpoint} in {load_seconds:.2f} s: {config.n_layer} layers x {config.d_model}, "
+        f"vocab {config.vocab_size}, {n_params:,} parameters, {args.dtype}")
+    say(f"compiled in {clock.compile:.2f} s")
+    if args.num_beams > 1:
+        say(f"beam search ({args.num_beams} beams) over {rows} prompt(s), {stats.prompt_tokens} prompt tokens: "
+            f"{stats.new_tokens} new tokens in {stats.decode_seconds:.3f} s, prefill included "
+            f"({stats.new_tokens / stats.decode_seconds:.1f} tokens/s)")
+        return
+    say(f"prefill: {rows} prompt(s), {stats.prompt_tokens} tokens in {stats.prefill_seconds:.3f} s "
+        f"({stats.prompt_tokens / stats.prefill_seconds:.0f} tokens/s)")
+    stepped = stats.new_tokens - rows  # each row's first token came with the prefill
+    say(f"decode: {stepped} tokens in {stats.decode_seconds:.3f} s "
+        f"({stepped / stats.decode_seconds if stats.decode_seconds else 0:.1f} tokens/s)")
+
+
+def main(argv=None, stdin=None, stdout=None) -> int:
+    args = parse_args(argv)
+    stdout = sys.stdout if stdout is None else stdout
+    enable_compilation_cache()
+    started = time.perf_counter()
+    try:
+        prompts = read_prompts(args, stdin)
+        tokenizer, ids, model, params = load(args, prompts)
+    except (OSError, ValueError) as e:
+        fail(PROG, str(e))
+    load_seconds, clock, stats = time.perf_counter() - started, Clock(), Stats()
+    if args.stream:  # one prompt after another, each printed as it comes
+        for prompt, row in zip(prompts, ids):
+            printer = Printer(tokenizer, row, stdout)
+            decode(model, params, tokenizer, [prompt], [row], args, clock, stats, on_token=printer)
+            printer.close()
+    else:
+        for c in decode(model, params, tokenizer, prompts, ids, args, clock, stats):
+            print(json.dumps(c.as_json(), ensure_ascii=False) if args.json else c.text, file=stdout)
+    report(args, model.config, params, stats, clock, load_seconds, len(prompts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

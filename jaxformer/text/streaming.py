@@ -1,0 +1,70 @@
+"""Generated ids to text as they arrive, without broken characters or lost spaces.
+
+Decoding each new token alone goes wrong two ways. A byte-level BPE token can hold part
+of a character (a Chinese character is three UTF-8 bytes, often split over two or three
+tokens): alone it decodes to U+FFFD, the replacement character. And sentencepiece-style
+tokenizers decode a word's leading space only when something comes before it: alone,
+`"▁world"` decodes to `"world"`.
+
+`TextStream` therefore decodes the whole completion so far, behind the prompt's last few
+ids for context, and hands out only what was added since the last call, holding back a
+trailing U+FFFD until the bytes after it complete the character. The tokenizers'
+decoders (byte-level, sentencepiece) only ever extend the text as ids are added, so the
+pieces joined are exactly `completion_text(...)` of all the ids at once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+from jaxformer.text.tokenizer import Tokenizer
+
+CONTEXT_IDS = 4  # prompt ids decoded ahead of the completion: enough for a leading space
+REPLACEMENT = "\ufffd"  # what a decoder makes of bytes that do not (yet) form a character
+
+
+class TextStream:
+    """The text of a growing completion, a piece at a time.
+
+    Args:
+      tokenizer: the `Tokenizer`.
+      prompt_ids: the prompt's ids; the last `CONTEXT_IDS` are decoded ahead of the
+        completion so that its first word keeps its leading space. (None of them when
+        they end inside a character: the completion's first bytes belong to it.)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
+        self._tokenizer = tokenizer
+        self._context_ids = [int(i) for i in list(prompt_ids)[-CONTEXT_IDS:]]
+        self._context = tokenizer.decode(self._context_ids)
+        if self._context.endswith(REPLACEMENT):
+            self._context_ids, self._context = [], ""
+        self._ids: list[int] = []  # the completion's
+        self._sent = ""  # the text handed out so far
+
+    def _text(self) -> str:
+        """The completion's text: context and completion decoded together, less the context."""
+        return self._tokenizer.decode(self._context_ids + self._ids)[len(self._context):]
+
+    def push(self, ids: Iterable[int]) -> str:
+        """Adds the next ids; returns the text they add ('' while a character is unfinished)."""
+        self._ids += [int(i) for i in ids]
+        text = self._text().rstrip(REPLACEMENT)
+        if not text.startswith(self._sent):
+            return ""  # a decoder that rewrites earlier text: wait until it extends what was sent
+        piece, self._sent = text[len(self._sent):], text
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text, an unfinished character included (as U+FFFD)."""
+        text = self._text()
+        piece = text[len(os.path.commonprefix([text, self._sent])):]
+        self._sent = text
+        return piece
+
+
+def completion_text(tokenizer: Tokenizer, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> str:
+    """The text of `completion_ids` after `prompt_ids`: what a `TextStream` hands out in all."""
+    stream = TextStream(tokenizer, prompt_ids)
+    return stream.push(completion_ids) + stream.finish()

@@ -1,0 +1,268 @@
+"""Text to token ids and back, with Hugging Face's `tokenizers` library.
+
+A checkpoint folder's tokenizer is its `tokenizer.json` (the `tokenizers` format every
+Hugging Face model ships with) plus the special tokens named around it. `load_tokenizer`
+reads them the way transformers does, without transformers:
+
+- the special tokens (BOS, EOS, PAD, UNK) and the chat template come from
+  `tokenizer_config.json` (a `chat_template.jinja` file, which transformers >= 4.43
+  writes, takes precedence over the config's `chat_template`);
+- `add_bos_token` / `add_eos_token` in `tokenizer_config.json` replace `tokenizer.json`'s
+  post-processor, as transformers' tokenizers do;
+- the ids that stop generation come from `generation_config.json`, else `config.json`,
+  else the tokenizer's EOS token: the order in which `generate` in transformers finds them.
+
+`train_bpe`, `char_tokenizer` and `word_tokenizer` build the tokenizers of the demos, and
+`save_tokenizer` writes any of them as a folder that transformers' `AutoTokenizer` opens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterable, Sequence
+
+import tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+
+from jaxformer.files import write_text_atomically
+from jaxformer.validation import as_int
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILE = "config.json"
+SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
+END_OF_TEXT = "<|endoftext|>"  # the byte-level BPE tokenizers' end of a document
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with the special tokens and chat template around it.
+
+    Attributes:
+      backend: the `tokenizers.Tokenizer` (normaliser, pre-tokeniser, model, post-processor,
+        decoder).
+      special_tokens: role (`bos_token`, `eos_token`, `pad_token`, `unk_token`) -> token
+        text, for the roles the tokenizer has.
+      chat_template: a Jinja template turning a list of messages into a prompt, or None.
+      stop_ids: the ids that end a generated text; by default the EOS token's.
+    """
+
+    backend: tokenizers.Tokenizer
+    special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
+    chat_template: str | None = None
+    stop_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for role, token in self.special_tokens.items():
+            if self.backend.token_to_id(token) is None:
+                raise ValueError(f"special token {role}={token!r} is not in the vocabulary")
+        if self.stop_ids is None:
+            object.__setattr__(self, "stop_ids", () if self.eos_id is None else (self.eos_id,))
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids run from 0 to `vocab_size - 1`, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def _id(self, role: str) -> int | None:
+        token = self.special_tokens.get(role)
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._id("bos_token")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._id("eos_token")
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._id("pad_token")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`; with `add_special_tokens`, framed as the post-processor says
+        (a BOS in front, for Llama's tokenizers).
+
+        Raises:
+          ValueError: the text holds something the vocabulary cannot spell.
+        """
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as e:  # tokenizers raises a bare Exception, e.g. for a word-level unknown
+            raise ValueError(f"cannot tokenize {_preview(text)}: {e}") from None
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`, special tokens left out unless `skip_special_tokens` is False."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def _preview(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _read_json(path: str, required: bool) -> dict:
+    """The JSON object in `path`; {} for an optional file that is absent."""
+    if not os.path.isfile(path):
+        if required:
+            raise FileNotFoundError(f"{path}: missing")
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _token_text(value: Any, where: str) -> str | None:
+    """A special token as `tokenizer_config.json` writes it: a string, or an added-token
+    object `{"content": ...}`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"{where}: must be a token string or {{\"content\": ...}}, got {value!r}")
+
+
+def _chat_template(path: str, config: dict) -> str | None:
+    """The folder's default chat template: `chat_template.jinja`, else the config's
+    `chat_template` (a string, or a list of `{"name", "template"}` of which "default")."""
+    jinja = os.path.join(path, CHAT_TEMPLATE_FILE)
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{os.path.join(path, TOKENIZER_CONFIG_FILE)}: chat_template must be a string "
+                         f"or a list of {{\"name\", \"template\"}}")
+    return template
+
+
+def _stop_ids(path: str, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids that end generation, where transformers' `generate` looks for them:
+    `generation_config.json`, else `config.json`, else the tokenizer's EOS token."""
+    for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
+        file = os.path.join(path, name)
+        value = _read_json(file, required=False).get("eos_token_id")
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        return tuple(as_int(i, f"{file}: eos_token_id", minimum=0, maximum=tokenizer.vocab_size - 1,
+                            maximum_name="the tokenizer's vocabulary size - 1") for i in ids)
+    return tokenizer.stop_ids
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """Reads the tokenizer of a Hugging Face checkpoint folder.
+
+    Args:
+      path: a folder holding `tokenizer.json`, and optionally `tokenizer_config.json`,
+        `chat_template.jinja`, `generation_config.json` and `config.json`.
+
+    Returns:
+      The `Tokenizer`, its `stop_ids` resolved as transformers' `generate` does.
+
+    Raises:
+      FileNotFoundError: the folder or its `tokenizer.json` is missing.
+      ValueError: naming the file that does not parse or holds a bad field.
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint folder")
+    file = os.path.join(path, TOKENIZER_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file}: missing; the tokenizer is read from tokenizer.json "
+                                "(a folder with only a sentencepiece tokenizer.model is not supported)")
+    try:
+        backend = tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+        raise ValueError(f"{file}: not a readable tokenizer ({str(e).splitlines()[0]})") from None
+    config_file = os.path.join(path, TOKENIZER_CONFIG_FILE)
+    config = _read_json(config_file, required=False)
+    special = {}
+    for role in SPECIAL_ROLES:
+        token = _token_text(config.get(role), f"{config_file}: {role}")
+        if token is not None:
+            special[role] = token
+    if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+        backend.post_processor = _framing(backend, special, config.get("add_bos_token") is True,
+                                          config.get("add_eos_token") is True)
+    try:
+        tokenizer = Tokenizer(backend, special, _chat_template(path, config))
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
+    return dataclasses.replace(tokenizer, stop_ids=_stop_ids(path, tokenizer))
+
+
+def _framing(backend: tokenizers.Tokenizer, special: dict[str, str], add_bos: bool, add_eos: bool):
+    """The post-processor that puts BOS in front and/or EOS behind every text, as
+    transformers builds it from `add_bos_token` / `add_eos_token`."""
+    bos, eos = special.get("bos_token") if add_bos else None, special.get("eos_token") if add_eos else None
+    single = " ".join([f"{bos}:0"] * (bos is not None) + ["$A:0"] + [f"{eos}:0"] * (eos is not None))
+    pair = single + " " + " ".join([f"{bos}:1"] * (bos is not None) + ["$B:1"] + [f"{eos}:1"] * (eos is not None))
+    return processors.TemplateProcessing(single=single, pair=pair,
+                                         special_tokens=[(t, backend.token_to_id(t)) for t in (bos, eos) if t])
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str) -> None:
+    """Writes `tokenizer.json` and `tokenizer_config.json` into the folder `path`, each
+    atomically, so that `load_tokenizer` and transformers' `AutoTokenizer` read it back."""
+    os.makedirs(path, exist_ok=True)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens,
+              # The post-processor in tokenizer.json frames the text; the flags would replace it.
+              "clean_up_tokenization_spaces": False}
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template
+    write_text_atomically(os.path.join(path, TOKENIZER_FILE), tokenizer.backend.to_str(pretty=True))
+    write_text_atomically(os.path.join(path, TOKENIZER_CONFIG_FILE), json.dumps(config, indent=2) + "\n")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer (as GPT-2's) learned from `texts`.
+
+    Every text is spelled in bytes first, so no input is unknown; the merges then join
+    frequent byte pairs into tokens until the vocabulary holds `vocab_size` ids: the 256
+    bytes, the end-of-text token (`<|endoftext|>`, id 0, also EOS and PAD) and the merges.
+
+    Raises:
+      ValueError: `vocab_size` below 257.
+    """
+    vocab_size = as_int(vocab_size, "vocab_size", minimum=257)
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer)
+    return Tokenizer(backend, {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT, "pad_token": END_OF_TEXT})
+
+
+def char_tokenizer(chars: Sequence[str]) -> Tokenizer:
+    """Every character its own token: `chars[i]` is id i. A character outside `chars`
+    cannot be encoded (`encode` raises)."""
+    backend = tokenizers.Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")  # (?m): "." takes newlines too
+    backend.decoder = decoders.Fuse()  # join the characters as they are, no separator
+    return Tokenizer(backend)
+
+
+def word_tokenizer(words: Sequence[str], **special_tokens: str) -> Tokenizer:
+    """`words[i]` is id i; a text is words separated by spaces, and decodes the same way.
+
+    Args:
+      words: the vocabulary.
+      **special_tokens: roles (`bos_token=...`) of some of the words.
+    """
+    backend = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(list(special_tokens.values()))  # (they keep their ids; decode skips them)
+    return Tokenizer(backend, special_tokens)

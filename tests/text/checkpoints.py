@@ -1,0 +1,66 @@
+"""A tiny Llama checkpoint folder with a byte-level BPE tokenizer, made by transformers
+(the peers extra) the way `save_pretrained` writes a real one."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+# A few KB of English and Chinese (the 2017 paper's title among them), so that the BPE
+# merges learn words and whole characters while rarer characters stay split into bytes.
+CORPUS = "\n".join([
+    "Attention is all you need. The Transformer reads a whole sentence at once.",
+    "注意力就是你所需要的一切。变换器一次读入整个句子。",
+    "The cat sat on the mat, and the dog sat on the log.",
+    "今天天气很好，我们去公园散步吧。明天也许会下雨。",
+    "Keys and values are cached, so each new token costs one step.",
+    "机器学习模型需要数据、算力和耐心。",
+] * 12)
+SPECIAL = ["<s>", "</s>", "<pad>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def bpe_tokenizer(vocab_size: int = 400) -> Tokenizer:
+    """A byte-level BPE tokenizer that frames every text as `<s> text`, as Llama's do."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([CORPUS], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return tok
+
+
+def save_tiny_llama(path: str, *, chat_template: bool = True, seed: int = 0, n_layer: int = 2) -> None:
+    """A random Llama (weights scaled up so greedy choices are far from ties) and its tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    backend = bpe_tokenizer()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>")
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=backend.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=96, initializer_range=0.4, tie_word_embeddings=False,
+                         bos_token_id=backend.token_to_id("<s>"), eos_token_id=backend.token_to_id("</s>"),
+                         pad_token_id=backend.token_to_id("<pad>"))
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+
+
+def set_eos(path: str, eos_ids: list[int]) -> None:
+    """Makes `eos_ids` the ids that stop generation (`generation_config.json`)."""
+    file = os.path.join(path, "generation_config.json")
+    with open(file) as f:
+        config = json.load(f)
+    config["eos_token_id"] = eos_ids
+    with open(file, "w") as f:
+        json.dump(config, f)

@@ -1,0 +1,249 @@
+"""The generation CLI: a checkpoint folder and text in, text out.
+
+Most tests use a folder jaxformer writes itself (`save_hf` + `save_tokenizer`); the
+parity test uses one transformers writes, and its `generate` + `decode` as the peer.
+"""
+
+import hashlib
+import io
+import json
+import os
+import shutil
+
+import contextlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from checkpoints import CORPUS, save_tiny_llama, set_eos
+from conftest import import_peer, init_params
+
+from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy
+from jaxformer.convert import save_hf
+from jaxformer.text import completion_text, load_tokenizer, save_tokenizer, train_bpe
+from jaxformer.text import generate as cli
+
+# A small vocabulary: many Chinese characters stay spelled in two or three byte tokens.
+BPE = train_bpe([CORPUS], 280)
+CONFIG = DecoderConfig(vocab_size=BPE.vocab_size, n_layer=1, n_head=4, n_kv_head=2, d_model=64, max_seq_len=48)
+# Different lengths: a ragged batch. Every test decodes 24 new tokens, so that the CLI's
+# programs (one per batch shape) compile once for the module.
+PROMPTS = ["今天天气很好，我们", "Keys and values", "注意力"]
+NEW = ["--max-new-tokens", "24"]
+
+
+def _memorised_params(steps: int = 300, batch: int = 16, width: int = 33):
+    """Parameters that have learned the corpus by heart, so greedy decoding continues a
+    prompt with the corpus's text: real Chinese characters and spaces, not random bytes."""
+    model, optimizer = Decoder(CONFIG), optax.adam(1e-2)
+    ids = jnp.asarray(BPE.encode(CORPUS, add_special_tokens=False))
+
+    @jax.jit
+    def update(params, opt_state, key):
+        start = jax.random.randint(key, (batch, 1), 0, ids.shape[0] - width)
+        tokens = ids[start + jnp.arange(width)]  # [batch, width]
+
+        def loss(params):
+            logits, _ = model.apply({"params": params}, tokens[:, :-1])
+            return label_smoothed_cross_entropy(logits, tokens[:, 1:], 0.0)
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = init_params(CONFIG)
+    opt_state = optimizer.init(params)
+    for key in jax.random.split(jax.random.key(0), steps):
+        params, opt_state = update(params, opt_state, key)
+    return params
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _memorised_params()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, params):
+    """A checkpoint folder written by jaxformer, with a byte-level BPE tokenizer."""
+    path = str(tmp_path_factory.mktemp("jaxformer-checkpoint"))
+    save_hf(CONFIG, params, path, bos_id=BPE.bos_id, eos_id=BPE.eos_id, pad_id=BPE.pad_id)
+    save_tokenizer(BPE, path)
+    return path
+
+
+def run(argv, stdin=""):
+    """`(stdout, stderr lines)` of the CLI run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert cli.main(argv, stdin=io.StringIO(stdin), stdout=out) == 0
+    return out.getvalue(), err.getvalue().splitlines()
+
+
+def _flags(prompts):
+    return [flag for prompt in prompts for flag in ("--prompt", prompt)]
+
+
+def test_greedy_completions_are_generate_and_decode(folder, params):
+    out, err = run(["--checkpoint", folder, *_flags(PROMPTS), *NEW, "--json"])
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == PROMPTS
+    ids = [BPE.encode(prompt) for prompt in PROMPTS]
+    batch = np.zeros((len(ids), max(map(len, ids))), np.int32)
+    for row, prompt_ids in zip(batch, ids):
+        row[:len(prompt_ids)] = prompt_ids
+    want = np.asarray(generate(Decoder(CONFIG), params, batch, max_new_tokens=24,
+                               prompt_lengths=[len(i) for i in ids]))[:, batch.shape[1]:]
+    for prompt_ids, new, row in zip(ids, want.tolist(), rows):
+        assert row["token_ids"] == new and row["finish_reason"] == "length"
+        assert row["completion"] == completion_text(BPE, prompt_ids, new)
+        assert (row["prompt_tokens"], row["completion_tokens"]) == (len(prompt_ids), 24)
+    assert rows[1]["completion"].startswith(" are cached, so")  # the model recites its corpus
+    # Plain output: the completions, a line each.
+    plain, _ = run(["--checkpoint", folder, *_flags(PROMPTS), *NEW])
+    assert plain == "".join(r["completion"] + "\n" for r in rows)
+    assert [line.split()[0] for line in err] == ["loaded", "compiled", "prefill:", "decode:"]
+
+
+def test_stream_prints_the_same_text(folder):
+    argv = ["--checkpoint", folder, *_flags(PROMPTS), *NEW]
+    whole, _ = run(argv)
+    streamed, _ = run(argv + ["--stream"])  # (one prompt after another)
+    assert streamed == whole
+    # The model recites the corpus: Chinese characters (some of them two or three byte
+    # tokens) and spaces, with no broken character but one cut by --max-new-tokens.
+    first, second, _ = whole.splitlines()
+    assert first.startswith("去公园散步吧。明") and second.startswith(" are cached, so each")
+    assert "\ufffd" not in first.rstrip("\ufffd") + second
+
+
+def test_prompts_from_a_file_and_from_standard_input(folder, tmp_path):
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    by_flag, _ = run(["--checkpoint", folder, *_flags(PROMPTS), *NEW])
+    by_file, _ = run(["--checkpoint", folder, "--prompts-file", str(file), *NEW])
+    by_lines, _ = run(["--checkpoint", folder, "--prompts-file", "-", *NEW], stdin=file.read_text())
+    assert by_flag == by_file == by_lines
+    alone, _ = run(["--checkpoint", folder, *NEW], stdin=PROMPTS[1] + "\n")
+    assert alone == by_flag.splitlines(keepends=True)[1]
+
+
+def test_generation_stops_at_the_folders_eos(folder, tmp_path):
+    free, _ = run(["--checkpoint", folder, "--prompt", PROMPTS[0], *NEW, "--json"])
+    ids = json.loads(free)["token_ids"]
+    stopped = str(tmp_path / "stops")
+    shutil.copytree(folder, stopped)
+    with open(os.path.join(stopped, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [ids[6], ids[4]], "pad_token_id": 0}, f)
+    out, _ = run(["--checkpoint", stopped, "--prompt", PROMPTS[0], *NEW, "--json"])
+    row = json.loads(out)
+    cut = min(ids.index(ids[4]), ids.index(ids[6])) + 1
+    assert row["token_ids"] == ids[:cut] and row["finish_reason"] == "stop"
+    assert row["completion"] == completion_text(BPE, BPE.encode(PROMPTS[0]), ids[:cut - 1])
+
+
+def test_sampling_and_beam_search_reach_generate(folder, params):
+    prompt = BPE.encode(PROMPTS[1])
+    out, _ = run(["--checkpoint", folder, "--prompt", PROMPTS[1], *NEW, "--temperature", "0.9", "--top-k", "20",
+                  "--top-p", "0.9", "--seed", "5", "--json"])
+    want = generate(Decoder(CONFIG), params, jnp.asarray([prompt]), max_new_tokens=24, temperature=0.9, top_k=20,
+                    top_p=0.9, key=jax.random.key(5), eos_id=BPE.eos_id, pad_id=BPE.pad_id)
+    assert json.loads(out)["token_ids"] == np.asarray(want)[0, len(prompt):].tolist()
+    out, err = run(["--checkpoint", folder, "--prompt", PROMPTS[1], "--max-new-tokens", "6", "--num-beams", "3",
+                    "--length-penalty", "0.5", "--json"])
+    want = generate(Decoder(CONFIG), params, jnp.asarray([prompt]), max_new_tokens=6, num_beams=3,
+                    length_penalty=0.5, eos_id=BPE.eos_id, pad_id=BPE.pad_id)
+    assert json.loads(out)["token_ids"] == np.asarray(want)[0, len(prompt):].tolist()
+    assert err[2].startswith("beam search (3 beams)")
+
+
+def _snapshot(path):
+    return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(path))}
+
+
+def _without(folder, tmp_path, name):
+    copy = str(tmp_path / f"without-{name}")
+    shutil.copytree(folder, copy)
+    os.remove(os.path.join(copy, name))
+    return copy
+
+
+@pytest.mark.parametrize("argv, message", [
+    (lambda f, t: ["--checkpoint", _without(f, t, "model.safetensors"), "--prompt", "hi"],
+     r"no model.safetensors or model.safetensors.index.json in .*without-model.safetensors$"),
+    (lambda f, t: ["--checkpoint", _without(f, t, "tokenizer.json"), "--prompt", "hi"],
+     r"without-tokenizer.json/tokenizer.json: missing"),
+    (lambda f, t: ["--checkpoint", str(t / "nowhere"), "--prompt", "hi"], r"nowhere: no such checkpoint folder"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--prompt", " "], r"--prompt 2 is an empty prompt$"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "天气" * 20, *NEW],
+     r"prompt 1 \('天气天气.*'\.\.\.\) is \d+ tokens: with --max-new-tokens 24 that passes max_seq_len 48$"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--dtype", "float16"],
+     r"--dtype must be one of float32, bfloat16 \(got 'float16'\)$"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--chat"], r"--chat: .*: the tokenizer has no chat template"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--stream", "--json"], r"--stream and --json do not go"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--top-k", "301"],
+     r"--top-k must be None or an int in \[1, vocab_size=280\] \(got 301\)"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--num-beams", "2", "--temperature", "1"],
+     r"--num-beams > 1 is beam search"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--temperature", "nan"], r"--temperature must be >= 0"),
+    (lambda f, t: ["--checkpoint", f], r"no prompt: give --prompt TEXT"),
+], ids=["no-weights", "no-tokenizer", "no-folder", "empty-prompt", "prompt-too-long", "dtype", "chat-no-template",
+        "stream-json", "top-k", "beams-sampling", "temperature-nan", "no-prompt"])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(folder, tmp_path, capsys, monkeypatch, argv, message):
+    before = _snapshot(folder)
+    tty = io.StringIO()
+    tty.isatty = lambda: True  # no text piped in
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(NEW + argv(folder, tmp_path), stdin=tty)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith(f"{cli.PROG}: error: ")
+    assert re.search(message, err.strip()), err
+    assert _snapshot(folder) == before
+
+
+# transformers as the peer.
+
+@pytest.mark.peers
+def test_completions_equal_transformers_generate_and_decode(tmp_path):
+    """A tiny Llama and its tokenizer saved by transformers: each prompt's greedy text from
+    the CLI (one ragged batch) is `model.generate` + `tokenizer.decode` of that prompt
+    alone, up to the EOS ids of generation_config.json."""
+    torch = import_peer("torch")
+    transformers = import_peer("transformers")
+    path = str(tmp_path)
+    save_tiny_llama(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    free = model.generate(torch.tensor([tokenizer(PROMPTS[0])["input_ids"]]), max_new_tokens=16, do_sample=False)
+    n = len(tokenizer(PROMPTS[0])["input_ids"])
+    set_eos(path, [int(free[0, n + 6]), int(free[0, n + 9])])  # prompt 0 stops after 7 tokens or fewer
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    out, _ = run(["--checkpoint", path, *_flags(PROMPTS), "--max-new-tokens", "16", "--json"])
+    rows = [json.loads(line) for line in out.splitlines()]
+    stop_ids = load_tokenizer(path).stop_ids
+    for prompt, row in zip(PROMPTS, rows):
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            new = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        stops = [i for i, t in enumerate(new) if t in stop_ids]
+        new = new[:stops[0] + 1] if stops else new  # transformers pads after the EOS
+        assert row["token_ids"] == new
+        assert row["completion"] == tokenizer.decode(new[:-1] if stops else new, skip_special_tokens=True)
+    assert rows[0]["finish_reason"] == "stop" and len(rows[0]["token_ids"]) <= 7
+
+
+@pytest.mark.peers
+def test_chat_prompts_are_apply_chat_template(tmp_path):
+    transformers = import_peer("transformers")
+    save_tiny_llama(str(tmp_path))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    out, _ = run(["--checkpoint", str(tmp_path), "--chat", "--system", "Be brief.", "--prompt", "今天天气",
+                  "--max-new-tokens", "4", "--json"])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "今天天气"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert json.loads(out)["prompt_tokens"] == len(ids)
