@@ -7,7 +7,8 @@ A fenced code block is tested when the last non-blank line before it is a marker
 
 NAME is unique within its file. Options:
 
-  needs=checkpoint  a tiny Hugging Face checkpoint is first written with `save_hf` to
+  needs=checkpoint  a tiny Hugging Face checkpoint (`save_hf`, and a character-level
+                    tokenizer of 32 characters, a-z and " .,!?\n") is first written to
                     `<tmp>/checkpoint`; "path/to/" in the block stands for `<tmp>/`.
   needs=torch       skipped, saying why, without torch (the peers extra).
   devices=N         runs in a fresh Python process that sees N simulated CPU devices
@@ -172,9 +173,12 @@ def _write_checkpoint(folder: Path) -> None:
     import jaxformer as jf
     from jaxformer.convert import save_hf
 
+    from jaxformer.text import char_tokenizer, save_tokenizer
+
     config = jf.DecoderConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=64)
     params = jf.Decoder(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     save_hf(config, params, str(folder))
+    save_tokenizer(char_tokenizer("abcdefghijklmnopqrstuvwxyz .,!?\n"), str(folder))  # 32 characters
 
 
 PYTHON = [b for b in TESTED if b.language == "python"]

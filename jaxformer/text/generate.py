@@ -304,9 +304,9 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
             if on_token is not None:
                 on_token(token)
 
-        _, stats_prefill = clock.run(lambda: take(next(steps)))
+        _, prefill = clock.run(lambda: take(next(steps)))
         _, seconds = clock.run(lambda: [take(token) for token in steps])
-        stats.prefill_seconds += stats_prefill
+        stats.prefill_seconds += prefill
         rows = np.stack(tokens, axis=1)
     stats.decode_seconds += seconds
     completions = [completion(tokenizer, prompt, row_ids, row) for prompt, row_ids, row in
@@ -334,31 +334,34 @@ def load(args, prompts: list[str]):
     return tokenizer, ids, Decoder(config), params
 
 
-def report(args, config, params, stats: Stats, clock: Clock, load_seconds: float, rows: int) -> None:
+def report(args, config, params, stats: Stats, clock: Clock, load_seconds: float, rows: int, cache_dir) -> None:
     """Load, compile, prefill and decode times on stderr."""
     def say(line):
         print(line, file=sys.stderr)
 
-    n_params = sum(x.size for x in jax.tree.leaves(params))
-    say(f"loaded {args.checkpoint} in {load_seconds:.2f} s: {config.n_layer} layers x {config.d_model}, "
-        f"vocab {config.vocab_size}, {n_params:,} parameters, {args.dtype}")
-    say(f"compiled in {clock.compile:.2f} s")
+    def plural(n: int, noun: str) -> str:
+        return f"{n:,} {noun}{'s' * (n != 1)}"
+
+    say(f"loaded {args.checkpoint} in {load_seconds:.2f} s: {plural(config.n_layer, 'layer')} x {config.d_model}, "
+        f"vocab {config.vocab_size:,}, {plural(sum(x.size for x in jax.tree.leaves(params)), 'parameter')}, "
+        f"{args.dtype}")
+    say(f"compile: {clock.compile:.2f} s (tracing and XLA; a repeated run loads the programs from {cache_dir})")
+    prompts = f"{plural(stats.prompt_tokens, 'token')} of {plural(rows, 'prompt')}"
     if args.num_beams > 1:
-        say(f"beam search ({args.num_beams} beams) over {rows} prompt(s), {stats.prompt_tokens} prompt tokens: "
-            f"{stats.new_tokens} new tokens in {stats.decode_seconds:.3f} s, prefill included "
-            f"({stats.new_tokens / stats.decode_seconds:.1f} tokens/s)")
+        say(f"beam search ({args.num_beams} beams), {prompts}: {plural(stats.new_tokens, 'new token')} in "
+            f"{stats.decode_seconds:.3f} s, prefill included ({stats.new_tokens / stats.decode_seconds:.1f} tokens/s)")
         return
-    say(f"prefill: {rows} prompt(s), {stats.prompt_tokens} tokens in {stats.prefill_seconds:.3f} s "
-        f"({stats.prompt_tokens / stats.prefill_seconds:.0f} tokens/s)")
-    stepped = stats.new_tokens - rows  # each row's first token came with the prefill
-    say(f"decode: {stepped} tokens in {stats.decode_seconds:.3f} s "
+    say(f"prefill: {prompts} in {stats.prefill_seconds:.3f} s ({stats.prompt_tokens / stats.prefill_seconds:.0f} "
+        "tokens/s), each prompt's first new token included")
+    stepped = stats.new_tokens - rows
+    say(f"decode: {plural(stepped, 'token')} in {stats.decode_seconds:.3f} s "
         f"({stepped / stats.decode_seconds if stats.decode_seconds else 0:.1f} tokens/s)")
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
     args = parse_args(argv)
     stdout = sys.stdout if stdout is None else stdout
-    enable_compilation_cache()
+    cache_dir = enable_compilation_cache()
     started = time.perf_counter()
     try:
         prompts = read_prompts(args, stdin)
@@ -374,7 +377,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     else:
         for c in decode(model, params, tokenizer, prompts, ids, args, clock, stats):
             print(json.dumps(c.as_json(), ensure_ascii=False) if args.json else c.text, file=stdout)
-    report(args, model.config, params, stats, clock, load_seconds, len(prompts))
+    report(args, model.config, params, stats, clock, load_seconds, len(prompts), cache_dir)
     return 0
 
 

@@ -48,20 +48,26 @@ class Tokenizer:
       special_tokens: role (`bos_token`, `eos_token`, `pad_token`, `unk_token`) -> token
         text, for the roles the tokenizer has.
       chat_template: a Jinja template turning a list of messages into a prompt, or None.
-      stop_ids: the ids that end a generated text; by default the EOS token's.
+      eos_ids: the ids that end a generated text where the checkpoint names them
+        (`generation_config.json`, `config.json`); None: the EOS token's.
     """
 
     backend: tokenizers.Tokenizer
     special_tokens: dict[str, str] = dataclasses.field(default_factory=dict)
     chat_template: str | None = None
-    stop_ids: tuple[int, ...] | None = None
+    eos_ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for role, token in self.special_tokens.items():
             if self.backend.token_to_id(token) is None:
                 raise ValueError(f"special token {role}={token!r} is not in the vocabulary")
-        if self.stop_ids is None:
-            object.__setattr__(self, "stop_ids", () if self.eos_id is None else (self.eos_id,))
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a generated text: `eos_ids`, else the EOS token's, else none."""
+        if self.eos_ids is not None:
+            return self.eos_ids
+        return () if self.eos_id is None else (self.eos_id,)
 
     @property
     def vocab_size(self) -> int:
@@ -148,18 +154,19 @@ def _chat_template(path: str, config: dict) -> str | None:
     return template
 
 
-def _stop_ids(path: str, tokenizer: Tokenizer) -> tuple[int, ...]:
+def _eos_ids(path: str, vocab_size: int) -> tuple[int, ...] | None:
     """The ids that end generation, where transformers' `generate` looks for them:
-    `generation_config.json`, else `config.json`, else the tokenizer's EOS token."""
+    `generation_config.json`, else `config.json`; None when neither names any (the
+    tokenizer's EOS token then decides)."""
     for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
         file = os.path.join(path, name)
         value = _read_json(file, required=False).get("eos_token_id")
         if value is None:
             continue
         ids = value if isinstance(value, list) else [value]
-        return tuple(as_int(i, f"{file}: eos_token_id", minimum=0, maximum=tokenizer.vocab_size - 1,
+        return tuple(as_int(i, f"{file}: eos_token_id", minimum=0, maximum=vocab_size - 1,
                             maximum_name="the tokenizer's vocabulary size - 1") for i in ids)
-    return tokenizer.stop_ids
+    return None
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -200,7 +207,7 @@ def load_tokenizer(path: str) -> Tokenizer:
         tokenizer = Tokenizer(backend, special, _chat_template(path, config))
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
-    return dataclasses.replace(tokenizer, stop_ids=_stop_ids(path, tokenizer))
+    return dataclasses.replace(tokenizer, eos_ids=_eos_ids(path, tokenizer.vocab_size))
 
 
 def _framing(backend: tokenizers.Tokenizer, special: dict[str, str], add_bos: bool, add_eos: bool):
