@@ -105,7 +105,7 @@ def test_greedy_completions_are_generate_and_decode(folder, params):
     # Plain output: the completions, a line each.
     plain, _ = run(["--checkpoint", folder, *_flags(PROMPTS), *NEW])
     assert plain == "".join(r["completion"] + "\n" for r in rows)
-    assert [line.split()[0] for line in err] == ["loaded", "compiled", "prefill:", "decode:"]
+    assert [line.split()[0] for line in err] == ["loaded", "compile:", "prefill:", "decode:"]
 
 
 def test_stream_prints_the_same_text(folder):
