@@ -2,8 +2,8 @@
 
 A demo module provides a frozen `Settings` dataclass (its recipe; the defaults are the
 CLI's), `build(settings) -> Setup`, and its own evaluation. This module holds the rest:
-the one-line-error parser, the flags every demo has, the run directory's name and
-recorded config, and the path from a `Setup` to trained parameters through
+the one-line-error parser, the flags every demo has, the run directory's name, recorded
+config and tokenizer, and the path from a `Setup` to trained parameters through
 `jaxformer.training`.
 """
 
@@ -13,16 +13,17 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
+import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import jax
 import optax
 from flax import linen as nn
 
+from jaxformer.command_line import OneLineParser, fail
 from jaxformer.files import write_text_atomically
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh
 from jaxformer.training import (METRICS_FILE, Checkpointer, Restored, TrainState, check_run_dir, check_seed,
@@ -34,37 +35,11 @@ DTYPES = ("float32", "bfloat16")
 # param_dtype (float32 in both demos), so the compute precision is not part of the run.
 DTYPE_FIELDS = ("dtype", "param_dtype", "cache_dtype")
 RESULTS_FILE = "eval.json"
-
-
-def fail(prog: str, message: str) -> NoReturn:
-    """Stops a demo with one clear line on stderr (exit status 2), not a traceback."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-class DefaultsFormatter(argparse.HelpFormatter):
-    """Adds "(default: X)" to a flag's help once, only where X says something.
-
-    A help text that already states its default keeps it alone; a default of None (the
-    help says what happens without the flag) or of a switch (off) adds nothing.
-    """
-
-    def _get_help_string(self, action):
-        help = action.help or ""
-        unsaid = action.default is None or action.default is False or action.default == argparse.SUPPRESS
-        if "default:" in help or unsaid or not action.option_strings:
-            return help
-        return f"{help} (default: %(default)s)".lstrip()
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (`prog: error: ...`), not a usage dump."""
-
-    def __init__(self, prog: str, description: str):
-        super().__init__(prog=prog, description=description, formatter_class=DefaultsFormatter)
-
-    def error(self, message) -> NoReturn:
-        fail(self.prog, message)
+TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer, in the `tokenizers` format
+# What --export writes (`jaxformer.convert.save_hf`, then `jaxformer.text.save_tokenizer`):
+# a folder that holds nothing else is a previous export, whose files are replaced.
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json")
 
 
 def flag(field: str) -> str:
@@ -110,6 +85,8 @@ class RunOptions:
       fsdp: with `mesh`, also split parameters and optimizer state over `data`.
       checkpoint_every: updates between checkpoints.
       log_every: updates between metrics lines.
+      export: where to write the trained model as a Hugging Face folder, or None (always
+        None for a demo without `add_export_flag`).
     """
 
     run_dir: Path
@@ -118,6 +95,7 @@ class RunOptions:
     fsdp: bool
     checkpoint_every: int
     log_every: int
+    export: Path | None = None
 
 
 def make_parser(prog: str, doc: str, defaults) -> OneLineParser:
@@ -156,6 +134,40 @@ def add_run_flags(parser: argparse.ArgumentParser, run_name: str, checkpoint_eve
                         help="with --mesh: also split parameters and optimizer state over the data axis")
     parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every, help="updates between checkpoints")
     parser.add_argument("--log-every", type=int, default=log_every, help="updates between metrics lines")
+    parser.set_defaults(export=None)  # a demo that can export adds the flag (add_export_flag)
+
+
+def add_export_flag(parser: argparse.ArgumentParser) -> None:
+    """`--export DIR`, for a demo whose model `jaxformer.convert.save_hf` writes."""
+    parser.add_argument("--export", type=Path, default=None, metavar="DIR",
+                        help="after training and evaluation, write the model and its tokenizer as a Hugging Face "
+                             "folder (transformers' AutoModelForCausalLM and AutoTokenizer and python -m "
+                             "jaxformer.text.generate read it); with --resume, a finished run is exported "
+                             "without training")
+
+
+def check_export_dir(export: Path, run_dir: Path) -> None:
+    """Checks, reading only, that `--export` can be written once the run is done: a new
+    or empty directory, or a previous export (nothing but `EXPORT_FILES`), whose files
+    are replaced. Not the run directory, nor another run's: their `config.json` is the
+    run's own.
+
+    Raises:
+      ValueError: naming `--export`: a file, a path under a file, the run directory, or a
+        directory that holds files an export does not write.
+    """
+    path = export.absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file, not a directory" if existing == path else f"cannot be created: {existing} is a file"
+        raise ValueError(f"--export {export} {where}")
+    if path.resolve() == run_dir.resolve():
+        raise ValueError(f"--export {export} is the run directory: export to a folder of its own")
+    others = sorted(set(os.listdir(path)) - set(EXPORT_FILES)) if existing == path else []
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ValueError(f"--export {export} holds {shown}: not a previous export to replace "
+                         f"(only {', '.join(EXPORT_FILES)}); choose an empty or new directory")
 
 
 def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[Any, RunOptions]:
@@ -190,10 +202,13 @@ def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[A
         parser.error(f"--{e}")  # "--mesh 'data=x': ..."
     try:
         check_run_dir(run_dir, None, args.resume)  # where it is; its config once the model is built
+        if args.export is not None:
+            check_export_dir(args.export, run_dir)  # now, not after training
     except ValueError as e:
         parser.error(str(e))
     return settings, RunOptions(run_dir=run_dir, resume=args.resume, mesh=args.mesh, fsdp=args.fsdp,
-                                checkpoint_every=args.checkpoint_every, log_every=args.log_every)
+                                checkpoint_every=args.checkpoint_every, log_every=args.log_every,
+                                export=args.export)
 
 
 def start_process() -> None:
@@ -215,8 +230,10 @@ class Setup:
       loss_fn: `loss_fn(params, batch, dropout_key) -> (loss, {})`, for `make_train_step`.
       make_batch: `make_batch(data_key) -> batch` of the training data.
       tokens_per_step: target positions scored per update (batch rows x scored width).
-      corpus: the text the data is drawn from (`train.tasks.CharText`), or None for the
+      corpus: the text the data is drawn from (`train.tasks.TextCorpus`), or None for the
         synthetic tasks, which draw every batch from a key.
+      tokenizer: the `jaxformer.text.Tokenizer` of the model's ids, kept in the run
+        directory as `tokenizer.json`; None for a demo without one.
     """
 
     model: nn.Module
@@ -227,6 +244,7 @@ class Setup:
     make_batch: Callable
     tokens_per_step: int
     corpus: Any = None
+    tokenizer: Any = None
 
 
 def build_or_fail(prog: str, build: Callable, settings) -> Setup:
@@ -328,13 +346,53 @@ class Start:
         return self.restored.step if self.restored else 0
 
 
+def tokenizer_text(tokenizer) -> str:
+    """The run directory's `tokenizer.json` of a `jaxformer.text.Tokenizer`."""
+    return tokenizer.backend.to_str(pretty=True)
+
+
+def check_run_tokenizer(run_dir: Path, tokenizer) -> None:
+    """Checks that the run in `run_dir` was trained on `tokenizer`'s ids: its
+    `tokenizer.json` must be `tokenizer_text(tokenizer)`, byte for byte.
+
+    The same flags and data build the same tokenizer (BPE's training is deterministic),
+    so a difference means the data file changed since the run began, or the tokenizers
+    library did: a resumed run would read its text as other ids.
+
+    Raises:
+      ValueError: naming the file, when it is missing, unreadable or different.
+    """
+    path = run_dir / TOKENIZER_FILE
+    try:
+        saved = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}; the run's tokenizer is needed to resume it") from e
+    if saved != tokenizer_text(tokenizer).encode("utf-8"):
+        raise ValueError(f"{path} differs from the tokenizer this run builds from its flags and data (did the data "
+                         "file change?): resume with the run's own data, or use a new run directory")
+
+
+def save_run_tokenizer(run_dir: Path, tokenizer) -> None:
+    """Writes `tokenizer` to `run_dir/tokenizer.json` atomically.
+
+    Raises:
+      ValueError: naming the file, when it cannot be written.
+    """
+    path = run_dir / TOKENIZER_FILE
+    try:
+        write_text_atomically(path, tokenizer_text(tokenizer))
+    except OSError as e:
+        raise ValueError(f"cannot write {path}: {e.strerror or e}") from e
+
+
 def start(prog: str, setup: Setup, settings, run: RunOptions) -> Start:
     """Places the run, checks it against its run directory, and only then records it there.
 
     The run directory is a transaction: a mesh that does not fit, a run directory that
-    holds another run, or (with `--resume`) no checkpoint that restores, or one past
-    `--steps`, exits with one line before anything in it is written. A new run's
-    `config.json` is written once, atomically; a resumed run's is left as it is.
+    holds another run, or (with `--resume`) another tokenizer, no checkpoint that
+    restores, or one past `--steps`, exits with one line before anything in it is
+    written. A new run's `config.json`, then its `tokenizer.json`, are written once,
+    atomically; a resumed run's are left as they are.
     """
     try:
         state, make_batch, state_sharding = place(setup, settings.batch_size, run)
@@ -342,6 +400,8 @@ def start(prog: str, setup: Setup, settings, run: RunOptions) -> Start:
         check_run_dir(run.run_dir, record, run.resume)
         restored = None
         if run.resume:
+            if setup.tokenizer is not None:
+                check_run_tokenizer(run.run_dir, setup.tokenizer)
             with Checkpointer(run.run_dir, read_only=True) as saved:
                 restored = saved.restore_newest(state)
             if restored.step > settings.steps:
@@ -350,6 +410,8 @@ def start(prog: str, setup: Setup, settings, run: RunOptions) -> Start:
             state = restored.state  # the initial state is not kept alive beside it
         else:
             save_run_config(run.run_dir, record)  # every check passed: the first write
+            if setup.tokenizer is not None:
+                save_run_tokenizer(run.run_dir, setup.tokenizer)
     except ValueError as e:
         fail(prog, str(e))
     return Start(state=state, make_batch=make_batch, state_sharding=state_sharding, restored=restored)

@@ -4,9 +4,12 @@
                          pattern every time, only the second copy scored: it can only
                          be solved by attention reading back across SEP. Evaluated by
                          KV-cached greedy decoding on unseen patterns.
-  --task text --data F   a character-level LM on any UTF-8 file: train and validation
-                         loss, then a sampled continuation (--prompt, --temperature,
-                         --top-k, --top-p).
+  --task text --data F   a language model on any UTF-8 file, its tokens characters
+                         (--tokenizer char) or byte-level BPE learned from the file
+                         (--tokenizer bpe): train and validation loss, then a sampled
+                         continuation (--prompt, --temperature, --top-k, --top-p).
+
+--export DIR writes the trained model and its tokenizer as a Hugging Face folder.
 
 AdamW (0.9, 0.95) with weight decay on matrices only, warm-up then cosine to 10 %,
 gradient clipping at 1.0, as one optax chain.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import shlex
 import sys
 from typing import ClassVar
 
@@ -26,12 +30,20 @@ import numpy as np
 import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
+from jaxformer.command_line import fail
+from jaxformer.convert import save_hf
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
+from jaxformer.text import Tokenizer, save_tokenizer
 from train import cli
-from train.tasks import COPY_LEN, COPY_SYMBOLS, COPY_VOCAB, IGNORE, CharText, copy_batch, copy_prompts
+from train.tasks import (BPE_MIN_VOCAB, COPY_LEN, COPY_SYMBOLS, IGNORE, TEXT_TOKENIZERS, TextCorpus, copy_batch,
+                         copy_prompts, copy_tokenizer, encode_prompt)
 
 PROG = "python -m train.lm"
 TASKS = ("copy", "text")
+DEFAULT_TOKENIZER = "char"  # of the text task
+DEFAULT_BPE_VOCAB = 512
+EXAMPLE_PROMPT_TOKENS = 8  # of the text: the export's example prompt when there is no --prompt
+REPLACEMENT = "\ufffd"  # what a decoder makes of bytes that do not form a character
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +51,12 @@ class Settings:
     """The decoder-only demo's recipe; the defaults are the command line's.
 
     Attributes:
-      task: "copy" (the synthetic copy task) or "text" (a character-level LM on `data`).
+      task: "copy" (the synthetic copy task) or "text" (a language model of `data`).
       data: the UTF-8 text file of the text task.
+      tokenizer: the text task's, "char" or "bpe" (`train.tasks.TextCorpus`); None (the
+        text task's default, "char") is filled in; the copy task has its own.
+      vocab_size: the BPE vocabulary's size, at least 257; None (bpe's default, 512) is
+        filled in; only for "bpe".
       steps: training steps (updates); the cosine decays over all of them.
       batch_size: sequences per update.
       lr: peak learning rate.
@@ -48,11 +64,11 @@ class Settings:
       weight_decay: AdamW's decay of the matrices.
       clip: the gradients' global norm is clipped to this.
       n_layer, n_head, n_kv_head, d_model: the model's size.
-      seq_len: characters per training window of the text task.
+      seq_len: tokens per training window of the text task.
       seed: seeds init, data and evaluation.
       eval_size: unseen patterns decoded by the copy task's evaluation.
       prompt: the start of the text task's sampled continuation.
-      sample_tokens: characters sampled after the prompt.
+      sample_tokens: tokens sampled after the prompt.
       temperature, top_k, top_p: the sampling's knobs (`jaxformer.generate`).
       dtype: compute dtype, "float32" or "bfloat16".
 
@@ -62,6 +78,8 @@ class Settings:
 
     task: str = "copy"
     data: str | None = None
+    tokenizer: str | None = None
+    vocab_size: int | None = None
     steps: int = 800
     batch_size: int = 64
     lr: float = 3e-3
@@ -84,8 +102,8 @@ class Settings:
 
     # What --resume must match besides the model; steps too, since the cosine's length
     # depends on it.
-    RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("task", "data", "seed", "steps", "batch_size", "lr", "warmup",
-                                                "weight_decay", "clip")
+    RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("task", "data", "tokenizer", "vocab_size", "seed", "steps",
+                                                "batch_size", "lr", "warmup", "weight_decay", "clip")
 
     def __post_init__(self):
         if self.task not in TASKS:
@@ -104,6 +122,26 @@ class Settings:
             check_top_p(self.top_p, name="--top-p")
         if self.task == "text" and self.data is None:
             raise ValueError("--task text needs --data FILE (a UTF-8 text file)")
+        self._check_tokenizer()
+
+    def _check_tokenizer(self) -> None:
+        """`tokenizer` and `vocab_size` for the task, their defaults filled in, so that a
+        run's record holds what it used however the flags spelled it."""
+        if self.tokenizer is not None and self.tokenizer not in TEXT_TOKENIZERS:
+            raise ValueError(f"--tokenizer must be one of {TEXT_TOKENIZERS} (got {self.tokenizer!r})")
+        if self.task == "copy" and self.tokenizer is not None:
+            raise ValueError(f"--tokenizer {self.tokenizer} is for --task text: the copy task's vocabulary is its "
+                             f"own ({COPY_SYMBOLS} symbols, BOS and SEP)")
+        if self.task == "text" and self.tokenizer is None:
+            object.__setattr__(self, "tokenizer", DEFAULT_TOKENIZER)
+        if self.tokenizer != "bpe" and self.vocab_size is not None:
+            raise ValueError(f"--vocab-size is for --task text --tokenizer bpe (got it with --task {self.task}"
+                             + (f" --tokenizer {self.tokenizer})" if self.tokenizer else ")"))
+        if self.tokenizer == "bpe" and self.vocab_size is None:
+            object.__setattr__(self, "vocab_size", DEFAULT_BPE_VOCAB)
+        if self.tokenizer == "bpe" and self.vocab_size < BPE_MIN_VOCAB:
+            raise ValueError(f"--vocab-size must be >= {BPE_MIN_VOCAB}, the 256 bytes and <|endoftext|> "
+                             f"(got {self.vocab_size})")
 
     @property
     def run_name(self) -> str:
@@ -114,8 +152,15 @@ class Settings:
 def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
     defaults = Settings()
     p = cli.make_parser(PROG, __doc__, defaults)
-    p.add_argument("--task", choices=TASKS, default=defaults.task, help="copy: the synthetic copy task; text: a character-level LM on --data")
+    p.add_argument("--task", choices=TASKS, default=defaults.task,
+                   help="copy: the synthetic copy task; text: a language model of --data")
     p.add_argument("--data", metavar="FILE", help="UTF-8 text file, needed by --task text")
+    p.add_argument("--tokenizer", choices=TEXT_TOKENIZERS, default=defaults.tokenizer,
+                   help="--task text: char (every distinct character of --data a token) or bpe (byte-level BPE "
+                        f"learned from the training 90 %% of --data) (default: {DEFAULT_TOKENIZER})")
+    p.add_argument("--vocab-size", type=int, default=defaults.vocab_size,
+                   help=f"--tokenizer bpe: the most ids the vocabulary holds, >= {BPE_MIN_VOCAB} "
+                        f"(default: {DEFAULT_BPE_VOCAB})")
     p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="linear warm-up steps")
     p.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW decay of the matrices")
@@ -124,32 +169,50 @@ def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
     p.add_argument("--n-head", type=int, default=defaults.n_head, help="query heads")
     p.add_argument("--n-kv-head", type=int, default=defaults.n_kv_head, help="key/value heads (GQA)")
     p.add_argument("--d-model", type=int, default=defaults.d_model, help="model width")
-    p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="--task text: characters per training window")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="--task text: tokens per training window")
     p.add_argument("--eval-size", type=int, default=defaults.eval_size, help="--task copy: unseen patterns decoded")
     p.add_argument("--prompt", default=defaults.prompt,
-                   help="--task text: the continuation's start (default: empty, sampling starts from character 0)")
+                   help="--task text: the continuation's start (default: empty, sampling starts from the BOS "
+                        "token, or id 0 of a char vocabulary, which has none)")
     p.add_argument("--sample-tokens", type=int, default=defaults.sample_tokens,
-                   help="--task text: characters sampled")
+                   help="--task text: tokens sampled")
     p.add_argument("--temperature", type=float, default=defaults.temperature, help="--task text: sampling temperature")
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="--task text: sample among the k likeliest")
     p.add_argument("--top-p", type=float, default=defaults.top_p,
                    help="--task text: nucleus sampling, in (0, 1] (default: off, every token of the top k)")
     cli.add_run_flags(p, "lm-<task>", checkpoint_every=200, log_every=50)
+    cli.add_export_flag(p)
     return cli.parse(p, argv, Settings)
 
 
-def training_length(settings: Settings, corpus: CharText | None) -> int:
+def training_length(settings: Settings) -> int:
     """Tokens per training sequence: the copy task's [BOS] p [SEP] p less one, or the text window."""
-    return settings.seq_len if corpus else 2 * COPY_LEN + 1
+    return settings.seq_len if settings.task == "text" else 2 * COPY_LEN + 1
 
 
-def model_config(settings: Settings, corpus: CharText | None) -> DecoderConfig:
-    """The decoder at the settings' size, long enough for training and for the sample."""
-    seq_len = training_length(settings, corpus)
-    max_seq_len = (seq_len if corpus is None else max(seq_len, len(settings.prompt) + settings.sample_tokens)) + 8
-    return DecoderConfig(vocab_size=corpus.vocab_size if corpus else COPY_VOCAB, n_layer=settings.n_layer,
-                         n_head=settings.n_head, n_kv_head=settings.n_kv_head, d_model=settings.d_model,
-                         max_seq_len=max_seq_len, dtype=settings.dtype)
+def sample_start(settings: Settings, tokenizer: Tokenizer) -> list[int]:
+    """The ids the text task's sample continues: the prompt's, or without one the BOS
+    token alone (id 0 for a char vocabulary, which has none).
+
+    Raises:
+      ValueError: a prompt with characters a char vocabulary lacks.
+    """
+    return encode_prompt(tokenizer, settings.prompt) or [0 if tokenizer.bos_id is None else tokenizer.bos_id]
+
+
+def model_config(settings: Settings, tokenizer: Tokenizer) -> DecoderConfig:
+    """The decoder at the settings' size over the tokenizer's ids, long enough for
+    training and for the text task's sample.
+
+    Raises:
+      ValueError: see `sample_start`; a config that does not hold together.
+    """
+    length = training_length(settings)
+    if settings.task == "text":
+        length = max(length, len(sample_start(settings, tokenizer)) + settings.sample_tokens)
+    return DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=settings.n_layer, n_head=settings.n_head,
+                         n_kv_head=settings.n_kv_head, d_model=settings.d_model, max_seq_len=length + 8,
+                         dtype=settings.dtype)
 
 
 def build(settings: Settings = Settings()) -> cli.Setup:
@@ -162,17 +225,18 @@ def build(settings: Settings = Settings()) -> cli.Setup:
       settings: the recipe; `Settings()` is the command line's default (the copy task).
 
     Returns:
-      The model, its initial parameters, optimizer, schedule, loss and batches; for the
-      text task also the corpus.
+      The model, its initial parameters, optimizer, schedule, loss and batches, and the
+      tokenizer of its ids; for the text task also the corpus.
 
     Raises:
       ValueError: an unreadable or too short text file, a prompt with characters the
         text does not have, or a model config that does not hold together.
     """
-    corpus = CharText(settings.data, settings.seq_len) if settings.task == "text" else None
-    if corpus is not None:
-        corpus.encode(settings.prompt)  # a prompt the vocabulary cannot spell is refused before training
-    model = Decoder(model_config(settings, corpus))
+    corpus = (TextCorpus(settings.data, settings.seq_len, settings.tokenizer, settings.vocab_size)
+              if settings.task == "text" else None)
+    tokenizer = copy_tokenizer() if corpus is None else corpus.tokenizer
+    # A prompt the vocabulary cannot spell is refused here, before training.
+    model = Decoder(model_config(settings, tokenizer))
     params = cli.init_params(model, settings.seed)
     schedule = warmup_cosine_schedule(settings.lr, settings.warmup, settings.steps)
     optimizer = optax.chain(
@@ -190,8 +254,8 @@ def build(settings: Settings = Settings()) -> cli.Setup:
     make_batch = (functools.partial(copy_batch, batch_size=settings.batch_size) if corpus is None
                   else functools.partial(corpus.batch, batch_size=settings.batch_size))
     return cli.Setup(model=model, params=params, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
-                     make_batch=make_batch, tokens_per_step=settings.batch_size * training_length(settings, corpus),
-                     corpus=corpus)
+                     make_batch=make_batch, tokens_per_step=settings.batch_size * training_length(settings),
+                     corpus=corpus, tokenizer=tokenizer)
 
 
 def describe(setup: cli.Setup, settings: Settings) -> None:
@@ -199,7 +263,8 @@ def describe(setup: cli.Setup, settings: Settings) -> None:
     config, params = setup.model.config, setup.params
     n_params = cli.count_params(params)
     cli.print_device()
-    print(f"task {settings.task}: vocab {config.vocab_size}, sequences of {training_length(settings, setup.corpus)}")
+    tokens = f" ({settings.tokenizer} tokens)" if settings.tokenizer else ""
+    print(f"task {settings.task}: vocab {config.vocab_size}{tokens}, sequences of {training_length(settings)}")
     print(f"model: {config.n_layer} layers x {config.d_model}, {config.n_head} query / {config.n_kv_head} kv heads, "
           f"{n_params:,} params ({n_params - params['embed'].size:,} non-embedding)")
     chance = math.log(COPY_SYMBOLS if setup.corpus is None else config.vocab_size)
@@ -211,26 +276,35 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained) -> dict
     unseen patterns. The text task: validation loss, and a sampled continuation.
 
     Returns:
-      The results; for the copy task also a target and its decoding, for the text task
-      the sample.
+      The results, and `prompt`: the text of a prompt for the exported model (the first
+      pattern's for the copy task, with a target and its decoding; the text task's
+      `--prompt`, or the start of the file, with the sample).
     """
-    model, params, corpus = setup.model, trained.params, setup.corpus
+    model, params, corpus, tokenizer = setup.model, trained.params, setup.corpus, setup.tokenizer
     eval_key = cli.evaluation_key(settings.seed)
     if corpus is None:
         prompts, patterns = copy_prompts(eval_key, settings.eval_size)  # [n, L + 2], [n, L]
         out = generate(model, params, prompts, max_new_tokens=COPY_LEN)[:, COPY_LEN + 2:]  # [n, L]
         return {"token_accuracy": float(jnp.mean(out == patterns)),
                 "exact_match": float(jnp.mean(jnp.all(out == patterns, axis=1))),
-                "target": np.asarray(patterns[0, :12]).tolist(), "decoded": np.asarray(out[0, :12]).tolist()}
+                "target": np.asarray(patterns[0, :12]).tolist(), "decoded": np.asarray(out[0, :12]).tolist(),
+                "prompt": tokenizer.decode(np.asarray(prompts[0]), skip_special_tokens=False)}
     val = jnp.mean(jnp.stack([setup.loss_fn(params, corpus.batch(k, settings.batch_size, "val"), None)[0]
                               for k in jax.random.split(eval_key, 20)]))
-    prompt_ids = corpus.encode(settings.prompt)
-    prompt = jnp.asarray([prompt_ids or [0]], jnp.int32)  # [1, prompt length]
+    prompt = jnp.asarray([sample_start(settings, tokenizer)], jnp.int32)  # [1, prompt length]
     sample = generate(model, params, prompt, max_new_tokens=settings.sample_tokens, key=jax.random.key(settings.seed),
-                      temperature=settings.temperature, top_k=min(settings.top_k, corpus.vocab_size),
+                      temperature=settings.temperature, top_k=min(settings.top_k, tokenizer.vocab_size),
                       top_p=settings.top_p)
-    # Without a prompt, character 0 only started the sampling: it is not part of the text.
-    return {"validation_loss": float(val), "sample": corpus.decode(np.asarray(sample[0, 0 if prompt_ids else 1:]))}
+    # Without a prompt, the start token only began the sampling: it is not part of the text.
+    text = tokenizer.decode(np.asarray(sample[0, 0 if settings.prompt else 1:]))
+    example = settings.prompt or example_prompt(tokenizer, corpus.train[:EXAMPLE_PROMPT_TOKENS])
+    return {"validation_loss": float(val), "sample": text, "prompt": example}
+
+
+def example_prompt(tokenizer: Tokenizer, ids) -> str:
+    """The text of a few ids as one line, for the export's example command."""
+    text = tokenizer.decode(np.asarray(ids)).rstrip(REPLACEMENT)  # less a character the last id cut short
+    return " ".join(text.split())
 
 
 def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir) -> None:
@@ -250,6 +324,26 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir) 
     cli.write_results(run_dir, results)
 
 
+def export(setup: cli.Setup, settings: Settings, trained: cli.Trained, evaluation: dict, run: cli.RunOptions) -> None:
+    """Writes the trained model and its tokenizer to `run.export` as a Hugging Face
+    folder, and prints a command that decodes it.
+
+    Exits with one line when the folder cannot be written; the run directory keeps the
+    trained run, which `--resume --export` exports again without training.
+    """
+    tokenizer, path = setup.tokenizer, run.export
+    try:
+        save_hf(setup.model.config, trained.params, str(path), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id)
+        save_tokenizer(tokenizer, str(path))
+    except OSError as e:
+        fail(PROG, f"cannot write --export {path}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
+                   f"export it with --resume --run-dir {run.run_dir} --export DIR")
+    new_tokens = COPY_LEN if settings.task == "copy" else settings.sample_tokens
+    print(f"\nexported to {path}: python -m jaxformer.text.generate --checkpoint {shlex.quote(str(path))} "
+          f"--prompt {shlex.quote(evaluation['prompt'])} --max-new-tokens {new_tokens}")
+
+
 def main(argv=None) -> int:
     settings, run = parse_args(argv)
     cli.start_process()
@@ -259,6 +353,8 @@ def main(argv=None) -> int:
     trained = cli.train(setup, settings, run, begun)
     evaluation = evaluate(setup, settings, trained)
     report(settings, trained, evaluation, run.run_dir)
+    if run.export is not None:
+        export(setup, settings, trained, evaluation, run)
     return 0
 
 

@@ -3,6 +3,9 @@
 The reversal task: `src = a b c d`, target `d c b a`. It needs a sequence-to-sequence
 model, and the right cross-attention is known in advance: decoder step k should read
 source position L - 1 - k, an anti-diagonal.
+
+The copy task (`copy_batch`) and the text corpus (`TextCorpus`) are `train.lm`'s; each
+has a `jaxformer.text.Tokenizer`, so that its model can be exported and prompted with text.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from jaxformer.text import Tokenizer, char_tokenizer, train_bpe, word_tokenizer
 
 PAD, BOS, EOS = 0, 1, 2
 N_SYMBOLS = 16
@@ -79,51 +84,83 @@ def copy_prompts(key: jax.Array, n: int, length: int = COPY_LEN) -> tuple[jax.Ar
     return batch["tokens"][:, :length + 2], batch["targets"][:, length + 1:]
 
 
-class CharText:
-    """A character-level corpus: every distinct character of a UTF-8 file is a token.
+def copy_tokenizer() -> Tokenizer:
+    """The copy task's ids as words, so that its model can be prompted with text.
 
-    The first 90 % of the text trains, the rest validates.
+    Symbol i is the word "i", then "<bos>" (`COPY_BOS`) and "<sep>" (`COPY_SEP`): the
+    prompt `[BOS] 3 11 42 [SEP]` reads "<bos> 3 11 42 <sep>".
+    """
+    return word_tokenizer([str(i) for i in range(COPY_SYMBOLS)] + ["<bos>", "<sep>"], bos_token="<bos>")
+
+
+# The text task's tokenizers: every distinct character a token, or byte-level BPE.
+TEXT_TOKENIZERS = ("char", "bpe")
+BPE_MIN_VOCAB = 257  # the 256 bytes and <|endoftext|> (`jaxformer.text.train_bpe`)
+TRAIN_FRACTION = 0.9  # of the text's characters; the rest validates
+
+
+class TextCorpus:
+    """A UTF-8 file as the token ids of a tokenizer made for it.
+
+    The first 90 % of the characters trains, the rest validates. The two parts are
+    encoded apart, so no token spans the cut, and BPE learns its merges from the
+    training part alone.
+
+    Args:
+      path: the file.
+      seq_len: tokens per training window.
+      tokenizer: "char" (the file's distinct characters, sorted: `chars[i]` is id i) or
+        "bpe" (byte-level BPE, `jaxformer.text.train_bpe`).
+      vocab_size: with "bpe", the most ids the BPE vocabulary may hold.
 
     Raises:
       ValueError: the file cannot be read, is not UTF-8, or is too short for `seq_len`.
     """
 
-    def __init__(self, path, seq_len: int):
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read --data {path}: {e}") from None
-        self.chars = sorted(set(text))
-        self.index = {c: i for i, c in enumerate(self.chars)}
+    def __init__(self, path, seq_len: int, tokenizer: str = "char", vocab_size: int | None = None):
+        text = _read_text(path)
+        split = int(TRAIN_FRACTION * len(text))
+        train_text, val_text = text[:split], text[split:]
+        self.tokenizer = (char_tokenizer(sorted(set(text))) if tokenizer == "char"
+                          else train_bpe([train_text], vocab_size))
         self.seq_len = seq_len
-        ids = jnp.asarray([self.index[c] for c in text], jnp.int32)
-        split = int(0.9 * len(ids))
-        self.train, self.val = ids[:split], ids[split:]
+        # No BOS or EOS: the windows are cut from the middle of the text.
+        self.train, self.val = (jnp.asarray(self.tokenizer.encode(part, add_special_tokens=False), jnp.int32)
+                                for part in (train_text, val_text))
         if min(len(self.train), len(self.val)) < seq_len + 2:
             raise ValueError(f"--data {path} holds {len(text)} characters: too few for --seq-len {seq_len} "
-                             f"(each of the 90/10 train/validation splits needs {seq_len + 2})")
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
+                             f"(each of the 90/10 train/validation splits needs {seq_len + 2} tokens; they hold "
+                             f"{len(self.train)} and {len(self.val)})")
 
     def batch(self, key: jax.Array, batch_size: int, split: str = "train") -> dict[str, jax.Array]:
         return _windows(self.train if split == "train" else self.val, key, batch_size, self.seq_len)
 
-    def encode(self, text: str) -> list[int]:
-        unknown = sorted(set(text) - set(self.chars))
-        if unknown:
-            raise ValueError(f"--prompt holds characters the corpus does not: {unknown}")
-        return [self.index[c] for c in text]
 
-    def decode(self, ids) -> str:
-        return "".join(self.chars[int(i)] for i in ids)
+def _read_text(path) -> str:
+    """The text of the UTF-8 file `path`; a ValueError naming `--data` if it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --data {path}: {e}") from None
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The ids of `--prompt`, without special tokens (as the training windows).
+
+    Raises:
+      ValueError: naming `--prompt` and the characters a character vocabulary lacks.
+    """
+    try:
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    except ValueError:  # only a character vocabulary can lack something: BPE spells every byte
+        unknown = sorted(set(prompt) - set(tokenizer.backend.get_vocab()))
+        raise ValueError(f"--prompt holds characters the corpus does not: {unknown}") from None
 
 
 @functools.partial(jax.jit, static_argnames=("batch_size", "seq_len"))
 def _windows(data: jax.Array, key: jax.Array, batch_size: int, seq_len: int) -> dict[str, jax.Array]:
-    """Random windows of `data`: `tokens [batch, seq_len]` and the next characters."""
+    """Random windows of `data`: `tokens [batch, seq_len]` and the next tokens."""
     start = jax.random.randint(key, (batch_size,), 0, data.shape[0] - seq_len - 1)
     index = start[:, None] + jnp.arange(seq_len + 1)[None, :]  # [batch, seq_len + 1]
     window = data[index]

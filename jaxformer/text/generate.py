@@ -38,8 +38,7 @@ from jaxformer.decoding.sampling import check_temperature, check_top_k, check_to
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, load_tokenizer
-from jaxformer.training.runtime import enable_compilation_cache
-from jaxformer.training.state import check_seed
+from jaxformer.training import check_seed, enable_compilation_cache
 from jaxformer.validation import finite_float
 
 PROG = "python -m jaxformer.text.generate"

@@ -1,4 +1,5 @@
-"""`python -m train.lm`: both tasks end to end, and bad flags or data (tiny settings)."""
+"""`python -m train.lm`: both tasks end to end, their tokenizers, and bad flags or data
+(tiny settings). The run directory's tokenizer and `--export`: test_lm_export.py."""
 
 import json
 import shutil
@@ -8,8 +9,10 @@ import sys
 import numpy as np
 import pytest
 
+from jaxformer.text import train_bpe
 from jaxformer.training import read_metrics
 from train import lm
+from train.tasks import COPY_BOS, COPY_SEP, COPY_VOCAB, TextCorpus, copy_tokenizer
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",
         "--log-every", "5", "--checkpoint-every", "5", "--warmup", "2"]
@@ -82,3 +85,83 @@ def test_bad_data_files(tmp_path, capsys, content, message):
         lm.main(["--task", "text", "--data", str(data), "--seq-len", "16", "--run-dir", str(tmp_path / "r"), *TINY])
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_the_copy_task_reads_its_ids_as_words():
+    tokenizer = copy_tokenizer()
+    assert tokenizer.vocab_size == COPY_VOCAB and tokenizer.bos_id == COPY_BOS
+    assert tokenizer.encode("<bos> 0 47 3 <sep>") == [COPY_BOS, 0, 47, 3, COPY_SEP]
+    assert tokenizer.decode([COPY_BOS, 5, 7, COPY_SEP], skip_special_tokens=False) == "<bos> 5 7 <sep>"
+
+
+def test_char_ids_are_the_sorted_distinct_characters(tmp_path):
+    text = "ba 你好\n" * 20
+    (tmp_path / "data.txt").write_text(text, encoding="utf-8")
+    corpus = TextCorpus(tmp_path / "data.txt", 8)
+    chars = sorted(set(text))
+    assert corpus.tokenizer.vocab_size == len(chars)
+    np.testing.assert_array_equal(corpus.train[:7], [chars.index(c) for c in text[:7]])
+    assert corpus.tokenizer.decode(corpus.train[:7]) == text[:7]
+
+
+BPE_SAMPLE = "The quick brown fox 跳过了 the lazy dog; 注意力 is all you need.\n" * 30
+BPE_SCRIPT = ("import sys; from jaxformer.text import train_bpe; "
+              "sys.stdout.write(train_bpe([sys.stdin.read()], 300).backend.to_str(pretty=True))")
+
+
+def test_bpe_training_is_deterministic():
+    """What --resume relies on: the same text trains the same tokenizer, here and in a
+    fresh process (the tokenizers library's hash maps are seeded per process)."""
+    first = train_bpe([BPE_SAMPLE], 300).backend.to_str(pretty=True)
+    assert train_bpe([BPE_SAMPLE], 300).backend.to_str(pretty=True) == first
+    other = subprocess.run([sys.executable, "-c", BPE_SCRIPT], input=BPE_SAMPLE, capture_output=True, text=True,
+                           encoding="utf-8", timeout=120, check=True)
+    assert other.stdout == first
+
+
+# Refused as the flags are parsed, before a device is touched: {data} is a text file,
+# {file} a plain file, {run} a directory that must stay absent.
+TOKEN_FLAG_REFUSALS = [
+    ("vocab-size-100", ["--task", "text", "--data", "{data}", "--tokenizer", "bpe", "--vocab-size", "100"],
+     "--vocab-size must be >= 257, the 256 bytes and <|endoftext|> (got 100)"),
+    ("bpe-with-copy", ["--tokenizer", "bpe"], "--tokenizer bpe is for --task text"),
+    ("vocab-size-with-char", ["--task", "text", "--data", "{data}", "--vocab-size", "300"],
+     "--vocab-size is for --task text --tokenizer bpe (got it with --task text --tokenizer char)"),
+    ("vocab-size-with-copy", ["--vocab-size", "300"], "--vocab-size is for --task text --tokenizer bpe"),
+    ("export-to-a-file", ["--export", "{file}"], "--export {file} is a file, not a directory"),
+    ("export-under-a-file", ["--export", "{file}/hf"], "--export {file}/hf cannot be created: {file} is a file"),
+    ("export-to-the-run-dir", ["--export", "{run}"], "--export {run} is the run directory"),
+    ("export-to-another-folder", ["--export", "{tmp}"], "--export {tmp} holds data.txt, file: not a previous export"),
+]
+
+
+@pytest.mark.parametrize("argv, message", [case[1:] for case in TOKEN_FLAG_REFUSALS],
+                         ids=[case[0] for case in TOKEN_FLAG_REFUSALS])
+def test_token_flags_are_refused_in_one_line_before_any_work(tmp_path, capsys, argv, message):
+    (tmp_path / "file").write_text("not a directory\n")
+    (tmp_path / "data.txt").write_text("some text. " * 100)
+    paths = {"{data}": tmp_path / "data.txt", "{file}": tmp_path / "file", "{run}": tmp_path / "run",
+             "{tmp}": tmp_path}
+
+    def fill(text: str) -> str:
+        for key, path in paths.items():
+            text = text.replace(key, str(path))
+        return text
+
+    with pytest.raises(SystemExit) as exit_info:
+        lm.main([*map(fill, argv), "--run-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and fill(message) in lines[0], captured.err
+    assert captured.out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["data.txt", "file"]
+
+
+def test_a_prompt_the_characters_cannot_spell_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "data.txt").write_text("abc abc. " * 40)
+    with pytest.raises(SystemExit):
+        lm.main(["--task", "text", "--data", str(tmp_path / "data.txt"), "--seq-len", "16", "--prompt", "cab€z",
+                 "--run-dir", str(tmp_path / "run"), *TINY])
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--prompt holds characters the corpus does not: ['z', '€']"), err
+    assert not (tmp_path / "run").exists()
