@@ -3,9 +3,9 @@ the sampling rule, written against the `Decodable` protocol both models implemen
 
 from jaxformer.decoding.beam_search import beam_search
 from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest
-from jaxformer.decoding.loop import decode_loop, generate, stream, stream_start, stream_step
+from jaxformer.decoding.loop import decode_loop, decode_rest, generate, stream, stream_start, stream_step
 from jaxformer.decoding.protocol import Decodable, DecodingSpec
 from jaxformer.decoding.sampling import Sampling, sample_token
 
 __all__ = ["Decodable", "DecodeOptions", "DecodeRequest", "DecodingSpec", "Sampling", "beam_search", "decode_loop",
-           "generate", "sample_token", "stream", "stream_start", "stream_step"]
+           "decode_rest", "generate", "sample_token", "stream", "stream_start", "stream_step"]

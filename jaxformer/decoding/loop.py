@@ -89,7 +89,14 @@ def decode_loop(model: Decodable, params, request: DecodeRequest, mesh=None) -> 
                                 length_penalty=request.length_penalty)
         return jnp.concatenate([request.decoder_prompt, tokens], axis=1)
 
-    context, token, cache, done = _start(model, params, request, mesh)
+    tokens = _continue(model, params, request, *_start(model, params, request, mesh))
+    return jnp.concatenate([request.decoder_prompt, tokens], axis=1)
+
+
+def _continue(model: Decodable, params, request: DecodeRequest, context, token, cache, done) -> jax.Array:
+    """From each row's token 0: the `while_loop` that stops at `max_new_tokens` or once
+    every row is done. Returns int32 `[batch, max_new_tokens]`, token 0 first."""
+    max_new_tokens = request.max_new_tokens
     step = _step_fn(model, params, context)
     tokens = jnp.full((request.prompt.shape[0], max_new_tokens), request.pad_id, jnp.int32).at[:, 0].set(token)
 
@@ -103,12 +110,12 @@ def decode_loop(model: Decodable, params, request: DecodeRequest, mesh=None) -> 
         token, done = _pick(request, i, logits[:, -1], done)
         return i + 1, token, cache, done, tokens.at[:, i].set(token)
 
-    tokens = jax.lax.while_loop(keep_going, body, (1, token, cache, done, tokens))[-1]  # [batch, max_new_tokens]
-    return jnp.concatenate([request.decoder_prompt, tokens], axis=1)
+    return jax.lax.while_loop(keep_going, body, (1, token, cache, done, tokens))[-1]
 
 
 # Streaming: the same start and the same step as the loop above, one jitted call per
-# token. `stream` drives them; a caller with its own loop (a server, say) can too.
+# token. `stream` drives them; a caller with its own loop (a server, say) can too. Or
+# `decode_rest` runs the loop above from the start's state.
 
 @functools.partial(jax.jit, static_argnames=("model", "mesh"))
 def stream_start(model: Decodable, params, request: DecodeRequest, mesh=None):
@@ -126,6 +133,21 @@ def stream_step(model: Decodable, params, request: DecodeRequest, context, i, to
     logits, cache = _step_fn(model, params, context)(token[:, None], cache)
     token, done = _pick(request, i, logits[:, -1], done)
     return token, cache, done
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def decode_rest(model: Decodable, params, request: DecodeRequest, context, token, cache, done) -> jax.Array:
+    """After `stream_start`, the rest of the run as one program: `generate`'s loop.
+
+    `stream_start` then `decode_rest` give `generate`'s new tokens (greedy decoding and
+    sampling) in two programs, so that a caller can time the prefill apart without a
+    trip to the host per token.
+
+    Returns:
+      int32 `[batch, max_new_tokens]`: every row's new tokens, token 0 first (`pad_id`
+      after a row's EOS).
+    """
+    return _continue(model, params, request, context, token, cache, done)
 
 
 def generate(model: Decodable, params, prompt, **options: Unpack[DecodeOptions]) -> jax.Array:

@@ -5,12 +5,12 @@
   echo "Tell me a story" | python -m jaxformer.text.generate --checkpoint DIR --chat --stream
 
 Reads a Llama, Mistral or Qwen2 folder (`load_hf`) and its tokenizer
-(`jaxformer.text.load_tokenizer`), decodes every prompt with `jaxformer.stream` (greedy
-unless --temperature > 0; beam search through `jaxformer.generate`) and stops at the
-tokenizer's EOS. Prompts come from --prompt (repeatable), --prompts-file (one a line;
-`-` reads the lines of standard input), or else standard input as one prompt. Several
-prompts decode together as one ragged batch; with --stream they decode one after
-another, each printed as it is generated.
+(`jaxformer.text.load_tokenizer`), decodes every prompt (greedy unless --temperature > 0;
+beam search with --num-beams) and stops at the tokenizer's EOS. Prompts come from
+--prompt (repeatable), --prompts-file (one a line; `-` reads the lines of standard
+input), or else standard input as one prompt. Several prompts decode together as one
+ragged batch; with --stream they decode one after another, each printed as it is
+generated.
 
 stdout holds the completions only, each followed by a newline (or, with --json, one JSON
 object a prompt); stderr says how long loading, compiling, the prefill and the decoding
@@ -33,7 +33,7 @@ import numpy as np
 from jaxformer.command_line import OneLineParser, fail
 from jaxformer.convert import load_hf
 from jaxformer.decoder import Decoder
-from jaxformer.decoding import generate, stream
+from jaxformer.decoding import DecodeRequest, decode_rest, generate, stream, stream_start
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
@@ -279,10 +279,12 @@ def _ragged(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
 
 def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids: list[list[int]], args,
            clock: Clock, stats: Stats, on_token=None) -> list[Completion]:
-    """Decodes the prompts as one batch.
+    """Decodes the prompts as one batch: the prefill, then the steps, each timed.
 
     Args:
-      on_token: called with each step's tokens (`[batch]`) as they are made.
+      on_token: called with each step's tokens (`[batch]`) as they are made; then the
+        run goes through `stream`, one jitted step per token. Without it, `stream_start`
+        and `decode_rest` run it as two programs, the steps with no trip to the host.
 
     Returns:
       One `Completion` a prompt.
@@ -295,13 +297,17 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
         out, seconds = clock.run(lambda: generate(model, params, batch, num_beams=args.num_beams,
                                                   length_penalty=args.length_penalty, **options).block_until_ready())
         rows = np.asarray(out)[:, batch.shape[1]:]
+    elif on_token is None:
+        request = DecodeRequest.create(model, batch, **options)
+        state, prefill = clock.run(lambda: jax.block_until_ready(stream_start(model, params, request)))
+        rows, seconds = clock.run(lambda: np.asarray(decode_rest(model, params, request, *state)))
+        stats.prefill_seconds += prefill
     else:
         steps, tokens = stream(model, params, batch, **options), []
 
         def take(token: np.ndarray) -> None:
             tokens.append(token)
-            if on_token is not None:
-                on_token(token)
+            on_token(token)
 
         _, prefill = clock.run(lambda: take(next(steps)))
         _, seconds = clock.run(lambda: [take(token) for token in steps])
