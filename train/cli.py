@@ -26,6 +26,8 @@ from flax import linen as nn
 from jaxformer.command_line import OneLineParser, fail
 from jaxformer.files import write_text_atomically
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh
+from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
+                                      TOKENIZER_FILE)
 from jaxformer.training import (METRICS_FILE, Checkpointer, Restored, TrainState, check_run_dir, check_seed,
                                 enable_compilation_cache, initialize_distributed, make_train_step, read_metrics,
                                 save_run_config, shard_batches, shard_state, train_loop)
@@ -35,11 +37,10 @@ DTYPES = ("float32", "bfloat16")
 # param_dtype (float32 in both demos), so the compute precision is not part of the run.
 DTYPE_FIELDS = ("dtype", "param_dtype", "cache_dtype")
 RESULTS_FILE = "eval.json"
-TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer, in the `tokenizers` format
 # What --export writes (`jaxformer.convert.save_hf`, then `jaxformer.text.save_tokenizer`):
 # a folder that holds nothing else is a previous export, whose files are replaced.
-EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json")
+EXPORT_FILES = (MODEL_CONFIG_FILE, GENERATION_CONFIG_FILE, "model.safetensors", TOKENIZER_FILE,
+                TOKENIZER_CONFIG_FILE)
 
 
 def flag(field: str) -> str:

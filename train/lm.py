@@ -34,6 +34,7 @@ from jaxformer.command_line import fail
 from jaxformer.convert import save_hf
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from jaxformer.text import Tokenizer, save_tokenizer
+from jaxformer.text.streaming import REPLACEMENT
 from train import cli
 from train.tasks import (BPE_MIN_VOCAB, COPY_LEN, COPY_SYMBOLS, IGNORE, TEXT_TOKENIZERS, TextCorpus, copy_batch,
                          copy_prompts, copy_tokenizer, encode_prompt)
@@ -43,7 +44,6 @@ TASKS = ("copy", "text")
 DEFAULT_TOKENIZER = "char"  # of the text task
 DEFAULT_BPE_VOCAB = 512
 EXAMPLE_PROMPT_TOKENS = 8  # of the text: the export's example prompt when there is no --prompt
-REPLACEMENT = "\ufffd"  # what a decoder makes of bytes that do not form a character
 
 
 @dataclasses.dataclass(frozen=True)
