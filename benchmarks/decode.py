@@ -9,6 +9,9 @@ new tokens. Everything is measured in this one process, so the ratios compare li
 like. Variants, for each batch size:
 
   jaxformer loop      `generate`: prefill, every step and every pick in one jitted program
+  jaxformer scanned   the same, with the model's blocks scanned (`scan_layers=True`, the
+                      same weights stacked): one block in the program, the stacked cache
+                      updated in place
   jaxformer stream    `stream`: a jitted step driven from Python, cache donated
   jaxformer no cache  the naive way: every step runs the whole sequence again (one
                       compiled forward over the padded [batch, prompt + new] tokens)
@@ -45,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
+from jaxformer.convert import with_scan_layers
 from jaxformer.decoding import DecodeRequest, decode_loop
 
 
@@ -317,6 +321,8 @@ def main(argv=None) -> dict:
     model = Decoder(config)
     params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
+    scanned_config, stacked_params = with_scan_layers(config, params, True)
+    scanned_model = Decoder(scanned_config)
     bandwidth = measure_bandwidth()
     summary = (f"{n_params / 1e6:.1f} M params, prompt {args.prompt}, {args.new} new tokens, {args.dtype}, "
                f"{os.cpu_count()} CPU cores")
@@ -332,6 +338,7 @@ def main(argv=None) -> dict:
         prompt = np.asarray(jax.random.randint(jax.random.key(batch), (batch, args.prompt), 0, args.vocab_size), np.int32)
         floor_s = floor_step_seconds(config, params, batch, args.prompt + args.new / 2, bandwidth)
         results = {"jaxformer loop": bench_loop(model, params, prompt, args.new, args.reps),
+                   "jaxformer scanned": bench_loop(scanned_model, stacked_params, prompt, args.new, args.reps),
                    "jaxformer stream": bench_stream(model, params, prompt, args.new, args.reps),
                    "jaxformer no cache": bench_uncached(model, params, prompt, args.new, args.reps,
                                                         args.uncached_steps)}

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.cache import LayerKV
+from jaxformer.cache import LayerKV, LayerSlice
 from jaxformer.positions import apply_rope
 from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_param, param
 
@@ -106,14 +106,15 @@ class GQASelfAttention(nn.Module):
     config: "DecoderConfig"  # noqa: F821 (jaxformer.config; a string to avoid a cycle)
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, layer_cache: LayerKV | None = None, pos=None):
+    def __call__(self, x, cos, sin, mask, layer_cache: LayerKV | LayerSlice | None = None, pos=None):
         """
         Args:
           x: `[batch, T, d_model]` normalised residual stream.
           cos, sin: `[T, head_dim // 2]` RoPE angles of the T positions.
           mask: bool `[T, S]`, True where a query may read a key; S is T without a cache,
             the cache capacity with one.
-          layer_cache: this layer's cached K/V, or None.
+          layer_cache: this layer's cached K/V (its slice of a stacked cache in a scanned
+            model), or None.
           pos: int32 scalar, where this call's tokens are written in the cache.
 
         Returns:
@@ -144,7 +145,7 @@ class GQASelfAttention(nn.Module):
         k = apply_rope(k, cos, sin, c.rope_pairing)
         if layer_cache is not None:
             layer_cache = layer_cache.write(k, v, pos)
-            k, v = layer_cache.k, layer_cache.v  # [batch, capacity, n_kv, head_dim]
+            k, v = layer_cache.read()  # [batch, capacity, n_kv, head_dim]
         out, _ = dot_product_attention(q, k, v, mask)  # [batch, T, n_head, head_dim]
         return jnp.einsum("bthk,hkd->btd", out, wo), layer_cache  # concat heads, then W_O
 
@@ -211,7 +212,7 @@ class MultiHeadAttention(nn.Module):
             k, v = memory_kv.k, memory_kv.v  # [batch, S, n_head, head_dim]
         if layer_cache is not None:
             layer_cache = layer_cache.write(k, v, pos)
-            k, v = layer_cache.k, layer_cache.v  # [batch, capacity, n_head, head_dim]
+            k, v = layer_cache.read()  # [batch, capacity, n_head, head_dim]
         weights = attention_weights(q, k, mask)  # [batch, n_head, T, S]
         self.sow("intermediates", "attention_weights", weights)
         out = combine_values(self.dropout(weights, deterministic=deterministic), v)  # [batch, T, n_head, head_dim]

@@ -9,6 +9,14 @@ position.
 
 Keys are stored after RoPE (a cached key never moves again) and with only `n_kv_head`
 heads: grouped-query attention saves memory only if K/V are not repeated first.
+
+A model whose blocks run as one scanned block (`DecoderConfig.scan_layers`) keeps every
+layer's keys in one array `[batch, n_layer, capacity, n_kv_head, head_dim]` (and the
+values in another), the scan's carry: each block writes its own layer's slots in place
+(`LayerSlice`). Carried, not scanned over: a scanned-over cache would come out of the loop
+as a new stacked array, a copy of the whole cache at every step. The batch stays first, as
+in every other cache, so code that reorders or shards rows (beam search, meshes) treats
+both forms alike.
 """
 
 from __future__ import annotations
@@ -42,13 +50,48 @@ class LayerKV:
             v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), start),
         )
 
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        """The keys and values attention reads, `[batch, capacity, n_kv, head_dim]` each."""
+        return self.k, self.v
+
+
+@struct.dataclass
+class LayerSlice:
+    """One layer of a stacked cache, as the scanned block at `layer` sees it.
+
+    The stack is the scan's carry, so `write` updates one layer's slots of the whole
+    stack in place, and `read` slices that layer out for attention.
+    """
+
+    stack: LayerKV  # k, v: [batch, n_layer, capacity, n_kv_head, head_dim]
+    layer: jax.Array  # [] int32, the block this slice belongs to
+
+    def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerSlice":
+        """`LayerKV.write` into layer `layer` of the stack (same clamping caveat)."""
+        start = (0, self.layer, pos, 0, 0)
+        stack = self.stack
+        return self.replace(stack=LayerKV(
+            k=jax.lax.dynamic_update_slice(stack.k, k_new[:, None].astype(stack.k.dtype), start),
+            v=jax.lax.dynamic_update_slice(stack.v, v_new[:, None].astype(stack.v.dtype), start)))
+
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        """This layer's keys and values, `[batch, capacity, n_kv, head_dim]` each."""
+        return (jax.lax.dynamic_index_in_dim(self.stack.k, self.layer, axis=1, keepdims=False),
+                jax.lax.dynamic_index_in_dim(self.stack.v, self.layer, axis=1, keepdims=False))
+
+    def next_layer(self) -> "LayerSlice":
+        """The slice the next block of the scan reads and writes."""
+        return self.replace(layer=self.layer + 1)
+
 
 @struct.dataclass
 class KVCache:
     """Per-layer keys and values, the write position, and each row's first real slot.
 
     Attributes:
-      layers: one `LayerKV` per block.
+      layers: one `LayerKV` per block, or, for a scanned model (`scan_layers`), one
+        `LayerKV` whose k and v stack every block's: `[batch, n_layer, capacity, n_kv_head,
+        head_dim]`.
       pos: int32 scalar, the number of slots already written. The model advances it
         once per call, after all layers, so every layer of one call writes at the same
         slots.
@@ -58,7 +101,7 @@ class KVCache:
         position `s - start[b]`. All zeros when every row is full.
     """
 
-    layers: tuple[LayerKV, ...]
+    layers: tuple[LayerKV, ...] | LayerKV
     pos: jax.Array  # [] int32
     start: jax.Array  # [batch] int32
 
@@ -88,11 +131,11 @@ class KVCache:
                             "encoder-decoder use VanillaTransformer(config).init_cache(batch_size)")
         return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,
                          head_dim=config.head_dim, max_seq_len=config.max_seq_len,
-                         dtype=config.cache_storage_dtype if dtype is None else dtype)
+                         dtype=config.cache_storage_dtype if dtype is None else dtype, stacked=config.scan_layers)
 
     @classmethod
     def zeros(cls, batch_size: int, capacity: int | None, *, n_layer: int, n_kv_head: int, head_dim: int,
-              max_seq_len: int, dtype) -> "KVCache":
+              max_seq_len: int, dtype, stacked: bool = False) -> "KVCache":
         """An empty cache of `n_layer` layers of `[batch_size, capacity, n_kv_head, head_dim]`.
 
         Args:
@@ -100,6 +143,8 @@ class KVCache:
           capacity: positions, in `[1, max_seq_len]`; None for `max_seq_len`.
           dtype: a floating storage dtype, as the configs' `cache_dtype`: an integer or
             bool cache would round every key and value, and the logits with them.
+          stacked: one `[batch, n_layer, ...]` array for k and one for v (a scanned
+            model's cache) instead of one pair per layer.
 
         Raises:
           ValueError: naming `batch_size`, `capacity` or `dtype` when out of its limits.
@@ -112,17 +157,38 @@ class KVCache:
             raise ValueError(f"KVCache.create: dtype must be a floating dtype, as the configs' cache_dtype "
                              f"(got {dtype!r})")
         shape = (batch_size, capacity, n_kv_head, head_dim)
-        layers = tuple(LayerKV(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage)) for _ in range(n_layer))
+        if stacked:
+            stacked_shape = (batch_size, n_layer, *shape[1:])
+            layers = LayerKV(k=jnp.zeros(stacked_shape, storage), v=jnp.zeros(stacked_shape, storage))
+        else:
+            layers = tuple(LayerKV(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage)) for _ in range(n_layer))
         return cls(layers=layers, pos=jnp.zeros((), jnp.int32), start=jnp.zeros((batch_size,), jnp.int32))
 
     @property
+    def stacked(self) -> bool:
+        """Whether the layers are stacked in one array (a scanned model's cache)."""
+        return isinstance(self.layers, LayerKV)
+
+    @property
+    def n_layer(self) -> int:
+        return self.layers.k.shape[1] if self.stacked else len(self.layers)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """One layer's k (or v) shape, `(batch, capacity, n_kv_head, head_dim)`."""
+        if self.stacked:
+            batch, _, capacity, n_kv_head, head_dim = self.layers.k.shape
+            return batch, capacity, n_kv_head, head_dim
+        return self.layers[0].k.shape
+
+    @property
     def batch_size(self) -> int:
-        return self.layers[0].k.shape[0]
+        return self.layer_shape[0]
 
     @property
     def capacity(self) -> int:
         """Positions allocated (static)."""
-        return self.layers[0].k.shape[1]
+        return self.layer_shape[1]
 
     @property
     def length(self) -> jax.Array:
@@ -132,7 +198,7 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position takes across all layers and the batch: `2 * L * B * n_kv * d * itemsize`."""
-        return sum(layer.k.nbytes + layer.v.nbytes for layer in self.layers) // self.capacity
+        return sum(array.nbytes for array in jax.tree.leaves(self.layers)) // self.capacity
 
     @property
     def nbytes(self) -> int:
@@ -157,7 +223,7 @@ class KVCache:
         and inside `jit` the logits become NaN: loud, never silently wrong.
 
         Args:
-          layers: the `LayerKV`s the call returned, one per layer.
+          layers: the `LayerKV`s the call returned, one per layer (or the stacked one).
           logits: the call's logits.
           n_tokens: the tokens the call wrote (static).
 
@@ -166,4 +232,5 @@ class KVCache:
           holding `layers` with `pos + n_tokens`.
         """
         logits = jnp.where(self.pos + n_tokens <= self.capacity, logits, jnp.nan)
-        return logits, self.replace(layers=tuple(layers)).advance(n_tokens)
+        layers = layers if isinstance(layers, LayerKV) else tuple(layers)
+        return logits, self.replace(layers=layers).advance(n_tokens)

@@ -124,6 +124,12 @@ class DecoderConfig(_ModelConfig):
         checkpoints, e.g. Qwen2 or Mistral variants, use wider heads); None for the rule.
         Read the resolved width from `head_dim`.
       qkv_bias: Q, K and V projections carry a bias (Qwen2); the output projection never does.
+      scan_layers: run the blocks as one block scanned `n_layer` times over parameters
+        stacked on a leading layer axis (`params["blocks"]`, each leaf `[n_layer, ...]`),
+        with a stacked KV cache. The program holds one block instead of `n_layer`, so
+        compile time hardly grows with depth; the math is the same. False keeps one
+        `block_{i}` per layer. `jaxformer.convert.stack_layers` / `unstack_layers` turn
+        one parameter tree into the other.
     """
 
     vocab_size: int = 256
@@ -142,13 +148,14 @@ class DecoderConfig(_ModelConfig):
     qkv_bias: bool = False
     param_dtype: Any = jnp.float32
     cache_dtype: Any = None
+    scan_layers: bool = False
 
     def __post_init__(self):
         # Each field's kind first: the rules between fields below compare plain numbers.
         _positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
         _positive_ints(self, "d_ff", "head_dim_override", optional=True)
         _positive_floats(self, "rope_theta", "norm_eps")
-        _bools(self, "tie_embeddings", "qkv_bias")
+        _bools(self, "tie_embeddings", "qkv_bias", "scan_layers")
         _normalise(self, "rope_pairing", lambda value: str(value) if isinstance(value, str) else None,
                    f"must be one of {ROPE_PAIRINGS}", lambda value: value in ROPE_PAIRINGS)
         self._normalise_dtypes()

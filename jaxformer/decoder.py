@@ -16,30 +16,55 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.attention import GQASelfAttention
-from jaxformer.cache import KVCache, LayerKV
+from jaxformer.cache import KVCache, LayerSlice
 from jaxformer.config import DecoderConfig
 from jaxformer.decoding.protocol import DecodingSpec
 from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import SwiGLU
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import rope_tables
-from jaxformer.sharding import EMBED, VOCAB, param
+from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_step_inputs
 
 
 class Block(nn.Module):
-    """One pre-norm block: attention reads across positions, SwiGLU works on each."""
+    """One pre-norm block: attention reads across positions, SwiGLU works on each.
+
+    Called as a scan body, `(carry, *broadcast) -> (carry, None)`, so that the same
+    module runs once per layer (`block_{i}`) or scanned over stacked parameters.
+    """
 
     config: DecoderConfig
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, layer_cache: LayerKV | None = None, pos=None):
+    def __call__(self, carry, cos, sin, mask, pos):
+        """
+        Args:
+          carry: `(x, layer_cache)`: the residual stream `[batch, T, d_model]` and this
+            block's cache (a `LayerKV`, a `LayerSlice` of a stacked cache, or None).
+          cos, sin, mask, pos: as `GQASelfAttention` takes them, the same for every block.
+
+        Returns:
+          `((x, layer_cache), None)`: the stream after the block, and the cache with its
+          K/V written (a `LayerSlice` moved on to the next block).
+        """
+        x, layer_cache = carry
         c = self.config
         h, layer_cache = GQASelfAttention(c, name="attn")(
             RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x), cos, sin, mask, layer_cache, pos)
         x = x + h  # [batch, T, d_model]
         x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x))
-        return x, layer_cache
+        if isinstance(layer_cache, LayerSlice):
+            layer_cache = layer_cache.next_layer()
+        return (x, layer_cache), None
+
+
+def scanned_blocks(n_layer: int):
+    """`Block` run `n_layer` times as one: the parameters (and their logical axis names)
+    gain a leading layer axis, each block gets its own init key, and the cache rides in
+    the carry."""
+    return nn.scan(Block, variable_axes={"params": 0, AXES_COLLECTION: 0}, split_rngs={"params": True},
+                   in_axes=(nn.broadcast,) * 4, length=n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
 
 
 class Decoder(nn.Module):
@@ -80,7 +105,7 @@ class Decoder(nn.Module):
         """
         c = self.config
         check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len, cache=cache,
-                          cache_layout=(c.n_layer, c.n_kv_head, c.head_dim))
+                          cache_layout=(c.n_layer, c.n_kv_head, c.head_dim, c.scan_layers))
         T = tokens.shape[1]
         pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
         S = T if cache is None else cache.capacity
@@ -104,11 +129,16 @@ class Decoder(nn.Module):
             key_slot = jnp.arange(S)[None, None, :]  # [1, 1, S]
             mask = (key_slot <= slot[None, :, None]) & (key_slot >= cache.start[:, None, None])  # [batch, T, S]
 
-        new_layers = []
-        for i in range(c.n_layer):
-            layer_cache = None if cache is None else cache.layers[i]
-            x, layer_cache = Block(c, name=f"block_{i}")(x, cos, sin, mask, layer_cache, pos)
-            new_layers.append(layer_cache)
+        if c.scan_layers:
+            stack = None if cache is None else LayerSlice(cache.layers, jnp.zeros((), jnp.int32))
+            (x, stack), _ = scanned_blocks(c.n_layer)(c, name="blocks")((x, stack), cos, sin, mask, pos)
+            new_layers = None if cache is None else stack.stack
+        else:
+            new_layers = []
+            for i in range(c.n_layer):
+                (x, layer_cache), _ = Block(c, name=f"block_{i}")(
+                    (x, None if cache is None else cache.layers[i]), cos, sin, mask, pos)
+                new_layers.append(layer_cache)
         x = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x)
 
         head = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),

@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax import struct
+from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxformer.validation import python_int
@@ -42,6 +43,7 @@ KV_HEADS = "kv_heads"  # key/value heads of grouped-query attention
 HEAD_DIM = "head_dim"  # channels within one head
 MLP = "mlp"  # the feed-forward network's hidden units
 QKV = "qkv"  # which of Q, K, V in a packed projection
+LAYERS = "layers"  # the block a stacked parameter belongs to (a scanned model); never split
 
 # (logical axis, mesh axis, strategies), in order of preference. A mesh axis splits at
 # most one dimension of an array, and a dimension that does not divide evenly over it is
@@ -59,12 +61,28 @@ RULES = (
 AXES_COLLECTION = "param_axes"
 
 
-class LogicalAxes(struct.PyTreeNode):
+class LogicalAxes(struct.PyTreeNode, meta.AxisMetadata):
     """A parameter's logical axis names, kept in the `param_axes` collection at init.
 
-    The names are static (no array leaves), so they pass through `jax.eval_shape`."""
+    The names are static (no array leaves), so they pass through `jax.eval_shape`. As flax
+    axis metadata, they gain the `LAYERS` axis where `nn.scan` stacks the blocks'
+    parameters (its `metadata_params={nn.PARTITION_NAME: LAYERS}`)."""
 
     names: tuple[str, ...] = struct.field(pytree_node=False)
+
+    def unbox(self):
+        return None  # nothing boxed: the names are the whole content
+
+    def replace_boxed(self, val):
+        return self
+
+    def add_axis(self, index: int, params: dict) -> "LogicalAxes":
+        names = list(self.names)
+        names.insert(index, params[nn.PARTITION_NAME])
+        return self.replace(names=tuple(names))
+
+    def remove_axis(self, index: int, params: dict) -> "LogicalAxes":
+        return self.replace(names=self.names[:index] + self.names[index + 1:])
 
 
 def param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...], axes: tuple[str, ...],
@@ -235,12 +253,18 @@ def mesh_of(params) -> Mesh | None:
 def cache_shardings(cache, mesh: Mesh):
     """Where a `KVCache` lives on `mesh`: rows over `data` and kv heads over `model`, each
     where it divides evenly (else kept whole), as the attention that reads it is split."""
-    batch, n_kv = cache.layers[0].k.shape[0], cache.layers[0].k.shape[2]
+    batch, _, n_kv, _ = cache.layer_shape
     rows = DATA if batch % mesh.shape[DATA] == 0 else None
     heads = MODEL if n_kv % mesh.shape[MODEL] == 0 else None
-    kv = NamedSharding(mesh, PartitionSpec(rows, None, heads, None))  # [batch, capacity, n_kv, head_dim]
-    return cache.replace(layers=tuple(layer.replace(k=kv, v=kv) for layer in cache.layers),
-                         pos=NamedSharding(mesh, PartitionSpec()), start=NamedSharding(mesh, PartitionSpec(rows)))
+    spec = (rows, None, heads, None)  # [batch, capacity, n_kv, head_dim]
+    if cache.stacked:
+        kv = NamedSharding(mesh, PartitionSpec(rows, None, None, heads, None))  # [batch, n_layer, capacity, ...]
+        layers = cache.layers.replace(k=kv, v=kv)
+    else:
+        kv = NamedSharding(mesh, PartitionSpec(*spec))
+        layers = tuple(layer.replace(k=kv, v=kv) for layer in cache.layers)
+    return cache.replace(layers=layers, pos=NamedSharding(mesh, PartitionSpec()),
+                         start=NamedSharding(mesh, PartitionSpec(rows)))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

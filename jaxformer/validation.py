@@ -173,7 +173,8 @@ def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, 
       vocab_size: ids must lie in `[0, vocab_size)`.
       max_seq_len: the longest sequence the model accepts.
       cache: the `KVCache` the call writes to, or None.
-      cache_layout: `(n_layer, n_kv_head, head_dim)` of the model's cache (with `cache`).
+      cache_layout: `(n_layer, n_kv_head, head_dim, stacked)` of the model's cache (with
+        `cache`); `stacked` for a scanned model's one `[n_layer, ...]` array.
       ragged: whether the model reads `cache.start` (left-padded rows); if not, every
         row must start at slot 0.
       name: the argument's name, for the messages.
@@ -182,13 +183,17 @@ def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, 
     if cache is None:
         check_positions_fit(0, tokens.shape[1], max_seq_len, f"{name} length", "max_seq_len")
     else:
-        n_layer, n_kv_head, head_dim = cache_layout
+        n_layer, n_kv_head, head_dim, stacked = cache_layout
         want = (tokens.shape[0], cache.capacity, n_kv_head, head_dim)
-        if len(cache.layers) != n_layer or any(l.k.shape != want or l.v.shape != want for l in cache.layers):
-            raise ValueError(
-                f"cache does not fit this model: want {n_layer} layers of k/v {want} "
-                f"[batch, capacity, n_kv_head, head_dim], got {len(cache.layers)} layers of "
-                f"{cache.layers[0].k.shape if cache.layers else None}")
+        want_shapes = [(want[0], n_layer, *want[1:])] * 2 if stacked else [want] * (2 * n_layer)
+        got_shapes = [array.shape for array in jax.tree.leaves(cache.layers)]
+        if cache.stacked != stacked or got_shapes != want_shapes:
+            form = ("one stacked k and v of [batch, n_layer, capacity, n_kv_head, head_dim] (scan_layers=True)"
+                    if stacked else "a k and v of [batch, capacity, n_kv_head, head_dim] per layer "
+                    "(scan_layers=False)")
+            raise ValueError(f"cache does not fit this model: want {n_layer} layers of k/v {want} as {form}; "
+                             f"got {'a stacked' if cache.stacked else 'a per-layer'} cache of k/v shapes "
+                             f"{sorted(set(got_shapes))} ({len(got_shapes)} arrays)")
         if cache.start.shape != (tokens.shape[0],):
             raise ValueError(f"cache.start must hold one slot per row, shape ({tokens.shape[0]},), "
                              f"got {cache.start.shape}")

@@ -206,7 +206,7 @@ class VanillaTransformer(nn.Module):
         c = self.config
         # Every decoder row starts at BOS, so the cache has no left padding (ragged=False).
         check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, cache=cache,
-                          cache_layout=(c.n_layer, c.n_head, c.head_dim), ragged=False, name="tgt_in")
+                          cache_layout=(c.n_layer, c.n_head, c.head_dim, False), ragged=False, name="tgt_in")
         check_token_layout(src, "src")  # only its padding is read here: encode checked its ids
         T = tgt_in.shape[1]
         pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos

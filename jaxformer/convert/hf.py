@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxformer.config import DecoderConfig
+from jaxformer.convert.layers import with_scan_layers
 from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.files import write_atomically, write_text_atomically
 from jaxformer.validation import as_int, finite_float, python_int
@@ -293,7 +294,7 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
-def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
+def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, scan_layers: bool = False):
     """Loads a Hugging Face `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` folder.
 
     Needs only `safetensors` (no torch, no transformers).
@@ -304,6 +305,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
       max_seq_len: longest sequence the loaded model accepts; defaults to the
         checkpoint's `max_position_embeddings` (see `config_from_hf` for sliding windows).
       dtype: compute dtype of the returned config (parameters stay float32).
+      scan_layers: return the scanned form (`DecoderConfig.scan_layers`, the blocks'
+        parameters stacked): a deep model compiles in about the time of a shallow one.
 
     Returns:
       `(config, params)`: a `DecoderConfig` and the parameter tree for `Decoder(config)`.
@@ -347,7 +350,7 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32):
         if w.shape != t.hf_shape:
             raise ValueError(f"{path}: {t.hf_key}: expected shape {t.hf_shape} from config.json, got {tuple(w.shape)}")
         _set(params, t.path, jnp.asarray(t.to_jax(w)))
-    return config, params
+    return with_scan_layers(config, params, scan_layers)
 
 
 def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = None,
@@ -359,7 +362,7 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
     pairing transformers implements, so the saved model computes the same logits.
 
     Args:
-      config: the `DecoderConfig`.
+      config: the `DecoderConfig` (either `scan_layers` form).
       params: the `Decoder` parameter tree.
       path: the folder (created if needed); `config.json`, `generation_config.json` and
         `model.safetensors` in it are replaced, each atomically.
@@ -367,6 +370,7 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
         written to `config.json` and `generation_config.json`, where `generate` in
         transformers (and `jaxformer.text.load_tokenizer`) read the ids that stop a text.
     """
+    config, params = with_scan_layers(config, params, False)  # the checkpoint names each layer
     config, params = with_rope_pairing(config, params, "split_half")
     os.makedirs(path, exist_ok=True)
     tensors = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxformer.config import ROPE_PAIRINGS, DecoderConfig
+from jaxformer.convert.layers import STACKED, block_name
 from jaxformer.positions import interleaved_to_split_half
 
 
@@ -44,10 +45,11 @@ def with_rope_pairing(config: DecoderConfig, params, pairing: str):
     if pairing == "interleaved":
         perm = np.argsort(perm)
     new_params = dict(params)
-    for i in range(config.n_layer):
-        attn = dict(params[f"block_{i}"]["attn"])
-        for name in ("wq", "wk", "bq", "bk"):  # head_dim is the last axis of each
+    blocks = [STACKED] if config.scan_layers else [block_name(i) for i in range(config.n_layer)]
+    for block in blocks:
+        attn = dict(params[block]["attn"])
+        for name in ("wq", "wk", "bq", "bk"):  # head_dim is the last axis of each (stacked too)
             if name in attn:
                 attn[name] = attn[name][..., perm]
-        new_params[f"block_{i}"] = {**params[f"block_{i}"], "attn": attn}
+        new_params[block] = {**params[block], "attn": attn}
     return config.replace(rope_pairing=pairing), new_params

@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", help=f"compute dtype, one of {', '.join(DTYPES)}")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest prompt + completion (default: the checkpoint's max_position_embeddings)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="run the blocks as one scanned block: a deep model compiles in about the time of a "
+                        "shallow one, while batch-1 decoding on a CPU is slower (docs/architecture.md)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message in the folder's chat template")
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
@@ -329,7 +332,8 @@ def load(args, prompts: list[str]):
     """
     tokenizer = load_tokenizer(args.checkpoint)
     ids = encode_prompts(tokenizer, prompts, args)
-    config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
+    config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
+                             scan_layers=args.scan_layers)
     check_prompts(ids, prompts, args.max_new_tokens, config.max_seq_len, config.vocab_size)
     check_top_k(args.top_k, config.vocab_size, name="--top-k")
     for name, value in (("pad", tokenizer.pad_id), *(("eos", i) for i in tokenizer.stop_ids)):

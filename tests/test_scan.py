@@ -1,0 +1,219 @@
+"""Scanned layers (`DecoderConfig.scan_layers`): the same model as one block per layer.
+
+The scanned model's parameters are the per-layer ones stacked (`with_scan_layers`), so
+every comparison below is between the two forms of one set of weights, and must agree
+to float32 rounding: logits, cached decoding, ragged batches, sampling, beam search,
+checkpoints in and out, transformers itself. What differs is the program: one block in a
+loop, whatever the depth, with the stacked cache updated in place.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SMALL, import_peer, init_params, scaled_random_params
+
+from jaxformer import Decoder, KVCache, generate, stream
+from jaxformer.convert import load_hf, save_hf, stack_layers, unstack_layers, with_rope_pairing, with_scan_layers
+from jaxformer.sharding import EMBED, LAYERS, MLP, make_mesh, param_axes, tree_shardings
+
+CONFIGS = {
+    "gqa-tied": SMALL,
+    "mha-untied-bias": SMALL.replace(n_kv_head=4, tie_embeddings=False, qkv_bias=True),
+    "mqa-interleaved": SMALL.replace(n_kv_head=1, rope_pairing="interleaved"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request):
+    """(unrolled model, its params, scanned model, the same params stacked)."""
+    config = CONFIGS[request.param]
+    params = scaled_random_params(init_params(config), seed=1)
+    scanned_config, stacked = with_scan_layers(config, params, True)
+    return Decoder(config), params, Decoder(scanned_config), stacked
+
+
+# One compiled program per (model, shapes) instead of hundreds of small eager ones.
+forward = jax.jit(lambda model, params, tokens, cache=None: model.apply({"params": params}, tokens, cache),
+                  static_argnums=0)
+
+
+def _prompts(seed=0, batch=3, length=7):
+    return np.random.RandomState(seed).randint(0, SMALL.vocab_size, (batch, length))
+
+
+def test_scanned_parameters_are_the_blocks_stacked():
+    config = SMALL.replace(scan_layers=True)
+    params = init_params(config)
+    assert set(params) == {"blocks", "embed", "final_norm"}
+    shapes = jax.tree.map(lambda leaf: leaf.shape, params["blocks"])
+    assert shapes["attn"]["wq"] == (SMALL.n_layer, SMALL.d_model, SMALL.n_head, SMALL.head_dim)
+    assert shapes["mlp_norm"]["weight"] == (SMALL.n_layer, SMALL.d_model)
+    # Each block draws its own init: stacking copies of one block would make them equal.
+    wq = params["blocks"]["attn"]["wq"]
+    assert not np.allclose(wq[0], wq[1])
+    unrolled = jax.eval_shape(lambda: init_params(SMALL))
+    assert jax.tree.map(lambda x: x.shape, unstack_layers(params)) == jax.tree.map(lambda x: x.shape, unrolled)
+
+
+def test_stack_and_unstack_are_inverse():
+    params = init_params(SMALL)
+    stacked = stack_layers(params, SMALL.n_layer)
+    for i in range(SMALL.n_layer):
+        np.testing.assert_array_equal(stacked["blocks"]["mlp"]["w_up"][i], params[f"block_{i}"]["mlp"]["w_up"])
+    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked), params)
+    assert with_scan_layers(SMALL, params, False) == (SMALL, params)
+    with pytest.raises(ValueError, match="no block_3 to stack"):
+        stack_layers(params, SMALL.n_layer + 1)
+    with pytest.raises(ValueError, match="no 'blocks' subtree"):
+        unstack_layers(params)
+
+
+def test_logits_equal_the_unrolled_model(pair):
+    model, params, scanned, stacked = pair
+    tokens = _prompts(length=12)
+    want, _ = forward(model, params, tokens)
+    got, _ = forward(scanned, stacked, tokens)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_cached_decoding_equals_the_unrolled_cache(pair):
+    """Prefill then single steps through the stacked cache: the same logits, and each
+    layer's slice of the stacked cache holds that layer's per-layer keys and values."""
+    model, params, scanned, stacked = pair
+    tokens = _prompts(length=10)
+    caches = {"unrolled": KVCache.create(model.config, 3, 16), "scanned": KVCache.create(scanned.config, 3, 16)}
+    logits = {name: [] for name in caches}
+    for start, end in ((0, 6), (6, 7), (7, 10)):  # a prefill, one step, three more at once
+        for name, (m, p) in (("unrolled", (model, params)), ("scanned", (scanned, stacked))):
+            out, caches[name] = forward(m, p, tokens[:, start:end], caches[name])
+            logits[name].append(out)
+    np.testing.assert_allclose(np.concatenate(logits["scanned"], 1), np.concatenate(logits["unrolled"], 1),
+                               atol=2e-5, rtol=1e-5)
+    per_layer, stacked_cache = caches["unrolled"], caches["scanned"]
+    assert stacked_cache.layers.k.shape == (3, SMALL.n_layer, 16, model.config.n_kv_head, SMALL.head_dim)
+    assert int(stacked_cache.pos) == int(per_layer.pos) == 10
+    for i, layer in enumerate(per_layer.layers):
+        np.testing.assert_allclose(stacked_cache.layers.k[:, i], layer.k, atol=2e-5)
+        np.testing.assert_allclose(stacked_cache.layers.v[:, i], layer.v, atol=2e-5)
+    assert stacked_cache.bytes_per_token == per_layer.bytes_per_token
+    assert (stacked_cache.n_layer, stacked_cache.capacity, stacked_cache.batch_size) == (SMALL.n_layer, 16, 3)
+
+
+# Each config decodes one way (each pair compiles two loops): ragged greedy, ragged
+# sampling with one seed, and beam search, which reorders the stacked cache's rows.
+DECODING = {"mqa-interleaved": dict(), "mha-untied-bias": dict(temperature=0.8, top_k=20),
+            "gqa-tied": dict(num_beams=3)}
+
+
+def test_generate_gives_the_same_tokens(pair, request):
+    model, params, scanned, stacked = pair
+    options = DECODING[request.node.callspec.id]
+    prompts = _prompts(seed=2, length=6)
+    lengths = np.array([6, 3, 5])  # rows 1 and 2 left-padded
+    kwargs = dict(max_new_tokens=9, prompt_lengths=lengths, key=jax.random.key(3), **options)
+    np.testing.assert_array_equal(generate(scanned, stacked, prompts, **kwargs),
+                                  generate(model, params, prompts, **kwargs))
+
+
+def test_stream_gives_generate_tokens():
+    config = SMALL.replace(scan_layers=True)
+    model, params = Decoder(config), init_params(config, seed=4)
+    prompt = _prompts(seed=5, batch=2, length=5)
+    streamed = np.stack(list(stream(model, params, prompt, max_new_tokens=6)), axis=1)
+    np.testing.assert_array_equal(streamed, generate(model, params, prompt, max_new_tokens=6)[:, 5:])
+
+
+def test_a_cache_of_the_other_form_is_refused():
+    scanned = Decoder(SMALL.replace(scan_layers=True))
+    params = init_params(scanned.config)
+    with pytest.raises(ValueError, match=r"cache does not fit this model: .* stacked .*scan_layers=True.*"
+                                         r"got a per-layer cache"):
+        scanned.apply({"params": params}, _prompts(), KVCache.create(SMALL, 3))
+    with pytest.raises(ValueError, match=r"scan_layers=False.*got a stacked cache"):
+        Decoder(SMALL).apply({"params": init_params(SMALL)}, _prompts(), KVCache.create(scanned.config, 3))
+
+
+def test_the_layer_axis_is_named_and_never_split():
+    """`nn.scan` adds the LAYERS name in front of each block parameter's names; the
+    sharding rules then split what they split in the unrolled model, never the layers."""
+    config = SMALL.replace(scan_layers=True)
+    axes = param_axes(Decoder(config))
+    unrolled_axes = param_axes(Decoder(SMALL))
+    for path, names in jax.tree_util.tree_flatten_with_path(axes["blocks"], is_leaf=lambda x: isinstance(x, tuple))[0]:
+        block_names = jax.tree_util.tree_flatten_with_path(
+            unrolled_axes["block_0"], is_leaf=lambda x: isinstance(x, tuple))[0]
+        assert names == (LAYERS, *dict(block_names)[path])
+    assert axes["blocks"]["mlp"]["w_up"] == (LAYERS, EMBED, MLP)
+    params = init_params(config)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    shardings = tree_shardings(params, axes, mesh, "fsdp")
+    assert shardings["blocks"]["mlp"]["w_up"].spec[0] is None
+
+
+def test_hf_checkpoints_load_and_save_in_either_form(tmp_path):
+    config = SMALL.replace(tie_embeddings=False, rope_pairing="interleaved")
+    params = scaled_random_params(init_params(config), seed=6)
+    scanned_config, stacked = with_scan_layers(config, params, True)
+    save_hf(scanned_config, stacked, str(tmp_path))  # saved per layer, split-half pairing
+    loaded_config, loaded = load_hf(str(tmp_path), scan_layers=True)
+    assert loaded_config.scan_layers and set(loaded) == {"blocks", "embed", "final_norm", "lm_head"}
+    _, expected = with_rope_pairing(scanned_config, stacked, "split_half")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=0), loaded, expected)
+    unrolled_config, unrolled = load_hf(str(tmp_path))
+    tokens = _prompts(length=9)
+    np.testing.assert_allclose(forward(Decoder(loaded_config), loaded, tokens)[0],
+                               forward(Decoder(unrolled_config), unrolled, tokens)[0], atol=2e-5)
+
+
+@pytest.mark.peers
+def test_scanned_model_matches_transformers(tmp_path):
+    torch = import_peer("torch")
+    transformers = import_peer("transformers")
+    hf_config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            p.copy_(1 + 0.5 * torch.randn_like(p) if name.endswith("norm.weight") else 0.25 * torch.randn_like(p))
+    hf_model.save_pretrained(tmp_path)
+    config, params = load_hf(str(tmp_path), scan_layers=True)
+    tokens = np.random.RandomState(7).randint(0, 96, (2, 11))
+    with torch.no_grad():
+        want = hf_model(torch.tensor(tokens)).logits.numpy()
+    got, _ = forward(Decoder(config), params, tokens)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    prompt = tokens[:, :4]
+    with torch.no_grad():
+        hf_tokens = hf_model.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False).numpy()
+    np.testing.assert_array_equal(generate(Decoder(config), params, prompt, max_new_tokens=8), hf_tokens)
+
+
+def _decode_step_hlo(n_layer: int) -> str:
+    """The optimised program of one donated decode step of a scanned model."""
+    config = SMALL.replace(n_layer=n_layer, scan_layers=True)
+    model = Decoder(config)
+    params = jax.eval_shape(lambda: init_params(config))
+    cache = jax.eval_shape(lambda: KVCache.create(config, 2, 32))
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c), donate_argnums=2)
+    return step.lower(params, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).compile().as_text()
+
+
+def test_the_program_does_not_grow_with_depth_and_writes_the_cache_in_place():
+    """One block in a loop: 2 and 6 layers compile to the same program but for the
+    sizes. The stacked cache is the loop's carry: no instruction copies all of it (a
+    scanned-over cache would be rebuilt, a copy of every layer, at every step), and the
+    output cache reuses the donated input buffer."""
+    small, deep = _decode_step_hlo(2), _decode_step_hlo(6)
+    sizes_out = re.compile(r"\b[26]\b")
+    assert len(small.splitlines()) == len(deep.splitlines())
+    assert [sizes_out.sub("L", line) for line in small.splitlines() if "while" in line] == \
+        [sizes_out.sub("L", line) for line in deep.splitlines() if "while" in line]
+    whole_cache = f"f32[2,6,32,{SMALL.n_kv_head},{SMALL.head_dim}]"
+    copies = [line for line in deep.splitlines() if whole_cache in line and re.search(r"\bcopy(-start)?\(", line)]
+    assert copies == []
+    assert "input_output_alias" in deep
