@@ -9,6 +9,56 @@ import jax.numpy as jnp
 from jaxformer.sharding import EMBED, MLP, compute_param
 
 
+@jax.custom_vjp
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """`(silu(x W_gate) * (x W_up)) W_down`, with a hand-written gradient (`_swiglu_bwd`).
+
+    Args:
+      x: `[batch, T, d_model]`.
+      w_gate, w_up: `[d_model, ffn_dim]`.
+      w_down: `[ffn_dim, d_model]`.
+
+    Returns:
+      `[batch, T, d_model]`.
+    """
+    return _swiglu_fwd(x, w_gate, w_up, w_down)[0]
+
+
+def _swiglu_fwd(x, w_gate, w_up, w_down):
+    gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
+    up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
+    y = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)  # [batch, T, d_model]
+    return y, (x, w_gate, w_up, w_down, gate, up)  # what the backward pass reads
+
+
+def _swiglu_bwd(residuals, dy):
+    """The gradients of `y = h W_down`, `h = silu(gate) * up`, `gate = x W_gate`, `up = x W_up`.
+
+    Autodiff gives the same products, but lets XLA pick how to lay them out, and on a
+    CPU it transposes two `[batch * T, ffn_dim]` activations per layer to form the
+    weight gradients `h^T dy` and `x^T dgate`. Here every weight gradient contracts over
+    the tokens with a `d_model`-wide operand first, so only `d_model`-wide activations
+    (`x`, `dy`) are transposed: a copy 2.5x smaller, and one fewer.
+    """
+    x, w_gate, w_up, w_down, gate, up = residuals
+    sig = jax.nn.sigmoid(gate)  # [batch, T, ffn_dim]
+    silu = gate * sig  # silu(z) = z sigmoid(z)
+    d_silu = sig * (1 + gate * (1 - sig))  # silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))
+    h = silu * up  # [batch, T, ffn_dim]
+    # dW_down = h^T dy, formed as (dy^T h)^T: [d_model, ffn_dim], then transposed (small).
+    d_w_down = jnp.einsum("btd,btf->df", dy, h).T  # [ffn_dim, d_model]
+    dh = jnp.einsum("btd,fd->btf", dy, w_down)  # [batch, T, ffn_dim], dy W_down^T
+    d_up = dh * silu  # [batch, T, ffn_dim]
+    d_gate = dh * up * d_silu  # [batch, T, ffn_dim]
+    dx = jnp.einsum("btf,df->btd", d_gate, w_gate) + jnp.einsum("btf,df->btd", d_up, w_up)  # [batch, T, d_model]
+    d_w_gate = jnp.einsum("btd,btf->df", x, d_gate)  # [d_model, ffn_dim], x^T dgate
+    d_w_up = jnp.einsum("btd,btf->df", x, d_up)  # [d_model, ffn_dim], x^T dup
+    return dx, d_w_gate, d_w_up, d_w_down
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 class SwiGLU(nn.Module):
     """`W_down (silu(x W_gate) * (x W_up))`: a gated FFN with three matrices.
 
@@ -26,9 +76,7 @@ class SwiGLU(nn.Module):
         w_gate = compute_param(self, "w_gate", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
         w_up = compute_param(self, "w_up", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
         w_down = compute_param(self, "w_down", residual_init, (c.ffn_dim, c.d_model), (MLP, EMBED))
-        gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
-        up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)  # [batch, T, d_model]
+        return swiglu(x, w_gate, w_up, w_down)  # [batch, T, d_model]
 
 
 class FeedForward(nn.Module):
