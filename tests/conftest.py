@@ -1,7 +1,9 @@
 """Shared fixtures: the reference's small test model, and a numpy reference forward."""
 
 import contextlib
+import functools
 import os
+import shutil
 import tempfile
 
 import jax
@@ -15,7 +17,20 @@ from jaxformer import Decoder, DecoderConfig
 # exactly so; GPUs (TF32) and TPUs (bf16 passes) do not unless asked to.
 jax.config.update("jax_default_matmul_precision", "highest")
 # The demos keep compiled programs on disk; tests keep theirs out of the user's cache.
-os.environ.setdefault("JAXFORMER_CACHE_DIR", tempfile.mkdtemp(prefix="jaxformer-test-xla-"))
+_OWN_CACHE_DIR = None  # made by this process (not inherited from the pytest that started it): removed at the end
+if "JAXFORMER_CACHE_DIR" not in os.environ:
+    _OWN_CACHE_DIR = os.environ["JAXFORMER_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxformer-test-xla-")
+# The same directory serves the tests themselves: a program compiled once in this run (by a
+# test, a demo run in-process, a subprocess, another pytest-xdist worker) is read back
+# rather than compiled again. A fresh directory per run: nothing from an earlier run.
+# (In the environment too, for the subprocesses.)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAXFORMER_CACHE_DIR"]
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
 
 # A small decoder: 3 layers, 4 query heads sharing 2 kv heads, d_model 64.
 SMALL = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
@@ -28,6 +43,25 @@ def import_peer(module: str):
 
 
 def init_params(config: DecoderConfig, seed: int = 0):
+    """The reference init of `config`: computed once per process, each call given its own
+    dicts around the shared arrays."""
+    return jax.tree.map(lambda x: x, _init_params(config, seed))
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker per CPU this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@functools.cache
+def _init_params(config: DecoderConfig, seed: int):
+    # Eager, as a user calls it: the jitted init rounds a few values differently, and the
+    # tight float32 tolerances of some tests are set for these exact parameters.
     return Decoder(config).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))["params"]
 
 
@@ -44,7 +78,10 @@ def scaled_random_params(params, seed: int, scale: float = 0.3):
 
 @contextlib.contextmanager
 def count_compiles():
-    """Yields a list that collects one entry per XLA compilation inside the block."""
+    """Yields a list that collects one entry per XLA compilation inside the block.
+
+    (JAX times the backend compile around its persistent-cache lookup, so a program the
+    cache above supplies counts as a compilation too.)"""
     compiles = []
 
     def listener(event, duration, **kwargs):

@@ -41,6 +41,7 @@ KINDS = {  # each run's flags besides TINY, --run-dir and --export; {data} is th
     "copy": ["--eval-size", "4"],
 }
 TOLERANCE = 1e-4  # float32 logits
+_TRAINED = {}  # run directory -> what Run.trained() gives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +59,14 @@ class Run:
 
     def trained(self):
         """`(setup, params)`: the run rebuilt from its flags, and the parameters of its
-        newest checkpoint."""
-        settings, _ = lm.parse_args(self.resume())
-        setup = lm.build(settings)
-        with Checkpointer(self.run_dir, read_only=True) as saved:
-            restored = saved.restore_newest(TrainState.create(setup.params, setup.optimizer))
-        return setup, restored.state.params
+        newest checkpoint (rebuilt and restored once per run; the tests only read them)."""
+        if self.run_dir not in _TRAINED:
+            settings, _ = lm.parse_args(self.resume())
+            setup = lm.build(settings)
+            with Checkpointer(self.run_dir, read_only=True) as saved:
+                restored = saved.restore_newest(TrainState.create(setup.params, setup.optimizer))
+            _TRAINED[self.run_dir] = setup, restored.state.params
+        return _TRAINED[self.run_dir]
 
     def hint(self) -> list[str]:
         """The example command printed at the end, as argv (from "python")."""
