@@ -20,7 +20,8 @@ def test_every_variant_decodes_the_same_tokens(tmp_path, capsys):
     assert set(result) == {"config", "machine", "settings", "variants", "scaling"}
     assert result["machine"]["bandwidth_gb_s"] > 0
     peers = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
-    variants = {"jaxformer loop", "jaxformer stream", "jaxformer no cache"} | ({"HF generate"} if peers else set())
+    variants = {"jaxformer loop", "jaxformer scanned", "jaxformer stream", "jaxformer no cache"} | (
+        {"HF generate"} if peers else set())
     assert {(r["variant"], r["batch"]) for r in result["variants"]} == {(v, b) for v in variants for b in (1, 2)}
     for row in result["variants"]:
         assert ROW_FIELDS <= set(row)

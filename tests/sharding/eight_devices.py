@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, label_smoothed_cross_entropy
+from jaxformer.convert import unstack_layers
 from jaxformer.decoding import DecodeRequest, stream_start, stream_step
 from jaxformer.sharding import (batch_sharding, check_mesh_fits, make_mesh, param_axes, parse_mesh, partition_spec,
                                 tree_shardings)
@@ -26,10 +27,10 @@ MESHES = [("dp", 8, 1), ("fsdp", 8, 1), ("dp", 1, 8), ("dp", 2, 4), ("fsdp", 2, 
 BATCH = 8
 
 
-def _decoder_setup():
-    model = Decoder(DECODER)
+def _decoder_setup(config=DECODER):
+    model = Decoder(config)
     params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-    tokens = jax.random.randint(jax.random.key(1), (BATCH, 17), 0, DECODER.vocab_size)
+    tokens = jax.random.randint(jax.random.key(1), (BATCH, 17), 0, config.vocab_size)
     batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
 
     def loss_fn(params, batch, dropout_key):
@@ -146,6 +147,36 @@ def test_the_kv_cache_is_sharded_like_the_attention(data, model, spec):
         for array in (cache.layers[0].k, cache.layers[-1].v):
             assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4), array.sharding
         token, cache, done = stream_step(decoder, params, request, context, jnp.int32(1), token, cache, done)
+
+
+def test_scanned_decoder_on_a_mesh_matches_one_device():
+    """The scanned form on fsdp data 2 x model 4: its stacked parameters split as the
+    unrolled ones do, never along the layer axis; a train step equals one device's;
+    generation equals the unrolled model's on one device, with the stacked cache's rows
+    over `data` and its kv heads (2 of them, not 4) kept whole."""
+    config = DECODER.replace(scan_layers=True)
+    params, batch, loss_fn, axes = _decoder_setup(config)
+    mesh = make_mesh(data=2, model=4)
+    specs = tree_shardings(params, axes, mesh, "fsdp")
+    P = PartitionSpec
+    assert specs["blocks"]["attn"]["wq"].spec == P(None, "data", "model", None)  # [layers, d_model, heads, head_dim]
+    assert specs["blocks"]["mlp"]["w_down"].spec == P(None, "model", "data")
+    want_state, want_losses = _two_steps(params, batch, loss_fn, axes)
+    state, losses = _two_steps(params, batch, loss_fn, axes, mesh, "fsdp")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5), state.params,
+                 want_state.params)
+
+    scanned = Decoder(config)
+    params = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(x.size), x.shape), params)
+    prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
+    want = generate(Decoder(DECODER), unstack_layers(params), prompt, max_new_tokens=12)
+    placed = jax.device_put(params, specs)
+    got = generate(scanned, placed, jax.device_put(prompt, batch_sharding(mesh)), max_new_tokens=12)
+    np.testing.assert_array_equal(got, want)
+    request = DecodeRequest.create(scanned, prompt, max_new_tokens=4)
+    _, _, cache, _ = stream_start(scanned, placed, request, mesh)
+    assert cache.layers.k.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, None, None, None)), 5)
 
 
 @pytest.mark.parametrize("call, match", [

@@ -102,6 +102,9 @@ def test_greedy_completions_are_generate_and_decode(folder, params):
         assert row["completion"] == completion_text(BPE, prompt_ids, new)
         assert (row["prompt_tokens"], row["completion_tokens"]) == (len(prompt_ids), 24)
     assert rows[1]["completion"].startswith(" are cached, so")  # the model recites its corpus
+    # --scan-layers loads the same weights stacked and decodes the same tokens.
+    scanned, _ = run(["--checkpoint", folder, *_flags(PROMPTS), *NEW, "--json", "--scan-layers"])
+    assert scanned == out
     # Plain output: the completions, a line each.
     plain, _ = run(["--checkpoint", folder, *_flags(PROMPTS), *NEW])
     assert plain == "".join(r["completion"] + "\n" for r in rows)
