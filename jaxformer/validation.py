@@ -174,7 +174,7 @@ def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, 
       max_seq_len: the longest sequence the model accepts.
       cache: the `KVCache` the call writes to, or None.
       cache_layout: `(n_layer, n_kv_head, head_dim, stacked)` of the model's cache (with
-        `cache`); `stacked` for a scanned model's one `[n_layer, ...]` array.
+        `cache`); `stacked` for a scanned model's one `[batch, n_layer, ...]` k and v.
       ragged: whether the model reads `cache.start` (left-padded rows); if not, every
         row must start at slot 0.
       name: the argument's name, for the messages.
