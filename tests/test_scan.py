@@ -54,7 +54,9 @@ def test_scanned_parameters_are_the_blocks_stacked():
     # Each block draws its own init: stacking copies of one block would make them equal.
     wq = params["blocks"]["attn"]["wq"]
     assert not np.allclose(wq[0], wq[1])
-    unrolled = jax.eval_shape(lambda: init_params(SMALL))
+    # (Shapes only, and not through conftest's init_params: it would cache the tracers.)
+    unrolled = jax.eval_shape(lambda: Decoder(SMALL).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    unrolled = unrolled["params"]
     assert jax.tree.map(lambda x: x.shape, unstack_layers(params)) == jax.tree.map(lambda x: x.shape, unrolled)
 
 
@@ -67,6 +69,8 @@ def test_stack_and_unstack_are_inverse():
     assert with_scan_layers(SMALL, params, False) == (SMALL, params)
     with pytest.raises(ValueError, match="no block_3 to stack"):
         stack_layers(params, SMALL.n_layer + 1)
+    with pytest.raises(ValueError, match=r"\['block_2'\] besides block_0 .. block_1: not a 2-layer model"):
+        stack_layers(params, SMALL.n_layer - 1)
     with pytest.raises(ValueError, match="no 'blocks' subtree"):
         unstack_layers(params)
 
@@ -197,7 +201,8 @@ def _decode_step_hlo(n_layer: int) -> str:
     """The optimised program of one donated decode step of a scanned model."""
     config = SMALL.replace(n_layer=n_layer, scan_layers=True)
     model = Decoder(config)
-    params = jax.eval_shape(lambda: init_params(config))
+    # (Not conftest's init_params: it caches what it returns, and here that would be tracers.)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     cache = jax.eval_shape(lambda: KVCache.create(config, 2, 32))
     step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c), donate_argnums=2)
     return step.lower(params, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).compile().as_text()

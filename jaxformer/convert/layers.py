@@ -23,7 +23,8 @@ def stack_layers(params: dict, n_layer: int) -> dict:
     """`block_0 .. block_{n_layer-1}` as one `blocks` subtree of `[n_layer, ...]` leaves.
 
     Raises:
-      ValueError: a block is missing, or the blocks do not share one tree structure.
+      ValueError: a block is missing or left over, or the blocks do not share one tree
+        structure.
     """
     missing = [block_name(i) for i in range(n_layer) if block_name(i) not in params]
     if missing:
@@ -34,6 +35,9 @@ def stack_layers(params: dict, n_layer: int) -> dict:
         if jax.tree.structure(block) != structure:
             raise ValueError(f"params: {block_name(i)} does not have block_0's parameters, so they cannot stack")
     rest = {name: value for name, value in params.items() if name not in {block_name(i) for i in range(n_layer)}}
+    extra = sorted(name for name in rest if name.startswith("block_") or name == STACKED)
+    if extra:  # a deeper model than the config says: stacking n_layer blocks would drop these silently
+        raise ValueError(f"params: {extra} besides block_0 .. block_{n_layer - 1}: not a {n_layer}-layer model")
     return {**rest, STACKED: jax.tree.map(lambda *leaves: jnp.stack(leaves), *blocks)}
 
 
