@@ -175,16 +175,19 @@ class Checkpointer:
 
 @contextlib.contextmanager
 def _quiet(logger_name: str):
-    """Silences a library's logger for a block, and the errors of its abandoned
-    coroutines (reported when they are collected, which the block ends with)."""
+    """Silences a library's logger for a block and, if the block fails, the errors of the
+    coroutines it abandoned (reported when they are collected: a failed block ends by
+    collecting them; a full collection takes seconds in a large process, so only then)."""
     logger = logging.getLogger(logger_name)
     level, unraisable = logger.level, sys.unraisablehook
     logger.setLevel(logging.CRITICAL)
     sys.unraisablehook = lambda _: None
     try:
         yield
-    finally:
+    except BaseException:
         gc.collect()
+        raise
+    finally:
         logger.setLevel(level)
         sys.unraisablehook = unraisable
 
