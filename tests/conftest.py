@@ -16,6 +16,19 @@ from jaxformer import Decoder, DecoderConfig
 # The tests compare float32 numbers at float32 tolerances. CPUs compute float32 matmuls
 # exactly so; GPUs (TF32) and TPUs (bf16 passes) do not unless asked to.
 jax.config.update("jax_default_matmul_precision", "highest")
+# Most of the suite's time is XLA compiling programs that then run for milliseconds: compile
+# them without the optimisation passes (here, and in the subprocesses the tests start).
+# What the tests check holds either way; a comparison that float32 rounding could tip is
+# made in float64. The `optimized_programs` fixture compiles a test's programs as users get them.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+_NO_OPTIMISATIONS = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
+jax.config.update("jax_disable_most_optimizations", _NO_OPTIMISATIONS)
+# XLA:CPU's older elementwise emitters compile small programs faster than its MLIR fusion
+# emitters (eager operations about 2x). XLA reads the flag when the backend starts; set it
+# in XLA_FLAGS yourself to choose otherwise, as JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns the
+# passes back on for a whole run.
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 # The demos keep compiled programs on disk; tests keep theirs out of the user's cache.
 _OWN_CACHE_DIR = None  # made by this process (not inherited from the pytest that started it): removed at the end
 if "JAXFORMER_CACHE_DIR" not in os.environ:
@@ -60,9 +73,8 @@ def pytest_xdist_auto_num_workers(config):
 
 @functools.cache
 def _init_params(config: DecoderConfig, seed: int):
-    # Eager, as a user calls it: the jitted init rounds a few values differently, and the
-    # tight float32 tolerances of some tests are set for these exact parameters.
-    return Decoder(config).init(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))["params"]
+    # Jitted: one compile per config, where the eager init compiles each of its operations.
+    return jax.jit(Decoder(config).init)(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))["params"]
 
 
 def scaled_random_params(params, seed: int, scale: float = 0.3):
@@ -93,6 +105,18 @@ def count_compiles():
         yield compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture
+def optimized_programs():
+    """XLA's optimisation passes on for this test's compiles: for the tests about the
+    program users run (its HLO, parity with a peer). The flag is not part of jax's
+    in-memory jit cache key, so a program this worker compiled earlier is reused as it was."""
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", _NO_OPTIMISATIONS)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ CASES = Path(__file__).parent / "sharding" / "eight_devices.py"
 
 
 def test_sharding_cases_on_eight_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
     # (-n 0: the cases run in that one process, not in pytest-xdist workers of their own.)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", str(CASES)],
                           env=env, capture_output=True, text=True, timeout=1200)

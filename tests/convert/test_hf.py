@@ -108,10 +108,15 @@ def test_interleaved_model_is_saved_split_half_with_the_same_logits(tmp_path):
     loaded_config, loaded = load_hf(str(tmp_path))
     assert loaded_config == config.replace(rope_pairing="split_half", d_ff=config.ffn_dim)
     tokens = np.arange(40).reshape(2, 20) % config.vocab_size
-    want, _ = Decoder(config).apply({"params": params}, tokens)
-    got, _ = Decoder(loaded_config).apply({"params": loaded}, tokens)
-    assert np.abs(want).max() > 1.0
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    # The two pairings sum each q.k in another order: compared in float64, where that
+    # reordering is far below the tolerance, a wrongly permuted row is not.
+    with jax.enable_x64(True):
+        f64 = dict(dtype="float64", param_dtype="float64")
+        as64 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+        want, _ = Decoder(config.replace(**f64)).apply({"params": as64(params)}, tokens)
+        got, _ = Decoder(loaded_config.replace(**f64)).apply({"params": as64(loaded)}, tokens)
+    assert want.dtype == np.float64 and np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=1e-10, rtol=1e-10)
 
 
 def test_sharded_checkpoint_loads_like_one_file(tmp_path):

@@ -68,7 +68,7 @@ def hf_greedy(peer):
     return prompt.numpy(), out.sequences.numpy(), logits
 
 
-def test_logits_match(peer):
+def test_logits_match(peer, optimized_programs):  # compiled as users get it
     hf_model, config, params = peer
     tokens = torch.randint(0, config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """Sharding cases; `tests/test_sharding.py` runs this file on 8 simulated CPU devices."""
 
+import functools
 import re
 
 import jax
@@ -27,6 +28,7 @@ MESHES = [("dp", 8, 1), ("fsdp", 8, 1), ("dp", 1, 8), ("dp", 2, 4), ("fsdp", 2, 
 BATCH = 8
 
 
+@functools.cache  # each setup is made once, and its one-device steps (below) run once
 def _decoder_setup(config=DECODER):
     model = Decoder(config)
     params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
@@ -40,6 +42,7 @@ def _decoder_setup(config=DECODER):
     return params, batch, loss_fn, param_axes(model)
 
 
+@functools.cache
 def _vanilla_setup():
     model = VanillaTransformer(VANILLA)
     src = jax.random.randint(jax.random.key(2), (BATCH, 10), 1, VANILLA.src_vocab_size)
@@ -59,6 +62,12 @@ def _vanilla_setup():
 # summed in another order on another mesh) becomes an update of about lr * noise / eps.
 # eps 1e-3 keeps that near 1e-8, so the comparison below can stay tight.
 OPTIMIZER = optax.adam(1e-2, eps=1e-3)
+
+
+@functools.cache
+def _one_device_steps(setup, config=None):
+    """`_two_steps` of `setup(...)` on one device: the result every mesh must reproduce."""
+    return _two_steps(*(setup() if config is None else setup(config)))
 
 
 def _two_steps(params, batch, loss_fn, axes, mesh=None, strategy="dp"):
@@ -81,7 +90,7 @@ def _two_steps(params, batch, loss_fn, axes, mesh=None, strategy="dp"):
 @pytest.mark.parametrize("strategy, data, model", MESHES, ids=[f"{s}-{d}x{m}" for s, d, m in MESHES])
 def test_sharded_train_steps_match_one_device(setup, config, strategy, data, model):
     params, batch, loss_fn, axes = setup()
-    want_state, want_losses = _two_steps(params, batch, loss_fn, axes)
+    want_state, want_losses = _one_device_steps(setup)
     mesh = make_mesh(data=data, model=model)
     check_mesh_fits(config, mesh)
     state, losses = _two_steps(params, batch, loss_fn, axes, mesh, strategy)
@@ -97,7 +106,7 @@ def test_sharded_train_steps_match_one_device(setup, config, strategy, data, mod
 
 def test_the_rules_split_what_they_say():
     mesh = make_mesh(data=2, model=4)
-    params = Decoder(DECODER).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    params = _decoder_setup()[0]
     axes = param_axes(Decoder(DECODER))
     specs = {"/".join(k.key for k in path): sharding.spec for path, sharding in
              jax.tree_util.tree_leaves_with_path(tree_shardings(params, axes, mesh, "fsdp"),
@@ -119,7 +128,7 @@ def test_the_rules_split_what_they_say():
 
 @pytest.mark.parametrize("strategy, data, model", [("dp", 2, 4), ("fsdp", 8, 1)])
 def test_sharded_generation_matches_one_device(strategy, data, model):
-    params = Decoder(DECODER).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    params = _decoder_setup()[0]
     params = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(x.size), x.shape), params)
     prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
     want = generate(Decoder(DECODER), params, prompt, max_new_tokens=20)
@@ -137,7 +146,7 @@ def test_sharded_generation_matches_one_device(strategy, data, model):
 ])
 def test_the_kv_cache_is_sharded_like_the_attention(data, model, spec):
     decoder = Decoder(DECODER)
-    params = decoder.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    params = _decoder_setup()[0]
     mesh = make_mesh(data=data, model=model)
     params = jax.device_put(params, tree_shardings(params, param_axes(decoder), mesh, "dp"))
     prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
@@ -161,7 +170,7 @@ def test_scanned_decoder_on_a_mesh_matches_one_device():
     P = PartitionSpec
     assert specs["blocks"]["attn"]["wq"].spec == P(None, "data", "model", None)  # [layers, d_model, heads, head_dim]
     assert specs["blocks"]["mlp"]["w_down"].spec == P(None, "model", "data")
-    want_state, want_losses = _two_steps(params, batch, loss_fn, axes)
+    want_state, want_losses = _one_device_steps(_decoder_setup, config)
     state, losses = _two_steps(params, batch, loss_fn, axes, mesh, "fsdp")
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
     jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5), state.params,
