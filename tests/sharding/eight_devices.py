@@ -22,7 +22,7 @@ assert jax.device_count() == 8, "run through tests/test_sharding.py (8 simulated
 
 DECODER = DecoderConfig(vocab_size=64, n_layer=2, n_head=8, n_kv_head=2, d_model=64, max_seq_len=32,
                         tie_embeddings=False)
-VANILLA = VanillaConfig(src_vocab_size=24, tgt_vocab_size=24, n_layer=2, d_model=64, d_ff=128, n_head=8,
+VANILLA = VanillaConfig(src_vocab_size=24, tgt_vocab_size=24, n_layer=1, d_model=64, d_ff=128, n_head=8,
                         dropout=0.1, max_seq_len=16)
 MESHES = [("dp", 8, 1), ("fsdp", 8, 1), ("dp", 1, 8), ("dp", 2, 4), ("fsdp", 2, 4)]
 BATCH = 8
