@@ -17,9 +17,10 @@ from jaxformer import Decoder, DecoderConfig
 # exactly so; GPUs (TF32) and TPUs (bf16 passes) do not unless asked to.
 jax.config.update("jax_default_matmul_precision", "highest")
 # Most of the suite's time is XLA compiling programs that then run for milliseconds: compile
-# them without the optimisation passes (here, and in the subprocesses the tests start).
-# What the tests check holds either way; a comparison that float32 rounding could tip is
-# made in float64. The `optimized_programs` fixture compiles a test's programs as users get them.
+# them without LLVM's optimisation of the generated code (here, and in the subprocesses the
+# tests start). XLA's HLO passes still run, so a test that reads the compiled HLO sees the
+# program users get; a comparison that float32 rounding could tip is made in float64. The
+# `optimized_programs` fixture compiles a test's programs exactly as users get them.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 _NO_OPTIMISATIONS = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] == "1"
 jax.config.update("jax_disable_most_optimizations", _NO_OPTIMISATIONS)
@@ -119,9 +120,10 @@ def count_compiles():
 
 @pytest.fixture
 def optimized_programs():
-    """XLA's optimisation passes on for this test's compiles: for the tests about the
-    program users run (its HLO, parity with a peer). The flag is not part of jax's
-    in-memory jit cache key, so a program this worker compiled earlier is reused as it was."""
+    """LLVM's optimisation of the generated code on for this test's compiles: for a parity
+    test against a peer, whose numbers the machine code could change in the last bits.
+    The flag is not part of jax's in-memory jit cache key, so a program this worker
+    compiled earlier is reused as it was."""
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield

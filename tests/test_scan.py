@@ -208,7 +208,7 @@ def _decode_step_hlo(n_layer: int) -> str:
     return step.lower(params, jax.ShapeDtypeStruct((2, 1), jnp.int32), cache).compile().as_text()
 
 
-def test_the_program_does_not_grow_with_depth_and_writes_the_cache_in_place(optimized_programs):
+def test_the_program_does_not_grow_with_depth_and_writes_the_cache_in_place():
     """One block in a loop: 2 and 6 layers compile to the same program but for the
     sizes. The stacked cache is the loop's carry: no instruction copies all of it (a
     scanned-over cache would be rebuilt, a copy of every layer, at every step), and the
