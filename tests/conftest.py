@@ -67,16 +67,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
-# The two files that take longest (the eight-device subprocess; the training commands run,
-# killed and resumed as subprocesses) start first, one on each worker: started last, either
-# would leave one worker running it alone at the end.
-LONGEST_FIRST = ("test_sharding.py", "test_faults.py")
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)  # stable: the order within is kept
-
-
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per CPU this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
