@@ -218,7 +218,8 @@ def _run_in_fresh_process(block: Block, chain: list[Block], substitute, devices:
             where = f"{b.file}::{b.name} (line {b.line})"
             lines += [f"exec(compile({substitute(b.code)!r}, {where!r}, 'exec'), namespace)",
                       f"print({'@@ran ' + b.id!r}, flush=True)"]
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
+        xla_flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+        env = dict(os.environ, XLA_FLAGS=xla_flags,
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         done = subprocess.run([sys.executable, "-c", "\n".join(lines)], env=env, capture_output=True, text=True,
                               timeout=600, cwd=folder)
