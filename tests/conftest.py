@@ -78,6 +78,13 @@ def _init_params(config: DecoderConfig, seed: int):
     return jax.jit(Decoder(config).init)(jax.random.key(seed), jnp.zeros((1, 1), jnp.int32))["params"]
 
 
+def random_params(config: DecoderConfig, seed: int, scale: float = 0.3):
+    """`scaled_random_params` of `config`'s parameter tree: the same values as over its
+    initialised parameters, without compiling the init (only its shapes are traced)."""
+    shapes = jax.eval_shape(lambda: Decoder(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    return scaled_random_params(shapes["params"], seed, scale)
+
+
 def scaled_random_params(params, seed: int, scale: float = 0.3):
     """Every leaf redrawn at a large scale, so attention is sharp and a wrong head
     grouping, RoPE pairing or projection layout changes the logits a lot.

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, count_compiles, init_params, numpy_decoder_logits, scaled_random_params
+from conftest import SMALL, count_compiles, init_params, numpy_decoder_logits, random_params
 
 from jaxformer import Decoder, DecoderConfig, KVCache
 
@@ -66,7 +66,7 @@ def test_left_padded_rows_match_their_unpadded_forward():
     """cache.start hides a row's left padding and starts its positions after it."""
     config = SMALL
     model = Decoder(config)
-    params = scaled_random_params(init_params(config), seed=4)
+    params = random_params(config, seed=4)
     short = _tokens(7, (1, 6))
     full = _tokens(8, (1, 10))
     padded = jnp.concatenate([jnp.full((1, 4), 13), short], axis=1)  # 4 slots of padding, any id
@@ -112,7 +112,7 @@ def test_matches_independent_numpy_forward(changes):
     """Weights at a large scale, so a wrong pairing, grouping or layout cannot hide."""
     config = SMALL.replace(**changes)
     model = Decoder(config)
-    params = scaled_random_params(init_params(config), seed=3)
+    params = random_params(config, seed=3)
     tokens = _tokens(4, (2, 24))
     want = numpy_decoder_logits(params, tokens, config)
     assert np.abs(want).max() > 1.0  # the check has teeth: logits far from uniform

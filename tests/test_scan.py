@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, import_peer, init_params, scaled_random_params
+from conftest import SMALL, import_peer, init_params, random_params
 
 from jaxformer import Decoder, KVCache, generate, stream
 from jaxformer.convert import load_hf, save_hf, stack_layers, unstack_layers, with_rope_pairing, with_scan_layers
@@ -30,7 +30,7 @@ CONFIGS = {
 def pair(request):
     """(unrolled model, its params, scanned model, the same params stacked)."""
     config = CONFIGS[request.param]
-    params = scaled_random_params(init_params(config), seed=1)
+    params = random_params(config, seed=1)
     scanned_config, stacked = with_scan_layers(config, params, True)
     return Decoder(config), params, Decoder(scanned_config), stacked
 
@@ -159,7 +159,7 @@ def test_the_layer_axis_is_named_and_never_split():
 
 def test_hf_checkpoints_load_and_save_in_either_form(tmp_path):
     config = SMALL.replace(tie_embeddings=False, rope_pairing="interleaved")
-    params = scaled_random_params(init_params(config), seed=6)
+    params = random_params(config, seed=6)
     scanned_config, stacked = with_scan_layers(config, params, True)
     save_hf(scanned_config, stacked, str(tmp_path))  # saved per layer, split-half pairing
     loaded_config, loaded = load_hf(str(tmp_path), scan_layers=True)

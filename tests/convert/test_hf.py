@@ -9,7 +9,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL, init_params, scaled_random_params
+from conftest import SMALL, init_params, random_params
 from safetensors.numpy import load_file, save_file
 
 from jaxformer import Decoder
@@ -22,7 +22,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermedia
 
 
 def _saved(tmp_path, config=SMALL, seed=0):
-    params = scaled_random_params(init_params(config), seed=seed)
+    params = random_params(config, seed=seed)
     save_hf(config, params, str(tmp_path))
     return params
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, import_peer, init_params, scaled_random_params
+from conftest import SMALL, import_peer, random_params
 
 from jaxformer import Decoder, KVCache, generate
 from jaxformer.convert import load_hf, save_hf
@@ -112,7 +112,7 @@ def test_cached_decoding_logits_match_at_every_step(peer, hf_greedy):
 ])
 def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, changes):
     config = SMALL.replace(**changes)
-    params = scaled_random_params(init_params(config), seed=5)
+    params = random_params(config, seed=5)
     save_hf(config, params, str(tmp_path))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(hf_model).__name__ == ("Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM")

@@ -1,7 +1,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL, init_params, scaled_random_params
+from conftest import SMALL, init_params, random_params
 
 from jaxformer import Decoder
 from jaxformer.convert import with_rope_pairing
@@ -17,7 +17,7 @@ def _logits(config, params):
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_same_model_in_the_other_pairing(start, target, qkv_bias):
     config = SMALL.replace(rope_pairing=start, qkv_bias=qkv_bias)
-    params = scaled_random_params(init_params(config), seed=7)
+    params = random_params(config, seed=7)
     new_config, new_params = with_rope_pairing(config, params, target)
     assert new_config == config.replace(rope_pairing=target)
     want = _logits(config, params)

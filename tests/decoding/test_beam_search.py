@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, init_params, scaled_random_params
+from conftest import SMALL, random_params
 
 from jaxformer import Decoder, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.decoding.beam_search import beam_search, gather_beams, length_norm
@@ -89,7 +89,7 @@ def test_gather_beams_moves_each_beam_within_its_row():
 
 
 MODEL = Decoder(SMALL)
-PARAMS = scaled_random_params(init_params(SMALL), seed=11, scale=0.3)
+PARAMS = random_params(SMALL, seed=11, scale=0.3)
 
 
 def _prefilled(prompt, num_beams, max_new_tokens):

@@ -3,14 +3,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, count_compiles, init_params, scaled_random_params
+from conftest import SMALL, count_compiles, random_params
 
 from jaxformer import Decoder, generate, sample_token, stream
 from jaxformer.decoding import DecodeRequest, decode_rest, stream_start
 
 MODEL = Decoder(SMALL)
 # Large random weights: greedy continuations vary instead of repeating one token.
-PARAMS = scaled_random_params(init_params(SMALL), seed=11, scale=0.3)
+PARAMS = random_params(SMALL, seed=11, scale=0.3)
 
 
 def _prompt(seed, shape):
