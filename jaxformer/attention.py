@@ -119,7 +119,8 @@ class GQASelfAttention(nn.Module):
 
         Returns:
           `(y, layer_cache)`: y `[batch, T, d_model]`, and the cache with this call's
-          K/V written (None without a cache).
+          K/V written (None without a cache). The weights `[batch, n_head, T, S]` are
+          sown into the 'intermediates' collection as `attention_weights`.
         """
         c = self.config
         d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
@@ -146,7 +147,8 @@ class GQASelfAttention(nn.Module):
         if layer_cache is not None:
             layer_cache = layer_cache.write(k, v, pos)
             k, v = layer_cache.read()  # [batch, capacity, n_kv, head_dim]
-        out, _ = dot_product_attention(q, k, v, mask)  # [batch, T, n_head, head_dim]
+        out, weights = dot_product_attention(q, k, v, mask)  # [batch, T, n_head, head_dim]
+        self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
         return jnp.einsum("bthk,hkd->btd", out, wo), layer_cache  # concat heads, then W_O
 
 

@@ -62,8 +62,9 @@ class Block(nn.Module):
 def scanned_blocks(n_layer: int):
     """`Block` run `n_layer` times as one: the parameters (and their logical axis names)
     gain a leading layer axis, each block gets its own init key, and the cache rides in
-    the carry."""
-    return nn.scan(Block, variable_axes={"params": 0, AXES_COLLECTION: 0}, split_rngs={"params": True},
+    the carry. Sown intermediates (the attention weights) are stacked the same way."""
+    return nn.scan(Block, variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
+                   split_rngs={"params": True},
                    in_axes=(nn.broadcast,) * 4, length=n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
 
 
@@ -80,6 +81,9 @@ class Decoder(nn.Module):
     every step. Prompts of different lengths share a batch left-padded: `cache.start[b]`
     is row b's first real slot; its padding is never attended to and its positions (for
     RoPE) count from there.
+
+    Every layer's attention weights are sown: `apply(..., mutable=['intermediates'])`
+    returns them too, and `sown_attention_weights(intermediates, config)` stacks them.
 
     Attributes:
       config: the `DecoderConfig`.
@@ -174,3 +178,20 @@ class Decoder(nn.Module):
 
     def decode_step(self, tokens: jax.Array, cache: KVCache, context: None):
         return self(tokens, cache)
+
+
+def sown_attention_weights(intermediates, config: DecoderConfig) -> jax.Array:
+    """The attention weights a `Decoder` sowed, layer by layer.
+
+    Args:
+      intermediates: `apply(..., mutable=['intermediates'])`'s second output.
+      config: the model's config (unrolled blocks sow one entry each; scanned ones one
+        stacked entry).
+
+    Returns:
+      `[n_layer, batch, n_head, T, S]` float32.
+    """
+    sown = intermediates["intermediates"]
+    if config.scan_layers:
+        return sown["blocks"]["attn"]["attention_weights"][0]
+    return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in range(config.n_layer)])

@@ -134,10 +134,11 @@ def small():
     return SMALL, Decoder(SMALL), init_params(SMALL)
 
 
-def numpy_decoder_logits(params, tokens, config: DecoderConfig) -> np.ndarray:
+def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list | None = None) -> np.ndarray:
     """An independent float64 forward of the decoder, written the slow, obvious way:
     RoPE as multiplication by complex exponentials, attention one query head at a time
-    with its kv head picked by index, a causal mask of -inf."""
+    with its kv head picked by index, a causal mask of -inf. A list passed as `attention`
+    receives each layer's weights `[B, n_head, T, T]`."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     tokens = np.asarray(tokens)
     B, T = tokens.shape
@@ -167,13 +168,16 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig) -> np.ndarray:
         q = rope((h @ b["attn"]["wq"].reshape(d, H * D) + bias["bq"]).reshape(B, T, H, D))
         k = rope((h @ b["attn"]["wk"].reshape(d, K * D) + bias["bk"]).reshape(B, T, K, D))
         v = (h @ b["attn"]["wv"].reshape(d, K * D) + bias["bv"]).reshape(B, T, K, D)
-        heads = []
+        heads, weights = [], []
         for j in range(H):
             kv = j // (H // K)
             s = np.einsum("btd,bsd->bts", q[:, :, j], k[:, :, kv]) / np.sqrt(D)
             s = np.where(causal, s, -np.inf)
             w = np.exp(s - s.max(-1, keepdims=True))
-            heads.append((w / w.sum(-1, keepdims=True)) @ v[:, :, kv])
+            weights.append(w / w.sum(-1, keepdims=True))
+            heads.append(weights[-1] @ v[:, :, kv])
+        if attention is not None:
+            attention.append(np.stack(weights, 1))
         x = x + np.concatenate(heads, -1) @ b["attn"]["wo"].reshape(H * D, d)
         h = rms(x, b["mlp_norm"]["weight"])
         gate = h @ b["mlp"]["w_gate"]

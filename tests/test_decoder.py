@@ -1,3 +1,5 @@
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -6,6 +8,8 @@ import pytest
 from conftest import SMALL, count_compiles, init_params, numpy_decoder_logits, random_params
 
 from jaxformer import Decoder, DecoderConfig, KVCache
+from jaxformer.convert import with_scan_layers
+from jaxformer.decoder import sown_attention_weights
 
 
 def _tokens(seed, shape, vocab=SMALL.vocab_size):
@@ -126,6 +130,23 @@ def test_matches_independent_numpy_forward(changes):
         out, cache = step(tokens[:, t:t + 1], cache)
         steps.append(out)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_sown_attention_weights_match_the_numpy_forward(scan_layers):
+    """What the report page draws: every layer's weights, from the unrolled blocks or the
+    scanned stack, equal the independent forward's."""
+    config = SMALL.replace(n_kv_head=2)
+    params = random_params(config, seed=3)
+    tokens = _tokens(4, (2, 24))
+    want = []
+    numpy_decoder_logits(params, tokens, config, attention=want)  # n_layer x [B, n_head, T, T]
+    model_config, model_params = with_scan_layers(config, params, scan_layers)
+    forward = jax.jit(functools.partial(Decoder(model_config).apply, mutable=["intermediates"]))
+    got = sown_attention_weights(forward({"params": model_params}, tokens)[1], model_config)
+    chex.assert_shape(got, (config.n_layer, 2, config.n_head, 24, 24))
+    assert np.max(want) > 0.9  # sharp heads: a layer or head out of place shows
+    np.testing.assert_allclose(got, np.stack(want), atol=1e-5)
 
 
 def test_parameter_tree_and_reference_init():

@@ -3,8 +3,10 @@
 A demo module provides a frozen `Settings` dataclass (its recipe; the defaults are the
 CLI's), `build(settings) -> Setup`, and its own evaluation. This module holds the rest:
 the one-line-error parser, the flags every demo has, the run directory's name, recorded
-config and tokenizer, and the path from a `Setup` to trained parameters through
-`jaxformer.training`.
+config and tokenizer, the path from a `Setup` to trained parameters through
+`jaxformer.training`, and the run's report page (`jaxformer.training.report`), which a
+demo feeds with a `snapshot(params) -> {"attention": [...], "samples": [...]}` of what its
+model does at step 0 and at every checkpoint.
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE,
 from jaxformer.training import (METRICS_FILE, Checkpointer, Restored, TrainState, check_run_dir, check_seed,
                                 enable_compilation_cache, initialize_distributed, make_train_step, read_metrics,
                                 save_run_config, shard_batches, shard_state, train_loop)
+from jaxformer.training.report import (RESULTS_FILE, drop_snapshots_after, record_session, record_snapshot,
+                                       write_report)
 
 DTYPES = ("float32", "bfloat16")
 # Config fields a run may change on resume: parameters and optimizer state are stored in
 # param_dtype (float32 in both demos), so the compute precision is not part of the run.
 DTYPE_FIELDS = ("dtype", "param_dtype", "cache_dtype")
-RESULTS_FILE = "eval.json"
 # What --export writes (`jaxformer.convert.save_hf`, then `jaxformer.text.save_tokenizer`):
 # a folder that holds nothing else is a previous export, whose files are replaced.
 EXPORT_FILES = (MODEL_CONFIG_FILE, GENERATION_CONFIG_FILE, "model.safetensors", TOKENIZER_FILE,
@@ -272,9 +275,14 @@ def count_params(params) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
 
+def device_name() -> str:
+    """The device the run computes on, and the JAX version."""
+    return f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+
+
 def print_device() -> None:
-    """One line: the device the run computes on, and the JAX version."""
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    """One line: `device_name()`."""
+    print(f"device: {device_name()}")
 
 
 def run_record(config, settings) -> dict:
@@ -386,14 +394,16 @@ def save_run_tokenizer(run_dir: Path, tokenizer) -> None:
         raise ValueError(f"cannot write {path}: {e.strerror or e}") from e
 
 
-def start(prog: str, setup: Setup, settings, run: RunOptions) -> Start:
+def start(prog: str, setup: Setup, settings, run: RunOptions, shape_trace=()) -> Start:
     """Places the run, checks it against its run directory, and only then records it there.
 
     The run directory is a transaction: a mesh that does not fit, a run directory that
     holds another run, or (with `--resume`) another tokenizer, no checkpoint that
     restores, or one past `--steps`, exits with one line before anything in it is
     written. A new run's `config.json`, then its `tokenizer.json`, are written once,
-    atomically; a resumed run's are left as they are.
+    atomically; a resumed run's are left as they are. Then `about.json` records this
+    session: the settings, the parameter count, `shape_trace` (rows of `(stage, shape,
+    note)`), the step it starts from and the device.
     """
     try:
         state, make_batch, state_sharding = place(setup, settings.batch_size, run)
@@ -415,18 +425,34 @@ def start(prog: str, setup: Setup, settings, run: RunOptions) -> Start:
                 save_run_tokenizer(run.run_dir, setup.tokenizer)
     except ValueError as e:
         fail(prog, str(e))
+    record_session(run.run_dir, prog, dataclasses.asdict(settings), count_params(setup.params), shape_trace,
+                   restored.step if restored else 0, device_name())
     return Start(state=state, make_batch=make_batch, state_sharding=state_sharding, restored=restored)
 
 
-def train(setup: Setup, settings, run: RunOptions, begun: Start) -> Trained:
-    """Trains from `begun.step` to `settings.steps`, saying where it starts."""
+def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Callable | None = None) -> Trained:
+    """Trains from `begun.step` to `settings.steps`, saying where it starts.
+
+    With a `snapshot(params) -> dict` (`record_snapshot`'s `attention` and `samples`),
+    what the model does is recorded at step 0 and at every checkpoint, and the report
+    page rebuilt each time; a resumed run first drops the snapshots past its checkpoint.
+    """
     print(f"{'resuming' if begun.restored else 'starting'} at step {begun.step} of {settings.steps}"
           + (": nothing left to train" if begun.step == settings.steps else ""))
+
+    def observe(state):
+        record_snapshot(run.run_dir, int(state.step), **snapshot(jax.device_get(state.params)))
+        write_report(run.run_dir)
+
+    if snapshot is not None:
+        drop_snapshots_after(run.run_dir, begun.step)
+        if begun.step == 0:
+            observe(begun.state)
     started = time.perf_counter()
     state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding),
                        begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
                        checkpoint_every=run.checkpoint_every, log_every=run.log_every, lr_schedule=setup.schedule,
-                       resume=begun.restored or False)
+                       resume=begun.restored or False, on_checkpoint=observe if snapshot else None)
     trained = Trained(params=jax.device_get(state.params), steps=int(state.step),
                       seconds=time.perf_counter() - started, last=read_metrics(run.run_dir / METRICS_FILE)[-1])
     print(f"\ntrained to step {trained.steps} in {trained.seconds:.1f} s (compile included): "
@@ -441,5 +467,7 @@ def evaluation_key(seed: int) -> jax.Array:
 
 
 def write_results(run_dir: Path, results: dict) -> None:
-    """Writes the run's results to `run_dir/eval.json` (atomically)."""
+    """Writes the run's results to `run_dir/eval.json` (atomically), then the report page
+    with them, and prints where the page is."""
     write_text_atomically(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+    print(f"\nreport: {write_report(run_dir)}")

@@ -32,9 +32,11 @@ import optax
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
 from jaxformer.command_line import fail
 from jaxformer.convert import save_hf
+from jaxformer.decoder import sown_attention_weights
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from jaxformer.text import Tokenizer, save_tokenizer
 from jaxformer.text.streaming import REPLACEMENT
+from jaxformer.training.report import attention_group
 from train import cli
 from train.tasks import (BPE_MIN_VOCAB, COPY_LEN, COPY_SYMBOLS, IGNORE, TEXT_TOKENIZERS, TextCorpus, copy_batch,
                          copy_prompts, copy_tokenizer, encode_prompt)
@@ -44,6 +46,9 @@ TASKS = ("copy", "text")
 DEFAULT_TOKENIZER = "char"  # of the text task
 DEFAULT_BPE_VOCAB = 512
 EXAMPLE_PROMPT_TOKENS = 8  # of the text: the export's example prompt when there is no --prompt
+EXAMPLES = 4  # decoded copy-task examples kept in eval.json
+SNAPSHOT_PROMPTS = 2  # copy-task patterns decoded at each checkpoint, for the report page
+MAP_TOKENS = 48  # of the validation text: the text task's attention example
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +263,29 @@ def build(settings: Settings = Settings()) -> cli.Setup:
                      corpus=corpus, tokenizer=tokenizer)
 
 
+def shape_trace(setup: cli.Setup, settings: Settings) -> list[tuple[str, tuple, str]]:
+    """What each stage of one forward pass on two training rows produces, as `(stage,
+    shape, note)` rows. Shapes only: `jax.eval_shape` traces the model abstractly."""
+    c = setup.model.config
+    B, T, H, K, D = 2, training_length(settings), c.n_head, c.n_kv_head, c.head_dim
+    tokens = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def forward(params, tokens):
+        (logits, _), inter = setup.model.apply({"params": params}, tokens, mutable=["intermediates"])
+        return logits, sown_attention_weights(inter, c)  # [B, T, V], [n_layer, B, H, T, T]
+
+    logits, weights = jax.eval_shape(forward, setup.params, tokens)
+    return [
+        ("token ids", (B, T), ""),
+        ("embeddings (the residual stream)", (B, T, c.d_model), ""),
+        ("Q after split into heads, RoPE applied", (B, T, H, D), f"head_dim = d/h = {D}"),
+        ("K and V (grouped-query)", (B, T, K, D), f"each kv head serves {H // K} query heads"),
+        ("causal self-attention weights", weights.shape[1:], f"<- per layer; {c.n_layer} layers"),
+        ("SwiGLU hidden", (B, T, c.ffn_dim), "gate * up, then down"),
+        ("logits", logits.shape, ""),
+    ]
+
+
 def describe(setup: cli.Setup, settings: Settings) -> None:
     """The device, the task, the model's size, and the loss of a uniform guess."""
     config, params = setup.model.config, setup.params
@@ -269,6 +297,57 @@ def describe(setup: cli.Setup, settings: Settings) -> None:
           f"{n_params:,} params ({n_params - params['embed'].size:,} non-embedding)")
     chance = math.log(COPY_SYMBOLS if setup.corpus is None else config.vocab_size)
     print(f"chance loss (uniform) = {chance:.4f}\n")
+
+
+def token_labels(tokenizer: Tokenizer, ids) -> list[str]:
+    """Each id's text, one label a token, whitespace made visible (for the maps)."""
+    texts = (tokenizer.decode(np.asarray([i]), skip_special_tokens=False) for i in np.asarray(ids))
+    return [t.replace(" ", "\u2423").replace("\n", "\u23ce") or "\u2205" for t in texts]
+
+
+def sample_text(setup: cli.Setup, settings: Settings, params) -> str:
+    """The text task's continuation of its start (`sample_start`), sampled with the
+    settings' knobs from `jax.random.key(settings.seed)`."""
+    tokenizer = setup.tokenizer
+    prompt = jnp.asarray([sample_start(settings, tokenizer)], jnp.int32)  # [1, prompt length]
+    sample = generate(setup.model, params, prompt, max_new_tokens=settings.sample_tokens,
+                      key=jax.random.key(settings.seed), temperature=settings.temperature,
+                      top_k=min(settings.top_k, tokenizer.vocab_size), top_p=settings.top_p)
+    # Without a prompt, the start token only began the sampling: it is not part of the text.
+    return tokenizer.decode(np.asarray(sample[0, 0 if settings.prompt else 1:]))
+
+
+def snapshotter(setup: cli.Setup, settings: Settings):
+    """`snapshot(params)` for the report page: the self-attention of every layer and head
+    on one example (a copy-task sequence, or the start of the validation text, at most
+    `MAP_TOKENS` and `seq_len` long), and samples: the copy task's greedy decoding of `SNAPSHOT_PROMPTS` unseen
+    patterns, or the text task's sampled continuation."""
+    model, tokenizer, corpus = setup.model, setup.tokenizer, setup.corpus
+    key = jax.random.fold_in(cli.evaluation_key(settings.seed), 1)  # not the evaluation's patterns
+    if corpus is None:
+        prompts, patterns = copy_prompts(key, SNAPSHOT_PROMPTS)  # [n, L + 2], [n, L]
+        example = jnp.concatenate([prompts[:1], patterns[:1, :-1]], axis=1)  # [1, 2L + 1], a training row
+    else:
+        example = corpus.val[None, :min(MAP_TOKENS, settings.seq_len)]  # [1, T], at most a training window
+    labels = token_labels(tokenizer, example[0])
+    note = (f"To copy, a token of the second copy reads the first copy's token one after its own match, "
+            f"{COPY_LEN} positions back: a stripe below the diagonal forms as the model learns (an induction head)."
+            if corpus is None else "")
+    forward = jax.jit(functools.partial(model.apply, mutable=["intermediates"]))
+
+    def snapshot(params) -> dict:
+        weights = np.asarray(sown_attention_weights(forward({"params": params}, example)[1], model.config))
+        attention = [attention_group("self-attention (causal)", layer, weights[layer, 0], labels, labels, note)
+                     for layer in range(model.config.n_layer)]
+        if corpus is not None:
+            return {"attention": attention, "samples": [{"label": "sampled continuation",
+                                                         "output": sample_text(setup, settings, params)}]}
+        out = generate(model, params, prompts, max_new_tokens=COPY_LEN)[:, COPY_LEN + 2:]  # [n, L]
+        samples = [{"label": f"unseen pattern {i}, greedy", "output": token_labels(tokenizer, out[i]),
+                    "target": token_labels(tokenizer, patterns[i])} for i in range(SNAPSHOT_PROMPTS)]
+        return {"attention": attention, "samples": samples}
+
+    return snapshot
 
 
 def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained) -> dict:
@@ -285,20 +364,17 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained) -> dict
     if corpus is None:
         prompts, patterns = copy_prompts(eval_key, settings.eval_size)  # [n, L + 2], [n, L]
         out = generate(model, params, prompts, max_new_tokens=COPY_LEN)[:, COPY_LEN + 2:]  # [n, L]
+        examples = [{"label": f"unseen pattern {i}", "input": token_labels(tokenizer, prompts[i]),
+                     "target": token_labels(tokenizer, patterns[i]), "output": token_labels(tokenizer, out[i])}
+                    for i in range(min(EXAMPLES, settings.eval_size))]
         return {"token_accuracy": float(jnp.mean(out == patterns)),
                 "exact_match": float(jnp.mean(jnp.all(out == patterns, axis=1))),
                 "target": np.asarray(patterns[0, :12]).tolist(), "decoded": np.asarray(out[0, :12]).tolist(),
-                "prompt": tokenizer.decode(np.asarray(prompts[0]), skip_special_tokens=False)}
+                "examples": examples, "prompt": tokenizer.decode(np.asarray(prompts[0]), skip_special_tokens=False)}
     val = jnp.mean(jnp.stack([setup.loss_fn(params, corpus.batch(k, settings.batch_size, "val"), None)[0]
                               for k in jax.random.split(eval_key, 20)]))
-    prompt = jnp.asarray([sample_start(settings, tokenizer)], jnp.int32)  # [1, prompt length]
-    sample = generate(model, params, prompt, max_new_tokens=settings.sample_tokens, key=jax.random.key(settings.seed),
-                      temperature=settings.temperature, top_k=min(settings.top_k, tokenizer.vocab_size),
-                      top_p=settings.top_p)
-    # Without a prompt, the start token only began the sampling: it is not part of the text.
-    text = tokenizer.decode(np.asarray(sample[0, 0 if settings.prompt else 1:]))
     example = settings.prompt or example_prompt(tokenizer, corpus.train[:EXAMPLE_PROMPT_TOKENS])
-    return {"validation_loss": float(val), "sample": text, "prompt": example}
+    return {"validation_loss": float(val), "sample": sample_text(setup, settings, params), "prompt": example}
 
 
 def example_prompt(tokenizer: Tokenizer, ids) -> str:
@@ -315,7 +391,8 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir) 
         print(f"  token accuracy {evaluation['token_accuracy']:.2%}   exact match {evaluation['exact_match']:.2%}   "
               f"(chance {1 / COPY_SYMBOLS:.1%} a token)")
         print(f"  target  {evaluation['target']} ...\n  decoded {evaluation['decoded']} ...")
-        results.update(token_accuracy=evaluation["token_accuracy"], exact_match=evaluation["exact_match"])
+        results.update(token_accuracy=evaluation["token_accuracy"], exact_match=evaluation["exact_match"],
+                       examples=evaluation["examples"])
     else:
         val = evaluation["validation_loss"]
         print(f"\ntrain loss {trained.last['loss']:.4f}   validation loss {val:.4f} (ppl {math.exp(val):.2f})")
@@ -348,9 +425,9 @@ def main(argv=None) -> int:
     settings, run = parse_args(argv)
     cli.start_process()
     setup = cli.build_or_fail(PROG, build, settings)
-    begun = cli.start(PROG, setup, settings, run)
+    begun = cli.start(PROG, setup, settings, run, shape_trace(setup, settings))
     describe(setup, settings)
-    trained = cli.train(setup, settings, run, begun)
+    trained = cli.train(setup, settings, run, begun, snapshotter(setup, settings))
     evaluation = evaluate(setup, settings, trained)
     report(settings, trained, evaluation, run.run_dir)
     if run.export is not None:

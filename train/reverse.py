@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import ClassVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jaxformer import VanillaConfig, VanillaTransformer, generate
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
+from jaxformer.training.report import attention_group
 from jaxformer.viz import ascii_attention, save_attention_grid
 from train import cli
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
@@ -40,6 +40,7 @@ PROG = "python -m train.reverse"
 MIN_LEN, MAX_LEN = 5, 10
 PROBE_LENGTHS = (11, 12, 13, 14, 15, 16)  # never seen in training
 MAP_LENGTH = 8
+EXAMPLES = 4  # decoded examples of each evaluation set kept in eval.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +125,8 @@ def build(settings: Settings = Settings()) -> cli.Setup:
 
     Adam (0.9, 0.98, 1e-9) on the Noam schedule, label smoothing, dropout; batches of
     `settings.batch_size` sequences of 5 to 10 symbols. The command line builds and
-    trains under `jax.threefry_partitionable(False)` (see `main`): do the same to get its
-    parameters and dropout masks.
+    trains under `classic_random_bits()`: do the same to get its parameters and dropout
+    masks.
 
     Args:
       settings: the recipe; `Settings()` is the command line's default.
@@ -154,17 +155,22 @@ def build(settings: Settings = Settings()) -> cli.Setup:
                      make_batch=make_batch, tokens_per_step=settings.batch_size * (MAX_LEN + 1))
 
 
-def describe(setup: cli.Setup) -> None:
-    """The device, the parameter count, and the shape trace."""
+def describe(setup: cli.Setup, trace) -> None:
+    """The device, the parameter count, and the shape trace (`shape_trace`'s rows)."""
     cli.print_device()
     print(f"params: {cli.count_params(setup.params):,}   (the paper's base model: 65M)\n")
-    shape_trace(setup.model, setup.params)
+    print("shape trace (B=batch, S=src len, T=tgt len, d=d_model, h=heads)\n")
+    for name, shape, note in trace:
+        print(f"  {name:<44} {str(shape):<18} {note}")
 
 
-def shape_trace(model: VanillaTransformer, params) -> None:
-    """One forward pass on two full-length examples, printing what each stage produces.
+def shape_trace(model: VanillaTransformer, params) -> list[tuple[str, tuple, str]]:
+    """What each stage of one forward pass on two full-length examples produces.
 
     Shapes only: `jax.eval_shape` traces the model abstractly, nothing is computed.
+
+    Returns:
+      `(stage, shape, note)` rows.
     """
     c = model.config
     batch = reverse_batch(jax.random.key(0), 2, MAX_LEN, MAX_LEN)
@@ -195,9 +201,7 @@ def shape_trace(model: VanillaTransformer, params) -> None:
         ("cross-attention weights", cross_w.shape, "<- NOT square (T x S)"),
         ("logits", logits.shape, ""),
     ]
-    print("shape trace (B=batch, S=src len, T=tgt len, d=d_model, h=heads)\n")
-    for name, shape, note in rows:
-        print(f"  {name:<44} {str(tuple(shape)):<18} {note}")
+    return [(name, tuple(shape), note) for name, shape, note in rows]
 
 
 def decoding_exact_match(model, params, key, n: int, lengths: tuple[int, ...], width: int) -> dict:
@@ -214,37 +218,76 @@ def decoding_exact_match(model, params, key, n: int, lengths: tuple[int, ...], w
       width: the source width they are padded to.
 
     Returns:
-      `{"exact_match", "n", "per_length": {length: (rate, count)}, "example": (src, decoded)}`.
+      `{"exact_match", "n", "per_length": {length: (rate, count)}, "examples"}`, the
+      examples the first `EXAMPLES` rows as `{"input", "target", "output"}` tokens
+      (`token_text`), target and output up to the target's EOS.
     """
     batch = reverse_batch(key, n, min(lengths), max(lengths), width=width)
-    out = generate(model, params, batch["src"], max_new_tokens=width + 1, bos_id=BOS, eos_id=EOS)
-    exact = np.asarray(jnp.all(out[:, 1:] == batch["tgt_out"], axis=1))  # [n]
+    out = np.asarray(generate(model, params, batch["src"], max_new_tokens=width + 1, bos_id=BOS, eos_id=EOS))
+    exact = np.all(out[:, 1:] == np.asarray(batch["tgt_out"]), axis=1)  # [n]
     length = np.asarray(batch["length"])
     per_length = {int(L): (float(exact[length == L].mean()), int((length == L).sum())) for L in np.unique(length)}
-    return {"exact_match": float(exact.mean()), "n": n, "per_length": per_length,
-            "example": (np.asarray(batch["src"][0, :length[0]]).tolist(), np.asarray(out[0, 1:length[0] + 1]).tolist())}
+
+    def tokens(row):
+        return [token_text(t) for t in row]
+
+    examples = [{"input": tokens(batch["src"][i, :length[i]]), "target": tokens(batch["tgt_out"][i, :length[i] + 1]),
+                 "output": tokens(out[i, 1:length[i] + 2])} for i in range(min(n, EXAMPLES))]
+    return {"exact_match": float(exact.mean()), "n": n, "per_length": per_length, "examples": examples}
 
 
-def cross_attention_map(model, params, run_dir: Path) -> str:
-    """Teacher-forced cross-attention of one length-8 example: ASCII (last layer, heads
-    averaged) and a PNG of every layer and head."""
-    c = model.config
+def token_text(token: int) -> str:
+    """A token of the reversal task as the page and the maps label it."""
+    return {PAD: "PAD", BOS: "BOS", EOS: "EOS"}.get(int(token), str(int(token)))
+
+
+def snapshotter(setup: cli.Setup):
+    """`snapshot(params)`: every attention map of one length-8 example, teacher-forced
+    (encoder self, decoder self and cross-attention, every layer and head), for the
+    report page. One compiled forward serves every call."""
+    c = setup.model.config
     batch = reverse_batch(jax.random.key(1), 1, MAP_LENGTH, MAP_LENGTH, width=MAX_LEN)
-    forward = jax.jit(functools.partial(model.apply, mutable=["intermediates"]))
-    _, inter = forward({"params": params}, batch["src"], batch["tgt_in"])
-    weights = np.stack([np.asarray(inter["intermediates"][f"decoder_layers_{i}"]["cross_attn"]["attention_weights"][0][0])
-                        for i in range(c.n_layer)])  # [n_layer, n_head, T, S]
-    weights = weights[:, :, :MAP_LENGTH + 1, :MAP_LENGTH]  # rows BOS + 8 steps, the 8 real source positions
-    rows = ["BOS"] + [str(i) for i in range(1, MAP_LENGTH + 1)]
-    cols = [str(i) for i in range(1, MAP_LENGTH + 1)]
+    forward = jax.jit(functools.partial(setup.model.apply, mutable=["intermediates"]))
+    src = [token_text(t) for t in np.asarray(batch["src"][0, :MAP_LENGTH])]
+    tgt = [token_text(t) for t in np.asarray(batch["tgt_in"][0, :MAP_LENGTH + 1])]  # BOS + the 8 reversed
+
+    def snapshot(params) -> dict:
+        inter = forward({"params": params}, batch["src"], batch["tgt_in"])[1]["intermediates"]
+
+        def weights(stack, layer, kind, rows, cols):  # [n_head, rows, cols] of the example
+            return np.asarray(inter[f"{stack}_layers_{layer}"][kind]["attention_weights"][0][0, :, :rows, :cols])
+
+        groups = []
+        for layer in range(c.n_layer):
+            groups += [
+                attention_group("encoder self-attention", layer, weights("encoder", layer, "self_attn", MAP_LENGTH,
+                                                                          MAP_LENGTH), src, src),
+                attention_group("decoder self-attention", layer, weights("decoder", layer, "self_attn",
+                                                                          MAP_LENGTH + 1, MAP_LENGTH + 1), tgt, tgt),
+                attention_group("cross-attention (rows: decoder, columns: source)", layer,
+                                weights("decoder", layer, "cross_attn", MAP_LENGTH + 1, MAP_LENGTH), tgt, src,
+                                note=f"To reverse, decoder step k reads source position {MAP_LENGTH} - 1 - k: an "
+                                     "anti-diagonal forms as the model learns.")]
+        return {"attention": groups}
+
+    return snapshot
+
+
+def cross_attention_map(snapshot: dict, run_dir: Path) -> str:
+    """The cross-attention of a snapshot: ASCII (last layer, heads averaged) and a PNG of
+    every layer and head."""
+    cross = [g for g in snapshot["attention"] if g["name"].startswith("cross")]
+    weights = np.array([g["heads"] for g in cross])  # [n_layer, n_head, T, S]
+    rows, cols = cross[0]["rows"], cross[0]["cols"]
     save_attention_grid(weights, run_dir / "cross_attention.png", rows, cols,
                         title="cross-attention, every layer and head")
     return ascii_attention(weights[-1].mean(0), rows, cols)
 
 
-def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir: Path) -> dict:
+def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir: Path, snapshot) -> dict:
     """Decodes fresh sequences of the trained lengths and of the probe's longer ones,
-    and draws the cross-attention map (its PNG into `run_dir`).
+    and draws the cross-attention map of `snapshot` (`snapshotter`'s) of the trained
+    parameters (its PNG into `run_dir`).
 
     Returns:
       The results: exact match overall and per length for both sets, an example, the
@@ -257,7 +300,7 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir
                                 MAX_LEN)
     probe = decoding_exact_match(model, params, probe_key, settings.eval_size, PROBE_LENGTHS, max(PROBE_LENGTHS))
     return {"seen": seen, "probe": probe, "decode_seconds": time.perf_counter() - start,
-            "map": cross_attention_map(model, params, run_dir)}
+            "map": cross_attention_map(snapshot(params), run_dir)}
 
 
 def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: Path) -> None:
@@ -267,8 +310,8 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: 
           f"(exact = every reversed symbol, then EOS):")
     print(f"  exact match {seen['exact_match']:.2%}")
     print("  per length  " + "  ".join(f"{L}: {r:.1%} (n={n})" for L, (r, n) in seen["per_length"].items()))
-    src, decoded = seen["example"]
-    print(f"  src     {src}\n  decoded {decoded}")
+    example = seen["examples"][0]
+    print(f"  src     {' '.join(example['input'])}\n  decoded {' '.join(example['output'])}")
     print(f"\ngeneralisation probe, {settings.eval_size} sequences of unseen lengths "
           f"{PROBE_LENGTHS[0]}-{PROBE_LENGTHS[-1]}:")
     print(f"  exact match {probe['exact_match']:.2%}")
@@ -283,23 +326,35 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: 
     cli.write_results(run_dir, {
         "steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds,
         "exact_match": seen["exact_match"], "per_length": seen["per_length"],
-        "probe_exact_match": probe["exact_match"], "probe_per_length": probe["per_length"]})
+        "probe_exact_match": probe["exact_match"], "probe_per_length": probe["per_length"],
+        "examples": [{"label": label, **example} for label, results in (("trained length", seen), ("probe", probe))
+                     for example in results["examples"]]})
+
+
+def classic_random_bits():
+    """The context the command line builds, trains and evaluates in, so that the same
+    keys draw the same parameters, dropout masks and evaluation sequences.
+
+    Dropout draws about a million random numbers a step. The classic threefry layout
+    gets two 32-bit numbers out of each hash block where the partitionable one (JAX's
+    default, made for sharded arrays) gets one: on a CPU this halves their cost.
+    """
+    return jax.threefry_partitionable(False)
 
 
 def main(argv=None) -> int:
     settings, run = parse_args(argv)
     cli.start_process()
-    # Dropout draws about a million random numbers a step. The classic threefry layout
-    # gets two 32-bit numbers out of each hash block where the partitionable one (JAX's
-    # default, made for sharded arrays) gets one: on a CPU this halves their cost.
-    with jax.threefry_partitionable(False):
+    with classic_random_bits():
         setup = cli.build_or_fail(PROG, build, settings)
-        begun = cli.start(PROG, setup, settings, run)
-        describe(setup)
+        trace = shape_trace(setup.model, setup.params)
+        begun = cli.start(PROG, setup, settings, run, trace)
+        describe(setup, trace)
         print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
               f"batch {settings.batch_size}, run dir {run.run_dir}\n")
-        trained = cli.train(setup, settings, run, begun)
-        evaluation = evaluate(setup, settings, trained, run.run_dir)
+        snapshot = snapshotter(setup)
+        trained = cli.train(setup, settings, run, begun, snapshot)
+        evaluation = evaluate(setup, settings, trained, run.run_dir, snapshot)
         report(settings, trained, evaluation, run.run_dir)
     return 0
 

@@ -18,7 +18,8 @@ from jaxformer.validation import as_int
 
 def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *, seed: int, num_steps: int,
                run_dir, checkpoint_every: int, log_every: int, lr_schedule: Callable | None = None,
-               resume: bool | Restored = False, progress: bool = True) -> TrainState:
+               resume: bool | Restored = False, progress: bool = True,
+               on_checkpoint: Callable[[TrainState], None] | None = None) -> TrainState:
     """Runs updates `state.step .. num_steps - 1`, logging and checkpointing into `run_dir`.
 
     Update s trains on `make_batch(data_key)` with `(data_key, dropout_key) =
@@ -50,6 +51,9 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
         `Restored` its caller already got from `Checkpointer(run_dir,
         read_only=True).restore_newest(state)` (to check it before writing anything).
       progress: show a `ProgressBar` on stderr.
+      on_checkpoint: called with the state after each checkpoint is started (e.g. to
+        record what the model does at that step); the save runs in the background
+        meanwhile.
 
     Returns:
       The state after `num_steps` updates, its checkpoint on disk.
@@ -109,6 +113,8 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
                     bar.update(done, **values)
             if done % checkpoint_every == 0 or done == num_steps:
                 checkpointer.save(state)
+                if on_checkpoint is not None:
+                    on_checkpoint(state)
         checkpointer.wait()
     finally:
         if bar is not None:

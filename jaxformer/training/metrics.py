@@ -32,6 +32,20 @@ def read_metrics(path) -> list[dict]:
     return records
 
 
+def drop_records_after(path, step: int) -> None:
+    """Rewrites a JSON-lines file (atomically) without its records whose step is above
+    `step`; a missing file stays missing.
+
+    Args:
+      path: a file of `{"step": int, ...}` lines.
+      step: the last step to keep.
+    """
+    path = Path(path)
+    if path.exists():
+        keep = [r for r in read_metrics(path) if r["step"] <= step]
+        write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in keep))
+
+
 class MetricsLog:
     """A JSON-lines metrics file: one `{"step": int, name: float, ...}` object a line.
 
@@ -67,9 +81,8 @@ class MetricsLog:
         Args:
           step: the last step to keep.
         """
-        keep = [r for r in read_metrics(self.path) if r["step"] <= step]
         self._file.close()
-        write_text_atomically(self.path, "".join(json.dumps(r) + "\n" for r in keep))
+        drop_records_after(self.path, step)
         self._file = open(self.path, "a")
 
     def close(self) -> None:

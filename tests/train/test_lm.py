@@ -8,11 +8,13 @@ import sys
 
 import numpy as np
 import pytest
+from report_page import check_report
 
 from jaxformer.text import train_bpe
 from jaxformer.training import read_metrics
+from jaxformer.training.report import read_snapshots
 from train import lm
-from train.tasks import COPY_BOS, COPY_SEP, COPY_VOCAB, TextCorpus, copy_tokenizer
+from train.tasks import COPY_BOS, COPY_LEN, COPY_SEP, COPY_VOCAB, TextCorpus, copy_tokenizer
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",
         "--log-every", "5", "--checkpoint-every", "5", "--warmup", "2"]
@@ -28,6 +30,15 @@ def test_copy_task_end_to_end(tmp_path):
     assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [5, 10]
     results = json.loads((run_dir / "eval.json").read_text())
     assert results["steps"] == 10 and 0.0 <= results["exact_match"] <= 1.0
+    # The report page: the self-attention of the one layer's two heads at steps 0, 5 and 10,
+    # and each step's greedy decoding of the two unseen patterns, set against them.
+    page = check_report(run_dir)
+    assert page.snapshot_steps == [0, 5, 10] and len(page.images) == 3 * 2 and "samples" in page.sections
+    snapshots = read_snapshots(run_dir)
+    assert [len(s["samples"]) for s in snapshots] == [lm.SNAPSHOT_PROMPTS] * 3
+    sample = snapshots[-1]["samples"][0]
+    assert len(sample["output"]) == len(sample["target"]) == COPY_LEN
+    assert snapshots[0]["attention"][0]["rows"][:1] == ["<bos>"] and len(snapshots[0]["attention"][0]["rows"]) == 65
 
 
 def test_text_task_samples_a_continuation(tmp_path, capsys):
@@ -42,6 +53,10 @@ def test_text_task_samples_a_continuation(tmp_path, capsys):
     results = json.loads((run_dir / "eval.json").read_text())
     assert results["sample"].startswith("the ") and len(results["sample"]) == 4 + 30
     assert set(results["sample"]) <= set("the quick brown fox jumps over the lazy dog. ")
+    # At every checkpoint, the same continuation sampled with the weights of the time.
+    check_report(run_dir)
+    samples = [s["samples"][0]["output"] for s in read_snapshots(run_dir)]
+    assert len(samples) == 3 and samples[-1] == results["sample"]  # steps 0, 5 and 6; the last one evaluated
 
 
 def test_resume_continues_the_same_loss_curve(tmp_path, capsys):
@@ -55,6 +70,9 @@ def test_resume_continues_the_same_loss_curve(tmp_path, capsys):
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [5, 10, 15]
     np.testing.assert_array_equal([m["loss"] for m in a], [m["loss"] for m in b])
+    # The snapshot of step 15 recorded before the crash was dropped and redone.
+    assert read_snapshots(straight) == read_snapshots(interrupted) and len(read_snapshots(straight)) == 4
+    check_report(interrupted)
     capsys.readouterr()
     with pytest.raises(SystemExit):  # a different recipe is refused
         lm.main(["--run-dir", str(interrupted), "--resume", *common, "--lr", "1e-3"])

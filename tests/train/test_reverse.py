@@ -1,14 +1,17 @@
 """`python -m train.reverse`: end to end, resume, and bad flags (tiny settings)."""
 
 import json
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from report_page import Page, check_report, chromium, heatmap_colours_shown, render
 
 from jaxformer.training import read_metrics
-from train import reverse
+from jaxformer.training.report import read_snapshots
+from train import report, reverse
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
         "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]
@@ -28,18 +31,92 @@ def test_end_to_end_smoke(tmp_path):
     assert (run_dir / "checkpoints" / "10").is_dir()
     results = json.loads((run_dir / "eval.json").read_text())
     assert results["steps"] == 10 and 0.0 <= results["exact_match"] <= 1.0
+    assert f"report: {run_dir / 'report.html'}" in out
+    check_report(run_dir)
 
 
-def test_resume_continues_the_same_loss_curve(tmp_path, capsys):
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A run straight to step 15, and one stopped at 10 and resumed to 15 (checkpoints every 5)."""
+    root = tmp_path_factory.mktemp("reverse")
+    straight, interrupted = root / "straight", root / "interrupted"
     assert reverse.main(["--steps", "15", "--run-dir", str(straight), *TINY]) == 0
     assert reverse.main(["--steps", "10", "--run-dir", str(interrupted), *TINY]) == 0
     assert reverse.main(["--steps", "15", "--run-dir", str(interrupted), "--resume", *TINY]) == 0
+    return straight, interrupted
+
+
+def test_resume_continues_the_same_loss_curve(runs):
+    straight, interrupted = runs
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(interrupted / "metrics.jsonl")
     assert [m["step"] for m in a] == [m["step"] for m in b] == [5, 10, 15]
     np.testing.assert_array_equal([m["loss"] for m in a], [m["loss"] for m in b])
     ra, rb = (json.loads((d / "eval.json").read_text()) for d in (straight, interrupted))
     assert ra["exact_match"] == rb["exact_match"] and ra["final_loss"] == rb["final_loss"]
+
+
+def test_the_report_of_a_resumed_run_covers_the_whole_run(runs):
+    """Every figure and map on both pages is the recorded one (`check_report`); the
+    resumed run's page holds the curves and the maps of steps 0 to 15, the same as the
+    straight run's, and says where it was resumed."""
+    straight, interrupted = runs
+    for run_dir in runs:
+        page = check_report(run_dir)
+        assert page.snapshot_steps == [0, 5, 10, 15]
+        # every layer's encoder self, decoder self and cross-attention, every head, at every step
+        assert len(page.images) == 4 * 3 * 2
+    assert read_snapshots(straight) == read_snapshots(interrupted)  # bitwise the same parameters at each step
+    sessions = json.loads((interrupted / "about.json").read_text())["sessions"]
+    assert [s["step"] for s in sessions] == [0, 10]
+    text = (interrupted / "report.html").read_text()
+    assert "from step 10 on" in text and 'class="resume"' in text
+    cross = [g for g in read_snapshots(interrupted)[-1]["attention"] if g["name"].startswith("cross")]
+    assert cross[0]["rows"][0] == "BOS" and len(cross[0]["cols"]) == reverse.MAP_LENGTH
+
+
+def test_train_report_rebuilds_the_maps_from_the_checkpoints(runs, tmp_path, capsys):
+    """`python -m train.report` computes the snapshots of the checkpoints kept (the newest
+    three) from their parameters: the same as the run recorded. A run older than
+    about.json gets a page from its config.json."""
+    straight, _ = runs
+    run_dir = tmp_path / "copy"
+    shutil.copytree(straight, run_dir)
+    (run_dir / "snapshots.jsonl").unlink()
+    (run_dir / "report.html").unlink()
+    assert report.main([str(run_dir)]) == 0
+    assert f"report: {run_dir / 'report.html'}" in capsys.readouterr().out
+    assert read_snapshots(run_dir) == read_snapshots(straight)[1:]  # steps 5, 10, 15
+    check_report(run_dir)
+    (run_dir / "snapshots.jsonl").unlink()
+    (run_dir / "about.json").unlink()
+    assert report.main([str(run_dir)]) == 0
+    assert read_snapshots(run_dir) == read_snapshots(straight)[1:]
+    check_report(run_dir)
+    assert "predates" in (run_dir / "report.html").read_text()
+
+
+def test_train_report_refuses_a_directory_without_a_run(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a run directory" in err, err
+
+
+def test_the_page_renders_in_a_browser(runs, tmp_path):
+    """Headless Chromium opens the page from disk: nothing on the console, and the
+    screenshot shows the attention maps (many of their colours). A page with a broken
+    script is caught the same way."""
+    browser = chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium; .ci/run installs it)")
+    page_path = runs[1] / "report.html"
+    assert render(browser, page_path, tmp_path / "page.png") == []
+    assert heatmap_colours_shown(Page(page_path.read_text()), tmp_path / "page.png") >= 20
+    broken = tmp_path / "broken.html"
+    broken.write_text(page_path.read_text().replace("slider.addEventListener", "undefinedName(); slider.addEventListener"))
+    console = render(browser, broken, tmp_path / "broken.png")
+    assert len(console) == 1 and "undefinedName is not defined" in console[0], console
 
 
 @pytest.mark.parametrize("argv, message", [

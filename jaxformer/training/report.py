@@ -1,0 +1,445 @@
+"""A training run's report page: `report.html`, one self-contained file built from the
+files the run records.
+
+    run_dir/
+      about.json        what ran where: the program, its settings, the parameter count,
+                        the shape trace, and each session (the step it started from, the
+                        device); `record_session`
+      config.json       what a resumed run must match (`jaxformer.training.run_dir`)
+      metrics.jsonl     loss, learning rate and steps/s every `log_every` updates
+      snapshots.jsonl   at step 0 and every checkpoint: attention maps of one example,
+                        every layer and head, and samples; `record_snapshot`
+      eval.json         the final evaluation (exact match overall and per length, examples)
+
+`write_report(run_dir)` reads these and writes `report.html` atomically: SVG curves, tables,
+the attention maps as inline PNG images with their tokens on the axes, and a step slider
+over the snapshots. It holds no URL: it opens from disk in any browser, offline.
+
+Every number the page shows comes from those files. Each is marked with where it came
+from, `data-src="metrics/<step>/<name>"`, `"eval/<key>[/<length>/<rate|n>]"` or
+`"about/params"`, so a test can read the page and check every figure against its source.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import struct
+import zlib
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from jaxformer.files import write_text_atomically
+from jaxformer.training.metrics import METRICS_FILE, drop_records_after, read_metrics
+from jaxformer.training.run_dir import CONFIG_FILE
+
+REPORT_FILE = "report.html"
+SNAPSHOTS_FILE = "snapshots.jsonl"
+ABOUT_FILE = "about.json"
+RESULTS_FILE = "eval.json"
+
+# viridis at 0, 1/16, ..., 1: dark blue for a weight near 0, yellow near 1 (the PNG grid's map).
+_VIRIDIS = np.array([[68, 1, 84], [72, 24, 106], [71, 45, 123], [66, 64, 134], [59, 82, 139], [51, 99, 141],
+                     [44, 114, 142], [38, 130, 142], [33, 145, 140], [31, 160, 136], [40, 174, 128], [63, 188, 115],
+                     [94, 201, 98], [132, 212, 75], [173, 220, 48], [216, 226, 25], [253, 231, 37]], np.float64)
+
+# eval.json's scalars: their label on the page, and whether they are a rate (shown as %).
+_RESULTS = {
+    "steps": ("updates trained", False),
+    "final_loss": ("final training loss", False),
+    "train_seconds": ("training time, compilation included (s)", False),
+    "exact_match": ("exact match, trained lengths", True),
+    "token_accuracy": ("token accuracy", True),
+    "probe_exact_match": ("exact match, unseen longer lengths (probe)", True),
+    "validation_loss": ("validation loss", False),
+}
+_PER_LENGTH = {"per_length": "trained lengths", "probe_per_length": "unseen longer lengths (probe)"}
+
+
+# ------------------------------------------------------------------ the run's records
+
+def record_session(run_dir, program: str, settings: dict, params: int, shape_trace, step: int, device: str) -> None:
+    """Writes `about.json` (atomically), adding this session to those before it.
+
+    Args:
+      run_dir: the run directory.
+      program: the command, e.g. "python -m train.reverse".
+      settings: every setting of the run, by name.
+      params: the model's parameter count.
+      shape_trace: `(stage, shape, note)` rows of one forward pass.
+      step: the step this session starts from (0, or the restored checkpoint's).
+      device: the device this session computes on, in words.
+    """
+    path = Path(run_dir) / ABOUT_FILE
+    sessions = json.loads(path.read_text())["sessions"] if path.exists() else []
+    sessions = [s for s in sessions if s["step"] < step]  # a session redone from an earlier checkpoint drops later ones
+    sessions.append({"step": int(step), "device": device,
+                     "started": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    about = {"program": program, "settings": settings, "params": int(params),
+             "shape_trace": [[str(a), str(b), str(c)] for a, b, c in shape_trace], "sessions": sessions}
+    write_text_atomically(path, json.dumps(about, indent=2) + "\n")
+
+
+def attention_group(name: str, layer: int, weights, rows, cols, note: str = "") -> dict:
+    """One layer's attention maps, as `record_snapshot` takes them.
+
+    Args:
+      name: which attention, e.g. "cross-attention".
+      layer: the layer, from 0.
+      weights: `[n_head, len(rows), len(cols)]` weights of one example (queries by keys).
+      rows: the query tokens, as text.
+      cols: the key tokens, as text.
+      note: what to look for, shown under the maps' heading.
+    """
+    weights = np.asarray(weights, np.float64)
+    if weights.ndim != 3 or weights.shape[1:] != (len(rows), len(cols)):
+        raise ValueError(f"attention weights of shape {weights.shape} do not match {len(rows)} query tokens x "
+                         f"{len(cols)} key tokens")
+    return {"name": name, "layer": int(layer), "note": note, "rows": [str(r) for r in rows],
+            "cols": [str(c) for c in cols], "heads": np.round(weights, 4).tolist()}
+
+
+def record_snapshot(run_dir, step: int, attention: list[dict], samples: list[dict] = ()) -> None:
+    """Appends what the model does at `step` to `snapshots.jsonl`.
+
+    Args:
+      run_dir: the run directory.
+      step: the updates done.
+      attention: `attention_group`s of one example, every layer.
+      samples: `{"label": str, "output": str | [token, ...], "target": [token, ...] (optional)}`
+        each; a target marks the output's tokens that differ from it.
+    """
+    record = {"step": int(step), "attention": list(attention), "samples": list(samples)}
+    with open(Path(run_dir) / SNAPSHOTS_FILE, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_snapshots(run_dir) -> list[dict]:
+    """The snapshots of a run by step (of a step recorded twice, the later one)."""
+    by_step = {r["step"]: r for r in read_metrics(Path(run_dir) / SNAPSHOTS_FILE)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def drop_snapshots_after(run_dir, step: int) -> None:
+    """Drops the snapshots past `step`, which a resumed run is about to redo."""
+    drop_records_after(Path(run_dir) / SNAPSHOTS_FILE, step)
+
+
+# ------------------------------------------------------------------ the page
+
+def write_report(run_dir, title: str = "training run") -> Path:
+    """Builds `run_dir/report.html` from the run's files and writes it atomically.
+
+    Files not there yet (no evaluation before the run ends, no snapshot of an older run)
+    leave their sections saying so.
+
+    Returns:
+      The page's path.
+    """
+    run_dir = Path(run_dir)
+    about = _read_json(run_dir / ABOUT_FILE)
+    record = _read_json(run_dir / CONFIG_FILE)
+    metrics = read_metrics(run_dir / METRICS_FILE)
+    snapshots = read_snapshots(run_dir)
+    results = _read_json(run_dir / RESULTS_FILE)
+    sections = [_curves_section(metrics, about), _attention_section(snapshots), _evaluation_section(results)]
+    if any(s["samples"] for s in snapshots):
+        sections.append(_samples_section(snapshots))
+    sections.append(_run_section(about, record))
+    name = (about or {}).get("program", title)
+    title = html.escape(f"{name}: {run_dir.name}")
+    built = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>\n'
+            f"<style>{_STYLE}</style></head>\n<body><h1>{title}</h1>\n" + "\n".join(sections)
+            + f"\n<footer>Built {built} from the run's {ABOUT_FILE}, {CONFIG_FILE}, {METRICS_FILE}, {SNAPSHOTS_FILE} "
+            f"and {RESULTS_FILE}.</footer>\n<script>{_SCRIPT}</script>\n</body></html>\n")
+    path = run_dir / REPORT_FILE
+    write_text_atomically(path, page)
+    return path
+
+
+def _read_json(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _number(value, src: str, percent: bool = False) -> str:
+    """A figure on the page, tagged with the record it comes from."""
+    shown = f"{100 * value:.1f} %" if percent else _general(value)
+    return f'<span class="num" data-src="{src}">{shown}</span>'
+
+
+def _general(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:.4g}"
+
+
+def _table(header, rows) -> str:
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _run_section(about, record) -> str:
+    parts = ['<section id="run"><h2>The run</h2>']
+    if about is None:
+        parts.append("<p>This run predates <code>about.json</code>: no device, parameter count or shape trace was "
+                     "recorded. Its config:</p>")
+    else:
+        sessions = about["sessions"]
+        where = "; ".join(f"from step {s['step']} on {html.escape(s['device'])} ({s['started']})" for s in sessions)
+        parts.append(f"<p><b>{html.escape(about['program'])}</b>: {_number(about['params'], 'about/params')} "
+                     f"parameters. Trained {where}.</p>")
+        parts.append("<h3>Shape trace of one forward pass</h3>"
+                     + _table(["stage", "shape", ""], [[html.escape(c) for c in row] for row in about["shape_trace"]]))
+    tables = []
+    if about is not None:
+        tables.append("<div><h3>Settings</h3>" + _settings_table(about["settings"]) + "</div>")
+    if record is not None:
+        tables.append("<div><h3>Model config</h3>" + _settings_table(record.get("model", {})) + "</div>")
+    parts.append('<div class="side">' + "".join(tables) + "</div>")
+    return "\n".join(parts) + "</section>"
+
+
+def _settings_table(settings: dict) -> str:
+    return _table(["name", "value"], [(html.escape(k), html.escape(json.dumps(v))) for k, v in settings.items()])
+
+
+def _curves_section(metrics, about) -> str:
+    parts = ['<section id="curves"><h2>Training curves</h2>']
+    if not metrics:
+        return parts[0] + "<p>No metrics logged yet.</p></section>"
+    resumes = [s["step"] for s in (about or {}).get("sessions", [])[1:]]
+    # (name, label, whether the axis starts at 0: not for the loss, whose changes would be flattened)
+    charts = [("loss", "training loss (nats per target token)", False), ("lr", "learning rate (per update)", True),
+              ("steps_per_sec", "updates per second (the first includes compilation)", True)]
+    for name, label, from_zero in charts:
+        points = [(m["step"], m[name]) for m in metrics if name in m]
+        if points:
+            parts.append(_line_chart(name, label, points, resumes, from_zero))
+    if resumes:
+        parts.append(f"<p>Dashed lines: where the run was resumed (step{'s' if len(resumes) > 1 else ''} "
+                     f"{', '.join(map(str, resumes))}).</p>")
+    names = [n for n, _, _ in charts if n in metrics[0]]
+    parts.append("<details><summary>Every logged value</summary>" + _table(
+        ["step", *names], [[m["step"], *(_number(m[n], f"metrics/{m['step']}/{n}") for n in names)]
+                           for m in metrics]) + "</details>")
+    return "\n".join(parts) + "</section>"
+
+
+def _line_chart(name: str, label: str, points, resumes, from_zero: bool, width: int = 560, height: int = 220) -> str:
+    """An SVG line chart of `(step, value)` points, each with its value as a tooltip."""
+    left, right, top, bottom = 70, 16, 12, 34
+    steps = np.array([p[0] for p in points], np.float64)
+    values = np.array([p[1] for p in points], np.float64)
+    x0, x1 = 0.0, max(float(steps.max()), 1.0)
+    y0, y1 = float(values.min()), float(values.max())
+    if from_zero:
+        y0 = min(y0, 0.0)
+    if y1 - y0 < 1e-12 * max(abs(y1), 1.0):  # a flat line: give it room
+        y0, y1 = y0 - 0.5 * abs(y0 or 1.0), y1 + 0.5 * abs(y1 or 1.0)
+
+    def x(s):
+        return left + (s - x0) / (x1 - x0) * (width - left - right)
+
+    def y(v):
+        return height - bottom - (v - y0) / (y1 - y0) * (height - top - bottom)
+
+    out = [f'<figure class="chart"><svg width="{width}" height="{height}" role="img" aria-label="{label}">']
+    for tick in _ticks(y0, y1):
+        out.append(f'<line class="grid" x1="{left}" x2="{width - right}" y1="{y(tick):.1f}" y2="{y(tick):.1f}"/>'
+                   f'<text class="tick" x="{left - 6}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick:.3g}</text>')
+    for tick in _ticks(x0, x1):
+        out.append(f'<text class="tick" x="{x(tick):.1f}" y="{height - bottom + 16}" text-anchor="middle">'
+                   f'{tick:g}</text>')
+    for step in resumes:
+        out.append(f'<line class="resume" x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{top}" y2="{height - bottom}"/>')
+    out.append('<polyline class="line" points="' + " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points) + '"/>')
+    for s, v in points:
+        out.append(f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="2.5"><title data-src="metrics/{s}/{name}">'
+                   f'step {s}: {_general(v)}</title></circle>')
+    out.append(f'<text class="axis" x="{(left + width - right) / 2}" y="{height - 4}" text-anchor="middle">'
+               f'step (updates)</text></svg><figcaption>{label}</figcaption></figure>')
+    return "".join(out)
+
+
+def _ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """Round values spanning `[low, high]`: steps of 1, 2 or 5 times a power of ten."""
+    if high <= low:
+        return [low]
+    raw = (high - low) / count
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    first = math.ceil(low / step) * step
+    return [first + i * step for i in range(int((high - first) / step + 1e-9) + 1)]
+
+
+def _evaluation_section(results) -> str:
+    parts = ['<section id="evaluation"><h2>Evaluation</h2>']
+    if results is None:
+        return parts[0] + "<p>Not evaluated yet: the evaluation runs when training ends.</p></section>"
+    rows = [(label, _number(results[key], f"eval/{key}", percent)) for key, (label, percent) in _RESULTS.items()
+            if key in results]
+    parts.append(_table(["", ""], rows))
+    for key, label in _PER_LENGTH.items():
+        if key in results:
+            lengths = sorted(results[key], key=int)
+            parts.append(f"<h3>Exact match per length: {label}</h3>" + _table(
+                ["length", "exact match", "sequences"],
+                [(length, _number(results[key][length][0], f"eval/{key}/{length}/rate", percent=True),
+                  _number(results[key][length][1], f"eval/{key}/{length}/n")) for length in lengths]))
+    if results.get("examples"):
+        parts.append("<h3>Decoded examples</h3><p>Tokens that differ from the target are "
+                     '<span class="wrong">marked</span>.</p>' + _table(
+                         ["", "input", "target", "decoded"],
+                         [(html.escape(e["label"]), _tokens(e["input"]), _tokens(e["target"]),
+                           _tokens(e["output"], e["target"])) for e in results["examples"]]))
+    if "sample" in results:
+        parts.append(f'<h3>Sampled continuation</h3><pre class="sample">{html.escape(results["sample"])}</pre>')
+    return "\n".join(parts) + "</section>"
+
+
+def _tokens(tokens, target=None) -> str:
+    """Tokens as text; with a target, each one that differs from it (or runs past it) marked."""
+    cells = []
+    for i, token in enumerate(tokens):
+        wrong = target is not None and (i >= len(target) or token != target[i])
+        cells.append(f'<span class="{"tok wrong" if wrong else "tok"}">{html.escape(str(token))}</span>')
+    if target is not None and len(tokens) < len(target):
+        cells.append('<span class="tok wrong">(missing)</span>')
+    return " ".join(cells)
+
+
+def _attention_section(snapshots) -> str:
+    parts = ['<section id="attention"><h2>Attention during training</h2>']
+    shown = [s for s in snapshots if s["attention"]]
+    if not shown:
+        return parts[0] + "<p>No snapshots recorded yet.</p></section>"
+    parts.append(
+        "<p>Every layer and head on one example: rows are the queries (the token being produced), columns the "
+        "keys it may read; colour is the attention weight, "
+        '<span class="swatch low"></span> 0 to <span class="swatch high"></span> 1. Move the slider to see the '
+        "maps at each recorded step.</p>")
+    last = len(shown) - 1
+    parts.append(f'<div class="slider"><label for="step-slider">step</label> <input type="range" id="step-slider" '
+                 f'min="0" max="{last}" value="{last}" step="1"> <output id="step-label">{shown[-1]["step"]}'
+                 f'</output> <span class="steps" id="step-list" data-steps="{",".join(str(s["step"]) for s in shown)}">'
+                 f'({len(shown)} snapshots: steps {", ".join(str(s["step"]) for s in shown)})</span></div>')
+    for index, snapshot in enumerate(shown):
+        hidden = "" if index == last else " hidden"
+        parts.append(f'<div class="snapshot" data-step="{snapshot["step"]}"{hidden}>')
+        for group in snapshot["attention"]:
+            heads = "".join(_heatmap(weights, group["rows"], group["cols"], f"head {h}")
+                            for h, weights in enumerate(group["heads"]))
+            note = f'<p class="note">{html.escape(group["note"])}</p>' if group.get("note") else ""
+            parts.append(f'<h3>{html.escape(group["name"])}, layer {group["layer"]}</h3>{note}<div class="heads">'
+                         f"{heads}</div>")
+        parts.append("</div>")
+    return "\n".join(parts) + "</section>"
+
+
+def _heatmap(weights, rows, cols, caption: str) -> str:
+    """One head's map: the weights as a PNG (one pixel a cell, scaled without smoothing)
+    with the tokens along the axes."""
+    weights = np.asarray(weights, np.float64)
+    cell = max(8, min(26, 300 // max(len(rows), len(cols))))  # pixels a cell; 8 keeps a label legible
+    font = min(11, cell - 1)
+    margin = 8 + font * max(len(str(t)) for t in (*rows, *cols)) * 0.62
+    w, h = len(cols) * cell, len(rows) * cell
+    image = base64.b64encode(png_bytes(colormap(weights))).decode("ascii")
+    out = [f'<figure class="map"><svg width="{margin + w + 4:.0f}" height="{margin + h + 4:.0f}">'
+           f'<image x="{margin:.0f}" y="{margin:.0f}" width="{w}" height="{h}" preserveAspectRatio="none" '
+           f'href="data:image/png;base64,{image}"/>']
+    for i, token in enumerate(rows):
+        out.append(f'<text x="{margin - 3:.0f}" y="{margin + (i + 0.5) * cell + font * 0.35:.1f}" '
+                   f'font-size="{font}" text-anchor="end">{html.escape(token)}</text>')
+    for j, token in enumerate(cols):
+        cx, cy = margin + (j + 0.5) * cell + font * 0.35, margin - 3
+        out.append(f'<text x="{cx:.1f}" y="{cy:.0f}" font-size="{font}" transform="rotate(-90 {cx:.1f} {cy:.0f})">'
+                   f'{html.escape(token)}</text>')
+    out.append(f"</svg><figcaption>{caption}</figcaption></figure>")
+    return "".join(out)
+
+
+def _samples_section(snapshots) -> str:
+    parts = ['<section id="samples"><h2>Samples during training</h2>']
+    for snapshot in snapshots:
+        for sample in snapshot["samples"]:
+            output, target = sample["output"], sample.get("target")
+            text = (_tokens(output, target) if isinstance(output, list)
+                    else f'<pre class="sample">{html.escape(output)}</pre>')
+            parts.append(f'<div class="sample-row"><b>step {snapshot["step"]}</b>, {html.escape(sample["label"])}: '
+                         f"{text}</div>")
+    return "\n".join(parts) + "</section>"
+
+
+# ------------------------------------------------------------------ images
+
+def colormap(weights) -> np.ndarray:
+    """`[rows, cols]` weights in [0, 1] as `[rows, cols, 3]` uint8 viridis colours
+    (interpolated between 17 samples of the map; values outside [0, 1] are clipped)."""
+    position = np.clip(np.asarray(weights, np.float64), 0.0, 1.0) * (len(_VIRIDIS) - 1)
+    low = np.minimum(np.floor(position).astype(int), len(_VIRIDIS) - 2)
+    frac = (position - low)[..., None]
+    return np.round(_VIRIDIS[low] * (1 - frac) + _VIRIDIS[low + 1] * frac).astype(np.uint8)
+
+
+def png_bytes(rgb) -> bytes:
+    """An 8-bit RGB PNG of a `[height, width, 3]` uint8 array.
+
+    The format: a signature, then chunks `length | type | data | CRC-32(type + data)`:
+    IHDR (size, bit depth 8, colour type 2 = RGB), IDAT (the rows, each after a filter
+    byte 0 = none, deflated with zlib), IEND.
+    """
+    rgb = np.ascontiguousarray(rgb, np.uint8)
+    height, width, _ = rgb.shape
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = b"".join(b"\x00" + rgb[i].tobytes() for i in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b""))
+
+
+# ------------------------------------------------------------------ the page's frame
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1200px; padding: 0 16px; color: #222; }
+h1 { font-size: 22px; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 4px; margin-top: 32px; }
+h3 { font-size: 15px; margin: 18px 0 6px; }
+table { border-collapse: collapse; margin: 6px 0; } td, th { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
+.chart { display: inline-block; margin: 4px 12px 12px 0; } .chart figcaption { text-align: center; color: #444; }
+.line { fill: none; stroke: #3b528b; stroke-width: 1.5; } circle { fill: #3b528b; }
+.grid { stroke: #eee; } .tick, .axis { font-size: 11px; fill: #555; } .resume { stroke: #c33; stroke-dasharray: 4 3; }
+.side { display: flex; flex-wrap: wrap; gap: 32px; align-items: flex-start; }
+.heads { display: flex; flex-wrap: wrap; gap: 6px; }
+.map { margin: 0; } .map figcaption { text-align: center; font-size: 12px; color: #444; }
+.map image { image-rendering: pixelated; } .map text { fill: #333; font-family: monospace; }
+.tok { font-family: monospace; } .wrong { background: #f6c4c4; color: #900; font-weight: bold; }
+.swatch { display: inline-block; width: 12px; height: 12px; vertical-align: middle; }
+.swatch.low { background: rgb(68, 1, 84); } .swatch.high { background: rgb(253, 231, 37); }
+.slider { position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 1; }
+#step-slider { width: 360px; vertical-align: middle; } .steps { color: #666; }
+.note { color: #555; margin: 0 0 4px; }
+pre.sample { white-space: pre-wrap; background: #f6f6f6; padding: 8px; }
+.sample-row { margin: 4px 0; } footer { margin-top: 32px; color: #777; font-size: 12px; }
+"""
+
+_SCRIPT = """
+(function () {
+  var slider = document.getElementById("step-slider");
+  if (!slider) return;
+  var snapshots = document.querySelectorAll(".snapshot");
+  var label = document.getElementById("step-label");
+  function show() {
+    var chosen = Number(slider.value);
+    snapshots.forEach(function (s, i) { s.hidden = i !== chosen; });
+    label.textContent = snapshots[chosen].dataset.step;
+  }
+  slider.addEventListener("input", show);
+  show();
+})();
+"""

@@ -1,0 +1,122 @@
+"""The report page from a run's files: its figures, images and links (no model involved)."""
+
+import base64
+import json
+
+import numpy as np
+import pytest
+from report_page import Page, check_report, decode_png
+
+from jaxformer.training import MetricsLog
+from jaxformer.training.report import (REPORT_FILE, attention_group, colormap, drop_snapshots_after, png_bytes,
+                                       read_snapshots, record_session, record_snapshot, write_report)
+
+
+def make_run(run_dir, *, evaluated=True):
+    """A run's files as the demos write them: two sessions, three logged steps, snapshots
+    at steps 0, 2 and 4, and an evaluation."""
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"model": {"n_layer": 1, "d_model": 8}, "seed": 0}))
+    trace = [("token ids", (2, 5), ""), ("logits", (2, 5, 7), "")]
+    record_session(run_dir, "python -m train.demo", {"steps": 6, "lr": 1e-3}, 12345, trace, 0, "cpu (cpu)")
+    record_session(run_dir, "python -m train.demo", {"steps": 6, "lr": 1e-3}, 12345, trace, 4, "other (cpu)")
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    for step, loss, lr in ((2, 2.718281828, 1.25e-05), (4, 1.4142135, 0.000375), (6, 0.5772156, 0.0001234567)):
+        log.write(step, loss=loss, lr=lr, steps_per_sec=1234.5678 / step)
+    log.close()
+    rng = np.random.default_rng(0)
+    tokens = ["a", "b", "<c>"]
+    for step in (0, 2, 4):
+        heads = rng.dirichlet(np.ones(3), size=(2, 3))  # [n_head, rows, cols], rows sum to 1
+        record_snapshot(run_dir, step, [attention_group("self-attention", 0, heads, tokens, tokens, note="look")],
+                        [{"label": "pattern", "output": ["a", "b"], "target": ["a", "c"]}])
+    if evaluated:
+        (run_dir / "eval.json").write_text(json.dumps({
+            "steps": 6, "final_loss": 0.5772156, "exact_match": 0.98765, "probe_exact_match": 0.0123,
+            "per_length": {"5": [1.0, 3], "6": [0.9375, 16]},
+            "examples": [{"label": "seen", "input": ["1", "2"], "target": ["2", "1", "EOS"],
+                          "output": ["2", "2", "EOS"]}]}))
+    return run_dir
+
+
+def test_every_figure_and_map_is_the_recorded_one(tmp_path):
+    run_dir = make_run(tmp_path / "run")
+    path = write_report(run_dir)
+    assert path == run_dir / REPORT_FILE
+    page = check_report(run_dir)
+    assert page.snapshot_steps == [0, 2, 4] and len(page.images) == 6
+    text = path.read_text()
+    assert "12,345" in text and "98.8 %" in text and "from step 4 on other (cpu)" in text
+    assert '<span class="tok wrong">2</span>' in text  # the example's wrong token is marked, the right ones not
+    assert '<span class="tok">EOS</span>' in text
+
+
+def test_the_checks_catch_a_wrong_figure_or_image(tmp_path):
+    """`check_report` has teeth: a figure that no longer matches its file, or a map whose
+    weights changed, fails it."""
+    run_dir = make_run(tmp_path / "run")
+    write_report(run_dir)
+    results = json.loads((run_dir / "eval.json").read_text())
+    (run_dir / "eval.json").write_text(json.dumps({**results, "exact_match": 0.97}))
+    with pytest.raises(AssertionError):
+        check_report(run_dir)
+    (run_dir / "eval.json").write_text(json.dumps(results))
+    check_report(run_dir)
+    lines = (run_dir / "snapshots.jsonl").read_text().splitlines()
+    changed = json.loads(lines[0])
+    changed["attention"][0]["heads"][0][0] = [0.0, 0.5, 0.5]
+    (run_dir / "snapshots.jsonl").write_text("\n".join([json.dumps(changed), *lines[1:]]) + "\n")
+    with pytest.raises(AssertionError):
+        check_report(run_dir)
+
+
+def test_a_run_without_evaluation_or_snapshots_says_so(tmp_path):
+    run_dir = make_run(tmp_path / "run", evaluated=False)
+    (run_dir / "snapshots.jsonl").unlink()
+    text = write_report(run_dir).read_text()
+    assert "Not evaluated yet" in text and "No snapshots recorded yet" in text
+    check_report(run_dir)
+
+
+def test_snapshots_past_a_resumed_step_are_dropped_and_redone(tmp_path):
+    run_dir = make_run(tmp_path / "run")
+    drop_snapshots_after(run_dir, 2)
+    assert [s["step"] for s in read_snapshots(run_dir)] == [0, 2]
+    record_snapshot(run_dir, 4, [], [])
+    record_snapshot(run_dir, 4, [], [{"label": "again", "output": "text"}])  # the later line of a step wins
+    assert [s["step"] for s in read_snapshots(run_dir)] == [0, 2, 4]
+    assert read_snapshots(run_dir)[-1]["samples"][0]["label"] == "again"
+
+
+def test_a_session_from_an_earlier_checkpoint_replaces_the_later_ones(tmp_path):
+    run_dir = make_run(tmp_path / "run")
+    record_session(run_dir, "python -m train.demo", {}, 1, [], 2, "third")
+    sessions = json.loads((run_dir / "about.json").read_text())["sessions"]
+    assert [(s["step"], s["device"]) for s in sessions] == [(0, "cpu (cpu)"), (2, "third")]
+
+
+def test_png_is_read_back_by_pillow_pixel_for_pixel():
+    rgb = np.random.default_rng(1).integers(0, 256, (7, 5, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(decode_png("data:image/png;base64," + base64.b64encode(png_bytes(rgb)).decode()),
+                                  rgb)
+
+
+def test_colormap_runs_from_dark_blue_to_yellow_through_viridis():
+    mpl = pytest.importorskip("matplotlib")
+    weights = np.linspace(0, 1, 1025)[None, :]
+    got = colormap(weights)[0].astype(int)
+    want = np.round(np.asarray(mpl.colormaps["viridis"](weights[0]))[:, :3] * 255).astype(int)
+    assert np.abs(got - want).max() <= 5  # 17 samples of the map, linearly between them (measured: 5)
+    np.testing.assert_array_equal(colormap([[-1.0, 2.0]])[0], [[68, 1, 84], [253, 231, 37]])  # clipped
+
+
+def test_attention_group_checks_the_labels_fit():
+    with pytest.raises(ValueError, match="3 query tokens x 2 key tokens"):
+        attention_group("x", 0, np.zeros((1, 3, 3)), ["a", "b", "c"], ["a", "b"])
+
+
+def test_page_parser_sees_sections_and_links():
+    page = Page('<section id="a"><a href="https://example.com/x">x</a><span data-src="about/params">1</span>'
+                "</section>")
+    assert page.sections == ["a"] and page.links == ["https://example.com/x"]
+    assert page.figures == [("about/params", "1")]

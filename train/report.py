@@ -1,0 +1,99 @@
+"""`python -m train.report RUN_DIR`: build the report page of a run of `train.reverse` or
+`train.lm`, finished, interrupted or older than the page.
+
+The demos write `RUN_DIR/report.html` themselves at step 0, at each checkpoint and at the
+end. This rebuilds it from what the run directory holds: checkpoints that have no
+snapshot yet (a run made before the page existed, or one whose snapshots file was
+removed) get one, computed from the checkpoint's parameters; then the page is written.
+Nothing else in the run directory is changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+from jaxformer.command_line import OneLineParser, fail
+from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, read_run_config
+from jaxformer.training.report import ABOUT_FILE, read_snapshots, record_snapshot, write_report
+from train import lm, reverse
+
+PROG = "python -m train.report"
+
+
+def demo_of(run_dir: Path):
+    """The demo module that made the run in `run_dir`, and its settings.
+
+    The settings are those `about.json` records; a run older than that file gets the
+    ones its `config.json` holds (the model's size, the seed, the recipe), the rest at
+    their defaults.
+
+    Raises:
+      ValueError: naming the file, when `run_dir` holds no run of a demo.
+    """
+    about_path = run_dir / ABOUT_FILE
+    if about_path.exists():
+        about = json.loads(about_path.read_text())
+        demo = {reverse.PROG: reverse, lm.PROG: lm}.get(about["program"])
+        if demo is None:
+            raise ValueError(f"{about_path} names {about['program']!r}, not {reverse.PROG} or {lm.PROG}")
+        return demo, demo.Settings(**about["settings"])
+    record = read_run_config(run_dir)  # ValueError naming config.json when missing or unreadable
+    demo = reverse if "src_vocab_size" in record.get("model", {}) else lm
+    recorded = {**record.get("model", {}), **record}
+    return demo, demo.Settings(**{f.name: recorded[f.name] for f in dataclasses.fields(demo.Settings)
+                                  if f.name in recorded})
+
+
+def snapshot_checkpoints(run_dir: Path, demo, settings) -> list[int]:
+    """Records a snapshot of every checkpoint that has none.
+
+    Returns:
+      The steps snapshotted.
+    """
+    setup = demo.build(settings)
+    snapshot = reverse.snapshotter(setup) if demo is reverse else lm.snapshotter(setup, settings)
+    recorded = {s["step"] for s in read_snapshots(run_dir)}
+    target = TrainState.create(setup.params, setup.optimizer)
+    done = []
+    with Checkpointer(run_dir, read_only=True) as saved:
+        for step in saved.all_steps():
+            if step in recorded:
+                continue
+            try:
+                params = saved.restore(target, step).params
+            except Exception as e:  # noqa: BLE001 - orbax, tensorstore and json raise many types
+                print(f"checkpoint {step} does not restore ({type(e).__name__}): no snapshot of it", file=sys.stderr)
+                continue
+            record_snapshot(run_dir, step, **snapshot(jax.device_get(params)))
+            done.append(step)
+    return done
+
+
+def main(argv=None) -> int:
+    parser = OneLineParser(PROG, __doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="the run directory (holding config.json, metrics.jsonl, "
+                                                   "checkpoints/)")
+    run_dir = parser.parse_args(argv).run_dir
+    if not (run_dir / CONFIG_FILE).is_file():
+        fail(PROG, f"{run_dir} is not a run directory: it holds no {CONFIG_FILE}")
+    try:
+        demo, settings = demo_of(run_dir)
+        # The reversal demo draws its example under its own random-bit layout, as it trained.
+        with reverse.classic_random_bits() if demo is reverse else contextlib.nullcontext():
+            added = snapshot_checkpoints(run_dir, demo, settings)
+    except (ValueError, TypeError) as e:
+        fail(PROG, str(e))
+    if added:
+        print(f"snapshots of checkpoints {', '.join(map(str, added))} added")
+    print(f"report: {write_report(run_dir)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
