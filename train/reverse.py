@@ -267,7 +267,8 @@ def snapshotter(setup: cli.Setup):
                 attention_group("cross-attention (rows: decoder, columns: source)", layer,
                                 weights("decoder", layer, "cross_attn", MAP_LENGTH + 1, MAP_LENGTH), tgt, src,
                                 note=f"To reverse, decoder step k reads source position {MAP_LENGTH} - 1 - k: an "
-                                     "anti-diagonal forms as the model learns.")]
+                                     "anti-diagonal forms as the model learns (a head may read one position over, "
+                                     "where the symbol it was just given came from).")]
         return {"attention": groups}
 
     return snapshot
