@@ -33,8 +33,8 @@ from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE,
 from jaxformer.training import (METRICS_FILE, Checkpointer, Restored, TrainState, check_run_dir, check_seed,
                                 enable_compilation_cache, initialize_distributed, make_train_step, read_metrics,
                                 save_run_config, shard_batches, shard_state, train_loop)
-from jaxformer.training.report import (RESULTS_FILE, drop_snapshots_after, record_session, record_snapshot,
-                                       write_report)
+from jaxformer.training.report import (REPORT_FILE, RESULTS_FILE, drop_snapshots_after, record_session,
+                                       record_snapshot, write_report)
 
 DTYPES = ("float32", "bfloat16")
 # Config fields a run may change on resume: parameters and optimizer state are stored in
@@ -448,6 +448,7 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
         drop_snapshots_after(run.run_dir, begun.step)
         if begun.step == 0:
             observe(begun.state)
+        print(f"report page (rewritten at every checkpoint): {run.run_dir / REPORT_FILE}")
     started = time.perf_counter()
     state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding),
                        begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,

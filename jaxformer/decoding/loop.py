@@ -11,56 +11,21 @@ temperature or top-k reuses the compiled loop.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.decoding.beam_search import beam_search
-from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest, is_eos
+from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest
 from jaxformer.decoding.protocol import Decodable
-from jaxformer.sharding import cache_shardings, mesh_of
+from jaxformer.decoding.speculative import Draft, PromptLookup, plan, speculative_generate, stream_rounds
+from jaxformer.decoding.steps import first_token, pick, prefill, step_fn
+from jaxformer.sharding import mesh_of
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-
-def _step_fn(model: Decodable, params, context) -> Callable:
-    """`step(tokens [batch, T], cache) -> (logits [batch, T, vocab], cache)`."""
-    return lambda tokens, cache: model.apply({"params": params}, tokens, cache, context, method="decode_step")
-
-
-def _prefill(model: Decodable, params, request: DecodeRequest, mesh=None):
-    """Runs the decoder's whole prompt through the model once.
-
-    Returns:
-      `(context, logits, cache)`: the step's context, logits `[batch, vocab]` at the
-      prompt's last position, and the cache holding the prompt.
-    """
-    context = model.apply({"params": params}, request.prompt, method="decode_context")
-    # Capacity: the prompt plus every new token but the last (which is never fed back).
-    capacity = request.decoder_prompt.shape[1] + request.max_new_tokens - 1
-    cache = model.init_cache(request.prompt.shape[0], capacity).replace(start=request.start)
-    if mesh is not None:  # rows over `data`, kv heads over `model`: each device keeps its own part
-        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
-    logits, cache = _step_fn(model, params, context)(request.decoder_prompt, cache)
-    return context, logits[:, -1], cache
-
-
-def _pick(request: DecodeRequest, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Token `i` of each row from `logits` `[batch, vocab]`: sampled with `fold_in(key, i)`,
-    or `pad_id` for rows already done; and the rows done after it."""
-    token = request.sampling.pick(logits, jax.random.fold_in(request.key, i))
-    token = jnp.where(done, request.pad_id, token)  # [batch]
-    return token, done | is_eos(token, request.eos_id)
-
-
-def _start(model: Decodable, params, request: DecodeRequest, mesh=None):
-    """The prefill and the first token: `(context, token, cache, done)`."""
-    context, logits, cache = _prefill(model, params, request, mesh)
-    token, done = _pick(request, 0, logits, jnp.zeros(request.prompt.shape[0], bool))
-    return context, token, cache, done
 
 
 @functools.partial(jax.jit, static_argnames=("model", "mesh"))
@@ -83,13 +48,13 @@ def decode_loop(model: Decodable, params, request: DecodeRequest, mesh=None) -> 
     if num_beams > 1:
         # Every row becomes num_beams adjacent rows: one cache, one batch for all beams.
         beams = request.repeat_rows(num_beams)
-        context, logits, cache = _prefill(model, params, beams, mesh)
-        tokens, _ = beam_search(_step_fn(model, params, context), logits, cache, num_beams=num_beams,
+        context, logits, cache = prefill(model, params, beams, mesh)
+        tokens, _ = beam_search(step_fn(model, params, context), logits, cache, num_beams=num_beams,
                                 max_new_tokens=max_new_tokens, eos_id=request.eos_id, pad_id=request.pad_id,
                                 length_penalty=request.length_penalty)
         return jnp.concatenate([request.decoder_prompt, tokens], axis=1)
 
-    tokens = _continue(model, params, request, *_start(model, params, request, mesh))
+    tokens = _continue(model, params, request, *first_token(model, params, request, mesh))
     return jnp.concatenate([request.decoder_prompt, tokens], axis=1)
 
 
@@ -97,7 +62,7 @@ def _continue(model: Decodable, params, request: DecodeRequest, context, token, 
     """From each row's token 0: the `while_loop` that stops at `max_new_tokens` or once
     every row is done. Returns int32 `[batch, max_new_tokens]`, token 0 first."""
     max_new_tokens = request.max_new_tokens
-    step = _step_fn(model, params, context)
+    step = step_fn(model, params, context)
     tokens = jnp.full((request.prompt.shape[0], max_new_tokens), request.pad_id, jnp.int32).at[:, 0].set(token)
 
     def keep_going(state):
@@ -107,7 +72,7 @@ def _continue(model: Decodable, params, request: DecodeRequest, context, token, 
     def body(state):
         i, token, cache, done, tokens = state
         logits, cache = step(token[:, None], cache)
-        token, done = _pick(request, i, logits[:, -1], done)
+        token, done = pick(request, i, logits[:, -1], done)
         return i + 1, token, cache, done, tokens.at[:, i].set(token)
 
     return jax.lax.while_loop(keep_going, body, (1, token, cache, done, tokens))[-1]
@@ -120,7 +85,7 @@ def _continue(model: Decodable, params, request: DecodeRequest, context, token, 
 @functools.partial(jax.jit, static_argnames=("model", "mesh"))
 def stream_start(model: Decodable, params, request: DecodeRequest, mesh=None):
     """The prefill and token 0 of every row: `(context, token, cache, done)`."""
-    return _start(model, params, request, mesh)
+    return first_token(model, params, request, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("cache",))
@@ -130,8 +95,8 @@ def stream_step(model: Decodable, params, request: DecodeRequest, context, i, to
     The cache is donated: XLA writes the new K/V into its buffers instead of copying it,
     so the cache passed in must not be used again.
     """
-    logits, cache = _step_fn(model, params, context)(token[:, None], cache)
-    token, done = _pick(request, i, logits[:, -1], done)
+    logits, cache = step_fn(model, params, context)(token[:, None], cache)
+    token, done = pick(request, i, logits[:, -1], done)
     return token, cache, done
 
 
@@ -150,7 +115,8 @@ def decode_rest(model: Decodable, params, request: DecodeRequest, context, token
     return _continue(model, params, request, context, token, cache, done)
 
 
-def generate(model: Decodable, params, prompt, **options: Unpack[DecodeOptions]) -> jax.Array:
+def generate(model: Decodable, params, prompt, *, speculative: PromptLookup | Draft | None = None,
+             **options: Unpack[DecodeOptions]) -> jax.Array:
     """Continues each prompt by up to `max_new_tokens` tokens with a KV-cached decode loop.
 
     The whole loop (prefill, every step, every sample) is one jitted function.
@@ -162,6 +128,10 @@ def generate(model: Decodable, params, prompt, **options: Unpack[DecodeOptions])
         mesh (`jaxformer.sharding`); the cache is then placed alike.
       prompt: int `[batch, prompt_len]` token ids, `prompt_len >= 1` (for the
         encoder-decoder: the source, right-padded with `pad_id`).
+      speculative: decoder-only: `PromptLookup(k, n)` or `Draft(model, params, k)` to
+        decode speculatively (`jaxformer.decoding.speculative`): the same tokens at
+        temperature 0, the same distribution when sampling, in fewer passes of the model
+        when the proposals are accepted. None decodes a token per pass.
       **options: `max_new_tokens` (required), `key`, `temperature`, `top_k`, `top_p`,
         `eos_id`, `pad_id`, `bos_id`, `prompt_lengths`, `num_beams`, `length_penalty`;
         see `DecodeOptions`.
@@ -174,6 +144,8 @@ def generate(model: Decodable, params, prompt, **options: Unpack[DecodeOptions])
     reuses the compiled loop; a new prompt shape, `max_new_tokens` or `num_beams`
     compiles a new one.
     """
+    if speculative is not None:
+        return speculative_generate(model, params, prompt, speculative, **options)[0]
     request = DecodeRequest.create(model, prompt, **options)
     out = decode_loop(model, params, request, mesh_of(params))
     # The prompt as the caller gave it (right-padded rows included), then the new tokens.
@@ -182,13 +154,15 @@ def generate(model: Decodable, params, prompt, **options: Unpack[DecodeOptions])
     return out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))
 
 
-def stream(model: Decodable, params, prompt, **options: Unpack[DecodeOptions]) -> Iterator[np.ndarray]:
+def stream(model: Decodable, params, prompt, *, speculative: PromptLookup | Draft | None = None,
+           **options: Unpack[DecodeOptions]) -> Iterator[np.ndarray]:
     """Yields the new tokens one step at a time, as `generate` would produce them.
 
     Takes `generate`'s arguments (without beam search) and gives the same tokens (the
     same key gives the same samples): the prefill and each step are jitted once and
     driven from Python, with the cache donated to each step. Stops after
-    `max_new_tokens` steps, or once every row has produced an `eos_id`.
+    `max_new_tokens` steps, or once every row has produced an `eos_id`. With
+    `speculative`, each jitted call is a round, and its tokens are yielded one by one.
 
     Yields:
       int32 `[batch]` numpy arrays: step i's token of each row (`pad_id` once a row is done).
@@ -196,6 +170,11 @@ def stream(model: Decodable, params, prompt, **options: Unpack[DecodeOptions]) -
     request = DecodeRequest.create(model, prompt, **options)
     if request.num_beams != 1:
         raise ValueError("stream decodes one token per step for each row: beam search needs generate(num_beams=)")
+    if speculative is not None:
+        proposer, draft_params = plan(model, request, speculative)
+        if proposer is not None:
+            yield from stream_rounds(model, params, request, proposer, draft_params)
+            return
     context, token, cache, done = stream_start(model, params, request, mesh_of(params))
     for i in range(1, request.max_new_tokens + 1):
         yield np.asarray(token)

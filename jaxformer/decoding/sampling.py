@@ -103,22 +103,38 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
 
     def sample(_):
-        scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        ranked = -jnp.sort(-scaled, axis=-1)  # [batch, vocab], largest first
-        rank = jnp.arange(scaled.shape[-1])[None, :]  # [1, vocab]
-        in_top_k = rank < top_k[:, None]
-        probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)  # renormalised over the top k
-        mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
-        # The nucleus: tokens whose predecessors hold less than p (the first always does).
-        # p = 1 is "off" outright, so a cumulative sum that rounds below 1 cannot cut a token.
-        in_nucleus = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        n_keep = jnp.sum(in_top_k & in_nucleus, axis=-1)  # [batch], >= 1
-        cutoff = jnp.take_along_axis(ranked, n_keep[:, None] - 1, axis=-1)  # [batch, 1], the last kept logit
-        sampled = jax.random.categorical(key, jnp.where(scaled < cutoff, -jnp.inf, scaled), axis=-1)
+        sampled = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p), axis=-1)
         return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
     # A cond, not a where: when every row is greedy the sort and the sampling are skipped.
     return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
+
+
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The logits `sample_token` samples from: scaled by the temperature, -inf outside the
+    top k and the nucleus (see there). `softmax` of them is each sampling row's
+    distribution.
+
+    Args:
+      logits: `[..., batch, vocab]`.
+      temperature, top_k, top_p: `[batch]`, as `sample_token` takes them (a row at
+        temperature 0 is scaled by 1).
+
+    Returns:
+      float32 `[..., batch, vocab]`.
+    """
+    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    ranked = -jnp.sort(-scaled, axis=-1)  # [..., batch, vocab], largest first
+    rank = jnp.arange(scaled.shape[-1])  # [vocab]
+    in_top_k = rank < top_k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, ranked, -jnp.inf), axis=-1)  # renormalised over the top k
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # probability of the tokens ranked above
+    # The nucleus: tokens whose predecessors hold less than p (the first always does).
+    # p = 1 is "off" outright, so a cumulative sum that rounds below 1 cannot cut a token.
+    in_nucleus = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    n_keep = jnp.sum(in_top_k & in_nucleus, axis=-1)  # [..., batch], >= 1
+    cutoff = jnp.take_along_axis(ranked, n_keep[..., None] - 1, axis=-1)  # [..., batch, 1], the last kept logit
+    return jnp.where(scaled < cutoff, -jnp.inf, scaled)
 
 
 @struct.dataclass

@@ -114,8 +114,20 @@ def record_snapshot(run_dir, step: int, attention: list[dict], samples: list[dic
         each; a target marks the output's tokens that differ from it.
     """
     record = {"step": int(step), "attention": list(attention), "samples": list(samples)}
-    with open(Path(run_dir) / SNAPSHOTS_FILE, "a", encoding="utf-8") as f:
+    path = Path(run_dir) / SNAPSHOTS_FILE
+    if _torn(path):  # a run killed mid-line: keep the whole lines, or this one would be appended to the part
+        drop_records_after(path, math.inf)
+    with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def _torn(path: Path) -> bool:
+    """Whether `path` ends in a line without its newline."""
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) != b"\n"
 
 
 def read_snapshots(run_dir) -> list[dict]:

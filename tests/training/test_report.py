@@ -88,6 +88,15 @@ def test_snapshots_past_a_resumed_step_are_dropped_and_redone(tmp_path):
     assert read_snapshots(run_dir)[-1]["samples"][0]["label"] == "again"
 
 
+def test_a_line_torn_by_a_crash_is_dropped_before_the_next_one(tmp_path):
+    run_dir = make_run(tmp_path / "run")
+    with open(run_dir / "snapshots.jsonl", "a") as f:
+        f.write('{"step": 6, "attention": [')  # killed mid-write
+    assert [s["step"] for s in read_snapshots(run_dir)] == [0, 2, 4]
+    record_snapshot(run_dir, 6, [], [])
+    assert [s["step"] for s in read_snapshots(run_dir)] == [0, 2, 4, 6]
+
+
 def test_a_session_from_an_earlier_checkpoint_replaces_the_later_ones(tmp_path):
     run_dir = make_run(tmp_path / "run")
     record_session(run_dir, "python -m train.demo", {}, 1, [], 2, "third")
