@@ -25,16 +25,35 @@ in this run, over the measured step time. Medians over `--reps` runs, spread as
 (max - min) / median. The scaling part times one cached step and one uncached forward
 at each context length of `--contexts` (batch 1).
 
+Speculative decoding (`generate(..., speculative=...)`) against plain greedy `generate`,
+timed in turns, on two workloads:
+
+  random weights      the model above: nothing it says repeats, so few proposals are
+                      accepted: what speculation costs when it cannot help
+  copy task           `train.lm`'s copy model, trained here for `--copy-steps` updates
+                      (2 layers, d_model 128): given `[BOS] p [SEP]` it writes the 32
+                      symbols of p again, which its context already holds
+
+with prompt lookup (`PromptLookup(k, n=2)`) and a draft model (`Draft`: a decoder of
+d_model 64, 1 layer and random for the first workload, 2 layers and trained alongside
+for the second),
+`k` from `--spec-k`. Per row: acceptance (accepted / proposed), new tokens per pass of
+the model, new tokens/s and its ratio to plain greedy's, and whether the tokens are
+plain greedy's.
+
 JSON fields: `config`, `machine` (`bandwidth_gb_s`, versions), `settings`, `variants`
 (one object per variant and batch: `variant`, `batch`, `prefill_ms`, `step_ms`,
 `tokens_per_s` each as `{median, spread}`, `compile_s`, `peak_memory_mb`,
 `floor_step_ms`, `floor_pct`, `vs_hf`, `same_tokens`), `scaling` (`context`,
-`cached_ms`, `uncached_ms`, `speedup`).
+`cached_ms`, `uncached_ms`, `speedup`), `speculative` (`workload`, `batch`, `variant`, `k` (after
+fitting `max_seq_len`), `acceptance`, `tokens_per_pass`, `tokens_per_s` as `{median, spread}`,
+`vs_greedy`, `same_tokens`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -49,7 +68,7 @@ import numpy as np
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
 from jaxformer.convert import with_scan_layers
-from jaxformer.decoding import DecodeRequest, decode_loop
+from jaxformer.decoding import DecodeRequest, Draft, PromptLookup, decode_loop, speculative_generate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,6 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--uncached-steps", type=int, default=4, help="steps timed for the no-cache variant")
     p.add_argument("--contexts", type=int, nargs="*", default=[128, 256, 512, 1024, 2048])
     p.add_argument("--no-hf", action="store_true", help="skip transformers even if installed")
+    p.add_argument("--spec-k", type=int, nargs="*", default=[4, 8], help="speculative rows' proposal lengths "
+                   "(none: no speculative rows)")
+    p.add_argument("--speculative-only", action="store_true",
+                   help="only the speculative table (plain greedy is measured there too)")
+    p.add_argument("--copy-steps", type=int, default=200, help="updates of the copy-task model (0: no copy workload)")
     p.add_argument("--out", default="decode.json")
     p.add_argument("--plot", metavar="DIR", help="write tokens_per_s.png and context_scaling.png there")
     return p.parse_args(argv)
@@ -256,6 +280,70 @@ def bench_scaling(model, params, contexts, reps: int) -> list[dict]:
     return rows
 
 
+def bench_speculative(model, params, prompt, new: int, reps: int, proposers: dict, workload: str,
+                      **options) -> list[dict]:
+    """Plain greedy `generate` and each speculative variant, timed in turns (so that a
+    slow moment of the machine falls on all of them), as rows of the speculative table."""
+    batch = prompt.shape[0]
+    runs = {"plain greedy": lambda: generate(model, params, prompt, max_new_tokens=new, **options)}
+    runs |= {name: functools.partial(generate, model, params, prompt, max_new_tokens=new, speculative=spec, **options)
+             for name, spec in proposers.items()}
+    tokens = {name: np.asarray(run()) for name, run in runs.items()}  # compiles
+    for run in runs.values():  # warm-up
+        jax.block_until_ready(run())
+    seconds = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, run in runs.items():
+            seconds[name].append(_seconds(run))
+    plain = statistics.median(seconds["plain greedy"])
+    rows = []
+    for name in runs:
+        stats = None if name == "plain greedy" else speculative_generate(
+            model, params, prompt, proposers[name], max_new_tokens=new, **options)[1]
+        rows.append({"workload": workload, "batch": batch, "variant": name, "k": stats.k if stats else 0,
+                     "acceptance": stats.acceptance if stats else None,
+                     "tokens_per_pass": stats.tokens_per_pass if stats else 1.0,
+                     "tokens_per_s": _stats([batch * new / t for t in seconds[name]]),
+                     "vs_greedy": plain / statistics.median(seconds[name]),
+                     "same_tokens": bool(np.array_equal(tokens[name], tokens["plain greedy"]))})
+    return rows
+
+
+def print_speculative(rows: list[dict]) -> None:
+    header = (f"{'workload':15s} {'batch':>5s} {'variant':16s} {'k':>2s} {'accepted':>8s} {'tok/pass':>8s} {'new tok/s':>10s} "
+              f"{'spread':>7s} {'vs greedy':>9s}  same tokens")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        accepted = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+        print(f"{r['workload']:15s} {r['batch']:5d} {r['variant']:16s} {r['k']:2d} {accepted:>8s} {r['tokens_per_pass']:8.2f} "
+              f"{r['tokens_per_s']['median']:10.1f} {100 * r['tokens_per_s']['spread']:6.0f}% "
+              f"{r['vs_greedy']:8.2f}x  {r['same_tokens']}")
+
+
+def copy_models(steps: int):
+    """`train.lm`'s copy task, trained for `steps` updates: a 2-layer model (d_model 128)
+    and its draft (2 layers, d_model 64: copying takes two layers, an induction head), with
+    the demo's recipe. Returns `(model, params, draft, draft_params)`."""
+    from jaxformer.training import TrainState, make_train_step, step_keys
+    from train import lm
+
+    trained = []
+    for n_layer, d_model, n_head, n_kv_head in ((2, 128, 4, 2), (2, 64, 2, 1)):
+        settings = lm.Settings(steps=steps, warmup=min(50, steps), n_layer=n_layer, d_model=d_model, n_head=n_head,
+                               n_kv_head=n_kv_head)
+        setup = lm.build(settings)
+        state = TrainState.create(setup.params, setup.optimizer)
+        step = make_train_step(setup.loss_fn, setup.optimizer)
+        for s in range(steps):
+            data_key, dropout_key = step_keys(settings.seed, s)
+            state, metrics = step(state, setup.make_batch(data_key), dropout_key)
+        print(f"  copy model {n_layer} layer(s) x {d_model}: loss {float(metrics['loss']):.4f} after {steps} updates",
+              flush=True)
+        trained += [setup.model, state.params]
+    return tuple(trained)
+
+
 def _row(name: str, batch: int, result: dict, new: int, floor_s: float) -> dict:
     step = _stats(result["step_s"])
     tokens_per_s = _stats([batch * new / t for t in result["total_s"]])
@@ -314,7 +402,9 @@ def plot(result: dict, folder: str) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    max_context = max([args.prompt + args.new, *[c + args.reps + 1 for c in args.contexts]])
+    # (Speculative rounds write up to k proposals past the last token: room for them.)
+    max_context = max([args.prompt + args.new + max(args.spec_k, default=0),
+                       *[c + args.reps + 1 for c in args.contexts]])
     config = DecoderConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
                            d_model=args.d_model, d_ff=args.d_ff, max_seq_len=max_context,
                            tie_embeddings=args.tied, dtype=args.dtype)
@@ -328,13 +418,13 @@ def main(argv=None) -> dict:
                f"{os.cpu_count()} CPU cores")
     print(f"decode benchmark: {summary}; memory bandwidth {bandwidth / 1e9:.1f} GB/s (best read of 512 MB)",
           flush=True)
-    hf = None if args.no_hf else hf_model(config, params)
-    if hf is None:
+    hf = None if args.no_hf or args.speculative_only else hf_model(config, params)
+    if hf is None and not args.speculative_only:
         print("HF generate: skipped (" + ("--no-hf" if args.no_hf else
               "transformers/torch not installed: pip install -e '.[peers]'") + ")", flush=True)
 
     rows = []
-    for batch in args.batch:
+    for batch in ([] if args.speculative_only else args.batch):
         prompt = np.asarray(jax.random.randint(jax.random.key(batch), (batch, args.prompt), 0, args.vocab_size), np.int32)
         floor_s = floor_step_seconds(config, params, batch, args.prompt + args.new / 2, bandwidth)
         results = {"jaxformer loop": bench_loop(model, params, prompt, args.new, args.reps),
@@ -357,8 +447,31 @@ def main(argv=None) -> dict:
         print_table([r for r in rows if r["batch"] == batch])
         print(flush=True)
 
-    print("per-token time against context length (batch 1):", flush=True)
-    scaling = bench_scaling(model, params, args.contexts, args.reps) if args.contexts else []
+    scaling = []
+    if args.contexts and not args.speculative_only:
+        print("per-token time against context length (batch 1):", flush=True)
+        scaling = bench_scaling(model, params, args.contexts, args.reps)
+
+    speculative = []
+    if args.spec_k:
+        print("\nspeculative decoding against plain greedy (same run, timed in turns):", flush=True)
+        draft_config = config.replace(n_layer=1, d_model=64, n_head=2, n_kv_head=1, d_ff=None)
+        draft = Decoder(draft_config)
+        draft_params = draft.init(jax.random.key(1), jnp.zeros((1, 1), jnp.int32))["params"]
+        workloads = [("random weights", model, params, draft, draft_params,
+                      lambda b: np.asarray(jax.random.randint(jax.random.key(b), (b, args.prompt), 0,
+                                                              args.vocab_size), np.int32), args.new)]
+        if args.copy_steps:
+            from train.tasks import COPY_LEN, copy_prompts
+            copy, copy_params, copy_draft, copy_draft_params = copy_models(args.copy_steps)
+            workloads.append(("copy task", copy, copy_params, copy_draft, copy_draft_params,
+                              lambda b: np.asarray(copy_prompts(jax.random.key(100 + b), b)[0]), COPY_LEN))
+        for workload, m, p, d, dp, prompts, new in workloads:
+            for batch in args.batch:
+                proposers = {f"{kind} k={k}": spec for k in args.spec_k
+                             for kind, spec in (("lookup", PromptLookup(k=k, n=2)), ("draft", Draft(d, dp, k=k)))}
+                speculative += bench_speculative(m, p, prompts(batch), new, args.reps, proposers, workload)
+        print_speculative(speculative)
     versions = {"jax": jax.__version__}
     if hf is not None:
         import torch
@@ -366,7 +479,8 @@ def main(argv=None) -> dict:
         versions |= {"torch": torch.__version__, "transformers": transformers.__version__}
     result = {"config": {k: str(v) if k.endswith("dtype") else v for k, v in vars(config).items()},
               "machine": {"bandwidth_gb_s": bandwidth / 1e9, "cpu_count": os.cpu_count(), **versions},
-              "settings": {**vars(args), "summary": summary}, "variants": rows, "scaling": scaling}
+              "settings": {**vars(args), "summary": summary}, "variants": rows, "scaling": scaling,
+              "speculative": speculative}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
     if args.plot:

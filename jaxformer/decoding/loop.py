@@ -20,8 +20,8 @@ import numpy as np
 from jaxformer.decoding.beam_search import beam_search
 from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest
 from jaxformer.decoding.protocol import Decodable
-from jaxformer.decoding.speculative import Draft, PromptLookup, plan, speculative_generate, stream_rounds
-from jaxformer.decoding.steps import first_token, pick, prefill, step_fn
+from jaxformer.decoding.speculative import Draft, PromptLookup, plan, speculative_decode, stream_rounds
+from jaxformer.decoding.steps import as_given, first_token, pick, prefill, step_fn
 from jaxformer.sharding import mesh_of
 
 if TYPE_CHECKING:
@@ -144,14 +144,13 @@ def generate(model: Decodable, params, prompt, *, speculative: PromptLookup | Dr
     reuses the compiled loop; a new prompt shape, `max_new_tokens` or `num_beams`
     compiles a new one.
     """
-    if speculative is not None:
-        return speculative_generate(model, params, prompt, speculative, **options)[0]
     request = DecodeRequest.create(model, prompt, **options)
-    out = decode_loop(model, params, request, mesh_of(params))
+    if speculative is None:
+        out = decode_loop(model, params, request, mesh_of(params))
+    else:
+        out, _ = speculative_decode(model, params, request, *plan(model, request, speculative))
     # The prompt as the caller gave it (right-padded rows included), then the new tokens.
-    if options.get("prompt_lengths") is None:
-        return out
-    return out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))
+    return as_given(out, prompt, options)
 
 
 def stream(model: Decodable, params, prompt, *, speculative: PromptLookup | Draft | None = None,

@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest, is_eos
 from jaxformer.decoding.sampling import filtered_logits
-from jaxformer.decoding.steps import first_token
+from jaxformer.decoding.steps import as_given, first_token
 from jaxformer.sharding import mesh_of
 from jaxformer.validation import as_int
 
@@ -283,18 +283,14 @@ def _start_state(model, params, request: DecodeRequest, proposer, draft_params, 
                  sequence=sequence, stats=Stats(rounds=zero, proposed=zero, accepted=zero))
 
 
-def _new_tokens(request: DecodeRequest, state: State) -> jax.Array:
-    prompt_len = request.prompt.shape[1]
-    return state.sequence[:, prompt_len:prompt_len + request.max_new_tokens]
-
-
 @functools.partial(jax.jit, static_argnames=("model", "proposer", "mesh"))
 def speculative_loop(model, params, request: DecodeRequest, proposer, draft_params=None, mesh=None):
     """The whole speculative run as one program: a `while_loop` of rounds that stops at
     `max_new_tokens` or once every row has produced EOS.
 
     Returns:
-      `(tokens [batch, max_new_tokens], Stats)`.
+      `(tokens, Stats)`: int32 `[batch, P + max_new_tokens]`, the decoder prompt then the
+      new tokens, as `decode_loop` returns them.
     """
     def keep_going(state):
         return (state.n < request.max_new_tokens) & ~jnp.all(state.done)
@@ -302,7 +298,9 @@ def speculative_loop(model, params, request: DecodeRequest, proposer, draft_para
     state = _start_state(model, params, request, proposer, draft_params, mesh)
     state = jax.lax.while_loop(keep_going, lambda s: _round(model, params, request, proposer, draft_params, s)[0],
                                state)
-    return _new_tokens(request, state), state.stats
+    prompt_len = request.prompt.shape[1]
+    new = state.sequence[:, prompt_len:prompt_len + request.max_new_tokens]
+    return jnp.concatenate([request.decoder_prompt, new], axis=1), state.stats
 
 
 _stream_start = jax.jit(_start_state, static_argnames=("model", "proposer", "mesh"))
@@ -354,11 +352,14 @@ class RunStats(NamedTuple):
     """A speculative run's figures, on the host.
 
     Attributes:
+      k: proposals per round (the proposer's `k`, less where `max_seq_len` left less
+        room; 0: plain decoding, for a single new token).
       rounds: passes of the model after the prompt's.
       acceptance: accepted proposals / proposals scored (by unfinished rows).
       new_tokens: tokens emitted per row (EOS and the padding after it included).
     """
 
+    k: int
     rounds: int
     acceptance: float
     new_tokens: int
@@ -377,19 +378,22 @@ def speculative_generate(model, params, prompt, speculative, **options: Unpack[D
     """
     request = DecodeRequest.create(model, prompt, **options)
     proposer, draft_params = plan(model, request, speculative)
-    if proposer is None:
-        from jaxformer.decoding.loop import decode_loop  # plain decoding: nothing to propose
+    out, device_stats = speculative_decode(model, params, request, proposer, draft_params)
+    rounds, proposed, accepted = (int(x) for x in device_stats)
+    stats = RunStats(k=proposer.k if proposer else 0, rounds=rounds, acceptance=accepted / max(proposed, 1),
+                     new_tokens=request.max_new_tokens)
+    return as_given(out, prompt, options), stats
 
-        out = decode_loop(model, params, request, mesh_of(params))
-        stats = RunStats(rounds=request.max_new_tokens - 1, acceptance=0.0, new_tokens=request.max_new_tokens)
-    else:
-        new, device_stats = speculative_loop(model, params, request, proposer, draft_params, mesh_of(params))
-        out = jnp.concatenate([request.decoder_prompt, new], axis=1)
-        rounds, proposed, accepted = (int(x) for x in device_stats)
-        stats = RunStats(rounds=rounds, acceptance=accepted / max(proposed, 1), new_tokens=request.max_new_tokens)
-    if options.get("prompt_lengths") is not None:  # the prompt as the caller gave it
-        out = out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))
-    return out, stats
+
+def speculative_decode(model, params, request: DecodeRequest, proposer, draft_params):
+    """`plan`'s proposer run by `speculative_loop`, or, without one, plain decoding (with
+    its `Stats`: a round per token, nothing proposed)."""
+    if proposer is not None:
+        return speculative_loop(model, params, request, proposer, draft_params, mesh_of(params))
+    from jaxformer.decoding.loop import decode_loop  # (loop imports this module)
+
+    rounds = jnp.int32(request.max_new_tokens - 1)
+    return decode_loop(model, params, request, mesh_of(params)), Stats(rounds, jnp.int32(0), jnp.int32(0))
 
 
 def stream_rounds(model, params, request: DecodeRequest, proposer, draft_params) -> Iterator[np.ndarray]:

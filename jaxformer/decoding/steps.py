@@ -7,6 +7,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer.decoding.inputs import DecodeRequest, is_eos
 from jaxformer.decoding.protocol import Decodable
@@ -52,3 +53,10 @@ def first_token(model: Decodable, params, request: DecodeRequest, mesh=None, ext
     context, logits, cache = prefill(model, params, request, mesh, extra_capacity)
     token, done = pick(request, 0, logits, jnp.zeros(request.prompt.shape[0], bool))
     return context, token, cache, done
+
+
+def as_given(out: jax.Array, prompt, options: dict) -> jax.Array:
+    """`out` with the prompt as the caller gave it (a ragged batch's right padding)."""
+    if options.get("prompt_lengths") is None:
+        return out
+    return out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))

@@ -15,10 +15,11 @@ from jaxformer.decoding import speculative
 from jaxformer.decoding.speculative import plan, speculative_loop
 
 TINY = DecoderConfig(vocab_size=48, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
+# (One layer where two add nothing but compile time; the cache test checks both layers.)
 CONFIGS = {
     "gqa-split-half-tied": TINY,
-    "mha-interleaved-untied": TINY.replace(n_kv_head=4, rope_pairing="interleaved", tie_embeddings=False),
-    "mqa-split-half-untied": TINY.replace(n_kv_head=1, tie_embeddings=False),
+    "mha-interleaved-untied": TINY.replace(n_layer=1, n_kv_head=4, rope_pairing="interleaved", tie_embeddings=False),
+    "mqa-split-half-untied": TINY.replace(n_layer=1, n_kv_head=1, tie_embeddings=False),
 }
 DRAFT = TINY.replace(n_layer=1, n_head=2, n_kv_head=1, d_model=16)
 
@@ -62,7 +63,7 @@ def test_greedy_gives_generates_tokens(name, proposer, k):
 def test_a_draft_equal_to_the_model_accepts_everything():
     model, params = Decoder(TINY), random_params(TINY, seed=1)
     prompt = repetitive_prompts(2, 10)
-    for k in (1, 4, 8):
+    for k in (1, 8):
         got, stats = speculative_generate(model, params, prompt, Draft(model, params, k=k), max_new_tokens=25)
         np.testing.assert_array_equal(got, generate(model, params, prompt, max_new_tokens=25))
         assert stats.acceptance == 1.0 and stats.rounds == -(-24 // (k + 1))  # 24 tokens after the prefill's
