@@ -310,14 +310,15 @@ def bench_speculative(model, params, prompt, new: int, reps: int, proposers: dic
 
 
 def print_speculative(rows: list[dict]) -> None:
-    header = (f"{'workload':15s} {'batch':>5s} {'variant':16s} {'k':>2s} {'accepted':>8s} {'tok/pass':>8s} {'new tok/s':>10s} "
-              f"{'spread':>7s} {'vs greedy':>9s}  same tokens")
+    header = (f"{'workload':15s} {'batch':>5s} {'variant':16s} {'k':>2s} {'accepted':>8s} {'tok/pass':>8s} "
+              f"{'new tok/s':>10s} {'spread':>7s} {'vs greedy':>9s}  same tokens")
     print(header)
     print("-" * len(header))
     for r in rows:
         accepted = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
-        print(f"{r['workload']:15s} {r['batch']:5d} {r['variant']:16s} {r['k']:2d} {accepted:>8s} {r['tokens_per_pass']:8.2f} "
-              f"{r['tokens_per_s']['median']:10.1f} {100 * r['tokens_per_s']['spread']:6.0f}% "
+        rate = r["tokens_per_s"]
+        print(f"{r['workload']:15s} {r['batch']:5d} {r['variant']:16s} {r['k']:2d} {accepted:>8s} "
+              f"{r['tokens_per_pass']:8.2f} {rate['median']:10.1f} {100 * rate['spread']:6.0f}% "
               f"{r['vs_greedy']:8.2f}x  {r['same_tokens']}")
 
 

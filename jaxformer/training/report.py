@@ -422,7 +422,8 @@ _STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1200px; padding: 0 16px; color: #222; }
 h1 { font-size: 22px; } h2 { border-bottom: 1px solid #ccc; padding-bottom: 4px; margin-top: 32px; }
 h3 { font-size: 15px; margin: 18px 0 6px; }
-table { border-collapse: collapse; margin: 6px 0; } td, th { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
+table { border-collapse: collapse; margin: 6px 0; }
+td, th { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
 .chart { display: inline-block; margin: 4px 12px 12px 0; } .chart figcaption { text-align: center; color: #444; }
 .line { fill: none; stroke: #3b528b; stroke-width: 1.5; } circle { fill: #3b528b; }
 .grid { stroke: #eee; } .tick, .axis { font-size: 11px; fill: #555; } .resume { stroke: #c33; stroke-dasharray: 4 3; }

@@ -114,7 +114,8 @@ def test_the_page_renders_in_a_browser(runs, tmp_path):
     assert render(browser, page_path, tmp_path / "page.png") == []
     assert heatmap_colours_shown(Page(page_path.read_text()), tmp_path / "page.png") >= 20
     broken = tmp_path / "broken.html"
-    broken.write_text(page_path.read_text().replace("slider.addEventListener", "undefinedName(); slider.addEventListener"))
+    script = "slider.addEventListener"
+    broken.write_text(page_path.read_text().replace(script, "undefinedName(); " + script))
     console = render(browser, broken, tmp_path / "broken.png")
     assert len(console) == 1 and "undefinedName is not defined" in console[0], console
 
