@@ -309,11 +309,14 @@ def bench_speculative(model, params, prompt, new: int, reps: int, proposers: dic
     return rows
 
 
-def print_speculative(rows: list[dict]) -> None:
-    header = (f"{'workload':15s} {'batch':>5s} {'variant':16s} {'k':>2s} {'accepted':>8s} {'tok/pass':>8s} "
-              f"{'new tok/s':>10s} {'spread':>7s} {'vs greedy':>9s}  same tokens")
+def _print_header(header: str) -> None:
     print(header)
     print("-" * len(header))
+
+
+def print_speculative(rows: list[dict]) -> None:
+    _print_header(f"{'workload':15s} {'batch':>5s} {'variant':16s} {'k':>2s} {'accepted':>8s} {'tok/pass':>8s} "
+                  f"{'new tok/s':>10s} {'spread':>7s} {'vs greedy':>9s}  same tokens")
     for r in rows:
         accepted = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
         rate = r["tokens_per_s"]
@@ -355,10 +358,8 @@ def _row(name: str, batch: int, result: dict, new: int, floor_s: float) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'variant':20s} {'batch':>5s} {'prefill ms':>11s} {'step ms':>9s} {'spread':>7s} {'new tok/s':>10s} "
-              f"{'vs HF':>6s} {'floor %':>8s} {'compile s':>9s} {'memory MB':>10s}  same tokens")
-    print(header)
-    print("-" * len(header))
+    _print_header(f"{'variant':20s} {'batch':>5s} {'prefill ms':>11s} {'step ms':>9s} {'spread':>7s} "
+                  f"{'new tok/s':>10s} {'vs HF':>6s} {'floor %':>8s} {'compile s':>9s} {'memory MB':>10s}  same tokens")
     for r in rows:
         vs_hf = f"{r['vs_hf']:.2f}x" if r.get("vs_hf") else "-"
         memory = f"{r['peak_memory_mb']:.1f}" if r["peak_memory_mb"] is not None else "-"

@@ -137,9 +137,14 @@ def _log_probs(logits: jax.Array, request: DecodeRequest) -> jax.Array:
     plain sampling's for a sampling row, one-hot on the argmax for a greedy one."""
     s = request.sampling
     moved = jnp.moveaxis(logits, 0, -2)  # [..., batch, vocab]: the layout filtered_logits reads
-    sampled = jax.nn.log_softmax(filtered_logits(moved, s.temperature, s.top_k, s.top_p), axis=-1)
     greedy = jnp.where(jax.nn.one_hot(jnp.argmax(moved, axis=-1), moved.shape[-1]) > 0, 0.0, -jnp.inf)
-    return jnp.moveaxis(jnp.where((s.temperature > 0)[:, None], sampled, greedy), -2, 0)
+
+    def sample(_):
+        sampled = jax.nn.log_softmax(filtered_logits(moved, s.temperature, s.top_k, s.top_p), axis=-1)
+        return jnp.where((s.temperature > 0)[:, None], sampled, greedy)
+
+    # A cond, as in sample_token: when every row is greedy the vocabulary is not sorted.
+    return jnp.moveaxis(jax.lax.cond(jnp.any(s.temperature > 0), sample, lambda _: greedy, None), -2, 0)
 
 
 def _lookup(sequence: jax.Array, start: jax.Array, length: jax.Array, k: int, n: int) -> jax.Array:
@@ -319,7 +324,7 @@ def plan(model, request: DecodeRequest, speculative):
 
     Raises:
       ValueError: naming what does not fit (not a decoder-only model, beam search, a
-        draft of another vocabulary or not a decoder-only model).
+        draft of another vocabulary, shorter `max_seq_len` or not a decoder-only model).
     """
     from jaxformer.decoder import Decoder  # (the model imports decoding: imported here, not at the top)
 
@@ -339,7 +344,11 @@ def plan(model, request: DecodeRequest, speculative):
         if draft_spec.vocab_size != spec.vocab_size:
             raise ValueError(f"Draft.model's vocab_size ({draft_spec.vocab_size}) must be the model's "
                              f"({spec.vocab_size}): the draft proposes the model's token ids")
-        limit = min(limit, draft_spec.max_seq_len - request.prompt.shape[1] - request.max_new_tokens + 1)
+        needed = request.prompt.shape[1] + request.max_new_tokens
+        if draft_spec.max_seq_len < needed:
+            raise ValueError(f"Draft.model's max_seq_len ({draft_spec.max_seq_len}) must hold the prompt and "
+                             f"max_new_tokens ({needed}), as the model's does")
+        limit = min(limit, draft_spec.max_seq_len - needed + 1)
     k = min(speculative.k, limit)
     if k < 1 or request.max_new_tokens == 1:
         return None, None

@@ -195,6 +195,10 @@ def test_bad_input_is_refused_before_tracing():
     with pytest.raises(ValueError, match=r"Draft.model's vocab_size \(50\) must be the model's \(48\)"):
         generate(model, params, prompt, max_new_tokens=4,
                  speculative=Draft(Decoder(DRAFT.replace(vocab_size=50)), None, k=2))
+    with pytest.raises(ValueError, match=r"Draft.model's max_seq_len \(11\) must hold the prompt and max_new_tokens "
+                                         r"\(12\)"):
+        generate(model, params, prompt, max_new_tokens=4,
+                 speculative=Draft(Decoder(DRAFT.replace(max_seq_len=11)), None, k=2))
     with pytest.raises(ValueError, match="leave num_beams at 1"):
         generate(model, params, prompt, max_new_tokens=4, num_beams=2, speculative=PromptLookup())
 
