@@ -26,20 +26,25 @@ in this run, over the measured step time. Medians over `--reps` runs, spread as
 at each context length of `--contexts` (batch 1).
 
 Speculative decoding (`generate(..., speculative=...)`) against plain greedy `generate`,
-timed in turns, on two workloads:
+timed in turns, on three workloads:
 
-  random weights      the model above: nothing it says repeats, so few proposals are
-                      accepted: what speculation costs when it cannot help
-  copy task           `train.lm`'s copy model, trained here for `--copy-steps` updates
-                      (2 layers, d_model 128): given `[BOS] p [SEP]` it writes the 32
-                      symbols of p again, which its context already holds
+  random weights      the model above: what it says rarely repeats its context, so few
+                      proposals are accepted: what speculation costs when it cannot help
+  copy 4x512          `train.lm`'s copy task: given `[BOS] p [SEP]` the model writes the 32
+                      symbols of p again, which its context already holds. The model
+                      (4 layers, d_model 512: 10.9 M parameters, 44 MB, more than the
+                      32 MB L3 cache of the machine in docs/performance.md, as a real
+                      model's weights are) is trained here for `--copy-steps` updates
+  copy 2x128          the same task on a 0.3 M-parameter model (2 layers, d_model 128,
+                      trained for `--draft-steps` updates), which stays in the CPU's
+                      caches: its step costs what launching its operations costs, not
+                      reading weights, so it shows where speculation gains little
 
-with prompt lookup (`PromptLookup(k, n=2)`) and a draft model (`Draft`: a decoder of
-d_model 64, 1 layer and random for the first workload, 2 layers and trained alongside
-for the second),
-`k` from `--spec-k`. Per row: acceptance (accepted / proposed), new tokens per pass of
-the model, new tokens/s and its ratio to plain greedy's, and whether the tokens are
-plain greedy's.
+with prompt lookup (`PromptLookup(k, n=2)`) and a draft model (`Draft`: for random
+weights a random decoder of d_model 64 and 1 layer; for copy 4x512 the trained 2x128
+copy model), `k` from `--spec-k`. Per row: acceptance (accepted / proposed), new tokens
+per pass of the model, new tokens/s and its ratio to plain greedy's, and whether the
+tokens are plain greedy's.
 
 JSON fields: `config`, `machine` (`bandwidth_gb_s`, versions), `settings`, `variants`
 (one object per variant and batch: `variant`, `batch`, `prefill_ms`, `step_ms`,
@@ -92,7 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(none: no speculative rows)")
     p.add_argument("--speculative-only", action="store_true",
                    help="only the speculative table (plain greedy is measured there too)")
-    p.add_argument("--copy-steps", type=int, default=200, help="updates of the copy-task model (0: no copy workload)")
+    p.add_argument("--copy-steps", type=int, default=80,
+                   help="updates of the copy-task model (0: no copy workloads)")
+    p.add_argument("--copy-model", type=int, nargs=2, default=[4, 512], metavar=("N_LAYER", "D_MODEL"),
+                   help="the copy-task model's size")
+    p.add_argument("--draft-steps", type=int, default=200, help="updates of the 2x128 copy model (its draft)")
     p.add_argument("--out", default="decode.json")
     p.add_argument("--plot", metavar="DIR", help="write tokens_per_s.png and context_scaling.png there")
     return p.parse_args(argv)
@@ -325,27 +334,26 @@ def print_speculative(rows: list[dict]) -> None:
               f"{r['vs_greedy']:8.2f}x  {r['same_tokens']}")
 
 
-def copy_models(steps: int):
-    """`train.lm`'s copy task, trained for `steps` updates: a 2-layer model (d_model 128)
-    and its draft (2 layers, d_model 64: copying takes two layers, an induction head), with
-    the demo's recipe. Returns `(model, params, draft, draft_params)`."""
+def copy_model(n_layer: int, d_model: int, steps: int, batch_size: int):
+    """`train.lm`'s copy task, trained for `steps` updates with the demo's recipe (heads of
+    64 dimensions or at least 2, a quarter of them kv heads). Returns `(model, params)`."""
     from jaxformer.training import TrainState, make_train_step, step_keys
     from train import lm
 
-    trained = []
-    for n_layer, d_model, n_head, n_kv_head in ((2, 128, 4, 2), (2, 64, 2, 1)):
-        settings = lm.Settings(steps=steps, warmup=min(50, steps), n_layer=n_layer, d_model=d_model, n_head=n_head,
-                               n_kv_head=n_kv_head)
-        setup = lm.build(settings)
-        state = TrainState.create(setup.params, setup.optimizer)
-        step = make_train_step(setup.loss_fn, setup.optimizer)
-        for s in range(steps):
-            data_key, dropout_key = step_keys(settings.seed, s)
-            state, metrics = step(state, setup.make_batch(data_key), dropout_key)
-        print(f"  copy model {n_layer} layer(s) x {d_model}: loss {float(metrics['loss']):.4f} after {steps} updates",
-              flush=True)
-        trained += [setup.model, state.params]
-    return tuple(trained)
+    n_head = max(2, d_model // 64)
+    settings = lm.Settings(steps=steps, warmup=min(50, steps), batch_size=batch_size, n_layer=n_layer,
+                           d_model=d_model, n_head=n_head, n_kv_head=max(1, n_head // 4))
+    setup = lm.build(settings)
+    state = TrainState.create(setup.params, setup.optimizer)
+    step = make_train_step(setup.loss_fn, setup.optimizer)
+    start = time.perf_counter()
+    for s in range(steps):
+        data_key, dropout_key = step_keys(settings.seed, s)
+        state, metrics = step(state, setup.make_batch(data_key), dropout_key)
+    n_params = sum(x.size for x in jax.tree.leaves(state.params))
+    print(f"  copy model {n_layer}x{d_model} ({n_params / 1e6:.1f} M params): loss {float(metrics['loss']):.4f} "
+          f"after {steps} updates ({time.perf_counter() - start:.0f} s)", flush=True)
+    return setup.model, state.params
 
 
 def _row(name: str, batch: int, result: dict, new: int, floor_s: float) -> dict:
@@ -465,13 +473,19 @@ def main(argv=None) -> dict:
                                                               args.vocab_size), np.int32), args.new)]
         if args.copy_steps:
             from train.tasks import COPY_LEN, copy_prompts
-            copy, copy_params, copy_draft, copy_draft_params = copy_models(args.copy_steps)
-            workloads.append(("copy task", copy, copy_params, copy_draft, copy_draft_params,
-                              lambda b: np.asarray(copy_prompts(jax.random.key(100 + b), b)[0]), COPY_LEN))
+            small, small_params = copy_model(2, 128, args.draft_steps, batch_size=64)
+            big, big_params = copy_model(*args.copy_model, args.copy_steps, batch_size=32)
+            copy_prompt = lambda b: np.asarray(copy_prompts(jax.random.key(100 + b), b)[0])  # noqa: E731
+            name = "copy {}x{}".format(*args.copy_model)
+            workloads += [(name, big, big_params, small, small_params, copy_prompt, COPY_LEN),
+                          ("copy 2x128", small, small_params, None, None, copy_prompt, COPY_LEN)]
         for workload, m, p, d, dp, prompts, new in workloads:
             for batch in args.batch:
-                proposers = {f"{kind} k={k}": spec for k in args.spec_k
-                             for kind, spec in (("lookup", PromptLookup(k=k, n=2)), ("draft", Draft(d, dp, k=k)))}
+                proposers = {}
+                for k in args.spec_k:
+                    proposers[f"lookup k={k}"] = PromptLookup(k=k, n=2)
+                    if d is not None:
+                        proposers[f"draft k={k}"] = Draft(d, dp, k=k)
                 speculative += bench_speculative(m, p, prompts(batch), new, args.reps, proposers, workload)
         print_speculative(speculative)
     versions = {"jax": jax.__version__}

@@ -9,7 +9,8 @@ next token after it: between 1 and `k + 1` tokens per pass of the weights.
 Two proposers share the mechanism:
 
 - `PromptLookup(k, n)`: the `k` tokens that followed the most recent earlier occurrence
-  of the context's last `n` tokens (prompt and generated text), no second model;
+  of the context's last `n` tokens (or fewer, where those did not occur), in the prompt
+  and generated text: no second model;
 - `Draft(model, params, k)`: a smaller `Decoder` over the same vocabulary, with a cache
   of its own, stepping `k` tokens ahead.
 
@@ -53,9 +54,13 @@ if TYPE_CHECKING:
 class PromptLookup:
     """Proposes the continuation of the most recent earlier occurrence of the last `n` tokens.
 
+    Where the last `n` tokens did not occur before, the last `n - 1` are looked up, and so
+    on down to the last token alone (so the first token after a prompt that ends in a
+    separator, say, still finds its continuation).
+
     Attributes:
       k: tokens proposed per round, >= 1.
-      n: the length of the n-gram looked up, >= 1.
+      n: the longest n-gram looked up, >= 1.
     """
 
     k: int = 4
@@ -149,26 +154,30 @@ def _log_probs(logits: jax.Array, request: DecodeRequest) -> jax.Array:
 
 def _lookup(sequence: jax.Array, start: jax.Array, length: jax.Array, k: int, n: int) -> jax.Array:
     """Prompt lookup: `[batch, k]` tokens that followed the most recent earlier occurrence
-    of each row's last `n` tokens.
+    of each row's last `j` tokens, `j` the longest up to `n` that occurred before.
 
     Args:
       sequence: `[batch, L]`, the context in slots `start[b] .. length - 1`.
       start: `[batch]` each row's first real slot.
       length: int32 scalar, the slots filled.
     """
-    L = sequence.shape[1]
-    last = jax.lax.dynamic_slice_in_dim(sequence, length - n, n, axis=1)  # [batch, n]
-    match = jnp.ones((sequence.shape[0], L - n + 1), bool)  # [batch, windows]: window w is slots w .. w+n-1
-    for j in range(n):
-        match &= sequence[:, j:L - n + 1 + j] == last[:, j:j + 1]
-    window = jnp.arange(L - n + 1)[None, :]
-    # Earlier occurrences only (one ending before the last token), of real tokens.
-    found = match & (window + n < length) & (window >= start[:, None])
-    follows = jnp.max(jnp.where(found, window + n, -1), axis=1)  # [batch], the slot after the latest; -1 none
+    batch, L = sequence.shape
+    after = jnp.arange(L)[None, :]  # [1, L]: a candidate slot f, to follow an earlier match ending at f - 1
+    # Slot s is padded's n + s; -1 (no token) before slot 0: the j-gram before f is padded[n + f - j: n + f].
+    padded = jnp.concatenate([jnp.full((batch, n), -1, sequence.dtype), sequence], axis=1)  # [batch, n + L]
+    tail = jax.lax.dynamic_slice_in_dim(padded, length, n, axis=1)[:, ::-1]  # [batch, n]: slots length-1, length-2, ..
+    match = jnp.ones((batch, L), bool)  # [batch, L]: the j tokens before f are the context's last j
+    follows = jnp.full((batch,), -1)  # [batch]: the slot after the latest match found, -1 none
+    for j in range(1, n + 1):
+        match &= padded[:, n - j:n - j + L] == tail[:, j - 1:j]
+        # An earlier occurrence (ending before the last token), of real tokens, of a j-gram the context has.
+        found = match & (after < length) & (after - j >= start[:, None]) & (length - j >= start[:, None])
+        latest = jnp.max(jnp.where(found, after, -1), axis=1)
+        follows = jnp.where(latest >= 0, latest, follows)  # a longer j-gram's match wins
     slots = follows[:, None] + jnp.arange(k)[None, :]  # [batch, k]
-    known = (follows[:, None] >= 0) & (slots < length) & (length >= n)  # (a shorter context has no n-gram yet)
+    known = (follows[:, None] >= 0) & (slots < length)
     proposal = jnp.take_along_axis(sequence, jnp.clip(slots, 0, L - 1), axis=1)
-    return jnp.where(known, proposal, last[:, -1:])  # nothing found: any guess costs only its rejection
+    return jnp.where(known, proposal, tail[:, :1])  # nothing found: any guess costs only its rejection
 
 
 def _draft_proposals(draft: _DraftSpec, draft_params, request: DecodeRequest, token, draft_cache, key):

@@ -44,14 +44,16 @@ def test_without_hf_says_so(tmp_path, capsys):
 
 
 def test_speculative_rows(tmp_path, capsys):
-    """`--speculative-only`: plain greedy and each proposer on both workloads (the copy
-    model trained for 2 updates), every row with plain greedy's tokens."""
+    """`--speculative-only`: plain greedy and each proposer on the three workloads (the
+    copy models trained for 2 updates), every row with plain greedy's tokens."""
     out = tmp_path / "spec.json"
-    decode.main([*TINY, "--batch", "1", "--speculative-only", "--spec-k", "2", "--copy-steps", "2", "--out", str(out)])
+    decode.main([*TINY, "--batch", "1", "--speculative-only", "--spec-k", "2", "--copy-steps", "2",
+                 "--copy-model", "1", "32", "--draft-steps", "2", "--out", str(out)])
     result = json.loads(out.read_text())
     assert result["variants"] == [] and result["scaling"] == []
     assert [(r["workload"], r["variant"]) for r in result["speculative"]] == [
-        (w, v) for w in ("random weights", "copy task") for v in ("plain greedy", "lookup k=2", "draft k=2")]
+        (w, v) for w in ("random weights", "copy 1x32") for v in ("plain greedy", "lookup k=2", "draft k=2")] + [
+        ("copy 2x128", v) for v in ("plain greedy", "lookup k=2")]
     for row in result["speculative"]:
         assert SPECULATIVE_FIELDS <= set(row) and row["batch"] == 1
         assert row["same_tokens"] and row["tokens_per_pass"] >= 1.0, row

@@ -60,6 +60,34 @@ def test_greedy_gives_generates_tokens(name, proposer, k):
     assert stats.rounds < options["max_new_tokens"] or stats.acceptance == 0
 
 
+def lookup_by_hand(row, start, length, k, n):
+    """Prompt lookup written out: the longest tail j <= n of `row[start:length]` that
+    occurred earlier, the k tokens after its latest occurrence (the last token where the
+    context ends or nothing matched)."""
+    context = list(row[start:length])
+    for j in range(min(n, len(context)), 0, -1):
+        ends = [e for e in range(j, len(context)) if context[e - j:e] == context[-j:]]
+        if ends:
+            after = context[max(ends):]
+            return after[:k] + [context[-1]] * (k - len(after[:k]))
+    return [context[-1]] * k
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_lookup_proposes_the_longest_earlier_match(n):
+    """`_lookup` against `lookup_by_hand` on random contexts over 3 symbols (repeats of
+    every length happen) with ragged starts, at many lengths: the same k proposals."""
+    rng = np.random.default_rng(n)
+    batch, width, k = 6, 20, 4
+    sequence = rng.integers(0, 3, (batch, width)).astype(np.int32)
+    start = np.array([0, 1, 3, 5, 0, 2], np.int32)
+    lookup = jax.jit(speculative._lookup, static_argnames=("k", "n"))
+    for length in range(6, width + 1):
+        got = np.asarray(lookup(jnp.asarray(sequence), jnp.asarray(start), jnp.int32(length), k=k, n=n))
+        want = [lookup_by_hand(list(sequence[b]), start[b], length, k, n) for b in range(batch)]
+        np.testing.assert_array_equal(got, want, err_msg=f"length {length}")
+
+
 def test_a_draft_equal_to_the_model_accepts_everything():
     model, params = Decoder(TINY), random_params(TINY, seed=1)
     prompt = repetitive_prompts(2, 10)
