@@ -35,12 +35,12 @@ timed in turns, on three workloads:
                       (4 layers, d_model 512: 10.9 M parameters, 44 MB, more than the
                       32 MB L3 cache of the machine in docs/performance.md, as a real
                       model's weights are) is trained here for `--copy-steps` updates
-  copy 2x128          the same task on a 0.3 M-parameter model (2 layers, d_model 128,
+  copy 2x128          the same task on a 0.4 M-parameter model (2 layers, d_model 128,
                       trained for `--draft-steps` updates), which stays in the CPU's
                       caches: its step costs what launching its operations costs, not
                       reading weights, so it shows where speculation gains little
 
-with prompt lookup (`PromptLookup(k, n=2)`) and a draft model (`Draft`: for random
+with prompt lookup (`PromptLookup(k, n=3)`) and a draft model (`Draft`: for random
 weights a random decoder of d_model 64 and 1 layer; for copy 4x512 the trained 2x128
 copy model), `k` from `--spec-k`. Per row: acceptance (accepted / proposed), new tokens
 per pass of the model, new tokens/s and its ratio to plain greedy's, and whether the
@@ -93,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--uncached-steps", type=int, default=4, help="steps timed for the no-cache variant")
     p.add_argument("--contexts", type=int, nargs="*", default=[128, 256, 512, 1024, 2048])
     p.add_argument("--no-hf", action="store_true", help="skip transformers even if installed")
-    p.add_argument("--spec-k", type=int, nargs="*", default=[4, 8], help="speculative rows' proposal lengths "
+    p.add_argument("--spec-k", type=int, nargs="*", default=[4, 8, 16], help="speculative rows' proposal lengths "
                    "(none: no speculative rows)")
     p.add_argument("--speculative-only", action="store_true",
                    help="only the speculative table (plain greedy is measured there too)")
@@ -334,9 +334,11 @@ def print_speculative(rows: list[dict]) -> None:
               f"{r['vs_greedy']:8.2f}x  {r['same_tokens']}")
 
 
-def copy_model(n_layer: int, d_model: int, steps: int, batch_size: int):
+def copy_model(n_layer: int, d_model: int, steps: int, batch_size: int, max_seq_len: int):
     """`train.lm`'s copy task, trained for `steps` updates with the demo's recipe (heads of
-    64 dimensions or at least 2, a quarter of them kv heads). Returns `(model, params)`."""
+    64 dimensions or at least 2, a quarter of them kv heads). Returns `(model, params)`,
+    the model allowed `max_seq_len` positions (RoPE has no table of positions to learn:
+    the demo's limit leaves no room for long proposals)."""
     from jaxformer.training import TrainState, make_train_step, step_keys
     from train import lm
 
@@ -353,7 +355,7 @@ def copy_model(n_layer: int, d_model: int, steps: int, batch_size: int):
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     print(f"  copy model {n_layer}x{d_model} ({n_params / 1e6:.1f} M params): loss {float(metrics['loss']):.4f} "
           f"after {steps} updates ({time.perf_counter() - start:.0f} s)", flush=True)
-    return setup.model, state.params
+    return Decoder(setup.model.config.replace(max_seq_len=max_seq_len)), state.params
 
 
 def _row(name: str, batch: int, result: dict, new: int, floor_s: float) -> dict:
@@ -473,8 +475,9 @@ def main(argv=None) -> dict:
                                                               args.vocab_size), np.int32), args.new)]
         if args.copy_steps:
             from train.tasks import COPY_LEN, copy_prompts
-            small, small_params = copy_model(2, 128, args.draft_steps, batch_size=64)
-            big, big_params = copy_model(*args.copy_model, args.copy_steps, batch_size=32)
+            room = 2 * COPY_LEN + 2 + max(args.spec_k)  # [BOS] p [SEP], the copy, the last round's proposals
+            small, small_params = copy_model(2, 128, args.draft_steps, batch_size=64, max_seq_len=room)
+            big, big_params = copy_model(*args.copy_model, args.copy_steps, batch_size=32, max_seq_len=room)
             copy_prompt = lambda b: np.asarray(copy_prompts(jax.random.key(100 + b), b)[0])  # noqa: E731
             name = "copy {}x{}".format(*args.copy_model)
             workloads += [(name, big, big_params, small, small_params, copy_prompt, COPY_LEN),
@@ -483,7 +486,7 @@ def main(argv=None) -> dict:
             for batch in args.batch:
                 proposers = {}
                 for k in args.spec_k:
-                    proposers[f"lookup k={k}"] = PromptLookup(k=k, n=2)
+                    proposers[f"lookup k={k}"] = PromptLookup(k=k, n=3)
                     if d is not None:
                         proposers[f"draft k={k}"] = Draft(d, dp, k=k)
                 speculative += bench_speculative(m, p, prompts(batch), new, args.reps, proposers, workload)
