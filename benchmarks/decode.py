@@ -28,8 +28,9 @@ at each context length of `--contexts` (batch 1).
 Speculative decoding (`generate(..., speculative=...)`) against plain greedy `generate`,
 timed in turns, on three workloads:
 
-  random weights      the model above: what it says rarely repeats its context, so few
-                      proposals are accepted: what speculation costs when it cannot help
+  random weights      the model above, with a random draft that never agrees: what
+                      speculation costs when it cannot help (its greedy output falls
+                      into loops, though, which prompt lookup finds)
   copy 4x512          `train.lm`'s copy task: given `[BOS] p [SEP]` the model writes the 32
                       symbols of p again, which its context already holds. The model
                       (4 layers, d_model 512: 10.9 M parameters, 44 MB, more than the
