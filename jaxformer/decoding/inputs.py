@@ -7,6 +7,7 @@ ragged batch into the left-padded one the cache reads.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence, TypedDict
 
 import jax
@@ -128,11 +129,11 @@ class DecodeRequest:
         if key is None:
             if sampling.samples.any():
                 raise ValueError("key is required when temperature > 0: pass key=jax.random.key(seed)")
-            key = jax.random.key(0)  # unused by greedy decoding; keeps the traced signature fixed
-        return cls(prompt=jnp.asarray(prompt), decoder_prompt=jnp.asarray(decoder_prompt), start=jnp.asarray(start),
-                   sampling=sampling, key=key, eos_id=jnp.asarray(eos_ids, jnp.int32),
-                   pad_id=jnp.int32(spec.pad_id if pad_id is None else pad_id),
-                   length_penalty=jnp.float32(length_penalty), max_new_tokens=max_new_tokens, num_beams=num_beams)
+            key = _unused_key()
+        # Host arrays: the jitted loop takes them as they are, without a dispatch for each.
+        return cls(prompt=prompt, decoder_prompt=decoder_prompt, start=start, sampling=sampling, key=key,
+                   eos_id=np.asarray(eos_ids, np.int32), pad_id=np.int32(spec.pad_id if pad_id is None else pad_id),
+                   length_penalty=np.float32(length_penalty), max_new_tokens=max_new_tokens, num_beams=num_beams)
 
     def repeat_rows(self, n: int) -> "DecodeRequest":
         """Every row as `n` adjacent rows (one per beam)."""
@@ -141,6 +142,12 @@ class DecodeRequest:
 
         return self.replace(prompt=repeat(self.prompt), decoder_prompt=repeat(self.decoder_prompt),
                             start=repeat(self.start), sampling=jax.tree.map(repeat, self.sampling))
+
+
+@functools.cache
+def _unused_key() -> jax.Array:
+    """A greedy run's key: never drawn from, it keeps the traced signature fixed (made once)."""
+    return jax.random.key(0)
 
 
 def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -169,6 +169,7 @@ def stream(model: Decodable, params, prompt, *, speculative: PromptLookup | Draf
     request = DecodeRequest.create(model, prompt, **options)
     if request.num_beams != 1:
         raise ValueError("stream decodes one token per step for each row: beam search needs generate(num_beams=)")
+    request = jax.device_put(request)  # once, rather than its host arrays at every step
     if speculative is not None:
         proposer, draft_params = plan(model, request, speculative)
         if proposer is not None:

@@ -166,7 +166,7 @@ class Sampling:
         top_k = per_row(vocab_size if top_k is None else top_k, batch, "top_k", np.int32)
         top_p = check_top_p(top_p)
         top_p = per_row(1.0 if top_p is None else top_p, batch, "top_p", np.float32)
-        return cls(temperature=jnp.asarray(temperature), top_k=jnp.asarray(top_k), top_p=jnp.asarray(top_p))
+        return cls(temperature=temperature, top_k=top_k, top_p=top_p)  # host arrays, as DecodeRequest's
 
     @property
     def samples(self) -> np.ndarray:
