@@ -25,15 +25,10 @@ cases compile nothing but the two shared decoding loops of the accepted cases.
 import concurrent.futures
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import count_compiles
+from harness import CLI_TINY, kill_when, run_cli, snapshot, start_cli
 
 from jaxformer import Decoder, DecoderConfig, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.convert import config_from_hf, load_hf, save_hf
@@ -437,25 +433,6 @@ def test_the_undamaged_checkpoint_loads(checkpoint):
 # ---------------------------------------------------------------------------------------
 # The CLI cases: the training commands run as subprocesses, as a user runs them.
 
-REPO = Path(__file__).resolve().parents[1]
-CLI_TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
-            "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]  # as tests/train/test_reverse.py
-
-
-def run_cli(module: str, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m train.<module> argv` from the repository root."""
-    return subprocess.run([sys.executable, "-m", f"train.{module}", *argv], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout)
-
-
-def snapshot(directory: Path) -> dict[str, str] | None:
-    """Every file and folder under `directory` with its content's hash (None if absent)."""
-    if not directory.exists():
-        return None
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(directory.rglob("*"))}
-
-
 def damage_data_file(checkpoint: Path) -> None:
     """Truncates the largest array file of a checkpoint (a disk that filled up mid-copy)."""
     largest = max((p for p in checkpoint.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
@@ -591,23 +568,6 @@ def test_cli_refuses_a_flag_in_one_line_before_any_work(tmp_path, capsys, demo, 
 
 def logged_losses(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["loss"] for m in read_metrics(run_dir / "metrics.jsonl")}
-
-
-def start_cli(module: str, argv: list[str]) -> subprocess.Popen:
-    """`python -m train.<module> argv` started in the background, its output discarded."""
-    return subprocess.Popen([sys.executable, "-m", f"train.{module}", *argv], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=REPO)
-
-
-def kill_when(process: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
-    """SIGKILLs `process` as soon as `ready()` holds (polled every millisecond)."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert process.poll() is None, "the run ended before the moment to kill it"
-        assert time.monotonic() < deadline, "the moment to kill the run never came"
-        time.sleep(0.001)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
 
 
 def last_logged_step(run_dir: Path) -> int:
