@@ -21,11 +21,14 @@ both forms alike.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from jaxformer.config import DecoderConfig
+from jaxformer.memory import check_fits
 from jaxformer.validation import as_int, floating_dtype
 
 
@@ -147,7 +150,8 @@ class KVCache:
             model's cache) instead of one pair per layer.
 
         Raises:
-          ValueError: naming `batch_size`, `capacity` or `dtype` when out of its limits.
+          ValueError: naming `batch_size`, `capacity` or `dtype` when out of its limits, or
+            a cache that needs more memory than is free (`jaxformer.memory.check_fits`).
         """
         batch_size = as_int(batch_size, "KVCache.create: batch_size", minimum=1)
         capacity = as_int(max_seq_len if capacity is None else capacity, "KVCache.create: capacity", minimum=1,
@@ -157,6 +161,9 @@ class KVCache:
             raise ValueError(f"KVCache.create: dtype must be a floating dtype, as the configs' cache_dtype "
                              f"(got {dtype!r})")
         shape = (batch_size, capacity, n_kv_head, head_dim)
+        # A checkpoint's max_seq_len (the default capacity) may be 10**12: refuse, do not allocate.
+        check_fits(2 * n_layer * math.prod(shape) * storage.itemsize,
+                   f"KVCache.create: a cache of {capacity:,} positions (capacity, default max_seq_len)")
         if stacked:
             stacked_shape = (batch_size, n_layer, *shape[1:])
             layers = LayerKV(k=jnp.zeros(stacked_shape, storage), v=jnp.zeros(stacked_shape, storage))

@@ -10,6 +10,8 @@ Pre-norm keeps an identity path through the residual stream; no dropout, no bias
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from jaxformer.config import DecoderConfig
 from jaxformer.decoding.protocol import DecodingSpec
 from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import SwiGLU
+from jaxformer.memory import prefill_bytes
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import rope_tables
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
@@ -118,10 +121,12 @@ class Decoder(nn.Module):
         embed = param(self, "embed", init, (c.vocab_size, c.d_model), (VOCAB, EMBED), c.param_dtype)
         x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
 
-        cos_table, sin_table = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta)  # [max_seq_len, head_dim/2]
+        # Positions lie below S: 0 .. T-1 without a cache; with one, slot - start[b] < capacity.
+        # Sized by S, not max_seq_len: a checkpoint may declare 10**12 positions and use a hundred.
+        cos_table, sin_table = rope_tables(c.head_dim, S, c.rope_theta)  # [S, head_dim/2]
         slot = pos + jnp.arange(T)  # [T], the cache slots (absolute positions) of the T queries
         if cache is None:
-            cos, sin = cos_table[:T], sin_table[:T]  # [T, head_dim/2]
+            cos, sin = cos_table, sin_table  # [T, head_dim/2]
             mask = jnp.arange(S)[None, :] <= slot[:, None]  # [T, S], causal
         else:
             # Row b's token in slot s sits at position s - start[b] (start > 0: left padding).
@@ -163,7 +168,7 @@ class Decoder(nn.Module):
     def decoding_spec(self) -> DecodingSpec:
         c = self.config
         return DecodingSpec(prompt_vocab_size=c.vocab_size, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len,
-                            pad_id=0, ragged_prompts=True)
+                            pad_id=0, ragged_prompts=True, prefill_bytes=functools.partial(prefill_bytes, c))
 
     @nn.nowrap
     def decoder_prompt(self, prompt: np.ndarray, bos_id: int | None) -> np.ndarray:

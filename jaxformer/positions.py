@@ -48,26 +48,39 @@ def sinusoidal_table(max_seq_len: int, d_model: int) -> np.ndarray:
     return table
 
 
-@functools.lru_cache(maxsize=None)
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every rotation angle, computed once per (head_dim, length, theta).
+@functools.lru_cache(maxsize=64)
+def rope_tables(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every rotation angle of positions `0 .. n_positions - 1`.
+
+    A model asks for the positions it reads (a call's tokens, or its cache's capacity),
+    never for a checkpoint's `max_position_embeddings`, which may be 10**12. Row `p`
+    depends on `p` alone, so the rows are computed once for the next power of two of
+    `n_positions` and shared by every shorter table: however many lengths are asked for,
+    the tables held take a few times the largest one.
 
     Args:
       head_dim: channels per head (even).
-      max_seq_len: number of positions in the table.
+      n_positions: number of positions in the table.
       theta: the RoPE base.
 
     Returns:
-      `(cos, sin)`, each `[max_seq_len, head_dim // 2]` float32 (read-only numpy arrays:
+      `(cos, sin)`, each `[n_positions, head_dim // 2]` float32 (read-only numpy arrays:
       under `jit` they become constants, sliced at the cache position).
     """
+    cos, sin = _rope_rows(head_dim, 1 << max(n_positions - 1, 0).bit_length(), theta)
+    return cos[:n_positions], sin[:n_positions]  # read-only views
+
+
+@functools.lru_cache(maxsize=8)
+def _rope_rows(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """`rope_tables` computed: `(cos, sin)`, each `[n_positions, head_dim // 2]` float32, read-only."""
     # inv_freq_i = theta^(-2i/d), i = 0 .. d/2 - 1, and the angles pos * inv_freq, both
     # rounded to float32 as the reference, Meta's Llama and Hugging Face compute them: a
     # checkpoint was trained with exactly these angles. (Exact float64 angles drift from
     # them by ~4e-6 rad near position 100, which moves a sharp model's logits by ~1e-4.)
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv_freq = np.float32(1.0) / (np.float64(theta) ** exponent).astype(np.float32)  # [d/2]
-    angles = np.outer(np.arange(max_seq_len, dtype=np.float32), inv_freq)  # [max_seq_len, d/2] float32
+    angles = np.outer(np.arange(n_positions, dtype=np.float32), inv_freq)  # [n_positions, d/2] float32
     angles = angles.astype(np.float64)  # cos and sin of those angles, correctly rounded
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     cos.flags.writeable = sin.flags.writeable = False  # shared by every caller of the cache

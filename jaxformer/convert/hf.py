@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -261,7 +262,14 @@ def _tensor_table(c: DecoderConfig) -> list[_Tensor]:
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Every tensor of a checkpoint folder (single file or shards), as float32 numpy arrays.
 
+    With an index, each tensor is read from the shard its `weight_map` names and only
+    from there: a stale extra shard holding a tensor of the same name changes nothing.
     Read through the flax loader: it understands bfloat16, which numpy alone does not.
+
+    Raises:
+      FileNotFoundError: no weights, or a shard the index lists is missing.
+      ValueError: naming the file: an index entry outside the folder, a shard without a
+        tensor the index puts in it, a file that does not parse.
     """
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -269,23 +277,71 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ValueError(f"{index}: weight_map must map each tensor name to its shard file")
-        files = sorted(set(weight_map.values()))
+        shards: dict[str, list[str] | None] = {}
+        for key, name in weight_map.items():
+            _check_inside(path, name, f"{index}: weight_map entry {key!r}")
+            shards.setdefault(name, []).append(key)
     elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
+        shards = {"model.safetensors": None}  # None: every tensor of the file
+        _check_inside(path, "model.safetensors", os.path.join(path, "model.safetensors"))
     else:
         raise FileNotFoundError(f"path: no model.safetensors or model.safetensors.index.json in {path}")
     tensors = {}
-    for name in files:
+    for name, keys in sorted(shards.items()):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise FileNotFoundError(f"{file}: missing; {index} lists it")
-        try:
-            with safe_open(file, framework="flax") as f:
-                for key in f.keys():
-                    tensors[key] = np.asarray(f.get_tensor(key).astype(jnp.float32))
-        except SafetensorError as e:  # truncated, garbage, a bad header: the reader says which
-            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        tensors.update(_read_shard(file, keys, f"{index}: weight_map puts"))
     return tensors
+
+
+def _read_shard(file: str, keys: list[str] | None, assigned: str) -> dict[str, np.ndarray]:
+    """The tensors `keys` of one safetensors file (None: all of them), as float32 numpy arrays.
+
+    Raises:
+      ValueError: the file does not parse, or lacks one of `keys` (the message starts
+        with `assigned`, which says who put it there).
+    """
+    try:
+        with safe_open(file, framework="flax") as f:
+            held = set(f.keys())
+            absent = sorted(set(keys or ()) - held)
+            if not absent:
+                return {key: np.asarray(f.get_tensor(key).astype(jnp.float32)) for key in keys or held}
+    except SafetensorError as e:  # truncated, garbage, a bad header: the reader says which
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+    more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+    raise ValueError(f"{assigned} {absent[0]!r}{more} in {os.path.basename(file)}, but {file} does not hold it")
+
+
+def _check_inside(folder: str, name: str, where: str) -> None:
+    """Refuses a weights file that is not inside the checkpoint folder.
+
+    A folder is someone else's data: its index may name `/etc/passwd` or `../../other`,
+    and its files may be symlinks to anywhere. `name` must be a relative path without
+    `..` that, symlinks resolved, stays inside `folder`. One exception: a snapshot of the
+    Hugging Face hub's cache (`models--org--name/snapshots/<revision>`) holds symlinks to
+    its repository's `blobs`, so there the repository's folder is the limit.
+
+    Args:
+      folder: the checkpoint folder.
+      name: the file, as the index (or the loader) names it.
+      where: what names it, for the message (the index and the entry).
+
+    Raises:
+      ValueError: naming `where` and `name`.
+    """
+    if os.path.isabs(name) or ".." in re.split(r"[\\/]", name):
+        raise ValueError(f"{where}: {name!r} is not a file inside the checkpoint folder (an absolute path, or "
+                         "one through '..')")
+    root = os.path.realpath(folder)
+    snapshots = os.path.dirname(root)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(os.path.dirname(snapshots)).startswith(
+            "models--"):
+        root = os.path.dirname(snapshots)  # the hub cache's repository: its snapshots link to its blobs
+    target = os.path.realpath(os.path.join(folder, name))
+    if os.path.commonpath([root, target]) != root:
+        raise ValueError(f"{where}: {name!r} resolves to {target}, outside {root}")
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
@@ -369,6 +425,9 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
       bos_id, eos_id, pad_id: the tokenizer's special ids (`eos_id` may list several),
         written to `config.json` and `generation_config.json`, where `generate` in
         transformers (and `jaxformer.text.load_tokenizer`) read the ids that stop a text.
+
+    Raises:
+      OSError: naming the file, when the folder cannot be written (a full disk).
     """
     config, params = with_scan_layers(config, params, False)  # the checkpoint names each layer
     config, params = with_rope_pairing(config, params, "split_half")
@@ -380,12 +439,22 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
             raise ValueError(f"params{''.join(f'[{p!r}]' for p in t.path)}: expected shape {t.shape}, "
                              f"got {tuple(w.shape)}")
         tensors[t.hf_key] = np.ascontiguousarray(t.to_hf(w))
-    write_atomically(os.path.join(path, "model.safetensors"),
-                     lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_atomically(os.path.join(path, "model.safetensors"), lambda tmp: _save_safetensors(tensors, tmp))
     special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
     generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     write_text_atomically(os.path.join(path, "generation_config.json"), json.dumps(generation, indent=2))
     write_text_atomically(os.path.join(path, "config.json"), json.dumps(config_to_hf(config, **special), indent=2))
+
+
+def _save_safetensors(tensors: dict[str, np.ndarray], path) -> None:
+    """`save_file`, with a failure to write (a full disk) raised as the `OSError` it is."""
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:  # "... I/O error: No space left on device (os error 28)"
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def _get(tree, path: tuple[str, ...]):

@@ -1,8 +1,9 @@
 """A decoding run's inputs, checked once on the host before anything is traced.
 
 `DecodeRequest.create` is the one place that checks `generate`'s and `stream`'s
-arguments (raising `ValueError`s that name the argument and the limit) and that turns a
-ragged batch into the left-padded one the cache reads.
+arguments (raising `ValueError`s that name the argument and the limit), that refuses a
+prefill the memory free cannot hold, and that turns a ragged batch into the left-padded
+one the cache reads.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxformer.decoding.protocol import Decodable
+from jaxformer.decoding.protocol import Decodable, DecodingSpec
 from jaxformer.decoding.sampling import Sampling
+from jaxformer.memory import check_fits
 from jaxformer.validation import (as_int, check_positions_fit, check_token_ids, check_token_layout,
                                   finite_float, per_row)
 
@@ -108,7 +110,8 @@ class DecodeRequest:
           The `DecodeRequest`.
 
         Raises:
-          ValueError: naming the argument and its limit.
+          ValueError: naming the argument and its limit; or a prefill that needs more
+            memory than is free (`check_prefill_memory`), naming the prompt length.
         """
         spec = model.decoding_spec()
         prompt, start = _left_padded(prompt, prompt_lengths, spec.prompt_vocab_size, spec.ragged_prompts)
@@ -125,6 +128,9 @@ class DecodeRequest:
         check_positions_fit(0, prompt_len, spec.max_seq_len, "prompt length", "max_seq_len")
         check_positions_fit(decoder_prompt.shape[1], max_new_tokens, spec.max_seq_len,
                             "decoder prompt length + max_new_tokens", "max_seq_len")
+        # The cache `steps.prefill` makes: the prompt and every new token but the last.
+        check_prefill_memory(spec, batch * num_beams, decoder_prompt.shape[1],
+                             decoder_prompt.shape[1] + max_new_tokens - 1)
         sampling = Sampling.create(batch, spec.vocab_size, temperature, top_k, top_p)
         if key is None:
             if sampling.samples.any():
@@ -174,6 +180,26 @@ def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple
     source = np.arange(prompt_len)[None, :] - start[:, None]  # [batch, prompt_len], where each slot reads from
     prompt = np.where(source >= 0, np.take_along_axis(prompt, np.maximum(source, 0), axis=1), 0)
     return prompt.astype(np.int32), start
+
+
+def check_prefill_memory(spec: DecodingSpec, batch: int, prompt_len: int, capacity: int) -> None:
+    """Refuses a prefill that cannot fit in the memory free (`jaxformer.memory.check_fits`),
+    for a model that estimates its prefill (`DecodingSpec.prefill_bytes`).
+
+    Args:
+      spec: the model's `decoding_spec()`.
+      batch: rows, every beam of every prompt.
+      prompt_len: the decoder's prompt length, fed in one call.
+      capacity: the cache's positions.
+
+    Raises:
+      ValueError: naming the prompt length, the rows, the cache, what it needs and what is free.
+    """
+    if spec.prefill_bytes is None:
+        return
+    check_fits(spec.prefill_bytes(batch, prompt_len, capacity),
+               f"the prefill of a {prompt_len:,}-token prompt ({batch:,} row{'s' * (batch != 1)}, a cache of "
+               f"{capacity:,} positions)")
 
 
 def _eos_ids(eos_id, token_id) -> list[int]:

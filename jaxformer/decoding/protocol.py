@@ -8,7 +8,7 @@ its prompt (the source) once and starts its decoder from BOS.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import numpy as np
@@ -26,6 +26,10 @@ class DecodingSpec:
       max_seq_len: the longest prompt, and the longest decoder prompt plus new tokens.
       pad_id: the default filler after EOS.
       ragged_prompts: prompts of different lengths may share a batch (`prompt_lengths`).
+      prefill_bytes: `(batch, prompt_len, capacity) -> bytes`, the most memory the
+        prefill of `batch` rows of `prompt_len` tokens into a cache of `capacity` positions
+        holds at once (`jaxformer.memory.prefill_bytes`): a run that cannot fit in the free
+        memory is refused before it is compiled. None: the model gives no estimate.
     """
 
     prompt_vocab_size: int
@@ -33,6 +37,7 @@ class DecodingSpec:
     max_seq_len: int
     pad_id: int
     ragged_prompts: bool
+    prefill_bytes: Callable[[int, int, int], int] | None = None
 
 
 class Decodable(Protocol):

@@ -7,6 +7,12 @@ own markup (`<|start_header_id|>user<|end_header_id|>...` for Llama 3). transfor
 `lstrip_blocks`, the `loopcontrols` extension, a `tojson` that keeps non-ASCII text, and
 the helpers `raise_exception` and `strftime_now`; the special tokens (`bos_token`, ...)
 are variables. `render_chat` does the same, so the text (and its ids) are transformers'.
+
+The template is code from whoever made the folder, so it runs within bounds
+(`jaxformer.text.sandbox`): `MAX_TEMPLATE_CHARS` characters long, `RENDER_SECONDS` to render,
+`MAX_SIZE` characters for the text and for any value it builds in one step, `MAX_BUILT`
+for all of them; and whatever goes wrong in it (a division by zero, a recursion, an
+undefined name, a bound) is a `ValueError` of one line.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from datetime import datetime
 
 import jinja2
 from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from jaxformer.text.sandbox import MAX_TEMPLATE_CHARS, BoundedEnvironment, TemplateLimitError, bounds
 from jaxformer.text.tokenizer import Tokenizer
+
+ERROR_CHARS = 300  # the most of a template's own error message that a refusal repeats
 
 
 def _raise_exception(message):
@@ -33,8 +41,8 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 @functools.lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols],
+                             filters={"tojson": _tojson})
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
@@ -53,14 +61,34 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
         model answers rather than continues the user's message.
 
     Raises:
-      ValueError: the tokenizer has no chat template, or the template refuses the
-        conversation (many accept only alternating user/assistant turns).
+      ValueError: one line: the tokenizer has no chat template, the template refuses the
+        conversation (many accept only alternating user/assistant turns), does not
+        parse, fails (`ZeroDivisionError`, `RecursionError`, an undefined name...), or
+        passes a bound of `jaxformer.text.sandbox` (its time, its size).
     """
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template (no chat_template.jinja, and no chat_template "
                          "in tokenizer_config.json)")
+    template = tokenizer.chat_template
+    if len(template) > MAX_TEMPLATE_CHARS:  # its compile time grows with its length
+        raise ValueError(f"the chat template is {len(template):,} characters long, past the limit of "
+                         f"{MAX_TEMPLATE_CHARS:,}")
     try:
-        return _compile(tokenizer.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                        **tokenizer.special_tokens)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"the chat template refuses this conversation: {e}") from None
+        compiled = _compile(template)
+        with bounds():
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **tokenizer.special_tokens)
+    except TemplateLimitError as e:
+        raise ValueError(f"the chat template {e}") from None
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not parse: line {e.lineno}: {_one_line(e.message)}") from None
+    except Exception as e:  # the template's own code: any error it raises is about the template
+        if type(e) is jinja2.TemplateError:  # raise_exception(message)
+            raise ValueError(f"the chat template refuses this conversation: {_one_line(str(e))}") from None
+        raise ValueError(f"the chat template fails: {type(e).__name__}: {_one_line(str(e))}") from None
+
+
+def _one_line(message: str | None) -> str:
+    """A template's message on one line, cut to `ERROR_CHARS` characters (a template chooses its messages)."""
+    line = " ".join(str(message).split())
+    return line if len(line) <= ERROR_CHARS else line[:ERROR_CHARS] + "..."

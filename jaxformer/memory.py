@@ -1,0 +1,155 @@
+"""Memory: what a decoder's prefill needs, from its shapes alone, and what the devices have free.
+
+A prompt that fits `max_seq_len` may still not fit in memory. The prefill's attention
+scores alone take `batch * n_head * T * S * 4` bytes (float32, S the cache's capacity): a
+60,000-token prompt on a 32-head model needs 460 GB for one layer's. Left to XLA, such a
+run compiles, then stops in a `RESOURCE_EXHAUSTED` traceback, or on a CPU the system kills
+the process once the host's memory is gone. `check_fits` refuses it first, on the host,
+before anything is traced, with both numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxformer.config import DecoderConfig
+
+# The files where Linux reports a cgroup's memory limit and use (v2, then v1): in a
+# container the limit, not the host's memory, is what a process can have.
+CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+# Work this small is not checked (`check_fits`).
+UNCHECKED_BYTES = 64 << 20
+
+
+def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: int) -> int:
+    """The most memory a `Decoder` prefill holds at once, estimated from the shapes.
+
+    The cache and the residual stream live throughout; the rest comes in phases that XLA
+    frees one by one (each block's attention, then its SwiGLU; the logits after the last
+    block), so the peak is the largest phase on top of them. In the attention phase the
+    float32 scores `[batch, n_head, T, S]` dominate: XLA on a CPU keeps three arrays of
+    that shape (two, in an unrolled model of several blocks, so there the estimate is
+    about 1.5 times too high) and a copy of the attention weights in the compute dtype. The
+    parameters are not counted: they are in memory already, so the free memory
+    `check_fits` reads has them taken out.
+
+    Args:
+      config: the model's `DecoderConfig`.
+      batch: rows (every beam of every prompt).
+      prompt_len: T, the prompt's tokens, all fed at once.
+      capacity: S, the cache's positions.
+
+    Returns:
+      Bytes.
+    """
+    c = config
+    compute = jnp.dtype(c.dtype).itemsize
+    rows = batch * prompt_len  # the positions every activation has
+    cache = 2 * c.n_layer * batch * capacity * c.n_kv_head * c.head_dim * jnp.dtype(c.cache_storage_dtype).itemsize
+    stream = 2 * rows * c.d_model * 4  # [batch, T, d_model]: the stream and its normalised copy
+    scores = batch * c.n_head * prompt_len * capacity  # elements of one block's [batch, n_head, T, S]
+    weights_cast = compute if compute != 4 else 0  # the softmax's output in the compute dtype, for `@ V`
+    attention = (scores * (3 * 4 + weights_cast) + batch * prompt_len * capacity  # + the bool mask [batch, T, S]
+                 + 2 * rows * (c.n_head + 2 * c.n_kv_head) * c.head_dim * 4  # q, k, v and their rotations
+                 + 2 * (capacity + rows) * (c.head_dim // 2) * 4)  # the RoPE tables, and the rows read from them
+    swiglu = 3 * rows * c.ffn_dim * 4  # gate, up and their product [batch, T, ffn_dim]
+    logits = rows * c.vocab_size * 4  # [batch, T, vocab], float32 out of the head's matrix product
+    return cache + stream + max(attention, swiglu, logits)
+
+
+def free_bytes() -> tuple[int, str] | None:
+    """Memory free for new arrays on the default backend, and where it is; None if unknown.
+
+    An accelerator: `bytes_limit - bytes_in_use` of `jax.Device.memory_stats()`, summed
+    over the local devices (a run uses at most all of them). A CPU: the host's available
+    memory (`MemAvailable` of `/proc/meminfo`, or what a cgroup limit leaves if less), or
+    where neither exists its physical memory.
+    """
+    devices = jax.local_devices()
+    stats = [device.memory_stats() for device in devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        free = sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+        return free, f"{len(devices)} {devices[0].platform.upper()} device{'s' * (len(devices) > 1)}"
+    known = [n for n in (_meminfo_available(), _cgroup_free()) if n is not None]
+    if known:
+        return min(known), "the host"
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host (all of its memory)"
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return None
+
+
+def _read(path: str) -> bytes | None:
+    """A small system file's bytes (one read, no buffering: this runs before every
+    `generate`), or None if it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 1 << 16)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _meminfo_available() -> int | None:
+    """`MemAvailable` of `/proc/meminfo` in bytes (Linux), else None."""
+    text = _read("/proc/meminfo")
+    try:
+        return int(text.split(b"MemAvailable:", 1)[1].split()[0]) * 1024  # the file counts kB
+    except (AttributeError, IndexError, ValueError):  # no file, no such line
+        return None
+
+
+@functools.cache
+def _cgroup_files() -> tuple[str, str] | None:
+    """This system's cgroup memory limit and usage files (v2, else v1), or None: looked for once."""
+    return next((files for files in CGROUP_FILES if all(os.path.isfile(f) for f in files)), None)
+
+
+def _cgroup_free() -> int | None:
+    """What this process's cgroup limit leaves (its limit less its use), else None."""
+    files = _cgroup_files()
+    limit, usage = (None, None) if files is None else map(_read, files)
+    if not (limit and usage and limit.strip().isdigit() and usage.strip().isdigit()):  # v2 writes "max": no limit
+        return None
+    return max(int(limit) - int(usage), 0)
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes in TiB, GiB, MiB or KiB, as a reader takes them in."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} bytes"
+
+
+def check_fits(needed: int, what: str) -> None:
+    """Refuses work that needs more memory than is free (see `free_bytes`).
+
+    Args:
+      needed: bytes the work will hold at its peak.
+      what: the work, for the message ("a prompt of 60,000 tokens ...").
+
+    Work of at most `UNCHECKED_BYTES` is taken without a look: reading what is free (a
+    system file, or every device's statistics) would cost more than a small model's
+    whole `generate` call, and such work fits wherever the model itself did.
+
+    Raises:
+      ValueError: naming `what`, `needed` and the memory free.
+    """
+    if needed <= UNCHECKED_BYTES:
+        return
+    free = free_bytes()
+    if free is not None and needed > free[0]:
+        raise ValueError(f"{what} needs about {format_bytes(needed)} of memory, more than the "
+                         f"{format_bytes(free[0])} free on {free[1]}")
