@@ -8,7 +8,8 @@ from jaxformer.decoding.loop import decode_loop, decode_rest, generate, stream, 
 from jaxformer.decoding.protocol import Decodable, DecodingSpec
 from jaxformer.decoding.sampling import Sampling, sample_token
 from jaxformer.decoding.speculative import Draft, PromptLookup, speculative_generate
+from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError
 
-__all__ = ["Decodable", "DecodeOptions", "DecodeRequest", "DecodingSpec", "Draft", "PromptLookup", "Sampling",
-           "beam_search", "decode_loop", "decode_rest", "generate", "sample_token", "speculative_generate", "stream",
-           "stream_start", "stream_step"]
+__all__ = ["NO_TOKEN", "Decodable", "DecodeOptions", "DecodeRequest", "DecodingSpec", "Draft", "NonFiniteLogitsError",
+           "PromptLookup", "Sampling", "beam_search", "decode_loop", "decode_rest", "generate", "sample_token",
+           "speculative_generate", "stream", "stream_start", "stream_step"]

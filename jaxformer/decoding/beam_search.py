@@ -8,6 +8,10 @@ find them). The caches follow their beams: every cache leaf with a batch axis is
 with the beams' parent indices (`jax.tree.map`), so the search works for any model
 whose cache is a pytree with the batch first.
 
+A row whose logits (any alive beam's) hold NaN or inf cannot be ranked: it stops there,
+its pools kept as they were, and returns its likeliest alive beam so far, then
+`NO_TOKEN` (`steps.pick`'s rule for one beam).
+
 The search stops when no alive beam can still beat the worst finished one. A beam's
 log-probability only falls as it grows, and with `length_penalty >= 0` the length norm is
 largest at the longest length, so `alive_logp / length_norm(max_len, length_penalty)` bounds any score
@@ -22,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.decoding.inputs import is_eos
+from jaxformer.decoding.steps import NO_TOKEN, finite_logits
 
 
 def length_norm(length, length_penalty) -> jax.Array:
@@ -73,7 +78,9 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
 
     Returns:
       `(tokens, score)`: tokens int32 `[batch, max_new_tokens]` of each row's best beam (padded
-      after its EOS); score `[batch]`, its `log p / length_norm(length, length_penalty)`.
+      after its EOS); score `[batch]`, its `log p / length_norm(length, length_penalty)`. A row
+      whose logits held NaN or inf at step i: its likeliest alive beam's first i tokens, then
+      `NO_TOKEN`, then pad; score NaN.
     """
     vocab = logits.shape[-1]
     batch = logits.shape[0] // num_beams
@@ -104,32 +111,44 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
         last = jnp.take_along_axis(token, keep, axis=1).reshape(-1)  # [batch * num_beams]
         return alive_logp, alive_tokens, done_tokens, done_score, parents, last
 
+    def extend(i, logits, pools, failed_at):
+        """`select`, but a row whose logits hold NaN or inf (any beam's) keeps its pools and
+        records step i in `failed_at` (`[batch]`, -1 while its logits are finite)."""
+        *new_pools, parents, last = select(i, logits, *pools)
+        stopped = (failed_at >= 0) | ~finite_logits(logits.reshape(batch, num_beams * vocab))  # [batch]
+        pools = [jnp.where(stopped.reshape(-1, *[1] * (new.ndim - 1)), old, new) for new, old in zip(new_pools, pools)]
+        return pools, parents, last, jnp.where(stopped & (failed_at < 0), i, failed_at)
+
     # All copies of a row start identical: only beam 0 may expand at first, or the row
     # would fill its beams with num_beams copies of one hypothesis.
     alive_logp = jnp.tile(jnp.array([0.0] + [-jnp.inf] * (num_beams - 1), jnp.float32), (batch, 1))
     alive_tokens = jnp.full((batch, num_beams, max_new_tokens), pad_id, jnp.int32)
     done_tokens, done_score = alive_tokens, jnp.full((batch, num_beams), neg_inf)
-    alive_logp, alive_tokens, done_tokens, done_score, parents, last = select(
-        0, logits, alive_logp, alive_tokens, done_tokens, done_score)
+    pools, parents, last, failed_at = extend(0, logits, [alive_logp, alive_tokens, done_tokens, done_score],
+                                             jnp.full((batch,), -1, jnp.int32))
     cache = gather_beams(cache, parents, num_beams)
 
     def keep_going(state):
-        i, alive_logp, _, _, done_score, _, _ = state
+        i, (alive_logp, _, _, done_score), _, _, failed_at = state
         best_possible = alive_logp.max(axis=1) / length_norm(max_new_tokens, length_penalty)  # [batch]
-        can_improve = best_possible > done_score.min(axis=1)
+        can_improve = (best_possible > done_score.min(axis=1)) & (failed_at < 0)  # a stopped row is over
         return (i < max_new_tokens) & jnp.any(can_improve)
 
     def body(state):
-        i, alive_logp, alive_tokens, done_tokens, done_score, last, cache = state
+        i, pools, last, cache, failed_at = state
         logits, cache = step(last[:, None], cache)
-        alive_logp, alive_tokens, done_tokens, done_score, parents, last = select(
-            i, logits[:, -1], alive_logp, alive_tokens, done_tokens, done_score)
-        return i + 1, alive_logp, alive_tokens, done_tokens, done_score, last, gather_beams(cache, parents, num_beams)
+        pools, parents, last, failed_at = extend(i, logits[:, -1], pools, failed_at)
+        return i + 1, pools, last, gather_beams(cache, parents, num_beams), failed_at
 
-    state = (1, alive_logp, alive_tokens, done_tokens, done_score, last, cache)
-    i, alive_logp, alive_tokens, done_tokens, done_score, _, _ = jax.lax.while_loop(keep_going, body, state)
+    state = (1, pools, last, cache, failed_at)
+    i, (alive_logp, alive_tokens, done_tokens, done_score), _, _, failed_at = jax.lax.while_loop(
+        keep_going, body, state)
     # Beams still alive at the end compete too, scored at the length they reached.
     scores = jnp.concatenate([done_score, alive_logp / length_norm(i, length_penalty)], axis=1)  # [batch, 2K]
     tokens = jnp.concatenate([done_tokens, alive_tokens], axis=1)
     best = jnp.argmax(scores, axis=1)  # [batch]
-    return tokens[jnp.arange(batch), best], scores[jnp.arange(batch), best]
+    tokens, score = tokens[jnp.arange(batch), best], scores[jnp.arange(batch), best]  # [batch, max_new_tokens]
+    # A stopped row: its likeliest alive beam (top_k sorts them) up to its step, then NO_TOKEN; pad after.
+    stopped = jnp.where(jnp.arange(max_new_tokens) == failed_at[:, None], NO_TOKEN, alive_tokens[:, 0])
+    failed = (failed_at >= 0)[:, None]  # [batch, 1]
+    return jnp.where(failed, stopped, tokens), jnp.where(failed[:, 0], jnp.nan, score)

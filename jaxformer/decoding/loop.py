@@ -21,7 +21,7 @@ from jaxformer.decoding.beam_search import beam_search
 from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest
 from jaxformer.decoding.protocol import Decodable
 from jaxformer.decoding.speculative import Draft, PromptLookup, plan, speculative_decode, stream_rounds
-from jaxformer.decoding.steps import as_given, first_token, pick, prefill, step_fn
+from jaxformer.decoding.steps import as_given, check_picked, checked_steps, first_token, pick, prefill, step_fn
 from jaxformer.sharding import mesh_of
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ def decode_loop(model: Decodable, params, request: DecodeRequest, mesh=None) -> 
       mesh: the mesh the parameters live on (`sharding.mesh_of(params)`), or None.
 
     Returns:
-      int32 `[batch, P + max_new_tokens]`: the decoder prompt, then the new tokens.
+      int32 `[batch, P + max_new_tokens]`: the decoder prompt, then the new tokens; a row
+      whose logits held NaN or inf has `NO_TOKEN` there, then `pad_id`.
     """
     max_new_tokens, num_beams = request.max_new_tokens, request.num_beams
     if num_beams > 1:
@@ -110,7 +111,7 @@ def decode_rest(model: Decodable, params, request: DecodeRequest, context, token
 
     Returns:
       int32 `[batch, max_new_tokens]`: every row's new tokens, token 0 first (`pad_id`
-      after a row's EOS).
+      after a row's EOS, and after the `NO_TOKEN` of a row whose logits held NaN or inf).
     """
     return _continue(model, params, request, context, token, cache, done)
 
@@ -143,6 +144,11 @@ def generate(model: Decodable, params, prompt, *, speculative: PromptLookup | Dr
     Changing the prompt's values or any setting but `max_new_tokens` and `num_beams`
     reuses the compiled loop; a new prompt shape, `max_new_tokens` or `num_beams`
     compiles a new one.
+
+    Raises:
+      ValueError: a bad argument, before anything is compiled.
+      NonFiniteLogitsError: rows whose logits held NaN or inf, read once the run is done
+        (the tokens made, the other rows' whole, are its `tokens`).
     """
     request = DecodeRequest.create(model, prompt, **options)
     if speculative is None:
@@ -150,7 +156,9 @@ def generate(model: Decodable, params, prompt, *, speculative: PromptLookup | Dr
     else:
         out, _ = speculative_decode(model, params, request, *plan(model, request, speculative))
     # The prompt as the caller gave it (right-padded rows included), then the new tokens.
-    return as_given(out, prompt, options)
+    out = as_given(out, prompt, options)
+    check_picked(out, request.max_new_tokens, request.pad_id)
+    return out
 
 
 def stream(model: Decodable, params, prompt, *, speculative: PromptLookup | Draft | None = None,
@@ -165,11 +173,22 @@ def stream(model: Decodable, params, prompt, *, speculative: PromptLookup | Draf
 
     Yields:
       int32 `[batch]` numpy arrays: step i's token of each row (`pad_id` once a row is done).
+
+    Raises:
+      ValueError: a bad argument, before anything is compiled.
+      NonFiniteLogitsError: at the step where a row's logits held NaN or inf, instead of
+        yielding it (the steps so far, that one's included, are its `tokens`).
     """
     request = DecodeRequest.create(model, prompt, **options)
     if request.num_beams != 1:
         raise ValueError("stream decodes one token per step for each row: beam search needs generate(num_beams=)")
+    pad_id = request.pad_id
     request = jax.device_put(request)  # once, rather than its host arrays at every step
+    yield from checked_steps(_steps(model, params, request, speculative), pad_id)
+
+
+def _steps(model: Decodable, params, request: DecodeRequest, speculative) -> Iterator[np.ndarray]:
+    """`stream`'s tokens as the device makes them, a step (or a speculative round) per jitted call."""
     if speculative is not None:
         proposer, draft_params = plan(model, request, speculative)
         if proposer is not None:

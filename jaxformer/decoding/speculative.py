@@ -40,9 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest, is_eos
+from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest
 from jaxformer.decoding.sampling import filtered_logits
-from jaxformer.decoding.steps import as_given, first_token
+from jaxformer.decoding.steps import NO_TOKEN, as_given, check_picked, finite_logits, first_token, stops
 from jaxformer.sharding import mesh_of
 from jaxformer.validation import as_int
 
@@ -212,7 +212,8 @@ def _verify(logits, proposals, log_q, request: DecodeRequest, key):
     Returns:
       `(accepted [batch], tokens [batch, k + 1])`: how many leading proposals each row
       accepted, and its tokens: the accepted proposals, then a token drawn from the
-      residual (or, after k acceptances, from p); past that, unused.
+      residual (or, after k acceptances, from p), or `NO_TOKEN` where the logits it is
+      drawn from hold NaN or inf; past that, unused.
     """
     batch, k = proposals.shape
     vocab = logits.shape[-1]
@@ -234,9 +235,11 @@ def _verify(logits, proposals, log_q, request: DecodeRequest, key):
         return jax.random.categorical(r_key, jnp.log(residual), axis=-1).astype(jnp.int32), keep
 
     fresh, keep = jax.lax.cond(jnp.any(request.sampling.temperature > 0), sample, greedy, None)
-    accepted = jnp.sum(jnp.cumprod(keep, axis=1), axis=1)  # [batch], the leading run of acceptances
+    # Logits with NaN or inf accept nothing (NaN can equal nothing, yet argmax names an id) and give no token.
+    finite = finite_logits(logits)  # [batch, k + 1]
+    accepted = jnp.sum(jnp.cumprod(keep & finite[:, :k], axis=1), axis=1)  # [batch], the leading run of acceptances
     padded = jnp.concatenate([proposals, proposals[:, -1:]], axis=1)  # [batch, k + 1]
-    return accepted, jnp.where(position < accepted[:, None], padded, fresh)
+    return accepted, jnp.where(position < accepted[:, None], padded, jnp.where(finite, fresh, NO_TOKEN))
 
 
 def _round(model, params, request: DecodeRequest, proposer, draft_params, state: State):
@@ -266,10 +269,10 @@ def _round(model, params, request: DecodeRequest, proposer, draft_params, state:
     m = jnp.min(jnp.where(active, accepted, k))  # the batch advances together: by its least
     m = jnp.minimum(m, max_new - state.n - 1)  # never past max_new_tokens
     position = jnp.arange(k + 1)[None, :]
-    eos = is_eos(block, request.eos_id) & (position <= m)
-    after_eos = (jnp.cumsum(eos, axis=1) - eos) > 0
-    block = jnp.where(state.done[:, None] | after_eos | (position > m), request.pad_id, block)
-    done = state.done | jnp.any(eos, axis=1)
+    stop = stops(block, request.eos_id) & (position <= m)  # [batch, k + 1]: an EOS, or NO_TOKEN
+    after_stop = (jnp.cumsum(stop, axis=1) - stop) > 0
+    block = jnp.where(state.done[:, None] | after_stop | (position > m), request.pad_id, block)
+    done = state.done | jnp.any(stop, axis=1)
 
     # The caches hold everything before the next token: set `pos` back past the rejected slots.
     cache = cache.replace(pos=pos + m + 1)
@@ -393,6 +396,9 @@ def speculative_generate(model, params, prompt, speculative, **options: Unpack[D
 
     Returns:
       `(tokens, RunStats)`: `generate`'s output, and what the rounds did.
+
+    Raises:
+      ValueError, NonFiniteLogitsError: as `generate`.
     """
     request = DecodeRequest.create(model, prompt, **options)
     proposer, draft_params = plan(model, request, speculative)
@@ -400,7 +406,9 @@ def speculative_generate(model, params, prompt, speculative, **options: Unpack[D
     rounds, proposed, accepted = (int(x) for x in device_stats)
     stats = RunStats(k=proposer.k if proposer else 0, rounds=rounds, acceptance=accepted / max(proposed, 1),
                      new_tokens=request.max_new_tokens)
-    return as_given(out, prompt, options), stats
+    out = as_given(out, prompt, options)
+    check_picked(out, request.max_new_tokens, request.pad_id)
+    return out, stats
 
 
 def speculative_decode(model, params, request: DecodeRequest, proposer, draft_params):

@@ -1,9 +1,18 @@
-"""What every decoding loop shares: the model's step, the prompt's prefill, and picking
-each row's token (`loop`'s plain loop and stream, `speculative`'s rounds)."""
+"""What every decoding loop shares: the model's step, the prompt's prefill, picking each
+row's token (`loop`'s plain loop and stream, `speculative`'s rounds), and the stop of a
+row whose logits hold NaN or inf (beam search's too).
+
+Logits with a NaN or an inf have no token to pick: argmax and sampling would return an
+arbitrary id (NaN compares false, so often 0, many tokenizers' EOS), a completion that
+looks legitimate. Such a row gets `NO_TOKEN` at that step instead and is done, like a
+row at EOS; inside the loop this is one reduction over the vocabulary per row and step.
+`generate` and `stream` read it on the host with the tokens and raise
+`NonFiniteLogitsError`.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -40,12 +49,30 @@ def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_c
     return context, logits[:, -1], cache
 
 
+# The token of a row whose logits hold NaN or inf: an id no vocabulary has. The row is done
+# at it, as at an EOS (`pad_id` follows); fed back to the model it reads NaN, never a token.
+NO_TOKEN = -1
+
+
+def finite_logits(logits: jax.Array) -> jax.Array:
+    """Whether a token can be picked from each distribution of `logits` `[..., vocab]`:
+    `[...]` bool, False where any logit is NaN or +-inf."""
+    return jnp.all(jnp.isfinite(logits), axis=-1)
+
+
+def stops(token: jax.Array, eos_id: jax.Array) -> jax.Array:
+    """Whether each of `token` (any shape) ends its row: one of `eos_id` `[n_eos]`, or `NO_TOKEN`."""
+    return is_eos(token, eos_id) | (token == NO_TOKEN)
+
+
 def pick(request: DecodeRequest, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Token `i` of each row from `logits` `[batch, vocab]`: sampled with `fold_in(key, i)`,
-    or `pad_id` for rows already done; and the rows done after it."""
+    """Token `i` of each row from `logits` `[batch, vocab]`: sampled with `fold_in(key, i)`;
+    `NO_TOKEN` where the row's logits hold NaN or inf, `pad_id` for rows already done;
+    and the rows done after it."""
     token = request.sampling.pick(logits, jax.random.fold_in(request.key, i))
-    token = jnp.where(done, request.pad_id, token)  # [batch]
-    return token, done | is_eos(token, request.eos_id)
+    token = jnp.where(finite_logits(logits), token, NO_TOKEN)  # [batch]
+    token = jnp.where(done, request.pad_id, token)
+    return token, done | stops(token, request.eos_id)
 
 
 def first_token(model: Decodable, params, request: DecodeRequest, mesh=None, extra_capacity: int = 0):
@@ -60,3 +87,62 @@ def as_given(out: jax.Array, prompt, options: dict) -> jax.Array:
     if options.get("prompt_lengths") is None:
         return out
     return out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))
+
+
+class NonFiniteLogitsError(ValueError):
+    """Rows stopped because their logits held NaN or inf: no token could be picked.
+
+    Raised by `generate` and `stream` (and `speculative_generate`) once the run's tokens
+    are on the host.
+
+    Attributes:
+      rows: the rows that stopped so, in order.
+      steps: for each of `rows`, the index of the new token its logits failed at (0: the
+        first token after the prompt).
+      tokens: int32 numpy, what the run made: `generate`'s output `[batch, P +
+        max_new_tokens]`, or `stream`'s steps so far `[batch, steps]`. A row that stopped
+        holds `pad_id` from its step on; the other rows hold their output, decoded on past
+        the stopped ones.
+    """
+
+    CAUSE = ("the logits held NaN or inf, so no token could be picked: the parameters hold NaN or inf (a diverged or "
+             "damaged checkpoint), or an input was out of range (inside jit, an out-of-vocabulary id or a write "
+             "past the cache's capacity turns the logits into NaN)")
+
+    def __init__(self, rows: list[int], steps: list[int], tokens: np.ndarray):
+        self.rows, self.steps, self.tokens = rows, steps, tokens
+        where = ", ".join(f"row {row} at new token {step}" for row, step in zip(rows, steps))
+        super().__init__(f"{where}: {self.CAUSE}")
+
+
+def check_picked(tokens, new: int, pad_id) -> None:
+    """Raises where a row of `tokens` got `NO_TOKEN` (read on the host).
+
+    Args:
+      tokens: int `[batch, L]`, its last `new` columns the new tokens (the columns before,
+        the prompt as given, may hold any filler).
+      new: how many columns are new tokens.
+      pad_id: what a stopped row holds from its `NO_TOKEN` on, in the error's `tokens`.
+
+    Raises:
+      NonFiniteLogitsError: naming the rows and steps.
+    """
+    host = np.asarray(tokens)  # [batch, L]
+    marked = host[:, host.shape[1] - new:] == NO_TOKEN  # [batch, new]
+    if not marked.any():
+        return
+    rows = np.flatnonzero(marked.any(axis=1))
+    made = host.copy()
+    made[:, host.shape[1] - new:][marked] = pad_id
+    raise NonFiniteLogitsError(rows.tolist(), marked[rows].argmax(axis=1).tolist(), made)
+
+
+def checked_steps(steps: Iterator[np.ndarray], pad_id) -> Iterator[np.ndarray]:
+    """`steps`' tokens (int32 `[batch]` numpy, one a step) as they come, up to a step where
+    a row got `NO_TOKEN`: there `NonFiniteLogitsError` is raised, with the steps so far."""
+    made = []
+    for token in steps:
+        made.append(token)
+        if (token == NO_TOKEN).any():  # (a host array already: no device read of its own)
+            check_picked(np.stack(made, axis=1), len(made), pad_id)
+        yield token
