@@ -1,17 +1,152 @@
-"""What every jaxformer command line shares: argument errors as one line, and help texts
-that state their defaults."""
+"""What every jaxformer command line shares: one way to end, errors as one line, and help
+texts that state their defaults.
+
+A command's `main` runs its work through `run_command`, which is where every ending
+is decided, so that none of them is a traceback a user has to read:
+
+    exit 0     done
+    exit 1     the work failed for a reason outside the command (a full disk, a
+               read-only folder, a model whose loss stopped being finite): one line
+    exit 2     the command refused its input (`fail`): one line, nothing changed
+    exit 130   Ctrl-C (128 + SIGINT, as shells report it): one line, with what was kept
+    exit 141   standard output went away (a closed pipe, `| head`): quietly (128 + SIGPIPE)
+
+SIGTERM keeps Python's default: the process ends at once, as `kill` expects; what a run
+had committed (its checkpoints) stays.
+"""
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
+import functools
+import os
+import signal
 import sys
-from typing import NoReturn
+import threading
+from typing import Callable, NoReturn
+
+FAILED, REFUSED, INTERRUPTED, BROKEN_PIPE = 1, 2, 128 + signal.SIGINT, 128 + signal.SIGPIPE
+
+_interrupted = threading.Event()
+_interrupt_note: list[Callable[[], str]] = []  # what the interrupted line adds, set by the command
 
 
-def fail(prog: str, message: str) -> NoReturn:
-    """Stops a command with one clear line on stderr (exit status 2), not a traceback."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(2)
+def fail(prog: str, message: str, status: int = REFUSED) -> NoReturn:
+    """Stops a command with one clear line on stderr, not a traceback.
+
+    Args:
+      prog: the command, e.g. "python -m train.lm".
+      message: what is wrong, naming the flag, file or limit.
+      status: the exit status: `REFUSED` (2) for input the command will not take,
+        `FAILED` (1) for work that could not be done.
+    """
+    _say(f"{prog}: error: {message}")
+    sys.exit(status)
+
+
+def note_on_interrupt(note: Callable[[], str] | None) -> None:
+    """What Ctrl-C's line says besides "interrupted" (for example where the run is
+    kept and how to resume it), computed when it happens; None says nothing more."""
+    _interrupt_note[:] = [] if note is None else [note]
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C came during this command, even if something swallowed it.
+
+    A `KeyboardInterrupt` raised while Python runs inside a callback from compiled code
+    (XLA, tensorstore) can be caught there and lost; long loops ask this between their
+    steps (`raise_if_interrupted`), and `run_command` asks it at the end.
+    """
+    return _interrupted.is_set()
+
+
+def raise_if_interrupted() -> None:
+    """Raises `KeyboardInterrupt` if Ctrl-C came during this command (see `interrupted`)."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
+
+
+def run_command(prog: str, work: Callable[[], int]) -> int:
+    """Runs a command's `work()` and returns its exit status: the one way commands end.
+
+    Ctrl-C anywhere ends it with status 130 and one line (`prog: interrupted`, plus the
+    `note_on_interrupt` text); a `BrokenPipeError` (a reader of standard output that
+    went away) with status 141 and nothing printed; an `OSError` nothing else caught
+    (a full disk, a read-only folder) with status 1 and one line naming the path.
+    `SystemExit` (`fail`, `--help`) passes through.
+
+    Args:
+      prog: the command, for its lines.
+      work: the command's body; returns its exit status.
+    """
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _on_interrupt) if on_main_thread else None
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_redeliver_interrupt, unraisable)
+    try:
+        status = work()
+        _flush(sys.stdout)
+        raise_if_interrupted()  # one that was swallowed on the way
+        return status
+    except KeyboardInterrupt:
+        note = _interrupt_note[0]() if _interrupt_note else ""
+        _say(f"{prog}: interrupted" + (f"; {note}" if note else ""))
+        return INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE
+    except OSError as e:
+        _say(f"{prog}: error: {describe_os_error(e)}")
+        return FAILED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = unraisable
+        _interrupted.clear()
+        note_on_interrupt(None)
+
+
+def describe_os_error(error: OSError) -> str:
+    """An `OSError` as one line: what failed, and on which path."""
+    where = f"{error.filename}: " if error.filename else ""
+    return f"{where}{error.strerror or error}"
+
+
+def _on_interrupt(signum, frame) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def _redeliver_interrupt(hook, unraisable) -> None:
+    """An unraisable `KeyboardInterrupt` is Ctrl-C landing in a callback that cannot raise
+    (a `gc` callback, JAX has one): Python would print it and go on. Deliver it again to
+    the main thread, a moment later, where it ends the command; pass anything else on."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        threading.Timer(0.01, _thread.interrupt_main).start()
+        return
+    hook(unraisable)
+
+
+def _say(line: str) -> None:
+    """One line on stderr, unless stderr is gone too."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _flush(stream) -> None:
+    if stream is not None:
+        stream.flush()
+
+
+def _silence_stdout() -> None:
+    """Points standard output at /dev/null, so that the interpreter's last flush of
+    what is still buffered for the closed pipe does not print a traceback either."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

@@ -12,10 +12,12 @@ model does at step 0 and at every checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from datetime import datetime
 from pathlib import Path
@@ -25,23 +27,24 @@ import jax
 import optax
 from flax import linen as nn
 
-from jaxformer.command_line import OneLineParser, fail
-from jaxformer.files import write_text_atomically
+from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, note_on_interrupt
+from jaxformer.files import write_folder_atomically, write_text_atomically
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh
 from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                       TOKENIZER_FILE)
-from jaxformer.training import (METRICS_FILE, Checkpointer, Restored, TrainState, check_run_dir, check_seed,
-                                enable_compilation_cache, initialize_distributed, make_train_step, read_metrics,
+from jaxformer.training import (CHECKPOINT_DIR, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock,
+                                TrainState, check_run_dir, check_seed, enable_compilation_cache,
+                                initialize_distributed, lock_run_dir, make_train_step, read_metrics,
                                 save_run_config, shard_batches, shard_state, train_loop)
-from jaxformer.training.report import (REPORT_FILE, RESULTS_FILE, drop_snapshots_after, record_session,
-                                       record_snapshot, write_report)
+from jaxformer.training.report import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
+                                       record_session, record_snapshot, write_report)
 
 DTYPES = ("float32", "bfloat16")
 # Config fields a run may change on resume: parameters and optimizer state are stored in
 # param_dtype (float32 in both demos), so the compute precision is not part of the run.
 DTYPE_FIELDS = ("dtype", "param_dtype", "cache_dtype")
 # What --export writes (`jaxformer.convert.save_hf`, then `jaxformer.text.save_tokenizer`):
-# a folder that holds nothing else is a previous export, whose files are replaced.
+# a folder that holds nothing else is a previous export, which the new one replaces whole.
 EXPORT_FILES = (MODEL_CONFIG_FILE, GENERATION_CONFIG_FILE, "model.safetensors", TOKENIZER_FILE,
                 TOKENIZER_CONFIG_FILE)
 
@@ -152,9 +155,10 @@ def add_export_flag(parser: argparse.ArgumentParser) -> None:
 
 def check_export_dir(export: Path, run_dir: Path) -> None:
     """Checks, reading only, that `--export` can be written once the run is done: a new
-    or empty directory, or a previous export (nothing but `EXPORT_FILES`), whose files
-    are replaced. Not the run directory, nor another run's: their `config.json` is the
-    run's own.
+    or empty directory, or a previous export (nothing but `EXPORT_FILES`, and the
+    temporary files a write of one that was cut short may have left), which the new
+    export replaces. Not the run directory, nor another run's: their `config.json` is
+    the run's own.
 
     Raises:
       ValueError: naming `--export`: a file, a path under a file, the run directory, or a
@@ -167,11 +171,33 @@ def check_export_dir(export: Path, run_dir: Path) -> None:
         raise ValueError(f"--export {export} {where}")
     if path.resolve() == run_dir.resolve():
         raise ValueError(f"--export {export} is the run directory: export to a folder of its own")
-    others = sorted(set(os.listdir(path)) - set(EXPORT_FILES)) if existing == path else []
+    others = sorted(name for name in (os.listdir(path) if existing == path else ()) if not _exported(name))
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise ValueError(f"--export {export} holds {shown}: not a previous export to replace "
                          f"(only {', '.join(EXPORT_FILES)}); choose an empty or new directory")
+
+
+def _exported(name: str) -> bool:
+    """Whether a file in an export folder is one an export writes, or the temporary file
+    an atomic write of one leaves when it is cut short (`.<name>.XXXX.tmp`)."""
+    return name in EXPORT_FILES or any(name.startswith(f".{file}.") and name.endswith(".tmp") for file in EXPORT_FILES)
+
+
+def write_export(export: Path, write: Callable[[Path], None]) -> None:
+    """Writes an export folder as one transaction (`jaxformer.files.write_folder_atomically`):
+    a reader sees the previous export whole or the new one whole, and a write cut short
+    leaves the previous one as it was.
+
+    Args:
+      export: the `--export` folder (checked by `check_export_dir`).
+      write: fills the new folder it is given.
+
+    Raises:
+      OSError: naming the path, when it cannot be written (a full disk, say).
+    """
+    export.absolute().parent.mkdir(parents=True, exist_ok=True)
+    write_folder_atomically(export, write)
 
 
 def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[Any, RunOptions]:
@@ -325,34 +351,64 @@ class Trained:
       steps: the updates done.
       seconds: training wall time, compilation included.
       last: the last metrics line (`loss`, `lr`, `steps_per_sec`).
+      finished_before: the run had reached its steps before this session, which trained
+        nothing: it evaluates (and exports) without writing in the run directory.
     """
 
     params: Any
     steps: int
     seconds: float
     last: dict
+    finished_before: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Start:
-    """A run checked and recorded, ready for its first update.
+    """A run checked and recorded, ready for its first update. `with` it for as long as
+    the command works on the run: it holds the run directory's lock until then, and a
+    new run that ends by an error or Ctrl-C before its first checkpoint is undone (its
+    directory left as the command found it), since nothing of it could be resumed.
 
     Attributes:
+      prog: the command.
+      run_dir: the run directory.
       state: the train state to start from, placed: the initial one, or the restored one.
       make_batch: the batches, placed like the state.
       state_sharding: the state's sharding on the mesh, or None on one device.
       restored: with `--resume`, the checkpoint to continue from; else None.
+      finished: the restored run had already reached `--steps`: nothing is trained and
+        nothing in the run directory is written.
+      lock: this process's lock on the run directory.
+      created: a new run whose directory this command created (else it found it empty).
     """
 
+    prog: str
+    run_dir: Path
     state: TrainState
     make_batch: Callable
     state_sharding: Any
     restored: Restored | None
+    finished: bool
+    lock: RunLock
+    created: bool = False
 
     @property
     def step(self) -> int:
         """The step the run starts from."""
         return self.restored.step if self.restored else 0
+
+    def abandon(self) -> None:
+        """Lets the run go after an error: undoes a new run with no checkpoint yet, and
+        releases the lock."""
+        if self.restored is None and not self.lock.released and not committed_steps(self.run_dir):
+            _undo_new_run(self.run_dir, self.created)
+        self.lock.release()
+
+    def __enter__(self) -> "Start":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.abandon() if kind is not None else self.lock.release()
 
 
 def tokenizer_text(tokenizer) -> str:
@@ -395,22 +451,32 @@ def save_run_tokenizer(run_dir: Path, tokenizer) -> None:
 
 
 def start(prog: str, setup: Setup, settings, run: RunOptions, shape_trace=()) -> Start:
-    """Places the run, checks it against its run directory, and only then records it there.
+    """Places the run, takes its run directory, checks it, and only then records it there.
 
     The run directory is a transaction: a mesh that does not fit, a run directory that
-    holds another run, or (with `--resume`) another tokenizer, no checkpoint that
-    restores, or one past `--steps`, exits with one line before anything in it is
-    written. A new run's `config.json`, then its `tokenizer.json`, are written once,
-    atomically; a resumed run's are left as they are. Then `about.json` records this
-    session: the settings, the parameter count, `shape_trace` (rows of `(stage, shape,
-    note)`), the step it starts from and the device.
+    another process holds (`lock_run_dir`), that holds another run, or (with
+    `--resume`) one that is not writable, holds a damaged record, another tokenizer, no
+    checkpoint that restores, or one past `--steps`, exits with one line (status 2)
+    before anything in it is written. A new run's `config.json`, then its
+    `tokenizer.json`, are written once, atomically; a resumed run's are left as they
+    are. Then `about.json` records this session: the settings, the parameter count,
+    `shape_trace` (rows of `(stage, shape, note)`), the step it starts from and the
+    device. A run that had already finished records nothing. If a write fails (a full
+    disk), the command exits with one line (status 1), a new run's directory left as
+    it was found.
     """
+    lock, created = None, False
     try:
         state, make_batch, state_sharding = place(setup, settings.batch_size, run)
         record = run_record(setup.model.config, settings)
+        if not run.resume:
+            created = not run.run_dir.exists()
+            _make_run_dir(run.run_dir)
+        lock = lock_run_dir(run.run_dir)  # then checked: of two commands on one run, the second is refused
         check_run_dir(run.run_dir, record, run.resume)
         restored = None
         if run.resume:
+            check_run_files(run.run_dir)
             if setup.tokenizer is not None:
                 check_run_tokenizer(run.run_dir, setup.tokenizer)
             with Checkpointer(run.run_dir, read_only=True) as saved:
@@ -419,15 +485,78 @@ def start(prog: str, setup: Setup, settings, run: RunOptions, shape_trace=()) ->
                 raise ValueError(f"--steps {settings.steps} is below step {restored.step}, which the run in "
                                  f"{run.run_dir} has reached: pass --steps {restored.step} or more")
             state = restored.state  # the initial state is not kept alive beside it
-        else:
-            save_run_config(run.run_dir, record)  # every check passed: the first write
+    except ValueError as e:
+        if lock is not None:
+            lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                run.run_dir.rmdir()  # made above, and still empty: a refused command leaves no trace
+        fail(prog, str(e))
+    finished = restored is not None and restored.step == settings.steps and not restored.unrestorable
+    begun = Start(prog=prog, run_dir=run.run_dir, state=state, make_batch=make_batch, state_sharding=state_sharding,
+                  restored=restored, finished=finished, lock=lock, created=created)
+    with failing_as(begun):
+        if restored is None:  # every check passed: the first writes
+            save_run_config(run.run_dir, record)
             if setup.tokenizer is not None:
                 save_run_tokenizer(run.run_dir, setup.tokenizer)
-    except ValueError as e:
-        fail(prog, str(e))
-    record_session(run.run_dir, prog, dataclasses.asdict(settings), count_params(setup.params), shape_trace,
-                   restored.step if restored else 0, device_name())
-    return Start(state=state, make_batch=make_batch, state_sharding=state_sharding, restored=restored)
+        if not finished:
+            record_session(run.run_dir, prog, dataclasses.asdict(settings), count_params(setup.params), shape_trace,
+                           begun.step, device_name())
+    note_on_interrupt(lambda: kept(run.run_dir))
+    return begun
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"run directory {run_dir} cannot be created: {e.strerror or e}") from None
+
+
+def _undo_new_run(run_dir: Path, created: bool) -> None:
+    """Leaves a new run's directory as the command found it: gone, or empty."""
+    if created:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for path in run_dir.iterdir() if run_dir.is_dir() else ():
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    """The steps of the checkpoints committed in `run_dir`, oldest first (read from their
+    folder names, without opening orbax)."""
+    checkpoints = run_dir / CHECKPOINT_DIR
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+
+
+def kept(run_dir: Path) -> str:
+    """What an interrupted or failed run leaves, and how to go on from it."""
+    steps = committed_steps(run_dir)
+    if not steps:
+        return f"no checkpoint had been saved, so nothing of the run in {run_dir} was kept"
+    return (f"checkpoint {steps[-1]} is kept in {run_dir}: continue from it with the same flags and "
+            f"--resume --run-dir {run_dir}")
+
+
+@contextlib.contextmanager
+def failing_as(begun: Start):
+    """Ends the command in one line (status 1) when the run cannot go on: the run
+    directory cannot be written (a full disk), or the loss stopped being finite."""
+    try:
+        yield
+    except Diverged as e:
+        begun.abandon()
+        where = (f"{begun.run_dir} keeps it" if e.checkpoint is not None
+                 else f"nothing of the run in {begun.run_dir} was kept")
+        fail(begun.prog, f"{e}; {where}. The same recipe diverges again from there: start a new run with a smaller "
+                         "learning rate", FAILED)
+    except (OSError, ValueError) as e:
+        if isinstance(e, ValueError) and not isinstance(e.__cause__, OSError):
+            raise  # a bug, not the disk: its traceback is the report
+        begun.abandon()
+        reason = describe_os_error(e) if isinstance(e, OSError) else str(e)
+        fail(begun.prog, f"cannot write {reason.removeprefix('cannot write ')}; {kept(begun.run_dir)}", FAILED)
 
 
 def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Callable | None = None) -> Trained:
@@ -436,24 +565,33 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
     With a `snapshot(params) -> dict` (`record_snapshot`'s `attention` and `samples`),
     what the model does is recorded at step 0 and at every checkpoint, and the report
     page rebuilt each time; a resumed run first drops the snapshots past its checkpoint.
+    A run that had finished before is not trained again: its parameters are returned
+    as they are, and nothing is written.
     """
     print(f"{'resuming' if begun.restored else 'starting'} at step {begun.step} of {settings.steps}"
           + (": nothing left to train" if begun.step == settings.steps else ""))
+    if begun.finished:
+        last = read_metrics(run.run_dir / METRICS_FILE)
+        print("the run had finished: it is evaluated again, and its directory is left as it is")
+        return Trained(params=jax.device_get(begun.state.params), steps=begun.step, seconds=0.0,
+                       last=last[-1] if last else {}, finished_before=True)
 
     def observe(state):
         record_snapshot(run.run_dir, int(state.step), **snapshot(jax.device_get(state.params)))
         write_report(run.run_dir)
 
-    if snapshot is not None:
-        drop_snapshots_after(run.run_dir, begun.step)
-        if begun.step == 0:
-            observe(begun.state)
-        print(f"report page (rewritten at every checkpoint): {run.run_dir / REPORT_FILE}")
     started = time.perf_counter()
-    state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding),
-                       begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
-                       checkpoint_every=run.checkpoint_every, log_every=run.log_every, lr_schedule=setup.schedule,
-                       resume=begun.restored or False, on_checkpoint=observe if snapshot else None)
+    with failing_as(begun):
+        if snapshot is not None:
+            drop_snapshots_after(run.run_dir, begun.step)
+            if begun.step == 0:
+                observe(begun.state)
+            print(f"report page (rewritten at every checkpoint): {run.run_dir / REPORT_FILE}")
+        state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding),
+                           begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
+                           checkpoint_every=run.checkpoint_every, log_every=run.log_every,
+                           lr_schedule=setup.schedule, resume=begun.restored or False,
+                           on_checkpoint=observe if snapshot else None)
     trained = Trained(params=jax.device_get(state.params), steps=int(state.step),
                       seconds=time.perf_counter() - started, last=read_metrics(run.run_dir / METRICS_FILE)[-1])
     print(f"\ntrained to step {trained.steps} in {trained.seconds:.1f} s (compile included): "
@@ -467,8 +605,12 @@ def evaluation_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed), 0x5EED)
 
 
-def write_results(run_dir: Path, results: dict) -> None:
+def write_results(run_dir: Path, results: dict, trained: Trained) -> None:
     """Writes the run's results to `run_dir/eval.json` (atomically), then the report page
-    with them, and prints where the page is."""
+    with them, and prints where the page is; a run that had finished before this session
+    keeps the results and page it has."""
+    if trained.finished_before:
+        print(f"\nreport (as the run left it): {run_dir / REPORT_FILE}")
+        return
     write_text_atomically(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
     print(f"\nreport: {write_report(run_dir)}")

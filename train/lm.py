@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
-from jaxformer.command_line import fail
+from jaxformer.command_line import FAILED, fail, run_command
 from jaxformer.convert import save_hf
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
@@ -398,40 +398,49 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir) 
         print(f"\ntrain loss {trained.last['loss']:.4f}   validation loss {val:.4f} (ppl {math.exp(val):.2f})")
         print("-" * 60 + "\n" + evaluation["sample"] + "\n" + "-" * 60)
         results.update(validation_loss=val, sample=evaluation["sample"])
-    cli.write_results(run_dir, results)
+    cli.write_results(run_dir, results, trained)
 
 
 def export(setup: cli.Setup, settings: Settings, trained: cli.Trained, evaluation: dict, run: cli.RunOptions) -> None:
     """Writes the trained model and its tokenizer to `run.export` as a Hugging Face
-    folder, and prints a command that decodes it.
+    folder, as one transaction (`cli.write_export`): a previous export there is
+    replaced whole, or stays whole. Then prints a command that decodes it.
 
-    Exits with one line when the folder cannot be written; the run directory keeps the
-    trained run, which `--resume --export` exports again without training.
+    Exits with one line (status 1) when the folder cannot be written; the run directory
+    keeps the trained run, which `--resume --export` exports again without training.
     """
     tokenizer, path = setup.tokenizer, run.export
-    try:
-        save_hf(setup.model.config, trained.params, str(path), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+
+    def write(folder):
+        save_hf(setup.model.config, trained.params, str(folder), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
                 pad_id=tokenizer.pad_id)
-        save_tokenizer(tokenizer, str(path))
+        save_tokenizer(tokenizer, str(folder))
+
+    try:
+        cli.write_export(path, write)
     except OSError as e:
         fail(PROG, f"cannot write --export {path}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
-                   f"export it with --resume --run-dir {run.run_dir} --export DIR")
+                   f"export it with the same flags and --resume --run-dir {run.run_dir} --export {path}", FAILED)
     new_tokens = COPY_LEN if settings.task == "copy" else settings.sample_tokens
     print(f"\nexported to {path}: python -m jaxformer.text.generate --checkpoint {shlex.quote(str(path))} "
           f"--prompt {shlex.quote(evaluation['prompt'])} --max-new-tokens {new_tokens}")
 
 
 def main(argv=None) -> int:
+    return run_command(PROG, lambda: _main(argv))
+
+
+def _main(argv) -> int:
     settings, run = parse_args(argv)
     cli.start_process()
     setup = cli.build_or_fail(PROG, build, settings)
-    begun = cli.start(PROG, setup, settings, run, shape_trace(setup, settings))
-    describe(setup, settings)
-    trained = cli.train(setup, settings, run, begun, snapshotter(setup, settings))
-    evaluation = evaluate(setup, settings, trained)
-    report(settings, trained, evaluation, run.run_dir)
-    if run.export is not None:
-        export(setup, settings, trained, evaluation, run)
+    with cli.start(PROG, setup, settings, run, shape_trace(setup, settings)) as begun:
+        describe(setup, settings)
+        trained = cli.train(setup, settings, run, begun, snapshotter(setup, settings))
+        evaluation = evaluate(setup, settings, trained)
+        report(settings, trained, evaluation, run.run_dir)
+        if run.export is not None:
+            export(setup, settings, trained, evaluation, run)
     return 0
 
 

@@ -5,22 +5,24 @@ The demos write `RUN_DIR/report.html` themselves at step 0, at each checkpoint a
 end. This rebuilds it from what the run directory holds: checkpoints that have no
 snapshot yet (a run made before the page existed, or one whose snapshots file was
 removed) get one, computed from the checkpoint's parameters; then the page is written.
-Nothing else in the run directory is changed.
+Nothing else in the run directory is changed. A run in progress (whose process holds
+the directory's lock), a read-only directory or a damaged run file is refused in one
+line before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import jax
 
-from jaxformer.command_line import OneLineParser, fail
-from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, read_run_config
-from jaxformer.training.report import ABOUT_FILE, read_snapshots, record_snapshot, write_report
+from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, run_command
+from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, lock_run_dir, read_run_config
+from jaxformer.training.report import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
+                                       record_snapshot, write_report)
 from train import lm, reverse
 
 PROG = "python -m train.report"
@@ -37,12 +39,16 @@ def demo_of(run_dir: Path):
       ValueError: naming the file, when `run_dir` holds no run of a demo.
     """
     about_path = run_dir / ABOUT_FILE
-    if about_path.exists():
-        about = json.loads(about_path.read_text())
+    about = read_about(run_dir)
+    if about is not None:
         demo = {reverse.PROG: reverse, lm.PROG: lm}.get(about["program"])
         if demo is None:
             raise ValueError(f"{about_path} names {about['program']!r}, not {reverse.PROG} or {lm.PROG}")
-        return demo, demo.Settings(**about["settings"])
+        try:
+            return demo, demo.Settings(**about["settings"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{about_path} holds settings {demo.PROG} does not take ({e}): the file is damaged, "
+                             "or from another version") from None
     record = read_run_config(run_dir)  # ValueError naming config.json when missing or unreadable
     demo = reverse if "src_vocab_size" in record.get("model", {}) else lm
     recorded = {**record.get("model", {}), **record}
@@ -76,6 +82,10 @@ def snapshot_checkpoints(run_dir: Path, demo, settings) -> list[int]:
 
 
 def main(argv=None) -> int:
+    return run_command(PROG, lambda: _main(argv))
+
+
+def _main(argv) -> int:
     parser = OneLineParser(PROG, __doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run directory (holding config.json, metrics.jsonl, "
                                                    "checkpoints/)")
@@ -83,15 +93,25 @@ def main(argv=None) -> int:
     if not (run_dir / CONFIG_FILE).is_file():
         fail(PROG, f"{run_dir} is not a run directory: it holds no {CONFIG_FILE}")
     try:
-        demo, settings = demo_of(run_dir)
-        # The reversal demo draws its example under its own random-bit layout, as it trained.
-        with reverse.classic_random_bits() if demo is reverse else contextlib.nullcontext():
-            added = snapshot_checkpoints(run_dir, demo, settings)
-    except (ValueError, TypeError) as e:
+        # A run in progress rewrites its page itself; two writers would interleave snapshots.
+        lock = lock_run_dir(run_dir)
+    except ValueError as e:
         fail(PROG, str(e))
-    if added:
-        print(f"snapshots of checkpoints {', '.join(map(str, added))} added")
-    print(f"report: {write_report(run_dir)}")
+    with lock:
+        try:
+            check_writable(run_dir, f"the report page is written there ({REPORT_FILE})")
+            check_run_files(run_dir)
+            demo, settings = demo_of(run_dir)
+            # The reversal demo draws its example under its own random-bit layout, as it trained.
+            with reverse.classic_random_bits() if demo is reverse else contextlib.nullcontext():
+                added = snapshot_checkpoints(run_dir, demo, settings)
+            if added:
+                print(f"snapshots of checkpoints {', '.join(map(str, added))} added")
+            print(f"report: {write_report(run_dir)}")
+        except (ValueError, TypeError) as e:
+            fail(PROG, str(e))
+        except OSError as e:
+            fail(PROG, f"cannot write {describe_os_error(e)}", FAILED)
     return 0
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from jaxformer import VanillaConfig, VanillaTransformer, generate
+from jaxformer.command_line import run_command
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.training.report import attention_group
@@ -274,21 +275,23 @@ def snapshotter(setup: cli.Setup):
     return snapshot
 
 
-def cross_attention_map(snapshot: dict, run_dir: Path) -> str:
-    """The cross-attention of a snapshot: ASCII (last layer, heads averaged) and a PNG of
-    every layer and head."""
+def cross_attention_map(snapshot: dict, run_dir: Path | None) -> str:
+    """The cross-attention of a snapshot: ASCII (last layer, heads averaged) and, unless
+    `run_dir` is None, a PNG of every layer and head in it."""
     cross = [g for g in snapshot["attention"] if g["name"].startswith("cross")]
     weights = np.array([g["heads"] for g in cross])  # [n_layer, n_head, T, S]
     rows, cols = cross[0]["rows"], cross[0]["cols"]
-    save_attention_grid(weights, run_dir / "cross_attention.png", rows, cols,
-                        title="cross-attention, every layer and head")
+    if run_dir is not None:
+        save_attention_grid(weights, run_dir / "cross_attention.png", rows, cols,
+                            title="cross-attention, every layer and head")
     return ascii_attention(weights[-1].mean(0), rows, cols)
 
 
 def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir: Path, snapshot) -> dict:
     """Decodes fresh sequences of the trained lengths and of the probe's longer ones,
     and draws the cross-attention map of `snapshot` (`snapshotter`'s) of the trained
-    parameters (its PNG into `run_dir`).
+    parameters (its PNG into `run_dir`, unless the run had finished before: then the one
+    there is kept).
 
     Returns:
       The results: exact match overall and per length for both sets, an example, the
@@ -301,7 +304,7 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir
                                 MAX_LEN)
     probe = decoding_exact_match(model, params, probe_key, settings.eval_size, PROBE_LENGTHS, max(PROBE_LENGTHS))
     return {"seen": seen, "probe": probe, "decode_seconds": time.perf_counter() - start,
-            "map": cross_attention_map(snapshot(params), run_dir)}
+            "map": cross_attention_map(snapshot(params), None if trained.finished_before else run_dir)}
 
 
 def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: Path) -> None:
@@ -329,7 +332,7 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: 
         "exact_match": seen["exact_match"], "per_length": seen["per_length"],
         "probe_exact_match": probe["exact_match"], "probe_per_length": probe["per_length"],
         "examples": [{"label": label, **example} for label, results in (("trained length", seen), ("probe", probe))
-                     for example in results["examples"]]})
+                     for example in results["examples"]]}, trained)
 
 
 def classic_random_bits():
@@ -344,19 +347,23 @@ def classic_random_bits():
 
 
 def main(argv=None) -> int:
+    return run_command(PROG, lambda: _main(argv))
+
+
+def _main(argv) -> int:
     settings, run = parse_args(argv)
     cli.start_process()
     with classic_random_bits():
         setup = cli.build_or_fail(PROG, build, settings)
         trace = shape_trace(setup.model, setup.params)
-        begun = cli.start(PROG, setup, settings, run, trace)
-        describe(setup, trace)
-        print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
-              f"batch {settings.batch_size}, run dir {run.run_dir}\n")
-        snapshot = snapshotter(setup)
-        trained = cli.train(setup, settings, run, begun, snapshot)
-        evaluation = evaluate(setup, settings, trained, run.run_dir, snapshot)
-        report(settings, trained, evaluation, run.run_dir)
+        with cli.start(PROG, setup, settings, run, trace) as begun:
+            describe(setup, trace)
+            print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
+                  f"batch {settings.batch_size}, run dir {run.run_dir}\n")
+            snapshot = snapshotter(setup)
+            trained = cli.train(setup, settings, run, begun, snapshot)
+            evaluation = evaluate(setup, settings, trained, run.run_dir, snapshot)
+            report(settings, trained, evaluation, run.run_dir)
     return 0
 
 

@@ -34,12 +34,12 @@ shard_batches), `runtime` (initialize_distributed, enable_compilation_cache), `r
 """
 
 from jaxformer.training.checkpoints import CHECKPOINT_DIR, UNRESTORABLE_DIR, Checkpointer, Restored
-from jaxformer.training.loop import train_loop
+from jaxformer.training.loop import Diverged, train_loop
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog, read_metrics
 from jaxformer.training.placement import shard_batches, shard_state
 from jaxformer.training.progress import ProgressBar
-from jaxformer.training.run_dir import (CONFIG_FILE, check_run_config, check_run_dir, read_run_config,
-                                       save_run_config, start_run)
+from jaxformer.training.run_dir import (CONFIG_FILE, RunLock, check_run_config, check_run_dir, check_writable,
+                                       lock_run_dir, read_run_config, save_run_config, start_run)
 from jaxformer.training.runtime import enable_compilation_cache, initialize_distributed
 from jaxformer.training.state import TrainState, check_seed, make_train_step, step_keys
 
@@ -49,15 +49,19 @@ __all__ = [
     "METRICS_FILE",
     "UNRESTORABLE_DIR",
     "Checkpointer",
+    "Diverged",
     "MetricsLog",
     "ProgressBar",
     "Restored",
+    "RunLock",
     "TrainState",
     "check_run_config",
     "check_run_dir",
     "check_seed",
+    "check_writable",
     "enable_compilation_cache",
     "initialize_distributed",
+    "lock_run_dir",
     "make_train_step",
     "read_metrics",
     "read_run_config",

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import gc
 import logging
+import os
+import re
+import shutil
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import jax
@@ -48,6 +54,12 @@ class Checkpointer:
     `Checkpointer` opens the directory (at the latest before its first save).
     (On GCS, where rename is not atomic, orbax instead requires `commit_success.txt`.)
 
+    A save that fails (a full disk, a folder made read-only) raises an `OSError` in one
+    line from `save`, `wait` or `close`, whichever first learns of it, and leaves no
+    part of that checkpoint behind; the ones committed before stay. The errors orbax's
+    background threads log or leave unraisable meanwhile are kept off stderr while a
+    writable `Checkpointer` is open: the `OSError` says it once.
+
     Args:
       run_dir: the run directory.
       max_to_keep: how many of the newest checkpoints to keep.
@@ -57,13 +69,20 @@ class Checkpointer:
     def __init__(self, run_dir, max_to_keep: int = 3, read_only: bool = False):
         self.run_dir = Path(run_dir).absolute()
         self.directory = self.run_dir / CHECKPOINT_DIR
+        self._background = contextlib.ExitStack()
+        self._failed = False
         if read_only:
             options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
                                                    cleanup_tmp_directories=False, save_interval_steps=0)
         else:
             options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, cleanup_tmp_directories=True)
-        with _quiet("absl"):  # a read-only manager warns that it is read-only
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            self._background.enter_context(_background_quiet())
+        try:
+            with _quiet("absl"), self._writing():  # a read-only manager warns that it is read-only
+                self._manager = ocp.CheckpointManager(self.directory, options=options)
+        except BaseException:
+            self._background.close()
+            raise
 
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first."""
@@ -87,7 +106,8 @@ class Checkpointer:
         latest = self.latest_step()
         if latest is not None and step <= latest:
             raise ValueError(f"cannot save step {step}: {self.directory} already holds step {latest}")
-        self._manager.save(step, args=ocp.args.StandardSave(state))
+        with self._writing():
+            self._manager.save(step, args=ocp.args.StandardSave(state))
 
     def restore(self, target_state: TrainState, step: int | None = None) -> TrainState:
         """A saved state, laid out like `target_state`.
@@ -159,12 +179,52 @@ class Checkpointer:
         return target
 
     def wait(self) -> None:
-        """Blocks until every started save is committed."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is committed.
+
+        Raises:
+          OSError: in one line, naming the checkpoint folder, when a save failed.
+        """
+        with self._writing():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's background resources."""
-        self._manager.close()
+        """Waits for pending saves and releases orbax's background resources.
+
+        Raises:
+          OSError: see `wait` (not again after a failure already raised).
+        """
+        try:
+            if not self._failed:
+                with self._writing():
+                    self._manager.close()
+        finally:
+            if self._failed:
+                self._drain()
+            self._background.close()
+
+    def _drain(self) -> None:
+        """After a failed save: lets what it started in orbax's threads end (they log as
+        they fail) and collects its abandoned futures and coroutines now, quietly, which
+        would otherwise report their errors when collected at exit."""
+        with contextlib.suppress(Exception):
+            self._manager.close()
+        for thread in threading.enumerate():
+            if type(thread).__module__.startswith("orbax") and thread is not threading.current_thread():
+                thread.join(timeout=60)
+        with _quiet("asyncio"):
+            gc.collect()
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Turns orbax's failure to write a checkpoint into one `OSError`, and removes
+        what the failed save left (`<step>.orbax-checkpoint-tmp`)."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - orbax, tensorstore and asyncio raise many types
+            self._failed = True
+            for part in self.directory.glob("*.orbax-checkpoint-tmp*") if self.directory.is_dir() else ():
+                shutil.rmtree(part, ignore_errors=True)
+            raise _write_error(e, self.directory) from None
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -190,6 +250,62 @@ def _quiet(logger_name: str):
     finally:
         logger.setLevel(level)
         sys.unraisablehook = unraisable
+
+
+@contextlib.contextmanager
+def _background_quiet():
+    """Keeps what orbax's background threads say about a failed save off stderr (the
+    `OSError` says it once): their logs (`_BackgroundNoise`, on for the rest of the
+    process, since some come after the save is given up, as late as the exit), and the
+    unraisable errors of the coroutines and event loops they drop. Anything else still
+    reaches the hook that was there before."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _BackgroundNoise) for f in logger.filters):
+            logger.addFilter(_BackgroundNoise())
+    before = sys.unraisablehook
+
+    def hook(unraisable):
+        # (An event loop orbax closed is reported from asyncio's own frames.)
+        if not _from_background(repr(unraisable.object), unraisable.exc_traceback, ("asyncio",)):
+            before(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = before
+
+
+class _BackgroundNoise(logging.Filter):
+    """Drops the records about orbax's saves from its background threads and from asyncio."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc_traceback = record.exc_info[2] if record.exc_info else None
+        return not _from_background(f"{record.pathname} {record.getMessage()}", exc_traceback)
+
+
+def _from_background(text: str, exc_traceback, also: tuple[str, ...] = ()) -> bool:
+    """Whether a message or the code its traceback went through is orbax's or tensorstore's."""
+    files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(exc_traceback)]
+    return any(part in where for where in (text, *files) for part in ("orbax", "tensorstore", *also))
+
+
+def _write_error(error: Exception, directory: Path) -> OSError:
+    """A failed save as an `OSError` naming the checkpoint folder, with the system's
+    reason where tensorstore reports one (`[os_error_code='28']`: no space left)."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return OSError(error.errno, error.strerror, str(directory))
+    chain, link = [], error
+    while link is not None and len(chain) < 20:
+        chain.append(str(link))
+        link = link.__cause__ or link.__context__
+    code = re.search(r"os_error_code='(\d+)'", " ".join(chain))
+    if code:
+        return OSError(int(code[1]), os.strerror(int(code[1])), str(directory))
+    return OSError(errno.EIO, f"a checkpoint could not be written ({_first_line(error)})", str(directory))
 
 
 def _first_line(error: Exception) -> str:

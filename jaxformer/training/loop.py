@@ -8,12 +8,45 @@ from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
+from jaxformer.command_line import raise_if_interrupted
 from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restored
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog
 from jaxformer.training.progress import ProgressBar
+from jaxformer.training.run_dir import lock_run_dir
 from jaxformer.training.state import TrainState, step_keys
 from jaxformer.validation import as_int
+
+
+class Diverged(ValueError):
+    """Training stopped being finite: the run stopped before logging or saving past it.
+
+    Attributes:
+      step: the first update whose loss was NaN or infinite, or, when every loss was
+        finite, the update after which the parameters held NaN or inf.
+      checkpoint: the newest checkpoint kept (all finite), or None if there is none.
+    """
+
+    def __init__(self, what: str, step: int, checkpoint: int | None):
+        kept = (f"the newest checkpoint, step {checkpoint}, holds the last finite state" if checkpoint is not None
+                else "no checkpoint was saved")
+        super().__init__(f"{what}: training stopped there, before logging or saving it; {kept}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+@jax.jit
+def _note_nonfinite(first: tuple[jax.Array, jax.Array], loss: jax.Array, step) -> tuple[jax.Array, jax.Array]:
+    """`first` (the first step whose loss was not finite, -1 while none was; and that
+    loss) after `step`'s `loss`. Kept on the device: watching costs no wait for the host."""
+    first_step, first_loss = first
+    new = (first_step < 0) & ~jnp.isfinite(loss)
+    return jnp.where(new, step, first_step), jnp.where(new, loss.astype(jnp.float32), first_loss)
 
 
 def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *, seed: int, num_steps: int,
@@ -29,6 +62,15 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
     `steps_per_sec` (over the updates since the previous line, so the first one includes
     compilation). After every `checkpoint_every` updates (and the last) the state is
     saved.
+
+    The loss is watched on the device: at the next metrics line or checkpoint after an
+    update whose loss is NaN or infinite, the loop stops with `Diverged` (naming that
+    update) without logging or saving anything past it; and a checkpoint is saved only
+    if every parameter is finite (an update can leave NaN behind with a finite loss: the
+    loss is computed before it), so every checkpoint holds a finite state. Ctrl-C stops it between updates (`KeyboardInterrupt`), also
+    when a callback swallowed the interrupt (`jaxformer.command_line.interrupted`); a
+    save under way is finished first. A process holds the run directory's lock
+    (`lock_run_dir`) while it runs: a second one on the same directory is refused.
 
     Resuming continues from the newest checkpoint that restores
     (`Checkpointer.restore_newest`); every check happens before anything in `run_dir` is
@@ -61,12 +103,28 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
     Raises:
       ValueError: on a non-positive interval; if `run_dir` holds checkpoints and
         `resume` is False (the new run would mix with the old one's files); if `resume`
-        finds no checkpoint that restores, or one past `num_steps`.
+        finds no checkpoint that restores, or one past `num_steps`; if another process
+        holds the run directory.
+      Diverged: see above.
+      OSError: naming the file, when the run directory cannot be written (a full disk);
+        the checkpoints committed before stay.
     """
     num_steps, checkpoint_every, log_every = (
         as_int(value, f"train_loop {name}", minimum=1)
         for name, value in (("num_steps", num_steps), ("checkpoint_every", checkpoint_every), ("log_every", log_every)))
     run_dir = Path(run_dir)
+    if resume is False:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    elif not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist: it holds no checkpoint to resume from")
+    with lock_run_dir(run_dir):
+        return _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_every, log_every,
+                      lr_schedule, resume, progress, on_checkpoint)
+
+
+def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_every, log_every, lr_schedule,
+           resume, progress, on_checkpoint) -> TrainState:
+    """`train_loop` with its arguments checked and the run directory locked."""
     if resume is True:
         with Checkpointer(run_dir, read_only=True) as saved:
             resume = saved.restore_newest(state)
@@ -97,11 +155,17 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
         bar = ProgressBar(num_steps, initial=start) if progress else None
 
         last_step, last_time = start, time.perf_counter()
+        nonfinite = (jnp.int32(-1), jnp.float32(0))
         for s in range(start, num_steps):
+            raise_if_interrupted()
             data_key, dropout_key = step_keys(seed, s)
             state, metrics = train_step(state, make_batch(data_key), dropout_key)
             done = s + 1
-            if done % log_every == 0 or done == num_steps:
+            nonfinite = _note_nonfinite(nonfinite, metrics["loss"], done)
+            at_log, at_checkpoint = done % log_every == 0 or done == num_steps, done % checkpoint_every == 0
+            if at_log or at_checkpoint:
+                _stop_if_nonfinite(nonfinite, checkpointer)
+            if at_log:
                 values = {name: float(v) for name, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
                 if lr_schedule is not None:
@@ -111,7 +175,11 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
                 log.write(done, **values)
                 if bar is not None:
                     bar.update(done, **values)
-            if done % checkpoint_every == 0 or done == num_steps:
+            if at_checkpoint or done == num_steps:
+                if not _all_finite(state.params):
+                    checkpointer.wait()
+                    raise Diverged(f"the parameters after update {done} hold NaN or inf (its loss was finite)",
+                                   done, checkpointer.latest_step())
                 checkpointer.save(state)
                 if on_checkpoint is not None:
                     on_checkpoint(state)
@@ -119,6 +187,13 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
     finally:
         if bar is not None:
             bar.close()
-        log.close()
         checkpointer.close()
     return state
+
+
+def _stop_if_nonfinite(nonfinite: tuple[jax.Array, jax.Array], checkpointer: Checkpointer) -> None:
+    """Raises `Diverged` if an update so far had a loss that is not finite."""
+    step, loss = (x.item() for x in jax.device_get(nonfinite))
+    if step >= 0:
+        checkpointer.wait()  # the save before it is finished, so the newest checkpoint is its own
+        raise Diverged(f"the loss is {loss} at step {step}", step, checkpointer.latest_step())

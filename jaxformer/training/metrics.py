@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxformer.files import write_text_atomically
+from jaxformer.files import append_line, write_text_atomically
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -21,15 +21,37 @@ def read_metrics(path) -> list[dict]:
 
     Returns:
       One dict per line (`[]` if the file does not exist).
+
+    Raises:
+      ValueError: naming the file and the line, when a whole line is not a JSON object
+        with an integer `step` (a file damaged or edited by hand), or the file cannot
+        be read.
     """
     path = Path(path)
     if not path.exists():
         return []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     records = []
-    for line in path.read_text().splitlines(keepends=True):
+    for number, line in enumerate(lines, 1):
         if line.endswith("\n") and line.strip():
-            records.append(json.loads(line))
+            records.append(_record(path, number, line))
     return records
+
+
+def _record(path: Path, number: int, line: str) -> dict:
+    """Line `number` of a JSON-lines file of step records, checked."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} line {number} is not valid JSON ({e.msg}): the file is damaged; "
+                         "remove that line to use the rest") from None
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        raise ValueError(f"{path} line {number} is not a record with an integer step: the file is damaged; "
+                         "remove that line to use the rest")
+    return record
 
 
 def drop_records_after(path, step: int) -> None:
@@ -49,8 +71,8 @@ def drop_records_after(path, step: int) -> None:
 class MetricsLog:
     """A JSON-lines metrics file: one `{"step": int, name: float, ...}` object a line.
 
-    Lines are appended and flushed as they are written, so a crashed run keeps every
-    line up to the crash.
+    Each line is appended whole as it is written (`jaxformer.files.append_line`), so a
+    crashed run keeps every line up to the crash, and a full disk leaves no torn one.
 
     Args:
       path: the file; created (with its directory) if missing, appended to otherwise.
@@ -59,7 +81,6 @@ class MetricsLog:
     def __init__(self, path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")
 
     def write(self, step: int, **values) -> None:
         """Appends one line.
@@ -67,10 +88,12 @@ class MetricsLog:
         Args:
           step: the updates done when the values were taken.
           **values: the metrics, each written as a float.
+
+        Raises:
+          OSError: naming the file, when it cannot be written (the line is not kept).
         """
         record = {"step": int(step), **{name: float(v) for name, v in values.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        append_line(self.path, json.dumps(record))
 
     def truncate_after(self, step: int) -> None:
         """Drops the lines with a step above `step`.
@@ -81,10 +104,4 @@ class MetricsLog:
         Args:
           step: the last step to keep.
         """
-        self._file.close()
         drop_records_after(self.path, step)
-        self._file = open(self.path, "a")
-
-    def close(self) -> None:
-        """Closes the file."""
-        self._file.close()

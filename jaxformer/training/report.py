@@ -23,6 +23,7 @@ from, `data-src="metrics/<step>/<name>"`, `"eval/<key>[/<length>/<rate|n>]"` or
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import json
 import math
@@ -33,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxformer.files import write_text_atomically
+from jaxformer.files import append_line, write_text_atomically
 from jaxformer.training.metrics import METRICS_FILE, drop_records_after, read_metrics
-from jaxformer.training.run_dir import CONFIG_FILE
+from jaxformer.training.run_dir import CONFIG_FILE, read_run_file
 
 REPORT_FILE = "report.html"
 SNAPSHOTS_FILE = "snapshots.jsonl"
@@ -46,6 +47,9 @@ RESULTS_FILE = "eval.json"
 _VIRIDIS = np.array([[68, 1, 84], [72, 24, 106], [71, 45, 123], [66, 64, 134], [59, 82, 139], [51, 99, 141],
                      [44, 114, 142], [38, 130, 142], [33, 145, 140], [31, 160, 136], [40, 174, 128], [63, 188, 115],
                      [94, 201, 98], [132, 212, 75], [173, 220, 48], [216, 226, 25], [253, 231, 37]], np.float64)
+# A weight that is NaN or inf (a model whose numbers stopped being finite) has no place on the map: a
+# neutral grey, which viridis never passes through.
+_NONFINITE_RGB = np.array([190, 190, 190], np.uint8)
 
 # eval.json's scalars: their label on the page, and whether they are a rate (shown as %).
 _RESULTS = {
@@ -73,9 +77,12 @@ def record_session(run_dir, program: str, settings: dict, params: int, shape_tra
       shape_trace: `(stage, shape, note)` rows of one forward pass.
       step: the step this session starts from (0, or the restored checkpoint's).
       device: the device this session computes on, in words.
+
+    Raises:
+      ValueError: naming `about.json`, when the one there is damaged (`read_about`).
     """
     path = Path(run_dir) / ABOUT_FILE
-    sessions = json.loads(path.read_text())["sessions"] if path.exists() else []
+    sessions = (read_about(run_dir) or {"sessions": []})["sessions"]
     sessions = [s for s in sessions if s["step"] < step]  # a session redone from an earlier checkpoint drops later ones
     sessions.append({"step": int(step), "device": device,
                      "started": datetime.now(timezone.utc).isoformat(timespec="seconds")})
@@ -112,13 +119,15 @@ def record_snapshot(run_dir, step: int, attention: list[dict], samples: list[dic
       attention: `attention_group`s of one example, every layer.
       samples: `{"label": str, "output": str | [token, ...], "target": [token, ...] (optional)}`
         each; a target marks the output's tokens that differ from it.
+
+    Raises:
+      OSError: naming the file, when it cannot be written (nothing of the line is kept).
     """
     record = {"step": int(step), "attention": list(attention), "samples": list(samples)}
     path = Path(run_dir) / SNAPSHOTS_FILE
     if _torn(path):  # a run killed mid-line: keep the whole lines, or this one would be appended to the part
         drop_records_after(path, math.inf)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    append_line(path, json.dumps(record))
 
 
 def _torn(path: Path) -> bool:
@@ -144,24 +153,48 @@ def drop_snapshots_after(run_dir, step: int) -> None:
 # ------------------------------------------------------------------ the page
 
 def write_report(run_dir, title: str = "training run") -> Path:
-    """Builds `run_dir/report.html` from the run's files and writes it atomically.
+    """Builds `run_dir/report.html` from the run's files (`build_report`) and writes it
+    atomically.
+
+    Returns:
+      The page's path.
+
+    Raises:
+      ValueError: see `build_report`.
+      OSError: naming the page, when it cannot be written.
+    """
+    path = Path(run_dir) / REPORT_FILE
+    write_text_atomically(path, build_report(run_dir, title))
+    return path
+
+
+def build_report(run_dir, title: str = "training run") -> str:
+    """The report page of the run in `run_dir`, as HTML text.
 
     Files not there yet (no evaluation before the run ends, no snapshot of an older run)
     leave their sections saying so.
 
-    Returns:
-      The page's path.
+    Raises:
+      ValueError: naming the file, when a run file is damaged (not valid JSON, or
+        records of another shape than this library writes).
     """
     run_dir = Path(run_dir)
-    about = _read_json(run_dir / ABOUT_FILE)
-    record = _read_json(run_dir / CONFIG_FILE)
+    about = read_about(run_dir)
+    record = read_run_file(run_dir / CONFIG_FILE)
     metrics = read_metrics(run_dir / METRICS_FILE)
     snapshots = read_snapshots(run_dir)
-    results = _read_json(run_dir / RESULTS_FILE)
-    sections = [_curves_section(metrics, about), _attention_section(snapshots), _evaluation_section(results)]
-    if any(s["samples"] for s in snapshots):
-        sections.append(_samples_section(snapshots))
-    sections.append(_run_section(about, record))
+    results = read_run_file(run_dir / RESULTS_FILE)
+    with _reading(run_dir / METRICS_FILE):
+        sections = [_curves_section(metrics, about)]
+    with _reading(run_dir / SNAPSHOTS_FILE):
+        sections.append(_attention_section(snapshots))
+    with _reading(run_dir / RESULTS_FILE):
+        sections.append(_evaluation_section(results))
+    with _reading(run_dir / SNAPSHOTS_FILE):
+        if any(s["samples"] for s in snapshots):
+            sections.append(_samples_section(snapshots))
+    with _reading(run_dir / ABOUT_FILE):
+        sections.append(_run_section(about, record))
     name = (about or {}).get("program", title)
     title = html.escape(f"{name}: {run_dir.name}")
     built = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -169,18 +202,53 @@ def write_report(run_dir, title: str = "training run") -> Path:
             f"<style>{_STYLE}</style></head>\n<body><h1>{title}</h1>\n" + "\n".join(sections)
             + f"\n<footer>Built {built} from the run's {ABOUT_FILE}, {CONFIG_FILE}, {METRICS_FILE}, {SNAPSHOTS_FILE} "
             f"and {RESULTS_FILE}.</footer>\n<script>{_SCRIPT}</script>\n</body></html>\n")
-    path = run_dir / REPORT_FILE
-    write_text_atomically(path, page)
-    return path
+    return page
 
 
-def _read_json(path: Path):
-    return json.loads(path.read_text()) if path.exists() else None
+def read_about(run_dir) -> dict | None:
+    """`about.json` (`record_session`), or None for a run without one.
+
+    Raises:
+      ValueError: naming the file, when it is damaged: see `read_run_file`, or its
+        `program`, `settings` or `sessions` are not what `record_session` writes.
+    """
+    path = Path(run_dir) / ABOUT_FILE
+    about = read_run_file(path)
+    if about is None:
+        return None
+    sessions = about.get("sessions")
+    if (not isinstance(about.get("program"), str) or not isinstance(about.get("settings"), dict)
+            or not isinstance(sessions, list)
+            or not all(isinstance(s, dict) and type(s.get("step")) is int for s in sessions)):
+        raise ValueError(f"{path} does not hold a program, settings and sessions as this library writes them: "
+                         "the file is damaged")
+    return about
+
+
+def check_run_files(run_dir) -> None:
+    """Reads every record of a run that the page and a resumed run read, and builds the
+    page from them without writing it, so that a damaged one is named before anything
+    is written.
+
+    Raises:
+      ValueError: naming the first damaged file (and its line, for the JSON-lines ones).
+    """
+    build_report(run_dir)
+
+
+@contextlib.contextmanager
+def _reading(path: Path):
+    """Names `path` when the records it gave cannot be drawn (a field of the wrong kind)."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ValueError(f"{path} holds a record the report page cannot read ({type(e).__name__}: {e}): the file "
+                         "is damaged") from None
 
 
 def _number(value, src: str, percent: bool = False) -> str:
-    """A figure on the page, tagged with the record it comes from."""
-    shown = f"{100 * value:.1f} %" if percent else _general(value)
+    """A figure on the page, tagged with the record it comes from (NaN and inf as `nan`, `inf`)."""
+    shown = f"{100 * value:.1f} %" if percent and math.isfinite(value) else _general(value)
     return f'<span class="num" data-src="{src}">{shown}</span>'
 
 
@@ -242,12 +310,17 @@ def _curves_section(metrics, about) -> str:
 
 
 def _line_chart(name: str, label: str, points, resumes, from_zero: bool, width: int = 560, height: int = 220) -> str:
-    """An SVG line chart of `(step, value)` points, each with its value as a tooltip."""
+    """An SVG line chart of `(step, value)` points, each with its value as a tooltip.
+
+    A value that is NaN or inf has no place on the y axis: the line breaks there, the axis
+    spans the finite values alone, and a dotted grey line across the chart marks its step
+    (with the value as its tooltip).
+    """
     left, right, top, bottom = 70, 16, 12, 34
     steps = np.array([p[0] for p in points], np.float64)
-    values = np.array([p[1] for p in points], np.float64)
+    values = np.array([v for _, v in points if math.isfinite(v)], np.float64)  # [finite points]
     x0, x1 = 0.0, max(float(steps.max()), 1.0)
-    y0, y1 = float(values.min()), float(values.max())
+    y0, y1 = (float(values.min()), float(values.max())) if values.size else (0.0, 1.0)
     if from_zero:
         y0 = min(y0, 0.0)
     if y1 - y0 < 1e-12 * max(abs(y1), 1.0):  # a flat line: give it room
@@ -268,13 +341,31 @@ def _line_chart(name: str, label: str, points, resumes, from_zero: bool, width: 
                    f'{tick:g}</text>')
     for step in resumes:
         out.append(f'<line class="resume" x1="{x(step):.1f}" x2="{x(step):.1f}" y1="{top}" y2="{height - bottom}"/>')
-    out.append('<polyline class="line" points="' + " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points) + '"/>')
+    for run in _finite_runs(points):
+        out.append('<polyline class="line" points="' + " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in run) + '"/>')
     for s, v in points:
-        out.append(f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="2.5"><title data-src="metrics/{s}/{name}">'
-                   f'step {s}: {_general(v)}</title></circle>')
+        tooltip = f'<title data-src="metrics/{s}/{name}">step {s}: {_general(v)}</title>'
+        if math.isfinite(v):
+            out.append(f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="2.5">{tooltip}</circle>')
+        else:
+            out.append(f'<line class="nonfinite" x1="{x(s):.1f}" x2="{x(s):.1f}" y1="{top}" y2="{height - bottom}">'
+                       f"{tooltip}</line>")
+    gaps = "" if values.size == len(points) else " (dotted grey: a value that was NaN or inf)"
     out.append(f'<text class="axis" x="{(left + width - right) / 2}" y="{height - 4}" text-anchor="middle">'
-               f'step (updates)</text></svg><figcaption>{label}</figcaption></figure>')
+               f'step (updates)</text></svg><figcaption>{label}{gaps}</figcaption></figure>')
     return "".join(out)
+
+
+def _finite_runs(points) -> list[list]:
+    """`(step, value)` points split at each NaN or infinite value: the runs of finite ones
+    that one stretch of line joins."""
+    runs = [[]]
+    for s, v in points:
+        if math.isfinite(v):
+            runs[-1].append((s, v))
+        elif runs[-1]:
+            runs.append([])
+    return [run for run in runs if run]
 
 
 def _ticks(low: float, high: float, count: int = 5) -> list[float]:
@@ -332,8 +423,9 @@ def _attention_section(snapshots) -> str:
     parts.append(
         "<p>Every layer and head on one example: rows are the queries (the token being produced), columns the "
         "keys it may read; colour is the attention weight, "
-        '<span class="swatch low"></span> 0 to <span class="swatch high"></span> 1. Move the slider to see the '
-        "maps at each recorded step.</p>")
+        '<span class="swatch low"></span> 0 to <span class="swatch high"></span> 1 '
+        '(<span class="swatch nonfinite"></span> grey: NaN or inf, a model whose numbers stopped being finite). '
+        "Move the slider to see the maps at each recorded step.</p>")
     last = len(shown) - 1
     parts.append(f'<div class="slider"><label for="step-slider">step</label> <input type="range" id="step-slider" '
                  f'min="0" max="{last}" value="{last}" step="1"> <output id="step-label">{shown[-1]["step"]}'
@@ -391,11 +483,15 @@ def _samples_section(snapshots) -> str:
 
 def colormap(weights) -> np.ndarray:
     """`[rows, cols]` weights in [0, 1] as `[rows, cols, 3]` uint8 viridis colours
-    (interpolated between 17 samples of the map; values outside [0, 1] are clipped)."""
-    position = np.clip(np.asarray(weights, np.float64), 0.0, 1.0) * (len(_VIRIDIS) - 1)
+    (interpolated between 17 samples of the map; values outside [0, 1] are clipped, and
+    NaN or inf is the neutral grey `_NONFINITE_RGB`)."""
+    weights = np.asarray(weights, np.float64)
+    finite = np.isfinite(weights)  # [rows, cols]
+    position = np.clip(np.where(finite, weights, 0.0), 0.0, 1.0) * (len(_VIRIDIS) - 1)
     low = np.minimum(np.floor(position).astype(int), len(_VIRIDIS) - 2)
     frac = (position - low)[..., None]
-    return np.round(_VIRIDIS[low] * (1 - frac) + _VIRIDIS[low + 1] * frac).astype(np.uint8)
+    rgb = np.round(_VIRIDIS[low] * (1 - frac) + _VIRIDIS[low + 1] * frac).astype(np.uint8)  # [rows, cols, 3]
+    return np.where(finite[..., None], rgb, _NONFINITE_RGB)
 
 
 def png_bytes(rgb) -> bytes:
@@ -434,6 +530,7 @@ td, th { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
 .tok { font-family: monospace; } .wrong { background: #f6c4c4; color: #900; font-weight: bold; }
 .swatch { display: inline-block; width: 12px; height: 12px; vertical-align: middle; }
 .swatch.low { background: rgb(68, 1, 84); } .swatch.high { background: rgb(253, 231, 37); }
+.swatch.nonfinite { background: rgb(190, 190, 190); } .nonfinite { stroke: #999; stroke-dasharray: 1 3; }
 .slider { position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 1; }
 #step-slider { width: 360px; vertical-align: middle; } .steps { color: #666; }
 .note { color: #555; margin: 0 0 4px; }

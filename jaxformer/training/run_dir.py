@@ -3,18 +3,110 @@
 A run directory holds `config.json` (what a resumed run must match), `metrics.jsonl`
 (one JSON object per logged step) and `checkpoints/<step>/`. Starting or resuming a run
 checks everything first (`check_run_dir`) and writes only then (`start_run`), so a
-command that is refused leaves the directory as it was.
+command that is refused leaves the directory as it was. One process at a time works in
+a run directory: it holds the directory's lock (`lock_run_dir`) while it does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 from pathlib import Path
 
 from jaxformer.files import write_text_atomically
+from jaxformer.training.checkpoints import CHECKPOINT_DIR
 
 CONFIG_FILE = "config.json"
+
+
+class RunLock:
+    """This process's exclusive lock on a run directory; `release()` (or `with`) ends it.
+
+    The lock is `flock` on the directory itself, so taking it writes nothing, and the
+    system drops it when the process ends, however it ends: a run killed with SIGKILL
+    leaves no stale lock behind. Within one process the lock is shared: locking a
+    directory this process already holds counts one more holder (`train_loop` inside a
+    command that locked its run first).
+    """
+
+    _held: dict[Path, list] = {}  # resolved directory -> [fd, holders], this process's locks
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self._key = run_dir.resolve()
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Lets the lock go (once; later calls do nothing)."""
+        if self._released:
+            return
+        self._released = True
+        entry = RunLock._held[self._key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del RunLock._held[self._key]
+            os.close(entry[0])  # closing the last descriptor releases the flock
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_run_dir(run_dir) -> RunLock:
+    """Takes the lock of an existing run directory, or refuses in one line.
+
+    Args:
+      run_dir: the run directory; it must exist.
+
+    Returns:
+      The `RunLock`, held until released or until the process ends.
+
+    Raises:
+      ValueError: naming the directory, when another process holds its lock (a run, a
+        resume, or a report rebuild of it).
+    """
+    run_dir = Path(run_dir)
+    key = run_dir.resolve()
+    if key in RunLock._held:
+        RunLock._held[key][1] += 1
+        return RunLock(run_dir)
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)  # not inherited by child processes
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"run directory {run_dir} is in use by another process (a run, a resume or a report "
+                         "rebuild of it): wait for it to end, or stop it") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    RunLock._held[key] = [fd, 1]
+    return RunLock(run_dir)
+
+
+def check_writable(directory, purpose: str) -> None:
+    """Raises ValueError, naming `directory`, unless this process can write in it.
+
+    Args:
+      directory: an existing directory.
+      purpose: what would be written, for the message ("a resumed run writes its
+        checkpoints and metrics there").
+    """
+    directory = Path(directory)
+    if os.access(directory, os.W_OK | os.X_OK):
+        return
+    with contextlib.suppress(OSError):
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            raise ValueError(f"{directory} is on a read-only file system: {purpose}")
+    raise ValueError(f"{directory} is not writable by this user: {purpose}")
 
 
 def check_run_dir(run_dir, config: dict | None, resume: bool) -> None:
@@ -28,8 +120,8 @@ def check_run_dir(run_dir, config: dict | None, resume: bool) -> None:
 
     Raises:
       ValueError, in one line naming the path: a new run's directory that is a file,
-        not empty, or cannot be created; a resumed one that does not exist, holds no
-        or an unreadable `config.json`, or holds a different config.
+        not empty, or cannot be created; a resumed one that does not exist, is not
+        writable, holds no or an unreadable `config.json`, or holds a different config.
     """
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -40,6 +132,9 @@ def check_run_dir(run_dir, config: dict | None, resume: bool) -> None:
         if not (run_dir / CONFIG_FILE).is_file():
             raise ValueError(f"{run_dir} holds no {CONFIG_FILE}: not a run directory to resume")
         saved = read_run_config(run_dir)
+        for directory in (run_dir, run_dir / CHECKPOINT_DIR):
+            if directory.is_dir():
+                check_writable(directory, "a resumed run writes its checkpoints and metrics there")
         if config is not None:
             check_run_config(run_dir, config, saved)
     elif run_dir.exists():
@@ -93,15 +188,36 @@ def read_run_config(run_dir) -> dict:
       ValueError: naming the file, when it is missing, not valid JSON or not an object.
     """
     path = Path(run_dir) / CONFIG_FILE
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
-    if not isinstance(saved, dict):
-        raise ValueError(f"{path} holds a {type(saved).__name__}, not a run config (a JSON object)")
+    saved = read_run_file(path, "a run config (a JSON object)")
+    if saved is None:
+        raise ValueError(f"cannot read {path}: there is no such file")
     return saved
+
+
+def read_run_file(path, what: str = "a JSON object") -> dict | None:
+    """The JSON object a run file holds (`config.json`, `about.json`, `eval.json`), or
+    None when there is no such file.
+
+    Args:
+      path: the file.
+      what: what it must hold, for the message.
+
+    Raises:
+      ValueError: naming the file, when it cannot be read, is not valid JSON or holds
+        something else than an object.
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): the file is damaged") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not {what}: the file is damaged")
+    return value
 
 
 def check_run_config(run_dir, config: dict, saved: dict | None = None) -> None:

@@ -1,13 +1,19 @@
 """What the fault-matrix files share: the demos run as a user runs them, and what a run
 directory holds before and after."""
 
+import contextlib
 import hashlib
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+import pytest
+
+from jaxformer.training import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 CLI_TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
@@ -28,18 +34,80 @@ def snapshot(directory: Path) -> dict[str, str] | None:
             for p in sorted(directory.rglob("*"))}
 
 
-def start_cli(module: str, argv: list[str]) -> subprocess.Popen:
-    """`python -m train.<module> argv` started in the background, its output discarded."""
+def start_cli(module: str, argv: list[str], stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """`python -m train.<module> argv` started in the background, its output discarded
+    (stderr: or written to the file given)."""
     return subprocess.Popen([sys.executable, "-m", f"train.{module}", *argv], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=REPO)
+                            stderr=stderr, cwd=REPO)
+
+
+def wait_until(process: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
+    """Returns as soon as `ready()` holds (polled every millisecond), `process` running."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert process.poll() is None, "the run ended before the moment came"
+        assert time.monotonic() < deadline, "the moment never came"
+        time.sleep(0.001)
 
 
 def kill_when(process: subprocess.Popen, ready: Callable[[], bool], timeout: float = 300) -> None:
-    """SIGKILLs `process` as soon as `ready()` holds (polled every millisecond)."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert process.poll() is None, "the run ended before the moment to kill it"
-        assert time.monotonic() < deadline, "the moment to kill the run never came"
-        time.sleep(0.001)
+    """SIGKILLs `process` as soon as `ready()` holds."""
+    wait_until(process, ready, timeout)
     process.send_signal(signal.SIGKILL)
     process.wait()
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def last_logged_step(run_dir: Path) -> int:
+    return max(logged_losses(run_dir), default=0)
+
+
+def committed_steps(run_dir: Path) -> list[int]:
+    """The checkpoints orbax has finished (renamed from their temporary directory)."""
+    checkpoints = run_dir / "checkpoints"
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+
+
+def mid_run(run_dir: Path) -> bool:
+    """Past a finished checkpoint, with updates logged since, and no save under way."""
+    done, last = committed_steps(run_dir), last_logged_step(run_dir)
+    return len(done) >= 2 and last > done[-1] and not saving_now(run_dir)
+
+
+def mid_checkpoint(run_dir: Path) -> bool:
+    """A save under way, with an earlier one finished to resume from."""
+    return last_logged_step(run_dir) >= 3 and bool(committed_steps(run_dir)) and saving_now(run_dir)
+
+
+def saving_now(run_dir: Path) -> bool:
+    """Whether orbax is writing a checkpoint (its temporary directory exists)."""
+    checkpoints = run_dir / "checkpoints"
+    return checkpoints.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in checkpoints.iterdir())
+
+
+@contextlib.contextmanager
+def small_disk(path, size: str = "64m"):
+    """A tmpfs of `size` mounted at `path` for the block (unmounted after)."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small disk is a tmpfs mount, which needs root: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(disk, leave: int = 0) -> None:
+    """Fills `disk` up (a file of zeros), then frees `leave` bytes of it again."""
+    with open(disk / "filler", "wb") as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(bytes(1 << 16))
+                f.flush()
+    size = os.path.getsize(disk / "filler")
+    os.truncate(disk / "filler", max(size - leave, 0))

@@ -37,13 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import count_compiles
-from harness import CLI_TINY, kill_when, run_cli, snapshot, start_cli
+from harness import (CLI_TINY, committed_steps, kill_when, logged_losses, mid_checkpoint, mid_run, run_cli, snapshot,
+                     start_cli)
 
 from jaxformer import Decoder, DecoderConfig, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.convert import config_from_hf, load_hf, save_hf
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from jaxformer.sharding import make_mesh
-from jaxformer.training import read_metrics
 from train import lm, reverse
 
 TINY = DecoderConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=16)
@@ -564,37 +564,6 @@ def test_cli_refuses_a_flag_in_one_line_before_any_work(tmp_path, capsys, demo, 
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], captured.err
     assert captured.out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
-
-
-def logged_losses(run_dir: Path) -> dict[int, float]:
-    return {m["step"]: m["loss"] for m in read_metrics(run_dir / "metrics.jsonl")}
-
-
-def last_logged_step(run_dir: Path) -> int:
-    return max(logged_losses(run_dir), default=0)
-
-
-def committed_steps(run_dir: Path) -> list[int]:
-    """The checkpoints orbax has finished (renamed from their temporary directory)."""
-    checkpoints = run_dir / "checkpoints"
-    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
-
-
-def mid_run(run_dir: Path) -> bool:
-    """Past a finished checkpoint, with updates logged since, and no save under way."""
-    done, last = committed_steps(run_dir), last_logged_step(run_dir)
-    return len(done) >= 2 and last > done[-1] and not saving_now(run_dir)
-
-
-def mid_checkpoint(run_dir: Path) -> bool:
-    """A save under way, with an earlier one finished to resume from."""
-    return last_logged_step(run_dir) >= 3 and bool(committed_steps(run_dir)) and saving_now(run_dir)
-
-
-def saving_now(run_dir: Path) -> bool:
-    """Whether orbax is writing a checkpoint (its temporary directory exists)."""
-    checkpoints = run_dir / "checkpoints"
-    return checkpoints.is_dir() and any(".orbax-checkpoint-tmp" in p.name for p in checkpoints.iterdir())
 
 
 def test_cli_killed_mid_checkpoint_resumes_bitwise(tmp_path):

@@ -23,7 +23,6 @@ def make_run(run_dir, *, evaluated=True):
     log = MetricsLog(run_dir / "metrics.jsonl")
     for step, loss, lr in ((2, 2.718281828, 1.25e-05), (4, 1.4142135, 0.000375), (6, 0.5772156, 0.0001234567)):
         log.write(step, loss=loss, lr=lr, steps_per_sec=1234.5678 / step)
-    log.close()
     rng = np.random.default_rng(0)
     tokens = ["a", "b", "<c>"]
     for step in (0, 2, 4):

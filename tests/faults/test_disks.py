@@ -1,0 +1,144 @@
+"""The fault matrix, disks: full, read-only, and the permissions of what is written.
+
+A disk that fills up during a run, or before it starts, ends the command in one line
+naming the path (status 1), with nothing torn left behind: every line of the run's
+JSON-lines files whole, no temporary file or half-written checkpoint, a new run that
+had saved nothing undone, and the checkpoints before kept, from which `--resume`
+continues bitwise once there is room again. A read-only run directory is refused in one
+line before any work. Files are written with the user's umask, as `open()` would.
+
+The disks are real: small tmpfs mounts, which need root (CI runs as root); without
+that, these cases skip, saying why.
+"""
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+
+import pytest
+from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_losses, run_cli, saving_now,
+                     small_disk, snapshot, start_cli, wait_until)
+
+from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
+from train import report, reverse
+
+ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
+FULL = "No space left on device"
+
+
+def remount_read_only(disk) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+
+
+def nothing_torn(run_dir) -> None:
+    """Every JSON-lines file ends with a whole line; no temporary file or unfinished
+    checkpoint is left."""
+    for name in ("metrics.jsonl", "snapshots.jsonl"):
+        text = (run_dir / name).read_text()
+        assert text.endswith("\n"), f"{name} ends in a torn line"
+    leftovers = [p.name for p in run_dir.rglob("*") if p.name.endswith(".tmp") or "orbax-checkpoint-tmp" in p.name]
+    assert leftovers == []
+
+
+def test_a_disk_that_fills_up_mid_run_ends_it_in_one_line_and_resume_continues_bitwise(tmp_path):
+    with small_disk(tmp_path / "disk") as disk:
+        run_dir = disk / "run"
+        with open(tmp_path / "stderr.txt", "w") as err:
+            process = start_cli("reverse", ["--steps", "100000", "--run-dir", str(run_dir), *ARGV], stderr=err)
+            wait_until(process, lambda: len(committed_steps(run_dir)) >= 1 and not saving_now(run_dir)
+                       and last_logged_step(run_dir) > committed_steps(run_dir)[-1])
+            fill(disk)
+            process.wait(timeout=300)
+        stderr = (tmp_path / "stderr.txt").read_text()
+        kept, losses = committed_steps(run_dir), logged_losses(run_dir)
+        assert process.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+        last = stderr.strip().splitlines()[-1]
+        assert re.fullmatch(rf"python -m train\.reverse: error: cannot write {re.escape(str(run_dir))}/\S+: {FULL}; "
+                            rf"checkpoint {kept[-1]} is kept in {re.escape(str(run_dir))}: continue from it with the "
+                            rf"same flags and --resume --run-dir {re.escape(str(run_dir))}", last), last
+        nothing_torn(run_dir)
+        (disk / "filler").unlink()
+        resumed = run_cli("reverse", ["--resume", "--steps", str(max(losses)), "--run-dir", str(run_dir), *ARGV])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert logged_losses(run_dir) == losses  # floats compared exactly
+
+
+@pytest.mark.parametrize("room", [0, 4096], ids=["full", "room-for-config.json-only"])
+def test_a_full_disk_at_the_start_is_one_line_and_no_run_dir_left(tmp_path, room):
+    """The disk is full, or holds one page: `config.json` is written, `about.json` is not.
+    Either way the new run's directory is gone again: nothing of it can be resumed."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        fill(disk, leave=room)
+        run_dir = disk / "run"
+        done = run_cli("reverse", ["--steps", "10", "--run-dir", str(run_dir), *CLI_TINY])
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
+        assert re.fullmatch(rf"python -m train\.reverse: error: cannot write .*{re.escape(str(run_dir))}\S*: {FULL}; "
+                            rf"no checkpoint had been saved, so nothing of the run in {re.escape(str(run_dir))} "
+                            "was kept", lines[0]), lines[0]
+        assert not run_dir.exists()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished `train.reverse` run to step 10 (checkpoints 5 and 10), run in-process."""
+    run_dir = tmp_path_factory.mktemp("disks") / "finished"
+    assert reverse.main(["--steps", "10", "--run-dir", str(run_dir), *CLI_TINY]) == 0
+    return run_dir
+
+
+@pytest.mark.parametrize("command", ["resume", "report"])
+def test_a_read_only_run_dir_is_refused_in_one_line(finished_run, tmp_path, capsys, command):
+    with small_disk(tmp_path / "disk") as disk:
+        run_dir = disk / "run"
+        shutil.copytree(finished_run, run_dir)
+        remount_read_only(disk)
+        before = snapshot(run_dir)
+        with pytest.raises(SystemExit) as exit_info:
+            if command == "resume":
+                reverse.main(["--resume", "--steps", "20", "--run-dir", str(run_dir), *CLI_TINY])
+            else:
+                report.main([str(run_dir)])
+        err = capsys.readouterr().err.strip().splitlines()
+        writes = ("a resumed run writes its checkpoints and metrics there" if command == "resume"
+                  else "the report page is written there (report.html)")
+        assert exit_info.value.code == 2 and err == [
+            f"python -m train.{'reverse' if command == 'resume' else 'report'}: error: {run_dir} is on a read-only "
+            f"file system: {writes}"], err
+        assert snapshot(run_dir) == before
+
+
+# ---------------------------------------------------------------------------------------
+# Permissions: as open() gives them
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_a_run_dir_is_written_with_the_users_umask(finished_run):
+    """The finished run was written under the test's umask (022): its files are 0644,
+    readable by others, as `open()` makes them; none is left 0600 by a temporary file."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    files = [p for p in finished_run.iterdir() if p.is_file()]
+    assert {p.name for p in files} >= {"config.json", "about.json", "metrics.jsonl", "snapshots.jsonl", "eval.json",
+                                       "report.html"}
+    assert {p.name: mode(p) for p in files} == {p.name: 0o666 & ~umask for p in files}
+
+
+def test_atomic_writes_take_the_umask_and_keep_a_replaced_files_mode(tmp_path):
+    umask = os.umask(0o027)
+    try:
+        write_text_atomically(tmp_path / "new.json", "{}")
+        append_line(tmp_path / "new.jsonl", "{}")
+        write_folder_atomically(tmp_path / "folder", lambda folder: (folder / "a").write_text("a"))
+        (tmp_path / "shared.json").write_text("{}")
+        os.chmod(tmp_path / "shared.json", 0o604)
+        write_text_atomically(tmp_path / "shared.json", "[]")
+    finally:
+        os.umask(umask)
+    assert mode(tmp_path / "new.json") == mode(tmp_path / "new.jsonl") == 0o640
+    assert mode(tmp_path / "folder") == 0o750
+    assert mode(tmp_path / "shared.json") == 0o604 and (tmp_path / "shared.json").read_text() == "[]"
