@@ -3,6 +3,7 @@
 import base64
 import io
 import json
+import math
 import re
 from html.parser import HTMLParser
 from pathlib import Path
@@ -65,7 +66,11 @@ def source_value(src: str, run_dir: Path):
 
 def assert_shown_equals(shown: str, value) -> None:
     """`shown` (as the page prints it: "0.1234", "1.2e-05", "98.7 %", "12,345") is
-    `value` to the digits it shows: within half a unit of its last digit."""
+    `value` to the digits it shows: within half a unit of its last digit. NaN and inf are
+    shown as Python writes them ("nan", "inf", "-inf"), and only they are."""
+    if isinstance(value, float) and not math.isfinite(value):
+        assert shown.split()[-1] == str(value), (shown, value)
+        return
     match = _SHOWN.search(shown.strip())
     assert match, f"no number at the end of {shown!r}"
     number, percent = match.group(1).replace(",", ""), match.group(2)

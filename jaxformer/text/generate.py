@@ -30,10 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.command_line import OneLineParser, fail
+from jaxformer.command_line import FAILED, OneLineParser, fail, run_command
 from jaxformer.convert import load_hf
 from jaxformer.decoder import Decoder
-from jaxformer.decoding import DecodeRequest, decode_rest, generate, stream, stream_start
+from jaxformer.decoding import (NO_TOKEN, DecodeRequest, NonFiniteLogitsError, decode_loop, decode_rest, stream,
+                                stream_start)
+from jaxformer.decoding.inputs import check_prefill_memory
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
@@ -172,7 +174,7 @@ def check_prompts(ids: list[list[int]], prompts: list[str], max_new_tokens: int,
       ValueError: naming the prompt and the limit.
     """
     for n, (row, prompt) in enumerate(zip(ids, prompts), 1):
-        name = f"prompt {n} ({prompt[:30]!r}{'...' if len(prompt) > 30 else ''})"
+        name = prompt_name(n, prompt)
         if not row:
             raise ValueError(f"{name} encodes to no token")
         if max(row) >= vocab_size:
@@ -181,6 +183,11 @@ def check_prompts(ids: list[list[int]], prompts: list[str], max_new_tokens: int,
         if len(row) + max_new_tokens > max_seq_len:
             raise ValueError(f"{name} is {len(row)} tokens: with --max-new-tokens {max_new_tokens} that passes "
                              f"max_seq_len {max_seq_len}")
+
+
+def prompt_name(n: int, prompt: str) -> str:
+    """Prompt `n` (from 1) as messages name it: its number and its first 30 characters."""
+    return f"prompt {n} ({prompt[:30]!r}{'...' if len(prompt) > 30 else ''})"
 
 
 @dataclasses.dataclass
@@ -217,9 +224,11 @@ class Completion:
     Attributes:
       prompt: the prompt as given.
       prompt_ids: its ids, as the model read them (chat template included).
-      ids: the new tokens, the stopping one included.
+      ids: the new tokens, the stopping one included (an error: the tokens before it).
       text: the text of the new tokens before the stopping one.
-      finish_reason: "stop" (an EOS id) or "length" (--max-new-tokens).
+      finish_reason: "stop" (an EOS id), "length" (--max-new-tokens) or "error" (no
+        token could be picked: the logits held NaN or inf).
+      error: for "error", what happened, where and what it means; else None.
     """
 
     prompt: str
@@ -227,18 +236,32 @@ class Completion:
     ids: list[int]
     text: str
     finish_reason: str
+    error: str | None = None
 
     def as_json(self) -> dict:
-        return {"prompt": self.prompt, "completion": self.text, "prompt_tokens": len(self.prompt_ids),
-                "completion_tokens": len(self.ids), "token_ids": self.ids, "finish_reason": self.finish_reason}
+        record = {"prompt": self.prompt, "completion": self.text, "prompt_tokens": len(self.prompt_ids),
+                  "completion_tokens": len(self.ids), "token_ids": self.ids, "finish_reason": self.finish_reason}
+        return record if self.error is None else {**record, "error": self.error}
 
 
 def completion(tokenizer: Tokenizer, prompt: str, prompt_ids: list[int], row: list[int]) -> Completion:
-    """A row of new tokens cut at its first stop id (`pad_id` follows it), as a `Completion`."""
-    stops = [i for i, token in enumerate(row) if token in tokenizer.stop_ids]
+    """A row of new tokens cut at its first stop id or `NO_TOKEN` (`pad_id` follows either),
+    as a `Completion`."""
+    stops = [i for i, token in enumerate(row) if token in tokenizer.stop_ids or token == NO_TOKEN]
+    if stops and row[stops[0]] == NO_TOKEN:  # the row's logits held NaN or inf there
+        ids = row[:stops[0]]
+        return Completion(prompt, prompt_ids, ids, completion_text(tokenizer, prompt_ids, ids), "error",
+                          f"new token {stops[0]}: {NonFiniteLogitsError.CAUSE}")
     ids = row[:stops[0] + 1] if stops else row
     text = completion_text(tokenizer, prompt_ids, ids[:-1] if stops else ids)
     return Completion(prompt, prompt_ids, ids, text, "stop" if stops else "length")
+
+
+def stop_at_error(n: int, c: Completion) -> None:
+    """Ends the command's plain output at prompt `n`'s completion if it failed: one line
+    on stderr naming the prompt and what happened, exit status 1."""
+    if c.finish_reason == "error":
+        fail(PROG, f"{prompt_name(n, c.prompt)}: {c.error}", FAILED)
 
 
 class Printer:
@@ -287,19 +310,22 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
     Args:
       on_token: called with each step's tokens (`[batch]`) as they are made; then the
         run goes through `stream`, one jitted step per token. Without it, `stream_start`
-        and `decode_rest` run it as two programs, the steps with no trip to the host.
+        and `decode_rest` run it as two programs, the steps with no trip to the host
+        (beam search: `decode_loop`, one program).
 
     Returns:
-      One `Completion` a prompt.
+      One `Completion` a prompt; a row whose logits held NaN or inf has finish_reason
+      "error" (with `stream`, which stops the whole batch there, its rows' tokens so far).
     """
     batch, lengths = _ragged(ids)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, key=jax.random.key(args.seed), eos_id=list(tokenizer.stop_ids) or None,
                    pad_id=tokenizer.pad_id, prompt_lengths=lengths)
     if args.num_beams > 1:  # one program: its prefill is not timed apart
-        out, seconds = clock.run(lambda: generate(model, params, batch, num_beams=args.num_beams,
-                                                  length_penalty=args.length_penalty, **options).block_until_ready())
-        rows = np.asarray(out)[:, batch.shape[1]:]
+        request = DecodeRequest.create(model, batch, num_beams=args.num_beams, length_penalty=args.length_penalty,
+                                       **options)
+        out, seconds = clock.run(lambda: np.asarray(decode_loop(model, params, request)))
+        rows = out[:, batch.shape[1]:]  # NO_TOKEN where a row's logits held NaN or inf, as decode_rest marks it
     elif on_token is None:
         request = DecodeRequest.create(model, batch, **options)
         state, prefill = clock.run(lambda: jax.block_until_ready(stream_start(model, params, request)))
@@ -312,10 +338,15 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
             tokens.append(token)
             on_token(token)
 
-        _, prefill = clock.run(lambda: take(next(steps)))
-        _, seconds = clock.run(lambda: [take(token) for token in steps])
+        prefill = seconds = 0.0  # (a run stopped by an error keeps the time of the part that finished)
+        try:
+            _, prefill = clock.run(lambda: take(next(steps)))
+            _, seconds = clock.run(lambda: [take(token) for token in steps])
+            rows = np.stack(tokens, axis=1)
+        except NonFiniteLogitsError as e:  # the batch stopped at a row whose logits held NaN or inf
+            rows = e.tokens
+            rows[e.rows, e.steps] = NO_TOKEN  # where each such row stopped, as decode_rest marks it
         stats.prefill_seconds += prefill
-        rows = np.stack(tokens, axis=1)
     stats.decode_seconds += seconds
     completions = [completion(tokenizer, prompt, row_ids, row) for prompt, row_ids, row in
                    zip(prompts, ids, rows.tolist())]
@@ -340,7 +371,22 @@ def load(args, prompts: list[str]):
         if value is not None and value >= config.vocab_size:
             raise ValueError(f"{args.checkpoint}: the tokenizer's {name} id {value} is past the model's vocab_size "
                              f"{config.vocab_size}")
-    return tokenizer, ids, Decoder(config), params
+    model = Decoder(config)
+    check_memory(model, ids, args)
+    return tokenizer, ids, model, params
+
+
+def check_memory(model: Decoder, ids: list[list[int]], args) -> None:
+    """The largest prefill the run will make fits in the memory free, checked before any
+    is compiled or any text printed: all prompts as one batch (each with its beams), or
+    with --stream the longest prompt alone. (`DecodeRequest.create` checks each again.)
+
+    Raises:
+      ValueError: naming the prompt length, the memory it needs and the memory free.
+    """
+    prompt_len = max(len(row) for row in ids)  # a batch is padded to its longest prompt
+    rows = 1 if args.stream else len(ids) * args.num_beams
+    check_prefill_memory(model.decoding_spec(), rows, prompt_len, prompt_len + args.max_new_tokens - 1)
 
 
 def report(args, config, params, stats: Stats, clock: Clock, load_seconds: float, rows: int, cache_dir) -> None:
@@ -368,8 +414,14 @@ def report(args, config, params, stats: Stats, clock: Clock, load_seconds: float
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
+    return run_command(PROG, lambda: _main(argv, stdin, stdout))
+
+
+def _main(argv, stdin, stdout) -> int:
     args = parse_args(argv)
     stdout = sys.stdout if stdout is None else stdout
+    if stdout is None:  # started with its standard output closed (`>&-`): Python gives None
+        fail(PROG, "standard output is closed: there is nowhere to write the completions")
     cache_dir = enable_compilation_cache()
     started = time.perf_counter()
     try:
@@ -378,16 +430,21 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     except (OSError, ValueError) as e:
         fail(PROG, str(e))
     load_seconds, clock, stats = time.perf_counter() - started, Clock(), Stats()
+    failed = False
     if args.stream:  # one prompt after another, each printed as it comes
-        for prompt, row in zip(prompts, ids):
+        for n, (prompt, row) in enumerate(zip(prompts, ids), 1):
             printer = Printer(tokenizer, row, stdout)
-            decode(model, params, tokenizer, [prompt], [row], args, clock, stats, on_token=printer)
+            [c] = decode(model, params, tokenizer, [prompt], [row], args, clock, stats, on_token=printer)
             printer.close()
+            stop_at_error(n, c)
     else:
-        for c in decode(model, params, tokenizer, prompts, ids, args, clock, stats):
+        for n, c in enumerate(decode(model, params, tokenizer, prompts, ids, args, clock, stats), 1):
             print(json.dumps(c.as_json(), ensure_ascii=False) if args.json else c.text, file=stdout)
+            if not args.json:  # (--json reports it in the row, "finish_reason": "error", and goes on)
+                stop_at_error(n, c)
+            failed |= c.finish_reason == "error"
     report(args, model.config, params, stats, clock, load_seconds, len(prompts), cache_dir)
-    return 0
+    return FAILED if failed else 0
 
 
 if __name__ == "__main__":
