@@ -25,11 +25,13 @@ import os
 import signal
 import sys
 import threading
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 FAILED, REFUSED, INTERRUPTED, BROKEN_PIPE = 1, 2, 128 + signal.SIGINT, 128 + signal.SIGPIPE
 
 _interrupted = threading.Event()
+_running = threading.Event()  # a command's work is under way (`run_command`)
+_deferring = [0]  # how many `interrupts_deferred` blocks are open
 _interrupt_note: list[Callable[[], str]] = []  # what the interrupted line adds, set by the command
 
 
@@ -68,6 +70,18 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C inside the block is noted, not raised: the block (a checkpoint being
+    started, say, which an interrupt half-way would leave torn) runs to its end, and the
+    next `raise_if_interrupted`, or the command's end, raises it."""
+    _deferring[0] += 1
+    try:
+        yield
+    finally:
+        _deferring[0] -= 1
+
+
 def run_command(prog: str, work: Callable[[], int]) -> int:
     """Runs a command's `work()` and returns its exit status: the one way commands end.
 
@@ -85,6 +99,7 @@ def run_command(prog: str, work: Callable[[], int]) -> int:
     previous = signal.signal(signal.SIGINT, _on_interrupt) if on_main_thread else None
     unraisable = sys.unraisablehook
     sys.unraisablehook = functools.partial(_redeliver_interrupt, unraisable)
+    _running.set()
     try:
         status = work()
         _flush(sys.stdout)
@@ -104,6 +119,7 @@ def run_command(prog: str, work: Callable[[], int]) -> int:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = unraisable
+        _running.clear()
         _interrupted.clear()
         note_on_interrupt(None)
 
@@ -116,7 +132,14 @@ def describe_os_error(error: OSError) -> str:
 
 def _on_interrupt(signum, frame) -> None:
     _interrupted.set()
-    raise KeyboardInterrupt
+    if not _deferring[0]:
+        raise KeyboardInterrupt
+
+
+def _interrupt_if_running() -> None:
+    """Ctrl-C again for the main thread, unless the command has ended meanwhile."""
+    if _running.is_set():
+        _thread.interrupt_main()
 
 
 def _redeliver_interrupt(hook, unraisable) -> None:
@@ -124,7 +147,7 @@ def _redeliver_interrupt(hook, unraisable) -> None:
     (a `gc` callback, JAX has one): Python would print it and go on. Deliver it again to
     the main thread, a moment later, where it ends the command; pass anything else on."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        threading.Timer(0.01, _thread.interrupt_main).start()
+        threading.Timer(0.01, _interrupt_if_running).start()
         return
     hook(unraisable)
 

@@ -10,7 +10,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxformer.command_line import raise_if_interrupted
+from jaxformer.command_line import interrupts_deferred, raise_if_interrupted
 from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restored
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog
 from jaxformer.training.progress import ProgressBar
@@ -67,10 +67,13 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
     update whose loss is NaN or infinite, the loop stops with `Diverged` (naming that
     update) without logging or saving anything past it; and a checkpoint is saved only
     if every parameter is finite (an update can leave NaN behind with a finite loss: the
-    loss is computed before it), so every checkpoint holds a finite state. Ctrl-C stops it between updates (`KeyboardInterrupt`), also
-    when a callback swallowed the interrupt (`jaxformer.command_line.interrupted`); a
-    save under way is finished first. A process holds the run directory's lock
-    (`lock_run_dir`) while it runs: a second one on the same directory is refused.
+    loss is computed before it), so every checkpoint holds a finite state.
+
+    Ctrl-C stops it between updates (`KeyboardInterrupt`), also when a callback
+    swallowed the interrupt (`jaxformer.command_line.interrupted`); a save is never cut
+    short: one being started is started whole, one under way is finished first. A
+    process holds the run directory's lock (`lock_run_dir`) while it runs: a second one
+    on the same directory is refused.
 
     Resuming continues from the newest checkpoint that restores
     (`Checkpointer.restore_newest`); every check happens before anything in `run_dir` is
@@ -180,7 +183,8 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
                     checkpointer.wait()
                     raise Diverged(f"the parameters after update {done} hold NaN or inf (its loss was finite)",
                                    done, checkpointer.latest_step())
-                checkpointer.save(state)
+                with interrupts_deferred():  # started whole, or Ctrl-C would leave it torn
+                    checkpointer.save(state)
                 if on_checkpoint is not None:
                     on_checkpoint(state)
         checkpointer.wait()

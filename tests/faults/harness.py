@@ -104,10 +104,10 @@ def small_disk(path, size: str = "64m"):
 
 def fill(disk, leave: int = 0) -> None:
     """Fills `disk` up (a file of zeros), then frees `leave` bytes of it again."""
-    with open(disk / "filler", "wb") as f:
-        with contextlib.suppress(OSError):
-            while True:
-                f.write(bytes(1 << 16))
-                f.flush()
+    with open(disk / "filler", "wb", buffering=0) as f:  # (unbuffered: nothing left to flush at close)
+        for block in (1 << 16, 1 << 12, 1):  # then smaller ones, to the last byte
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(bytes(block))
     size = os.path.getsize(disk / "filler")
     os.truncate(disk / "filler", max(size - leave, 0))

@@ -22,6 +22,7 @@ from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_l
                      small_disk, snapshot, start_cli, wait_until)
 
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
+from jaxformer.training import MetricsLog
 from train import report, reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
@@ -79,6 +80,21 @@ def test_a_full_disk_at_the_start_is_one_line_and_no_run_dir_left(tmp_path, room
                             rf"no checkpoint had been saved, so nothing of the run in {re.escape(str(run_dir))} "
                             "was kept", lines[0]), lines[0]
         assert not run_dir.exists()
+
+
+def test_a_line_that_does_not_fit_is_cut_back_off(tmp_path):
+    """The last page of the file has room for part of the line, the disk none: the write
+    stops part-way, and what it wrote is cut back off, leaving the file as it was."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        path = disk / "metrics.jsonl"
+        MetricsLog(path).write(1, loss=1.0)
+        with open(path, "ab") as f:  # the file ends 20 bytes before a page boundary
+            f.write(b" " * (4096 - 20 - path.stat().st_size) + b"\n")
+        before = path.read_bytes()
+        fill(disk)
+        with pytest.raises(OSError, match=FULL) as raised:
+            MetricsLog(path).write(2, loss=0.5, note_of_some_length=1.0, and_another=2.0, and_more=3.0)
+        assert raised.value.filename == str(path) and path.read_bytes() == before
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ that stops being finite, and damaged run files.
   `--resume` continues from the kept checkpoint to bitwise the losses the run had logged.
 - A loss that turns NaN (`--lr 1e6`, a learning rate far too high) stops the run at
   once in one line naming the step, with the checkpoints before it kept and nothing
-  non-finite logged or saved.
+  non-finite logged or saved; parameters an update left NaN are never saved either.
 - Damaged run files (`metrics.jsonl`, `snapshots.jsonl`, `eval.json`, `about.json`):
   `train.report` and `--resume` refuse in one line naming the file, changing nothing.
 """
@@ -17,10 +17,14 @@ import math
 import shutil
 import signal
 
+import jax
+import jax.numpy as jnp
+import optax
 import pytest
 from harness import (CLI_TINY, committed_steps, last_logged_step, logged_losses, run_cli, saving_now, snapshot,
                      start_cli, wait_until)
 
+from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
 from train import report, reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
@@ -94,6 +98,22 @@ def test_a_loss_that_stops_being_finite_stops_the_run_in_one_line(tmp_path):
     assert committed_steps(run_dir) == [3]
     losses = logged_losses(run_dir)
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+
+
+def test_parameters_that_stop_being_finite_are_never_saved(tmp_path):
+    """An update that leaves NaN in the parameters with its own loss still finite (the
+    loss is computed before the update): the checkpoint due after it is not saved, the
+    run stops naming that update, and the newest checkpoint is the one before."""
+    nan_at_update_6 = optax.scale_by_schedule(lambda count: jnp.where(count == 5, jnp.nan, 1.0))
+    optimizer = optax.chain(optax.sgd(0.1), nan_at_update_6)
+    step = make_train_step(lambda p, batch, key: (jnp.sum((p - batch) ** 2), {}), optimizer)
+    with pytest.raises(Diverged, match=r"^the parameters after update 6 hold NaN or inf \(its loss was finite\): "
+                                       r"training stopped there, before logging or saving it; the newest checkpoint, "
+                                       r"step 3, holds the last finite state$") as raised:
+        train_loop(TrainState.create(jnp.zeros(3), optimizer), step, lambda key: jax.random.normal(key, (3,)), seed=0,
+                   num_steps=20, run_dir=tmp_path, checkpoint_every=3, log_every=100, progress=False)
+    assert (raised.value.step, raised.value.checkpoint) == (6, 3)
+    assert committed_steps(tmp_path) == [3]
 
 
 # ---------------------------------------------------------------------------------------
