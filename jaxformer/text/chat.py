@@ -24,7 +24,8 @@ from datetime import datetime
 import jinja2
 from jinja2.ext import loopcontrols
 
-from jaxformer.text.sandbox import MAX_TEMPLATE_CHARS, BoundedEnvironment, TemplateLimitError, bounds
+from jaxformer.text.sandbox import (MAX_TEMPLATE_CHARS, RENDER_SECONDS, BoundedEnvironment, TemplateLimitError,
+                                    bounds)
 from jaxformer.text.tokenizer import Tokenizer
 
 ERROR_CHARS = 300  # the most of a template's own error message that a refusal repeats
@@ -48,7 +49,8 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True, *,
+                time_limit: float = RENDER_SECONDS) -> str:
     """The prompt text of a conversation, by the tokenizer's chat template.
 
     Encode it with `tokenizer.encode(text, add_special_tokens=False)`: the template
@@ -59,6 +61,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
       messages: `[{"role": "system" | "user" | "assistant", "content": str}, ...]`.
       add_generation_prompt: end with the header of the assistant's turn, so that the
         model answers rather than continues the user's message.
+      time_limit: seconds of wall time the rendering may take.
 
     Raises:
       ValueError: one line: the tokenizer has no chat template, the template refuses the
@@ -75,7 +78,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
                          f"{MAX_TEMPLATE_CHARS:,}")
     try:
         compiled = _compile(template)
-        with bounds():
+        with bounds(time_limit):
             return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    **tokenizer.special_tokens)
     except TemplateLimitError as e:

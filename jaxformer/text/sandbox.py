@@ -49,7 +49,9 @@ from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-RENDER_SECONDS = 1.0  # rendering a template; real chat templates take milliseconds
+# Rendering a template: real chat templates take milliseconds, a 2,000-turn conversation a
+# fraction of a second; the rest is room for a machine that is busy with other work.
+RENDER_SECONDS = 10.0
 MAX_TEMPLATE_CHARS = 2**16  # a template's length (real ones: up to about 20,000), which bounds its compile time
 MAX_SIZE = 4 * 2**20  # characters of the text, or of any string (items of any list) one step builds
 MAX_BUILT = 16 * MAX_SIZE  # characters (or items) of all the values one rendering builds

@@ -57,7 +57,7 @@ from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
 from jaxformer.positions import _rope_rows, rope_tables
 from jaxformer.text import chat, render_chat, save_tokenizer, train_bpe
 from jaxformer.text import generate as cli
-from jaxformer.text.sandbox import MAX_BUILT, MAX_INT_BITS, MAX_SIZE, MAX_TEMPLATE_CHARS, RENDER_SECONDS
+from jaxformer.text.sandbox import MAX_BUILT, MAX_INT_BITS, MAX_SIZE, MAX_TEMPLATE_CHARS
 
 CORPUS = "\n".join(["The cat sat on the mat, and the dog sat on the log.",
                     "Keys and values are cached, so each new token costs one step."] * 20)
@@ -65,6 +65,9 @@ BPE = train_bpe([CORPUS], 280)  # no "~" in the corpus: "~" * n encodes to n tok
 TINY = DecoderConfig(vocab_size=BPE.vocab_size, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=64)
 HUGE = 10**12  # a max_position_embeddings no table can be sized by
 MESSAGES = [{"role": "user", "content": "hi"}]
+# The time limit the hostile templates render under (`render_chat(time_limit=)`): the bound
+# works alike at any limit; the CLI's case waits for the default, `RENDER_SECONDS`.
+LIMIT = 1.0
 FAST = 2.0  # seconds: a refusal that needs no waiting comes within this, with room for a loaded machine
 
 
@@ -143,8 +146,8 @@ HOSTILE_TEMPLATES = [
     ("raise-exception", "{{ raise_exception('roles must\nalternate') }}",
      "refuses this conversation: roles must alternate$", False),
     ("nested-loops", "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-     rf"ran past its time limit of {RENDER_SECONDS:g} s", True),
-    ("a-python-loop-in-a-global", "{{ lipsum(10**6) }}", rf"ran past its time limit of {RENDER_SECONDS:g} s", True),
+     rf"ran past its time limit of {LIMIT:g} s", True),
+    ("a-python-loop-in-a-global", "{{ lipsum(10**6) }}", rf"ran past its time limit of {LIMIT:g} s", True),
     ("string-repeated", "{{ 'x' * 10**8 }}", ONE_STEP, False),
     ("list-repeated", "{{ [0] * 2 * 10**7 }}", ONE_STEP, False),
     ("power", "{{ 10 ** (10 ** 10) }}",
@@ -205,7 +208,7 @@ def test_a_hostile_template_is_refused_in_one_line(template, message, waits):
     try:
         started = time.perf_counter()
         with pytest.raises(ValueError) as refused:
-            render_chat(_with_template(template), MESSAGES)
+            render_chat(_with_template(template), MESSAGES, time_limit=LIMIT)
         elapsed, (_, peak) = time.perf_counter() - started, tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -214,7 +217,7 @@ def test_a_hostile_template_is_refused_in_one_line(template, message, waits):
     assert re.search(message, line), line
     # A hang would take hours: a refusal comes at the limit (the time limit), or at once,
     # before the step that would build the value.
-    assert elapsed < (RENDER_SECONDS + FAST if waits else FAST), f"{elapsed:.2f} s"
+    assert elapsed < (LIMIT + FAST if waits else FAST), f"{elapsed:.2f} s"
     assert peak < PEAK, format_bytes(peak)
     assert sys.gettrace() is tracer  # the time limit's trace function is gone
 
@@ -224,11 +227,11 @@ def test_the_time_limit_holds_in_a_worker_thread():
     def render() -> float:
         started = time.perf_counter()
         with pytest.raises(ValueError, match="ran past its time limit"):
-            render_chat(_with_template(TEMPLATES["nested-loops"]), MESSAGES)
+            render_chat(_with_template(TEMPLATES["nested-loops"]), MESSAGES, time_limit=LIMIT)
         return time.perf_counter() - started
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        assert pool.submit(render).result(timeout=60) < RENDER_SECONDS + FAST
+        assert pool.submit(render).result(timeout=60) < LIMIT + FAST
 
 
 # Real templates, as chat checkpoints ship them, using every path the bounds watch
