@@ -155,6 +155,47 @@ def test_self_contained():
     assert not hits, hits
 
 
+def layout_paths(page: str) -> set[str]:
+    """The files named in the tree of `page`'s "## Layout" section, as repository paths.
+
+    The tree is the section's first code block: a folder is a name ending in `/`, its
+    entries are indented two spaces more, and a line whose first word is neither a folder
+    nor a `.py` file continues the description above it.
+    """
+    section = re.split(r"^## Layout[ \t]*$", page, flags=re.M)
+    assert len(section) == 2, "architecture.md has no single '## Layout' section"
+    tree = FENCE.search(section[1])
+    assert tree is not None, "the Layout section has no code block"
+    folders: list[str] = []  # the folders enclosing the current line, outermost first
+    paths = set()
+    for line in tree.group(2).splitlines():
+        if not line.strip():
+            continue
+        depth, name = (len(line) - len(line.lstrip(" "))) // 2, line.split()[0]
+        if name.endswith("/") and depth <= len(folders):
+            folders[depth:] = [name]
+        elif name.endswith(".py") and depth <= len(folders):
+            del folders[depth:]
+            paths.add("".join(folders) + name)
+    return paths
+
+
+def test_layout_parses_folders_and_continuations():
+    page = ("## Layout\n\n```\npkg/\n  a.py         one\n               b.py is a continuation\n"
+            "  sub/\n    c.py       two\n  d.py       three\ntop.py       four\n```\n")
+    assert layout_paths(page) == {"pkg/a.py", "pkg/sub/c.py", "pkg/d.py", "top.py"}
+
+
+def test_layout_names_every_module():
+    """docs/architecture.md's Layout lists every file of the package, and no file that is gone."""
+    listed = layout_paths((ROOT / "docs" / "architecture.md").read_text())
+    package = {str(path.relative_to(ROOT)) for path in (ROOT / "jaxformer").rglob("*.py")}
+    missing = sorted(package - listed)
+    assert not missing, f"docs/architecture.md's Layout does not name {missing}"
+    gone = sorted(path for path in listed if not (ROOT / path).is_file())
+    assert not gone, f"docs/architecture.md's Layout names files that do not exist: {gone}"
+
+
 def _chain(block: Block) -> list[Block]:
     """The blocks to run, in order: what `block` comes after, then `block`."""
     chain, seen = [block], {block.id}
