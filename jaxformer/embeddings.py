@@ -5,10 +5,7 @@ import jax.numpy as jnp
 
 
 def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of `table` for each id; an id outside `[0, len(table))` reads NaN.
-
-    Inside `jit` a bad id cannot raise, and an ordinary gather would clamp it to the
-    last row (or wrap a negative one): a silently wrong token. NaN makes it loud.
+    """Rows of `table` for each id; an id outside `[0, len(table))` reads NaN, never a clamped row.
 
     Args:
       table: `[vocab, d_model]`.
@@ -24,14 +21,16 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 def output_logits(x: jax.Array, weight: jax.Array, tied: bool) -> jax.Array:
-    """The output head: `[batch, T, vocab]` logits from the final stream `x` `[batch, T, d_model]`.
+    """The output head's logits.
 
     Args:
-      x: the normalised residual stream.
-      weight: tied: the `[vocab, d_model]` embedding itself, so the logit of token v is
-        `x . embed[v]` (one matrix for reading and writing tokens); untied: the head's
-        own `[d_model, vocab]` matrix.
+      x: `[batch, T, d_model]`, the normalised residual stream.
+      weight: tied, the `[vocab, d_model]` embedding (logit of v is `x . embed[v]`);
+        untied, the head's own `[d_model, vocab]` matrix.
       tied: which of the two `weight` is.
+
+    Returns:
+      `[batch, T, vocab]` logits.
     """
     weight = weight.astype(x.dtype)
     if tied:

@@ -34,11 +34,9 @@ def _swiglu_fwd(x, w_gate, w_up, w_down):
 def _swiglu_bwd(residuals, dy):
     """The gradients of `y = h W_down`, `h = silu(gate) * up`, `gate = x W_gate`, `up = x W_up`.
 
-    Autodiff gives the same products, but lets XLA pick how to lay them out, and on a
-    CPU it transposes two `[batch * T, ffn_dim]` activations per layer to form the
-    weight gradients `h^T dy` and `x^T dgate`. Here every weight gradient contracts over
-    the tokens with a `d_model`-wide operand first, so only `d_model`-wide activations
-    (`x`, `dy`) are transposed: a copy 2.5x smaller, and one fewer.
+    Autodiff's layout transposes two `ffn_dim`-wide activations per layer on a CPU; here
+    each weight gradient contracts a `d_model`-wide operand first, so only `x` and `dy`
+    are transposed (docs/performance.md, "Training steps").
     """
     x, w_gate, w_up, w_down, gate, up = residuals
     sig = jax.nn.sigmoid(gate)  # [batch, T, ffn_dim]

@@ -1,10 +1,6 @@
-"""The two normalisations, over the last axis (the residual stream's `d_model` channels).
+"""LayerNorm (2017) and RMSNorm (modern) over the last axis; statistics in float32.
 
-    LayerNorm (2017):  y = (x - mean(x)) / sqrt(var(x) + eps) * scale + bias
-    RMSNorm (modern):  y = x / sqrt(mean(x^2) + eps) * weight
-
-RMSNorm drops the centring and the bias: cheaper, and in practice as good. Both
-accumulate their statistics in float32 whatever the activation dtype.
+RMSNorm drops LayerNorm's centring and bias: cheaper, and in practice as good.
 """
 
 import flax.linen as nn
@@ -17,9 +13,7 @@ from jaxformer.sharding import EMBED, param
 class RMSNorm(nn.Module):
     """`y = x / sqrt(mean(x^2) + eps) * weight`.
 
-    The mean square is accumulated in float32 even for bf16 activations, the result is
-    cast back to the activation dtype, and only then multiplied by the weight (HF Llama
-    does the same, in that order). Unlike LayerNorm the output is not centred.
+    Cast back to the activation dtype before the weight multiplies, in HF Llama's order.
 
     Attributes:
       eps: added to the mean square before the reciprocal square root.
@@ -39,8 +33,6 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.Module):
     """`y = (x - mean(x)) / sqrt(var(x) + eps) * scale + bias`, as `torch.nn.LayerNorm`.
-
-    Computed in float32 and cast back to the activation dtype.
 
     Attributes:
       eps: added to the variance before the reciprocal square root.

@@ -1,25 +1,14 @@
 """Positions: the 2017 sinusoids, and rotary position embedding (RoPE).
 
-Without positions (and without a causal mask) self-attention is permutation
-equivariant: shuffle the inputs and the outputs shuffle the same way.
+Without them self-attention cannot tell token order: it is permutation equivariant.
 
-The 2017 model adds a fixed sinusoid to each embedding (not concatenated):
-    PE[pos, 2i] = sin(pos / 10000^(2i/d)),   PE[pos, 2i+1] = cos(pos / 10000^(2i/d)).
-Wavelengths grow geometrically from 2 pi to about 10000 * 2 pi, a bank of clocks
-running at different speeds. For a fixed offset k, PE[pos + k] is a fixed linear map
-(a rotation of each (sin, cos) pair) of PE[pos], so relative offsets are easy to read.
+    sinusoids (added to the embedding):  PE[pos, 2i] = sin(pos / 10000^(2i/d)),  PE[pos, 2i+1] = cos(...)
+    RoPE (on q and k in every layer):    rotate channel pair i by pos * rope_theta^(-2i/head_dim)
 
-RoPE does not add anything to the input. In every layer it rotates each pair of q/k
-channels by an angle proportional to the token's position, `pos * theta_i` with
-`theta_i = rope_theta ** (-2i / head_dim)`. A rotation by `m * theta` on the query and
-`n * theta` on the key leaves `(m - n) * theta` in their dot product: the position
-factor in the score depends only on the offset.
-
-Two pairings are in use and differ only by a fixed permutation of the head channels:
-  split_half:  channel i with channel i + head_dim/2 (GPT-NeoX, HF Llama),
-  interleaved: channel 2i with channel 2i + 1 (RoFormer, Meta's original Llama).
-Weights trained with one pairing need their W_Q / W_K output channels permuted
-(`interleaved_to_split_half`) to be used with the other.
+Both make offsets easy to read: `PE[pos + k]` is a fixed rotation of each (sin, cos) pair
+of `PE[pos]`, and RoPE's rotations by `m theta` (query) and `n theta` (key) leave `(m - n)
+theta` in the dot product, so its scores depend on the offset alone. The two channel pairings
+(split-half, interleaved) are described in docs/parity.md.
 """
 
 import functools
@@ -52,11 +41,8 @@ def sinusoidal_table(max_seq_len: int, d_model: int) -> np.ndarray:
 def rope_tables(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of every rotation angle of positions `0 .. n_positions - 1`.
 
-    A model asks for the positions it reads (a call's tokens, or its cache's capacity),
-    never for a checkpoint's `max_position_embeddings`, which may be 10**12. Row `p`
-    depends on `p` alone, so the rows are computed once for the next power of two of
-    `n_positions` and shared by every shorter table: however many lengths are asked for,
-    the tables held take a few times the largest one.
+    Rows are computed once for the next power of two of `n_positions` and shared by every
+    shorter table, so asking for many lengths holds a few times the largest one.
 
     Args:
       head_dim: channels per head (even).
@@ -64,8 +50,7 @@ def rope_tables(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarr
       theta: the RoPE base.
 
     Returns:
-      `(cos, sin)`, each `[n_positions, head_dim // 2]` float32 (read-only numpy arrays:
-      under `jit` they become constants, sliced at the cache position).
+      `(cos, sin)`, each `[n_positions, head_dim // 2]` float32, read-only (constants under `jit`).
     """
     cos, sin = _rope_rows(head_dim, 1 << max(n_positions - 1, 0).bit_length(), theta)
     return cos[:n_positions], sin[:n_positions]  # read-only views
@@ -95,7 +80,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str = "spl
       cos: `[seq, head_dim // 2]` (or `[batch, seq, head_dim // 2]`), the angles of `x`'s
         positions.
       sin: same shape as `cos`.
-      pairing: "split_half" or "interleaved" (see the module docstring).
+      pairing: "split_half" (channel i with i + head_dim/2) or "interleaved" (2i with 2i + 1).
 
     Returns:
       The rotated `x`, same shape and dtype (the rotation is computed in float32).
@@ -114,11 +99,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str = "spl
 
 
 def interleaved_to_split_half(head_dim: int) -> np.ndarray:
-    """Channel order that turns an interleaved-RoPE head into a split-half one.
+    """The channel order `perm` with `x_split_half = x_interleaved[..., perm]`.
 
-    `x_split = x_interleaved[..., perm]`: split-half channel i is interleaved channel 2i
-    and split-half channel i + head_dim/2 is interleaved channel 2i + 1, so each rotation
-    pair keeps its frequency. Apply it to the head_dim axis of W_Q and W_K (never W_V);
-    `np.argsort(perm)` goes the other way.
+    Split-half channel i is interleaved channel 2i, and i + head_dim/2 is 2i + 1, so each
+    pair keeps its frequency. It applies to W_Q and W_K's head_dim axis, never W_V's;
+    `np.argsort(perm)` goes back.
+
+    Args:
+      head_dim: channels per head (even).
+
+    Returns:
+      `[head_dim]` int indices.
     """
     return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])

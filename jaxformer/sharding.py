@@ -1,22 +1,8 @@
-"""Both models over a mesh of devices: data parallel, fully sharded data parallel, and
-tensor parallel. JAX's SPMD compiler does the communication; this module only says
-where each array lives.
+"""Where each array lives on a `(data, model)` mesh: DP, FSDP and tensor parallelism.
 
-A mesh has two named axes:
-
-    data:   batch rows are split across it. Data parallel (`"dp"`) keeps a full copy of
-            every parameter on each device; fully sharded data parallel (`"fsdp"`) also
-            splits every parameter (and its optimizer moments) across it, and the
-            compiler gathers each one when a layer needs it.
-    model:  tensor parallelism, the Megatron way: the first matrix of each pair splits
-            its outputs (attention heads, FFN hidden units) and the second its inputs,
-            so every device computes whole heads and whole hidden units, and one sum
-            across devices finishes each block.
-
-Every parameter names its dimensions where it is created (`param`), with the logical
-axes below; `RULES` is the one table that maps logical axes to mesh axes. The optimizer
-state follows the parameters: a moment tree repeats the parameter paths, so each of its
-leaves takes the sharding of the parameter whose path it ends with.
+Every parameter names its dimensions where it is created (`param`), and `RULES` maps
+those logical axes to mesh axes; JAX's compiler inserts the communication. The
+strategies and the rules are described in docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -64,9 +50,8 @@ AXES_COLLECTION = "param_axes"
 class LogicalAxes(struct.PyTreeNode, meta.AxisMetadata):
     """A parameter's logical axis names, kept in the `param_axes` collection at init.
 
-    The names are static (no array leaves), so they pass through `jax.eval_shape`. As flax
-    axis metadata, they gain the `LAYERS` axis where `nn.scan` stacks the blocks'
-    parameters (its `metadata_params={nn.PARTITION_NAME: LAYERS}`)."""
+    Static (no array leaves), so they pass through `jax.eval_shape`; as flax axis
+    metadata they gain the `LAYERS` axis where `nn.scan` stacks the blocks."""
 
     names: tuple[str, ...] = struct.field(pytree_node=False)
 
@@ -89,8 +74,10 @@ def param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...], 
           dtype) -> jax.Array:
     """`module.param(name, init, shape, dtype)`, its dimensions named by `axes`.
 
-    The parameter itself stays a plain array; `model.init` also returns the names, in
-    the `param_axes` collection, where `param_axes(model)` reads them.
+    The parameter stays a plain array; the names go to the `param_axes` collection.
+
+    Raises:
+      ValueError: `axes` does not name every dimension of `shape`.
     """
     if len(axes) != len(shape):
         raise ValueError(f"{name}: {len(axes)} axis names {axes} for a {len(shape)}-D parameter")
@@ -122,8 +109,8 @@ def param_axes(model: nn.Module) -> dict:
     Runs `model.init` on shapes only (`jax.eval_shape`): nothing is computed.
 
     Raises:
-      ValueError: a parameter was created without names (a plain `self.param`), or with
-        as many names as it has dimensions; it would otherwise be silently replicated.
+      ValueError: a parameter was created without names (a plain `self.param`), which
+        would otherwise be silently replicated.
     """
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs()))
     declared = {_names(path): axes.names for path, axes in jax.tree_util.tree_flatten_with_path(
@@ -180,8 +167,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 
 def check_mesh_fits(config, mesh: Mesh) -> None:
-    """Query heads are split over `model`: their count must divide evenly. (Key/value
-    heads that do not divide are kept whole on every device instead, see `RULES`.)"""
+    """Raises ValueError unless `config.n_head` divides over the mesh's `model` axis."""
     n_model = mesh.shape[MODEL]
     if config.n_head % n_model:
         raise ValueError(f"{type(config).__name__}.n_head={config.n_head} is not divisible by the mesh's "
@@ -189,8 +175,7 @@ def check_mesh_fits(config, mesh: Mesh) -> None:
 
 
 def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, strategy: str = "dp") -> PartitionSpec:
-    """Where one array with logical `axes` lives: `RULES` in order, each mesh axis used
-    at most once, a dimension split only where it divides evenly."""
+    """Where one array with logical `axes` and `shape` lives, by `RULES` (strategy "dp" or "fsdp")."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     spec = [None] * len(shape)
@@ -216,8 +201,8 @@ def tree_shardings(tree, axes: dict, mesh: Mesh, strategy: str = "dp"):
 
     Returns:
       A tree of `NamedSharding`s shaped like `tree`: a leaf whose path ends with a
-      parameter's path is placed as that parameter (an optimizer moment like its
-      parameter); a scalar is replicated.
+      parameter's path (an optimizer moment) is placed as that parameter; a scalar is
+      replicated.
 
     Raises:
       ValueError: an array leaf that belongs to no named parameter, or whose rank does
@@ -251,8 +236,8 @@ def mesh_of(params) -> Mesh | None:
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Where a `KVCache` lives on `mesh`: rows over `data` and kv heads over `model`, each
-    where it divides evenly (else kept whole), as the attention that reads it is split."""
+    """Where a `KVCache` lives: rows over `data`, kv heads over `model` (where they divide),
+    as the attention that reads it is split."""
     batch, _, n_kv, _ = cache.layer_shape
     rows = DATA if batch % mesh.shape[DATA] == 0 else None
     heads = MODEL if n_kv % mesh.shape[MODEL] == 0 else None
