@@ -1,22 +1,9 @@
 """Hugging Face Llama-family checkpoints (Llama, Mistral, Qwen2) to and from `Decoder`.
 
-A checkpoint folder holds `config.json` and the weights in safetensors, one file
-(`model.safetensors`) or shards listed by `model.safetensors.index.json`. The three
-architectures are the decoder of `jaxformer.decoder` with different defaults:
-
-    Llama:    RMSNorm, split-half RoPE, GQA, SwiGLU, no biases
-    Mistral:  the same, plus a sliding attention window (equal to full attention for
-              sequences no longer than the window)
-    Qwen2:    the same, plus biases on Q, K and V
-
-Weights: a torch `Linear` stores `[out, in]` and computes `x @ W.T`; jaxformer stores
-`[in, out]` split into heads (`wq: [d_model, n_head, head_dim]`). So every matrix is
-transposed and reshaped, one table (`_tensor_table`) lists each tensor once, and
-`load_hf` and `save_hf` read it in opposite directions.
-
-Anything the decoder cannot compute exactly (RoPE scaling, an active sliding window,
-another activation, an output bias...) is refused with the config field named: a model
-that loads gives the checkpoint's logits or does not load at all.
+A torch `Linear` stores `[out, in]`; jaxformer stores `[in, out]` split into heads
+(`wq: [d_model, n_head, head_dim]`). One table (`_tensor_table`) lists each tensor once,
+and `load_hf` and `save_hf` read it in opposite directions. What loads, what is refused
+and what a folder may not do are in docs/parity.md.
 """
 
 from __future__ import annotations
@@ -50,19 +37,8 @@ def _fail(field: str, rule: str, value: Any) -> None:
 
 
 def _field(hf: dict, key: str, convert: Callable[[Any], Any], rule: str, *, default: Any = _REQUIRED) -> Any:
-    """`config.json`'s `key`, converted and checked to be positive; `default` when absent or null.
-
-    Args:
-      hf: the parsed `config.json`.
-      key: the field.
-      convert: `python_int` or `finite_float`: the plain Python value, or None for the
-        wrong kind.
-      rule: what the field must be, for the message.
-      default: the value of an absent or null field; without one the field is required.
-
-    Raises:
-      ValueError: naming the field: missing, of the wrong kind, or not positive.
-    """
+    """`config.json`'s `key` through `convert` (None: the wrong kind), checked positive;
+    `default` when absent or null, else a ValueError naming the field and `rule`."""
     if hf.get(key) is None:
         if default is _REQUIRED:
             raise ValueError(f"config.json {key}: missing; it must be {rule}")
@@ -85,9 +61,8 @@ def _read_json(path: str) -> Any:
 def _rope_theta(hf: dict) -> float:
     """The RoPE base, from `rope_parameters` (transformers >= 5) or the older keys.
 
-    Only plain RoPE is representable: a scaled variant (linear, dynamic, yarn, llama3,
-    longrope...) changes the angles, and loading it as plain RoPE would be silently wrong.
-    """
+    A scaled variant (linear, yarn, llama3...) changes the angles: refused, never loaded
+    as plain RoPE."""
     params = hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
         _fail("rope_parameters", "must be an object", params)
@@ -121,12 +96,8 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
     Args:
       hf: the parsed `config.json`.
       max_seq_len: longest sequence to accept; defaults to `max_position_embeddings`.
-        A sliding window is no window at all for sequences no longer than it, so a
-        Mistral checkpoint with `sliding_window=4096` loads with `max_seq_len <= 4096`.
+        A checkpoint with a sliding window loads with `max_seq_len` up to the window.
       dtype: compute dtype of the returned config.
-
-    Returns:
-      The config.
 
     Raises:
       ValueError: naming the `config.json` field that is missing, malformed, or that
@@ -186,8 +157,11 @@ def config_to_hf(config: DecoderConfig, *, bos_id: int | None = None, eos_id: in
                  pad_id: int | None = None) -> dict:
     """The `config.json` (as a dict) of a `DecoderConfig`: Qwen2 if it has q/k/v biases, else Llama.
 
-    The special token ids are the tokenizer's (jaxformer's config knows none); None
-    leaves them null."""
+    Args:
+      config: the config.
+      bos_id, eos_id, pad_id: the tokenizer's special ids (the config knows none); None
+        leaves them null.
+    """
     model_type = "qwen2" if config.qkv_bias else "llama"
     hf = {
         "architectures": [ARCHITECTURES[model_type]],
@@ -260,17 +234,8 @@ def _tensor_table(c: DecoderConfig) -> list[_Tensor]:
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Every tensor of a checkpoint folder (single file or shards), as float32 numpy arrays.
-
-    With an index, each tensor is read from the shard its `weight_map` names and only
-    from there: a stale extra shard holding a tensor of the same name changes nothing.
-    Read through the flax loader: it understands bfloat16, which numpy alone does not.
-
-    Raises:
-      FileNotFoundError: no weights, or a shard the index lists is missing.
-      ValueError: naming the file: an index entry outside the folder, a shard without a
-        tensor the index puts in it, a file that does not parse.
-    """
+    """Every tensor of a checkpoint folder, as float32 numpy arrays, each from the shard the
+    index's `weight_map` names (through the flax loader, which reads bfloat16)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         weight_map = _read_json(index)
@@ -296,12 +261,8 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
 
 
 def _read_shard(file: str, keys: list[str] | None, assigned: str) -> dict[str, np.ndarray]:
-    """The tensors `keys` of one safetensors file (None: all of them), as float32 numpy arrays.
-
-    Raises:
-      ValueError: the file does not parse, or lacks one of `keys` (the message starts
-        with `assigned`, which says who put it there).
-    """
+    """The tensors `keys` of one safetensors file (None: all), as float32 numpy arrays;
+    a ValueError if it does not parse or lacks one (starting with `assigned`)."""
     try:
         with safe_open(file, framework="flax") as f:
             held = set(f.keys())
@@ -315,22 +276,8 @@ def _read_shard(file: str, keys: list[str] | None, assigned: str) -> dict[str, n
 
 
 def _check_inside(folder: str, name: str, where: str) -> None:
-    """Refuses a weights file that is not inside the checkpoint folder.
-
-    A folder is someone else's data: its index may name `/etc/passwd` or `../../other`,
-    and its files may be symlinks to anywhere. `name` must be a relative path without
-    `..` that, symlinks resolved, stays inside `folder`. One exception: a snapshot of the
-    Hugging Face hub's cache (`models--org--name/snapshots/<revision>`) holds symlinks to
-    its repository's `blobs`, so there the repository's folder is the limit.
-
-    Args:
-      folder: the checkpoint folder.
-      name: the file, as the index (or the loader) names it.
-      where: what names it, for the message (the index and the entry).
-
-    Raises:
-      ValueError: naming `where` and `name`.
-    """
+    """A ValueError naming `where` unless `name` is relative, has no `..`, and stays inside
+    `folder` once symlinks are resolved (for a hub snapshot, inside its repository)."""
     if os.path.isabs(name) or ".." in re.split(r"[\\/]", name):
         raise ValueError(f"{where}: {name!r} is not a file inside the checkpoint folder (an absolute path, or "
                          "one through '..')")
@@ -353,25 +300,21 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, scan_layers: bool = False):
     """Loads a Hugging Face `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` folder.
 
-    Needs only `safetensors` (no torch, no transformers).
-
     Args:
       path: a folder with `config.json` and `model.safetensors` (or shards plus
         `model.safetensors.index.json`), as `save_pretrained` writes it.
       max_seq_len: longest sequence the loaded model accepts; defaults to the
         checkpoint's `max_position_embeddings` (see `config_from_hf` for sliding windows).
       dtype: compute dtype of the returned config (parameters stay float32).
-      scan_layers: return the scanned form (`DecoderConfig.scan_layers`, the blocks'
-        parameters stacked): a deep model compiles in about the time of a shallow one.
+      scan_layers: return the scanned form (`DecoderConfig.scan_layers`, parameters stacked).
 
     Returns:
       `(config, params)`: a `DecoderConfig` and the parameter tree for `Decoder(config)`.
 
     Raises:
       FileNotFoundError: `path`, its `config.json` or its weights do not exist.
-      ValueError: naming the file and what is wrong with it: `path` is not a folder, a
-        file that does not parse, a `config.json` field that is missing or that the
-        decoder cannot represent, a tensor that does not fit.
+      ValueError: naming the file and what is wrong: not a folder, a file that does not
+        parse, a `config.json` field missing or not representable, a tensor that does not fit.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint folder")
@@ -413,9 +356,8 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
             eos_id: int | list[int] | None = None, pad_id: int | None = None) -> None:
     """Writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-    Llama, or Qwen2 when the config has q/k/v biases. An interleaved-RoPE model is saved
-    with its query/key channels permuted to split-half (`with_rope_pairing`), the only
-    pairing transformers implements, so the saved model computes the same logits.
+    Llama, or Qwen2 with q/k/v biases. An interleaved-RoPE model is saved permuted to
+    split-half, the only pairing transformers implements.
 
     Args:
       config: the `DecoderConfig` (either `scan_layers` form).
@@ -423,8 +365,7 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
       path: the folder (created if needed); `config.json`, `generation_config.json` and
         `model.safetensors` in it are replaced, each atomically.
       bos_id, eos_id, pad_id: the tokenizer's special ids (`eos_id` may list several),
-        written to `config.json` and `generation_config.json`, where `generate` in
-        transformers (and `jaxformer.text.load_tokenizer`) read the ids that stop a text.
+        for `config.json` and `generation_config.json`, where readers find the stop ids.
 
     Raises:
       OSError: naming the file, when the folder cannot be written (a full disk).

@@ -1,9 +1,5 @@
-"""Between the two forms of a `Decoder`'s parameters: one `block_{i}` subtree per layer,
-or one `blocks` subtree whose leaves stack every layer on a leading axis (`scan_layers`).
-
-The math is the same; only where the numbers sit differs: leaf `blocks/.../w[i]` is
-`block_{i}/.../w`.
-"""
+"""A `Decoder`'s parameters per layer (`block_{i}`) or stacked (`blocks`, `scan_layers`):
+leaf `blocks/.../w[i]` is `block_{i}/.../w`."""
 
 from __future__ import annotations
 
@@ -56,11 +52,8 @@ def unstack_layers(params: dict) -> dict:
 
 
 def with_scan_layers(config: DecoderConfig, params: dict, scan_layers: bool) -> tuple[DecoderConfig, dict]:
-    """`(config, params)` in the form `scan_layers` asks for; the same objects when they are in it.
-
-    `Decoder(new_config).apply({'params': new_params}, tokens)` equals
-    `Decoder(config).apply({'params': params}, tokens)`.
-    """
+    """`(config, params)` in the form `scan_layers` asks for, computing the same logits;
+    the same objects when they are in it."""
     if scan_layers == config.scan_layers:
         return config, params
     params = stack_layers(params, config.n_layer) if scan_layers else unstack_layers(params)

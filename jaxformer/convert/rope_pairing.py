@@ -1,15 +1,6 @@
-"""Moving a decoder's weights between the two RoPE pairings.
+"""Moving a decoder's weights between the two RoPE pairings (docs/parity.md, "RoPE pairings").
 
-RoPE rotates channel pairs of every query and key head. Which channels form a pair is
-a convention of the checkpoint:
-
-    split_half:  (i, i + head_dim/2)   GPT-NeoX, Hugging Face Llama / Mistral / Qwen2
-    interleaved: (2i, 2i + 1)          RoFormer, Meta's original Llama release
-
-Pair i rotates at the same frequency in both, so the two models compute the same
-function once the output channels of W_Q and W_K (and their biases) are reordered within
-each head: q . k is a sum over channels, and reordering both sides alike leaves every
-score unchanged. W_V and W_O are untouched (values are never rotated).
+Reordering the query and key channels alike leaves every score `q . k` unchanged.
 """
 
 from __future__ import annotations
@@ -22,10 +13,7 @@ from jaxformer.positions import interleaved_to_split_half
 
 
 def with_rope_pairing(config: DecoderConfig, params, pairing: str):
-    """The same model, its query/key channels reordered for the other RoPE pairing.
-
-    `Decoder(new_config).apply({'params': new_params}, tokens)` equals
-    `Decoder(config).apply({'params': params}, tokens)` (up to float rounding).
+    """The same model (equal logits, up to rounding), its query/key channels reordered for `pairing`.
 
     Args:
       config: the `DecoderConfig` the parameters were trained with.
@@ -33,9 +21,8 @@ def with_rope_pairing(config: DecoderConfig, params, pairing: str):
       pairing: "split_half" or "interleaved", the pairing wanted.
 
     Returns:
-      `(new_config, new_params)`: `config.replace(rope_pairing=pairing)` and a copy of
-      `params` with `wq`, `wk` (and `bq`, `bk`) permuted along their head_dim axis. The
-      same objects when `pairing` is already the config's.
+      `(new_config, new_params)`, `wq`, `wk`, `bq`, `bk` permuted along head_dim; the same
+      objects when `pairing` is already the config's.
     """
     if pairing not in ROPE_PAIRINGS:
         raise ValueError(f"pairing: must be one of {ROPE_PAIRINGS} (got {pairing!r})")

@@ -1,36 +1,8 @@
 """Load the weights of PyTorch's `torch.nn.Transformer` into a `VanillaTransformer`.
 
-The two compute the same layers and store them differently:
-
-  - a torch `nn.Linear` keeps `weight` as `[out, in]` and computes `x @ weight.T`;
-    jaxformer keeps `[in, out]` and computes `x @ w`, so every matrix is transposed.
-  - `in_proj_weight` `[3 * d_model, d_model]` stacks the rows of W_Q, W_K and W_V, in
-    that order, and inside each block rows `h * head_dim ..` belong to head h. Read as
-    `[3, n_head, head_dim, d_model]` and moved to `[d_model, 3, n_head, head_dim]` it is
-    `w_qkv`; `in_proj_bias` `[3 * d_model]` is `b_qkv` `[3, n_head, head_dim]`.
-  - `out_proj.weight` reads the heads concatenated: transposed and split by head it is
-    `w_o` `[n_head, head_dim, d_model]`.
-
-The names, per layer i (a LayerNorm's `weight` is jaxformer's `scale`):
-
-    encoder.layers.i.self_attn            -> encoder_layers_i/self_attn
-    encoder.layers.i.norm1, norm2         -> encoder_layers_i/{attn,ffn}_residual/norm
-    decoder.layers.i.self_attn            -> decoder_layers_i/self_attn
-    decoder.layers.i.multihead_attn       -> decoder_layers_i/cross_attn
-    decoder.layers.i.norm1, norm2, norm3  -> decoder_layers_i/{self,cross,ffn}_residual/norm
-    *.layers.i.linear1, linear2           -> *_layers_i/ffn/{w1,b1}, {w2,b2}
-    encoder.norm, decoder.norm            -> encoder_norm, decoder_norm
-
-What the state dict cannot tell, and the config must match by hand: `n_head` (every
-shape is the same for any head count), `norm_first` (both modes store the same keys;
-`norm1` is always the first sublayer's norm), `norm_eps`, and the activation
-(only torch's default `activation="relu"` is representable: jaxformer's FFN is ReLU).
-`nn.Transformer` always ends each stack in a LayerNorm, so the config needs
-`final_norm=True`.
-
-The embeddings and the output layer are not part of `nn.Transformer` and are passed
-separately. The logits agree with torch only if the torch model around `nn.Transformer`
-embeds as jaxformer does: `embedding * sqrt(d_model) + sinusoid`.
+The same layers, stored differently: every torch `Linear` is `[out, in]`, and the packed
+`in_proj_weight` stacks W_Q, W_K, W_V by head. The name table, and what the config must
+match by hand, are in docs/parity.md ("PyTorch nn.Transformer").
 """
 
 from __future__ import annotations
@@ -163,20 +135,12 @@ def from_torch_transformer(state_dict, config: VanillaConfig, *, src_embedding, 
                            out_proj_weight=None, out_proj_bias=None) -> dict:
     """`VanillaTransformer` parameters from a `torch.nn.Transformer` state dict.
 
-    Usage:
-
-        params = from_torch_transformer(torch_model.transformer.state_dict(), config,
-                                        src_embedding=torch_model.embed.weight)
-        logits = VanillaTransformer(config).apply({"params": params}, src, tgt_in)
-
     Args:
       state_dict: `nn.Transformer(...).state_dict()`, keys as torch names them (strip any
         prefix of an enclosing module first); values torch tensors or arrays.
-      config: a `VanillaConfig` matching the torch model: `n_layer` (encoder and decoder),
-        `d_model`, `d_ff`, and, unchecked because the weights cannot show them, `n_head`,
-        `norm_first` and `norm_eps` (torch's `layer_norm_eps`) as it was built; `final_norm=True`. Its
-        activation must have been torch's default ReLU. Use `dropout=0.0` to compare
-        outputs.
+      config: a `VanillaConfig` matching the torch model, `final_norm=True`; `n_head`,
+        `norm_first` and `norm_eps` (torch's `layer_norm_eps`) are unchecked, since the
+        weights cannot show them.
       src_embedding: `[src_vocab_size, d_model]`, the source `nn.Embedding.weight`; with
         `config.tie_embeddings` also the target embedding and the output projection.
       tgt_embedding: `[tgt_vocab_size, d_model]` target embedding (untied only).
