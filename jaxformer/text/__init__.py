@@ -1,9 +1,5 @@
-"""Text in, text out: tokenizers read from (and written to) Hugging Face checkpoint
-folders, chat templates, and generated ids turned into text as they arrive.
-
-`python -m jaxformer.text.generate --checkpoint DIR --prompt TEXT` decodes a checkpoint
-folder from the command line.
-"""
+"""Text in, text out: checkpoint folders' tokenizers and chat templates, and generated ids
+as text (docs/text.md)."""
 
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text

@@ -1,18 +1,8 @@
 """Chat templates: a conversation rendered into the prompt text a chat model was tuned on.
 
-A chat checkpoint ships a Jinja template (in `chat_template.jinja` or
-`tokenizer_config.json`) that turns `[{"role": "user", "content": ...}, ...]` into its
-own markup (`<|start_header_id|>user<|end_header_id|>...` for Llama 3). transformers'
-`apply_chat_template` renders it in a sandboxed Jinja environment with `trim_blocks` and
-`lstrip_blocks`, the `loopcontrols` extension, a `tojson` that keeps non-ASCII text, and
-the helpers `raise_exception` and `strftime_now`; the special tokens (`bos_token`, ...)
-are variables. `render_chat` does the same, so the text (and its ids) are transformers'.
-
-The template is code from whoever made the folder, so it runs within bounds
-(`jaxformer.text.sandbox`): `MAX_TEMPLATE_CHARS` characters long, `RENDER_SECONDS` to render,
-`MAX_SIZE` characters for the text and for any value it builds in one step, `MAX_BUILT`
-for all of them; and whatever goes wrong in it (a division by zero, a recursion, an
-undefined name, a bound) is a `ValueError` of one line.
+`render_chat` sets up Jinja as transformers' `apply_chat_template` does, so the text (and
+its ids) are transformers'; the template runs within the bounds of `jaxformer.text.sandbox`
+(docs/text.md, "Chat templates").
 """
 
 from __future__ import annotations
@@ -53,8 +43,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
                 time_limit: float = RENDER_SECONDS) -> str:
     """The prompt text of a conversation, by the tokenizer's chat template.
 
-    Encode it with `tokenizer.encode(text, add_special_tokens=False)`: the template
-    writes the special tokens it wants (a BOS among them) itself.
+    Encode it with `add_special_tokens=False`: the template writes its own BOS.
 
     Args:
       tokenizer: a `Tokenizer` with a `chat_template`.
@@ -64,10 +53,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
       time_limit: seconds of wall time the rendering may take.
 
     Raises:
-      ValueError: one line: the tokenizer has no chat template, the template refuses the
-        conversation (many accept only alternating user/assistant turns), does not
-        parse, fails (`ZeroDivisionError`, `RecursionError`, an undefined name...), or
-        passes a bound of `jaxformer.text.sandbox` (its time, its size).
+      ValueError: one line: no chat template, or the template refuses the conversation,
+        does not parse, fails, or passes a bound of `jaxformer.text.sandbox`.
     """
     if tokenizer.chat_template is None:
         raise ValueError("the tokenizer has no chat template (no chat_template.jinja, and no chat_template "

@@ -1,35 +1,16 @@
 """Jinja templates that run within bounds of time and size, every failure one line.
 
-A checkpoint's chat template is code written by whoever made the folder. Jinja's sandbox
-keeps it from Python's internals, not from the machine's time and memory: two nested
-`{% for %}` over `range(100000)` run for hours, `{{ "x" * 10**9 }}` asks for a gigabyte
-in one step, `{{ 10 ** 10000000 }}` computes for minutes. `BoundedEnvironment` is Jinja's
-`ImmutableSandboxedEnvironment` (what transformers renders chat templates with, so a
-real template's text is the same) with these bounds:
+Jinja's sandbox keeps a template from Python's internals, not from the machine's time and
+memory (`{{ "x" * 10**9 }}`, nested loops over `range(100000)`). `BoundedEnvironment` is
+the `ImmutableSandboxedEnvironment` transformers renders with, plus the bounds tabled in
+docs/text.md ("Chat templates"): time by a per-thread trace function (`bounds`), and the
+size of each step and of all of them.
 
-- time: `bounds(seconds)` installs a trace function (`sys.settrace`) that reads the clock
-  at every line of the template's compiled code and at every call of a Python function
-  (a filter, a method, a generator's next item). A trace function belongs to the thread
-  that installs it, so a template rendered in a server's worker thread is bounded as
-  well as one in the main thread.
-- one step: no value a step builds holds more than `MAX_SIZE` characters (a string) or
-  items (a list), checked before the step wherever its size follows from its operands
-  (a repetition, a width, a join, a replacement, a format, the parts of `~`, a list
-  printed by `{{ }}`), and after every other call, filter and operator. No int has more
-  than `MAX_INT_BITS` bits. The text rendered, and each block's output, holds at most
-  `MAX_SIZE` characters.
-- all steps: what the steps build adds up to at most `MAX_BUILT` characters (or items),
-  within `bounds`: a loop that builds a large value a thousand times is stopped too.
-
-A bound reached raises `TemplateLimitError`, whose message says which.
-
-Where Jinja 3.1 compiles what: the operators `+ * ** %` go through `call_binop` when
-listed in `intercepted_binops`; calls `f(...)`, `s.center(...)` through `call`; filters
-`x | f(...)` are called directly, so each is wrapped; `a ~ b` is joined by the compiled
-code itself, so the compiler here sends it through `concat_text`; the output of the
-template and of its blocks is joined by `Environment.concat`. Compiling runs none of the
-template (its constants are left to the rendering too) and takes a time that follows
-from the template's length, which `MAX_TEMPLATE_CHARS` bounds.
+Where Jinja 3.1 compiles what, and so where each bound hooks in: `+ * ** %` go through
+`call_binop` (`intercepted_binops`); calls `f(...)`, `s.center(...)` through `call`;
+filters are called directly, so each is wrapped; `a ~ b` is joined by the compiled code
+itself, so the compiler here sends it through `concat_text`; the output of the template
+and of its blocks is joined by `Environment.concat`.
 """
 
 from __future__ import annotations
@@ -49,8 +30,7 @@ from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-# Rendering a template: real chat templates take milliseconds, a 2,000-turn conversation a
-# fraction of a second; the rest is room for a machine that is busy with other work.
+# Far above what real templates take (docs/text.md, "Chat templates"): room for a busy machine.
 RENDER_SECONDS = 10.0
 MAX_TEMPLATE_CHARS = 2**16  # a template's length (real ones: up to about 20,000), which bounds its compile time
 MAX_SIZE = 4 * 2**20  # characters of the text, or of any string (items of any list) one step builds
@@ -73,9 +53,9 @@ _ITEM_FILTERS = frozenset({"attr", "batch", "count", "d", "default", "dictsort",
 class TemplateLimitError(BaseException):
     """A template passed one of `BoundedEnvironment`'s bounds; the message says which.
 
-    A `BaseException`, as `KeyboardInterrupt` is, so that no `except Exception` in a
-    filter or in Jinja swallows it: raised from the trace function, it also turns the
-    trace off, so a swallowed one would leave the template unbounded.
+    A `BaseException`, so no `except Exception` in a filter or in Jinja swallows it: raised
+    from the trace function it also turns the trace off, and a swallowed one would leave
+    the template unbounded.
     """
 
 
@@ -83,10 +63,11 @@ class TemplateLimitError(BaseException):
 def bounds(seconds: float = RENDER_SECONDS) -> Iterator[None]:
     """Holds what runs in the block, in this thread, to `seconds` and to `MAX_BUILT`.
 
-    Raises `TemplateLimitError` once `seconds` have passed, at the next line of a
-    template's compiled code or the next call of a Python function; and once the values
-    built (`built`) add up to more than `MAX_BUILT`. When the block ends the previous
-    trace function (a debugger's, coverage's) is back.
+    The clock is read at every line of a template's code and every Python call; the
+    previous trace function (a debugger's, coverage's) is back when the block ends.
+
+    Raises:
+      TemplateLimitError: past `seconds`, or the values `built` add up past `MAX_BUILT`.
     """
     end = time.monotonic() + seconds
 
@@ -108,13 +89,9 @@ def bounds(seconds: float = RENDER_SECONDS) -> Iterator[None]:
 
 
 def size(value: Any, budget: int = MAX_SIZE) -> int:
-    """About how many characters `value` becomes as text, counting stops past `budget`.
-
-    A string's (or bytes') length; an int's digits; a container's items, each counted
-    the same way, plus one for its separator; one for anything else. Counting stops
-    once the total passes `budget`, so measuring costs at most `budget` steps, however
-    large (or self-containing) the value.
-    """
+    """About how many characters `value` becomes as text (a container: its items, plus
+    separators), counting no further than `budget`, so a huge or self-containing value
+    costs at most `budget` steps."""
     total, pending = 0, [value]
     while pending and total <= budget:
         item = pending.pop()

@@ -1,19 +1,9 @@
 """Text to token ids and back, with Hugging Face's `tokenizers` library.
 
-A checkpoint folder's tokenizer is its `tokenizer.json` (the `tokenizers` format every
-Hugging Face model ships with) plus the special tokens named around it. `load_tokenizer`
-reads them the way transformers does, without transformers:
-
-- the special tokens (BOS, EOS, PAD, UNK) and the chat template come from
-  `tokenizer_config.json` (a `chat_template.jinja` file, which transformers >= 4.43
-  writes, takes precedence over the config's `chat_template`);
-- `add_bos_token` / `add_eos_token` in `tokenizer_config.json` replace `tokenizer.json`'s
-  post-processor, as transformers' tokenizers do;
-- the ids that stop generation come from `generation_config.json`, else `config.json`,
-  else the tokenizer's EOS token: the order in which `generate` in transformers finds them.
-
-`train_bpe`, `char_tokenizer` and `word_tokenizer` build the tokenizers of the demos, and
-`save_tokenizer` writes any of them as a folder that transformers' `AutoTokenizer` opens.
+`load_tokenizer` reads a checkpoint folder's tokenizer the way transformers does, without
+transformers (which files, in which order: docs/text.md, "Tokenizers"); `train_bpe`,
+`char_tokenizer` and `word_tokenizer` build the demos' tokenizers, and `save_tokenizer`
+writes any of them.
 """
 
 from __future__ import annotations
@@ -43,13 +33,11 @@ class Tokenizer:
     """A `tokenizers.Tokenizer` with the special tokens and chat template around it.
 
     Attributes:
-      backend: the `tokenizers.Tokenizer` (normaliser, pre-tokeniser, model, post-processor,
-        decoder).
+      backend: the `tokenizers.Tokenizer`.
       special_tokens: role (`bos_token`, `eos_token`, `pad_token`, `unk_token`) -> token
         text, for the roles the tokenizer has.
-      chat_template: a Jinja template turning a list of messages into a prompt, or None.
-      eos_ids: the ids that end a generated text where the checkpoint names them
-        (`generation_config.json`, `config.json`); None: the EOS token's.
+      chat_template: the Jinja template that turns messages into a prompt, or None.
+      eos_ids: the stop ids the checkpoint names; None: the EOS token's.
     """
 
     backend: tokenizers.Tokenizer
@@ -91,8 +79,7 @@ class Tokenizer:
         return self._id("pad_token")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The ids of `text`; with `add_special_tokens`, framed as the post-processor says
-        (a BOS in front, for Llama's tokenizers).
+        """The ids of `text`; with `add_special_tokens`, framed by the post-processor (Llama's: BOS first).
 
         Raises:
           ValueError: the text holds something the vocabulary cannot spell.
@@ -128,8 +115,7 @@ def _read_json(path: str, required: bool) -> dict:
 
 
 def _token_text(value: Any, where: str) -> str | None:
-    """A special token as `tokenizer_config.json` writes it: a string, or an added-token
-    object `{"content": ...}`."""
+    """A special token of `tokenizer_config.json`: a string, or `{"content": ...}`."""
     if isinstance(value, dict):
         value = value.get("content")
     if value is None or isinstance(value, str):
@@ -138,8 +124,7 @@ def _token_text(value: Any, where: str) -> str | None:
 
 
 def _chat_template(path: str, config: dict) -> str | None:
-    """The folder's default chat template: `chat_template.jinja`, else the config's
-    `chat_template` (a string, or a list of `{"name", "template"}` of which "default")."""
+    """The folder's default chat template: `chat_template.jinja`, else the config's."""
     jinja = os.path.join(path, CHAT_TEMPLATE_FILE)
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as f:
@@ -155,9 +140,7 @@ def _chat_template(path: str, config: dict) -> str | None:
 
 
 def _eos_ids(path: str, vocab_size: int) -> tuple[int, ...] | None:
-    """The ids that end generation, where transformers' `generate` looks for them:
-    `generation_config.json`, else `config.json`; None when neither names any (the
-    tokenizer's EOS token then decides)."""
+    """The stop ids of `generation_config.json`, else `config.json`; None when neither names any."""
     for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
         file = os.path.join(path, name)
         value = _read_json(file, required=False).get("eos_token_id")
@@ -211,8 +194,7 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def _framing(backend: tokenizers.Tokenizer, special: dict[str, str], add_bos: bool, add_eos: bool):
-    """The post-processor that puts BOS in front and/or EOS behind every text, as
-    transformers builds it from `add_bos_token` / `add_eos_token`."""
+    """The post-processor transformers builds from `add_bos_token` / `add_eos_token`."""
     bos, eos = special.get("bos_token") if add_bos else None, special.get("eos_token") if add_eos else None
     single = " ".join([f"{bos}:0"] * (bos is not None) + ["$A:0"] + [f"{eos}:0"] * (eos is not None))
     pair = single + " " + " ".join([f"{bos}:1"] * (bos is not None) + ["$B:1"] + [f"{eos}:1"] * (eos is not None))
@@ -221,8 +203,12 @@ def _framing(backend: tokenizers.Tokenizer, special: dict[str, str], add_bos: bo
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str) -> None:
-    """Writes `tokenizer.json` and `tokenizer_config.json` into the folder `path`, each
-    atomically, so that `load_tokenizer` and transformers' `AutoTokenizer` read it back."""
+    """Writes `tokenizer.json` and `tokenizer_config.json` into the folder `path`, each atomically.
+
+    Args:
+      tokenizer: what to write.
+      path: the folder (created if needed), which `load_tokenizer` and `AutoTokenizer` read.
+    """
     os.makedirs(path, exist_ok=True)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens,
               # The post-processor in tokenizer.json frames the text; the flags would replace it.
@@ -234,11 +220,11 @@ def save_tokenizer(tokenizer: Tokenizer, path: str) -> None:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer (as GPT-2's) learned from `texts`.
+    """A byte-level BPE tokenizer (as GPT-2's) learned from `texts`: nothing is unknown.
 
-    Every text is spelled in bytes first, so no input is unknown; the merges then join
-    frequent byte pairs into tokens until the vocabulary holds `vocab_size` ids: the 256
-    bytes, the end-of-text token (`<|endoftext|>`, id 0, also EOS and PAD) and the merges.
+    Args:
+      texts: the training texts.
+      vocab_size: the 256 bytes, `<|endoftext|>` (id 0: BOS, EOS and PAD) and the merges.
 
     Raises:
       ValueError: `vocab_size` below 257.
