@@ -44,21 +44,12 @@ class Restored:
 class Checkpointer:
     """Saves and restores `TrainState`s under `run_dir/checkpoints/<step>` with orbax.
 
-    Saves are asynchronous: `save` returns once the arrays are copied to host memory and
-    the files are written in the background. Orbax writes a step into
-    `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only after the last file
-    (then `commit_success.txt`) is written; a rename within a directory is atomic on
-    local filesystems. Orbax lists steps by names that are plain integers, so a save cut
-    short by a crash leaves a `.orbax-checkpoint-tmp` directory that `latest_step` and
-    `restore` never see; orbax deletes it in the background once a writable
-    `Checkpointer` opens the directory (at the latest before its first save).
-    (On GCS, where rename is not atomic, orbax instead requires `commit_success.txt`.)
-
-    A save that fails (a full disk, a folder made read-only) raises an `OSError` in one
-    line from `save`, `wait` or `close`, whichever first learns of it, and leaves no
-    part of that checkpoint behind; the ones committed before stay. The errors orbax's
-    background threads log or leave unraisable meanwhile are kept off stderr while a
-    writable `Checkpointer` is open: the `OSError` says it once.
+    `save` returns once the arrays are on the host; the files are written in the
+    background into `<step>.orbax-checkpoint-tmp`, renamed to `<step>` when complete.
+    Orbax lists only integer names, so a save cut short by a crash is never restored
+    (a writable `Checkpointer` deletes its leftovers). A failed save is one `OSError` from
+    `save`, `wait` or `close`, whichever learns of it first, and leaves nothing of that
+    checkpoint behind; what orbax's threads log about it meanwhile is kept off stderr.
 
     Args:
       run_dir: the run directory.
@@ -99,8 +90,7 @@ class Checkpointer:
           state: the state to save.
 
         Raises:
-          ValueError: if that step or a later one is already saved (orbax would skip it
-            silently).
+          ValueError: that step or a later one is already saved (orbax would skip it silently).
         """
         step = int(state.step)
         latest = self.latest_step()
@@ -117,11 +107,8 @@ class Checkpointer:
             values are not used), so a state saved on one mesh restores onto another.
           step: the step to restore; default the latest.
 
-        Returns:
-          The restored state.
-
         Raises:
-          ValueError: if there is no checkpoint to restore.
+          ValueError: there is no checkpoint to restore.
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -132,9 +119,8 @@ class Checkpointer:
     def restore_newest(self, target_state: TrainState) -> Restored:
         """The newest checkpoint that restores, trying older ones when a newer one fails.
 
-        A file cut short or garbled (a disk filling up, a copy interrupted) makes orbax
-        raise while reading; that checkpoint is skipped and noted, and nothing on disk is
-        touched (`set_aside` moves it away once the caller decides to go on).
+        A checkpoint that fails to read (a file cut short or garbled) is skipped and noted;
+        nothing on disk is touched (`set_aside` moves it, once the caller goes on).
 
         Args:
           target_state: as for `restore`.
@@ -143,8 +129,7 @@ class Checkpointer:
           The `Restored` state, with the newer checkpoints that failed and why.
 
         Raises:
-          ValueError: in one line, when there is no checkpoint or none restores (each
-            step with why).
+          ValueError: in one line: no checkpoint, or none restores (each step with why).
         """
         failures = []
         for step in reversed(self.all_steps()):
@@ -203,9 +188,8 @@ class Checkpointer:
             self._background.close()
 
     def _drain(self) -> None:
-        """After a failed save: lets what it started in orbax's threads end (they log as
-        they fail) and collects its abandoned futures and coroutines now, quietly, which
-        would otherwise report their errors when collected at exit."""
+        """After a failed save: lets orbax's threads end and collects their abandoned futures
+        now, quietly, rather than have them report at exit."""
         with contextlib.suppress(Exception):
             self._manager.close()
         for thread in threading.enumerate():
@@ -235,9 +219,8 @@ class Checkpointer:
 
 @contextlib.contextmanager
 def _quiet(logger_name: str):
-    """Silences a library's logger for a block and, if the block fails, the errors of the
-    coroutines it abandoned (reported when they are collected: a failed block ends by
-    collecting them; a full collection takes seconds in a large process, so only then)."""
+    """Silences a library's logger for a block and, if it fails, its abandoned coroutines
+    (collected then; a full collection takes seconds in a large process)."""
     logger = logging.getLogger(logger_name)
     level, unraisable = logger.level, sys.unraisablehook
     logger.setLevel(logging.CRITICAL)
@@ -254,11 +237,9 @@ def _quiet(logger_name: str):
 
 @contextlib.contextmanager
 def _background_quiet():
-    """Keeps what orbax's background threads say about a failed save off stderr (the
-    `OSError` says it once): their logs (`_BackgroundNoise`, on for the rest of the
-    process, since some come after the save is given up, as late as the exit), and the
-    unraisable errors of the coroutines and event loops they drop. Anything else still
-    reaches the hook that was there before."""
+    """Keeps what orbax's background threads say about a failed save off stderr: their logs
+    (a filter left on for the process, since some come as late as the exit) and the
+    unraisable errors of what they drop. Anything else reaches the previous hook."""
     for name in ("absl", "asyncio"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _BackgroundNoise) for f in logger.filters):
@@ -294,8 +275,8 @@ def _from_background(text: str, exc_traceback, also: tuple[str, ...] = ()) -> bo
 
 
 def _write_error(error: Exception, directory: Path) -> OSError:
-    """A failed save as an `OSError` naming the checkpoint folder, with the system's
-    reason where tensorstore reports one (`[os_error_code='28']`: no space left)."""
+    """A failed save as an `OSError` naming the checkpoint folder, with the system's reason
+    where tensorstore reports one (`[os_error_code='28']`: no space left)."""
     if isinstance(error, OSError) and error.errno is not None:
         return OSError(error.errno, error.strerror, str(directory))
     chain, link = [], error

@@ -42,8 +42,8 @@ def _all_finite(tree) -> jax.Array:
 
 @jax.jit
 def _note_nonfinite(first: tuple[jax.Array, jax.Array], loss: jax.Array, step) -> tuple[jax.Array, jax.Array]:
-    """`first` (the first step whose loss was not finite, -1 while none was; and that
-    loss) after `step`'s `loss`. Kept on the device: watching costs no wait for the host."""
+    """`first` (the first step whose loss was not finite, or -1; and that loss) after `step`'s
+    `loss`, kept on the device so that watching costs no wait for the host."""
     first_step, first_loss = first
     new = (first_step < 0) & ~jnp.isfinite(loss)
     return jnp.where(new, step, first_step), jnp.where(new, loss.astype(jnp.float32), first_loss)
@@ -55,31 +55,11 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
                on_checkpoint: Callable[[TrainState], None] | None = None) -> TrainState:
     """Runs updates `state.step .. num_steps - 1`, logging and checkpointing into `run_dir`.
 
-    Update s trains on `make_batch(data_key)` with `(data_key, dropout_key) =
-    step_keys(seed, s)`. After every `log_every` updates (and the last) the metrics are
-    fetched to the host, the only point where the loop waits for the device, and written
-    to `run_dir/metrics.jsonl` with `lr` (`lr_schedule(s)`, the rate update s used) and
-    `steps_per_sec` (over the updates since the previous line, so the first one includes
-    compilation). After every `checkpoint_every` updates (and the last) the state is
-    saved.
-
-    The loss is watched on the device: at the next metrics line or checkpoint after an
-    update whose loss is NaN or infinite, the loop stops with `Diverged` (naming that
-    update) without logging or saving anything past it; and a checkpoint is saved only
-    if every parameter is finite (an update can leave NaN behind with a finite loss: the
-    loss is computed before it), so every checkpoint holds a finite state.
-
-    Ctrl-C stops it between updates (`KeyboardInterrupt`), also when a callback
-    swallowed the interrupt (`jaxformer.command_line.interrupted`); a save is never cut
-    short: one being started is started whole, one under way is finished first. A
-    process holds the run directory's lock (`lock_run_dir`) while it runs: a second one
-    on the same directory is refused.
-
-    Resuming continues from the newest checkpoint that restores
-    (`Checkpointer.restore_newest`); every check happens before anything in `run_dir` is
-    written. Newer checkpoints that failed to restore are reported on stderr and moved to
-    `run_dir/unrestorable_checkpoints/`, and the metrics lines after the restored step
-    are dropped (their updates are redone).
+    Update s trains on `make_batch(data_key)`, `(data_key, dropout_key) = step_keys(seed,
+    s)`, so a resumed run redraws exactly. Metrics reach the host only at a log line, the
+    one wait for the device; the first line's `steps_per_sec` includes compilation. Every
+    check (of `resume` too) comes before anything in `run_dir` is written; how a run
+    stops (divergence, Ctrl-C, a full disk) is in docs/training.md, "How a run ends".
 
     Args:
       state: the initial state; with `resume=True`, the structure the checkpoint
@@ -91,26 +71,26 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
       run_dir: the run directory.
       checkpoint_every: updates between checkpoints.
       log_every: updates between metrics lines.
-      lr_schedule: optional `step -> learning rate`, for the log only.
+      lr_schedule: optional `step -> learning rate`, for the log only (`lr`: the rate of
+        the line's last update).
       resume: False for a new run; True to continue the run in `run_dir`; or the
         `Restored` its caller already got from `Checkpointer(run_dir,
         read_only=True).restore_newest(state)` (to check it before writing anything).
       progress: show a `ProgressBar` on stderr.
-      on_checkpoint: called with the state after each checkpoint is started (e.g. to
-        record what the model does at that step); the save runs in the background
-        meanwhile.
+      on_checkpoint: called with the state after each checkpoint is started (the save
+        runs in the background meanwhile).
 
     Returns:
       The state after `num_steps` updates, its checkpoint on disk.
 
     Raises:
-      ValueError: on a non-positive interval; if `run_dir` holds checkpoints and
-        `resume` is False (the new run would mix with the old one's files); if `resume`
-        finds no checkpoint that restores, or one past `num_steps`; if another process
-        holds the run directory.
-      Diverged: see above.
-      OSError: naming the file, when the run directory cannot be written (a full disk);
-        the checkpoints committed before stay.
+      ValueError: a non-positive count; checkpoints in `run_dir` without `resume` (the
+        runs would mix); with `resume`, none that restores, or one past `num_steps`;
+        another process holds the run directory.
+      Diverged: a loss was NaN or inf (at the next log line or checkpoint), or an update
+        left the parameters non-finite; nothing past it is logged or saved.
+      KeyboardInterrupt: Ctrl-C, between updates; a save is never cut short.
+      OSError: naming the file the run directory could not take (a full disk).
     """
     num_steps, checkpoint_every, log_every = (
         as_int(value, f"train_loop {name}", minimum=1)

@@ -11,10 +11,7 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def read_metrics(path) -> list[dict]:
-    """The records of a metrics file, in file order.
-
-    A line counts once its newline is written: a last line torn by a crash mid-write is
-    ignored, not an error.
+    """The records of a metrics file, in file order; a last line torn by a crash is ignored.
 
     Args:
       path: the metrics file (`run_dir / METRICS_FILE`).
@@ -24,8 +21,7 @@ def read_metrics(path) -> list[dict]:
 
     Raises:
       ValueError: naming the file and the line, when a whole line is not a JSON object
-        with an integer `step` (a file damaged or edited by hand), or the file cannot
-        be read.
+        with an integer `step`, or the file cannot be read.
     """
     path = Path(path)
     if not path.exists():
@@ -55,8 +51,7 @@ def _record(path: Path, number: int, line: str) -> dict:
 
 
 def drop_records_after(path, step: int) -> None:
-    """Rewrites a JSON-lines file (atomically) without its records whose step is above
-    `step`; a missing file stays missing.
+    """Rewrites a JSON-lines file atomically without its records past `step` (a missing file stays so).
 
     Args:
       path: a file of `{"step": int, ...}` lines.
@@ -69,10 +64,8 @@ def drop_records_after(path, step: int) -> None:
 
 
 class MetricsLog:
-    """A JSON-lines metrics file: one `{"step": int, name: float, ...}` object a line.
-
-    Each line is appended whole as it is written (`jaxformer.files.append_line`), so a
-    crashed run keeps every line up to the crash, and a full disk leaves no torn one.
+    """A JSON-lines metrics file: one `{"step": int, name: float, ...}` object a line, each
+    appended whole (`jaxformer.files.append_line`).
 
     Args:
       path: the file; created (with its directory) if missing, appended to otherwise.
@@ -96,10 +89,7 @@ class MetricsLog:
         append_line(self.path, json.dumps(record))
 
     def truncate_after(self, step: int) -> None:
-        """Drops the lines with a step above `step`.
-
-        On resume from checkpoint s the interrupted run's lines after s describe updates
-        that are about to be redone; dropping them keeps each step logged once.
+        """Drops the lines past `step`: on resume, their updates are about to be redone.
 
         Args:
           step: the last step to keep.

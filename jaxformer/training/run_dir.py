@@ -1,10 +1,5 @@
-"""A run directory, started and resumed as a transaction.
-
-A run directory holds `config.json` (what a resumed run must match), `metrics.jsonl`
-(one JSON object per logged step) and `checkpoints/<step>/`. Starting or resuming a run
-checks everything first (`check_run_dir`) and writes only then (`start_run`), so a
-command that is refused leaves the directory as it was. One process at a time works in
-a run directory: it holds the directory's lock (`lock_run_dir`) while it does.
+"""A run directory, started and resumed as a transaction: everything is checked first
+(`check_run_dir`), written only then (`start_run`), by one process at a time (`lock_run_dir`).
 """
 
 from __future__ import annotations
@@ -24,11 +19,9 @@ CONFIG_FILE = "config.json"
 class RunLock:
     """This process's exclusive lock on a run directory; `release()` (or `with`) ends it.
 
-    The lock is `flock` on the directory itself, so taking it writes nothing, and the
-    system drops it when the process ends, however it ends: a run killed with SIGKILL
-    leaves no stale lock behind. Within one process the lock is shared: locking a
-    directory this process already holds counts one more holder (`train_loop` inside a
-    command that locked its run first).
+    `flock` on the directory itself: taking it writes nothing, and the system drops it
+    however the process ends (SIGKILL leaves no stale lock). Within one process it is
+    counted, not refused (`train_loop` inside a command that locked its run first).
     """
 
     _held: dict[Path, list] = {}  # resolved directory -> [fd, holders], this process's locks
@@ -61,17 +54,10 @@ class RunLock:
 
 
 def lock_run_dir(run_dir) -> RunLock:
-    """Takes the lock of an existing run directory, or refuses in one line.
-
-    Args:
-      run_dir: the run directory; it must exist.
-
-    Returns:
-      The `RunLock`, held until released or until the process ends.
+    """The `RunLock` of an existing run directory, held until released or the process ends.
 
     Raises:
-      ValueError: naming the directory, when another process holds its lock (a run, a
-        resume, or a report rebuild of it).
+      ValueError: naming the directory, when another process holds its lock.
     """
     run_dir = Path(run_dir)
     key = run_dir.resolve()
@@ -97,8 +83,7 @@ def check_writable(directory, purpose: str) -> None:
 
     Args:
       directory: an existing directory.
-      purpose: what would be written, for the message ("a resumed run writes its
-        checkpoints and metrics there").
+      purpose: what would be written, for the message.
     """
     directory = Path(directory)
     if os.access(directory, os.W_OK | os.X_OK):
@@ -114,14 +99,13 @@ def check_run_dir(run_dir, config: dict | None, resume: bool) -> None:
 
     Args:
       run_dir: the run directory.
-      config: what a resumed run must match (see `start_run`); None checks only the
-        location (whether the directory can be started or resumed at all).
+      config: what a resumed run must match (see `start_run`); None checks the location only.
       resume: whether the run continues the one in `run_dir`.
 
     Raises:
-      ValueError, in one line naming the path: a new run's directory that is a file,
-        not empty, or cannot be created; a resumed one that does not exist, is not
-        writable, holds no or an unreadable `config.json`, or holds a different config.
+      ValueError: in one line naming the path: a new run's directory that is a file, not
+        empty or not creatable; a resumed one missing, not writable, or whose
+        `config.json` is absent, unreadable or different.
     """
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -147,8 +131,6 @@ def check_run_dir(run_dir, config: dict | None, resume: bool) -> None:
 def start_run(run_dir, config: dict, resume: bool) -> None:
     """Checks `run_dir` (`check_run_dir`), then, for a new run, creates it and writes its config.
 
-    A resumed run's `config.json` is left as it is: it is written once, atomically.
-
     Args:
       run_dir: the run directory; created if missing.
       config: a JSON-serialisable dict of what a resumed run must match (the model, the
@@ -164,15 +146,8 @@ def start_run(run_dir, config: dict, resume: bool) -> None:
 
 
 def save_run_config(run_dir, config: dict) -> None:
-    """Writes `config` to `run_dir/config.json` atomically.
-
-    Args:
-      run_dir: the run directory; created if missing.
-      config: a JSON-serialisable dict.
-
-    Raises:
-      ValueError: naming the directory, when it cannot be created or written.
-    """
+    """Writes the JSON-serialisable `config` to `run_dir/config.json` (the directory created
+    if missing), atomically; a ValueError naming the directory if it cannot be written."""
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -195,16 +170,15 @@ def read_run_config(run_dir) -> dict:
 
 
 def read_run_file(path, what: str = "a JSON object") -> dict | None:
-    """The JSON object a run file holds (`config.json`, `about.json`, `eval.json`), or
-    None when there is no such file.
+    """The JSON object a run file holds (`config.json`, `about.json`, `eval.json`), or None
+    when there is no such file.
 
     Args:
       path: the file.
       what: what it must hold, for the message.
 
     Raises:
-      ValueError: naming the file, when it cannot be read, is not valid JSON or holds
-        something else than an object.
+      ValueError: naming the file: unreadable, not valid JSON, or not an object.
     """
     path = Path(path)
     if not path.exists():
@@ -229,9 +203,8 @@ def check_run_config(run_dir, config: dict, saved: dict | None = None) -> None:
       saved: the saved config, if already read (`read_run_config(run_dir)`).
 
     Raises:
-      ValueError: naming the file and each key whose saved and given values differ (or
-        that only one of them has), nested keys dotted (`model.d_model`); see
-        `read_run_config` for an unreadable file.
+      ValueError: naming the file and each differing key, dotted (`model.d_model`); or
+        the file is unreadable (`read_run_config`).
     """
     saved = _flat(read_run_config(run_dir) if saved is None else saved)
     given = _flat(_jsonable(config))
@@ -267,8 +240,7 @@ def _flat(config: dict, prefix: str = "") -> dict:
 
 
 def _jsonable(config: dict) -> dict:
-    """`config` as it reads back from JSON (tuples become lists), so that a config
-    compares equal to its saved copy."""
+    """`config` as it reads back from JSON (tuples become lists), to compare with its saved copy."""
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict (got {type(config).__name__})")
     return json.loads(json.dumps(config))

@@ -30,8 +30,8 @@ class TrainState:
     def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
         """A state at step 0 with `optimizer.init(params)`.
 
-        The parameters are copied: `train_step` donates its state, which deletes the
-        buffers it was given, and that must not delete the caller's own `params`.
+        The parameters are copied: `train_step` donates (deletes) its state's buffers,
+        which must not be the caller's own `params`.
 
         Args:
           params: the initial parameter pytree.
@@ -56,10 +56,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
 
     Returns:
       `train_step(state, batch, dropout_key) -> (state, metrics)`, metrics
-      `{"loss": loss, **aux}` as device scalars (read them only when logging: fetching
-      them forces the host to wait for the step). The state argument is donated, so XLA
-      updates parameters and optimizer state in place; do not use it after the call.
-      Batches of one shape compile once.
+      `{"loss": loss, **aux}` as device scalars (fetching them waits for the step). The
+      state is donated, updated in place: do not use it after the call.
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -80,10 +78,10 @@ SEED_LIMIT = 2**31  # seeds are ints in [0, SEED_LIMIT)
 
 
 def check_seed(seed, name: str = "seed") -> int:
-    """`seed` as a Python int, or a ValueError naming `name` and the range.
+    """`seed` as a Python int, or a ValueError naming `name` and the range `[0, 2**31)`.
 
-    A seed reaches the jitted key derivation as an int32, and `jax.random.key` keeps only
-    32 bits of a larger one (2**32 would draw what 0 draws): the range is `[0, 2**31)`.
+    The seed reaches the jitted key derivation as an int32; a larger one would be cut to
+    32 bits and draw what a smaller one draws.
     """
     return as_int(seed, name, minimum=0, maximum=SEED_LIMIT - 1)
 
@@ -91,9 +89,8 @@ def check_seed(seed, name: str = "seed") -> int:
 def step_keys(seed: int, step: int) -> tuple[jax.Array, jax.Array]:
     """The random keys of update `step`, a function of `(seed, step)` only.
 
-    The seed's key is split into two streams once, then each is folded with the step:
-    no key is carried from step to step, so any step's keys can be recomputed on resume,
-    and the data stream does not shift if the model starts or stops using dropout.
+    Two streams, each folded with the step: nothing is carried between steps, so a resume
+    recomputes them, and the data stream does not shift when dropout is turned on or off.
 
     Args:
       seed: the run's seed.
