@@ -1,18 +1,8 @@
-"""What every jaxformer command line shares: one way to end, errors as one line, and help
-texts that state their defaults.
+"""What every jaxformer command line shares: one way to end (`run_command`), errors as
+one line, and help texts that state their defaults.
 
-A command's `main` runs its work through `run_command`, which is where every ending
-is decided, so that none of them is a traceback a user has to read:
-
-    exit 0     done
-    exit 1     the work failed for a reason outside the command (a full disk, a
-               read-only folder, a model whose loss stopped being finite): one line
-    exit 2     the command refused its input (`fail`): one line, nothing changed
-    exit 130   Ctrl-C (128 + SIGINT, as shells report it): one line, with what was kept
-    exit 141   standard output went away (a closed pipe, `| head`): quietly (128 + SIGPIPE)
-
-SIGTERM keeps Python's default: the process ends at once, as `kill` expects; what a run
-had committed (its checkpoints) stays.
+The exit statuses, and what each prints, are tabled in docs/training.md ("How a run
+ends"). SIGTERM keeps Python's default: the process ends at once, as `kill` expects.
 """
 
 from __future__ import annotations
@@ -49,17 +39,16 @@ def fail(prog: str, message: str, status: int = REFUSED) -> NoReturn:
 
 
 def note_on_interrupt(note: Callable[[], str] | None) -> None:
-    """What Ctrl-C's line says besides "interrupted" (for example where the run is
-    kept and how to resume it), computed when it happens; None says nothing more."""
+    """Sets what Ctrl-C's line adds to "interrupted" (say, how to resume), computed when it
+    comes; None adds nothing."""
     _interrupt_note[:] = [] if note is None else [note]
 
 
 def interrupted() -> bool:
     """Whether Ctrl-C came during this command, even if something swallowed it.
 
-    A `KeyboardInterrupt` raised while Python runs inside a callback from compiled code
-    (XLA, tensorstore) can be caught there and lost; long loops ask this between their
-    steps (`raise_if_interrupted`), and `run_command` asks it at the end.
+    A `KeyboardInterrupt` raised inside a callback from compiled code (XLA, tensorstore)
+    can be caught there and lost, so long loops ask between their steps.
     """
     return _interrupted.is_set()
 
@@ -72,9 +61,9 @@ def raise_if_interrupted() -> None:
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Ctrl-C inside the block is noted, not raised: the block (a checkpoint being
-    started, say, which an interrupt half-way would leave torn) runs to its end, and the
-    next `raise_if_interrupted`, or the command's end, raises it."""
+    """Ctrl-C inside the block is noted, not raised, so the block (a checkpoint's start,
+    which an interrupt would leave torn) runs to its end; the next `raise_if_interrupted`
+    raises it."""
     _deferring[0] += 1
     try:
         yield
@@ -85,11 +74,9 @@ def interrupts_deferred() -> Iterator[None]:
 def run_command(prog: str, work: Callable[[], int]) -> int:
     """Runs a command's `work()` and returns its exit status: the one way commands end.
 
-    Ctrl-C anywhere ends it with status 130 and one line (`prog: interrupted`, plus the
-    `note_on_interrupt` text); a `BrokenPipeError` (a reader of standard output that
-    went away) with status 141 and nothing printed; an `OSError` nothing else caught
-    (a full disk, a read-only folder) with status 1 and one line naming the path.
-    `SystemExit` (`fail`, `--help`) passes through.
+    Ctrl-C: 130 and `prog: interrupted` (plus the `note_on_interrupt` text). A closed
+    standard output (`BrokenPipeError`): 141, quietly. An uncaught `OSError` (a full
+    disk): 1 and one line naming the path. `SystemExit` (`fail`, `--help`) passes through.
 
     Args:
       prog: the command, for its lines.
@@ -143,9 +130,8 @@ def _interrupt_if_running() -> None:
 
 
 def _redeliver_interrupt(hook, unraisable) -> None:
-    """An unraisable `KeyboardInterrupt` is Ctrl-C landing in a callback that cannot raise
-    (a `gc` callback, JAX has one): Python would print it and go on. Deliver it again to
-    the main thread, a moment later, where it ends the command; pass anything else on."""
+    """Delivers an unraisable `KeyboardInterrupt` (Ctrl-C in a `gc` callback, which Python
+    would print and ignore) to the main thread again, a moment later; passes on the rest."""
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
         threading.Timer(0.01, _interrupt_if_running).start()
         return
@@ -164,8 +150,8 @@ def _flush(stream) -> None:
 
 
 def _silence_stdout() -> None:
-    """Points standard output at /dev/null, so that the interpreter's last flush of
-    what is still buffered for the closed pipe does not print a traceback either."""
+    """Points standard output at /dev/null, so the interpreter's last flush into the closed
+    pipe prints no traceback."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -173,11 +159,7 @@ def _silence_stdout() -> None:
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
-    """Adds "(default: X)" to a flag's help once, only where X says something.
-
-    A help text that already states its default keeps it alone; a default of None (the
-    help says what happens without the flag) or of a switch (off) adds nothing.
-    """
+    """Adds "(default: X)" to a flag's help, unless the help states it or X is None or off."""
 
     def _get_help_string(self, action):
         help = action.help or ""

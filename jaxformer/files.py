@@ -44,16 +44,16 @@ def _mode_for(path: Path, new_mode: int) -> int:
 def write_atomically(path, write: Callable[[Path], None]) -> None:
     """Writes `path` through `write(tmp)`, then renames `tmp` over `path`.
 
-    `tmp` sits in the same directory (a rename within one filesystem is atomic) and is
-    flushed to disk before the rename, so a reader sees the old file or the whole new
-    one. If `write` raises (a full disk, say), `tmp` is removed and `path` is untouched;
-    an `OSError` about `tmp` (or about no file) is raised naming `path`, the file asked for.
-    The file gets the permissions `open()` would give it: a replaced file keeps its
-    mode, a new one is `0o666` less the umask (a temporary file alone would be 0600).
+    `tmp` sits in the same directory, where a rename is atomic, and is flushed first, so
+    a reader sees the old file or the whole new one. It gets the mode `open()` would give
+    (a mkstemp file alone would be 0600).
 
     Args:
       path: the file to create or replace; its directory must exist.
       write: writes the new content to the path it is given.
+
+    Raises:
+      OSError: `write`'s own error (`tmp` removed, `path` untouched), naming `path`.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -79,8 +79,7 @@ def write_text_atomically(path, text: str) -> None:
 def append_line(path, line: str) -> None:
     """Appends `line` and a newline to `path` (created if missing), whole or not at all.
 
-    A write that fails part-way (a disk that fills up) is cut back off, so the file
-    never ends in a torn line that the next append would run on from.
+    A write that fails part-way is cut back off: no torn line for the next append to run on.
 
     Raises:
       OSError: the write's own error, naming `path`.
@@ -103,14 +102,10 @@ def append_line(path, line: str) -> None:
 def write_folder_atomically(path, write: Callable[[Path], None]) -> None:
     """Writes the folder `path` through `write(tmp)`, then swaps `tmp` in for it whole.
 
-    `tmp` is a new folder beside `path` (`.<name>.jaxformer-tmp-XXXX`). Once `write` is
-    done and every file in it is on disk, `tmp` takes `path`'s place in one step where
-    the filesystem can exchange two names (Linux's `renameat2`), so a reader sees the
-    old folder or the new one, never a mix; elsewhere the old folder is renamed away
-    first, leaving an instant with neither. The old folder is then removed. If `write`
-    raises, `tmp` is removed and `path` is untouched. Leftovers of a process killed
-    while writing are removed by the next call for the same `path`; a folder that
-    another process is still writing is left alone (each holds a lock on its own).
+    `tmp` (`.<name>.jaxformer-tmp-XXXX`, beside `path`) is flushed, then exchanged with
+    `path` in one step (Linux's `renameat2`; elsewhere two renames, an instant with
+    neither). If `write` raises, `path` is untouched. A killed writer's twin is removed by
+    the next call; a twin another process holds locked is left alone.
 
     Args:
       path: the folder to create or replace; its parent must exist.
