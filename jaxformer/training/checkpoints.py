@@ -28,12 +28,8 @@ UNRESTORABLE_DIR = "unrestorable_checkpoints"
 
 @dataclasses.dataclass(frozen=True)
 class Restored:
-    """The newest checkpoint that restored, and the newer ones that did not.
-
-    Attributes:
-      state: the restored state.
-      step: its step.
-      unrestorable: `(step, why)` of each newer checkpoint that failed, newest first.
+    """The newest checkpoint that restored (`state`, `step`), and `unrestorable`: `(step, why)`
+    of each newer one that failed, newest first.
     """
 
     state: TrainState
@@ -44,12 +40,10 @@ class Restored:
 class Checkpointer:
     """Saves and restores `TrainState`s under `run_dir/checkpoints/<step>` with orbax.
 
-    `save` returns once the arrays are on the host; the files are written in the
-    background into `<step>.orbax-checkpoint-tmp`, renamed to `<step>` when complete.
-    Orbax lists only integer names, so a save cut short by a crash is never restored
-    (a writable `Checkpointer` deletes its leftovers). A failed save is one `OSError` from
-    `save`, `wait` or `close`, whichever learns of it first, and leaves nothing of that
-    checkpoint behind; what orbax's threads log about it meanwhile is kept off stderr.
+    `save` returns once the arrays are on the host; orbax writes the files in the background
+    into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete, and lists
+    only integer names, so a save cut short by a crash is never restored. A failed save is
+    one `OSError` from `save`, `wait` or `close`, leaving nothing of that checkpoint behind.
 
     Args:
       run_dir: the run directory.
@@ -86,9 +80,6 @@ class Checkpointer:
     def save(self, state: TrainState) -> None:
         """Starts saving `state` as step `state.step`; `wait()` for it to be on disk.
 
-        Args:
-          state: the state to save.
-
         Raises:
           ValueError: that step or a later one is already saved (orbax would skip it silently).
         """
@@ -100,12 +91,12 @@ class Checkpointer:
             self._manager.save(step, args=ocp.args.StandardSave(state))
 
     def restore(self, target_state: TrainState, step: int | None = None) -> TrainState:
-        """A saved state, laid out like `target_state`.
+        """The saved state of `step` (default: the latest), laid out like `target_state`.
 
         Args:
-          target_state: gives the pytree structure, shapes, dtypes and shardings (its
-            values are not used), so a state saved on one mesh restores onto another.
-          step: the step to restore; default the latest.
+          target_state: gives the structure, shapes, dtypes and shardings (not the values), so
+            a state saved on one mesh restores onto another.
+          step: the step to restore.
 
         Raises:
           ValueError: there is no checkpoint to restore.
@@ -117,16 +108,13 @@ class Checkpointer:
         return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
     def restore_newest(self, target_state: TrainState) -> Restored:
-        """The newest checkpoint that restores, trying older ones when a newer one fails.
+        """The newest checkpoint that restores, as `Restored`, trying older ones when a newer one fails.
 
-        A checkpoint that fails to read (a file cut short or garbled) is skipped and noted;
-        nothing on disk is touched (`set_aside` moves it, once the caller goes on).
+        One that fails to read (a file cut short or garbled) is noted and left on disk
+        (`set_aside` moves it, once the caller goes on).
 
         Args:
           target_state: as for `restore`.
-
-        Returns:
-          The `Restored` state, with the newer checkpoints that failed and why.
 
         Raises:
           ValueError: in one line: no checkpoint, or none restores (each step with why).
@@ -148,11 +136,7 @@ class Checkpointer:
         raise ValueError(f"no checkpoint in {self.directory} restores ({reasons}); nothing was changed")
 
     def set_aside(self, step: int) -> Path:
-        """Moves checkpoint `step` to `run_dir/unrestorable_checkpoints/<step>`, kept but unseen.
-
-        Returns:
-          Where it went.
-        """
+        """Moves checkpoint `step` to `run_dir/unrestorable_checkpoints/<step>`, kept but unseen; returns where."""
         target = self.run_dir / UNRESTORABLE_DIR / str(step)
         suffix = 0
         while target.exists():  # set aside before: keep both
@@ -164,20 +148,12 @@ class Checkpointer:
         return target
 
     def wait(self) -> None:
-        """Blocks until every started save is committed.
-
-        Raises:
-          OSError: in one line, naming the checkpoint folder, when a save failed.
-        """
+        """Blocks until every started save is committed; a failed one raises `OSError` in one line."""
         with self._writing():
             self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's background resources.
-
-        Raises:
-          OSError: see `wait` (not again after a failure already raised).
-        """
+        """Waits for pending saves (see `wait`) and releases orbax's background resources."""
         try:
             if not self._failed:
                 with self._writing():

@@ -57,38 +57,31 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
 
     Update s trains on `make_batch(data_key)`, `(data_key, dropout_key) = step_keys(seed,
     s)`, so a resumed run redraws exactly. Metrics reach the host only at a log line, the
-    one wait for the device; the first line's `steps_per_sec` includes compilation. Every
-    check (of `resume` too) comes before anything in `run_dir` is written; how a run
-    stops (divergence, Ctrl-C, a full disk) is in docs/training.md, "How a run ends".
+    one wait for the device (the first line's `steps_per_sec` includes compilation). Every
+    check comes before anything in `run_dir` is written; how a run stops is in
+    docs/training.md, "How a run ends".
 
     Args:
-      state: the initial state; with `resume=True`, the structure the checkpoint
-        restores onto.
+      state: the initial state (with `resume`, the structure the checkpoint restores onto).
       train_step: from `make_train_step`.
       make_batch: `make_batch(data_key) -> batch`, the same shapes every step.
       seed: the run's seed.
       num_steps: the update count to stop at.
       run_dir: the run directory.
-      checkpoint_every: updates between checkpoints.
-      log_every: updates between metrics lines.
-      lr_schedule: optional `step -> learning rate`, for the log only (`lr`: the rate of
-        the line's last update).
-      resume: False for a new run; True to continue the run in `run_dir`; or the
-        `Restored` its caller already got from `Checkpointer(run_dir,
-        read_only=True).restore_newest(state)` (to check it before writing anything).
+      checkpoint_every, log_every: updates between checkpoints, and between metrics lines.
+      lr_schedule: optional `step -> learning rate`, logged as `lr` (the line's last update's).
+      resume: False for a new run; True to continue the one in `run_dir`; or the `Restored`
+        the caller already got from `Checkpointer(run_dir, read_only=True).restore_newest`.
       progress: show a `ProgressBar` on stderr.
-      on_checkpoint: called with the state after each checkpoint is started (the save
-        runs in the background meanwhile).
+      on_checkpoint: called with the state after each checkpoint is started.
 
     Returns:
       The state after `num_steps` updates, its checkpoint on disk.
 
     Raises:
-      ValueError: a non-positive count; checkpoints in `run_dir` without `resume` (the
-        runs would mix); with `resume`, none that restores, or one past `num_steps`;
-        another process holds the run directory.
-      Diverged: a loss was NaN or inf (at the next log line or checkpoint), or an update
-        left the parameters non-finite; nothing past it is logged or saved.
+      ValueError: a non-positive count; checkpoints in `run_dir` without `resume`; with
+        `resume`, none that restores or one past `num_steps`; another process holds `run_dir`.
+      Diverged: a loss, or the parameters after an update, were NaN or inf.
       KeyboardInterrupt: Ctrl-C, between updates; a save is never cut short.
       OSError: naming the file the run directory could not take (a full disk).
     """

@@ -11,17 +11,15 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def read_metrics(path) -> list[dict]:
-    """The records of a metrics file, in file order; a last line torn by a crash is ignored.
+    """The records of a metrics file, one dict a line in file order (`[]` for no file).
+
+    A last line torn by a crash is ignored.
 
     Args:
       path: the metrics file (`run_dir / METRICS_FILE`).
 
-    Returns:
-      One dict per line (`[]` if the file does not exist).
-
     Raises:
-      ValueError: naming the file and the line, when a whole line is not a JSON object
-        with an integer `step`, or the file cannot be read.
+      ValueError: naming the file and the line that is not a record with an integer `step`.
     """
     path = Path(path)
     if not path.exists():
@@ -51,11 +49,8 @@ def _record(path: Path, number: int, line: str) -> dict:
 
 
 def drop_records_after(path, step: int) -> None:
-    """Rewrites a JSON-lines file atomically without its records past `step` (a missing file stays so).
-
-    Args:
-      path: a file of `{"step": int, ...}` lines.
-      step: the last step to keep.
+    """Rewrites a JSON-lines file of `{"step": int, ...}` records atomically without those past
+    `step`; a missing file stays missing.
     """
     path = Path(path)
     if path.exists():
@@ -64,11 +59,8 @@ def drop_records_after(path, step: int) -> None:
 
 
 class MetricsLog:
-    """A JSON-lines metrics file: one `{"step": int, name: float, ...}` object a line, each
-    appended whole (`jaxformer.files.append_line`).
-
-    Args:
-      path: the file; created (with its directory) if missing, appended to otherwise.
+    """A JSON-lines metrics file (created with its directory), one `{"step": int, name: float}`
+    object a line, each appended whole (`jaxformer.files.append_line`).
     """
 
     def __init__(self, path):
@@ -76,22 +68,14 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, step: int, **values) -> None:
-        """Appends one line.
-
-        Args:
-          step: the updates done when the values were taken.
-          **values: the metrics, each written as a float.
+        """Appends the line of `step` (the updates done), each of `values` as a float.
 
         Raises:
-          OSError: naming the file, when it cannot be written (the line is not kept).
+          OSError: naming the file, when the line could not be written (it is not kept).
         """
         record = {"step": int(step), **{name: float(v) for name, v in values.items()}}
         append_line(self.path, json.dumps(record))
 
     def truncate_after(self, step: int) -> None:
-        """Drops the lines past `step`: on resume, their updates are about to be redone.
-
-        Args:
-          step: the last step to keep.
-        """
+        """Drops the lines past `step`: on resume, their updates are about to be redone."""
         drop_records_after(self.path, step)

@@ -20,8 +20,8 @@ class RunLock:
     """This process's exclusive lock on a run directory; `release()` (or `with`) ends it.
 
     `flock` on the directory itself: taking it writes nothing, and the system drops it
-    however the process ends (SIGKILL leaves no stale lock). Within one process it is
-    counted, not refused (`train_loop` inside a command that locked its run first).
+    however the process ends. Within one process it is counted, not refused (`train_loop`
+    inside a command that locked its run first).
     """
 
     _held: dict[Path, list] = {}  # resolved directory -> [fd, holders], this process's locks
@@ -79,11 +79,8 @@ def lock_run_dir(run_dir) -> RunLock:
 
 
 def check_writable(directory, purpose: str) -> None:
-    """Raises ValueError, naming `directory`, unless this process can write in it.
-
-    Args:
-      directory: an existing directory.
-      purpose: what would be written, for the message.
+    """Raises ValueError, naming `directory` and `purpose` (what would be written), unless this
+    process can write in it.
     """
     directory = Path(directory)
     if os.access(directory, os.W_OK | os.X_OK):
@@ -95,7 +92,7 @@ def check_writable(directory, purpose: str) -> None:
 
 
 def check_run_dir(run_dir, config: dict | None, resume: bool) -> None:
-    """Checks, reading only, that a run can start in (or resume from) `run_dir`.
+    """Checks, reading only, that a run can start in (`resume` False) or resume from `run_dir`.
 
     Args:
       run_dir: the run directory.
@@ -103,9 +100,8 @@ def check_run_dir(run_dir, config: dict | None, resume: bool) -> None:
       resume: whether the run continues the one in `run_dir`.
 
     Raises:
-      ValueError: in one line naming the path: a new run's directory that is a file, not
-        empty or not creatable; a resumed one missing, not writable, or whose
-        `config.json` is absent, unreadable or different.
+      ValueError: in one line naming the path (a new run's directory not empty or not
+        creatable; a resumed one missing, not writable, or with another `config.json`).
     """
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
@@ -132,13 +128,10 @@ def start_run(run_dir, config: dict, resume: bool) -> None:
     """Checks `run_dir` (`check_run_dir`), then, for a new run, creates it and writes its config.
 
     Args:
-      run_dir: the run directory; created if missing.
+      run_dir: the run directory.
       config: a JSON-serialisable dict of what a resumed run must match (the model, the
-        recipe, the seed; not: how long to train or how often to log).
+        recipe, the seed; not how long to train or how often to log).
       resume: whether this continues the run already in `run_dir`.
-
-    Raises:
-      ValueError: see `check_run_dir`; also when the directory cannot be written.
     """
     check_run_dir(run_dir, config, resume)
     if not resume:
@@ -157,11 +150,7 @@ def save_run_config(run_dir, config: dict) -> None:
 
 
 def read_run_config(run_dir) -> dict:
-    """The config saved in `run_dir/config.json`.
-
-    Raises:
-      ValueError: naming the file, when it is missing, not valid JSON or not an object.
-    """
+    """The config saved in `run_dir/config.json`; a ValueError naming the file if it is missing or damaged."""
     path = Path(run_dir) / CONFIG_FILE
     saved = read_run_file(path, "a run config (a JSON object)")
     if saved is None:
@@ -170,15 +159,8 @@ def read_run_config(run_dir) -> dict:
 
 
 def read_run_file(path, what: str = "a JSON object") -> dict | None:
-    """The JSON object a run file holds (`config.json`, `about.json`, `eval.json`), or None
-    when there is no such file.
-
-    Args:
-      path: the file.
-      what: what it must hold, for the message.
-
-    Raises:
-      ValueError: naming the file: unreadable, not valid JSON, or not an object.
+    """The JSON object of a run file (`config.json`, `about.json`, `eval.json`), None if absent;
+    a ValueError naming the file when it is not `what` (a JSON object).
     """
     path = Path(path)
     if not path.exists():
@@ -200,11 +182,10 @@ def check_run_config(run_dir, config: dict, saved: dict | None = None) -> None:
     Args:
       run_dir: the run directory.
       config: the config the resumed run would use.
-      saved: the saved config, if already read (`read_run_config(run_dir)`).
+      saved: the saved config, if already read.
 
     Raises:
-      ValueError: naming the file and each differing key, dotted (`model.d_model`); or
-        the file is unreadable (`read_run_config`).
+      ValueError: naming the file and each differing key, dotted (`model.d_model`).
     """
     saved = _flat(read_run_config(run_dir) if saved is None else saved)
     given = _flat(_jsonable(config))
