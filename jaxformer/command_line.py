@@ -26,13 +26,8 @@ _interrupt_note: list[Callable[[], str]] = []  # what the interrupted line adds,
 
 
 def fail(prog: str, message: str, status: int = REFUSED) -> NoReturn:
-    """Stops a command with one clear line on stderr, not a traceback.
-
-    Args:
-      prog: the command, e.g. "python -m train.lm".
-      message: what is wrong, naming the flag, file or limit.
-      status: the exit status: `REFUSED` (2) for input the command will not take,
-        `FAILED` (1) for work that could not be done.
+    """Stops a command with one line on stderr, `prog: error: message`, and exit `status`:
+    `REFUSED` (2) for input the command will not take, `FAILED` (1) for work it could not do.
     """
     _say(f"{prog}: error: {message}")
     sys.exit(status)
@@ -45,10 +40,8 @@ def note_on_interrupt(note: Callable[[], str] | None) -> None:
 
 
 def interrupted() -> bool:
-    """Whether Ctrl-C came during this command, even if something swallowed it.
-
-    A `KeyboardInterrupt` raised inside a callback from compiled code (XLA, tensorstore)
-    can be caught there and lost, so long loops ask between their steps.
+    """Whether Ctrl-C came during this command, even if a callback from compiled code (XLA,
+    tensorstore) caught and lost the `KeyboardInterrupt`; long loops ask between steps.
     """
     return _interrupted.is_set()
 

@@ -44,16 +44,15 @@ def _mode_for(path: Path, new_mode: int) -> int:
 def write_atomically(path, write: Callable[[Path], None]) -> None:
     """Writes `path` through `write(tmp)`, then renames `tmp` over `path`.
 
-    `tmp` sits in the same directory, where a rename is atomic, and is flushed first, so
-    a reader sees the old file or the whole new one. It gets the mode `open()` would give
-    (a mkstemp file alone would be 0600).
+    `tmp` sits in the same directory, where a rename is atomic, and is flushed first, so a
+    reader sees the old file or the whole new one; it gets the mode `open()` would give.
 
     Args:
       path: the file to create or replace; its directory must exist.
       write: writes the new content to the path it is given.
 
     Raises:
-      OSError: `write`'s own error (`tmp` removed, `path` untouched), naming `path`.
+      OSError: `write`'s own, naming `path` (`tmp` removed, `path` untouched).
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -77,12 +76,8 @@ def write_text_atomically(path, text: str) -> None:
 
 
 def append_line(path, line: str) -> None:
-    """Appends `line` and a newline to `path` (created if missing), whole or not at all.
-
-    A write that fails part-way is cut back off: no torn line for the next append to run on.
-
-    Raises:
-      OSError: the write's own error, naming `path`.
+    """Appends `line` and a newline to `path` (created if missing), whole or not at all: a
+    write that fails part-way is cut back off, and its `OSError` names `path`.
     """
     data = (line + "\n").encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # new: 0o666 less the umask

@@ -99,16 +99,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str = "spl
 
 
 def interleaved_to_split_half(head_dim: int) -> np.ndarray:
-    """The channel order `perm` with `x_split_half = x_interleaved[..., perm]`.
+    """The channel order `perm`, `[head_dim]`, with `x_split_half = x_interleaved[..., perm]`.
 
     Split-half channel i is interleaved channel 2i, and i + head_dim/2 is 2i + 1, so each
     pair keeps its frequency. It applies to W_Q and W_K's head_dim axis, never W_V's;
     `np.argsort(perm)` goes back.
-
-    Args:
-      head_dim: channels per head (even).
-
-    Returns:
-      `[head_dim]` int indices.
     """
     return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])

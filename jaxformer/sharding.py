@@ -109,8 +109,8 @@ def param_axes(model: nn.Module) -> dict:
     Runs `model.init` on shapes only (`jax.eval_shape`): nothing is computed.
 
     Raises:
-      ValueError: a parameter was created without names (a plain `self.param`), which
-        would otherwise be silently replicated.
+      ValueError: a parameter created without names (a plain `self.param`), which would
+        otherwise be silently replicated.
     """
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs()))
     declared = {_names(path): axes.names for path, axes in jax.tree_util.tree_flatten_with_path(
@@ -127,18 +127,15 @@ def param_axes(model: nn.Module) -> dict:
 
 
 def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
-    """A `(data, model)` mesh over `devices` (default: all of them).
+    """A `(data, model)` mesh over `devices` (default `jax.devices()`, in order).
 
     Args:
       data: devices along the batch axis; None takes every device `model` leaves.
       model: devices along the tensor-parallel axis.
-      devices: the devices to use, in order; defaults to `jax.devices()`.
-
-    Returns:
-      A `jax.sharding.Mesh` with axes `("data", "model")`.
+      devices: the devices to use.
 
     Raises:
-      ValueError: `data` or `model` not a positive int, or the mesh not using every device.
+      ValueError: `data` or `model` not a positive int, or `data * model` not the device count.
     """
     devices = jax.devices() if devices is None else list(devices)
     n_model = python_int(model)  # numpy ints too, as plain ints
@@ -193,20 +190,17 @@ def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, st
 def tree_shardings(tree, axes: dict, mesh: Mesh, strategy: str = "dp"):
     """A `NamedSharding` for every leaf of a parameter tree, a `TrainState` or an optimizer state.
 
+    A leaf whose path ends with a parameter's path (an optimizer moment) is placed as that
+    parameter; a scalar is replicated.
+
     Args:
       tree: the arrays to place (their shapes are read, not their values).
       axes: `param_axes(model)`.
       mesh: from `make_mesh`.
       strategy: "dp" or "fsdp" (tensor parallelism follows from the mesh's `model` axis).
 
-    Returns:
-      A tree of `NamedSharding`s shaped like `tree`: a leaf whose path ends with a
-      parameter's path (an optimizer moment) is placed as that parameter; a scalar is
-      replicated.
-
     Raises:
-      ValueError: an array leaf that belongs to no named parameter, or whose rank does
-        not match its names.
+      ValueError: an array leaf of no named parameter, or whose rank does not match its names.
     """
     declared = {_names(path): names for path, names in
                 jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0]}

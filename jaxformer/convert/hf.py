@@ -301,10 +301,10 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, sca
     """Loads a Hugging Face `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` folder.
 
     Args:
-      path: a folder with `config.json` and `model.safetensors` (or shards plus
-        `model.safetensors.index.json`), as `save_pretrained` writes it.
-      max_seq_len: longest sequence the loaded model accepts; defaults to the
-        checkpoint's `max_position_embeddings` (see `config_from_hf` for sliding windows).
+      path: a folder as `save_pretrained` writes it: `config.json`, `model.safetensors` or
+        shards with `model.safetensors.index.json`.
+      max_seq_len: longest sequence the model accepts; default `max_position_embeddings`
+        (see `config_from_hf` for sliding windows).
       dtype: compute dtype of the returned config (parameters stay float32).
       scan_layers: return the scanned form (`DecoderConfig.scan_layers`, parameters stacked).
 
@@ -313,8 +313,7 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, sca
 
     Raises:
       FileNotFoundError: `path`, its `config.json` or its weights do not exist.
-      ValueError: naming the file and what is wrong: not a folder, a file that does not
-        parse, a `config.json` field missing or not representable, a tensor that does not fit.
+      ValueError: naming the file and what is wrong with it (docs/parity.md lists what is refused).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint folder")
@@ -356,16 +355,15 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
             eos_id: int | list[int] | None = None, pad_id: int | None = None) -> None:
     """Writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-    Llama, or Qwen2 with q/k/v biases. An interleaved-RoPE model is saved permuted to
+    Llama, or Qwen2 with q/k/v biases; an interleaved-RoPE model is saved permuted to
     split-half, the only pairing transformers implements.
 
     Args:
       config: the `DecoderConfig` (either `scan_layers` form).
       params: the `Decoder` parameter tree.
-      path: the folder (created if needed); `config.json`, `generation_config.json` and
-        `model.safetensors` in it are replaced, each atomically.
-      bos_id, eos_id, pad_id: the tokenizer's special ids (`eos_id` may list several),
-        for `config.json` and `generation_config.json`, where readers find the stop ids.
+      path: the folder (created if needed); each file in it is replaced atomically.
+      bos_id, eos_id, pad_id: the tokenizer's special ids (`eos_id` may list several), for
+        `config.json` and `generation_config.json`, where readers find the stop ids.
 
     Raises:
       OSError: naming the file, when the folder cannot be written (a full disk).

@@ -51,23 +51,17 @@ _ITEM_FILTERS = frozenset({"attr", "batch", "count", "d", "default", "dictsort",
 
 
 class TemplateLimitError(BaseException):
-    """A template passed one of `BoundedEnvironment`'s bounds; the message says which.
-
-    A `BaseException`, so no `except Exception` in a filter or in Jinja swallows it: raised
-    from the trace function it also turns the trace off, and a swallowed one would leave
-    the template unbounded.
+    """A template passed a bound (the message says which). A `BaseException`, so that no
+    `except Exception` in a filter or in Jinja swallows it: raised from the trace function
+    it also turns the trace off, and a swallowed one would leave the template unbounded.
     """
 
 
 @contextlib.contextmanager
 def bounds(seconds: float = RENDER_SECONDS) -> Iterator[None]:
-    """Holds what runs in the block, in this thread, to `seconds` and to `MAX_BUILT`.
-
-    The clock is read at every line of a template's code and every Python call; the
-    previous trace function (a debugger's, coverage's) is back when the block ends.
-
-    Raises:
-      TemplateLimitError: past `seconds`, or the values `built` add up past `MAX_BUILT`.
+    """Holds what runs in the block, in this thread, to `seconds` and to `MAX_BUILT`, raising
+    `TemplateLimitError`: the clock is read at every line of a template's code and every
+    Python call. The previous trace function (a debugger's, coverage's) is back afterwards.
     """
     end = time.monotonic() + seconds
 

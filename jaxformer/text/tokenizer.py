@@ -30,12 +30,10 @@ END_OF_TEXT = "<|endoftext|>"  # the byte-level BPE tokenizers' end of a documen
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-    """A `tokenizers.Tokenizer` with the special tokens and chat template around it.
+    """A `tokenizers.Tokenizer` (`backend`) with the special tokens and chat template around it.
 
     Attributes:
-      backend: the `tokenizers.Tokenizer`.
-      special_tokens: role (`bos_token`, `eos_token`, `pad_token`, `unk_token`) -> token
-        text, for the roles the tokenizer has.
+      special_tokens: role (`bos_token`, `eos_token`, `pad_token`, `unk_token`) -> token text.
       chat_template: the Jinja template that turns messages into a prompt, or None.
       eos_ids: the stop ids the checkpoint names; None: the EOS token's.
     """
@@ -153,14 +151,11 @@ def _eos_ids(path: str, vocab_size: int) -> tuple[int, ...] | None:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """Reads the tokenizer of a Hugging Face checkpoint folder.
+    """Reads the tokenizer of a Hugging Face checkpoint folder (`stop_ids` as transformers finds them).
 
     Args:
       path: a folder holding `tokenizer.json`, and optionally `tokenizer_config.json`,
         `chat_template.jinja`, `generation_config.json` and `config.json`.
-
-    Returns:
-      The `Tokenizer`, its `stop_ids` resolved as transformers' `generate` does.
 
     Raises:
       FileNotFoundError: the folder or its `tokenizer.json` is missing.
@@ -203,11 +198,8 @@ def _framing(backend: tokenizers.Tokenizer, special: dict[str, str], add_bos: bo
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str) -> None:
-    """Writes `tokenizer.json` and `tokenizer_config.json` into the folder `path`, each atomically.
-
-    Args:
-      tokenizer: what to write.
-      path: the folder (created if needed), which `load_tokenizer` and `AutoTokenizer` read.
+    """Writes `tokenizer.json` and `tokenizer_config.json` into the folder `path` (created if
+    needed), each atomically, for `load_tokenizer` and transformers' `AutoTokenizer`.
     """
     os.makedirs(path, exist_ok=True)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens,
@@ -224,10 +216,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
     Args:
       texts: the training texts.
-      vocab_size: the 256 bytes, `<|endoftext|>` (id 0: BOS, EOS and PAD) and the merges.
-
-    Raises:
-      ValueError: `vocab_size` below 257.
+      vocab_size: the 256 bytes, `<|endoftext|>` (id 0: BOS, EOS and PAD) and the merges;
+        below 257 is a ValueError.
     """
     vocab_size = as_int(vocab_size, "vocab_size", minimum=257)
     backend = tokenizers.Tokenizer(models.BPE())
@@ -249,11 +239,8 @@ def char_tokenizer(chars: Sequence[str]) -> Tokenizer:
 
 
 def word_tokenizer(words: Sequence[str], **special_tokens: str) -> Tokenizer:
-    """`words[i]` is id i; a text is words separated by spaces, and decodes the same way.
-
-    Args:
-      words: the vocabulary.
-      **special_tokens: roles (`bos_token=...`) of some of the words.
+    """`words[i]` is id i, some of them in the roles `special_tokens` names (`bos_token=...`);
+    a text is words separated by spaces, and decodes the same way.
     """
     backend = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
