@@ -4,7 +4,7 @@ A demo module provides a frozen `Settings` dataclass (its recipe; the defaults a
 CLI's), `build(settings) -> Setup`, and its own evaluation. This module holds the rest:
 the one-line-error parser, the flags every demo has, the run directory's name, recorded
 config and tokenizer, the path from a `Setup` to trained parameters through
-`jaxformer.training`, and the run's report page (`jaxformer.training.report`), which a
+`jaxformer.training`, and the run's report page (`train.report_page`), which a
 demo feeds with a `snapshot(params) -> {"attention": [...], "samples": [...]}` of what its
 model does at step 0 and at every checkpoint.
 """
@@ -36,8 +36,8 @@ from jaxformer.training import (CHECKPOINT_DIR, METRICS_FILE, Checkpointer, Dive
                                 TrainState, check_run_dir, check_seed, enable_compilation_cache,
                                 initialize_distributed, lock_run_dir, make_train_step, read_metrics,
                                 save_run_config, shard_batches, shard_state, train_loop)
-from jaxformer.training.report import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
-                                       record_session, record_snapshot, write_report)
+from train.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
+                               record_session, record_snapshot, write_report)
 
 DTYPES = ("float32", "bfloat16")
 # Config fields a run may change on resume: parameters and optimizer state are stored in

@@ -36,8 +36,8 @@ from jaxformer.decoder import sown_attention_weights
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from jaxformer.text import Tokenizer, save_tokenizer
 from jaxformer.text.streaming import REPLACEMENT
-from jaxformer.training.report import attention_group
 from train import cli
+from train.report_page import attention_group
 from train.tasks import (BPE_MIN_VOCAB, COPY_LEN, COPY_SYMBOLS, IGNORE, TEXT_TOKENIZERS, TextCorpus, copy_batch,
                          copy_prompts, copy_tokenizer, encode_prompt)
 

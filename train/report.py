@@ -21,9 +21,9 @@ import jax
 
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, run_command
 from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, lock_run_dir, read_run_config
-from jaxformer.training.report import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
-                                       record_snapshot, write_report)
 from train import lm, reverse
+from train.report_page import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
+                               record_snapshot, write_report)
 
 PROG = "python -m train.report"
 

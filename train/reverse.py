@@ -32,9 +32,9 @@ from jaxformer import VanillaConfig, VanillaTransformer, generate
 from jaxformer.command_line import run_command
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
-from jaxformer.training.report import attention_group
-from jaxformer.viz import ascii_attention, save_attention_grid
 from train import cli
+from train.attention_maps import ascii_attention, save_attention_grid
+from train.report_page import attention_group
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 PROG = "python -m train.reverse"

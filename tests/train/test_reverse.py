@@ -10,8 +10,8 @@ import pytest
 from report_page import Page, check_report, chromium, heatmap_colours_shown, render
 
 from jaxformer.training import read_metrics
-from jaxformer.training.report import read_snapshots
 from train import report, reverse
+from train.report_page import read_snapshots
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
         "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]
