@@ -121,9 +121,9 @@ def test_the_page_renders_in_a_browser(runs, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "-5"], "--steps must be >= 1"),
-    (["--d-model", "30", "--n-head", "4"], "VanillaConfig.d_model: must be divisible by n_head=4"),
-    (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
+    (["--steps", "-5"], "--steps must be a positive int (got -5)"),
+    (["--d-model", "30", "--n-head", "4"], "VanillaConfig.d_model must be divisible by n_head=4"),
+    (["--label-smoothing", "1.5"], "--label-smoothing must be a finite number in [0, 1) (got 1.5)"),
     (["--resume"], "--resume needs --run-dir"),
     (["--steps", "many"], "invalid int value"),
 ])
