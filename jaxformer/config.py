@@ -8,12 +8,11 @@ validated again, so an inconsistent config can never reach a model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
-from jaxformer.validation import finite_float, floating_dtype, python_int
+from jaxformer.validation import as_bool, as_float, as_floating_dtype, as_int, check_fields, one_of, require
 
 ROPE_PAIRINGS = ("split_half", "interleaved")
 
@@ -27,47 +26,17 @@ def swiglu_hidden_dim(d_model: int) -> int:
     return int(round(d_model * 8 / 3 / 64) * 64)
 
 
+def _check(config, check, *fields: str, **limits) -> None:
+    """Each of `fields` checked and normalised by `check` (`jaxformer.validation`), named
+    `ClassName.field`; fields hold plain Python values, so configs built from numpy
+    scalars hash and compare like any other, and `dataclasses.asdict` gives numbers that
+    `json` writes."""
+    check_fields(config, lambda field: f"{type(config).__name__}.{field}", check, *fields, **limits)
+
+
 def _require(config, condition: bool, field: str, rule: str) -> None:
-    if not condition:
-        raise ValueError(f"{type(config).__name__}.{field}: {rule} (got {getattr(config, field)!r})")
-
-
-def _normalise(config, field: str, convert: Callable[[Any], Any], rule: str,
-               condition: Callable[[Any], bool] = lambda value: True) -> None:
-    """Stores `convert(value)` in place of `field`'s value, or raises naming `rule`.
-
-    `convert` returns None for a value of the wrong kind; `condition` is then asked of the
-    converted value. Fields hold plain Python values (an `np.int64` becomes an int), so
-    configs built from numpy scalars hash and compare like any other, and
-    `dataclasses.asdict` gives numbers that `json` writes.
-    """
-    value = convert(getattr(config, field))
-    _require(config, value is not None and condition(value), field, rule)
-    object.__setattr__(config, field, value)  # a frozen dataclass sets fields this way
-
-
-def _as_bool(value) -> bool | None:
-    return bool(value) if isinstance(value, (bool, np.bool_)) else None
-
-
-def _positive_ints(config, *fields: str, optional: bool = False) -> None:
-    """Each field a positive int; with `optional`, None is allowed too."""
-    for field in fields:
-        if not (optional and getattr(config, field) is None):
-            _normalise(config, field, python_int, "must be None or a positive int" if optional else
-                       "must be a positive int", lambda value: value > 0)
-
-
-def _positive_floats(config, *fields: str) -> None:
-    for field in fields:
-        _normalise(config, field, finite_float, "must be a finite number > 0", lambda value: value > 0)
-
-
-def _bools(config, *fields: str, optional: bool = False) -> None:
-    """Each field a bool (or `np.bool_`); with `optional`, None is allowed too."""
-    for field in fields:
-        if not (optional and getattr(config, field) is None):
-            _normalise(config, field, _as_bool, "must be None or a bool" if optional else "must be a bool")
+    """A rule between fields, named by the field it is stated of."""
+    require(condition, f"{type(config).__name__}.{field}", rule, getattr(config, field))
 
 
 class _ModelConfig:
@@ -89,8 +58,8 @@ class _ModelConfig:
 
     def _normalise_dtypes(self) -> None:
         """Stores each dtype as a numpy dtype: "bfloat16", jnp.bfloat16, np.dtype(...) alike."""
-        for field in ("dtype", "param_dtype") + (("cache_dtype",) if self.cache_dtype is not None else ()):
-            _normalise(self, field, floating_dtype, "must be a floating dtype")
+        optional = ("cache_dtype",) if self.cache_dtype is not None else ()
+        _check(self, as_floating_dtype, "dtype", "param_dtype", *optional)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,19 +121,17 @@ class DecoderConfig(_ModelConfig):
 
     def __post_init__(self):
         # Each field's kind first: the rules between fields below compare plain numbers.
-        _positive_ints(self, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len")
-        _positive_ints(self, "d_ff", "head_dim_override", optional=True)
-        _positive_floats(self, "rope_theta", "norm_eps")
-        _bools(self, "tie_embeddings", "qkv_bias", "scan_layers")
-        _normalise(self, "rope_pairing", lambda value: str(value) if isinstance(value, str) else None,
-                   f"must be one of {ROPE_PAIRINGS}", lambda value: value in ROPE_PAIRINGS)
+        _check(self, as_int, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len", minimum=1)
+        _check(self, as_int, "d_ff", "head_dim_override", minimum=1, optional=True)
+        _check(self, as_float, "rope_theta", "norm_eps", above=0)
+        _check(self, as_bool, "tie_embeddings", "qkv_bias", "scan_layers")
+        _check(self, one_of, "rope_pairing", choices=ROPE_PAIRINGS)
         self._normalise_dtypes()
         _require(self, self.head_dim_override is not None or self.d_model % self.n_head == 0, "d_model",
-                 f"must be divisible by n_head={self.n_head} (or set head_dim_override)")
-        _require(self, self.n_head % self.n_kv_head == 0, "n_head",
-                 f"must be divisible by n_kv_head={self.n_kv_head}")
+                 f"divisible by n_head={self.n_head} (or set head_dim_override)")
+        _require(self, self.n_head % self.n_kv_head == 0, "n_head", f"divisible by n_kv_head={self.n_kv_head}")
         _require(self, self.head_dim % 2 == 0, "head_dim_override" if self.head_dim_override else "d_model",
-                 f"head_dim={self.head_dim} must be even for RoPE pairs")
+                 f"such that head_dim={self.head_dim} is even, for RoPE pairs")
 
     @property
     def head_dim(self) -> int:
@@ -230,20 +197,20 @@ class VanillaConfig(_ModelConfig):
 
     def __post_init__(self):
         # Each field's kind first: the rules between fields below compare plain numbers.
-        _positive_ints(self, "src_vocab_size", "tgt_vocab_size", "n_layer", "d_model", "d_ff", "n_head",
-                       "max_seq_len")
+        _check(self, as_int, "src_vocab_size", "tgt_vocab_size", "n_layer", "d_model", "d_ff", "n_head",
+               "max_seq_len", minimum=1)
         vocab = min(self.src_vocab_size, self.tgt_vocab_size)
-        _normalise(self, "pad_id", python_int, f"must be an id in [0, min(src_vocab_size, tgt_vocab_size)={vocab})",
-                   lambda value: 0 <= value < vocab)
-        _normalise(self, "dropout", finite_float, "must be a number in [0, 1)", lambda value: 0 <= value < 1)
-        _positive_floats(self, "norm_eps")
-        _bools(self, "norm_first", "tie_embeddings")
-        _bools(self, "final_norm", optional=True)
+        _check(self, as_int, "pad_id", minimum=0)
+        _require(self, self.pad_id < vocab, "pad_id", f"an id below min(src_vocab_size, tgt_vocab_size)={vocab}")
+        _check(self, as_float, "dropout", at_least=0, below=1)
+        _check(self, as_float, "norm_eps", above=0)
+        _check(self, as_bool, "norm_first", "tie_embeddings")
+        _check(self, as_bool, "final_norm", optional=True)
         self._normalise_dtypes()
-        _require(self, self.d_model % self.n_head == 0, "d_model", f"must be divisible by n_head={self.n_head}")
-        _require(self, self.d_model % 2 == 0, "d_model", "must be even (sin and cos channel pairs)")
+        _require(self, self.d_model % self.n_head == 0, "d_model", f"divisible by n_head={self.n_head}")
+        _require(self, self.d_model % 2 == 0, "d_model", "even (sin and cos channel pairs)")
         _require(self, not self.tie_embeddings or self.src_vocab_size == self.tgt_vocab_size, "tie_embeddings",
-                 f"needs src_vocab_size == tgt_vocab_size ({self.src_vocab_size} != {self.tgt_vocab_size})")
+                 f"False unless src_vocab_size == tgt_vocab_size ({self.src_vocab_size} != {self.tgt_vocab_size})")
 
     @property
     def has_final_norm(self) -> bool:

@@ -15,13 +15,11 @@ The 2017 paper trains with e = 0.1: it hurts perplexity, as the model learns to 
 less sure, but improves accuracy and BLEU.
 """
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.validation import is_traced
+from jaxformer.validation import as_float, as_int, is_traced
 
 
 def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothing: float = 0.0,
@@ -38,8 +36,8 @@ def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothin
         float32.
       targets: integer `[...]` (the shape of `logits` without its last axis), ids in
         `[0, V)` or equal to `ignore_id`.
-      smoothing: `e` in `[0, 1)`; 0 is the plain cross-entropy.
-      ignore_id: the target id of positions to skip, or None to keep every position.
+      smoothing: `e`, a number in `[0, 1)`; 0 is the plain cross-entropy.
+      ignore_id: the target id of positions to skip (an int), or None to keep every position.
 
     Returns:
       A float32 scalar: the mean loss over kept positions; exactly 0.0 (with a zero
@@ -51,11 +49,8 @@ def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothin
         shapes, non-integer targets, or (for concrete targets) a kept target outside
         `[0, V)`.
     """
-    if (not isinstance(smoothing, numbers.Real) or isinstance(smoothing, bool)
-            or not 0.0 <= smoothing < 1.0):  # NaN fails the comparison too
-        raise ValueError(f"label_smoothed_cross_entropy: smoothing must be in [0, 1), got {smoothing!r}")
-    if ignore_id is not None and (not isinstance(ignore_id, numbers.Integral) or isinstance(ignore_id, bool)):
-        raise ValueError(f"label_smoothed_cross_entropy: ignore_id must be an int or None, got {ignore_id!r}")
+    smoothing = as_float(smoothing, "label_smoothed_cross_entropy smoothing", at_least=0, below=1)
+    ignore_id = as_int(ignore_id, "label_smoothed_cross_entropy ignore_id", optional=True)
     logits = jnp.asarray(logits)
     targets = jnp.asarray(targets)
     if logits.ndim < 1 or logits.shape[-1] < 1 or logits.shape[:-1] != targets.shape:

@@ -9,11 +9,10 @@ The paper trains with Adam (b1 = 0.9, b2 = 0.98, eps = 1e-9), d_model = 512, 400
 warmup steps and factor 1.
 """
 
-import math
-import numbers
-
 import jax.numpy as jnp
 import optax
+
+from jaxformer.validation import as_float, as_int
 
 
 def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax.Schedule:
@@ -43,7 +42,7 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
     Args:
       d_model: the model width, an int >= 1.
       warmup_steps: steps of linear warm-up, an int >= 1.
-      factor: a finite float > 0 scaling the whole curve.
+      factor: a finite number > 0 scaling the whole curve.
 
     Returns:
       A function `count -> lr`, float32, safe on traced int counts (inside `jit`).
@@ -51,14 +50,11 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
     Raises:
       ValueError: an argument outside the limits above.
     """
-    for name, value in (("d_model", d_model), ("warmup_steps", warmup_steps)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"noam_schedule: {name} must be an int >= 1, got {value!r}")
-    if (not isinstance(factor, numbers.Real) or isinstance(factor, bool)
-            or not math.isfinite(factor) or not factor > 0):
-        raise ValueError(f"noam_schedule: factor must be a finite float > 0, got {factor!r}")
+    d_model = as_int(d_model, "noam_schedule d_model", minimum=1)
+    warmup_steps = as_int(warmup_steps, "noam_schedule warmup_steps", minimum=1)
+    factor = as_float(factor, "noam_schedule factor", above=0)
     # The constant parts, in Python float64; they enter the traced math as weak-typed scalars.
-    scale = float(factor) * float(d_model) ** -0.5
+    scale = factor * float(d_model) ** -0.5
     warmup_slope = float(warmup_steps) ** -1.5  # the warm-up branch is step * warmup^-1.5
 
     def schedule(count):
@@ -67,7 +63,6 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
         return scale * jnp.minimum(step ** -0.5, step * warmup_slope)  # []
 
     return schedule
-
 
 
 def warmup_cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int,
@@ -81,23 +76,22 @@ def warmup_cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int,
     (the reference decoder-only demo's schedule, with optax's 0-based count as its step).
 
     Args:
-      peak_lr: the rate at the end of warm-up, > 0.
+      peak_lr: the rate at the end of warm-up, a finite number > 0.
       warmup_steps: steps of warm-up, an int >= 1.
-      total_steps: the step at which the cosine reaches its floor, >= warmup_steps.
+      total_steps: the step at which the cosine reaches its floor, an int >= warmup_steps.
       final_fraction: the floor as a fraction of the peak, in [0, 1].
 
     Returns:
       A function `count -> lr` (float32, jit-safe).
+
+    Raises:
+      ValueError: an argument outside the limits above.
     """
-    if not (isinstance(peak_lr, numbers.Real) and math.isfinite(peak_lr) and peak_lr > 0):
-        raise ValueError(f"warmup_cosine_schedule: peak_lr must be a finite float > 0, got {peak_lr!r}")
-    if not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 1:
-        raise ValueError(f"warmup_cosine_schedule: warmup_steps must be an int >= 1, got {warmup_steps!r}")
-    if not isinstance(total_steps, numbers.Integral) or total_steps < warmup_steps:
-        raise ValueError(f"warmup_cosine_schedule: total_steps must be an int >= warmup_steps={warmup_steps}, "
-                         f"got {total_steps!r}")
-    if not 0.0 <= final_fraction <= 1.0:
-        raise ValueError(f"warmup_cosine_schedule: final_fraction must be in [0, 1], got {final_fraction!r}")
+    peak_lr = as_float(peak_lr, "warmup_cosine_schedule peak_lr", above=0)
+    warmup_steps = as_int(warmup_steps, "warmup_cosine_schedule warmup_steps", minimum=1)
+    total_steps = as_int(total_steps, "warmup_cosine_schedule total_steps", minimum=warmup_steps,
+                         minimum_name="warmup_steps")
+    final_fraction = as_float(final_fraction, "warmup_cosine_schedule final_fraction", at_least=0, maximum=1)
 
     def schedule(count):
         count = jnp.asarray(count, jnp.float32)

@@ -5,14 +5,21 @@ gather clamps or wraps. So every host-facing entry point checks the concrete num
 here first and raises a `ValueError` naming the argument and the limit.
 
 What counts as an int, a number or a floating dtype is decided here once, for the
-configs and the functions alike. numpy scalars (`np.int64(3)`, `np.float32(0.5)`) are
-accepted and turned into Python numbers: configs stay hashable and JSON-serialisable,
-and a static `jit` argument compares equal to the plain int, so it hits the cache.
+configs, the functions, the demos' settings and the command lines alike. numpy scalars
+(`np.int64(3)`, `np.float32(0.5)`) are accepted and turned into Python numbers: configs
+stay hashable and JSON-serialisable, and a static `jit` argument compares equal to the
+plain int, so it hits the cache.
+
+Every refusal reads `NAME must be RULE (got VALUE)` (`refuse`), NAME being what the
+caller calls the value: an argument (`"noam_schedule d_model"`), a config field
+(`"DecoderConfig.n_head"`) or a flag (`"--batch-size"`). The `as_*` checks return the
+value normalised; `check_fields` stores it back into a frozen dataclass.
 """
 
 import math
 import numbers
 import operator
+from typing import Callable, NoReturn, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +81,27 @@ def floating_dtype(value) -> np.dtype | None:
     return dtype if jnp.issubdtype(dtype, jnp.floating) else None
 
 
+def refuse(name: str, rule: str, value, *, optional: bool = False) -> NoReturn:
+    """Raises the one refusal: `NAME must be [None or ]RULE (got VALUE)`.
+
+    Args:
+      name: what the caller calls the value (an argument, a config field, a flag).
+      rule: what the value must be, e.g. "a positive int", "divisible by n_head=8".
+      value: the value refused, shown by its `repr`.
+      optional: None would have been accepted too.
+    """
+    raise ValueError(f"{name} must be {'None or ' if optional else ''}{rule} (got {value!r})")
+
+
+def require(condition: bool, name: str, rule: str, value) -> None:
+    """`refuse(name, rule, value)` unless `condition`: a rule between values (e.g. a
+    width divisible by a head count), checked once each value is of the right kind."""
+    if not condition:
+        refuse(name, rule, value)
+
+
 def as_int(value, name: str, *, minimum: int | None = None, maximum: int | None = None,
-           maximum_name: str | None = None) -> int:
+           minimum_name: str | None = None, maximum_name: str | None = None, optional: bool = False) -> int | None:
     """`value` as a Python int in `[minimum, maximum]`, or a `ValueError` naming `name`.
 
     Args:
@@ -83,25 +109,123 @@ def as_int(value, name: str, *, minimum: int | None = None, maximum: int | None 
       name: the argument's name, for the message.
       minimum: the smallest value allowed, or None.
       maximum: the largest value allowed, or None.
+      minimum_name: what `minimum` is (e.g. "warmup_steps"), for the message.
       maximum_name: what `maximum` is (e.g. "max_seq_len"), for the message.
+      optional: None is allowed too, and returned as it is.
 
     Returns:
-      The Python int.
+      The Python int (or None, when `optional`).
 
     Raises:
       ValueError: `value` is not integral, or lies outside the bounds.
     """
+    if optional and value is None:
+        return None
     result = python_int(value)
     if result is None or (minimum is not None and result < minimum) or (maximum is not None and result > maximum):
+        bottom = minimum if minimum_name is None else f"{minimum_name}={minimum}"
         if maximum is not None:
             top = maximum if maximum_name is None else f"{maximum_name}={maximum}"
-            rule = f"an int in [{minimum}, {top}]"
-        elif minimum == 1:
+            rule = f"an int in [{bottom}, {top}]"
+        elif minimum == 1 and minimum_name is None:
             rule = "a positive int"
         else:
-            rule = "an int" if minimum is None else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {rule} (got {value!r})")
+            rule = "an int" if minimum is None else f"an int >= {bottom}"
+        refuse(name, rule, value, optional=optional)
     return result
+
+
+def as_float(value, name: str, *, above: float | None = None, at_least: float | None = None,
+             below: float | None = None, maximum: float | None = None, optional: bool = False) -> float | None:
+    """`value` as a finite Python float within the bounds given, or a `ValueError` naming `name`.
+
+    At most one lower bound (`above`: exclusive, `at_least`: inclusive) and one upper
+    (`below`: exclusive, `maximum`: inclusive); the message writes them as an interval,
+    e.g. "a finite number in [0, 1)".
+
+    Args:
+      value: any real scalar (see `finite_float`); NaN and the infinities are refused.
+      name: the argument's name, for the message.
+      above, at_least, below, maximum: the bounds, or None.
+      optional: None is allowed too, and returned as it is.
+
+    Returns:
+      The Python float (or None, when `optional`).
+
+    Raises:
+      ValueError: `value` is not a finite real number, or lies outside the bounds.
+    """
+    if optional and value is None:
+        return None
+    result = finite_float(value)
+    if (result is None or (above is not None and not result > above) or (at_least is not None and result < at_least)
+            or (below is not None and not result < below) or (maximum is not None and result > maximum)):
+        low = (f"({above:g}", f"> {above:g}") if above is not None else (
+            (f"[{at_least:g}", f">= {at_least:g}") if at_least is not None else None)
+        high = (f"{below:g})", f"< {below:g}") if below is not None else (
+            (f"{maximum:g}]", f"<= {maximum:g}") if maximum is not None else None)
+        if low and high:
+            bounds = f" in {low[0]}, {high[0]}"
+        else:
+            bounds = "".join(f" {bound[1]}" for bound in (low, high) if bound)
+        refuse(name, f"a finite number{bounds}", value, optional=optional)
+    return result
+
+
+def as_bool(value, name: str, *, optional: bool = False) -> bool | None:
+    """`value` as a Python bool: a bool or a numpy bool, not 0 or 1 (a count is no switch).
+
+    Raises:
+      ValueError: naming `name`, for anything else (and None, unless `optional`).
+    """
+    if optional and value is None:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        refuse(name, "a bool", value, optional=optional)
+    return bool(value)
+
+
+def one_of(value, name: str, choices: Sequence[str], *, optional: bool = False) -> str | None:
+    """`value`, a string among `choices`.
+
+    Raises:
+      ValueError: naming `name` and the choices, for anything else (and None, unless
+        `optional`).
+    """
+    if optional and value is None:
+        return None
+    if not (isinstance(value, str) and value in choices):
+        refuse(name, f"one of {tuple(choices)}", value, optional=optional)
+    return str(value)
+
+
+def as_floating_dtype(value, name: str) -> np.dtype:
+    """`value` as a numpy floating dtype (see `floating_dtype`).
+
+    Raises:
+      ValueError: naming `name`, when it names no floating dtype.
+    """
+    dtype = floating_dtype(value)
+    if dtype is None:
+        refuse(name, "a floating dtype", value)
+    return dtype
+
+
+def check_fields(instance, names: Callable[[str], str], check: Callable, *fields: str, **limits) -> None:
+    """Replaces each of `fields` of the frozen dataclass `instance` by `check(value,
+    names(field), **limits)`: checked, and normalised (an `np.int64` becomes an int), so
+    the instance hashes, compares and writes to JSON like one built from plain values.
+
+    Args:
+      instance: a frozen dataclass, from its `__post_init__`.
+      names: the name a field's messages use, e.g. `"DecoderConfig." + field` or its flag.
+      check: one of the `as_*` checks above, or `one_of`.
+      fields: the fields `check` applies to.
+      limits: `check`'s keyword arguments (`minimum=1`, `above=0`, `optional=True`, ...).
+    """
+    for field in fields:
+        # A frozen dataclass sets its fields this way.
+        object.__setattr__(instance, field, check(getattr(instance, field), names(field), **limits))
 
 
 def numbers_array(value, name: str, dtype) -> np.ndarray:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxformer.training import read_metrics
-from jaxformer.training.report import colormap, read_snapshots
+from train.report_page import colormap, read_snapshots
 
 SECTIONS = ("curves", "attention", "evaluation", "run")
 _SHOWN = re.compile(r"(-?[\d,]*\.?\d+(?:e[-+]?\d+)?)\s*(%?)$")

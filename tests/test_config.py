@@ -61,5 +61,5 @@ def test_vanilla_final_norm_follows_norm_first_unless_set():
     (dict(head_dim_override=15), "head_dim_override", "even"),
 ])
 def test_each_rule_names_field_and_rule(changes, field, rule):
-    with pytest.raises(ValueError, match=rf"DecoderConfig\.{field}: .*{rule}"):
+    with pytest.raises(ValueError, match=rf"DecoderConfig\.{field} must be .*{rule}"):
         DecoderConfig(**changes)

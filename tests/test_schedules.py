@@ -1,6 +1,7 @@
 """The Noam schedule against the paper's formula, and driving a real optax.adam."""
 
 import math
+import re
 
 import chex
 import jax
@@ -97,20 +98,28 @@ def test_drives_adam_with_the_schedule_as_the_learning_rate():
         np.testing.assert_allclose(moved - start, -total * np.sign(c), rtol=1e-4)
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(d_model=0, warmup_steps=10), "d_model"),
-    (dict(d_model=-8, warmup_steps=10), "d_model"),
-    (dict(d_model=64.0, warmup_steps=10), "d_model"),
-    (dict(d_model=64, warmup_steps=0), "warmup_steps"),
-    (dict(d_model=64, warmup_steps=2.5), "warmup_steps"),
-    (dict(d_model=64, warmup_steps=10, factor=0.0), "factor"),
-    (dict(d_model=64, warmup_steps=10, factor=-1.0), "factor"),
-    (dict(d_model=64, warmup_steps=10, factor=float("nan")), "factor"),
-    (dict(d_model=64, warmup_steps=10, factor=float("inf")), "factor"),
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(d_model=0, warmup_steps=10), "d_model must be a positive int (got 0)"),
+    (dict(d_model=-8, warmup_steps=10), "d_model must be a positive int (got -8)"),
+    (dict(d_model=64.0, warmup_steps=10), "d_model must be a positive int (got 64.0)"),
+    (dict(d_model=True, warmup_steps=10), "d_model must be a positive int (got True)"),
+    (dict(d_model=64, warmup_steps=0), "warmup_steps must be a positive int (got 0)"),
+    (dict(d_model=64, warmup_steps=2.5), "warmup_steps must be a positive int (got 2.5)"),
+    (dict(d_model=64, warmup_steps=10, factor=0.0), "factor must be a finite number > 0 (got 0.0)"),
+    (dict(d_model=64, warmup_steps=10, factor=-1.0), "factor must be a finite number > 0 (got -1.0)"),
+    (dict(d_model=64, warmup_steps=10, factor=float("nan")), "factor must be a finite number > 0 (got nan)"),
+    (dict(d_model=64, warmup_steps=10, factor=float("inf")), "factor must be a finite number > 0 (got inf)"),
 ])
-def test_bad_arguments_raise(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+def test_bad_arguments_raise(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(f"noam_schedule {message}")):
         noam_schedule(**kwargs)
+
+
+def test_numpy_arguments_give_the_python_numbers_schedule():
+    """np.int64 and 0-d arrays are read as the numbers they hold."""
+    plain, from_numpy = noam_schedule(64, 10, 2.0), noam_schedule(np.int64(64), np.asarray(10), np.float32(2.0))
+    for step in (0, 9, 100):
+        assert float(from_numpy(step)) == float(plain(step))
 
 
 def _reference_lr_at(step, total, base_lr, warmup=100):
@@ -131,13 +140,18 @@ def test_warmup_cosine_matches_the_reference_formula():
     np.testing.assert_allclose(float(jax.jit(schedule)(jnp.int32(99))), 3e-3, rtol=1e-6)  # the peak
 
 
-@pytest.mark.parametrize("args, match", [
-    ((0.0, 100, 800), "peak_lr"), ((3e-3, 0, 800), "warmup_steps"), ((3e-3, 100, 50), "total_steps"),
-    ((3e-3, 100, 800, 1.5), "final_fraction"),
+@pytest.mark.parametrize("args, message", [
+    ((0.0, 100, 800), "peak_lr must be a finite number > 0 (got 0.0)"),
+    ((float("inf"), 100, 800), "peak_lr must be a finite number > 0 (got inf)"),
+    ((3e-3, 0, 800), "warmup_steps must be a positive int (got 0)"),
+    ((3e-3, 100, 50), "total_steps must be an int >= warmup_steps=100 (got 50)"),
+    ((3e-3, 100, 800.0), "total_steps must be an int >= warmup_steps=100 (got 800.0)"),
+    ((3e-3, 100, 800, 1.5), "final_fraction must be a finite number in [0, 1] (got 1.5)"),
+    ((3e-3, 100, 800, float("nan")), "final_fraction must be a finite number in [0, 1] (got nan)"),
 ])
-def test_warmup_cosine_bad_arguments(args, match):
+def test_warmup_cosine_bad_arguments(args, message):
     from jaxformer import warmup_cosine_schedule
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=re.escape(f"warmup_cosine_schedule {message}")):
         warmup_cosine_schedule(*args)
 
 

@@ -1,12 +1,12 @@
 """The command-line skeleton both demos share: parse, build, train, evaluate, report.
 
-A demo module provides a frozen `Settings` dataclass (its recipe; the defaults are the
-CLI's), `build(settings) -> Setup`, and its own evaluation. This module holds the rest:
-the one-line-error parser, the flags every demo has, the run directory's name, recorded
-config and tokenizer, the path from a `Setup` to trained parameters through
-`jaxformer.training`, and the run's report page (`jaxformer.training.report`), which a
-demo feeds with a `snapshot(params) -> {"attention": [...], "samples": [...]}` of what its
-model does at step 0 and at every checkpoint.
+A demo module is a `Demo`: a frozen `Settings` dataclass (its recipe; the defaults are
+the CLI's), `build(settings) -> Setup`, a `snapshotter`, its random-bit context and its
+own evaluation. This module holds the rest: the one-line-error parser, the flags every
+demo has, the run directory's name, recorded config and tokenizer, the path from a
+`Setup` to trained parameters through `jaxformer.training`, and the run's report page
+(`train.report_page`), which a demo feeds with a `snapshot(params) -> {"attention": [...],
+"samples": [...]}` of what its model does at step 0 and at every checkpoint.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import shutil
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import optax
@@ -36,8 +35,9 @@ from jaxformer.training import (CHECKPOINT_DIR, METRICS_FILE, Checkpointer, Dive
                                 TrainState, check_run_dir, check_seed, enable_compilation_cache,
                                 initialize_distributed, lock_run_dir, make_train_step, read_metrics,
                                 save_run_config, shard_batches, shard_state, train_loop)
-from jaxformer.training.report import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
-                                       record_session, record_snapshot, write_report)
+from jaxformer.validation import as_int, check_fields, one_of
+from train.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
+                               record_session, record_snapshot, write_report)
 
 DTYPES = ("float32", "bfloat16")
 # Config fields a run may change on resume: parameters and optimizer state are stored in
@@ -54,31 +54,20 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def require_positive(settings, *fields: str) -> None:
-    """Raises ValueError, naming the flag, for the first of `fields` below 1."""
-    for field in fields:
-        value = getattr(settings, field)
-        if value < 1:
-            raise ValueError(f"{flag(field)} must be >= 1 (got {value})")
-
-
-def require_finite(settings, field: str, *, above: float | None = None, at_least: float | None = None) -> None:
-    """Raises ValueError, naming the flag and its limit, unless the field is a finite
-    number `> above` (or `>= at_least`). NaN fails every comparison, so it is refused."""
-    value = getattr(settings, field)
-    if above is not None and not (math.isfinite(value) and value > above):
-        raise ValueError(f"{flag(field)} must be a finite number > {above:g} (got {value})")
-    if at_least is not None and not (math.isfinite(value) and value >= at_least):
-        raise ValueError(f"{flag(field)} must be a finite number >= {at_least:g} (got {value})")
+def check(settings, validate: Callable, *fields: str, **limits) -> None:
+    """Each of `fields` of `settings` (a frozen dataclass, or the parsed flags) checked
+    and normalised by `validate` (`jaxformer.validation`'s `as_int`, `as_float`,
+    `one_of`, ...), its messages naming the field's flag: `check(settings, as_int,
+    "steps", minimum=1)` refuses 0 with "--steps must be a positive int (got 0)"."""
+    check_fields(settings, flag, validate, *fields, **limits)
 
 
 def check_shared_settings(settings) -> None:
     """The checks of the settings every demo has (steps, batch size, seed, dtype), by the
     library's own rules where it has one."""
-    require_positive(settings, "steps", "batch_size")
-    check_seed(settings.seed, "--seed")
-    if settings.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {DTYPES} (got {settings.dtype!r})")
+    check(settings, as_int, "steps", "batch_size", minimum=1)
+    check(settings, check_seed, "seed")
+    check(settings, one_of, "dtype", choices=DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +206,7 @@ def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[A
     args = parser.parse_args(argv)
     try:
         settings = settings_type(**{f.name: getattr(args, f.name) for f in dataclasses.fields(settings_type)})
-        require_positive(args, "checkpoint_every", "log_every")
+        check(args, as_int, "checkpoint_every", "log_every", minimum=1)
     except ValueError as e:
         parser.error(str(e))
     if args.resume and args.run_dir is None:
@@ -275,6 +264,38 @@ class Setup:
     tokens_per_step: int
     corpus: Any = None
     tokenizer: Any = None
+
+
+class Demo(Protocol):
+    """What a demo module provides (`train.reverse`, `train.lm`), so that what serves
+    every demo (this skeleton, `python -m train.report`) treats them alike, never by
+    asking which one it holds.
+
+    Attributes:
+      PROG: its command, e.g. "python -m train.reverse"; `about.json` records it.
+      MODEL_CONFIG: its model's config dataclass; `config.json` records its fields.
+      Settings: its frozen recipe dataclass, the defaults its command line's, with
+        `RESUME_FIELDS` (what `--resume` must match) and `run_name` (of a new run
+        directory); built from bad values it raises ValueError naming the flag.
+    """
+
+    PROG: str
+    MODEL_CONFIG: type
+    Settings: type
+
+    def build(self, settings) -> Setup:
+        """The model, its initial parameters, optimizer, schedule, loss and batches."""
+
+    def snapshotter(self, setup: Setup, settings) -> Callable[[Any], dict]:
+        """`snapshot(params) -> {"attention": [...], "samples": [...]}` for the report page
+        (`train.report_page.record_snapshot`), one compiled forward for every call."""
+
+    def random_bits(self) -> contextlib.AbstractContextManager:
+        """The context its command line builds, trains and evaluates in: the same keys
+        then draw the same parameters, dropout masks and evaluation data."""
+
+    def main(self, argv=None) -> int:
+        """The command line."""
 
 
 def build_or_fail(prog: str, build: Callable, settings) -> Setup:

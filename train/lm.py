@@ -17,6 +17,7 @@ gradient clipping at 1.0, as one optax chain.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -36,12 +37,14 @@ from jaxformer.decoder import sown_attention_weights
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from jaxformer.text import Tokenizer, save_tokenizer
 from jaxformer.text.streaming import REPLACEMENT
-from jaxformer.training.report import attention_group
+from jaxformer.validation import as_float, as_int, one_of, require
 from train import cli
+from train.report_page import attention_group
 from train.tasks import (BPE_MIN_VOCAB, COPY_LEN, COPY_SYMBOLS, IGNORE, TEXT_TOKENIZERS, TextCorpus, copy_batch,
                          copy_prompts, copy_tokenizer, encode_prompt)
 
 PROG = "python -m train.lm"
+MODEL_CONFIG = DecoderConfig
 TASKS = ("copy", "text")
 DEFAULT_TOKENIZER = "char"  # of the text task
 DEFAULT_BPE_VOCAB = 512
@@ -111,42 +114,38 @@ class Settings:
                                                 "batch_size", "lr", "warmup", "weight_decay", "clip")
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise ValueError(f"--task must be one of {TASKS} (got {self.task!r})")
+        cli.check(self, one_of, "task", choices=TASKS)
         cli.check_shared_settings(self)
-        cli.require_positive(self, "warmup", "eval_size", "seq_len", "sample_tokens")
-        if self.warmup > self.steps:
-            raise ValueError(f"--warmup ({self.warmup}) must not exceed --steps ({self.steps})")
-        cli.require_finite(self, "lr", above=0)
-        cli.require_finite(self, "clip", above=0)
-        cli.require_finite(self, "weight_decay", at_least=0)
+        cli.check(self, as_int, "eval_size", "seq_len", "sample_tokens", minimum=1)
+        cli.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
+        cli.check(self, as_float, "lr", "clip", above=0)
+        cli.check(self, as_float, "weight_decay", at_least=0)
         # The sampling knobs by generate's own rules, checked now rather than after training.
         check_temperature(self.temperature, name="--temperature")
         check_top_k(self.top_k, None, name="--top-k")  # the vocabulary is known once the data is read
         if self.top_p is not None:
             check_top_p(self.top_p, name="--top-p")
-        if self.task == "text" and self.data is None:
-            raise ValueError("--task text needs --data FILE (a UTF-8 text file)")
+        require(self.task != "text" or self.data is not None, "--data", "a UTF-8 text file with --task text",
+                self.data)
         self._check_tokenizer()
 
     def _check_tokenizer(self) -> None:
         """`tokenizer` and `vocab_size` for the task, their defaults filled in, so that a
         run's record holds what it used however the flags spelled it."""
-        if self.tokenizer is not None and self.tokenizer not in TEXT_TOKENIZERS:
-            raise ValueError(f"--tokenizer must be one of {TEXT_TOKENIZERS} (got {self.tokenizer!r})")
-        if self.task == "copy" and self.tokenizer is not None:
-            raise ValueError(f"--tokenizer {self.tokenizer} is for --task text: the copy task's vocabulary is its "
-                             f"own ({COPY_SYMBOLS} symbols, BOS and SEP)")
+        cli.check(self, one_of, "tokenizer", choices=TEXT_TOKENIZERS, optional=True)
+        require(self.task == "text" or self.tokenizer is None, "--tokenizer",
+                f"left out with --task {self.task}, whose vocabulary is its own ({COPY_SYMBOLS} symbols, BOS and SEP)",
+                self.tokenizer)
         if self.task == "text" and self.tokenizer is None:
             object.__setattr__(self, "tokenizer", DEFAULT_TOKENIZER)
-        if self.tokenizer != "bpe" and self.vocab_size is not None:
-            raise ValueError(f"--vocab-size is for --task text --tokenizer bpe (got it with --task {self.task}"
-                             + (f" --tokenizer {self.tokenizer})" if self.tokenizer else ")"))
-        if self.tokenizer == "bpe" and self.vocab_size is None:
-            object.__setattr__(self, "vocab_size", DEFAULT_BPE_VOCAB)
-        if self.tokenizer == "bpe" and self.vocab_size < BPE_MIN_VOCAB:
-            raise ValueError(f"--vocab-size must be >= {BPE_MIN_VOCAB}, the 256 bytes and <|endoftext|> "
-                             f"(got {self.vocab_size})")
+        given = f"--task {self.task}" + (f" --tokenizer {self.tokenizer}" if self.tokenizer else "")
+        require(self.tokenizer == "bpe" or self.vocab_size is None, "--vocab-size",
+                f"left out unless --task text --tokenizer bpe, not with {given}", self.vocab_size)
+        if self.tokenizer == "bpe":
+            if self.vocab_size is None:
+                object.__setattr__(self, "vocab_size", DEFAULT_BPE_VOCAB)
+            # The 256 bytes and <|endoftext|>, at least.
+            cli.check(self, as_int, "vocab_size", minimum=BPE_MIN_VOCAB)
 
     @property
     def run_name(self) -> str:
@@ -426,6 +425,12 @@ def export(setup: cli.Setup, settings: Settings, trained: cli.Trained, evaluatio
           f"--prompt {shlex.quote(evaluation['prompt'])} --max-new-tokens {new_tokens}")
 
 
+def random_bits():
+    """The context the command line builds, trains and evaluates in: JAX's default
+    random-bit layout (the model has no dropout, so its cost does not matter here)."""
+    return contextlib.nullcontext()
+
+
 def main(argv=None) -> int:
     return run_command(PROG, lambda: _main(argv))
 
@@ -433,14 +438,15 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     settings, run = parse_args(argv)
     cli.start_process()
-    setup = cli.build_or_fail(PROG, build, settings)
-    with cli.start(PROG, setup, settings, run, shape_trace(setup, settings)) as begun:
-        describe(setup, settings)
-        trained = cli.train(setup, settings, run, begun, snapshotter(setup, settings))
-        evaluation = evaluate(setup, settings, trained)
-        report(settings, trained, evaluation, run.run_dir)
-        if run.export is not None:
-            export(setup, settings, trained, evaluation, run)
+    with random_bits():
+        setup = cli.build_or_fail(PROG, build, settings)
+        with cli.start(PROG, setup, settings, run, shape_trace(setup, settings)) as begun:
+            describe(setup, settings)
+            trained = cli.train(setup, settings, run, begun, snapshotter(setup, settings))
+            evaluation = evaluate(setup, settings, trained)
+            report(settings, trained, evaluation, run.run_dir)
+            if run.export is not None:
+                export(setup, settings, trained, evaluation, run)
     return 0
 
 

@@ -12,7 +12,6 @@ line before anything is written.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -21,19 +20,21 @@ import jax
 
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, run_command
 from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, lock_run_dir, read_run_config
-from jaxformer.training.report import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
-                                       record_snapshot, write_report)
-from train import lm, reverse
+from train import cli, lm, reverse
+from train.report_page import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
+                               record_snapshot, write_report)
 
 PROG = "python -m train.report"
+DEMOS: tuple[cli.Demo, ...] = (reverse, lm)  # the demos whose runs it reads
 
 
-def demo_of(run_dir: Path):
-    """The demo module that made the run in `run_dir`, and its settings.
+def demo_of(run_dir: Path) -> tuple[cli.Demo, object]:
+    """The demo that made the run in `run_dir`, and its settings.
 
-    The settings are those `about.json` records; a run older than that file gets the
-    ones its `config.json` holds (the model's size, the seed, the recipe), the rest at
-    their defaults.
+    The settings are those `about.json` records, with the demo its program names; a run
+    older than that file gets the demo whose model config has every field `config.json`
+    records, and the settings that file holds (the model's size, the seed, the recipe),
+    the rest at their defaults.
 
     Raises:
       ValueError: naming the file, when `run_dir` holds no run of a demo.
@@ -41,29 +42,35 @@ def demo_of(run_dir: Path):
     about_path = run_dir / ABOUT_FILE
     about = read_about(run_dir)
     if about is not None:
-        demo = {reverse.PROG: reverse, lm.PROG: lm}.get(about["program"])
+        demo = next((demo for demo in DEMOS if demo.PROG == about["program"]), None)
         if demo is None:
-            raise ValueError(f"{about_path} names {about['program']!r}, not {reverse.PROG} or {lm.PROG}")
+            raise ValueError(f"{about_path} names {about['program']!r}, not one of "
+                             f"{', '.join(other.PROG for other in DEMOS)}")
         try:
             return demo, demo.Settings(**about["settings"])
         except (TypeError, ValueError) as e:
             raise ValueError(f"{about_path} holds settings {demo.PROG} does not take ({e}): the file is damaged, "
                              "or from another version") from None
     record = read_run_config(run_dir)  # ValueError naming config.json when missing or unreadable
-    demo = reverse if "src_vocab_size" in record.get("model", {}) else lm
-    recorded = {**record.get("model", {}), **record}
+    model = record.get("model") or {}
+    demo = next((demo for demo in DEMOS
+                 if model and set(model) <= {f.name for f in dataclasses.fields(demo.MODEL_CONFIG)}), None)
+    if demo is None:
+        raise ValueError(f"{run_dir / CONFIG_FILE} records a model none of "
+                         f"{', '.join(other.PROG for other in DEMOS)} builds (fields {sorted(model)})")
+    recorded = {**model, **record}
     return demo, demo.Settings(**{f.name: recorded[f.name] for f in dataclasses.fields(demo.Settings)
                                   if f.name in recorded})
 
 
-def snapshot_checkpoints(run_dir: Path, demo, settings) -> list[int]:
+def snapshot_checkpoints(run_dir: Path, demo: cli.Demo, settings) -> list[int]:
     """Records a snapshot of every checkpoint that has none.
 
     Returns:
       The steps snapshotted.
     """
     setup = demo.build(settings)
-    snapshot = reverse.snapshotter(setup) if demo is reverse else lm.snapshotter(setup, settings)
+    snapshot = demo.snapshotter(setup, settings)
     recorded = {s["step"] for s in read_snapshots(run_dir)}
     target = TrainState.create(setup.params, setup.optimizer)
     done = []
@@ -102,8 +109,7 @@ def _main(argv) -> int:
             check_writable(run_dir, f"the report page is written there ({REPORT_FILE})")
             check_run_files(run_dir)
             demo, settings = demo_of(run_dir)
-            # The reversal demo draws its example under its own random-bit layout, as it trained.
-            with reverse.classic_random_bits() if demo is reverse else contextlib.nullcontext():
+            with demo.random_bits():  # as the run was built and trained
                 added = snapshot_checkpoints(run_dir, demo, settings)
             if added:
                 print(f"snapshots of checkpoints {', '.join(map(str, added))} added")

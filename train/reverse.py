@@ -32,12 +32,14 @@ from jaxformer import VanillaConfig, VanillaTransformer, generate
 from jaxformer.command_line import run_command
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
-from jaxformer.training.report import attention_group
-from jaxformer.viz import ascii_attention, save_attention_grid
+from jaxformer.validation import as_float, as_int
 from train import cli
+from train.attention_maps import ascii_attention, save_attention_grid
+from train.report_page import attention_group
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 PROG = "python -m train.reverse"
+MODEL_CONFIG = VanillaConfig
 MIN_LEN, MAX_LEN = 5, 10
 PROBE_LENGTHS = (11, 12, 13, 14, 15, 16)  # never seen in training
 MAP_LENGTH = 8
@@ -86,9 +88,8 @@ class Settings:
 
     def __post_init__(self):
         cli.check_shared_settings(self)
-        cli.require_positive(self, "warmup", "eval_size")
-        if not 0 <= self.label_smoothing < 1:
-            raise ValueError(f"--label-smoothing must be in [0, 1) (got {self.label_smoothing})")
+        cli.check(self, as_int, "warmup", "eval_size", minimum=1)
+        cli.check(self, as_float, "label_smoothing", at_least=0, below=1)
 
     @property
     def run_name(self) -> str:
@@ -126,7 +127,7 @@ def build(settings: Settings = Settings()) -> cli.Setup:
 
     Adam (0.9, 0.98, 1e-9) on the Noam schedule, label smoothing, dropout; batches of
     `settings.batch_size` sequences of 5 to 10 symbols. The command line builds and
-    trains under `classic_random_bits()`: do the same to get its parameters and dropout
+    trains under `random_bits()`: do the same to get its parameters and dropout
     masks.
 
     Args:
@@ -242,10 +243,11 @@ def token_text(token: int) -> str:
     return {PAD: "PAD", BOS: "BOS", EOS: "EOS"}.get(int(token), str(int(token)))
 
 
-def snapshotter(setup: cli.Setup):
+def snapshotter(setup: cli.Setup, settings: Settings):
     """`snapshot(params)`: every attention map of one length-8 example, teacher-forced
     (encoder self, decoder self and cross-attention, every layer and head), for the
-    report page. One compiled forward serves every call."""
+    report page. One compiled forward serves every call; the example is the same
+    whatever the settings."""
     c = setup.model.config
     batch = reverse_batch(jax.random.key(1), 1, MAP_LENGTH, MAP_LENGTH, width=MAX_LEN)
     forward = jax.jit(functools.partial(setup.model.apply, mutable=["intermediates"]))
@@ -335,7 +337,7 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: 
                      for example in results["examples"]]}, trained)
 
 
-def classic_random_bits():
+def random_bits():
     """The context the command line builds, trains and evaluates in, so that the same
     keys draw the same parameters, dropout masks and evaluation sequences.
 
@@ -353,14 +355,14 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     settings, run = parse_args(argv)
     cli.start_process()
-    with classic_random_bits():
+    with random_bits():
         setup = cli.build_or_fail(PROG, build, settings)
         trace = shape_trace(setup.model, setup.params)
         with cli.start(PROG, setup, settings, run, trace) as begun:
             describe(setup, trace)
             print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
                   f"batch {settings.batch_size}, run dir {run.run_dir}\n")
-            snapshot = snapshotter(setup)
+            snapshot = snapshotter(setup, settings)
             trained = cli.train(setup, settings, run, begun, snapshot)
             evaluation = evaluate(setup, settings, trained, run.run_dir, snapshot)
             report(settings, trained, evaluation, run.run_dir)

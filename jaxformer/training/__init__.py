@@ -28,9 +28,7 @@ On a device mesh, place the state and the batches first:
 Modules: `state` (TrainState, make_train_step, step_keys), `loop` (train_loop),
 `checkpoints` (Checkpointer), `metrics` (MetricsLog, read_metrics), `progress`
 (ProgressBar), `run_dir` (start_run and config.json), `placement` (shard_state,
-shard_batches), `runtime` (initialize_distributed, enable_compilation_cache), `report`
-(write_report: the run's `report.html`, from its files and the attention snapshots
-`record_snapshot` keeps).
+shard_batches), `runtime` (initialize_distributed, enable_compilation_cache).
 """
 
 from jaxformer.training.checkpoints import CHECKPOINT_DIR, UNRESTORABLE_DIR, Checkpointer, Restored

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from jaxformer.validation import as_int
+
 
 class ProgressBar:
     """A one-line progress bar on stderr: `step/total [####....] loss 1.2345 ...`.
@@ -22,9 +24,7 @@ class ProgressBar:
     WIDTH = 24
 
     def __init__(self, total: int, initial: int = 0, *, every: int | None = None, stream=None):
-        if total < 1:
-            raise ValueError(f"ProgressBar total must be >= 1 (got {total})")
-        self.total = total
+        self.total = as_int(total, "ProgressBar total", minimum=1)
         self.stream = stream if stream is not None else sys.stderr
         self.is_tty = getattr(self.stream, "isatty", lambda: False)()
         self.every = every if every is not None else max(1, total // 10)

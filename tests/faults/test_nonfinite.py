@@ -42,8 +42,8 @@ from jaxformer.decoding import NO_TOKEN, Draft, NonFiniteLogitsError, PromptLook
 from jaxformer.text import generate as cli
 from jaxformer.text import save_tokenizer, train_bpe
 from jaxformer.training import Checkpointer, TrainState
-from jaxformer.training.report import (attention_group, colormap, record_session, record_snapshot,
-                                       write_report)
+from train.report_page import (attention_group, colormap, record_session, record_snapshot,
+                               write_report)
 
 # Untied heads: a NaN row of the token embedding then reaches only the rows that read that token.
 TINY = DecoderConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=16,

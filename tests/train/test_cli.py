@@ -7,10 +7,23 @@ import jax
 import pytest
 
 from train import cli, lm, reverse
+from train.report import DEMOS
 
-DEMOS = [reverse, lm]
 TINY = {reverse: dict(n_layer=1, d_model=32, d_ff=32, n_head=2, batch_size=4),
         lm: dict(n_layer=1, d_model=32, n_head=2, n_kv_head=1, batch_size=4)}
+TARGETS = {reverse: "tgt_out", lm: "targets"}  # the batch's scored ids
+
+
+@pytest.mark.parametrize("demo", DEMOS, ids=lambda demo: demo.__name__)
+def test_every_demo_is_a_demo(demo):
+    """Each module `train.report` serves has what `cli.Demo` names, and the tests
+    here cover each."""
+    for name in cli.Demo.__annotations__:
+        assert hasattr(demo, name), name
+    for name in ("build", "snapshotter", "random_bits", "main"):
+        assert callable(getattr(demo, name)), name
+    assert dataclasses.is_dataclass(demo.MODEL_CONFIG) and dataclasses.is_dataclass(demo.Settings)
+    assert demo in TINY
 
 
 def help_entries(demo, capsys) -> dict[str, str]:
@@ -44,7 +57,7 @@ def test_help_shows_every_default_once(demo, capsys):
 
 @pytest.mark.parametrize("demo", DEMOS, ids=lambda demo: demo.__name__)
 def test_settings_name_the_flag_of_a_bad_value(demo):
-    with pytest.raises(ValueError, match="--batch-size must be >= 1"):
+    with pytest.raises(ValueError, match=r"--batch-size must be a positive int \(got 0\)"):
         demo.Settings(batch_size=0)
     with pytest.raises(ValueError, match="--dtype must be one of"):
         demo.Settings(dtype="float16")
@@ -58,8 +71,8 @@ def test_build_gives_one_shape_of_setup_and_record(demo):
     batch = setup.make_batch(jax.random.key(0))
     loss, aux = setup.loss_fn(setup.params, batch, jax.random.key(1))
     assert loss.shape == () and aux == {}
-    targets = batch["tgt_out"] if demo is reverse else batch["targets"]
-    assert setup.tokens_per_step == targets.size
+    assert setup.tokens_per_step == batch[TARGETS[demo]].size
+    assert isinstance(setup.model.config, demo.MODEL_CONFIG)
     record = cli.run_record(setup.model.config, settings)
     assert set(record) == {"model", *demo.Settings.RESUME_FIELDS}
     assert record["model"]["d_model"] == 32 and not set(cli.DTYPE_FIELDS) & set(record["model"])

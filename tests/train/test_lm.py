@@ -12,8 +12,8 @@ from report_page import check_report
 
 from jaxformer.text import train_bpe
 from jaxformer.training import read_metrics
-from jaxformer.training.report import read_snapshots
 from train import lm
+from train.report_page import read_snapshots
 from train.tasks import COPY_BOS, COPY_LEN, COPY_SEP, COPY_VOCAB, TextCorpus, copy_tokenizer
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",
@@ -80,11 +80,11 @@ def test_resume_continues_the_same_loss_curve(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--task", "text"], "--task text needs --data"),
+    (["--steps", "0"], "--steps must be a positive int (got 0)"),
+    (["--task", "text"], "--data must be a UTF-8 text file with --task text (got None)"),
     (["--task", "text", "--data", "/nonexistent/file.txt"], "cannot read --data"),
-    (["--n-head", "3"], "DecoderConfig.d_model: must be divisible by n_head=3"),
-    (["--warmup", "900"], "--warmup (900) must not exceed --steps (800)"),
+    (["--n-head", "3"], "DecoderConfig.d_model must be divisible by n_head=3"),
+    (["--warmup", "900"], "--warmup must be an int in [1, --steps=800] (got 900)"),
     (["--task", "poem"], "invalid choice"),
 ])
 def test_bad_flags_stop_with_one_line(argv, message, capsys):
@@ -141,11 +141,15 @@ def test_bpe_training_is_deterministic():
 # {file} a plain file, {run} a directory that must stay absent.
 TOKEN_FLAG_REFUSALS = [
     ("vocab-size-100", ["--task", "text", "--data", "{data}", "--tokenizer", "bpe", "--vocab-size", "100"],
-     "--vocab-size must be >= 257, the 256 bytes and <|endoftext|> (got 100)"),
-    ("bpe-with-copy", ["--tokenizer", "bpe"], "--tokenizer bpe is for --task text"),
+     "--vocab-size must be an int >= 257 (got 100)"),
+    ("bpe-with-copy", ["--tokenizer", "bpe"],
+     "--tokenizer must be left out with --task copy, whose vocabulary is its own (48 symbols, BOS and SEP) "
+     "(got 'bpe')"),
     ("vocab-size-with-char", ["--task", "text", "--data", "{data}", "--vocab-size", "300"],
-     "--vocab-size is for --task text --tokenizer bpe (got it with --task text --tokenizer char)"),
-    ("vocab-size-with-copy", ["--vocab-size", "300"], "--vocab-size is for --task text --tokenizer bpe"),
+     "--vocab-size must be left out unless --task text --tokenizer bpe, not with --task text --tokenizer char "
+     "(got 300)"),
+    ("vocab-size-with-copy", ["--vocab-size", "300"],
+     "--vocab-size must be left out unless --task text --tokenizer bpe, not with --task copy (got 300)"),
     ("export-to-a-file", ["--export", "{file}"], "--export {file} is a file, not a directory"),
     ("export-under-a-file", ["--export", "{file}/hf"], "--export {file}/hf cannot be created: {file} is a file"),
     ("export-to-the-run-dir", ["--export", "{run}"], "--export {run} is the run directory"),

@@ -10,8 +10,8 @@ import pytest
 from report_page import Page, check_report, chromium, heatmap_colours_shown, render
 
 from jaxformer.training import read_metrics
-from jaxformer.training.report import read_snapshots
 from train import report, reverse
+from train.report_page import read_snapshots
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
         "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]
@@ -121,9 +121,9 @@ def test_the_page_renders_in_a_browser(runs, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "-5"], "--steps must be >= 1"),
-    (["--d-model", "30", "--n-head", "4"], "VanillaConfig.d_model: must be divisible by n_head=4"),
-    (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
+    (["--steps", "-5"], "--steps must be a positive int (got -5)"),
+    (["--d-model", "30", "--n-head", "4"], "VanillaConfig.d_model must be divisible by n_head=4"),
+    (["--label-smoothing", "1.5"], "--label-smoothing must be a finite number in [0, 1) (got 1.5)"),
     (["--resume"], "--resume needs --run-dir"),
     (["--steps", "many"], "invalid int value"),
 ])
