@@ -81,8 +81,8 @@ def matmul_peak(with_torch: bool) -> dict:
 
 
 def jaxformer_reverse(n_steps: int) -> dict:
-    # train.reverse draws dropout bits with threefry's classic layout (see its main()).
-    with jax.threefry_partitionable(False):
+    # In the random-bit layout train.reverse builds and trains in.
+    with reverse.random_bits():
         return time_setup(reverse.build(reverse.Settings()), n_steps)
 
 
