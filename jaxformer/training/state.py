@@ -60,7 +60,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
 
-SEED_LIMIT = 2**31  # seeds are ints in [0, SEED_LIMIT)
+SEED_LIMIT = 2**31  # a seed is an int in [0, SEED_LIMIT)
 
 
 def check_seed(seed, name: str = "seed") -> int:
