@@ -1,8 +1,5 @@
-"""Model configurations: frozen dataclasses that validate themselves.
-
-One config is threaded through every module. Derive variants with
-`dataclasses.replace(config, ...)` (or `config.replace(...)`): the new value is
-validated again, so an inconsistent config can never reach a model.
+"""Model configurations: frozen dataclasses that validate themselves, so an inconsistent
+config never reaches a model; `config.replace(...)` validates a variant again.
 """
 
 from __future__ import annotations
@@ -18,19 +15,13 @@ ROPE_PAIRINGS = ("split_half", "interleaved")
 
 
 def swiglu_hidden_dim(d_model: int) -> int:
-    """The default SwiGLU width: 8/3 * d_model rounded to a multiple of 64.
-
-    SwiGLU has three matrices instead of two, so 8/3 * d keeps the parameter count
-    of a 4 * d two-matrix FFN (3 * d * 8d/3 == 2 * d * 4d).
-    """
+    """The default SwiGLU width, 8/3 * d_model rounded to a multiple of 64: with three matrices
+    it keeps the parameters of a two-matrix FFN of width 4 * d_model (3 * d * 8d/3 == 2 * d * 4d)."""
     return int(round(d_model * 8 / 3 / 64) * 64)
 
 
 def _check(config, check, *fields: str, **limits) -> None:
-    """Each of `fields` checked and normalised by `check` (`jaxformer.validation`), named
-    `ClassName.field`; fields hold plain Python values, so configs built from numpy
-    scalars hash and compare like any other, and `dataclasses.asdict` gives numbers that
-    `json` writes."""
+    """Each of `fields` checked and normalised by `check` (`jaxformer.validation`), named `ClassName.field`."""
     check_fields(config, lambda field: f"{type(config).__name__}.{field}", check, *fields, **limits)
 
 
@@ -64,11 +55,8 @@ class _ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig(_ModelConfig):
-    """The modern decoder-only Transformer (RMSNorm, RoPE, GQA, SwiGLU, KV cache).
-
-    The defaults are a small Llama-shaped model. `d_ff=None` means
-    `swiglu_hidden_dim(d_model)` (read the resolved width from `ffn_dim`), so
-    `replace(d_model=...)` rescales it.
+    """The modern decoder-only Transformer (RMSNorm, RoPE, GQA, SwiGLU, KV cache); the
+    defaults are a small Llama-shaped model.
 
     Attributes:
       vocab_size: number of token ids; valid ids are `0 .. vocab_size - 1`.
@@ -79,26 +67,19 @@ class DecoderConfig(_ModelConfig):
       max_seq_len: longest sequence (prompt plus generated tokens) the model accepts.
       rope_theta: RoPE base; pair i rotates by `pos * rope_theta ** (-2i / head_dim)`.
       norm_eps: RMSNorm epsilon.
-      d_ff: SwiGLU hidden width, or None for `swiglu_hidden_dim(d_model)`.
-      rope_pairing: "split_half" (channel i with i + head_dim/2: GPT-NeoX, HF Llama) or
-        "interleaved" (channels 2i, 2i+1: RoFormer, Meta's original Llama).
+      d_ff: SwiGLU hidden width, or None for `swiglu_hidden_dim(d_model)` (which
+        `replace(d_model=...)` rescales); the resolved width is `ffn_dim`.
+      rope_pairing: "split_half" (HF Llama) or "interleaved" (Meta's Llama); docs/parity.md.
       tie_embeddings: the output head reuses the token embedding matrix.
-      dtype: activation and compute dtype: "bfloat16" computes in bf16 while the
-        parameters (and so the optimizer state) stay in `param_dtype`; norms, softmax and
-        the loss accumulate in float32 either way.
-      param_dtype: storage dtype of the parameters, float32 by default (master weights).
-      cache_dtype: storage dtype of the KV cache (`KVCache.create`, `generate`); None
-        means `dtype`. A bf16 cache halves its memory while the compute stays float32.
+      dtype: activation and compute dtype (docs/sharding.md, "Mixed precision").
+      param_dtype: storage dtype of the parameters.
+      cache_dtype: storage dtype of the KV cache; None means `dtype`.
       head_dim_override: channels per head when they are not `d_model // n_head` (some
-        checkpoints, e.g. Qwen2 or Mistral variants, use wider heads); None for the rule.
-        Read the resolved width from `head_dim`.
+        Qwen2 or Mistral checkpoints); the resolved width is `head_dim`.
       qkv_bias: Q, K and V projections carry a bias (Qwen2); the output projection never does.
-      scan_layers: run the blocks as one block scanned `n_layer` times over parameters
-        stacked on a leading layer axis (`params["blocks"]`, each leaf `[n_layer, ...]`),
-        with a stacked KV cache. The program holds one block instead of `n_layer`, so
-        compile time hardly grows with depth; the math is the same. False keeps one
-        `block_{i}` per layer. `jaxformer.convert.stack_layers` / `unstack_layers` turn
-        one parameter tree into the other.
+      scan_layers: one block scanned over parameters stacked on a leading layer axis
+        (`params["blocks"]`) instead of one `block_{i}` per layer: the same math, a
+        compile time that hardly grows with depth (docs/architecture.md, "Scanned layers").
     """
 
     vocab_size: int = 256
@@ -166,15 +147,14 @@ class VanillaConfig(_ModelConfig):
       max_seq_len: longest source or target sequence (length of the sinusoid table).
       norm_first: False for the paper's post-norm `LayerNorm(x + Dropout(Sublayer(x)))`;
         True for pre-norm `x + Dropout(Sublayer(LayerNorm(x)))`.
-      final_norm: a LayerNorm after the last encoder layer and after the last decoder
-        layer. None means `norm_first` (pre-norm needs it, the paper has none); torch's
-        `nn.Transformer` has it in both modes. Read the resolved choice from
-        `has_final_norm`.
+      final_norm: a LayerNorm after the last encoder and decoder layers (torch's
+        `nn.Transformer` has both); None means `norm_first`, as pre-norm needs it and the
+        paper has none. The resolved choice is `has_final_norm`.
       tie_embeddings: source and target embeddings and the output projection share one
         matrix (section 3.4); needs equal vocabularies.
       norm_eps: LayerNorm epsilon (PyTorch's default).
-      dtype: activation and compute dtype (see `DecoderConfig.dtype`).
-      param_dtype: storage dtype of the parameters, float32 by default.
+      dtype: activation and compute dtype.
+      param_dtype: storage dtype of the parameters.
       cache_dtype: storage dtype of the decoder's KV cache; None means `dtype`.
     """
 

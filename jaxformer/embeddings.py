@@ -5,15 +5,8 @@ import jax.numpy as jnp
 
 
 def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows of `table` for each id; an id outside `[0, len(table))` reads NaN, never a clamped row.
-
-    Args:
-      table: `[vocab, d_model]`.
-      ids: int `[...]`.
-
-    Returns:
-      `[..., d_model]` in `table.dtype`.
-    """
+    """Rows of `table` `[vocab, d_model]` for int `ids` `[...]`, as `[..., d_model]`; an id outside
+    `[0, vocab)` reads NaN, never a clamped or wrapped row."""
     vocab = table.shape[0]
     # jnp.take's "fill" mode still wraps negative ids, so send them past the end first.
     ids = jnp.where((ids >= 0) & (ids < vocab), ids, vocab)
@@ -25,8 +18,8 @@ def output_logits(x: jax.Array, weight: jax.Array, tied: bool) -> jax.Array:
 
     Args:
       x: `[batch, T, d_model]`, the normalised residual stream.
-      weight: tied, the `[vocab, d_model]` embedding (logit of v is `x . embed[v]`);
-        untied, the head's own `[d_model, vocab]` matrix.
+      weight: the `[vocab, d_model]` embedding if `tied` (logit v is `x . embed[v]`), else the
+        head's own `[d_model, vocab]` matrix.
       tied: which of the two `weight` is.
 
     Returns:

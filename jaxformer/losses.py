@@ -1,18 +1,5 @@
-"""Cross-entropy with label smoothing and ignored (padding) targets.
-
-With `e` the smoothing and `V` the number of classes, the target distribution puts
-`1 - e` on the true class and spreads `e` uniformly over all `V` classes (the true one
-included), so the loss at one position is
-
-    loss = (1 - e) * -log p[target] + e * mean_c(-log p[c])
-
-and the result is its mean over the positions whose target is not `ignore_id`. This is
-PyTorch's `F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1),
-label_smoothing=e, ignore_index=ignore_id)` with the default mean reduction, except
-that a batch with every target ignored gives 0.0 (PyTorch gives 0 / 0 = NaN).
-
-The 2017 paper trains with e = 0.1: it hurts perplexity, as the model learns to be
-less sure, but improves accuracy and BLEU.
+"""Cross-entropy with label smoothing and ignored (padding) targets, as PyTorch's
+`F.cross_entropy(label_smoothing=, ignore_index=)` (the formula: docs/training.md).
 """
 
 import jax
@@ -24,30 +11,25 @@ from jaxformer.validation import as_float, as_int, is_traced
 
 def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, smoothing: float = 0.0,
                                  ignore_id: int | None = None) -> jax.Array:
-    """Mean label-smoothed cross-entropy over the targets that are not ignored.
+    """Mean of `(1 - e) * -log p[target] + e * mean_c(-log p[c])` over the targets not ignored.
 
-    Ignored positions (padding) contribute nothing, whatever their target id (it may lie
-    outside `[0, V)`, like PyTorch's -100) and whatever their logits hold: they are
-    replaced before the softmax, so even inf or NaN logits there leave the loss and its
+    Ignored positions count for nothing whatever their id (PyTorch's -100) or logits: their
+    logits are zeroed before the softmax, so even inf or NaN there leaves the loss and its
     gradient finite.
 
     Args:
-      logits: `[..., V]` unnormalised scores, any float dtype; the log-softmax runs in
-        float32.
-      targets: integer `[...]` (the shape of `logits` without its last axis), ids in
-        `[0, V)` or equal to `ignore_id`.
+      logits: `[..., V]` scores, any float dtype; the log-softmax runs in float32.
+      targets: integer `[...]`, ids in `[0, V)` or equal to `ignore_id`.
       smoothing: `e`, a number in `[0, 1)`; 0 is the plain cross-entropy.
-      ignore_id: the target id of positions to skip (an int), or None to keep every position.
+      ignore_id: the target id of positions to skip, or None to keep every position.
 
     Returns:
-      A float32 scalar: the mean loss over kept positions; exactly 0.0 (with a zero
-      gradient) when none is kept. Inside `jit`, where ids cannot raise, a kept target
-      outside `[0, V)` makes it NaN instead of reading a clamped or wrapped class.
+      A float32 scalar; exactly 0.0, with a zero gradient, when nothing is kept (PyTorch:
+      NaN). Inside `jit` a kept id outside `[0, V)` makes it NaN rather than read a wrong class.
 
     Raises:
-      ValueError: `smoothing` outside `[0, 1)`, `ignore_id` not an int, mismatched
-        shapes, non-integer targets, or (for concrete targets) a kept target outside
-        `[0, V)`.
+      ValueError: `smoothing` outside `[0, 1)`, `ignore_id` not an int, mismatched shapes,
+        non-integer targets, or a concrete kept target outside `[0, V)`.
     """
     smoothing = as_float(smoothing, "label_smoothed_cross_entropy smoothing", at_least=0, below=1)
     ignore_id = as_int(ignore_id, "label_smoothed_cross_entropy ignore_id", optional=True)

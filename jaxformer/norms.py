@@ -11,9 +11,8 @@ from jaxformer.sharding import EMBED, param
 
 
 class RMSNorm(nn.Module):
-    """`y = x / sqrt(mean(x^2) + eps) * weight`.
-
-    Cast back to the activation dtype before the weight multiplies, in HF Llama's order.
+    """`y = x / sqrt(mean(x^2) + eps) * weight`, cast back to `x.dtype` before the weight
+    multiplies (HF Llama's order).
 
     Attributes:
       eps: added to the mean square before the reciprocal square root.

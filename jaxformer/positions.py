@@ -1,14 +1,7 @@
-"""Positions: the 2017 sinusoids, and rotary position embedding (RoPE).
-
-Without them self-attention cannot tell token order: it is permutation equivariant.
+"""Positions: the 2017 sinusoids and rotary position embedding (RoPE); why both, docs/architecture.md.
 
     sinusoids (added to the embedding):  PE[pos, 2i] = sin(pos / 10000^(2i/d)),  PE[pos, 2i+1] = cos(...)
     RoPE (on q and k in every layer):    rotate channel pair i by pos * rope_theta^(-2i/head_dim)
-
-Both make offsets easy to read: `PE[pos + k]` is a fixed rotation of each (sin, cos) pair
-of `PE[pos]`, and RoPE's rotations by `m theta` (query) and `n theta` (key) leave `(m - n)
-theta` in the dot product, so its scores depend on the offset alone. The two channel pairings
-(split-half, interleaved) are described in docs/parity.md.
 """
 
 import functools
@@ -20,15 +13,8 @@ import numpy as np
 
 @functools.lru_cache(maxsize=None)
 def sinusoidal_table(max_seq_len: int, d_model: int) -> np.ndarray:
-    """The paper's positional encoding: sin on even channels, cos on odd ones.
-
-    Args:
-      max_seq_len: number of positions.
-      d_model: model width (even).
-
-    Returns:
-      `[max_seq_len, d_model]` float32, read-only (a constant under `jit`).
-    """
+    """The paper's positional encoding, `[max_seq_len, d_model]` float32 (d_model even), read-only:
+    sin on even channels, cos on odd ones."""
     freq = 10000.0 ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)  # [d_model/2], 1/10000^(2i/d)
     angles = np.outer(np.arange(max_seq_len, dtype=np.float64), freq)  # [max_seq_len, d_model/2]
     table = np.empty((max_seq_len, d_model), np.float32)
@@ -39,18 +25,11 @@ def sinusoidal_table(max_seq_len: int, d_model: int) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def rope_tables(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every rotation angle of positions `0 .. n_positions - 1`.
+    """`(cos, sin)` of every angle of positions `0 .. n_positions - 1`, each `[n_positions,
+    head_dim // 2]` float32, read-only, for an even `head_dim` and the base `theta`.
 
-    Rows are computed once for the next power of two of `n_positions` and shared by every
-    shorter table, so asking for many lengths holds a few times the largest one.
-
-    Args:
-      head_dim: channels per head (even).
-      n_positions: number of positions in the table.
-      theta: the RoPE base.
-
-    Returns:
-      `(cos, sin)`, each `[n_positions, head_dim // 2]` float32, read-only (constants under `jit`).
+    Rows are computed for the next power of two of `n_positions` and shared by every shorter
+    table, so asking for many lengths holds a few times the largest one.
     """
     cos, sin = _rope_rows(head_dim, 1 << max(n_positions - 1, 0).bit_length(), theta)
     return cos[:n_positions], sin[:n_positions]  # read-only views
@@ -77,13 +56,11 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str = "spl
 
     Args:
       x: `[batch, seq, heads, head_dim]` queries or keys.
-      cos: `[seq, head_dim // 2]` (or `[batch, seq, head_dim // 2]`), the angles of `x`'s
-        positions.
-      sin: same shape as `cos`.
+      cos, sin: `[seq, head_dim // 2]` or `[batch, seq, head_dim // 2]`, of `x`'s positions.
       pairing: "split_half" (channel i with i + head_dim/2) or "interleaved" (2i with 2i + 1).
 
     Returns:
-      The rotated `x`, same shape and dtype (the rotation is computed in float32).
+      The rotated `x`, same shape and dtype (rotated in float32).
     """
     x32 = x.astype(jnp.float32)
     cos, sin = cos[..., None, :], sin[..., None, :]  # [..., seq, 1, head_dim/2]: same for every head

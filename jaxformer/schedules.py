@@ -1,12 +1,7 @@
-"""The learning-rate schedule of "Attention Is All You Need" (the "Noam" schedule).
+"""Learning-rate schedules as optax schedules: the 2017 paper's ("Noam") and warm-up + cosine.
 
-    lr(step) = factor * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)
-
-The rate rises linearly for the first `warmup_steps` steps and then decays as the
-inverse square root of the step. The two branches of the `min` meet at
-`step == warmup_steps`, where the rate peaks at `factor * (d_model * warmup_steps)^-0.5`.
-The paper trains with Adam (b1 = 0.9, b2 = 0.98, eps = 1e-9), d_model = 512, 4000
-warmup steps and factor 1.
+An optax schedule is the learning rate itself, not a multiplier of a base rate
+(docs/training.md, "Schedules").
 """
 
 import jax.numpy as jnp
@@ -16,28 +11,10 @@ from jaxformer.validation import as_float, as_int
 
 
 def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax.Schedule:
-    """The paper's learning rate, as an optax schedule.
+    """The paper's rate, `factor * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)`.
 
-    The schedule is the learning rate itself, not a multiplier of some base rate:
-
-        schedule = noam_schedule(d_model=512, warmup_steps=4000)
-        optimizer = optax.adam(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
-
-    Step numbering: the paper counts steps from 1; optax calls the schedule with the
-    number of updates already applied, 0 for the first update. The schedule therefore
-    evaluates the formula at `step = count + 1`, so the first update uses the paper's
-    step 1 and update `warmup_steps - 1` (0-based) is the peak. `step` is also clamped
-    to `>= 1`: for the counts optax passes (`>= 0`) the clamp never triggers, but it
-    keeps a direct call with any count (0, or a negative one) finite instead of
-    dividing by zero in `step^-0.5`. (The reference's `LambdaLR` calls its lambda with
-    0 for the first update and clamps it to 1, so it spends two updates at step 1: its
-    rates are this schedule's, one update later.)
-
-    The PyTorch pitfall this avoids: `torch.optim.lr_scheduler.LambdaLR` multiplies the
-    optimizer's base lr by the lambda. Porting the formula into a lambda while giving the
-    optimizer `lr=0` trains with lr 0 forever; the loss still wiggles from dropout, which
-    hides that nothing is learned (such a port needs base lr 1). In optax the schedule's
-    value is the rate that scales each update, so there is no base lr to get wrong.
+    optax counts updates from 0 and the paper from 1, so the formula reads `step = count + 1`
+    (clamped to >= 1, keeping a direct call with a count below 0 finite).
 
     Args:
       d_model: the model width, an int >= 1.
@@ -45,7 +22,7 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
       factor: a finite number > 0 scaling the whole curve.
 
     Returns:
-      A function `count -> lr`, float32, safe on traced int counts (inside `jit`).
+      A function `count -> lr`, float32, safe on traced counts.
 
     Raises:
       ValueError: an argument outside the limits above.
@@ -67,13 +44,7 @@ def noam_schedule(d_model: int, warmup_steps: int, factor: float = 1.0) -> optax
 
 def warmup_cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int,
                            final_fraction: float = 0.1) -> optax.Schedule:
-    """Linear warm-up to `peak_lr`, then a cosine down to `final_fraction * peak_lr`.
-
-        count < warmup:  lr = peak * (count + 1) / warmup
-        otherwise:       lr = peak * (f + (1 - f) * (1 + cos(pi * t)) / 2),
-                         t = (count - warmup) / max(1, total - warmup), clipped to [0, 1]
-
-    (the reference decoder-only demo's schedule, with optax's 0-based count as its step).
+    """Linear warm-up to `peak_lr`, then a cosine down to `final_fraction * peak_lr` at `total_steps`.
 
     Args:
       peak_lr: the rate at the end of warm-up, a finite number > 0.
@@ -82,7 +53,7 @@ def warmup_cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int,
       final_fraction: the floor as a fraction of the peak, in [0, 1].
 
     Returns:
-      A function `count -> lr` (float32, jit-safe).
+      A function `count -> lr`, float32, safe on traced counts.
 
     Raises:
       ValueError: an argument outside the limits above.
@@ -94,10 +65,11 @@ def warmup_cosine_schedule(peak_lr: float, warmup_steps: int, total_steps: int,
     final_fraction = as_float(final_fraction, "warmup_cosine_schedule final_fraction", at_least=0, maximum=1)
 
     def schedule(count):
-        count = jnp.asarray(count, jnp.float32)
-        warm = peak_lr * (count + 1.0) / warmup_steps
-        t = jnp.clip((count - warmup_steps) / max(1, total_steps - warmup_steps), 0.0, 1.0)
-        cosine = peak_lr * (final_fraction + (1.0 - final_fraction) * 0.5 * (1.0 + jnp.cos(jnp.pi * t)))
-        return jnp.where(count < warmup_steps, warm, cosine)
+        count = jnp.asarray(count, jnp.float32)  # []
+        warm = peak_lr * (count + 1.0) / warmup_steps  # [] count < warmup: peak * (count + 1) / warmup
+        # t in [0, 1] over the decay; lr = peak * (f + (1 - f) * (1 + cos(pi t)) / 2)
+        t = jnp.clip((count - warmup_steps) / max(1, total_steps - warmup_steps), 0.0, 1.0)  # []
+        cosine = peak_lr * (final_fraction + (1.0 - final_fraction) * 0.5 * (1.0 + jnp.cos(jnp.pi * t)))  # []
+        return jnp.where(count < warmup_steps, warm, cosine)  # []
 
     return schedule

@@ -1,19 +1,6 @@
-"""Checks on concrete inputs, run before anything is traced.
-
-Inside `jit` a bad index does not fail: `dynamic_update_slice` clamps its start and a
-gather clamps or wraps. So every host-facing entry point checks the concrete numbers
-here first and raises a `ValueError` naming the argument and the limit.
-
-What counts as an int, a number or a floating dtype is decided here once, for the
-configs, the functions, the demos' settings and the command lines alike. numpy scalars
-(`np.int64(3)`, `np.float32(0.5)`) are accepted and turned into Python numbers: configs
-stay hashable and JSON-serialisable, and a static `jit` argument compares equal to the
-plain int, so it hits the cache.
-
-Every refusal reads `NAME must be RULE (got VALUE)` (`refuse`), NAME being what the
-caller calls the value: an argument (`"noam_schedule d_model"`), a config field
-(`"DecoderConfig.n_head"`) or a flag (`"--batch-size"`). The `as_*` checks return the
-value normalised; `check_fields` stores it back into a frozen dataclass.
+"""Checks on concrete inputs, run before anything is traced; each refusal is a `ValueError`
+reading `NAME must be RULE (got VALUE)`. Why, and what counts as an int or a number:
+docs/architecture.md, "Checked inputs".
 """
 
 import math
@@ -37,11 +24,7 @@ def _is_numeric(dtype) -> bool:
 
 
 def python_int(value) -> int | None:
-    """`value` as a Python int if it is an integral scalar, else None.
-
-    Integral: an int, a numpy integer, a 0-d integer array. Not a bool: `True` is no
-    count, and a float is not an int even when it is whole.
-    """
+    """`value` as a Python int if it is an int, a numpy integer or a 0-d integer array, else None."""
     if isinstance(value, bool):  # (numpy bools already refuse `operator.index`)
         return None
     try:
@@ -51,11 +34,7 @@ def python_int(value) -> int | None:
 
 
 def finite_float(value) -> float | None:
-    """`value` as a Python float if it is a finite real scalar, else None.
-
-    Real: an int or float, a numpy integer or float, a 0-d integer or float array. Not a
-    bool, a string, NaN or an infinity.
-    """
+    """`value` as a Python float if it is a finite int or float (numpy or 0-d array too), else None."""
     scalar = isinstance(value, numbers.Real) and not isinstance(value, bool)
     array = (isinstance(value, (np.ndarray, jax.Array)) and not is_traced(value) and value.ndim == 0
              and _is_numeric(value.dtype))
@@ -70,8 +49,7 @@ def finite_float(value) -> float | None:
 
 def floating_dtype(value) -> np.dtype | None:
     """`value` ("bfloat16", `jnp.float16`, `np.dtype(...)`) as a numpy dtype if it names a
-    floating dtype, else None. Activations, parameters and caches must hold floats: an
-    integer or bool storage would round every value silently."""
+    floating dtype, else None: an integer storage would round every value silently."""
     if value is None:  # numpy would read None as float64
         return None
     try:
@@ -82,20 +60,19 @@ def floating_dtype(value) -> np.dtype | None:
 
 
 def refuse(name: str, rule: str, value, *, optional: bool = False) -> NoReturn:
-    """Raises the one refusal: `NAME must be [None or ]RULE (got VALUE)`.
+    """Raises the one refusal: `NAME must be [None or ]RULE (got repr(VALUE))`.
 
     Args:
       name: what the caller calls the value (an argument, a config field, a flag).
       rule: what the value must be, e.g. "a positive int", "divisible by n_head=8".
-      value: the value refused, shown by its `repr`.
+      value: the value refused.
       optional: None would have been accepted too.
     """
     raise ValueError(f"{name} must be {'None or ' if optional else ''}{rule} (got {value!r})")
 
 
 def require(condition: bool, name: str, rule: str, value) -> None:
-    """`refuse(name, rule, value)` unless `condition`: a rule between values (e.g. a
-    width divisible by a head count), checked once each value is of the right kind."""
+    """`refuse(name, rule, value)` unless `condition`: a rule between values, checked after their kinds."""
     if not condition:
         refuse(name, rule, value)
 
@@ -107,14 +84,9 @@ def as_int(value, name: str, *, minimum: int | None = None, maximum: int | None 
     Args:
       value: any integral scalar (see `python_int`).
       name: the argument's name, for the message.
-      minimum: the smallest value allowed, or None.
-      maximum: the largest value allowed, or None.
-      minimum_name: what `minimum` is (e.g. "warmup_steps"), for the message.
-      maximum_name: what `maximum` is (e.g. "max_seq_len"), for the message.
+      minimum, maximum: the bounds, inclusive, or None.
+      minimum_name, maximum_name: what the bounds are (e.g. "warmup_steps"), for the message.
       optional: None is allowed too, and returned as it is.
-
-    Returns:
-      The Python int (or None, when `optional`).
 
     Raises:
       ValueError: `value` is not integral, or lies outside the bounds.
@@ -139,18 +111,12 @@ def as_float(value, name: str, *, above: float | None = None, at_least: float | 
              below: float | None = None, maximum: float | None = None, optional: bool = False) -> float | None:
     """`value` as a finite Python float within the bounds given, or a `ValueError` naming `name`.
 
-    At most one lower bound (`above`: exclusive, `at_least`: inclusive) and one upper
-    (`below`: exclusive, `maximum`: inclusive); the message writes them as an interval,
-    e.g. "a finite number in [0, 1)".
-
     Args:
-      value: any real scalar (see `finite_float`); NaN and the infinities are refused.
+      value: any real scalar (see `finite_float`).
       name: the argument's name, for the message.
-      above, at_least, below, maximum: the bounds, or None.
+      above, at_least: the lower bound, exclusive or inclusive (at most one), or None.
+      below, maximum: the upper bound, exclusive or inclusive (at most one), or None.
       optional: None is allowed too, and returned as it is.
-
-    Returns:
-      The Python float (or None, when `optional`).
 
     Raises:
       ValueError: `value` is not a finite real number, or lies outside the bounds.
@@ -173,11 +139,7 @@ def as_float(value, name: str, *, above: float | None = None, at_least: float | 
 
 
 def as_bool(value, name: str, *, optional: bool = False) -> bool | None:
-    """`value` as a Python bool: a bool or a numpy bool, not 0 or 1 (a count is no switch).
-
-    Raises:
-      ValueError: naming `name`, for anything else (and None, unless `optional`).
-    """
+    """`value` as a Python bool; a `ValueError` naming `name` for anything but a (numpy) bool."""
     if optional and value is None:
         return None
     if not isinstance(value, (bool, np.bool_)):
@@ -186,12 +148,7 @@ def as_bool(value, name: str, *, optional: bool = False) -> bool | None:
 
 
 def one_of(value, name: str, choices: Sequence[str], *, optional: bool = False) -> str | None:
-    """`value`, a string among `choices`.
-
-    Raises:
-      ValueError: naming `name` and the choices, for anything else (and None, unless
-        `optional`).
-    """
+    """`value`, a string among `choices`; a `ValueError` naming `name` and them otherwise."""
     if optional and value is None:
         return None
     if not (isinstance(value, str) and value in choices):
@@ -200,11 +157,7 @@ def one_of(value, name: str, choices: Sequence[str], *, optional: bool = False) 
 
 
 def as_floating_dtype(value, name: str) -> np.dtype:
-    """`value` as a numpy floating dtype (see `floating_dtype`).
-
-    Raises:
-      ValueError: naming `name`, when it names no floating dtype.
-    """
+    """`value` as a numpy floating dtype (see `floating_dtype`), or a `ValueError` naming `name`."""
     dtype = floating_dtype(value)
     if dtype is None:
         refuse(name, "a floating dtype", value)
@@ -213,8 +166,7 @@ def as_floating_dtype(value, name: str) -> np.dtype:
 
 def check_fields(instance, names: Callable[[str], str], check: Callable, *fields: str, **limits) -> None:
     """Replaces each of `fields` of the frozen dataclass `instance` by `check(value,
-    names(field), **limits)`: checked, and normalised (an `np.int64` becomes an int), so
-    the instance hashes, compares and writes to JSON like one built from plain values.
+    names(field), **limits)`, checked and normalised (an `np.int64` becomes an int).
 
     Args:
       instance: a frozen dataclass, from its `__post_init__`.
@@ -229,11 +181,8 @@ def check_fields(instance, names: Callable[[str], str], check: Callable, *fields
 
 
 def numbers_array(value, name: str, dtype) -> np.ndarray:
-    """`value`, a number or an array of them, as a numpy array of `dtype`.
-
-    Raises:
-      ValueError: `value` holds anything but ints and floats (a string, a bool, None).
-    """
+    """`value`, a number or an array of them, as a numpy array of `dtype`; a `ValueError`
+    naming `name` if it holds anything else (a string, a bool, None)."""
     try:
         array = np.asarray(value)
     except ValueError:  # a ragged nesting of lists
@@ -252,10 +201,7 @@ def per_row(value, batch: int, name: str, dtype) -> np.ndarray:
 
 
 def check_token_layout(tokens, name: str = "tokens") -> None:
-    """Raises unless `tokens` is a 2-D `[batch, T]` integer array.
-
-    Shape and dtype are static, so this holds for traced arrays too (inside `jit`).
-    """
+    """Raises unless `tokens` is a 2-D `[batch, T]` integer array (static facts: traced arrays too)."""
     if np.ndim(tokens) != 2:
         raise ValueError(f"{name} must be 2-D [batch, T], got shape {np.shape(tokens)}")
     dtype = tokens.dtype if hasattr(tokens, "dtype") else np.asarray(tokens).dtype
@@ -286,21 +232,16 @@ def check_positions_fit(start: int, n_tokens: int, limit: int, name: str, limit_
 
 def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, cache_layout=None,
                       ragged: bool = True, name: str = "tokens") -> None:
-    """What a model call checks before it computes anything.
-
-    Shapes and dtypes are static, so they are checked even under `jit`, before anything
-    reads them; the token ids and the cache position only when they are concrete
-    (outside `jit`).
+    """What a model call checks first: shapes and dtypes always (they are static, even
+    under `jit`); the token ids and the cache position when they are concrete.
 
     Args:
       tokens: `[batch, T]` ids.
       vocab_size: ids must lie in `[0, vocab_size)`.
       max_seq_len: the longest sequence the model accepts.
       cache: the `KVCache` the call writes to, or None.
-      cache_layout: `(n_layer, n_kv_head, head_dim, stacked)` of the model's cache (with
-        `cache`); `stacked` for a scanned model's one `[batch, n_layer, ...]` k and v.
-      ragged: whether the model reads `cache.start` (left-padded rows); if not, every
-        row must start at slot 0.
+      cache_layout: `(n_layer, n_kv_head, head_dim, stacked)` of the model's cache (with `cache`).
+      ragged: whether the model reads `cache.start` (left-padded rows); if not, it must be 0.
       name: the argument's name, for the messages.
     """
     check_token_layout(tokens, name)
@@ -332,8 +273,8 @@ def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, 
 
 
 def _check_start(start: np.ndarray, written: int, ragged: bool, name: str) -> None:
-    """A row's first real slot must be written by now or by this call, or every query of
-    that row would be blocked from every key; a model without left padding needs 0."""
+    """A row's first real slot must be written by now or by this call, or each of its
+    queries would be blocked from every key."""
     if not ragged and start.any():
         raise ValueError(f"cache.start must be all zeros for this model (its rows all start at slot 0), "
                          f"got {start.tolist()}")

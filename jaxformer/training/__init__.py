@@ -7,28 +7,8 @@
     state = train_loop(state, step, make_batch, seed=0, num_steps=100, run_dir="runs/mine",
                        checkpoint_every=50, log_every=10)
 
-`make_batch(data_key) -> batch` draws one batch from a key. A run directory holds
-`config.json` (`start_run`), `metrics.jsonl` (`read_metrics`) and `checkpoints/<step>/`;
-starting or resuming one checks everything before it writes anything (`check_run_dir`,
-`Checkpointer.restore_newest`), and resumes from the newest checkpoint that restores.
-Resuming needs no saved random state: the data and dropout keys of update s are
-`step_keys(seed, s)`, so a run restored from its step-10 checkpoint draws exactly the
-batches and dropout masks the uninterrupted run drew, and ends with bitwise the same
-parameters.
-
-Steps are counted as updates done: `state.step == s` before update s, and a checkpoint
-or metrics line labelled s holds the result of the first s updates.
-
-On a device mesh, place the state and the batches first:
-
-    state, state_sharding = shard_state(state, param_axes(model), mesh, "fsdp")
-    step = make_train_step(loss_fn, optimizer, state_sharding)
-    state = train_loop(state, step, shard_batches(make_batch, mesh), ...)
-
-Modules: `state` (TrainState, make_train_step, step_keys), `loop` (train_loop),
-`checkpoints` (Checkpointer), `metrics` (MetricsLog, read_metrics), `progress`
-(ProgressBar), `run_dir` (start_run and config.json), `placement` (shard_state,
-shard_batches), `runtime` (initialize_distributed, enable_compilation_cache).
+`make_batch(data_key) -> batch` draws one batch from a key. The pieces, the run directory,
+resuming and the device mesh: docs/training.md and docs/sharding.md.
 """
 
 from jaxformer.training.checkpoints import CHECKPOINT_DIR, UNRESTORABLE_DIR, Checkpointer, Restored

@@ -8,11 +8,8 @@ from jaxformer.validation import as_int
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr: `step/total [####....] loss 1.2345 ...`.
-
-    On a terminal the line is redrawn in place. Elsewhere (CI logs, files) carriage
-    returns would pile up into one unreadable line, so a plain line is printed each time
-    the step passes a multiple of `every`, and at the last step.
+    """`step/total [####....] loss 1.2345 ...` on stderr, redrawn in place on a terminal;
+    elsewhere (where carriage returns would pile up) a plain line every `every` steps and at the end.
 
     Args:
       total: the last step.
@@ -32,12 +29,7 @@ class ProgressBar:
         self._drawn = 0  # width of the line on a terminal, to blank a longer old one
 
     def update(self, step: int, **values) -> None:
-        """Shows `step` and the latest values.
-
-        Args:
-          step: the updates done.
-          **values: loss, lr, steps_per_sec, or any other scalar, shown in this order.
-        """
+        """Shows `step` (the updates done) and `values` (loss, lr, steps_per_sec, any scalar), in order."""
         line = self._format(step, values)
         if self.is_tty:
             self.stream.write("\r" + line.ljust(self._drawn))

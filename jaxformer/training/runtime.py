@@ -10,17 +10,13 @@ import jax
 
 
 def initialize_distributed() -> bool:
-    """Joins the other processes of a multi-host run when the environment names some.
-
-    `jax.distributed.initialize()` reads the coordinator, the process count and this
-    process's index from Slurm (`SLURM_NTASKS` > 1), Open MPI (`mpirun`) and Cloud TPU pod
-    slices (several `TPU_WORKER_HOSTNAMES`) by itself. Elsewhere set
-    `JAX_COORDINATOR_ADDRESS=host:port`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` on every
-    host. Must run before anything touches a device.
+    """Joins the other processes of a multi-host run when the environment names some
+    (docs/sharding.md, "Several hosts"); call it before anything touches a device.
 
     Returns:
       Whether it initialized (False on a single host).
     """
+    # Slurm, Open MPI and TPU pod slices tell jax.distributed everything; elsewhere the JAX_* variables do.
     explicit = "JAX_COORDINATOR_ADDRESS" in os.environ
     if not (explicit or int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "OMPI_MCA_orte_hnp_uri" in os.environ
             or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")):

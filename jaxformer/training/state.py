@@ -28,15 +28,8 @@ class TrainState:
 
     @classmethod
     def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
-        """A state at step 0, `opt_state = optimizer.init(params)`.
-
-        The parameters are copied: `train_step` donates (deletes) its state's buffers, which
-        must not be the caller's own.
-
-        Args:
-          params: the initial parameter pytree.
-          optimizer: the optax transformation that will update them.
-        """
+        """A state at step 0 with `optimizer.init(params)`; `params` are copied, since
+        `train_step` donates (deletes) its state's buffers, which must not be the caller's."""
         params = jax.tree.map(jnp.copy, params)
         return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
@@ -44,8 +37,8 @@ class TrainState:
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, state_sharding=None) -> Callable:
     """One jitted optimizer update, `train_step(state, batch, dropout_key) -> (state, metrics)`.
 
-    The state is donated, so XLA updates it in place: do not use it after the call. The
-    metrics, `{"loss": loss, **aux}`, stay on the device (fetching them waits for the step).
+    The state is donated (updated in place: do not use it after the call); the metrics,
+    `{"loss": loss, **aux}`, stay on the device, as fetching them waits for the step.
 
     Args:
       loss_fn: `loss_fn(params, batch, dropout_key) -> (loss, aux)`, aux a dict of scalars but "loss".
@@ -67,22 +60,17 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
 
-SEED_LIMIT = 2**31  # seeds are ints in [0, SEED_LIMIT)
+SEED_LIMIT = 2**31  # a seed is an int in [0, SEED_LIMIT)
 
 
 def check_seed(seed, name: str = "seed") -> int:
-    """`seed` as a Python int, or a ValueError naming `name` and the range `[0, 2**31)`: the
-    jitted key derivation takes an int32, and a larger seed would draw what a smaller one draws.
-    """
+    """`seed` as a Python int in `[0, 2**31)` (the key derivation takes an int32), or a ValueError naming `name`."""
     return as_int(seed, name, minimum=0, maximum=SEED_LIMIT - 1)
 
 
 def step_keys(seed: int, step: int) -> tuple[jax.Array, jax.Array]:
-    """The `(data_key, dropout_key)` of update `step` (counted from 0), a function of `(seed, step)` only.
-
-    Two streams, each folded with the step: nothing is carried between steps, so a resume
-    recomputes them, and the data stream does not shift when dropout is turned on or off.
-    """
+    """The `(data_key, dropout_key)` of update `step` (from 0), a function of `(seed, step)` only,
+    so a resume recomputes them; two streams, so the data does not shift when dropout is turned off."""
     seed, step = check_seed(seed), as_int(step, "step", minimum=0, maximum=2**32 - 1)  # folded in as a uint32
     return _step_keys(seed, jnp.uint32(step))
 
