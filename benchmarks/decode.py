@@ -44,15 +44,18 @@ timed in turns, on three workloads:
 with prompt lookup (`PromptLookup(k, n=3)`) and a draft model (`Draft`: for random
 weights a random decoder of d_model 64 and 1 layer; for copy 4x512 the trained 2x128
 copy model), `k` from `--spec-k`. Per row: acceptance (accepted / proposed), new tokens
-per pass of the model, new tokens/s and its ratio to plain greedy's, and whether the
-tokens are plain greedy's.
+per pass of the model, tokens kept per row and round (each row advances by its own
+acceptance), new tokens/s and its ratio to plain greedy's, and whether the tokens are
+plain greedy's.
 
 JSON fields: `config`, `machine` (`bandwidth_gb_s`, versions), `settings`, `variants`
 (one object per variant and batch: `variant`, `batch`, `prefill_ms`, `step_ms`,
 `tokens_per_s` each as `{median, spread}`, `compile_s`, `peak_memory_mb`,
 `floor_step_ms`, `floor_pct`, `vs_hf`, `same_tokens`), `scaling` (`context`,
 `cached_ms`, `uncached_ms`, `speedup`), `speculative` (`workload`, `batch`, `variant`, `k` (after
-fitting `max_seq_len`), `acceptance`, `tokens_per_pass`, `tokens_per_s` as `{median, spread}`,
+fitting `max_seq_len`), `acceptance`, `tokens_per_pass`, `tokens_per_row_round` (the tokens an
+unfinished row keeps per round, its own accepted + 1: each row advances by its own acceptance,
+so at batch 8 this is the rows' mean, not the batch's least), `tokens_per_s` as `{median, spread}`,
 `vs_greedy`, `same_tokens`).
 """
 
@@ -74,7 +77,7 @@ import numpy as np
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
 from jaxformer.convert import with_scan_layers
-from jaxformer.decoding import DecodeRequest, Draft, PromptLookup, decode_loop, speculative_generate
+from jaxformer.decoding import DecodeRequest, Draft, PromptLookup, run, speculative_generate
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,7 +160,7 @@ def bench_loop(model, params, prompt, new: int, reps: int) -> dict:
     """`generate`, the whole loop in one jit; the prefill is timed on its own."""
     request = DecodeRequest.create(model, prompt, max_new_tokens=new)
     start = time.perf_counter()
-    compiled = decode_loop.lower(model, params, request).compile()
+    compiled = run.lower(model, params, request).compile()
     compile_s = time.perf_counter() - start
     capacity = prompt.shape[1] + new - 1
     prefill = jax.jit(lambda p, t: model.apply({"params": p}, t, model.init_cache(t.shape[0], capacity)))
@@ -167,9 +170,9 @@ def bench_loop(model, params, prompt, new: int, reps: int) -> dict:
     # are up to twice as slow on this CPU (measured), so neither is timed.
     for _ in range(2):
         prefill(params, prompt_j)[0].block_until_ready()
-        compiled(params, request).block_until_ready()
+        jax.block_until_ready(compiled(params, request))
     prefill_s = [_seconds(lambda: prefill(params, prompt_j)) for _ in range(reps)]
-    compiled(params, request).block_until_ready()
+    jax.block_until_ready(compiled(params, request))
     total_s = [_seconds(lambda: compiled(params, request)) for _ in range(reps)]
     step_s = [(t - statistics.median(prefill_s)) / (new - 1) for t in total_s]
     return {"tokens": np.asarray(tokens), "prefill_s": prefill_s, "step_s": step_s, "total_s": total_s,
@@ -298,13 +301,13 @@ def bench_speculative(model, params, prompt, new: int, reps: int, proposers: dic
     runs = {"plain greedy": lambda: generate(model, params, prompt, max_new_tokens=new, **options)}
     runs |= {name: functools.partial(generate, model, params, prompt, max_new_tokens=new, speculative=spec, **options)
              for name, spec in proposers.items()}
-    tokens = {name: np.asarray(run()) for name, run in runs.items()}  # compiles
-    for run in runs.values():  # warm-up
-        jax.block_until_ready(run())
+    tokens = {name: np.asarray(call()) for name, call in runs.items()}  # compiles
+    for call in runs.values():  # warm-up
+        jax.block_until_ready(call())
     seconds = {name: [] for name in runs}
     for _ in range(reps):
-        for name, run in runs.items():
-            seconds[name].append(_seconds(run))
+        for name, call in runs.items():
+            seconds[name].append(_seconds(call))
     plain = statistics.median(seconds["plain greedy"])
     rows = []
     for name in runs:
@@ -313,6 +316,7 @@ def bench_speculative(model, params, prompt, new: int, reps: int, proposers: dic
         rows.append({"workload": workload, "batch": batch, "variant": name, "k": stats.k if stats else 0,
                      "acceptance": stats.acceptance if stats else None,
                      "tokens_per_pass": stats.tokens_per_pass if stats else 1.0,
+                     "tokens_per_row_round": stats.tokens_per_row_round if stats else 1.0,
                      "tokens_per_s": _stats([batch * new / t for t in seconds[name]]),
                      "vs_greedy": plain / statistics.median(seconds[name]),
                      "same_tokens": bool(np.array_equal(tokens[name], tokens["plain greedy"]))})
@@ -326,12 +330,13 @@ def _print_header(header: str) -> None:
 
 def print_speculative(rows: list[dict]) -> None:
     _print_header(f"{'workload':15s} {'batch':>5s} {'variant':16s} {'k':>2s} {'accepted':>8s} {'tok/pass':>8s} "
-                  f"{'new tok/s':>10s} {'spread':>7s} {'vs greedy':>9s}  same tokens")
+                  f"{'tok/row-round':>13s} {'new tok/s':>10s} {'spread':>7s} {'vs greedy':>9s}  same tokens")
     for r in rows:
         accepted = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
         rate = r["tokens_per_s"]
         print(f"{r['workload']:15s} {r['batch']:5d} {r['variant']:16s} {r['k']:2d} {accepted:>8s} "
-              f"{r['tokens_per_pass']:8.2f} {rate['median']:10.1f} {100 * rate['spread']:6.0f}% "
+              f"{r['tokens_per_pass']:8.2f} {r['tokens_per_row_round']:13.2f} {rate['median']:10.1f} "
+              f"{100 * rate['spread']:6.0f}% "
               f"{r['vs_greedy']:8.2f}x  {r['same_tokens']}")
 
 

@@ -110,12 +110,13 @@ class GQASelfAttention(nn.Module):
         """
         Args:
           x: `[batch, T, d_model]` normalised residual stream.
-          cos, sin: `[T, head_dim // 2]` RoPE angles of the T positions.
-          mask: bool `[T, S]`, True where a query may read a key; S is T without a cache,
-            the cache capacity with one.
+          cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles of the
+            T positions.
+          mask: bool `[T, S]` or `[batch, T, S]`, True where a query may read a key; S is T
+            without a cache, the cache capacity with one.
           layer_cache: this layer's cached K/V (its slice of a stacked cache in a scanned
             model), or None.
-          pos: int32 scalar, where this call's tokens are written in the cache.
+          pos: int32 `[batch]`, each row's slot for this call's first token in the cache.
 
         Returns:
           `(y, layer_cache)`: y `[batch, T, d_model]`, and the cache with this call's
@@ -196,7 +197,7 @@ class MultiHeadAttention(nn.Module):
             None for self-attention (keys and values from `x`).
           memory_kv: cross-attention K/V already projected by `project_kv`.
           layer_cache: self-attention KV cache of this layer (cached decoding).
-          pos: int32 scalar, where this call's K/V are written in `layer_cache`.
+          pos: int32 `[batch]`, each row's slot for this call's first K/V in `layer_cache`.
           deterministic: False applies dropout to the attention weights.
 
         Returns:

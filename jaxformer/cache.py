@@ -3,9 +3,10 @@
 Autoregressive decoding feeds one new token per step; the keys and values of the
 tokens before it do not change, so each layer keeps them instead of recomputing the
 prefix. Here the cache is a value, not a buffer: a model call takes a cache and
-returns a new one. Under `jit` XLA turns the `dynamic_update_slice` writes into in-place
-updates, and because every shape is fixed by `capacity`, one compiled step serves every
-position.
+returns a new one. Each row keeps its own write position (`pos [batch]`), so rows at
+different lengths share one batched call. Under `jit` XLA turns the per-row writes into
+in-place updates, and because every shape is fixed by `capacity`, one compiled step
+serves every position.
 
 Keys are stored after RoPE (a cached key never moves again) and with only `n_kv_head`
 heads: grouped-query attention saves memory only if K/V are not repeated first.
@@ -25,11 +26,36 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxformer.config import DecoderConfig
 from jaxformer.memory import check_fits
-from jaxformer.validation import as_int, floating_dtype
+from jaxformer.validation import as_int, floating_dtype, is_traced
+
+
+def write_rows(array: jax.Array, new: jax.Array, pos: jax.Array, *, axis: int, layer=None) -> jax.Array:
+    """`array` with row b's `new[b]` written from slot `pos[b]` along `axis` (the slots).
+
+    Args:
+      array: `[batch, ..., capacity, ...]`, the slots on `axis`.
+      new: `[batch, ...]`, as `array` but for `T` slots on `axis`.
+      pos: int32 `[batch]`, each row's first slot.
+      axis: the slot axis (1, or 2 in a stacked cache).
+      layer: in a stacked cache `[batch, n_layer, capacity, ...]`, the layer written.
+
+    Returns:
+      The updated array. One `dynamic_update_slice` per row, vectorised: XLA makes one
+      in-place scatter of the rows' windows of it.
+    """
+    def one_row(row, new_row, start):  # row [..., capacity, ...] (the batch axis taken off)
+        index = [jnp.zeros((), jnp.int32)] * row.ndim
+        index[axis - 1] = start
+        if layer is not None:
+            index[0] = layer
+        return jax.lax.dynamic_update_slice(row, new_row.astype(row.dtype), index)
+
+    return jax.vmap(one_row)(array, new, pos)
 
 
 @struct.dataclass
@@ -40,18 +66,15 @@ class LayerKV:
     v: jax.Array  # [batch, capacity, n_kv_head, head_dim]
 
     def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerKV":
-        """Returns a copy with `k_new` / `v_new` (`[batch, T, n_kv, head_dim]`) at slots `pos .. pos+T-1`.
+        """Returns a copy with row b's `k_new` / `v_new` (`[batch, T, n_kv, head_dim]`) at its
+        slots `pos[b] .. pos[b]+T-1` (`pos` int32 `[batch]`).
 
         `dynamic_update_slice` clamps a start that does not fit instead of failing, which
         would overwrite the last slots; callers check `pos + T <= capacity` where the
-        numbers are concrete (`validation.check_step_inputs`) and `commit` poisons the
-        logits where they are not.
+        numbers are concrete (`validation.check_cache_step`) and `commit` poisons the
+        logits of the rows where they are not.
         """
-        start = (0, pos, 0, 0)
-        return LayerKV(
-            k=jax.lax.dynamic_update_slice(self.k, k_new.astype(self.k.dtype), start),
-            v=jax.lax.dynamic_update_slice(self.v, v_new.astype(self.v.dtype), start),
-        )
+        return LayerKV(k=write_rows(self.k, k_new, pos, axis=1), v=write_rows(self.v, v_new, pos, axis=1))
 
     def read(self) -> tuple[jax.Array, jax.Array]:
         """The keys and values attention reads, `[batch, capacity, n_kv, head_dim]` each."""
@@ -71,11 +94,9 @@ class LayerSlice:
 
     def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerSlice":
         """`LayerKV.write` into layer `layer` of the stack (same clamping caveat)."""
-        start = (0, self.layer, pos, 0, 0)
         stack = self.stack
-        return self.replace(stack=LayerKV(
-            k=jax.lax.dynamic_update_slice(stack.k, k_new[:, None].astype(stack.k.dtype), start),
-            v=jax.lax.dynamic_update_slice(stack.v, v_new[:, None].astype(stack.v.dtype), start)))
+        return self.replace(stack=LayerKV(k=write_rows(stack.k, k_new[:, None], pos, axis=2, layer=self.layer),
+                                          v=write_rows(stack.v, v_new[:, None], pos, axis=2, layer=self.layer)))
 
     def read(self) -> tuple[jax.Array, jax.Array]:
         """This layer's keys and values, `[batch, capacity, n_kv, head_dim]` each."""
@@ -89,24 +110,22 @@ class LayerSlice:
 
 @struct.dataclass
 class KVCache:
-    """Per-layer keys and values, the write position, and each row's first real slot.
+    """Per-layer keys and values, and each row's write position.
 
     Attributes:
       layers: one `LayerKV` per block, or, for a scanned model (`scan_layers`), one
         `LayerKV` whose k and v stack every block's: `[batch, n_layer, capacity, n_kv_head,
         head_dim]`.
-      pos: int32 scalar, the number of slots already written. The model advances it
-        once per call, after all layers, so every layer of one call writes at the same
-        slots.
-      start: int32 `[batch]`, the slot holding each row's first real token. Prompts of
-        different lengths share one cache by left padding: row b's slots before
-        `start[b]` are padding, never attended to, and its token in slot s sits at
-        position `s - start[b]`. All zeros when every row is full.
+      pos: int32 `[batch]`, the slots already written in each row: row b's token in slot
+        s sits at position s, and its next token goes to slot `pos[b]`. Rows are
+        independent: in one batched call each row writes and reads at its own position
+        (prompts of different lengths, speculative rounds that keep different numbers of
+        tokens, a request joining a running batch). The model advances it once per call,
+        after all layers, so every layer of one call writes at the same slots.
     """
 
     layers: tuple[LayerKV, ...] | LayerKV
-    pos: jax.Array  # [] int32
-    start: jax.Array  # [batch] int32
+    pos: jax.Array  # [batch] int32
 
     @classmethod
     def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None) -> "KVCache":
@@ -123,7 +142,7 @@ class KVCache:
             its `dtype`.
 
         Returns:
-          A `KVCache` of zeros with `pos == 0`.
+          A `KVCache` of zeros with every row's `pos` 0.
 
         Raises:
           TypeError: `config` is not a `DecoderConfig`.
@@ -169,7 +188,7 @@ class KVCache:
             layers = LayerKV(k=jnp.zeros(stacked_shape, storage), v=jnp.zeros(stacked_shape, storage))
         else:
             layers = tuple(LayerKV(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage)) for _ in range(n_layer))
-        return cls(layers=layers, pos=jnp.zeros((), jnp.int32), start=jnp.zeros((batch_size,), jnp.int32))
+        return cls(layers=layers, pos=jnp.zeros((batch_size,), jnp.int32))
 
     @property
     def stacked(self) -> bool:
@@ -199,7 +218,7 @@ class KVCache:
 
     @property
     def length(self) -> jax.Array:
-        """Tokens written so far (`pos`; `int(cache.length)` outside `jit`)."""
+        """Tokens written so far in each row, `[batch]` (`pos`)."""
         return self.pos
 
     @property
@@ -214,30 +233,75 @@ class KVCache:
 
     @property
     def bytes_used(self) -> int:
-        """Bytes holding written tokens, `length * bytes_per_token` (host-side: reads `pos`)."""
-        return int(self.pos) * self.bytes_per_token
+        """Bytes holding written tokens, summed over the rows (host-side: reads `pos`)."""
+        return int(np.sum(np.asarray(self.pos))) * self.bytes_per_token // self.batch_size
 
-    def advance(self, n_tokens: int) -> "KVCache":
-        """The same slots with `pos` moved `n_tokens` on."""
+    def advance(self, n_tokens) -> "KVCache":
+        """The same slots with every row's `pos` moved `n_tokens` on (a scalar, or `[batch]`)."""
         return self.replace(pos=self.pos + n_tokens)
 
     def commit(self, layers, logits: jax.Array, n_tokens: int) -> tuple[jax.Array, "KVCache"]:
-        """Ends a model call whose `n_tokens` tokens every layer wrote at slots `pos ..`.
+        """Ends a model call whose `n_tokens` tokens every layer wrote at each row's slots `pos[b] ..`.
 
         `pos` advances once, after every layer, so all layers of one call write at the
         same slots. Past the capacity `dynamic_update_slice` clamps the writes instead of
-        failing; concrete inputs are refused before (`validation.check_step_inputs`),
-        and inside `jit` the logits become NaN: loud, never silently wrong.
+        failing; concrete inputs are refused before (`validation.check_cache_step`), and
+        inside `jit` the logits of a row whose writes did not fit become NaN: loud, never
+        silently wrong.
 
         Args:
           layers: the `LayerKV`s the call returned, one per layer (or the stacked one).
-          logits: the call's logits.
+          logits: the call's logits `[batch, T, vocab]`.
           n_tokens: the tokens the call wrote (static).
 
         Returns:
-          `(logits, cache)`: the logits (NaN if the writes did not fit) and the cache
-          holding `layers` with `pos + n_tokens`.
+          `(logits, cache)`: the logits (NaN in the rows whose writes did not fit) and the
+          cache holding `layers` with `pos + n_tokens`.
         """
-        logits = jnp.where(self.pos + n_tokens <= self.capacity, logits, jnp.nan)
+        fits = self.pos + n_tokens <= self.capacity  # [batch]
+        logits = jnp.where(fits[:, None, None], logits, jnp.nan)
         layers = layers if isinstance(layers, LayerKV) else tuple(layers)
         return logits, self.replace(layers=layers).advance(n_tokens)
+
+    # Row operations, what a continuous-batching engine needs: a finished request leaves
+    # its row (`evict`), a new one is prefilled alone and joins (`insert`), the other
+    # rows keep their state. `row` may be traced; a concrete one is checked.
+
+    def evict(self, row) -> "KVCache":
+        """Row `row` emptied: its keys and values zeroed and its `pos` 0, as in a new cache."""
+        row = self._row(row, "evict")
+        def clear(leaf):
+            return jax.lax.dynamic_update_index_in_dim(leaf, jnp.zeros(leaf.shape[1:], leaf.dtype), row, axis=0)
+
+        return self.replace(layers=jax.tree.map(clear, self.layers), pos=self.pos.at[row].set(0))
+
+    def insert(self, row, other: "KVCache") -> "KVCache":
+        """Row `row` replaced by the single row of `other` (its keys, values and `pos`).
+
+        Args:
+          row: the row to fill, in `[0, batch_size)`.
+          other: a one-row cache of the same layout and capacity (say, a prompt prefilled
+            alone into `model.init_cache(1, cache.capacity)`).
+
+        Raises:
+          ValueError: `other` is not one row of this cache's layout, or `row` is out of range.
+        """
+        row = self._row(row, "insert")
+        want = (1, *self.layer_shape[1:])
+        if other.stacked != self.stacked or other.layer_shape != want or other.n_layer != self.n_layer:
+            raise ValueError(f"KVCache.insert: other must be a one-row cache of layer shape {want} "
+                             f"({'stacked' if self.stacked else 'per layer'}, {self.n_layer} layers), got "
+                             f"{other.layer_shape} ({'stacked' if other.stacked else 'per layer'}, "
+                             f"{other.n_layer} layers)")
+        def put(leaf, new):
+            return jax.lax.dynamic_update_slice_in_dim(leaf, new.astype(leaf.dtype), row, axis=0)
+
+        return self.replace(layers=jax.tree.map(put, self.layers, other.layers),
+                            pos=jax.lax.dynamic_update_slice_in_dim(self.pos, other.pos, row, axis=0))
+
+    def _row(self, row, operation: str):
+        """`row` checked against the batch where it is concrete (a traced one is used as is)."""
+        if is_traced(row):
+            return row
+        return as_int(row, f"KVCache.{operation}: row", minimum=0, maximum=self.batch_size - 1,
+                      maximum_name="batch_size - 1")

@@ -20,14 +20,14 @@ import numpy as np
 from jaxformer.attention import GQASelfAttention
 from jaxformer.cache import KVCache, LayerSlice
 from jaxformer.config import DecoderConfig
-from jaxformer.decoding.protocol import DecodingSpec
+from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import SwiGLU
 from jaxformer.memory import prefill_bytes
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import rope_tables
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
-from jaxformer.validation import check_step_inputs
+from jaxformer.validation import check_cache_step, check_step_inputs
 
 
 class Block(nn.Module):
@@ -77,13 +77,13 @@ class Decoder(nn.Module):
     `Decoder(config).apply({'params': params}, tokens, cache=None) -> (logits, cache)`
 
     Without a cache it is the plain causal forward and returns `(logits, None)`. With a
-    cache the T tokens are the next T of the sequence: query i sits at absolute position
-    `cache.pos + i` and may read every cached key up to it, so a multi-token prefill and
-    a one-token step are the same call. The returned cache has them written and
-    `pos + T`. The cache's shape is fixed by its capacity, so one jitted function serves
-    every step. Prompts of different lengths share a batch left-padded: `cache.start[b]`
-    is row b's first real slot; its padding is never attended to and its positions (for
-    RoPE) count from there.
+    cache the T tokens of row b are the next T of its sequence: its query i sits at
+    position `cache.pos[b] + i` and may read every cached key up to it, so a multi-token
+    prefill and a one-token step are the same call, and rows at different lengths share
+    one call. The returned cache has them written and `pos + T`. The cache's shape is
+    fixed by its capacity, so one jitted function serves every step. Prompts of different
+    lengths share a batch right-padded: after the prefill, row b's `pos` is set to its
+    length, and its next token overwrites its padding, which no query of it ever reads.
 
     Every layer's attention weights are sown: `apply(..., mutable=['intermediates'])`
     returns them too, and `sown_attention_weights(intermediates, config)` stacks them.
@@ -108,35 +108,34 @@ class Decoder(nn.Module):
         Raises:
           ValueError: `tokens` not a `[batch, T]` integer array (refused under `jit` too,
             shapes being static), ids outside the vocabulary, positions past
-            `max_seq_len` or the cache (see `validation.check_step_inputs`).
+            `max_seq_len` or a row's cache (`validation.check_step_inputs`, `check_cache_step`).
         """
         c = self.config
-        check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len, cache=cache,
-                          cache_layout=(c.n_layer, c.n_kv_head, c.head_dim, c.scan_layers))
+        check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)
+        if cache is not None:
+            check_cache_step(tokens, cache, (c.n_layer, c.n_kv_head, c.head_dim, c.scan_layers))
         T = tokens.shape[1]
-        pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
         S = T if cache is None else cache.capacity
 
         init = nn.initializers.normal(0.02)
         embed = param(self, "embed", init, (c.vocab_size, c.d_model), (VOCAB, EMBED), c.param_dtype)
         x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
 
-        # Positions lie below S: 0 .. T-1 without a cache; with one, slot - start[b] < capacity.
+        # Positions lie below S: 0 .. T-1 without a cache; with one, pos[b] + t < capacity.
         # Sized by S, not max_seq_len: a checkpoint may declare 10**12 positions and use a hundred.
         cos_table, sin_table = rope_tables(c.head_dim, S, c.rope_theta)  # [S, head_dim/2]
-        slot = pos + jnp.arange(T)  # [T], the cache slots (absolute positions) of the T queries
         if cache is None:
+            pos = None
             cos, sin = cos_table, sin_table  # [T, head_dim/2]
-            mask = jnp.arange(S)[None, :] <= slot[:, None]  # [T, S], causal
+            mask = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]  # [T, S], causal
         else:
-            # Row b's token in slot s sits at position s - start[b] (start > 0: left padding).
-            # A padding query's position is negative and clipped; nobody reads its output.
-            position = jnp.maximum(slot[None, :] - cache.start[:, None], 0)  # [batch, T]
+            # Row b's query t sits at position pos[b] + t, its slot in the cache.
+            pos = cache.pos  # [batch]
+            position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
             cos, sin = jnp.take(cos_table, position, axis=0), jnp.take(sin_table, position, axis=0)  # [batch, T, hd/2]
-            # Query t reads slots start[b] .. pos + t: causal over the cache, padding hidden.
-            # Slots past pos + t are the future or not yet written. Not square: (T, S).
-            key_slot = jnp.arange(S)[None, None, :]  # [1, 1, S]
-            mask = (key_slot <= slot[None, :, None]) & (key_slot >= cache.start[:, None, None])  # [batch, T, S]
+            # Query t of row b reads slots 0 .. pos[b] + t: causal over the cache; slots past
+            # it are the future, not yet written, or a shorter prompt's padding. Not square: (T, S).
+            mask = jnp.arange(S)[None, None, :] <= position[:, :, None]  # [batch, T, S]
 
         if c.scan_layers:
             stack = None if cache is None else LayerSlice(cache.layers, jnp.zeros((), jnp.int32))
@@ -157,7 +156,7 @@ class Decoder(nn.Module):
             return logits, None
         return cache.commit(new_layers, logits, T)
 
-    # The decoding protocol (`jaxformer.decoding.Decodable`): the model continues its prompt.
+    # The decoding protocol (`jaxformer.decodable.Decodable`): the model continues its prompt.
 
     @nn.nowrap
     def init_inputs(self) -> tuple[jax.Array]:
@@ -168,7 +167,8 @@ class Decoder(nn.Module):
     def decoding_spec(self) -> DecodingSpec:
         c = self.config
         return DecodingSpec(prompt_vocab_size=c.vocab_size, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len,
-                            pad_id=0, ragged_prompts=True, prefill_bytes=functools.partial(prefill_bytes, c))
+                            pad_id=0, ragged_prompts=True, supports_speculative=True,
+                            prefill_bytes=functools.partial(prefill_bytes, c))
 
     @nn.nowrap
     def decoder_prompt(self, prompt: np.ndarray, bos_id: int | None) -> np.ndarray:

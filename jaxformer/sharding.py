@@ -242,8 +242,7 @@ def cache_shardings(cache, mesh: Mesh):
     else:
         kv = NamedSharding(mesh, PartitionSpec(*spec))
         layers = tuple(layer.replace(k=kv, v=kv) for layer in cache.layers)
-    return cache.replace(layers=layers, pos=NamedSharding(mesh, PartitionSpec()),
-                         start=NamedSharding(mesh, PartitionSpec(rows)))
+    return cache.replace(layers=layers, pos=NamedSharding(mesh, PartitionSpec(rows)))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -280,3 +280,39 @@ def _check_start(start: np.ndarray, written: int, ragged: bool, name: str) -> No
                          f"got {start.tolist()}")
     if start.min() < 0 or start.max() >= written:
         raise ValueError(f"cache.start must lie in [0, cache.pos + {name} length = {written}), got {start.tolist()}")
+
+
+def check_cache_step(tokens, cache, cache_layout, name: str = "tokens") -> None:
+    """What a model call with a `KVCache` checks about it, after `check_step_inputs(tokens, ...)`.
+
+    The layout is static, so it is checked even under `jit`; each row's position only
+    when it is concrete (outside `jit`): every row's `pos + T` must fit the capacity.
+
+    Args:
+      tokens: `[batch, T]` ids (checked by `check_step_inputs`).
+      cache: the `KVCache` the call writes to, one `pos` per row.
+      cache_layout: `(n_layer, n_kv_head, head_dim, stacked)` of the model's cache;
+        `stacked` for a scanned model's one `[batch, n_layer, ...]` k and v.
+      name: the tokens' argument name, for the messages.
+    """
+    n_layer, n_kv_head, head_dim, stacked = cache_layout
+    want = (tokens.shape[0], cache.capacity, n_kv_head, head_dim)
+    want_shapes = [(want[0], n_layer, *want[1:])] * 2 if stacked else [want] * (2 * n_layer)
+    got_shapes = [array.shape for array in jax.tree.leaves(cache.layers)]
+    if cache.stacked != stacked or got_shapes != want_shapes:
+        form = ("one stacked k and v of [batch, n_layer, capacity, n_kv_head, head_dim] (scan_layers=True)"
+                if stacked else "a k and v of [batch, capacity, n_kv_head, head_dim] per layer (scan_layers=False)")
+        raise ValueError(f"cache does not fit this model: want {n_layer} layers of k/v {want} as {form}; "
+                         f"got {'a stacked' if cache.stacked else 'a per-layer'} cache of k/v shapes "
+                         f"{sorted(set(got_shapes))} ({len(got_shapes)} arrays)")
+    if np.shape(cache.pos) != (tokens.shape[0],):
+        raise ValueError(f"cache.pos must hold one position per row, shape ({tokens.shape[0]},), "
+                         f"got {np.shape(cache.pos)}")
+    check_positions_fit(0, tokens.shape[1], cache.capacity, f"{name} length", "cache capacity")
+    if not is_traced(cache.pos):
+        pos = np.asarray(cache.pos)
+        if pos.min() < 0:
+            raise ValueError(f"cache.pos must be >= 0 in every row, got {pos.tolist()}")
+        row = int(pos.argmax())
+        check_positions_fit(int(pos[row]), tokens.shape[1], cache.capacity, f"cache.pos[{row}] + {name}",
+                            "cache capacity")

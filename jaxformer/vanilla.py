@@ -30,13 +30,13 @@ import numpy as np
 from jaxformer.attention import MultiHeadAttention
 from jaxformer.cache import KVCache, LayerKV
 from jaxformer.config import VanillaConfig
-from jaxformer.decoding.protocol import DecodingSpec
+from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import FeedForward
 from jaxformer.norms import LayerNorm
 from jaxformer.positions import sinusoidal_table
 from jaxformer.sharding import EMBED, VOCAB, param
-from jaxformer.validation import check_step_inputs, check_token_layout
+from jaxformer.validation import check_cache_step, check_step_inputs, check_token_layout
 
 
 class Residual(nn.Module):
@@ -142,14 +142,15 @@ class VanillaTransformer(nn.Module):
             self.encoder_norm = LayerNorm(c.norm_eps, c.param_dtype)
             self.decoder_norm = LayerNorm(c.norm_eps, c.param_dtype)
 
-    def embed(self, table: jax.Array, tokens: jax.Array, offset, deterministic: bool = True) -> jax.Array:
-        """`Dropout(embedding * sqrt(d_model) + PE)` for tokens at positions `offset ..`.
+    def embed(self, table: jax.Array, tokens: jax.Array, positions: jax.Array, deterministic: bool = True) -> jax.Array:
+        """`Dropout(embedding * sqrt(d_model) + PE)` for `tokens` `[batch, T]` at `positions`
+        (`[T]`, or `[batch, T]`: each row's own).
 
         The sqrt(d_model) scale lifts the embeddings (xavier-initialised, entries about
         1/sqrt(d)) to the sinusoid's amplitude of 1, so positions do not drown tokens.
         """
         c = self.config
-        pe = jax.lax.dynamic_slice_in_dim(sinusoidal_table(c.max_seq_len, c.d_model), offset, tokens.shape[1])
+        pe = jnp.take(sinusoidal_table(c.max_seq_len, c.d_model), positions, axis=0)  # [(batch,) T, d_model]
         x = lookup(table, tokens).astype(c.dtype) * math.sqrt(c.d_model) + pe.astype(c.dtype)  # [batch, T, d_model]
         return self.embed_dropout(x, deterministic=deterministic)
 
@@ -172,7 +173,7 @@ class VanillaTransformer(nn.Module):
         c = self.config
         check_step_inputs(src, vocab_size=c.src_vocab_size, max_seq_len=c.max_seq_len, name="src")
         src_mask = self.source_mask(src)
-        x = self.embed(self.src_embed, src, 0, deterministic)  # [batch, S, d_model]
+        x = self.embed(self.src_embed, src, jnp.arange(src.shape[1]), deterministic)  # [batch, S, d_model]
         for layer in self.encoder_layers:
             x = layer(x, src_mask, deterministic)
         return self.encoder_norm(x) if c.has_final_norm else x
@@ -189,8 +190,8 @@ class VanillaTransformer(nn.Module):
           memory: `[batch, S, d_model]` from `encode`; may be None when `memory_kv` is given.
           src: int `[batch, S]` source ids (for its padding mask).
           cache: the decoder self-attention `KVCache` (`init_cache(batch)`), or
-            None. With a cache, `tgt_in` continues the cached prefix (no target padding;
-            `cache.start` must be all zeros: every decoder row starts at BOS).
+            None. With a cache, row b of `tgt_in` continues its cached prefix, at positions
+            `cache.pos[b] ..`.
           memory_kv: `cross_kv(memory)`, to skip projecting the memory at every step.
           deterministic: False applies dropout.
 
@@ -201,21 +202,23 @@ class VanillaTransformer(nn.Module):
         Raises:
           ValueError: `tgt_in` or `src` not a `[batch, T]` integer array (refused under
             `jit` too), `tgt_in` ids outside the target vocabulary, or positions past
-            `max_seq_len` or the cache (see `validation.check_step_inputs`).
+            `max_seq_len` or a row's cache (`validation.check_step_inputs`, `check_cache_step`).
         """
         c = self.config
-        # Every decoder row starts at BOS, so the cache has no left padding (ragged=False).
-        check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, cache=cache,
-                          cache_layout=(c.n_layer, c.n_head, c.head_dim, False), ragged=False, name="tgt_in")
+        check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, name="tgt_in")
+        if cache is not None:
+            check_cache_step(tgt_in, cache, (c.n_layer, c.n_head, c.head_dim, False), name="tgt_in")
         check_token_layout(src, "src")  # only its padding is read here: encode checked its ids
         T = tgt_in.shape[1]
-        pos = jnp.zeros((), jnp.int32) if cache is None else cache.pos
         src_mask = self.source_mask(src)  # [batch, 1, S]
         if cache is None:  # teacher forcing: causal AND not padding
+            pos, positions = None, jnp.arange(T)  # [T]
             tgt_mask = jnp.tril(jnp.ones((T, T), bool))[None] & (tgt_in != c.pad_id)[:, None, :]  # [batch, T, T]
-        else:  # query i at position pos + i reads cache slots 0 .. pos + i: (T, capacity)
-            tgt_mask = jnp.arange(cache.capacity)[None, :] <= (pos + jnp.arange(T))[:, None]
-        y = self.embed(self.tgt_embed, tgt_in, pos, deterministic)  # [batch, T, d_model]
+        else:  # row b's query t at position pos[b] + t reads cache slots 0 .. pos[b] + t: (T, capacity)
+            pos = cache.pos  # [batch]
+            positions = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
+            tgt_mask = jnp.arange(cache.capacity)[None, None, :] <= positions[:, :, None]  # [batch, T, capacity]
+        y = self.embed(self.tgt_embed, tgt_in, positions, deterministic)  # [batch, T, d_model]
         new_layers = []
         for i, layer in enumerate(self.decoder_layers):
             y, layer_cache = layer(y, tgt_mask, src_mask, memory=memory,
@@ -235,7 +238,7 @@ class VanillaTransformer(nn.Module):
         memory = self.encode(src, deterministic)
         return self.decode(tgt_in, memory, src, deterministic=deterministic)[0]
 
-    # The decoding protocol (`jaxformer.decoding.Decodable`): the prompt is the source,
+    # The decoding protocol (`jaxformer.decodable.Decodable`): the prompt is the source,
     # encoded once; the decoder starts from BOS.
 
     @nn.nowrap

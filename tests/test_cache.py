@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from jaxformer import Decoder, DecoderConfig, KVCache
+from jaxformer.cache import LayerSlice
 
 CONFIG = DecoderConfig(vocab_size=32, n_layer=3, n_head=4, n_kv_head=2, d_model=32, max_seq_len=16)
 
@@ -13,10 +14,9 @@ def test_create_shapes_and_inspection():
     cache = KVCache.create(CONFIG, batch_size=2)
     assert len(cache.layers) == 3
     chex.assert_tree_shape_prefix(cache.layers, (2, 16, 2, 8))
-    chex.assert_shape(cache.pos, ())
-    assert cache.pos.dtype == jnp.int32 and int(cache.length) == 0
-    chex.assert_shape(cache.start, (2,))
-    np.testing.assert_array_equal(cache.start, [0, 0])
+    chex.assert_shape(cache.pos, (2,))  # one position per row
+    assert cache.pos.dtype == jnp.int32
+    np.testing.assert_array_equal(cache.length, [0, 0])
     assert (cache.capacity, cache.batch_size) == (16, 2)
     # 2 (k, v) * 3 layers * batch 2 * 2 kv heads * head_dim 8 * 4 bytes per position
     assert cache.bytes_per_token == 2 * 3 * 2 * 2 * 8 * 4
@@ -26,24 +26,37 @@ def test_create_shapes_and_inspection():
     assert small.capacity == 5 and small.layers[0].k.dtype == jnp.bfloat16
 
 
-def test_write_is_functional_and_lands_at_pos():
-    cache = KVCache.create(CONFIG, batch_size=1, capacity=8)
+def test_write_is_functional_and_lands_at_each_rows_pos():
+    cache = KVCache.create(CONFIG, batch_size=2, capacity=8)
     layer = cache.layers[0]
-    k_new = jnp.ones((1, 3, 2, 8))
-    written = jax.jit(layer.write)(k_new, 2 * k_new, jnp.int32(4))
+    k_new = jnp.arange(1.0, 3.0)[:, None, None, None] * jnp.ones((2, 3, 2, 8))  # row b holds b + 1
+    written = jax.jit(layer.write)(k_new, 2 * k_new, jnp.array([4, 1], jnp.int32))
     assert float(jnp.abs(layer.k).max()) == 0.0  # the input is untouched
-    np.testing.assert_array_equal(written.k[:, 4:7], k_new)
-    np.testing.assert_array_equal(written.v[:, 4:7], 2 * k_new)
-    assert float(jnp.abs(written.k[:, :4]).max()) == 0.0 and float(jnp.abs(written.k[:, 7:]).max()) == 0.0
-    advanced = cache.advance(3)
-    assert int(advanced.length) == 3 and advanced.bytes_used == 3 * cache.bytes_per_token
-    assert int(cache.pos) == 0
+    for row, start in ((0, 4), (1, 1)):  # each row's window at its own slots, zeros elsewhere
+        np.testing.assert_array_equal(written.k[row, start:start + 3], k_new[row])
+        np.testing.assert_array_equal(written.v[row, start:start + 3], 2 * k_new[row])
+        outside = np.delete(np.asarray(written.k[row]), np.s_[start:start + 3], axis=0)
+        assert np.abs(outside).max() == 0.0
+    advanced = cache.advance(3).advance(jnp.array([0, 2], jnp.int32))
+    np.testing.assert_array_equal(advanced.length, [3, 5])
+    assert advanced.bytes_used == (3 + 5) * cache.bytes_per_token // 2
+    np.testing.assert_array_equal(cache.pos, [0, 0])
+
+
+def test_stacked_write_lands_in_its_layer_at_each_rows_pos():
+    cache = KVCache.create(CONFIG.replace(scan_layers=True), batch_size=2, capacity=8)
+    k_new = jnp.ones((2, 2, 2, 8))
+    stack = LayerSlice(cache.layers, jnp.int32(1)).write(k_new, -k_new, jnp.array([0, 5], jnp.int32)).stack
+    want = np.zeros(stack.k.shape, np.float32)
+    want[0, 1, 0:2], want[1, 1, 5:7] = 1.0, 1.0
+    np.testing.assert_array_equal(stack.k, want)
+    np.testing.assert_array_equal(stack.v, -want)
 
 
 def test_is_a_pytree():
     cache = KVCache.create(CONFIG, batch_size=2, capacity=4)
     leaves = jax.tree.leaves(cache)
-    assert len(leaves) == 2 * 3 + 2  # k and v per layer, pos, start
+    assert len(leaves) == 2 * 3 + 1  # k and v per layer, pos
     doubled = jax.tree.map(lambda x: x * 2, cache)
     assert isinstance(doubled, KVCache)
 
@@ -72,3 +85,67 @@ def test_cache_dtype_is_selectable():
     assert got.dtype == jnp.float32 and cache.layers[-1].v.dtype == jnp.bfloat16
     error = float(jnp.abs(got - want).max())
     assert 0 < error < 0.02 * float(jnp.abs(want).max())
+
+
+def _greedy(step, token, cache, n):
+    """`n` greedy steps from `token [batch]`: the tokens `[batch, n]` (the first is `token`) and the cache."""
+    tokens = [token]
+    for _ in range(n - 1):
+        logits, cache = step(tokens[-1][:, None], cache)
+        tokens.append(jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
+    return jnp.stack(tokens, axis=1), cache
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_row_evicted_and_refilled_decodes_as_its_prompt_alone(scan_layers):
+    """A batch of 4 decodes; row 2 is evicted and a new prompt, prefilled alone, is inserted
+    there; every row goes on in one batched step. Row 2's greedy tokens are the new
+    prompt's solo decoding's and its cache holds the solo cache's values; the other rows
+    are exactly their undisturbed run."""
+    from conftest import random_params
+
+    from jaxformer.convert import with_scan_layers
+    config, params = with_scan_layers(CONFIG.replace(max_seq_len=32),
+                                      random_params(CONFIG.replace(max_seq_len=32), seed=3), scan_layers)
+    model = Decoder(config)
+    step = jax.jit(lambda tokens, cache: model.apply({"params": params}, tokens, cache))
+    prompts = jax.random.randint(jax.random.key(1), (4, 5), 0, config.vocab_size)
+    logits, cache = step(prompts, KVCache.create(config, 4, capacity=20))
+    tokens, cache = _greedy(step, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache, 3)
+    undisturbed, undisturbed_cache = _greedy(step, tokens[:, -1], cache, 6)
+
+    new_prompt = jax.random.randint(jax.random.key(2), (1, 6), 0, config.vocab_size)
+    new_logits, alone = step(new_prompt, KVCache.create(config, 1, capacity=20))  # the prefill into a row
+    first = jnp.argmax(new_logits[:, -1], axis=-1).astype(jnp.int32)  # [1]
+    joined = cache.evict(2).insert(2, alone)
+    np.testing.assert_array_equal(joined.pos, [7, 7, 6, 7])  # rows at different positions in one batch
+    got, got_cache = _greedy(step, tokens[:, -1].at[2].set(first[0]), joined, 6)
+    solo, solo_cache = _greedy(step, first, alone, 6)
+
+    np.testing.assert_array_equal(got[2], solo[0])
+    np.testing.assert_array_equal(np.delete(np.asarray(got), 2, axis=0), np.delete(np.asarray(undisturbed), 2, axis=0))
+    np.testing.assert_array_equal(got_cache.pos, [12, 12, 11, 12])
+    for got_leaf, solo_leaf, undisturbed_leaf in zip(jax.tree.leaves(got_cache.layers),
+                                                     jax.tree.leaves(solo_cache.layers),
+                                                     jax.tree.leaves(undisturbed_cache.layers)):
+        np.testing.assert_allclose(got_leaf[2], solo_leaf[0], atol=1e-5)
+        keep = np.array([0, 1, 3])
+        np.testing.assert_allclose(got_leaf[keep], undisturbed_leaf[keep], atol=1e-5)
+
+
+def test_evict_clears_one_row_and_insert_checks_its_inputs():
+    cache = KVCache.create(CONFIG, batch_size=3, capacity=8)
+    cache = jax.tree.map(lambda x: x + 1, cache)  # every slot written, every pos 1
+    evicted = cache.evict(1)
+    np.testing.assert_array_equal(evicted.pos, [1, 0, 1])
+    for leaf in jax.tree.leaves(evicted.layers):
+        assert float(jnp.abs(leaf[1]).max()) == 0.0 and float(jnp.abs(leaf[0] - 1).max()) == 0.0
+    np.testing.assert_array_equal(jax.jit(KVCache.evict)(cache, jnp.int32(2)).pos, [1, 1, 0])  # a traced row
+    with pytest.raises(ValueError, match=r"KVCache.evict: row .*batch_size - 1=2"):
+        cache.evict(3)
+    with pytest.raises(ValueError, match="KVCache.insert: other must be a one-row cache"):
+        cache.insert(0, KVCache.create(CONFIG, batch_size=2, capacity=8))
+    with pytest.raises(ValueError, match="KVCache.insert: other must be a one-row cache"):
+        cache.insert(0, KVCache.create(CONFIG, batch_size=1, capacity=4))
+    with pytest.raises(ValueError, match=r"KVCache.insert: row"):
+        cache.insert(-1, KVCache.create(CONFIG, batch_size=1, capacity=8))

@@ -49,7 +49,7 @@ class DecoderVariantsTest(chex.TestCase):
             chex.assert_shape(logits, (2, 1, SMALL.vocab_size))
             pieces.append(logits)
         chex.assert_tree_shape_prefix(cache.layers, (2, SMALL.max_seq_len, SMALL.n_kv_head, SMALL.head_dim))
-        assert int(cache.pos) == 12
+        np.testing.assert_array_equal(cache.pos, [12, 12])
         assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
 
 
@@ -63,29 +63,31 @@ def test_one_compiled_step_serves_every_position(small):
     with count_compiles() as compiles:
         for _ in range(8):  # positions 5 .. 12: same shapes, traced pos
             _, cache = step(token, cache)
-    assert compiles == [] and int(cache.pos) == 13
+    assert compiles == [] and cache.pos.tolist() == [13, 13]
 
 
-def test_left_padded_rows_match_their_unpadded_forward():
-    """cache.start hides a row's left padding and starts its positions after it."""
+def test_rows_at_their_own_positions_match_their_own_forwards():
+    """A right-padded prefill, each row's `pos` set back to its length: in one batched
+    step each row reads and writes at its own position, as its own uncached forward."""
     config = SMALL
     model = Decoder(config)
     params = random_params(config, seed=4)
     short = _tokens(7, (1, 6))
     full = _tokens(8, (1, 10))
-    padded = jnp.concatenate([jnp.full((1, 4), 13), short], axis=1)  # 4 slots of padding, any id
-    cache = KVCache.create(config, batch_size=2, capacity=12).replace(start=jnp.array([4, 0], jnp.int32))
+    padded = jnp.concatenate([short, jnp.full((1, 4), 13)], axis=1)  # 4 slots of padding, any id
+    cache = KVCache.create(config, batch_size=2, capacity=12)
     step = jax.jit(lambda t, c: model.apply({"params": params}, t, c))
     logits, cache = step(jnp.concatenate([padded, full], axis=0), cache)  # one prefill for both rows
-    nxt = jnp.array([[5], [9]])
+    cache = cache.replace(pos=jnp.array([6, 10], jnp.int32))
+    nxt = jnp.array([[5, 2], [9, 3]])
     last, cache = step(nxt, cache)
     want_short, _ = model.apply({"params": params}, jnp.concatenate([short, nxt[:1]], axis=1))
     want_full, _ = model.apply({"params": params}, jnp.concatenate([full, nxt[1:]], axis=1))
-    np.testing.assert_allclose(logits[0, 4:], want_short[0, :6], atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(last[0, 0], want_short[0, 6], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits[0, :6], want_short[0, :6], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(last[0], want_short[0, 6:], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(logits[1], want_full[0, :10], atol=1e-4, rtol=1e-4)
-    np.testing.assert_allclose(last[1, 0], want_full[0, 10], atol=1e-4, rtol=1e-4)
-    chex.assert_tree_all_finite(logits)  # padding queries read nothing, and stay finite
+    np.testing.assert_allclose(last[1], want_full[0, 10:], atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(cache.pos, [8, 12])
 
 
 def test_chunked_prefill_equals_full_forward(small):
@@ -99,7 +101,7 @@ def test_chunked_prefill_equals_full_forward(small):
         logits, cache = step(tokens[:, start:start + size], cache)
         pieces.append(logits)
         start += size
-    assert int(cache.pos) == 20
+    np.testing.assert_array_equal(cache.pos, [20] * 3)
     assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
 
 
@@ -211,16 +213,21 @@ class TestBadInput:
         config, model, params = small
         cache = KVCache.create(config, batch_size=1, capacity=8)
         _, cache = model.apply({"params": params}, jnp.zeros((1, 6), jnp.int32), cache)
-        with pytest.raises(ValueError, match=r"cache.pos \+ tokens: 6 \+ 3 = 9 .*cache capacity=8"):
+        with pytest.raises(ValueError, match=r"cache.pos\[0\] \+ tokens: 6 \+ 3 = 9 .*cache capacity=8"):
             model.apply({"params": params}, jnp.zeros((1, 3), jnp.int32), cache)
         with pytest.raises(ValueError, match="cache capacity=8"):
             model.apply({"params": params}, jnp.zeros((1, 9), jnp.int32), KVCache.create(config, 1, capacity=8))
 
-    def test_cache_start_out_of_range(self, small):
+    def test_cache_pos_per_row(self, small):
+        """Each row's position is checked: the row that would write past the capacity is named."""
         config, model, params = small
-        cache = KVCache.create(config, batch_size=2, capacity=8).replace(start=jnp.array([0, 5], jnp.int32))
-        with pytest.raises(ValueError, match=r"cache.start must lie in \[0, cache.pos \+ tokens length = 3\)"):
+        cache = KVCache.create(config, batch_size=2, capacity=8).replace(pos=jnp.array([0, 6], jnp.int32))
+        with pytest.raises(ValueError, match=r"cache.pos\[1\] \+ tokens: 6 \+ 3 = 9 .*cache capacity=8"):
             model.apply({"params": params}, jnp.zeros((2, 3), jnp.int32), cache)
+        with pytest.raises(ValueError, match=r"cache.pos must be >= 0 in every row, got \[-1, 0\]"):
+            model.apply({"params": params}, jnp.zeros((2, 3), jnp.int32), cache.replace(pos=jnp.array([-1, 0])))
+        with pytest.raises(ValueError, match=r"cache.pos must hold one position per row, shape \(2,\), got \(\)"):
+            model.apply({"params": params}, jnp.zeros((2, 3), jnp.int32), cache.replace(pos=jnp.int32(0)))
 
     def test_cache_of_another_model(self, small):
         config, model, params = small

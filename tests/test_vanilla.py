@@ -293,8 +293,16 @@ def test_cached_steps_equal_teacher_forcing(demo):
     for t in range(4, T):
         logits, cache = step(tgt_in[:, t:t + 1], cache)
         pieces.append(logits)
-    assert int(cache.pos) == T
+    np.testing.assert_array_equal(cache.pos, [T] * B)
     np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-4, rtol=1e-5)
+    # Rows at their own positions in one step: row 1 set back to position 2 reads and
+    # writes there (its sinusoid, its mask), as teacher forcing has it.
+    _, cache = step(tgt_in[:, :4], model.init_cache(B, capacity=T))
+    cache = cache.replace(pos=jnp.array([4, 2], jnp.int32))
+    logits, cache = step(jnp.stack([tgt_in[0, 4:6], tgt_in[1, 2:4]]), cache)
+    np.testing.assert_allclose(logits[0], full[0, 4:6], atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(logits[1], full[1, 2:4], atol=1e-4, rtol=1e-5)
+    np.testing.assert_array_equal(cache.pos, [6, 4])
 
 
 def test_bad_input(demo):
@@ -308,8 +316,8 @@ def test_bad_input(demo):
         model.apply({"params": params}, jnp.ones((1, 33), jnp.int32), tgt_in[:1])
     with pytest.raises(TypeError, match="KVCache.create takes a DecoderConfig.*init_cache"):
         KVCache.create(DEMO, batch_size=B)
-    cache = model.init_cache(B, capacity=4).replace(start=jnp.array([0, 1], jnp.int32))
-    with pytest.raises(ValueError, match="cache.start must be all zeros"):
+    cache = model.init_cache(B, capacity=4).replace(pos=jnp.array([0, 3], jnp.int32))
+    with pytest.raises(ValueError, match=r"cache.pos\[1\] \+ tgt_in: 3 \+ 2 = 5 .*cache capacity=4"):
         model.apply({"params": params}, tgt_in[:, :2], None, src, cache=cache,
                     memory_kv=model.apply({"params": params}, model.apply({"params": params}, src, method="encode"),
                                           method="cross_kv"), method="decode")

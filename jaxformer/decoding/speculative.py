@@ -22,32 +22,30 @@ Each token then has distribution `p` exactly (speculative sampling: Leviathan et
 2023, Chen et al. 2023). At temperature 0 both `p` and the proposers' `q` are one-hot,
 so the rule is "keep while the proposal is the argmax": greedy decoding's tokens.
 
-A batch shares one cache position, so it advances by the smallest number of tokens any
-unfinished row accepted (plus one); a row that accepted more proposes them again next
-round. The simplest correct rule: the rows' outputs stay exact, a batch of very
-different rows just gains less. Rejected slots of the cache need no undoing: the cache's
-`pos` is set back, the slots past it are never attended to and are written over later.
+Each row advances by its own accepted length plus one: the cache keeps one position per
+row (`KVCache.pos`), so after a round row b's `pos` moves on by what row b kept, and a
+row that accepts everything is never held back by one that accepts nothing. Rejected
+slots of the cache need no undoing: `pos` is set back past them, the slots past it are
+never attended to and are written over later. A row that is finished (EOS, or
+`max_new_tokens` made) is parked: its `pos` goes to 0, so the windows it is still fed
+(the batch keeps its shape) land in slots it no longer needs and never past the capacity.
 Everything runs in one `jit` with fixed shapes: accepting or rejecting never recompiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import struct
 
-from jaxformer.decoding.inputs import DecodeOptions, DecodeRequest
+from jaxformer.decodable import Decodable
+from jaxformer.decoding.request import DecodeRequest
 from jaxformer.decoding.sampling import filtered_logits
-from jaxformer.decoding.steps import NO_TOKEN, as_given, check_picked, finite_logits, first_token, stops
-from jaxformer.sharding import mesh_of
+from jaxformer.decoding.steps import NO_TOKEN, finite_logits, first_token, prefill, stops
 from jaxformer.validation import as_int
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +77,8 @@ class Draft:
     token at a time from its own KV cache.
 
     Attributes:
-      model: a `Decoder` over the same vocabulary as the model decoded.
+      model: a model that speculative decoding may drive (`DecodingSpec.supports_speculative`,
+        as `Decoder`) over the same vocabulary as the model decoded.
       params: its parameters.
       k: tokens proposed per round, >= 1.
     """
@@ -99,33 +98,44 @@ class Stats(NamedTuple):
       rounds: passes of the model after the prompt's (one per round).
       proposed: proposals scored by unfinished rows.
       accepted: proposals those rows' model accepted.
+      row_rounds: rounds summed over the rows that took part (unfinished rows).
+      kept: tokens those rows kept, summed (each row keeps its own accepted + 1).
     """
 
     rounds: jax.Array
     proposed: jax.Array
     accepted: jax.Array
+    row_rounds: jax.Array
+    kept: jax.Array
 
 
 class State(NamedTuple):
     """Between two rounds (a pytree: `stream` carries it from one jitted round to the next).
 
     Attributes:
-      n: int32 scalar, new tokens emitted so far (the same count in every row).
-      token: `[batch]` the last emitted token, not yet in the caches.
-      cache: the model's cache, holding everything before `token`.
-      draft_cache: the draft's cache, alike; None for prompt lookup.
-      done: `[batch]` bool, rows that have emitted EOS.
-      sequence: `[batch, prompt_len + max_new_tokens + k]` int32: the (left-padded)
-        prompt, then the new tokens, pad after them.
+      n: int32 `[batch]`, new tokens each row has made so far.
+      token: `[batch]` each row's last new token, not yet in the caches.
+      context: the model's `decode_context`.
+      cache: the model's cache: row b holds everything before its `token` (`pos[b] =
+        lengths[b] + n[b] - 1`), or is parked (`pos[b] = 0`) once finished.
+      draft_context, draft_cache: the draft's, alike; None for prompt lookup.
+      done: `[batch]` bool, rows that have emitted EOS (or `NO_TOKEN`).
+      sequence: `[batch, prompt_len + max_new_tokens]` int32: row b's prompt (its
+        `lengths[b]` tokens), then its new tokens, pad after them.
+      emitted: int32 scalar, the new-token columns complete in every row at the last
+        round (what `stream` has handed out).
       stats: the run's `Stats` so far.
     """
 
     n: jax.Array
     token: jax.Array
+    context: Any
     cache: Any
+    draft_context: Any
     draft_cache: Any
     done: jax.Array
     sequence: jax.Array
+    emitted: jax.Array
     stats: Stats
 
 
@@ -152,26 +162,27 @@ def _log_probs(logits: jax.Array, request: DecodeRequest) -> jax.Array:
     return jnp.moveaxis(jax.lax.cond(jnp.any(s.temperature > 0), sample, lambda _: greedy, None), -2, 0)
 
 
-def _lookup(sequence: jax.Array, start: jax.Array, length: jax.Array, k: int, n: int) -> jax.Array:
+def _lookup(sequence: jax.Array, length: jax.Array, k: int, n: int) -> jax.Array:
     """Prompt lookup: `[batch, k]` tokens that followed the most recent earlier occurrence
     of each row's last `j` tokens, `j` the longest up to `n` that occurred before.
 
     Args:
-      sequence: `[batch, L]`, the context in slots `start[b] .. length - 1`.
-      start: `[batch]` each row's first real slot.
-      length: int32 scalar, the slots filled.
+      sequence: `[batch, L]`, row b's context in slots `0 .. length[b] - 1`.
+      length: int32 `[batch]`, the slots each row has filled.
     """
     batch, L = sequence.shape
+    length = length[:, None]  # [batch, 1]
     after = jnp.arange(L)[None, :]  # [1, L]: a candidate slot f, to follow an earlier match ending at f - 1
     # Slot s is padded's n + s; -1 (no token) before slot 0: the j-gram before f is padded[n + f - j: n + f].
     padded = jnp.concatenate([jnp.full((batch, n), -1, sequence.dtype), sequence], axis=1)  # [batch, n + L]
-    tail = jax.lax.dynamic_slice_in_dim(padded, length, n, axis=1)[:, ::-1]  # [batch, n]: slots length-1, length-2, ..
+    tail = jnp.take_along_axis(padded, length + n - 1 - jnp.arange(n)[None, :], axis=1)  # [batch, n]: slots
+    # length-1, length-2, ..
     match = jnp.ones((batch, L), bool)  # [batch, L]: the j tokens before f are the context's last j
     follows = jnp.full((batch,), -1)  # [batch]: the slot after the latest match found, -1 none
     for j in range(1, n + 1):
         match &= padded[:, n - j:n - j + L] == tail[:, j - 1:j]
         # An earlier occurrence (ending before the last token), of real tokens, of a j-gram the context has.
-        found = match & (after < length) & (after - j >= start[:, None]) & (length - j >= start[:, None])
+        found = match & (after < length) & (after - j >= 0) & (length - j >= 0)
         latest = jnp.max(jnp.where(found, after, -1), axis=1)
         follows = jnp.where(latest >= 0, latest, follows)  # a longer j-gram's match wins
     slots = follows[:, None] + jnp.arange(k)[None, :]  # [batch, k]
@@ -180,7 +191,7 @@ def _lookup(sequence: jax.Array, start: jax.Array, length: jax.Array, k: int, n:
     return jnp.where(known, proposal, tail[:, :1])  # nothing found: any guess costs only its rejection
 
 
-def _draft_proposals(draft: _DraftSpec, draft_params, request: DecodeRequest, token, draft_cache, key):
+def _draft_proposals(draft: _DraftSpec, draft_params, request: DecodeRequest, token, context, draft_cache, key):
     """The draft's `k` tokens after `token`, their log-probabilities under the draft
     `[batch, k, vocab]`, and its cache with `token` and the `k` tokens written (k + 1 steps:
     the last only writes the k-th token's K/V, so that a round that accepts all k finds
@@ -189,7 +200,8 @@ def _draft_proposals(draft: _DraftSpec, draft_params, request: DecodeRequest, to
 
     def step(i, carry):
         token, cache, proposals, q = carry
-        logits, cache = draft.model.apply({"params": draft_params}, token[:, None], cache)  # [batch, 1, vocab]
+        logits, cache = draft.model.apply({"params": draft_params}, token[:, None], cache, context,
+                                          method="decode_step")  # [batch, 1, vocab]
         log_q = _log_probs(logits[:, 0], request)  # [batch, vocab]
         token = jax.random.categorical(jax.random.fold_in(key, i), log_q, axis=-1).astype(jnp.int32)
         return (token, cache, proposals.at[:, i].set(token), q.at[:, i].set(log_q))
@@ -242,117 +254,134 @@ def _verify(logits, proposals, log_q, request: DecodeRequest, key):
     return accepted, jnp.where(position < accepted[:, None], padded, jnp.where(finite, fresh, NO_TOKEN))
 
 
-def _round(model, params, request: DecodeRequest, proposer, draft_params, state: State):
-    """One round: propose k, score them in one pass, keep the agreed prefix and one more.
+@struct.dataclass
+class Speculative:
+    """Speculative decoding with a proposer that `plan` fitted to the run.
 
-    Returns:
-      `(state, block, m)`: the state after the round, the round's `[batch, k + 1]`
-      tokens (pad for done rows, after an EOS and past `m`), and the index of its last
-      token (`m + 1` tokens were emitted).
+    Attributes:
+      proposer: a `PromptLookup`, or a draft model's static half (static).
+      draft_params: the draft's parameters (traced); None for prompt lookup.
     """
-    k, max_new = proposer.k, request.max_new_tokens
-    prompt_len = request.prompt.shape[1]
-    length = prompt_len + state.n  # slots of `sequence` filled
-    key = jax.random.fold_in(jax.random.fold_in(request.key, 0x5BEC), state.n)
-    draft_key, verify_key = jax.random.split(key)
-    if isinstance(proposer, PromptLookup):
-        proposals, log_q, draft_cache = _lookup(state.sequence, request.start, length, k, proposer.n), None, None
-    else:
-        proposals, log_q, draft_cache = _draft_proposals(proposer, draft_params, request, state.token,
-                                                         state.draft_cache, draft_key)
-    pos = state.cache.pos
-    window = jnp.concatenate([state.token[:, None], proposals], axis=1)  # [batch, k + 1]
-    logits, cache = model.apply({"params": params}, window, state.cache, None, method="decode_step")
-    accepted, block = _verify(logits, proposals, log_q, request, verify_key)
 
-    active = ~state.done
-    m = jnp.min(jnp.where(active, accepted, k))  # the batch advances together: by its least
-    m = jnp.minimum(m, max_new - state.n - 1)  # never past max_new_tokens
-    position = jnp.arange(k + 1)[None, :]
-    stop = stops(block, request.eos_id) & (position <= m)  # [batch, k + 1]: an EOS, or NO_TOKEN
-    after_stop = (jnp.cumsum(stop, axis=1) - stop) > 0
-    block = jnp.where(state.done[:, None] | after_stop | (position > m), request.pad_id, block)
-    done = state.done | jnp.any(stop, axis=1)
+    proposer: Any = struct.field(pytree_node=False)
+    draft_params: Any = None
 
-    # The caches hold everything before the next token: set `pos` back past the rejected slots.
-    cache = cache.replace(pos=pos + m + 1)
-    if draft_cache is not None:
-        draft_cache = draft_cache.replace(pos=pos + m + 1)
-    stats = Stats(rounds=state.stats.rounds + 1, proposed=state.stats.proposed + k * jnp.sum(active),
-                  accepted=state.stats.accepted + jnp.sum(jnp.where(active, accepted, 0)))
-    state = State(n=state.n + m + 1, token=block[:, m], cache=cache, draft_cache=draft_cache, done=done,
-                  sequence=jax.lax.dynamic_update_slice(state.sequence, block, (0, length)), stats=stats)
-    return state, block, m
+    def start(self, model: Decodable, params, request: DecodeRequest, mesh=None) -> State:
+        """The prefill (the model's and the draft's) and token 0, as plain decoding picks it."""
+        k, (batch, prompt_len) = self.proposer.k, request.prompt.shape
+        context, token, cache, done = first_token(model, params, request, mesh, extra_capacity=k)
+        draft_context = draft_cache = None
+        if isinstance(self.proposer, _DraftSpec):
+            draft_context, _, draft_cache = prefill(self.proposer.model, self.draft_params, request, mesh,
+                                                    extra_capacity=k)
+        slot = jnp.arange(prompt_len + request.max_new_tokens)[None, :]  # [1, L]
+        lengths = jnp.asarray(request.lengths)[:, None]  # [batch, 1]
+        prompt = jnp.pad(request.prompt, ((0, 0), (0, request.max_new_tokens)))  # [batch, L]
+        sequence = jnp.where(slot < lengths, prompt, jnp.where(slot == lengths, token[:, None], request.pad_id))
+        zero = jnp.zeros((), jnp.int32)
+        return State(n=jnp.ones((batch,), jnp.int32), token=token, context=context, cache=cache,
+                     draft_context=draft_context, draft_cache=draft_cache, done=done,
+                     sequence=sequence.astype(jnp.int32), emitted=jnp.ones((), jnp.int32),
+                     stats=Stats(zero, zero, zero, zero, zero))
+
+    def round(self, model: Decodable, params, request: DecodeRequest, state: State):
+        """One round: propose k, score them in one pass, each row keeps its agreed prefix and one more.
+
+        Returns:
+          `(state, tokens, count)`: the state after the round; `[batch, max_new_tokens]`
+          new tokens from column `state.emitted` on, of which the first `count` (an int32
+          scalar) are now complete in every row (a row that is done holds pad after its
+          EOS; once every row is finished, up to the longest one).
+        """
+        k, max_new = self.proposer.k, request.max_new_tokens
+        lengths = jnp.asarray(request.lengths)
+        length = lengths + state.n  # [batch], slots of `sequence` each row has filled
+        active = ~state.done & (state.n < max_new)  # [batch]
+        key = jax.random.fold_in(jax.random.fold_in(request.key, 0x5BEC), state.stats.rounds)
+        draft_key, verify_key = jax.random.split(key)
+        if isinstance(self.proposer, PromptLookup):
+            proposals, log_q, draft_cache = _lookup(state.sequence, length, k, self.proposer.n), None, None
+        else:
+            proposals, log_q, draft_cache = _draft_proposals(self.proposer, self.draft_params, request, state.token,
+                                                             state.draft_context, state.draft_cache, draft_key)
+        window = jnp.concatenate([state.token[:, None], proposals], axis=1)  # [batch, k + 1]
+        logits, cache = model.apply({"params": params}, window, state.cache, state.context, method="decode_step")
+        accepted, block = _verify(logits, proposals, log_q, request, verify_key)  # [batch], [batch, k + 1]
+
+        m = jnp.where(active, jnp.minimum(accepted, max_new - state.n - 1), 0)  # [batch]: a row's last kept token
+        position = jnp.arange(k + 1)[None, :]
+        stop = stops(block, request.eos_id) & (position <= m[:, None])  # [batch, k + 1]: an EOS, or NO_TOKEN
+        after_stop = (jnp.cumsum(stop, axis=1) - stop) > 0
+        block = jnp.where(~active[:, None] | after_stop | (position > m[:, None]), request.pad_id, block)
+        kept = jnp.where(active, m + 1, 0)  # [batch], tokens each row keeps
+        done = state.done | (active & jnp.any(stop, axis=1))
+        n = state.n + kept
+        finished = done | (n >= max_new)
+
+        # Each row's caches hold everything before its next token: `pos` set back past its
+        # rejected slots; a finished row parked at 0.
+        def moved(old, new):
+            return new.replace(pos=jnp.where(finished, 0, old.pos + kept))
+
+        cache = moved(state.cache, cache)
+        if draft_cache is not None:
+            draft_cache = moved(state.draft_cache, draft_cache)
+        offset = jnp.arange(state.sequence.shape[1])[None, :] - length[:, None]  # [batch, L]: index into block
+        new_slot = (offset >= 0) & (offset < kept[:, None])
+        sequence = jnp.where(new_slot, jnp.take_along_axis(block, jnp.clip(offset, 0, k), axis=1), state.sequence)
+        stats = Stats(rounds=state.stats.rounds + 1, proposed=state.stats.proposed + k * jnp.sum(active),
+                      accepted=state.stats.accepted + jnp.sum(jnp.where(active, accepted, 0)),
+                      row_rounds=state.stats.row_rounds + jnp.sum(active), kept=state.stats.kept + jnp.sum(kept))
+        # Complete in every row: up to the slowest unfinished row; all finished, up to the longest.
+        ready = jnp.where(jnp.all(finished), jnp.max(n), jnp.min(jnp.where(finished, max_new, n)))
+        columns = jnp.take_along_axis(sequence, jnp.minimum(lengths[:, None] + state.emitted + jnp.arange(max_new),
+                                                            sequence.shape[1] - 1), axis=1)
+        columns = jnp.where(state.emitted + jnp.arange(max_new) < max_new, columns, request.pad_id)
+        count = ready - state.emitted
+        state = State(n=n, token=jnp.take_along_axis(block, m[:, None], axis=1)[:, 0], context=state.context,
+                      cache=cache, draft_context=state.draft_context, draft_cache=draft_cache, done=done,
+                      sequence=sequence, emitted=ready, stats=stats)
+        return state, columns, count
+
+    def finish(self, model: Decodable, params, request: DecodeRequest, state: State):
+        """From `state`, rounds until every row is finished: `(tokens [batch, max_new_tokens], Stats)`."""
+        def keep_going(state):
+            return jnp.any(~state.done & (state.n < request.max_new_tokens))
+
+        state = jax.lax.while_loop(keep_going, lambda state: self.round(model, params, request, state)[0], state)
+        slot = jnp.asarray(request.lengths)[:, None] + jnp.arange(request.max_new_tokens)[None, :]
+        return jnp.take_along_axis(state.sequence, slot, axis=1), state.stats
 
 
-def _start_state(model, params, request: DecodeRequest, proposer, draft_params, mesh=None) -> State:
-    """The prefill (the model's and the draft's) and token 0, as plain decoding picks it."""
-    k, batch, prompt_len = proposer.k, *request.prompt.shape
-    _, token, cache, done = first_token(model, params, request, mesh, extra_capacity=k)
-    draft_cache = None
-    if isinstance(proposer, _DraftSpec):
-        draft_cache = proposer.model.init_cache(batch, cache.capacity).replace(start=request.start)
-        _, draft_cache = proposer.model.apply({"params": draft_params}, request.decoder_prompt, draft_cache)
-    sequence = jnp.full((batch, prompt_len + request.max_new_tokens + k), request.pad_id, jnp.int32)
-    sequence = sequence.at[:, :prompt_len].set(request.prompt).at[:, prompt_len].set(token)
-    zero = jnp.zeros((), jnp.int32)
-    return State(n=jnp.ones((), jnp.int32), token=token, cache=cache, draft_cache=draft_cache, done=done,
-                 sequence=sequence, stats=Stats(rounds=zero, proposed=zero, accepted=zero))
-
-
-@functools.partial(jax.jit, static_argnames=("model", "proposer", "mesh"))
-def speculative_loop(model, params, request: DecodeRequest, proposer, draft_params=None, mesh=None):
-    """The whole speculative run as one program: a `while_loop` of rounds that stops at
-    `max_new_tokens` or once every row has produced EOS.
-
-    Returns:
-      `(tokens, Stats)`: int32 `[batch, P + max_new_tokens]`, the decoder prompt then the
-      new tokens, as `decode_loop` returns them.
-    """
-    def keep_going(state):
-        return (state.n < request.max_new_tokens) & ~jnp.all(state.done)
-
-    state = _start_state(model, params, request, proposer, draft_params, mesh)
-    state = jax.lax.while_loop(keep_going, lambda s: _round(model, params, request, proposer, draft_params, s)[0],
-                               state)
-    prompt_len = request.prompt.shape[1]
-    new = state.sequence[:, prompt_len:prompt_len + request.max_new_tokens]
-    return jnp.concatenate([request.decoder_prompt, new], axis=1), state.stats
-
-
-_stream_start = jax.jit(_start_state, static_argnames=("model", "proposer", "mesh"))
-_stream_round = jax.jit(_round, static_argnames=("model", "proposer"), donate_argnames=("state",))
-
-
-def plan(model, request: DecodeRequest, speculative):
+def plan(model: Decodable, request: DecodeRequest, speculative) -> Speculative | None:
     """Checks a `PromptLookup` or `Draft` against the model and the run, on the host.
 
     The proposals of the last round must fit `max_seq_len` (the model's and the draft's):
     `k` shrinks to fit, and where not even one fits the run is plain decoding.
 
     Returns:
-      `(proposer, draft_params)`: the static proposer (k fitted), or `(None, None)` for
-      plain decoding.
+      The `Speculative` strategy (k fitted), or None for plain decoding.
 
     Raises:
-      ValueError: naming what does not fit (not a decoder-only model, beam search, a
-        draft of another vocabulary, shorter `max_seq_len` or not a decoder-only model).
+      ValueError: naming what does not fit (a model speculative decoding cannot drive,
+        beam search, a draft of another vocabulary or shorter `max_seq_len`).
     """
-    from jaxformer.decoder import Decoder  # (the model imports decoding: imported here, not at the top)
-
     if not isinstance(speculative, (PromptLookup, Draft)):
         raise ValueError(f"speculative must be a PromptLookup or a Draft (got {type(speculative).__name__})")
-    if not isinstance(model, Decoder):
-        raise ValueError(f"speculative decoding is for the decoder-only Decoder (got {type(model).__name__})")
+    spec = model.decoding_spec()
+    if not spec.supports_speculative:
+        raise ValueError(f"speculative decoding needs a model that continues its prompt "
+                         f"(DecodingSpec.supports_speculative, as the decoder-only Decoder); "
+                         f"{type(model).__name__} does not")
     if request.num_beams != 1:
         raise ValueError("speculative decoding picks one continuation per row: leave num_beams at 1")
-    spec = model.decoding_spec()
     # The last round starts at position prompt_len + max_new_tokens - 2 and writes k + 1 slots.
     limit = spec.max_seq_len - request.prompt.shape[1] - request.max_new_tokens + 1
     if isinstance(speculative, Draft):
-        if not isinstance(speculative.model, Decoder):
-            raise ValueError(f"Draft.model must be a Decoder (got {type(speculative.model).__name__})")
         draft_spec = speculative.model.decoding_spec()
+        if not draft_spec.supports_speculative:
+            raise ValueError(f"Draft.model must continue its prompt (DecodingSpec.supports_speculative, as a "
+                             f"Decoder); {type(speculative.model).__name__} does not")
         if draft_spec.vocab_size != spec.vocab_size:
             raise ValueError(f"Draft.model's vocab_size ({draft_spec.vocab_size}) must be the model's "
                              f"({spec.vocab_size}): the draft proposes the model's token ids")
@@ -363,71 +392,7 @@ def plan(model, request: DecodeRequest, speculative):
         limit = min(limit, draft_spec.max_seq_len - needed + 1)
     k = min(speculative.k, limit)
     if k < 1 or request.max_new_tokens == 1:
-        return None, None
+        return None
     if isinstance(speculative, PromptLookup):
-        return dataclasses.replace(speculative, k=k), None
-    return _DraftSpec(model=speculative.model, k=k), speculative.params
-
-
-class RunStats(NamedTuple):
-    """A speculative run's figures, on the host.
-
-    Attributes:
-      k: proposals per round (the proposer's `k`, less where `max_seq_len` left less
-        room; 0: plain decoding, for a single new token).
-      rounds: passes of the model after the prompt's.
-      acceptance: accepted proposals / proposals scored (by unfinished rows).
-      new_tokens: tokens emitted per row (EOS and the padding after it included).
-    """
-
-    k: int
-    rounds: int
-    acceptance: float
-    new_tokens: int
-
-    @property
-    def tokens_per_pass(self) -> float:
-        """New tokens per pass of the model, the prefill's pass (token 0) included."""
-        return self.new_tokens / (self.rounds + 1)
-
-
-def speculative_generate(model, params, prompt, speculative, **options: Unpack[DecodeOptions]):
-    """`generate(model, params, prompt, speculative=..., **options)`, with the run's figures.
-
-    Returns:
-      `(tokens, RunStats)`: `generate`'s output, and what the rounds did.
-
-    Raises:
-      ValueError, NonFiniteLogitsError: as `generate`.
-    """
-    request = DecodeRequest.create(model, prompt, **options)
-    proposer, draft_params = plan(model, request, speculative)
-    out, device_stats = speculative_decode(model, params, request, proposer, draft_params)
-    rounds, proposed, accepted = (int(x) for x in device_stats)
-    stats = RunStats(k=proposer.k if proposer else 0, rounds=rounds, acceptance=accepted / max(proposed, 1),
-                     new_tokens=request.max_new_tokens)
-    out = as_given(out, prompt, options)
-    check_picked(out, request.max_new_tokens, request.pad_id)
-    return out, stats
-
-
-def speculative_decode(model, params, request: DecodeRequest, proposer, draft_params):
-    """`plan`'s proposer run by `speculative_loop`, or, without one, plain decoding (with
-    its `Stats`: a round per token, nothing proposed)."""
-    if proposer is not None:
-        return speculative_loop(model, params, request, proposer, draft_params, mesh_of(params))
-    from jaxformer.decoding.loop import decode_loop  # (loop imports this module)
-
-    rounds = jnp.int32(request.max_new_tokens - 1)
-    return decode_loop(model, params, request, mesh_of(params)), Stats(rounds, jnp.int32(0), jnp.int32(0))
-
-
-def stream_rounds(model, params, request: DecodeRequest, proposer, draft_params) -> Iterator[np.ndarray]:
-    """`stream`'s tokens from `plan`'s proposer, a round of them per jitted call: the same
-    tokens as `speculative_loop`'s (the same keys). Token 0 comes from the prefill."""
-    state = _stream_start(model, params, request, proposer, draft_params, mesh_of(params))
-    yield np.asarray(state.token)
-    while int(state.n) < request.max_new_tokens and not np.asarray(state.done).all():
-        state, block, m = _stream_round(model, params, request, proposer, draft_params, state)
-        block = np.asarray(block)
-        yield from (block[:, j] for j in range(int(m) + 1))
+        return Speculative(proposer=dataclasses.replace(speculative, k=k))
+    return Speculative(proposer=_DraftSpec(model=speculative.model, k=k), draft_params=speculative.params)

@@ -1,6 +1,6 @@
-"""What every decoding loop shares: the model's step, the prompt's prefill, picking each
-row's token (`loop`'s plain loop and stream, `speculative`'s rounds), and the stop of a
-row whose logits hold NaN or inf (beam search's too).
+"""What every decoding strategy shares: the model's step, the prompt's prefill, picking
+each row's token (`plain`'s steps, `speculative`'s first token), and the stop of a row
+whose logits hold NaN or inf (beam search's too).
 
 Logits with a NaN or an inf have no token to pick: argmax and sampling would return an
 arbitrary id (NaN compares false, so often 0, many tokenizers' EOS), a completion that
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.decoding.inputs import DecodeRequest, is_eos
-from jaxformer.decoding.protocol import Decodable
+from jaxformer.decodable import Decodable
+from jaxformer.decoding.request import DecodeRequest, is_eos
 from jaxformer.sharding import cache_shardings
 
 
@@ -31,22 +31,27 @@ def step_fn(model: Decodable, params, context) -> Callable:
 def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_capacity: int = 0):
     """Runs the decoder's whole prompt through the model once.
 
+    Every row's `P` tokens go in at slots `0 .. P - 1`; then row b's `pos` is set back to
+    its length: a shorter row's padding slots are never read (a query reads the slots up
+    to its own position) and its next tokens overwrite them.
+
     Args:
       extra_capacity: cache slots beyond the run's own (a speculative round writes k
         proposals past the last token it keeps).
 
     Returns:
-      `(context, logits, cache)`: the step's context, logits `[batch, vocab]` at the
-      prompt's last position, and the cache holding the prompt.
+      `(context, logits, cache)`: the step's context, logits `[batch, vocab]` at each
+      row's last prompt position, and the cache holding the prompt.
     """
     context = model.apply({"params": params}, request.prompt, method="decode_context")
     # Capacity: the prompt plus every new token but the last (which is never fed back).
     capacity = request.decoder_prompt.shape[1] + request.max_new_tokens - 1 + extra_capacity
-    cache = model.init_cache(request.prompt.shape[0], capacity).replace(start=request.start)
+    cache = model.init_cache(request.prompt.shape[0], capacity)
     if mesh is not None:  # rows over `data`, kv heads over `model`: each device keeps its own part
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
-    logits, cache = step_fn(model, params, context)(request.decoder_prompt, cache)
-    return context, logits[:, -1], cache
+    logits, cache = step_fn(model, params, context)(request.decoder_prompt, cache)  # [batch, P, vocab]
+    last = jnp.take_along_axis(logits, (request.lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
+    return context, last, cache.replace(pos=jnp.asarray(request.lengths, jnp.int32))
 
 
 # The token of a row whose logits hold NaN or inf: an id no vocabulary has. The row is done
@@ -83,7 +88,8 @@ def first_token(model: Decodable, params, request: DecodeRequest, mesh=None, ext
 
 
 def as_given(out: jax.Array, prompt, options: dict) -> jax.Array:
-    """`out` with the prompt as the caller gave it (a ragged batch's right padding)."""
+    """`out` with the prompt as the caller gave it (a ragged batch's padding, which the
+    request holds as 0)."""
     if options.get("prompt_lengths") is None:
         return out
     return out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))

@@ -33,19 +33,20 @@ import numpy as np
 from jaxformer.command_line import FAILED, OneLineParser, fail, run_command
 from jaxformer.convert import load_hf
 from jaxformer.decoder import Decoder
-from jaxformer.decoding import (NO_TOKEN, DecodeRequest, NonFiniteLogitsError, decode_loop, decode_rest, stream,
-                                stream_start)
-from jaxformer.decoding.inputs import check_prefill_memory
-from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
+from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, NonFiniteLogitsError, finish, run, start,
+                                stream)
+from jaxformer.decoding.request import FLAGS, check_prefill_memory
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, load_tokenizer
 from jaxformer.training import check_seed, enable_compilation_cache
-from jaxformer.validation import finite_float
 
 PROG = "python -m jaxformer.text.generate"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The events in which JAX reports the time it spends tracing, lowering and compiling.
+# The command's defaults where they differ from the library's (which has none for max_new_tokens).
+CLI_DEFAULTS = {"max_new_tokens": 128}
+FLAG_NAMES = {field.name: "--" + field.name.replace("_", "-") for field in FLAGS}  # top_k: --top-k
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
 
@@ -57,15 +58,10 @@ def parse_args(argv=None):
                    help="a Hugging Face folder: config.json, model.safetensors (or shards), tokenizer.json")
     p.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt; repeat the flag for a batch")
     p.add_argument("--prompts-file", metavar="FILE", help="one prompt a line ('-': the lines of standard input)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate after each prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 decodes greedily; > 0 samples")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="nucleus sampling: among the likeliest tokens holding this probability, in (0, 1] "
-                        "(default: all)")
-    p.add_argument("--num-beams", type=int, default=1, help="> 1: beam search (deterministic; not with --stream)")
-    p.add_argument("--length-penalty", type=float, default=0.0,
-                   help="beam search: a finished beam scores log p / ((5 + length) / 6) ** this")
+    for field in FLAGS:  # the decoding options, as `DecodeOptions` declares them
+        default = CLI_DEFAULTS.get(field.name, field.default)
+        p.add_argument(FLAG_NAMES[field.name], type=field.metadata["flag_type"], default=default,
+                       help=field.metadata["help"])
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
     p.add_argument("--dtype", default="float32", help=f"compute dtype, one of {', '.join(DTYPES)}")
     p.add_argument("--max-seq-len", type=int, default=None,
@@ -87,26 +83,18 @@ def parse_args(argv=None):
     return args
 
 
+def options(args) -> DecodeOptions:
+    """The decoding options the flags give (the rest, from the tokenizer, added by `decode`)."""
+    return DecodeOptions(**{field.name: getattr(args, field.name) for field in FLAGS})
+
+
 def _check(args) -> None:
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    check_temperature(args.temperature, name="--temperature")
-    check_top_k(args.top_k, None, name="--top-k")  # against the vocabulary once it is read
-    if args.top_p is not None:
-        check_top_p(args.top_p, name="--top-p")
+    options(args).check(names=FLAG_NAMES)  # top_k against the vocabulary once it is read (`load`)
     check_seed(args.seed, "--seed")
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (got {args.dtype!r})")
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise ValueError(f"--max-seq-len must be >= 1 (got {args.max_seq_len})")
-    if args.num_beams < 1:
-        raise ValueError(f"--num-beams must be >= 1 (got {args.num_beams})")
-    if args.num_beams > 1 and (args.temperature != 0 or args.top_k is not None or args.top_p is not None):
-        raise ValueError("--num-beams > 1 is beam search, which is deterministic: leave --temperature at 0 "
-                         "and --top-k, --top-p unset")
-    penalty = finite_float(args.length_penalty)
-    if penalty is None or penalty < 0:
-        raise ValueError(f"--length-penalty must be a finite number >= 0 (got {args.length_penalty})")
     if args.stream and args.num_beams > 1:
         raise ValueError("--stream prints one token after another; beam search (--num-beams > 1) picks its "
                          "text at the end")
@@ -309,30 +297,29 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
 
     Args:
       on_token: called with each step's tokens (`[batch]`) as they are made; then the
-        run goes through `stream`, one jitted step per token. Without it, `stream_start`
-        and `decode_rest` run it as two programs, the steps with no trip to the host
-        (beam search: `decode_loop`, one program).
+        run goes through `stream`, one jitted step per token. Without it, `start` and
+        `finish` run it as two programs, the steps with no trip to the host (beam search:
+        `run`, one program).
 
     Returns:
       One `Completion` a prompt; a row whose logits held NaN or inf has finish_reason
       "error" (with `stream`, which stops the whole batch there, its rows' tokens so far).
     """
     batch, lengths = _ragged(ids)
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, key=jax.random.key(args.seed), eos_id=list(tokenizer.stop_ids) or None,
-                   pad_id=tokenizer.pad_id, prompt_lengths=lengths)
+    run_options = dataclasses.replace(options(args), key=jax.random.key(args.seed),
+                                      eos_id=list(tokenizer.stop_ids) or None, pad_id=tokenizer.pad_id,
+                                      prompt_lengths=lengths).keywords()
     if args.num_beams > 1:  # one program: its prefill is not timed apart
-        request = DecodeRequest.create(model, batch, num_beams=args.num_beams, length_penalty=args.length_penalty,
-                                       **options)
-        out, seconds = clock.run(lambda: np.asarray(decode_loop(model, params, request)))
-        rows = out[:, batch.shape[1]:]  # NO_TOKEN where a row's logits held NaN or inf, as decode_rest marks it
+        request = DecodeRequest.create(model, batch, **run_options)
+        out, seconds = clock.run(lambda: np.asarray(run(model, params, request, Beam())[0]))
+        rows = out[:, batch.shape[1]:]  # NO_TOKEN where a row's logits held NaN or inf, as finish marks it
     elif on_token is None:
-        request = DecodeRequest.create(model, batch, **options)
-        state, prefill = clock.run(lambda: jax.block_until_ready(stream_start(model, params, request)))
-        rows, seconds = clock.run(lambda: np.asarray(decode_rest(model, params, request, *state)))
+        request = DecodeRequest.create(model, batch, **run_options)
+        state, prefill = clock.run(lambda: jax.block_until_ready(start(model, params, request)))
+        rows, seconds = clock.run(lambda: np.asarray(finish(model, params, request, state)[0]))
         stats.prefill_seconds += prefill
     else:
-        steps, tokens = stream(model, params, batch, **options), []
+        steps, tokens = stream(model, params, batch, **run_options), []
 
         def take(token: np.ndarray) -> None:
             tokens.append(token)
@@ -345,7 +332,7 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
             rows = np.stack(tokens, axis=1)
         except NonFiniteLogitsError as e:  # the batch stopped at a row whose logits held NaN or inf
             rows = e.tokens
-            rows[e.rows, e.steps] = NO_TOKEN  # where each such row stopped, as decode_rest marks it
+            rows[e.rows, e.steps] = NO_TOKEN  # where each such row stopped, as finish marks it
         stats.prefill_seconds += prefill
     stats.decode_seconds += seconds
     completions = [completion(tokenizer, prompt, row_ids, row) for prompt, row_ids, row in
@@ -366,7 +353,7 @@ def load(args, prompts: list[str]):
     config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
                              scan_layers=args.scan_layers)
     check_prompts(ids, prompts, args.max_new_tokens, config.max_seq_len, config.vocab_size)
-    check_top_k(args.top_k, config.vocab_size, name="--top-k")
+    options(args).check(config.vocab_size, names=FLAG_NAMES)
     for name, value in (("pad", tokenizer.pad_id), *(("eos", i) for i in tokenizer.stop_ids)):
         if value is not None and value >= config.vocab_size:
             raise ValueError(f"{args.checkpoint}: the tokenizer's {name} id {value} is past the model's vocab_size "

@@ -9,8 +9,8 @@ from benchmarks import decode
 TINY = ["--vocab-size", "64", "--d-model", "32", "--n-layer", "1", "--n-head", "2", "--n-kv-head", "1", "--d-ff", "64",
         "--batch", "1", "2", "--prompt", "4", "--new", "6", "--reps", "1", "--uncached-steps", "2",
         "--contexts", "8", "16", "--spec-k"]
-SPECULATIVE_FIELDS = {"workload", "batch", "variant", "k", "acceptance", "tokens_per_pass", "tokens_per_s", "vs_greedy",
-                      "same_tokens"}
+SPECULATIVE_FIELDS = {"workload", "batch", "variant", "k", "acceptance", "tokens_per_pass", "tokens_per_row_round",
+                      "tokens_per_s", "vs_greedy", "same_tokens"}
 ROW_FIELDS = {"variant", "batch", "prefill_ms", "step_ms", "tokens_per_s", "compile_s", "peak_memory_mb",
               "floor_step_ms", "floor_pct", "same_tokens"}
 

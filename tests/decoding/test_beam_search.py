@@ -8,7 +8,7 @@ import pytest
 from conftest import SMALL, random_params
 
 from jaxformer import Decoder, KVCache, VanillaConfig, VanillaTransformer, generate
-from jaxformer.decoding.beam_search import beam_search, gather_beams, length_norm
+from jaxformer.decoding.beam import beam_search, gather_beams, length_norm
 
 EOS, PAD = 0, 9
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import SMALL, count_compiles, random_params
 
 from jaxformer import Decoder, generate, sample_token, stream
-from jaxformer.decoding import DecodeRequest, decode_rest, stream_start
+from jaxformer.decoding import DecodeRequest, finish, start
 
 MODEL = Decoder(SMALL)
 # Large random weights: greedy continuations vary instead of repeating one token.
@@ -93,12 +93,12 @@ def test_stream_yields_what_generate_returns(kwargs):
     dict(temperature=[1.0, 0.0, 2.0], top_k=[5, 64, 64], top_p=[1.0, 1.0, 0.8], key=jax.random.key(9)),
     dict(eos_id=41),
 ])
-def test_stream_start_then_decode_rest_is_generate(kwargs):
+def test_start_then_finish_is_generate(kwargs):
     prompt = _prompt(6, (3, 5))
     want = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=16, **kwargs))[:, 5:]
     request = DecodeRequest.create(MODEL, prompt, max_new_tokens=16, **kwargs)
-    state = stream_start(MODEL, PARAMS, request)
-    np.testing.assert_array_equal(decode_rest(MODEL, PARAMS, request, *state), want)
+    state = start(MODEL, PARAMS, request)
+    np.testing.assert_array_equal(finish(MODEL, PARAMS, request, state)[0], want)
 
 
 def test_stream_compiles_its_step_once():

@@ -10,9 +10,9 @@ import scipy.stats
 from conftest import count_compiles, random_params
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
-from jaxformer.decoding import DecodeRequest, Draft, PromptLookup, speculative_generate
-from jaxformer.decoding import speculative
-from jaxformer.decoding.speculative import plan, speculative_loop
+from jaxformer.decoding import (DecodeRequest, Draft, PromptLookup, advance, run, speculative, speculative_generate,
+                                start)
+from jaxformer.decoding.speculative import plan
 
 TINY = DecoderConfig(vocab_size=48, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
 # (One layer where two add nothing but compile time; the cache test checks both layers.)
@@ -76,15 +76,16 @@ def lookup_by_hand(row, start, length, k, n):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_lookup_proposes_the_longest_earlier_match(n):
     """`_lookup` against `lookup_by_hand` on random contexts over 3 symbols (repeats of
-    every length happen) with ragged starts, at many lengths: the same k proposals."""
+    every length happen), each row at its own length: the same k proposals."""
     rng = np.random.default_rng(n)
     batch, width, k = 6, 20, 4
     sequence = rng.integers(0, 3, (batch, width)).astype(np.int32)
-    start = np.array([0, 1, 3, 5, 0, 2], np.int32)
+    offset = np.array([0, 1, 3, 5, 0, 2], np.int32)  # row b's length: the round's, less its offset
     lookup = jax.jit(speculative._lookup, static_argnames=("k", "n"))
     for length in range(6, width + 1):
-        got = np.asarray(lookup(jnp.asarray(sequence), jnp.asarray(start), jnp.int32(length), k=k, n=n))
-        want = [lookup_by_hand(list(sequence[b]), start[b], length, k, n) for b in range(batch)]
+        lengths = length - offset
+        got = np.asarray(lookup(jnp.asarray(sequence), jnp.asarray(lengths), k=k, n=n))
+        want = [lookup_by_hand(list(sequence[b]), 0, lengths[b], k, n) for b in range(batch)]
         np.testing.assert_array_equal(got, want, err_msg=f"length {length}")
 
 
@@ -109,26 +110,31 @@ def test_stream_gives_the_same_tokens():
 
 
 def test_the_cache_after_rejections_holds_plain_decodings_values():
-    """After a run with rejected proposals, every slot before `pos` holds what plain
-    decoding's cache holds there; one compiled program serves runs that accept
+    """After rounds with rejected proposals, every slot before a row's `pos` holds what
+    plain decoding's cache holds there; one compiled program serves runs that accept
     everything and runs that accept nothing."""
     model, params = Decoder(TINY), random_params(TINY, seed=1)
     prompt = repetitive_prompts(2, 10)
     request = DecodeRequest.create(model, prompt, max_new_tokens=20)
-    proposer, _ = plan(model, request, PromptLookup(k=4, n=2))
-    state = speculative._stream_start(model, params, request, proposer, None)
+    strategy = plan(model, request, PromptLookup(k=4, n=2))
+    state = start(model, params, request, None, strategy)
     rejected = 0
-    while int(state.n) < 20:
-        state, _, m = speculative._stream_round(model, params, request, proposer, None, state)
-        rejected += int(m) < 4
+    while True:  # rounds while every row is unfinished (a finished row's cache is parked)
+        before = jax.device_get(state)  # (the state passed to a round is donated)
+        state, _, _ = advance(model, params, request, state, strategy)
+        if int(state.n.max()) >= 20:
+            break
+        rejected += int(np.any(np.asarray(state.n) - before.n < 5))
+    state = before
     assert rejected > 0
-    tokens = state.sequence[:, :10 + 20]
-    pos = int(state.cache.pos)
-    assert pos == 10 + 20 - 1  # everything but the last token
-    _, plain = jax.jit(model.apply)({"params": params}, tokens[:, :pos], model.init_cache(2, pos))
-    for got, want in zip(state.cache.layers, plain.layers):
-        np.testing.assert_allclose(got.k[:, :pos], want.k, atol=1e-5)
-        np.testing.assert_allclose(got.v[:, :pos], want.v, atol=1e-5)
+    pos = np.asarray(state.cache.pos)
+    np.testing.assert_array_equal(pos, 10 + np.asarray(state.n) - 1)  # everything but each row's last token
+    for row in range(2):
+        tokens = state.sequence[row:row + 1, :pos[row]]
+        _, plain = jax.jit(model.apply)({"params": params}, tokens, model.init_cache(1, int(pos[row])))
+        for got, want in zip(state.cache.layers, plain.layers):
+            np.testing.assert_allclose(got.k[row, :pos[row]], want.k[0], atol=1e-5)
+            np.testing.assert_allclose(got.v[row, :pos[row]], want.v[0], atol=1e-5)
 
     accepts_all, accepts_few = Draft(model, params, k=3), Draft(model, random_params(TINY, seed=5), k=3)
     assert speculative_generate(model, params, prompt, accepts_all, max_new_tokens=20)[1].acceptance == 1.0
@@ -145,10 +151,10 @@ def _sample_joint(model, params, prompt, spec, n_calls: int, seed: int, batch: i
     vocab = model.config.vocab_size
     request = DecodeRequest.create(model, np.repeat(prompt, batch, axis=0), max_new_tokens=3, temperature=1.0,
                                    key=jax.random.key(0))
-    proposer, draft_params = plan(model, request, spec)
+    strategy = plan(model, request, spec)
     counts, rounds, proposed, accepted = np.zeros((vocab,) * 3, np.int64), 0, 0, 0
     for key in jax.random.split(jax.random.key(seed), n_calls):
-        tokens, stats = speculative_loop(model, params, request.replace(key=key), proposer, draft_params)
+        tokens, stats = run(model, params, request.replace(key=key), strategy)
         np.add.at(counts, tuple(np.asarray(tokens)[:, -3:].T), 1)  # the new tokens, after the prompt
         rounds, proposed, accepted = rounds + int(stats.rounds), proposed + int(stats.proposed), \
             accepted + int(stats.accepted)
@@ -206,12 +212,12 @@ def test_sampling_keeps_the_models_distribution(proposer, monkeypatch):
         return jnp.full_like(accepted, k), jnp.concatenate([proposals, tokens[:, k:]], axis=1)
 
     monkeypatch.setattr(speculative, "_verify", accept_everything)
-    speculative_loop.clear_cache()  # trace again, with the broken rule
+    run.clear_cache()  # trace again, with the broken rule
     try:
         broken, _ = _sample_joint(model, params, prompt, spec, n_calls=1000, seed=11)
     finally:
         monkeypatch.undo()
-        speculative_loop.clear_cache()
+        run.clear_cache()
     assert _chi2_pvalue(broken, exact) < 1e-6
 
 
@@ -239,8 +245,50 @@ def test_k_shrinks_to_fit_max_seq_len():
     prompt = repetitive_prompts(2, 40)
     for max_new, k in ((20, 5), (24, 1), (1, None)):
         request = DecodeRequest.create(model, prompt, max_new_tokens=max_new)
-        proposer, _ = plan(model, request, PromptLookup(k=8, n=2))
-        assert (proposer and proposer.k) == k
+        strategy = plan(model, request, PromptLookup(k=8, n=2))
+        assert (strategy and strategy.proposer.k) == k
         np.testing.assert_array_equal(
             generate(model, params, prompt, max_new_tokens=max_new, speculative=PromptLookup(k=8, n=2)),
             generate(model, params, prompt, max_new_tokens=max_new))
+
+
+class RowwiseDraft(Decoder):
+    """The target's own model as a draft, except in the rows whose prompt starts with an odd
+    token: there its logits are rolled by one, so its argmax is never the target's. At
+    temperature 0 the even rows accept every proposal and the odd rows none."""
+
+    def decode_context(self, prompt):
+        return prompt[:, 0] % 2 == 1  # [batch] bool: the rows that disagree
+
+    def decode_step(self, tokens, cache, context):
+        logits, cache = self(tokens, cache)
+        return jnp.where(context[:, None, None], jnp.roll(logits, 1, axis=-1), logits), cache
+
+
+def test_each_row_advances_by_its_own_acceptance():
+    """Batch 8, a draft that agrees with the model on half the rows: after a round each
+    row's position has moved by its own accepted + 1 (k + 1 where it agrees, 1 where it
+    does not), not by the batch's least; the tokens are plain greedy decoding's."""
+    model, params = Decoder(TINY), random_params(TINY, seed=1)
+    prompt = np.random.RandomState(3).randint(0, TINY.vocab_size, (8, 9))
+    prompt[:, 0] = np.arange(8)  # even rows agree, odd rows do not
+    lengths = [9, 5, 7, 9, 6, 8, 9, 4]
+    options = dict(max_new_tokens=20, prompt_lengths=lengths)
+    k = 3
+    spec = Draft(RowwiseDraft(TINY), params, k=k)
+    request = DecodeRequest.create(model, prompt, **options)
+    strategy = plan(model, request, spec)
+    state = start(model, params, request, None, strategy)
+    agrees = np.arange(8) % 2 == 0
+    for round_ in range(1, 4):
+        state, _, _ = advance(model, params, request, state, strategy)
+        want_n = 1 + round_ * np.where(agrees, k + 1, 1)
+        np.testing.assert_array_equal(state.n, want_n)
+        np.testing.assert_array_equal(state.cache.pos, np.asarray(lengths) + want_n - 1)
+        np.testing.assert_array_equal(state.draft_cache.pos, state.cache.pos)
+    got, stats = speculative_generate(model, params, prompt, spec, **options)
+    np.testing.assert_array_equal(got, generate(model, params, prompt, **options))
+    assert stats.acceptance == pytest.approx(float(stats.acceptance)) and 0 < stats.acceptance < 1
+    assert 1 < stats.tokens_per_row_round < k + 1
+    streamed = np.stack(list(stream(model, params, prompt, speculative=spec, **options)), axis=1)
+    np.testing.assert_array_equal(streamed, np.asarray(got)[:, 9:])

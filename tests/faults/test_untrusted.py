@@ -52,7 +52,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxformer import Decoder, DecoderConfig, KVCache, generate, stream
 from jaxformer.convert import load_hf, save_hf
-from jaxformer.decoding import DecodeRequest, stream_start
+from jaxformer.decoding import DecodeRequest, start
 from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
 from jaxformer.positions import _rope_rows, rope_tables
 from jaxformer.text import chat, render_chat, save_tokenizer, train_bpe
@@ -406,7 +406,7 @@ def test_a_long_prompt_that_fits_decodes_and_xla_needs_no_more_than_the_estimate
     out = np.asarray(generate(model, params, prompt, max_new_tokens=4))
     assert out.shape == (1, 3004) and np.all((out[:, 3000:] >= 0) & (out[:, 3000:] < TINY.vocab_size))
     request = DecodeRequest.create(model, prompt, max_new_tokens=4)
-    memory = stream_start.lower(model, params, request).compile().memory_analysis()
+    memory = start.lower(model, params, request).compile().memory_analysis()
     xla = memory.temp_size_in_bytes + memory.output_size_in_bytes
     estimate = prefill_bytes(config, 1, 3000, 3003)
     assert xla <= estimate <= 2 * xla, (format_bytes(xla), format_bytes(estimate))

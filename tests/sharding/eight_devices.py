@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, label_smoothed_cross_entropy
 from jaxformer.convert import unstack_layers
-from jaxformer.decoding import DecodeRequest, stream_start, stream_step
+from jaxformer.decoding import DecodeRequest, advance, start
 from jaxformer.sharding import (batch_sharding, check_mesh_fits, make_mesh, param_axes, parse_mesh, partition_spec,
                                 tree_shardings)
 from jaxformer.training import TrainState, make_train_step
@@ -151,11 +151,11 @@ def test_the_kv_cache_is_sharded_like_the_attention(data, model, spec):
     params = jax.device_put(params, tree_shardings(params, param_axes(decoder), mesh, "dp"))
     prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
     request = DecodeRequest.create(decoder, prompt, max_new_tokens=4)
-    context, token, cache, done = stream_start(decoder, params, request, mesh)
+    state = start(decoder, params, request, mesh)
     for _ in range(2):  # and it stays so through the donated steps
-        for array in (cache.layers[0].k, cache.layers[-1].v):
+        for array in (state.cache.layers[0].k, state.cache.layers[-1].v):
             assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), 4), array.sharding
-        token, cache, done = stream_step(decoder, params, request, context, jnp.int32(1), token, cache, done)
+        state, _, _ = advance(decoder, params, request, state)
 
 
 def test_scanned_decoder_on_a_mesh_matches_one_device():
@@ -184,7 +184,7 @@ def test_scanned_decoder_on_a_mesh_matches_one_device():
     got = generate(scanned, placed, jax.device_put(prompt, batch_sharding(mesh)), max_new_tokens=12)
     np.testing.assert_array_equal(got, want)
     request = DecodeRequest.create(scanned, prompt, max_new_tokens=4)
-    _, _, cache, _ = stream_start(scanned, placed, request, mesh)
+    cache = start(scanned, placed, request, mesh).cache
     assert cache.layers.k.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, None, None, None)), 5)
 
 

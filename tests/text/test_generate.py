@@ -191,7 +191,7 @@ def _without(folder, tmp_path, name):
     (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--top-k", "301"],
      r"--top-k must be None or an int in \[1, vocab_size=280\] \(got 301\)"),
     (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--num-beams", "2", "--temperature", "1"],
-     r"--num-beams > 1 is beam search"),
+     r"beam search is deterministic: with --num-beams > 1 leave --temperature at 0"),
     (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--temperature", "nan"], r"--temperature must be >= 0"),
     (lambda f, t: ["--checkpoint", f], r"no prompt: give --prompt TEXT"),
 ], ids=["no-weights", "no-tokenizer", "no-folder", "empty-prompt", "prompt-too-long", "dtype", "chat-no-template",

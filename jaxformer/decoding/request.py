@@ -2,29 +2,38 @@
 
 `DecodeRequest.create` is the one place that checks `generate`'s and `stream`'s
 arguments (raising `ValueError`s that name the argument and the limit), that refuses a
-prefill the memory free cannot hold, and that turns a ragged batch into the left-padded
-one the cache reads.
+prefill the memory free cannot hold, and that reads a ragged batch's row lengths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Sequence, TypedDict
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxformer.decoding.protocol import Decodable, DecodingSpec
-from jaxformer.decoding.sampling import Sampling
+from jaxformer.decodable import Decodable, DecodingSpec
+from jaxformer.decoding.sampling import Sampling, check_temperature, check_top_k, check_top_p
 from jaxformer.memory import check_fits
-from jaxformer.validation import (as_int, check_positions_fit, check_token_ids, check_token_layout,
-                                  finite_float, per_row)
+from jaxformer.validation import (as_int, check_positions_fit, check_token_ids, check_token_layout, finite_float,
+                                  per_row)
 
 
-class DecodeOptions(TypedDict, total=False):
-    """The keywords of `generate` and `stream`.
+def _option(default=dataclasses.MISSING, help: str = "", flag_type=None):
+    """A `DecodeOptions` field; `flag_type` (int or float) makes it a command-line flag too."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag_type": flag_type})
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """A decoding run's options, declared once: `generate`'s and `stream`'s keywords (and
+    `DecodeRequest.create`'s), and, for the fields with a `flag_type`, the text command
+    line's flags (`jaxformer.text.generate` builds them from `FLAGS` and checks them with
+    `check`). Each rule that needs no model is stated in `check`.
 
     Attributes:
       max_new_tokens: tokens to generate, >= 1 (required). The decoder's prompt plus the
@@ -53,17 +62,54 @@ class DecodeOptions(TypedDict, total=False):
         >= 0; a finished beam scores `log p / that`. 0 compares raw log-probabilities.
     """
 
-    max_new_tokens: int
-    key: jax.Array | None
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    eos_id: int | Sequence[int] | None
-    pad_id: int | None
-    bos_id: int | None
-    prompt_lengths: object
-    num_beams: int
-    length_penalty: float
+    max_new_tokens: int = _option(help="tokens to generate after each prompt", flag_type=int)
+    key: jax.Array | None = _option(None)
+    temperature: float = _option(0.0, "0 decodes greedily; > 0 samples", float)
+    top_k: int | None = _option(None, "sample among the k likeliest tokens (default: all)", int)
+    top_p: float | None = _option(None, "sample among the likeliest tokens whose probability adds up to p "
+                                        "(default: all)", float)
+    eos_id: int | Sequence[int] | None = _option(None)
+    pad_id: int | None = _option(None)
+    bos_id: int | None = _option(None)
+    prompt_lengths: object = _option(None)
+    num_beams: int = _option(1, "> 1: beam search (deterministic)", int)
+    length_penalty: float = _option(0.0, "beam search: a finished beam scores log p / ((5 + length) / 6) ** this",
+                                    float)
+
+    def check(self, vocab_size: int | None = None, names: dict[str, str] | None = None) -> None:
+        """Raises unless the options that need no model are within their rules.
+
+        Args:
+          vocab_size: the model's, to check `top_k` against; None when not known yet (a
+            command line before its checkpoint is read).
+          names: how the caller names each field (a command line's flags), for the
+            messages; a field not in it is named as it is.
+
+        Raises:
+          ValueError: naming the option and its rule.
+        """
+        def name(field: str) -> str:
+            return (names or {}).get(field, field)
+
+        as_int(self.max_new_tokens, name("max_new_tokens"), minimum=1)
+        check_temperature(self.temperature, name=name("temperature"))
+        check_top_k(self.top_k, vocab_size, name=name("top_k"))
+        check_top_p(self.top_p, name=name("top_p"))
+        if as_int(self.num_beams, name("num_beams"), minimum=1) > 1 and (
+                np.any(np.asarray(self.temperature) != 0) or self.top_k is not None or self.top_p is not None):
+            raise ValueError(f"beam search is deterministic: with {name('num_beams')} > 1 leave {name('temperature')} "
+                             f"at 0 and {name('top_k')}, {name('top_p')} unset")
+        penalty = finite_float(self.length_penalty)
+        if penalty is None or penalty < 0:
+            raise ValueError(f"{name('length_penalty')} must be a finite number >= 0 (got {self.length_penalty!r})")
+
+    def keywords(self) -> dict:
+        """The options as `generate`'s keywords."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+
+# The options a command line offers as flags, in `DecodeOptions`' order.
+FLAGS = tuple(field for field in dataclasses.fields(DecodeOptions) if field.metadata["flag_type"] is not None)
 
 
 @struct.dataclass
@@ -72,9 +118,10 @@ class DecodeRequest:
     and the two sizes that shape the program (static).
 
     Attributes:
-      prompt: int32 `[batch, prompt_len]`, ragged rows moved to the right end (left padding).
+      prompt: int32 `[batch, prompt_len]`, each row's tokens from the left, 0 past its length.
       decoder_prompt: int32 `[batch, P]`, the decoder's first input (`Decodable.decoder_prompt`).
-      start: int32 `[batch]`, each row's first real slot (its left padding), 0 when full.
+      lengths: int32 `[batch]`, each row's real tokens in `decoder_prompt` (`P` when full):
+        its cache position after the prefill, and where its first new token is read.
       sampling: each row's `Sampling` settings.
       key: the PRNG key; step i samples with `fold_in(key, i)`.
       eos_id: int32 `[n_eos]`, the ids that finish a row (`[-1]` for none).
@@ -86,7 +133,7 @@ class DecodeRequest:
 
     prompt: jax.Array
     decoder_prompt: jax.Array
-    start: jax.Array
+    lengths: jax.Array
     sampling: Sampling
     key: jax.Array
     eos_id: jax.Array
@@ -96,12 +143,9 @@ class DecodeRequest:
     num_beams: int = struct.field(pytree_node=False, default=1)
 
     @classmethod
-    def create(cls, model: Decodable, prompt, *, max_new_tokens: int, key: jax.Array | None = None,
-               temperature=0.0, top_k=None, top_p=None, eos_id: int | Sequence[int] | None = None,
-               pad_id: int | None = None,
-               bos_id: int | None = None, prompt_lengths=None, num_beams: int = 1,
-               length_penalty: float = 0.0) -> "DecodeRequest":
-        """Checks a run's arguments (see `DecodeOptions`) against `model.decoding_spec()`.
+    def create(cls, model: Decodable, prompt, **options) -> "DecodeRequest":
+        """Checks a run's options (`DecodeOptions`' fields, as keywords) against
+        `model.decoding_spec()`.
 
         Integral arguments may be numpy ints and numbers numpy floats: they are read as
         Python numbers, so `max_new_tokens=np.int64(3)` reuses the program compiled for 3.
@@ -110,36 +154,42 @@ class DecodeRequest:
           The `DecodeRequest`.
 
         Raises:
+          TypeError: a keyword `DecodeOptions` does not have, or no `max_new_tokens`.
           ValueError: naming the argument and its limit; or a prefill that needs more
             memory than is free (`check_prefill_memory`), naming the prompt length.
         """
+        o = DecodeOptions(**options)
         spec = model.decoding_spec()
-        prompt, start = _left_padded(prompt, prompt_lengths, spec.prompt_vocab_size, spec.ragged_prompts)
+        prompt, lengths = _checked_prompt(prompt, o.prompt_lengths, spec.prompt_vocab_size, spec.ragged_prompts)
         batch, prompt_len = prompt.shape
-        max_new_tokens = as_int(max_new_tokens, "max_new_tokens", minimum=1)
-        num_beams, length_penalty = _check_beams(num_beams, length_penalty, temperature, top_k, top_p)
+        o.check(spec.vocab_size)
+        max_new_tokens, num_beams = as_int(o.max_new_tokens, "max_new_tokens"), as_int(o.num_beams, "num_beams")
+
         def token_id(value, name):
             return as_int(value, name, minimum=0, maximum=spec.vocab_size - 1, maximum_name="vocab_size - 1")
 
         pad_id, bos_id = (None if value is None else token_id(value, name)
-                          for name, value in (("pad_id", pad_id), ("bos_id", bos_id)))
-        eos_ids = _eos_ids(eos_id, token_id)
+                          for name, value in (("pad_id", o.pad_id), ("bos_id", o.bos_id)))
+        eos_ids = _eos_ids(o.eos_id, token_id)
         decoder_prompt = np.asarray(model.decoder_prompt(prompt, bos_id), np.int32)
+        if o.prompt_lengths is None:  # (a ragged prompt is the decoder's own: `ragged_prompts`)
+            lengths = np.full(batch, decoder_prompt.shape[1], np.int32)
         check_positions_fit(0, prompt_len, spec.max_seq_len, "prompt length", "max_seq_len")
         check_positions_fit(decoder_prompt.shape[1], max_new_tokens, spec.max_seq_len,
                             "decoder prompt length + max_new_tokens", "max_seq_len")
         # The cache `steps.prefill` makes: the prompt and every new token but the last.
         check_prefill_memory(spec, batch * num_beams, decoder_prompt.shape[1],
                              decoder_prompt.shape[1] + max_new_tokens - 1)
-        sampling = Sampling.create(batch, spec.vocab_size, temperature, top_k, top_p)
+        sampling = Sampling.create(batch, spec.vocab_size, o.temperature, o.top_k, o.top_p)
+        key = o.key
         if key is None:
             if sampling.samples.any():
                 raise ValueError("key is required when temperature > 0: pass key=jax.random.key(seed)")
             key = _unused_key()
         # Host arrays: the jitted loop takes them as they are, without a dispatch for each.
-        return cls(prompt=prompt, decoder_prompt=decoder_prompt, start=start, sampling=sampling, key=key,
+        return cls(prompt=prompt, decoder_prompt=decoder_prompt, lengths=lengths, sampling=sampling, key=key,
                    eos_id=np.asarray(eos_ids, np.int32), pad_id=np.int32(spec.pad_id if pad_id is None else pad_id),
-                   length_penalty=np.float32(length_penalty), max_new_tokens=max_new_tokens, num_beams=num_beams)
+                   length_penalty=np.float32(o.length_penalty), max_new_tokens=max_new_tokens, num_beams=num_beams)
 
     def repeat_rows(self, n: int) -> "DecodeRequest":
         """Every row as `n` adjacent rows (one per beam)."""
@@ -147,7 +197,7 @@ class DecodeRequest:
             return jnp.repeat(x, n, axis=0) if x.ndim else x
 
         return self.replace(prompt=repeat(self.prompt), decoder_prompt=repeat(self.decoder_prompt),
-                            start=repeat(self.start), sampling=jax.tree.map(repeat, self.sampling))
+                            lengths=repeat(self.lengths), sampling=jax.tree.map(repeat, self.sampling))
 
 
 @functools.cache
@@ -156,9 +206,9 @@ def _unused_key() -> jax.Array:
     return jax.random.key(0)
 
 
-def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Checks the prompt; returns it int32 with each row's real tokens at the right end
-    (so every row's next token goes to the same cache slot), and each row's first real slot."""
+def _checked_prompt(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Checks the prompt; returns it int32 with 0 past each row's length (what follows a
+    row's length is ignored, so need not be an id), and each row's length."""
     prompt = np.asarray(prompt)
     check_token_layout(prompt, "prompt")
     if prompt.shape[0] < 1 or prompt.shape[1] < 1:
@@ -173,13 +223,9 @@ def _left_padded(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple
         if not np.all((given >= 1) & (given <= prompt_len) & (given == np.round(given))):
             raise ValueError(f"prompt_lengths must be ints in [1, prompt_len={prompt_len}], got {given.tolist()}")
         lengths = given.astype(np.int32)
-    # Only the real tokens must be ids: what follows a row's length is ignored.
     prompt = np.where(np.arange(prompt_len)[None, :] < lengths[:, None], prompt, 0)
     check_token_ids(prompt, vocab_size, "prompt")
-    start = (prompt_len - lengths).astype(np.int32)  # [batch]
-    source = np.arange(prompt_len)[None, :] - start[:, None]  # [batch, prompt_len], where each slot reads from
-    prompt = np.where(source >= 0, np.take_along_axis(prompt, np.maximum(source, 0), axis=1), 0)
-    return prompt.astype(np.int32), start
+    return prompt.astype(np.int32), lengths
 
 
 def check_prefill_memory(spec: DecodingSpec, batch: int, prompt_len: int, capacity: int) -> None:
@@ -217,15 +263,3 @@ def _eos_ids(eos_id, token_id) -> list[int]:
 def is_eos(token: jax.Array, eos_id: jax.Array) -> jax.Array:
     """Whether each of `token` (any shape) is one of the ids `eos_id` `[n_eos]`."""
     return jnp.any(token[..., None] == eos_id, axis=-1)
-
-
-def _check_beams(num_beams, length_penalty, temperature, top_k, top_p) -> tuple[int, float]:
-    """`(num_beams, length_penalty)` as Python numbers, checked."""
-    num_beams = as_int(num_beams, "num_beams", minimum=1)
-    if num_beams > 1 and (np.any(np.asarray(temperature) != 0) or top_k is not None or top_p is not None):
-        raise ValueError("beam search is deterministic: with num_beams > 1 leave temperature at 0 "
-                         "and top_k, top_p unset")
-    penalty = finite_float(length_penalty)
-    if penalty is None or penalty < 0:
-        raise ValueError(f"length_penalty must be a finite number >= 0 (got {length_penalty!r})")
-    return num_beams, penalty

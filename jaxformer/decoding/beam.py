@@ -20,13 +20,49 @@ an alive beam can reach.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from jaxformer.decoding.inputs import is_eos
-from jaxformer.decoding.steps import NO_TOKEN, finite_logits
+from jaxformer.decodable import Decodable
+from jaxformer.decoding.request import DecodeRequest, is_eos
+from jaxformer.decoding.steps import NO_TOKEN, finite_logits, prefill, step_fn
+
+
+class BeamState(NamedTuple):
+    """After the prefill of every beam.
+
+    Attributes:
+      context: the model's `decode_context` of the repeated prompts.
+      logits: `[batch * num_beams, vocab]` after the prompt (a row's beams alike).
+      cache: the cache after the prefill, batch `batch * num_beams`, a row's beams adjacent.
+    """
+
+    context: Any
+    logits: jax.Array
+    cache: Any
+
+
+@struct.dataclass
+class Beam:
+    """Beam search with `request.num_beams` beams per row (`beam_search`): one program,
+    no rounds to stream (the best beam is known at the end only)."""
+
+    def start(self, model: Decodable, params, request: DecodeRequest, mesh=None) -> BeamState:
+        """Every row as `num_beams` adjacent rows, prefilled: one cache, one batch for all beams."""
+        return BeamState(*prefill(model, params, request.repeat_rows(request.num_beams), mesh))
+
+    def round(self, model, params, request, state):
+        raise ValueError("beam search picks its tokens at the end: it has no rounds to stream "
+                         "(use generate(num_beams=))")
+
+    def finish(self, model: Decodable, params, request: DecodeRequest, state: BeamState):
+        """`(tokens [batch, max_new_tokens], score [batch])`: each row's best beam and its score."""
+        return beam_search(step_fn(model, params, state.context), state.logits, state.cache,
+                           num_beams=request.num_beams, max_new_tokens=request.max_new_tokens,
+                           eos_id=request.eos_id, pad_id=request.pad_id, length_penalty=request.length_penalty)
 
 
 def length_norm(length, length_penalty) -> jax.Array:
