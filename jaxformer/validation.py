@@ -230,56 +230,20 @@ def check_positions_fit(start: int, n_tokens: int, limit: int, name: str, limit_
             f"{limit_name}={limit}")
 
 
-def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, cache=None, cache_layout=None,
-                      ragged: bool = True, name: str = "tokens") -> None:
-    """What a model call checks first: shapes and dtypes always (they are static, even
-    under `jit`); the token ids and the cache position when they are concrete.
+def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, name: str = "tokens") -> None:
+    """What a model call checks first: the layout always (it is static, even under `jit`),
+    the length against `max_seq_len`, and the ids when they are concrete.
 
     Args:
       tokens: `[batch, T]` ids.
       vocab_size: ids must lie in `[0, vocab_size)`.
       max_seq_len: the longest sequence the model accepts.
-      cache: the `KVCache` the call writes to, or None.
-      cache_layout: `(n_layer, n_kv_head, head_dim, stacked)` of the model's cache (with `cache`).
-      ragged: whether the model reads `cache.start` (left-padded rows); if not, it must be 0.
       name: the argument's name, for the messages.
     """
     check_token_layout(tokens, name)
-    if cache is None:
-        check_positions_fit(0, tokens.shape[1], max_seq_len, f"{name} length", "max_seq_len")
-    else:
-        n_layer, n_kv_head, head_dim, stacked = cache_layout
-        want = (tokens.shape[0], cache.capacity, n_kv_head, head_dim)
-        want_shapes = [(want[0], n_layer, *want[1:])] * 2 if stacked else [want] * (2 * n_layer)
-        got_shapes = [array.shape for array in jax.tree.leaves(cache.layers)]
-        if cache.stacked != stacked or got_shapes != want_shapes:
-            form = ("one stacked k and v of [batch, n_layer, capacity, n_kv_head, head_dim] (scan_layers=True)"
-                    if stacked else "a k and v of [batch, capacity, n_kv_head, head_dim] per layer "
-                    "(scan_layers=False)")
-            raise ValueError(f"cache does not fit this model: want {n_layer} layers of k/v {want} as {form}; "
-                             f"got {'a stacked' if cache.stacked else 'a per-layer'} cache of k/v shapes "
-                             f"{sorted(set(got_shapes))} ({len(got_shapes)} arrays)")
-        if cache.start.shape != (tokens.shape[0],):
-            raise ValueError(f"cache.start must hold one slot per row, shape ({tokens.shape[0]},), "
-                             f"got {cache.start.shape}")
-        check_positions_fit(0, tokens.shape[1], cache.capacity, f"{name} length", "cache capacity")
-        if not is_traced(cache.pos):
-            check_positions_fit(int(cache.pos), tokens.shape[1], cache.capacity, f"cache.pos + {name}",
-                                "cache capacity")
-            if not is_traced(cache.start):
-                _check_start(np.asarray(cache.start), int(cache.pos) + tokens.shape[1], ragged, name)
+    check_positions_fit(0, tokens.shape[1], max_seq_len, f"{name} length", "max_seq_len")
     if not is_traced(tokens):
         _check_id_range(np.asarray(tokens), vocab_size, name)
-
-
-def _check_start(start: np.ndarray, written: int, ragged: bool, name: str) -> None:
-    """A row's first real slot must be written by now or by this call, or each of its
-    queries would be blocked from every key."""
-    if not ragged and start.any():
-        raise ValueError(f"cache.start must be all zeros for this model (its rows all start at slot 0), "
-                         f"got {start.tolist()}")
-    if start.min() < 0 or start.max() >= written:
-        raise ValueError(f"cache.start must lie in [0, cache.pos + {name} length = {written}), got {start.tolist()}")
 
 
 def check_cache_step(tokens, cache, cache_layout, name: str = "tokens") -> None:
