@@ -54,8 +54,7 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
 
 def combine_values(weights: jax.Array, v: jax.Array) -> jax.Array:
     """`weights [batch, n_head, T, S] @ v [batch, S, n_kv, head_dim]` per head: `[batch, T,
-    n_head, head_dim]` in `v.dtype`.
-    """
+    n_head, head_dim]` in `v.dtype`."""
     batch, n_head, T, S = weights.shape
     n_kv, head_dim = v.shape[2], v.shape[3]
     weights = weights.reshape(batch, n_kv, n_head // n_kv, T, S).astype(v.dtype)  # [batch, n_kv, n_rep, T, S]
@@ -65,8 +64,7 @@ def combine_values(weights: jax.Array, v: jax.Array) -> jax.Array:
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention with grouped kv heads: `(out [batch, T, n_head, head_dim],
-    weights [batch, n_head, T, S])`, arguments as `attention_weights` takes them, and `v`.
-    """
+    weights [batch, n_head, T, S])`, arguments as `attention_weights` takes them, and `v`."""
     weights = attention_weights(q, k, mask)
     return combine_values(weights, v), weights
 

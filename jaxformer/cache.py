@@ -2,9 +2,9 @@
 
 A model call takes a cache and returns a new one; under `jit` XLA makes the writes in
 place, and `capacity` fixes every shape, so one compiled step serves every position. Keys
-are stored after RoPE and with `n_kv_head` heads only. docs/architecture.md says why, and
-why a scanned model's stacked cache is the scan's carry ("Scanned layers");
-docs/decoding.md ("One cache position per row") describes the rows.
+are stored after RoPE (a cached key never moves again) and with `n_kv_head` heads (GQA
+saves memory only if K/V are not repeated first). Why a scanned model's stack is the
+scan's carry: docs/architecture.md, "Scanned layers"; the rows: docs/decoding.md.
 """
 
 from __future__ import annotations
@@ -22,16 +22,9 @@ from jaxformer.validation import as_int, floating_dtype, is_traced
 
 
 def write_rows(array: jax.Array, new: jax.Array, pos: jax.Array, *, axis: int, layer=None) -> jax.Array:
-    """`array` with row b's `new[b]` written from slot `pos[b]` along `axis`.
-
-    One `dynamic_update_slice` per row, vectorised: XLA makes it one in-place scatter.
-
-    Args:
-      array: `[batch, ..., capacity, ...]`, the slots on `axis`.
-      new: `[batch, ...]`, as `array` but `T` slots on `axis`.
-      pos: int32 `[batch]`, each row's first slot.
-      axis: the slot axis (1, or 2 in a stacked cache).
-      layer: in a stacked cache `[batch, n_layer, capacity, ...]`, the layer written.
+    """`array` `[batch, ..., capacity, ...]` with row b's `new[b]` (T slots) written from slot
+    `pos[b]` along `axis` (2 in a stacked cache, whose `layer` is then the one written): one
+    `dynamic_update_slice` per row, vectorised, which XLA makes one in-place scatter.
     """
     def one_row(row, new_row, start):  # row [..., capacity, ...] (the batch axis taken off)
         index = [jnp.zeros((), jnp.int32)] * row.ndim
@@ -52,8 +45,7 @@ class LayerKV:
 
     def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerKV":
         """A copy with row b's `k_new` / `v_new` `[batch, T, n_kv, head_dim]` at slots
-        `pos[b] .. pos[b] + T - 1`; a start past the capacity clamps (see `KVCache.commit`).
-        """
+        `pos[b] .. pos[b] + T - 1`; a start past the capacity clamps (see `KVCache.commit`)."""
         return LayerKV(k=write_rows(self.k, k_new, pos, axis=1), v=write_rows(self.v, v_new, pos, axis=1))
 
     def read(self) -> tuple[jax.Array, jax.Array]:
@@ -64,8 +56,7 @@ class LayerKV:
 @struct.dataclass
 class LayerSlice:
     """Layer `layer` of a stacked cache, as the scanned block sees it: `write` updates that
-    layer's slots of the whole stack in place, `read` slices it out.
-    """
+    layer's slots of the whole stack in place, `read` slices it out."""
 
     stack: LayerKV  # k, v: [batch, n_layer, capacity, n_kv_head, head_dim]
     layer: jax.Array  # [] int32, the block this slice belongs to
@@ -105,16 +96,11 @@ class KVCache:
         """An empty cache for the decoder-only model of `config` (a `DecoderConfig`).
 
         Args:
-          config: the model's `DecoderConfig`.
-          batch_size: sequences decoded together.
-          capacity: positions to allocate, at most (and by default) `config.max_seq_len`, as
-            RoPE has no angles beyond it.
-          dtype: a floating storage dtype; defaults to the config's `cache_dtype`, else `dtype`.
-
-        Raises:
-          TypeError: `config` is not a `DecoderConfig` (the encoder-decoder's cache comes from
+          config: the model's `DecoderConfig` (the encoder-decoder's cache comes from
             `VanillaTransformer.init_cache`).
-          ValueError: as `zeros`.
+          batch_size: sequences decoded together.
+          capacity: positions, at most (and by default) `max_seq_len`: RoPE has no angles beyond.
+          dtype: a floating storage dtype; defaults to the config's `cache_dtype`, else `dtype`.
         """
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"KVCache.create takes a DecoderConfig, got {type(config).__name__}; for the "
@@ -135,8 +121,7 @@ class KVCache:
           stacked: one `[batch, n_layer, ...]` array for k and one for v (a scanned model's).
 
         Raises:
-          ValueError: naming `batch_size`, `capacity` or `dtype` out of its limits, or a cache
-            that needs more memory than is free.
+          ValueError: an argument out of its limits, or more memory than is free.
         """
         batch_size = as_int(batch_size, "KVCache.create: batch_size", minimum=1)
         capacity = as_int(max_seq_len if capacity is None else capacity, "KVCache.create: capacity", minimum=1,
@@ -207,19 +192,11 @@ class KVCache:
         return self.replace(pos=self.pos + n_tokens)
 
     def commit(self, layers, logits: jax.Array, n_tokens: int) -> tuple[jax.Array, "KVCache"]:
-        """Ends a model call whose every layer wrote `n_tokens` tokens at each row's slots `pos[b] ..`.
+        """Ends a model call whose every layer wrote `n_tokens` (static) at each row's slots `pos[b] ..`.
 
-        `pos` advances once, after every layer, so all layers of a call write the same slots.
-        `dynamic_update_slice` clamps a write past the capacity; concrete inputs are refused
-        before (`validation.check_cache_step`), and inside `jit` such a row's logits become NaN.
-
-        Args:
-          layers: the `LayerKV`s the call returned (or the stacked one).
-          logits: the call's logits `[batch, T, vocab]`.
-          n_tokens: the tokens the call wrote (static).
-
-        Returns:
-          `(logits, cache)`: the logits (NaN in rows that did not fit), the cache at `pos + n_tokens`.
+        `pos` advances once, after every layer. `dynamic_update_slice` clamps a write past the
+        capacity: concrete inputs are refused before (`validation.check_cache_step`), and inside
+        `jit` such a row's logits `[batch, T, vocab]` become NaN. Returns `(logits, cache)`.
         """
         fits = self.pos + n_tokens <= self.capacity  # [batch]
         logits = jnp.where(fits[:, None, None], logits, jnp.nan)

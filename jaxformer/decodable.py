@@ -1,7 +1,6 @@
 """What a model provides to decoding, so that no strategy asks which model it drives
 (docs/decoding.md, "What a model provides to decoding"). Models import this module, never
-`jaxformer.decoding`.
-"""
+`jaxformer.decoding`."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class DecodingSpec:
 
 class Decodable(Protocol):
     """A model the decoding strategies can drive; the last two methods are called through
-    `model.apply({"params": params}, ..., method=...)`.
-    """
+    `model.apply({"params": params}, ..., method=...)`."""
 
     def decoding_spec(self) -> DecodingSpec:
         """Vocabularies, length limit, default padding, what decoding may do with it."""
@@ -58,5 +56,4 @@ class Decodable(Protocol):
 
     def decode_step(self, tokens: jax.Array, cache: Any, context: Any) -> tuple[jax.Array, Any]:
         """`tokens [batch, T]` -> `(logits [batch, T, vocab], cache)`, row b's at positions
-        `cache.pos[b] ..`, the cache advanced by T.
-        """
+        `cache.pos[b] ..`, the cache advanced by T."""

@@ -32,8 +32,7 @@ from jaxformer.validation import check_cache_step, check_step_inputs
 
 class Block(nn.Module):
     """One pre-norm block, called as a scan body `(carry, *broadcast) -> (carry, None)` so the
-    same module runs once per layer (`block_{i}`) or scanned over stacked parameters.
-    """
+    same module runs once per layer (`block_{i}`) or scanned over stacked parameters."""
 
     config: DecoderConfig
 
@@ -61,8 +60,7 @@ class Block(nn.Module):
 def scanned_blocks(n_layer: int):
     """`Block` run `n_layer` times as one: parameters, their axis names and the sown
     intermediates gain a leading layer axis, each block its own init key; the cache rides
-    in the carry.
-    """
+    in the carry."""
     return nn.scan(Block, variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
                    split_rngs={"params": True},
                    in_axes=(nn.broadcast,) * 4, length=n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
@@ -169,8 +167,7 @@ class Decoder(nn.Module):
 
 def sown_attention_weights(intermediates, config: DecoderConfig) -> jax.Array:
     """`[n_layer, batch, n_head, T, S]` float32: the attention weights a `Decoder` of `config`
-    sowed, from `apply(..., mutable=['intermediates'])`'s second output.
-    """
+    sowed, from `apply(..., mutable=['intermediates'])`'s second output."""
     sown = intermediates["intermediates"]
     if config.scan_layers:
         return sown["blocks"]["attn"]["attention_weights"][0]

@@ -57,8 +57,7 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
 def free_bytes() -> tuple[int, str] | None:
     """`(bytes, where)` free for new arrays on the default backend, None if unknown: on an
     accelerator, `bytes_limit - bytes_in_use` summed over the local devices; on a CPU, the
-    host's `MemAvailable` (or a cgroup's limit, if less), else its physical memory.
-    """
+    host's `MemAvailable` (or a cgroup's limit, if less), else its physical memory."""
     devices = jax.local_devices()
     stats = [device.memory_stats() for device in devices]
     if all(s and "bytes_limit" in s for s in stats):

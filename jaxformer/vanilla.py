@@ -104,8 +104,7 @@ class DecoderLayer(nn.Module):
 class VanillaTransformer(nn.Module):
     """The encoder-decoder: `__call__(src, tgt_in) -> logits` for teacher forcing; `encode` and
     `decode` for inference. Dropout needs `deterministic=False` and `rngs={'dropout': key}`;
-    attention weights are sown per layer (`mutable=['intermediates']`).
-    """
+    attention weights are sown per layer (`mutable=['intermediates']`)."""
 
     config: VanillaConfig
 
@@ -132,8 +131,7 @@ class VanillaTransformer(nn.Module):
     def embed(self, table: jax.Array, tokens: jax.Array, positions: jax.Array, deterministic: bool = True) -> jax.Array:
         """`Dropout(embedding * sqrt(d_model) + PE)` for `tokens` `[batch, T]` at `positions` (`[T]`
         or `[batch, T]`). The scale lifts the xavier-initialised embeddings (entries about
-        1/sqrt(d)) to the sinusoid's amplitude of 1, so positions do not drown tokens.
-        """
+        1/sqrt(d)) to the sinusoid's amplitude of 1, so positions do not drown tokens."""
         c = self.config
         pe = jnp.take(sinusoidal_table(c.max_seq_len, c.d_model), positions, axis=0)  # [(batch,) T, d_model]
         x = lookup(table, tokens).astype(c.dtype) * math.sqrt(c.d_model) + pe.astype(c.dtype)  # [batch, T, d_model]

@@ -63,8 +63,7 @@ def length_norm(length, length_penalty) -> jax.Array:
 
 def gather_beams(tree, parents: jax.Array, num_beams: int):
     """New beam j of row b from old beam `parents[b, j]` (int `[batch, num_beams]`), in every
-    `[batch * num_beams, ...]` leaf of `tree`; other leaves are left as they are.
-    """
+    `[batch * num_beams, ...]` leaf of `tree`; other leaves are left as they are."""
     batch = parents.shape[0]
     flat = (parents + num_beams * jnp.arange(batch)[:, None]).reshape(-1)  # [batch * num_beams]
 
@@ -124,8 +123,7 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
 
     def extend(i, logits, pools, failed_at):
         """`select`, but a row whose logits are not finite keeps its pools; `failed_at` `[batch]`
-        records its step (-1 while finite).
-        """
+        records its step (-1 while finite)."""
         *new_pools, parents, last = select(i, logits, *pools)
         stopped = (failed_at >= 0) | ~finite_logits(logits.reshape(batch, num_beams * vocab))  # [batch]
         pools = [jnp.where(stopped.reshape(-1, *[1] * (new.ndim - 1)), old, new) for new, old in zip(new_pools, pools)]

@@ -70,8 +70,7 @@ def finish(model: Decodable, params, request: DecodeRequest, state, strategy=PLA
 
 def choose(model: Decodable, request: DecodeRequest, speculative: PromptLookup | Draft | None):
     """The strategy for a checked request: beams for `num_beams > 1`, speculative where asked
-    for and `plan` leaves room for a proposal, else plain decoding.
-    """
+    for and `plan` leaves room for a proposal, else plain decoding."""
     if speculative is not None:
         strategy = plan(model, request, speculative)
         return PLAIN if strategy is None else strategy

@@ -48,8 +48,7 @@ class Plain:
 
     def finish(self, model: Decodable, params, request: DecodeRequest, state: PlainState):
         """From `state`, `round`s until `max_new_tokens` or every row done: `(tokens [batch,
-        max_new_tokens], None)`, token 0 first, `pad_id` after a row's stop.
-        """
+        max_new_tokens], None)`, token 0 first, `pad_id` after a row's stop."""
         max_new_tokens = request.max_new_tokens
         tokens = jnp.full((request.prompt.shape[0], max_new_tokens), request.pad_id, jnp.int32)
         tokens = jax.lax.dynamic_update_slice(tokens, state.token[:, None], (0, state.n - 1))  # [batch, max_new]

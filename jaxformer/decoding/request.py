@@ -185,8 +185,7 @@ def _unused_key() -> jax.Array:
 
 def _checked_prompt(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple[np.ndarray, np.ndarray]:
     """The prompt checked, int32 with 0 past each row's length (what follows need not be an
-    id), and each row's length.
-    """
+    id), and each row's length."""
     prompt = np.asarray(prompt)
     check_token_layout(prompt, "prompt")
     if prompt.shape[0] < 1 or prompt.shape[1] < 1:

@@ -80,8 +80,7 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """float32 `[..., batch, vocab]`: the logits `sample_token` samples from, scaled by the
-    temperature (1 for a greedy row), -inf outside the top k and the nucleus.
-    """
+    temperature (1 for a greedy row), -inf outside the top k and the nucleus."""
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     ranked = -jnp.sort(-scaled, axis=-1)  # [..., batch, vocab], largest first
     rank = jnp.arange(scaled.shape[-1])  # [vocab]

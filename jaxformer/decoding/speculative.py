@@ -118,8 +118,7 @@ class _DraftSpec:
 
 def _log_probs(logits: jax.Array, request: DecodeRequest) -> jax.Array:
     """Log-probabilities over `[batch, ..., vocab]` logits: plain sampling's distribution for a
-    sampling row, one-hot on the argmax for a greedy one.
-    """
+    sampling row, one-hot on the argmax for a greedy one."""
     s = request.sampling
     moved = jnp.moveaxis(logits, 0, -2)  # [..., batch, vocab]: the layout filtered_logits reads
     greedy = jnp.where(jax.nn.one_hot(jnp.argmax(moved, axis=-1), moved.shape[-1]) > 0, 0.0, -jnp.inf)
@@ -164,8 +163,7 @@ def _lookup(sequence: jax.Array, length: jax.Array, k: int, n: int) -> jax.Array
 def _draft_proposals(draft: _DraftSpec, draft_params, request: DecodeRequest, token, context, draft_cache, key):
     """The draft's `k` tokens after `token`, their log-probabilities `[batch, k, vocab]`, and its
     cache. It takes k + 1 steps: the last writes the k-th token's K/V, so that a round that
-    accepts all k finds them cached.
-    """
+    accepts all k finds them cached."""
     batch, k = token.shape[0], draft.k
 
     def step(i, carry):

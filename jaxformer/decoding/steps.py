@@ -1,7 +1,6 @@
 """What every decoding strategy shares: the model's step, the prompt's prefill, picking each
 row's token, and the stop of a row whose logits are not finite (docs/decoding.md,
-"Non-finite logits", says why such a row gets `NO_TOKEN` rather than a token).
-"""
+"Non-finite logits", says why such a row gets `NO_TOKEN` rather than a token)."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def stops(token: jax.Array, eos_id: jax.Array) -> jax.Array:
 
 def pick(request: DecodeRequest, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Token `i` of each row from `logits` `[batch, vocab]` (sampled with `fold_in(key, i)`;
-    `NO_TOKEN` where not finite, `pad_id` where done), and the rows done after it.
-    """
+    `NO_TOKEN` where not finite, `pad_id` where done), and the rows done after it."""
     token = request.sampling.pick(logits, jax.random.fold_in(request.key, i))
     token = jnp.where(finite_logits(logits), token, NO_TOKEN)  # [batch]
     token = jnp.where(done, request.pad_id, token)

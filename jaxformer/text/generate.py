@@ -99,8 +99,7 @@ def _check(args) -> None:
 
 def read_prompts(args, stdin=None) -> list[str]:
     """The prompts: every --prompt, the lines of --prompts-file, or all of standard input;
-    `ValueError` for an empty prompt (naming which), an unreadable file, or none at all.
-    """
+    `ValueError` for an empty prompt (naming which), an unreadable file, or none at all."""
     stdin = sys.stdin if stdin is None else stdin
     if args.prompt is not None:
         prompts, where = args.prompt, [f"--prompt {i + 1}" for i in range(len(args.prompt))]
@@ -146,8 +145,7 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str], args) -> list[list[
 def check_prompts(ids: list[list[int]], prompts: list[str], max_new_tokens: int, max_seq_len: int,
                   vocab_size: int) -> None:
     """Raises `ValueError`, naming the prompt and the limit, unless every prompt has ids the
-    model knows and fits `max_seq_len` with its completion.
-    """
+    model knows and fits `max_seq_len` with its completion."""
     for n, (row, prompt) in enumerate(zip(ids, prompts), 1):
         name = prompt_name(n, prompt)
         if not row:
@@ -328,8 +326,7 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
 
 def load(args, prompts: list[str]):
     """The tokenizer, the prompts' ids, the model and its parameters, every limit checked
-    (`FileNotFoundError`, `ValueError` naming the file, prompt or flag).
-    """
+    (`FileNotFoundError`, `ValueError` naming the file, prompt or flag)."""
     tokenizer = load_tokenizer(args.checkpoint)
     ids = encode_prompts(tokenizer, prompts, args)
     config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
@@ -347,8 +344,7 @@ def load(args, prompts: list[str]):
 
 def check_memory(model: Decoder, ids: list[list[int]], args) -> None:
     """Refuses, before anything is compiled or printed, a run whose largest prefill does not fit
-    the free memory: all prompts as one batch (with their beams), or with --stream the longest alone.
-    """
+    the free memory: all prompts as one batch (with their beams), or with --stream the longest alone."""
     prompt_len = max(len(row) for row in ids)  # a batch is padded to its longest prompt
     rows = 1 if args.stream else len(ids) * args.num_beams
     check_prefill_memory(model.decoding_spec(), rows, prompt_len, prompt_len + args.max_new_tokens - 1)
