@@ -80,12 +80,12 @@ class GQASelfAttention(nn.Module):
           x: `[batch, T, d_model]` normalised residual stream.
           cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles.
           mask: bool `[T, S]` or `[batch, T, S]`; S is T without a cache, its capacity with one.
-          layer_cache: this layer's cached K/V (its slice of a stacked cache), or None.
+          layer_cache: this layer's cached K/V (a `LayerSlice` of a stacked cache), or None.
           pos: int32 `[batch]`, each row's cache slot for this call's first token.
 
         Returns:
-          `(y [batch, T, d_model], layer_cache)`, the cache with this call's K/V written (None
-          without one); the weights are sown into 'intermediates' as `attention_weights`.
+          `(y [batch, T, d_model], layer_cache)`, this call's K/V written; the weights are sown
+          into 'intermediates' as `attention_weights`.
         """
         c = self.config
         d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
@@ -151,11 +151,10 @@ class MultiHeadAttention(nn.Module):
                  layer_cache: LayerKV | None = None, pos=None, deterministic: bool = True):
         """Args:
           x: `[batch, T, d_model]`, the queries' input.
-          mask: bool, broadcastable to `[batch, T, S]`, True where a query may read a key.
-          memory: `[batch, S, d_model]`, cross-attention's keys and values input; None for self-attention.
-          memory_kv: cross-attention K/V already projected by `project_kv`.
-          layer_cache: this layer's self-attention cache (cached decoding).
-          pos: int32 `[batch]`, each row's slot for this call's first K/V in `layer_cache`.
+          mask: bool, broadcastable to `[batch, T, S]`.
+          memory: `[batch, S, d_model]`, cross-attention's K/V input (or `memory_kv`, projected
+            by `project_kv`); neither for self-attention.
+          layer_cache, pos: as `GQASelfAttention` takes them.
           deterministic: False applies dropout to the attention weights.
 
         Returns:

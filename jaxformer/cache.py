@@ -24,8 +24,7 @@ from jaxformer.validation import as_int, floating_dtype, is_traced
 def write_rows(array: jax.Array, new: jax.Array, pos: jax.Array, *, axis: int, layer=None) -> jax.Array:
     """`array` `[batch, ..., capacity, ...]` with row b's `new[b]` (T slots) written from slot
     `pos[b]` along `axis` (2 in a stacked cache, whose `layer` is then the one written): one
-    `dynamic_update_slice` per row, vectorised, which XLA makes one in-place scatter.
-    """
+    `dynamic_update_slice` per row, vectorised, which XLA makes one in-place scatter."""
     def one_row(row, new_row, start):  # row [..., capacity, ...] (the batch axis taken off)
         index = [jnp.zeros((), jnp.int32)] * row.ndim
         index[axis - 1] = start

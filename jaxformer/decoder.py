@@ -38,14 +38,8 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, carry, cos, sin, mask, pos):
-        """Args:
-          carry: `(x [batch, T, d_model], layer_cache)`: the residual stream and this block's
-            cache (a `LayerKV`, a `LayerSlice`, or None).
-          cos, sin, mask, pos: as `GQASelfAttention` takes them, the same for every block.
-
-        Returns:
-          `((x, layer_cache), None)`, a `LayerSlice` moved on to the next block.
-        """
+        """`((x, layer_cache), None)` after the block, from `carry = (x [batch, T, d_model],
+        layer_cache)` and `GQASelfAttention`'s `cos, sin, mask, pos`, the same for every block."""
         x, layer_cache = carry
         c = self.config
         h, layer_cache = GQASelfAttention(c, name="attn")(
@@ -87,8 +81,7 @@ class Decoder(nn.Module):
           `(logits [batch, T, vocab_size] in config.dtype, cache)`, the cache None if none was given.
 
         Raises:
-          ValueError: `tokens` not a `[batch, T]` int array (under `jit` too), ids outside the
-            vocabulary, positions past `max_seq_len` or a row's cache.
+          ValueError: bad `tokens` (under `jit` too), positions past `max_seq_len` or a row's cache.
         """
         c = self.config
         check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)

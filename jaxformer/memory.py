@@ -26,18 +26,13 @@ UNCHECKED_BYTES = 64 << 20
 
 
 def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: int) -> int:
-    """The most memory a `Decoder` prefill of `batch` rows holds at once, from the shapes.
+    """Bytes a `Decoder` prefill holds at its peak: `batch` rows (every beam) of `prompt_len`
+    (T) tokens into a cache of `capacity` (S) positions, from the shapes of `config`.
 
     The cache and the residual stream live throughout; each block's attention, its SwiGLU
     and the logits come in phases XLA frees one by one, so the peak is the largest phase on
     top. The float32 scores `[batch, n_head, T, S]` dominate the attention (XLA on a CPU
     keeps three such arrays). The parameters are not counted: the free memory excludes them.
-
-    Args:
-      config: the model's `DecoderConfig`.
-      batch: rows (every beam of every prompt).
-      prompt_len: T, the prompt's tokens, fed at once.
-      capacity: S, the cache's positions.
     """
     c = config
     compute = jnp.dtype(c.dtype).itemsize

@@ -164,18 +164,13 @@ class VanillaTransformer(nn.Module):
                memory_kv: tuple[LayerKV, ...] | None = None, deterministic: bool = True):
         """Args:
           tgt_in: int `[batch, T]` decoder input (BOS then the target, shifted right).
-          memory: `[batch, S, d_model]` from `encode`; may be None when `memory_kv` is given.
+          memory: `[batch, S, d_model]` from `encode`, or None with `memory_kv` (`cross_kv(memory)`).
           src: int `[batch, S]` source ids (for its padding mask).
-          cache: the decoder self-attention `KVCache` (`init_cache(batch)`), or None; row b of
-            `tgt_in` then sits at positions `cache.pos[b] ..`.
-          memory_kv: `cross_kv(memory)`, projected once rather than at every step.
+          cache: the decoder self-attention `KVCache` (`init_cache(batch)`), or None.
           deterministic: False applies dropout.
 
         Returns:
-          `(logits [batch, T, tgt_vocab_size], cache)`, the cache at `pos + T` (None without one).
-
-        Raises:
-          ValueError: as `Decoder` does, for `tgt_in` (and `src`'s layout).
+          `(logits [batch, T, tgt_vocab_size], cache)`, as `Decoder` (and raising as it does).
         """
         c = self.config
         check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, name="tgt_in")

@@ -81,11 +81,8 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
       step: `(tokens [batch * num_beams, 1], cache) -> (logits [batch * num_beams, 1, vocab], cache)`.
       logits: `[batch * num_beams, vocab]` after the prompt (a row's copies identical).
       cache: the cache after the prefill, a row's beams adjacent.
-      num_beams: beams per row (static).
-      max_new_tokens: tokens to generate (static).
-      eos_id: int32 `[n_eos]`, the ids that finish a beam; `[-1]` for none.
-      pad_id: int32 scalar, after a finished beam's EOS.
-      length_penalty: float32 scalar >= 0, `length_norm`'s exponent.
+      num_beams, max_new_tokens: static ints.
+      eos_id, pad_id, length_penalty: as `DecodeRequest` holds them.
 
     Returns:
       `(tokens int32 [batch, max_new_tokens], score [batch])`: each row's best beam and its

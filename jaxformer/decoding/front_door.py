@@ -31,15 +31,13 @@ def run(model: Decodable, params, request: DecodeRequest, strategy=PLAIN, mesh=N
     """The whole decoding run as one program: the strategy's `start`, then its `finish`.
 
     Args:
-      model: a `Decodable` model.
-      params: its parameters.
       request: from `DecodeRequest.create`.
       strategy: `Plain()`, `Beam()` or a `Speculative` from `plan`.
       mesh: the mesh the parameters live on (`sharding.mesh_of(params)`), or None.
 
     Returns:
-      `(tokens, figures)`: int32 `[batch, P + max_new_tokens]`, the decoder prompt then the
-      new tokens (`NO_TOKEN` where a row's logits were not finite, then `pad_id`); and the
+      `(tokens int32 [batch, P + max_new_tokens], figures)`: the decoder prompt, the new
+      tokens (`NO_TOKEN` where a row's logits were not finite, `pad_id` after); the
       strategy's figures (speculative `Stats`, beam scores, or None).
     """
     state = strategy.start(model, params, request, mesh)
@@ -109,7 +107,7 @@ class RunStats(NamedTuple):
       rounds: passes of the model after the prompt's.
       acceptance: accepted proposals / proposals scored (by unfinished rows).
       new_tokens: tokens emitted per row (EOS and the padding after it included).
-      tokens_per_row_round: tokens an unfinished row kept per round (its accepted + 1), on average.
+      tokens_per_row_round: an unfinished row's tokens per round (its accepted + 1), on average.
     """
 
     k: int

@@ -63,13 +63,9 @@ class DecodeOptions:
                                     float)
 
     def check(self, vocab_size: int | None = None, names: dict[str, str] | None = None) -> None:
-        """Raises `ValueError`, naming the option and its rule, unless the options that need no model hold.
-
-        Args:
-          vocab_size: the model's, to check `top_k` against; None when not known yet (a command
-            line before its checkpoint is read).
-          names: how the caller names each field (a command line's flags), for the messages.
-        """
+        """Raises `ValueError`, naming the option and its rule, unless the options that need no model
+        hold; `vocab_size` (for `top_k`) may be None, not known yet; `names` are the caller's own
+        for the fields (a command line's flags)."""
         def name(field: str) -> str:
             return (names or {}).get(field, field)
 
@@ -128,12 +124,9 @@ class DecodeRequest:
     def create(cls, model: Decodable, prompt, **options) -> "DecodeRequest":
         """Checks a run's options (`DecodeOptions`' fields, as keywords) against `model.decoding_spec()`.
 
-        Integral arguments may be numpy ints: they are read as Python numbers, so
-        `max_new_tokens=np.int64(3)` reuses the program compiled for 3.
-
-        Raises:
-          TypeError: a keyword `DecodeOptions` does not have, or no `max_new_tokens`.
-          ValueError: naming the argument and its limit, or a prefill the free memory cannot hold.
+        Integral arguments may be numpy ints, read as Python numbers: `max_new_tokens=np.int64(3)`
+        reuses the program compiled for 3. Raises `TypeError` for an unknown keyword or no
+        `max_new_tokens`, `ValueError` naming the argument and its limit (or the memory).
         """
         o = DecodeOptions(**options)
         spec = model.decoding_spec()
@@ -206,14 +199,8 @@ def _checked_prompt(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tu
 
 
 def check_prefill_memory(spec: DecodingSpec, batch: int, prompt_len: int, capacity: int) -> None:
-    """Refuses a prefill the free memory cannot hold, for a model that estimates its prefill.
-
-    Args:
-      spec: the model's `decoding_spec()`.
-      batch: rows, every beam of every prompt.
-      prompt_len: the decoder's prompt length, fed in one call.
-      capacity: the cache's positions.
-    """
+    """Refuses a prefill of `batch` rows (every beam) of `prompt_len` tokens into a cache of
+    `capacity` positions that the free memory cannot hold, for a model that estimates it."""
     if spec.prefill_bytes is None:
         return
     check_fits(spec.prefill_bytes(batch, prompt_len, capacity),

@@ -55,15 +55,13 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
     """Picks one token per row: greedy, or sampled after temperature, top-k and top-p.
 
     The filters run in HF transformers' order: scale by the temperature, keep the k largest
-    logits, then the smallest set of those whose probability (renormalised among them)
-    reaches p. Tokens tied with the last one kept are kept too.
+    logits, then the smallest set of those whose probability (renormalised) reaches p; ties
+    with the last one kept are kept.
 
     Args:
-      logits: `[batch, vocab]` next-token logits.
-      key: PRNG key for this step.
+      logits: `[batch, vocab]`; key: this step's PRNG key.
       temperature: `[batch]`; 0 takes the row's argmax.
-      top_k: int `[batch]` in `[1, vocab]`; `vocab` keeps every token.
-      top_p: `[batch]` in `(0, 1]`; 1 keeps every token.
+      top_k: int `[batch]` in `[1, vocab]`; top_p: `[batch]` in `(0, 1]` (`vocab`, 1: all).
 
     Returns:
       int32 `[batch]` token ids.

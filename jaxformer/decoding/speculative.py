@@ -62,15 +62,9 @@ class Draft:
 
 
 class Stats(NamedTuple):
-    """What a speculative run did (device scalars), counted over the rows still unfinished.
-
-    Attributes:
-      rounds: passes of the model after the prompt's.
-      proposed: proposals scored.
-      accepted: proposals accepted.
-      row_rounds: rounds summed over the rows.
-      kept: tokens kept, summed (each row its own accepted + 1).
-    """
+    """What a speculative run did (device scalars), over the rows still unfinished: `rounds`
+    (passes of the model after the prompt's), proposals `proposed` and `accepted`,
+    `row_rounds` (rounds summed over rows) and `kept` (tokens, each row its accepted + 1)."""
 
     rounds: jax.Array
     proposed: jax.Array
@@ -186,13 +180,11 @@ def _verify(logits, proposals, log_q, request: DecodeRequest, key):
     Args:
       logits: `[batch, k + 1, vocab]`, the model's after the last token and each proposal.
       proposals: `[batch, k]`.
-      log_q: `[batch, k, vocab]`, the proposer's log-probabilities; None for prompt lookup
-        (q one-hot on the proposal).
+      log_q: `[batch, k, vocab]`, the proposer's; None for prompt lookup (q one-hot).
 
     Returns:
-      `(accepted [batch], tokens [batch, k + 1])`: the leading proposals each row accepted,
-      and its tokens: those, then one drawn from the residual (from p after k acceptances),
-      or `NO_TOKEN` where its logits are not finite; unused past that.
+      `(accepted [batch], tokens [batch, k + 1])`: the leading proposals accepted, then a token
+      drawn from the residual (from p after k), `NO_TOKEN` where its logits are not finite.
     """
     batch, k = proposals.shape
     vocab = logits.shape[-1]
@@ -252,12 +244,8 @@ class Speculative:
                      stats=Stats(zero, zero, zero, zero, zero))
 
     def round(self, model: Decodable, params, request: DecodeRequest, state: State):
-        """One round: propose k, score them in one pass; each row keeps its agreed prefix and one more.
-
-        Returns:
-          `(state, tokens [batch, max_new_tokens], count)`: the new tokens from column
-          `state.emitted` on, of which the first `count` are complete in every row.
-        """
+        """One round: `(state, tokens [batch, max_new_tokens], count)`, the new tokens from column
+        `state.emitted` on, the first `count` complete in every row."""
         k, max_new = self.proposer.k, request.max_new_tokens
         lengths = jnp.asarray(request.lengths)
         length = lengths + state.n  # [batch], slots of `sequence` each row has filled
@@ -319,13 +307,8 @@ class Speculative:
 
 
 def plan(model: Decodable, request: DecodeRequest, speculative) -> Speculative | None:
-    """Checks a `PromptLookup` or `Draft` against the model and the run, on the host.
-
-    The last round's proposals must fit `max_seq_len` (the model's and the draft's), so `k`
-    shrinks to fit; where not one fits, the run is plain decoding.
-
-    Returns:
-      The `Speculative` strategy, or None for plain decoding.
+    """The `Speculative` strategy with `k` shrunk so the last round fits `max_seq_len` (the
+    model's and the draft's), or None (plain decoding) where not one proposal fits.
 
     Raises:
       ValueError: a model that cannot be driven, beam search, a draft of another vocabulary

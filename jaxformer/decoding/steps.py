@@ -21,17 +21,12 @@ def step_fn(model: Decodable, params, context) -> Callable:
 
 
 def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_capacity: int = 0):
-    """Runs the decoder's whole prompt through the model once.
+    """`(context, logits [batch, vocab], cache)`: the decoder's whole prompt run once, the logits
+    at each row's last real position.
 
-    Every row's `P` tokens go in at slots `0 .. P - 1`; then row b's `pos` is set back to its
-    length, so a shorter row's padding is never read and its next tokens overwrite it.
-
-    Args:
-      extra_capacity: cache slots beyond the run's own (a speculative round writes k
-        proposals past the last token it keeps).
-
-    Returns:
-      `(context, logits [batch, vocab] at each row's last prompt position, cache)`.
+    Every row's `P` tokens go in at slots `0 .. P - 1`, then row b's `pos` is set back to its
+    length: a shorter row's padding is never read, and its next tokens overwrite it.
+    `extra_capacity` adds slots (a speculative round writes k proposals past what it keeps).
     """
     context = model.apply({"params": params}, request.prompt, method="decode_context")
     # Capacity: the prompt plus every new token but the last (which is never fed back).
@@ -103,13 +98,8 @@ class NonFiniteLogitsError(ValueError):
 
 
 def check_picked(tokens, new: int, pad_id) -> None:
-    """Raises `NonFiniteLogitsError` where a row of `tokens` got `NO_TOKEN` (read on the host).
-
-    Args:
-      tokens: int `[batch, L]`, its last `new` columns the new tokens.
-      new: how many columns are new tokens.
-      pad_id: what a stopped row holds from its `NO_TOKEN` on, in the error's `tokens`.
-    """
+    """Raises `NonFiniteLogitsError` where the last `new` columns of `tokens` `[batch, L]` hold a
+    `NO_TOKEN`; the error's `tokens` hold `pad_id` from there on."""
     host = np.asarray(tokens)  # [batch, L]
     marked = host[:, host.shape[1] - new:] == NO_TOKEN  # [batch, new]
     if not marked.any():
