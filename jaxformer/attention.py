@@ -25,15 +25,10 @@ from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_pa
 
 
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """`softmax(q k^T / sqrt(d_k))` over the keys each query may read.
-
-    Args:
-      q: `[batch, T, n_head, head_dim]` queries.
-      k: `[batch, S, n_kv, head_dim]` keys, `n_head % n_kv == 0`.
-      mask: bool, `[T, S]` or broadcastable to `[batch, T, S]`: True where query t may read key s.
-
-    Returns:
-      float32 `[batch, n_head, T, S]`, each row summing to 1.
+    """`softmax(q k^T / sqrt(d_k))` over the keys each query may read: float32 `[batch, n_head,
+    T, S]` from queries `q` `[batch, T, n_head, head_dim]`, keys `k` `[batch, S, n_kv,
+    head_dim]` (`n_head % n_kv == 0`) and a bool `mask`, `[T, S]` or broadcastable to
+    `[batch, T, S]`, True where query t may read key s.
     """
     batch, T, n_head, head_dim = q.shape
     n_kv = k.shape[2]

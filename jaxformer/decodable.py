@@ -18,15 +18,13 @@ class DecodingSpec:
     """The host-side facts decoding checks its inputs against.
 
     Attributes:
-      prompt_vocab_size: the prompt's ids lie in `[0, prompt_vocab_size)`.
-      vocab_size: the model emits ids in `[0, vocab_size)`.
+      prompt_vocab_size, vocab_size: the prompt's ids, and the emitted ones, lie below them.
       max_seq_len: the longest prompt, and the longest decoder prompt plus new tokens.
       pad_id: the default filler after EOS.
       ragged_prompts: prompts of different lengths may share a batch (`prompt_lengths`).
       supports_speculative: the decoder continues the prompt itself and a step of T tokens
         scores all T, so speculative decoding may drive it or use it as a draft.
-      prefill_bytes: `(batch, prompt_len, capacity) -> bytes`, the prefill's peak memory
-        (`jaxformer.memory.prefill_bytes`); None: no estimate.
+      prefill_bytes: `(batch, prompt_len, capacity) -> bytes`, the prefill's peak; None: no estimate.
     """
 
     prompt_vocab_size: int
