@@ -71,7 +71,9 @@ class GQASelfAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, layer_cache: LayerKV | LayerSlice | None = None, pos=None):
-        """Args:
+        """Attends causally over `x` (and the cache), with GQA and RoPE.
+
+        Args:
           x: `[batch, T, d_model]` normalised residual stream.
           cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles.
           mask: bool `[T, S]` or `[batch, T, S]`; S is T without a cache, its capacity with one.
@@ -144,7 +146,9 @@ class MultiHeadAttention(nn.Module):
 
     def __call__(self, x, mask, *, memory=None, memory_kv: LayerKV | None = None,
                  layer_cache: LayerKV | None = None, pos=None, deterministic: bool = True):
-        """Args:
+        """Attends from `x` over `x` itself or the encoder's `memory`.
+
+        Args:
           x: `[batch, T, d_model]`, the queries' input.
           mask: bool, broadcastable to `[batch, T, S]`.
           memory: `[batch, S, d_model]`, cross-attention's K/V input (or `memory_kv`, projected

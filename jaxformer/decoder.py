@@ -73,7 +73,9 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, cache: KVCache | None = None):
-        """Args:
+        """The logits of `tokens`, after the cached ones where a cache is given.
+
+        Args:
           tokens: int `[batch, T]`, ids in `[0, vocab_size)`.
           cache: a `KVCache` from `KVCache.create(config, batch)`, or None.
 

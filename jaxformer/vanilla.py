@@ -162,7 +162,9 @@ class VanillaTransformer(nn.Module):
 
     def decode(self, tgt_in: jax.Array, memory, src: jax.Array, *, cache: KVCache | None = None,
                memory_kv: tuple[LayerKV, ...] | None = None, deterministic: bool = True):
-        """Args:
+        """The decoder's logits of `tgt_in` over the encoded source.
+
+        Args:
           tgt_in: int `[batch, T]` decoder input (BOS then the target, shifted right).
           memory: `[batch, S, d_model]` from `encode`, or None with `memory_kv` (`cross_kv(memory)`).
           src: int `[batch, S]` source ids (for its padding mask).
