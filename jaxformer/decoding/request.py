@@ -122,12 +122,10 @@ class DecodeRequest:
 
     @classmethod
     def create(cls, model: Decodable, prompt, **options) -> "DecodeRequest":
-        """Checks a run's options (`DecodeOptions`' fields, as keywords) against `model.decoding_spec()`.
-
-        Integral arguments may be numpy ints, read as Python numbers: `max_new_tokens=np.int64(3)`
-        reuses the program compiled for 3. Raises `TypeError` for an unknown keyword or no
-        `max_new_tokens`, `ValueError` naming the argument and its limit (or the memory).
-        """
+        """Checks a run's options (`DecodeOptions`' fields, as keywords) against `model.decoding_spec()`:
+        `TypeError` for an unknown keyword or no `max_new_tokens`, `ValueError` naming the
+        argument and its limit (or the memory). Numbers are read as docs/architecture.md's
+        "Checked inputs" says, so `max_new_tokens=np.int64(3)` reuses the program built for 3."""
         o = DecodeOptions(**options)
         spec = model.decoding_spec()
         prompt, lengths = _checked_prompt(prompt, o.prompt_lengths, spec.prompt_vocab_size, spec.ragged_prompts)

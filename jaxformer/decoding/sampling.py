@@ -26,10 +26,7 @@ def check_temperature(value, *, name: str = "temperature") -> np.ndarray:
 
 def check_top_k(value, vocab_size: int | None, *, name: str = "top_k") -> np.ndarray | None:
     """Raises unless `value`, a scalar or one per row, is None or an int in `[1, vocab_size]`; int32.
-
-    `vocab_size` is None when it is not known yet (a command line before its model is
-    built): then only `>= 1` is checked.
-    """
+    A `vocab_size` of None (not known yet: a command line before its model) checks `>= 1` only."""
     if value is None:
         return None
     top_k = numbers_array(value, name, np.float64)  # whole floats (2.0) are ints here
@@ -95,13 +92,8 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 @struct.dataclass
 class Sampling:
-    """Each row's sampling settings, as arrays: new values reuse the compiled loop.
-
-    Attributes:
-      temperature: float32 `[batch]`, 0 for greedy.
-      top_k: int32 `[batch]` in `[1, vocab]`.
-      top_p: float32 `[batch]` in `(0, 1]`.
-    """
+    """Each row's settings as `[batch]` arrays in the ranges the checks above state (temperature
+    float32, 0 greedy; top_k int32; top_p float32): new values reuse the compiled loop."""
 
     temperature: jax.Array
     top_k: jax.Array
