@@ -2,19 +2,10 @@
 
     Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V
 
-`dot_product_attention` is the whole idea in a few lines; the modules around it only
-project the inputs into heads and the heads back out.
-
-The 2017 model's `MultiHeadAttention` is one module used three ways: encoder
-self-attention `(x, x, x)`, masked decoder self-attention, and cross-attention
-`(x, memory, memory)`, where queries come from the decoder and keys and values from
-the encoder's output. Cross-attention is the only place the two stacks meet.
-
-Grouped-query attention (GQA): `n_head` query heads share `n_kv_head` key/value heads,
-query head j reading kv head `j // n_rep` with `n_rep = n_head // n_kv_head`. Instead
-of repeating K and V `n_rep` times, the queries are viewed as
-`[batch, seq, n_kv, n_rep, head_dim]` and one grouped einsum lets every member of a
-group read its kv head. Plain multi-head attention is the case `n_kv == n_head`.
+Grouped-query attention: `n_head` query heads share `n_kv_head` key/value heads, query
+head j reading kv head `j // n_rep`, `n_rep = n_head // n_kv_head`. Rather than repeat K
+and V, the queries are viewed as `[batch, seq, n_kv, n_rep, head_dim]` and one grouped
+einsum lets each group read its kv head; `n_kv == n_head` is plain multi-head attention.
 
 Einsum letters, one meaning each in this file:
     b batch   t query position   s key position   d model width (d_model)
@@ -34,16 +25,10 @@ from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_pa
 
 
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """`softmax(q k^T / sqrt(d_k))` over the keys each query may read.
-
-    Args:
-      q: `[batch, T, n_head, head_dim]` queries.
-      k: `[batch, S, n_kv, head_dim]` keys, `n_head % n_kv == 0`.
-      mask: bool, `[T, S]` or broadcastable to `[batch, T, S]`: True where query t may
-        read key s.
-
-    Returns:
-      `[batch, n_head, T, S]` float32 weights, each row summing to 1 (the map to look at).
+    """`softmax(q k^T / sqrt(d_k))` over the keys each query may read: float32 `[batch, n_head,
+    T, S]` from queries `q` `[batch, T, n_head, head_dim]`, keys `k` `[batch, S, n_kv,
+    head_dim]` (`n_head % n_kv == 0`) and a bool `mask`, `[T, S]` or broadcastable to
+    `[batch, T, S]`, True where query t may read key s.
     """
     batch, T, n_head, head_dim = q.shape
     n_kv = k.shape[2]
@@ -63,15 +48,8 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def combine_values(weights: jax.Array, v: jax.Array) -> jax.Array:
-    """Each query's weighted average of the values: `weights @ V`, per head.
-
-    Args:
-      weights: `[batch, n_head, T, S]` attention weights.
-      v: `[batch, S, n_kv, head_dim]` values.
-
-    Returns:
-      `[batch, T, n_head, head_dim]` in `v.dtype`.
-    """
+    """`weights [batch, n_head, T, S] @ v [batch, S, n_kv, head_dim]` per head: `[batch, T,
+    n_head, head_dim]` in `v.dtype`."""
     batch, n_head, T, S = weights.shape
     n_kv, head_dim = v.shape[2], v.shape[3]
     weights = weights.reshape(batch, n_kv, n_head // n_kv, T, S).astype(v.dtype)  # [batch, n_kv, n_rep, T, S]
@@ -80,48 +58,31 @@ def combine_values(weights: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scaled dot-product attention with grouped kv heads (see `attention_weights`).
-
-    Args:
-      q: `[batch, T, n_head, head_dim]` queries.
-      k: `[batch, S, n_kv, head_dim]` keys, `n_head % n_kv == 0`.
-      v: `[batch, S, n_kv, head_dim]` values.
-      mask: bool `[T, S]` or `[batch, T, S]`, True where query t may read key s.
-
-    Returns:
-      `(out, weights)`: out `[batch, T, n_head, head_dim]` in `v.dtype`; weights
-      `[batch, n_head, T, S]` float32.
-    """
+    """Scaled dot-product attention with grouped kv heads: `(out [batch, T, n_head, head_dim],
+    weights [batch, n_head, T, S])`, arguments as `attention_weights` takes them, and `v`."""
     weights = attention_weights(q, k, mask)
     return combine_values(weights, v), weights
 
 
 class GQASelfAttention(nn.Module):
-    """Causal self-attention of the decoder-only model: GQA with RoPE and a KV cache.
-
-    Attributes:
-      config: a `DecoderConfig`.
-    """
+    """Causal self-attention of the decoder-only model: GQA with RoPE and a KV cache."""
 
     config: "DecoderConfig"  # noqa: F821 (jaxformer.config; a string to avoid a cycle)
 
     @nn.compact
     def __call__(self, x, cos, sin, mask, layer_cache: LayerKV | LayerSlice | None = None, pos=None):
-        """
+        """Attends causally over `x` (and the cache), with GQA and RoPE.
+
         Args:
           x: `[batch, T, d_model]` normalised residual stream.
-          cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles of the
-            T positions.
-          mask: bool `[T, S]` or `[batch, T, S]`, True where a query may read a key; S is T
-            without a cache, the cache capacity with one.
-          layer_cache: this layer's cached K/V (its slice of a stacked cache in a scanned
-            model), or None.
-          pos: int32 `[batch]`, each row's slot for this call's first token in the cache.
+          cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles.
+          mask: bool `[T, S]` or `[batch, T, S]`; S is T without a cache, its capacity with one.
+          layer_cache: this layer's cached K/V (a `LayerSlice` of a stacked cache), or None.
+          pos: int32 `[batch]`, each row's cache slot for this call's first token.
 
         Returns:
-          `(y, layer_cache)`: y `[batch, T, d_model]`, and the cache with this call's
-          K/V written (None without a cache). The weights `[batch, n_head, T, S]` are
-          sown into the 'intermediates' collection as `attention_weights`.
+          `(y [batch, T, d_model], layer_cache)`, this call's K/V written; the weights are sown
+          into 'intermediates' as `attention_weights`.
         """
         c = self.config
         d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
@@ -154,15 +115,12 @@ class GQASelfAttention(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    """The 2017 multi-head attention: one packed Q/K/V projection, heads by reshape.
+    """The 2017 multi-head attention: encoder self-attention, masked decoder self-attention,
+    and cross-attention (queries from the decoder, keys and values from the encoder).
 
-    `h` heads of width `d_model / h` cost about what one full-width head costs, but give
-    `h` separate attention patterns. The heads are not `h` small matrices: one
-    `[d_model, 3, h, d_k]` projection (torch packs the same as `in_proj_weight`) is
-    read as Q, K, V split into heads.
-
-    Attributes:
-      config: a `VanillaConfig`.
+    `h` heads of width `d_model / h` cost about one full-width head, but give `h` attention
+    patterns. One packed `[d_model, 3, h, d_k]` projection (torch's `in_proj_weight`) is read
+    as Q, K, V split into heads.
     """
 
     config: "VanillaConfig"  # noqa: F821
@@ -180,8 +138,7 @@ class MultiHeadAttention(nn.Module):
         self.dropout = nn.Dropout(c.dropout)
 
     def project_kv(self, memory: jax.Array) -> LayerKV:
-        """Keys and values of `memory` `[batch, S, d_model]`: cross-attention's K/V, computed
-        once per source and reused at every decoding step."""
+        """Cross-attention's K/V of `memory` `[batch, S, d_model]`, projected once per source."""
         dtype = self.config.dtype
         kv = jnp.einsum("bsd,dchk->cbshk", memory, self.w_qkv[:, 1:].astype(dtype))
         kv = kv + self.b_qkv[1:, None, None].astype(dtype)  # [2, batch, S, n_head, head_dim]
@@ -189,21 +146,18 @@ class MultiHeadAttention(nn.Module):
 
     def __call__(self, x, mask, *, memory=None, memory_kv: LayerKV | None = None,
                  layer_cache: LayerKV | None = None, pos=None, deterministic: bool = True):
-        """
+        """Attends from `x` over `x` itself or the encoder's `memory`.
+
         Args:
           x: `[batch, T, d_model]`, the queries' input.
-          mask: bool, broadcastable to `[batch, T, S]`, True where a query may read a key.
-          memory: `[batch, S, d_model]` keys' and values' input for cross-attention;
-            None for self-attention (keys and values from `x`).
-          memory_kv: cross-attention K/V already projected by `project_kv`.
-          layer_cache: self-attention KV cache of this layer (cached decoding).
-          pos: int32 `[batch]`, each row's slot for this call's first K/V in `layer_cache`.
+          mask: bool, broadcastable to `[batch, T, S]`.
+          memory: `[batch, S, d_model]`, cross-attention's K/V input (or `memory_kv`, projected
+            by `project_kv`); neither for self-attention.
+          layer_cache, pos: as `GQASelfAttention` takes them.
           deterministic: False applies dropout to the attention weights.
 
         Returns:
-          `(y, layer_cache)`: y `[batch, T, d_model]`; the cache with this call's K/V
-          written (None without one). The weights `[batch, n_head, T, S]` are sown into
-          the 'intermediates' collection as `attention_weights`.
+          As `GQASelfAttention`.
         """
         dtype = self.config.dtype
         if memory is None and memory_kv is None:  # self-attention: one GEMM for Q, K and V

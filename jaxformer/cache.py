@@ -1,23 +1,10 @@
-"""The KV cache: an immutable pytree of fixed shape.
+"""The KV cache: an immutable pytree of fixed shape, one write position per row.
 
-Autoregressive decoding feeds one new token per step; the keys and values of the
-tokens before it do not change, so each layer keeps them instead of recomputing the
-prefix. Here the cache is a value, not a buffer: a model call takes a cache and
-returns a new one. Each row keeps its own write position (`pos [batch]`), so rows at
-different lengths share one batched call. Under `jit` XLA turns the per-row writes into
-in-place updates, and because every shape is fixed by `capacity`, one compiled step
-serves every position.
-
-Keys are stored after RoPE (a cached key never moves again) and with only `n_kv_head`
-heads: grouped-query attention saves memory only if K/V are not repeated first.
-
-A model whose blocks run as one scanned block (`DecoderConfig.scan_layers`) keeps every
-layer's keys in one array `[batch, n_layer, capacity, n_kv_head, head_dim]` (and the
-values in another), the scan's carry: each block writes its own layer's slots in place
-(`LayerSlice`). Carried, not scanned over: a scanned-over cache would come out of the loop
-as a new stacked array, a copy of the whole cache at every step. The batch stays first, as
-in every other cache, so code that reorders or shards rows (beam search, meshes) treats
-both forms alike.
+A model call takes a cache and returns a new one; under `jit` XLA makes the writes in
+place, and `capacity` fixes every shape, so one compiled step serves every position. Keys
+are stored after RoPE (a cached key never moves again) and with `n_kv_head` heads (GQA
+saves memory only if K/V are not repeated first). Why a scanned model's stack is the
+scan's carry: docs/architecture.md, "Scanned layers"; the rows: docs/decoding.md.
 """
 
 from __future__ import annotations
@@ -35,19 +22,9 @@ from jaxformer.validation import as_int, floating_dtype, is_traced
 
 
 def write_rows(array: jax.Array, new: jax.Array, pos: jax.Array, *, axis: int, layer=None) -> jax.Array:
-    """`array` with row b's `new[b]` written from slot `pos[b]` along `axis` (the slots).
-
-    Args:
-      array: `[batch, ..., capacity, ...]`, the slots on `axis`.
-      new: `[batch, ...]`, as `array` but for `T` slots on `axis`.
-      pos: int32 `[batch]`, each row's first slot.
-      axis: the slot axis (1, or 2 in a stacked cache).
-      layer: in a stacked cache `[batch, n_layer, capacity, ...]`, the layer written.
-
-    Returns:
-      The updated array. One `dynamic_update_slice` per row, vectorised: XLA makes one
-      in-place scatter of the rows' windows of it.
-    """
+    """`array` `[batch, ..., capacity, ...]` with row b's `new[b]` (T slots) written from slot
+    `pos[b]` along `axis` (2 in a stacked cache, whose `layer` is then the one written): one
+    `dynamic_update_slice` per row, vectorised, which XLA makes one in-place scatter."""
     def one_row(row, new_row, start):  # row [..., capacity, ...] (the batch axis taken off)
         index = [jnp.zeros((), jnp.int32)] * row.ndim
         index[axis - 1] = start
@@ -66,14 +43,8 @@ class LayerKV:
     v: jax.Array  # [batch, capacity, n_kv_head, head_dim]
 
     def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerKV":
-        """Returns a copy with row b's `k_new` / `v_new` (`[batch, T, n_kv, head_dim]`) at its
-        slots `pos[b] .. pos[b]+T-1` (`pos` int32 `[batch]`).
-
-        `dynamic_update_slice` clamps a start that does not fit instead of failing, which
-        would overwrite the last slots; callers check `pos + T <= capacity` where the
-        numbers are concrete (`validation.check_cache_step`) and `commit` poisons the
-        logits of the rows where they are not.
-        """
+        """A copy with row b's `k_new` / `v_new` `[batch, T, n_kv, head_dim]` at slots
+        `pos[b] .. pos[b] + T - 1`; a start past the capacity clamps (see `KVCache.commit`)."""
         return LayerKV(k=write_rows(self.k, k_new, pos, axis=1), v=write_rows(self.v, v_new, pos, axis=1))
 
     def read(self) -> tuple[jax.Array, jax.Array]:
@@ -83,17 +54,14 @@ class LayerKV:
 
 @struct.dataclass
 class LayerSlice:
-    """One layer of a stacked cache, as the scanned block at `layer` sees it.
-
-    The stack is the scan's carry, so `write` updates one layer's slots of the whole
-    stack in place, and `read` slices that layer out for attention.
-    """
+    """Layer `layer` of a stacked cache, as the scanned block sees it: `write` updates that
+    layer's slots of the whole stack in place, `read` slices it out."""
 
     stack: LayerKV  # k, v: [batch, n_layer, capacity, n_kv_head, head_dim]
     layer: jax.Array  # [] int32, the block this slice belongs to
 
     def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerSlice":
-        """`LayerKV.write` into layer `layer` of the stack (same clamping caveat)."""
+        """`LayerKV.write` into layer `layer` of the stack."""
         stack = self.stack
         return self.replace(stack=LayerKV(k=write_rows(stack.k, k_new[:, None], pos, axis=2, layer=self.layer),
                                           v=write_rows(stack.v, v_new[:, None], pos, axis=2, layer=self.layer)))
@@ -113,15 +81,10 @@ class KVCache:
     """Per-layer keys and values, and each row's write position.
 
     Attributes:
-      layers: one `LayerKV` per block, or, for a scanned model (`scan_layers`), one
-        `LayerKV` whose k and v stack every block's: `[batch, n_layer, capacity, n_kv_head,
-        head_dim]`.
-      pos: int32 `[batch]`, the slots already written in each row: row b's token in slot
-        s sits at position s, and its next token goes to slot `pos[b]`. Rows are
-        independent: in one batched call each row writes and reads at its own position
-        (prompts of different lengths, speculative rounds that keep different numbers of
-        tokens, a request joining a running batch). The model advances it once per call,
-        after all layers, so every layer of one call writes at the same slots.
+      layers: one `LayerKV` per block, or, for a scanned model, one whose k and v stack
+        every block's: `[batch, n_layer, capacity, n_kv_head, head_dim]`.
+      pos: int32 `[batch]`, the slots written in each row: row b's next token goes to slot
+        `pos[b]`, which is its position. The model advances it once per call, after all layers.
     """
 
     layers: tuple[LayerKV, ...] | LayerKV
@@ -131,22 +94,12 @@ class KVCache:
     def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None) -> "KVCache":
         """An empty cache for the decoder-only model of `config` (a `DecoderConfig`).
 
-        (The encoder-decoder's decoder cache comes from `VanillaTransformer.init_cache`.)
-
         Args:
-          config: the model's `DecoderConfig`.
-          batch_size: number of sequences decoded together.
-          capacity: positions to allocate; defaults to `config.max_seq_len`, which is also
-            its upper limit (RoPE has no angles beyond it).
-          dtype: a floating storage dtype; defaults to the config's `cache_dtype`, else
-            its `dtype`.
-
-        Returns:
-          A `KVCache` of zeros with every row's `pos` 0.
-
-        Raises:
-          TypeError: `config` is not a `DecoderConfig`.
-          ValueError: see `zeros`.
+          config: the model's `DecoderConfig` (the encoder-decoder's cache comes from
+            `VanillaTransformer.init_cache`).
+          batch_size: sequences decoded together.
+          capacity: positions, at most (and by default) `max_seq_len`: RoPE has no angles beyond.
+          dtype: a floating storage dtype; defaults to the config's `cache_dtype`, else `dtype`.
         """
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"KVCache.create takes a DecoderConfig, got {type(config).__name__}; for the "
@@ -161,16 +114,13 @@ class KVCache:
         """An empty cache of `n_layer` layers of `[batch_size, capacity, n_kv_head, head_dim]`.
 
         Args:
-          batch_size: rows, an integral scalar >= 1 (a numpy int too).
+          batch_size: rows, an int >= 1.
           capacity: positions, in `[1, max_seq_len]`; None for `max_seq_len`.
-          dtype: a floating storage dtype, as the configs' `cache_dtype`: an integer or
-            bool cache would round every key and value, and the logits with them.
-          stacked: one `[batch, n_layer, ...]` array for k and one for v (a scanned
-            model's cache) instead of one pair per layer.
+          dtype: a floating storage dtype (an integer cache would round every key and value).
+          stacked: one `[batch, n_layer, ...]` array for k and one for v (a scanned model's).
 
         Raises:
-          ValueError: naming `batch_size`, `capacity` or `dtype` when out of its limits, or
-            a cache that needs more memory than is free (`jaxformer.memory.check_fits`).
+          ValueError: an argument out of its limits, or more memory than is free.
         """
         batch_size = as_int(batch_size, "KVCache.create: batch_size", minimum=1)
         capacity = as_int(max_seq_len if capacity is None else capacity, "KVCache.create: capacity", minimum=1,
@@ -223,7 +173,7 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one position takes across all layers and the batch: `2 * L * B * n_kv * d * itemsize`."""
+        """Bytes one position takes across all layers and rows: `2 * L * B * n_kv * d * itemsize`."""
         return sum(array.nbytes for array in jax.tree.leaves(self.layers)) // self.capacity
 
     @property
@@ -241,22 +191,11 @@ class KVCache:
         return self.replace(pos=self.pos + n_tokens)
 
     def commit(self, layers, logits: jax.Array, n_tokens: int) -> tuple[jax.Array, "KVCache"]:
-        """Ends a model call whose `n_tokens` tokens every layer wrote at each row's slots `pos[b] ..`.
+        """Ends a model call whose every layer wrote `n_tokens` (static) at each row's slots `pos[b] ..`.
 
-        `pos` advances once, after every layer, so all layers of one call write at the
-        same slots. Past the capacity `dynamic_update_slice` clamps the writes instead of
-        failing; concrete inputs are refused before (`validation.check_cache_step`), and
-        inside `jit` the logits of a row whose writes did not fit become NaN: loud, never
-        silently wrong.
-
-        Args:
-          layers: the `LayerKV`s the call returned, one per layer (or the stacked one).
-          logits: the call's logits `[batch, T, vocab]`.
-          n_tokens: the tokens the call wrote (static).
-
-        Returns:
-          `(logits, cache)`: the logits (NaN in the rows whose writes did not fit) and the
-          cache holding `layers` with `pos + n_tokens`.
+        `pos` advances once, after every layer. `dynamic_update_slice` clamps a write past the
+        capacity: concrete inputs are refused before (`validation.check_cache_step`), and inside
+        `jit` such a row's logits `[batch, T, vocab]` become NaN. Returns `(logits, cache)`.
         """
         fits = self.pos + n_tokens <= self.capacity  # [batch]
         logits = jnp.where(fits[:, None, None], logits, jnp.nan)
@@ -276,12 +215,8 @@ class KVCache:
         return self.replace(layers=jax.tree.map(clear, self.layers), pos=self.pos.at[row].set(0))
 
     def insert(self, row, other: "KVCache") -> "KVCache":
-        """Row `row` replaced by the single row of `other` (its keys, values and `pos`).
-
-        Args:
-          row: the row to fill, in `[0, batch_size)`.
-          other: a one-row cache of the same layout and capacity (say, a prompt prefilled
-            alone into `model.init_cache(1, cache.capacity)`).
+        """Row `row` replaced by the single row of `other`, a one-row cache of the same layout (a
+        prompt prefilled alone into `model.init_cache(1, cache.capacity)`).
 
         Raises:
           ValueError: `other` is not one row of this cache's layout, or `row` is out of range.

@@ -31,26 +31,15 @@ from jaxformer.validation import check_cache_step, check_step_inputs
 
 
 class Block(nn.Module):
-    """One pre-norm block: attention reads across positions, SwiGLU works on each.
-
-    Called as a scan body, `(carry, *broadcast) -> (carry, None)`, so that the same
-    module runs once per layer (`block_{i}`) or scanned over stacked parameters.
-    """
+    """One pre-norm block, called as a scan body `(carry, *broadcast) -> (carry, None)` so the
+    same module runs once per layer (`block_{i}`) or scanned over stacked parameters."""
 
     config: DecoderConfig
 
     @nn.compact
     def __call__(self, carry, cos, sin, mask, pos):
-        """
-        Args:
-          carry: `(x, layer_cache)`: the residual stream `[batch, T, d_model]` and this
-            block's cache (a `LayerKV`, a `LayerSlice` of a stacked cache, or None).
-          cos, sin, mask, pos: as `GQASelfAttention` takes them, the same for every block.
-
-        Returns:
-          `((x, layer_cache), None)`: the stream after the block, and the cache with its
-          K/V written (a `LayerSlice` moved on to the next block).
-        """
+        """`((x, layer_cache), None)` after the block, from `carry = (x [batch, T, d_model],
+        layer_cache)` and `GQASelfAttention`'s `cos, sin, mask, pos`, the same for every block."""
         x, layer_cache = carry
         c = self.config
         h, layer_cache = GQASelfAttention(c, name="attn")(
@@ -63,52 +52,38 @@ class Block(nn.Module):
 
 
 def scanned_blocks(n_layer: int):
-    """`Block` run `n_layer` times as one: the parameters (and their logical axis names)
-    gain a leading layer axis, each block gets its own init key, and the cache rides in
-    the carry. Sown intermediates (the attention weights) are stacked the same way."""
+    """`Block` run `n_layer` times as one: parameters, their axis names and the sown
+    intermediates gain a leading layer axis, each block its own init key; the cache rides
+    in the carry."""
     return nn.scan(Block, variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
                    split_rngs={"params": True},
                    in_axes=(nn.broadcast,) * 4, length=n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
 
 
 class Decoder(nn.Module):
-    """Decoder-only language model.
+    """Decoder-only language model: `apply({'params': p}, tokens, cache=None) -> (logits, cache)`.
 
-    `Decoder(config).apply({'params': params}, tokens, cache=None) -> (logits, cache)`
-
-    Without a cache it is the plain causal forward and returns `(logits, None)`. With a
-    cache the T tokens of row b are the next T of its sequence: its query i sits at
-    position `cache.pos[b] + i` and may read every cached key up to it, so a multi-token
-    prefill and a one-token step are the same call, and rows at different lengths share
-    one call. The returned cache has them written and `pos + T`. The cache's shape is
-    fixed by its capacity, so one jitted function serves every step. Prompts of different
-    lengths share a batch right-padded: after the prefill, row b's `pos` is set to its
-    length, and its next token overwrites its padding, which no query of it ever reads.
-
-    Every layer's attention weights are sown: `apply(..., mutable=['intermediates'])`
-    returns them too, and `sown_attention_weights(intermediates, config)` stacks them.
-
-    Attributes:
-      config: the `DecoderConfig`.
+    With a cache, row b's T tokens are the next T of its sequence (positions `cache.pos[b]
+    ..`), so a prefill and a one-token step are the same call, and one jitted function
+    serves every step (docs/architecture.md, "How data flows"). Every layer's attention weights
+    are sown (`sown_attention_weights` stacks them).
     """
 
     config: DecoderConfig
 
     @nn.compact
     def __call__(self, tokens: jax.Array, cache: KVCache | None = None):
-        """
+        """The logits of `tokens`, after the cached ones where a cache is given.
+
         Args:
           tokens: int `[batch, T]`, ids in `[0, vocab_size)`.
           cache: a `KVCache` from `KVCache.create(config, batch)`, or None.
 
         Returns:
-          `(logits, cache)`: logits `[batch, T, vocab_size]` in `config.dtype`; the
-          updated cache (None when none was given).
+          `(logits [batch, T, vocab_size] in config.dtype, cache)`, the cache None if none was given.
 
         Raises:
-          ValueError: `tokens` not a `[batch, T]` integer array (refused under `jit` too,
-            shapes being static), ids outside the vocabulary, positions past
-            `max_seq_len` or a row's cache (`validation.check_step_inputs`, `check_cache_step`).
+          ValueError: bad `tokens` (under `jit` too), positions past `max_seq_len` or a row's cache.
         """
         c = self.config
         check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)
@@ -186,16 +161,8 @@ class Decoder(nn.Module):
 
 
 def sown_attention_weights(intermediates, config: DecoderConfig) -> jax.Array:
-    """The attention weights a `Decoder` sowed, layer by layer.
-
-    Args:
-      intermediates: `apply(..., mutable=['intermediates'])`'s second output.
-      config: the model's config (unrolled blocks sow one entry each; scanned ones one
-        stacked entry).
-
-    Returns:
-      `[n_layer, batch, n_head, T, S]` float32.
-    """
+    """`[n_layer, batch, n_head, T, S]` float32: the attention weights a `Decoder` of `config`
+    sowed, from `apply(..., mutable=['intermediates'])`'s second output."""
     sown = intermediates["intermediates"]
     if config.scan_layers:
         return sown["blocks"]["attn"]["attention_weights"][0]

@@ -1,11 +1,8 @@
 """Memory: what a decoder's prefill needs, from its shapes alone, and what the devices have free.
 
-A prompt that fits `max_seq_len` may still not fit in memory. The prefill's attention
-scores alone take `batch * n_head * T * S * 4` bytes (float32, S the cache's capacity): a
-60,000-token prompt on a 32-head model needs 460 GB for one layer's. Left to XLA, such a
-run compiles, then stops in a `RESOURCE_EXHAUSTED` traceback, or on a CPU the system kills
-the process once the host's memory is gone. `check_fits` refuses it first, on the host,
-before anything is traced, with both numbers.
+A prompt within `max_seq_len` can still need more memory than there is; `check_fits`
+refuses it on the host, before anything is traced (docs/decoding.md, "Prompts that do not
+fit in memory", gives the sizes and what XLA does otherwise).
 """
 
 from __future__ import annotations
@@ -29,25 +26,13 @@ UNCHECKED_BYTES = 64 << 20
 
 
 def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: int) -> int:
-    """The most memory a `Decoder` prefill holds at once, estimated from the shapes.
+    """Bytes a `Decoder` prefill holds at its peak: `batch` rows (every beam) of `prompt_len`
+    (T) tokens into a cache of `capacity` (S) positions, from the shapes of `config`.
 
-    The cache and the residual stream live throughout; the rest comes in phases that XLA
-    frees one by one (each block's attention, then its SwiGLU; the logits after the last
-    block), so the peak is the largest phase on top of them. In the attention phase the
-    float32 scores `[batch, n_head, T, S]` dominate: XLA on a CPU keeps three arrays of
-    that shape (two, in an unrolled model of several blocks, so there the estimate is
-    about 1.5 times too high) and a copy of the attention weights in the compute dtype. The
-    parameters are not counted: they are in memory already, so the free memory
-    `check_fits` reads has them taken out.
-
-    Args:
-      config: the model's `DecoderConfig`.
-      batch: rows (every beam of every prompt).
-      prompt_len: T, the prompt's tokens, all fed at once.
-      capacity: S, the cache's positions.
-
-    Returns:
-      Bytes.
+    The cache and the residual stream live throughout; each block's attention, its SwiGLU
+    and the logits come in phases XLA frees one by one, so the peak is the largest phase on
+    top. The float32 scores `[batch, n_head, T, S]` dominate the attention (XLA on a CPU
+    keeps three such arrays). The parameters are not counted: the free memory excludes them.
     """
     c = config
     compute = jnp.dtype(c.dtype).itemsize
@@ -65,13 +50,9 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
 
 
 def free_bytes() -> tuple[int, str] | None:
-    """Memory free for new arrays on the default backend, and where it is; None if unknown.
-
-    An accelerator: `bytes_limit - bytes_in_use` of `jax.Device.memory_stats()`, summed
-    over the local devices (a run uses at most all of them). A CPU: the host's available
-    memory (`MemAvailable` of `/proc/meminfo`, or what a cgroup limit leaves if less), or
-    where neither exists its physical memory.
-    """
+    """`(bytes, where)` free for new arrays on the default backend, None if unknown: on an
+    accelerator, `bytes_limit - bytes_in_use` summed over the local devices; on a CPU, the
+    host's `MemAvailable` (or a cgroup's limit, if less), else its physical memory."""
     devices = jax.local_devices()
     stats = [device.memory_stats() for device in devices]
     if all(s and "bytes_limit" in s for s in stats):
@@ -87,8 +68,7 @@ def free_bytes() -> tuple[int, str] | None:
 
 
 def _read(path: str) -> bytes | None:
-    """A small system file's bytes (one read, no buffering: this runs before every
-    `generate`), or None if it cannot be read."""
+    """A small system file's bytes (one unbuffered read: this runs before every `generate`), or None."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -134,18 +114,10 @@ def format_bytes(n: int) -> str:
 
 
 def check_fits(needed: int, what: str) -> None:
-    """Refuses work that needs more memory than is free (see `free_bytes`).
+    """Raises `ValueError`, naming `what`, `needed` bytes and what is free, if they do not fit.
 
-    Args:
-      needed: bytes the work will hold at its peak.
-      what: the work, for the message ("a prompt of 60,000 tokens ...").
-
-    Work of at most `UNCHECKED_BYTES` is taken without a look: reading what is free (a
-    system file, or every device's statistics) would cost more than a small model's
-    whole `generate` call, and such work fits wherever the model itself did.
-
-    Raises:
-      ValueError: naming `what`, `needed` and the memory free.
+    Work of at most `UNCHECKED_BYTES` is taken without a look: reading what is free would
+    cost more than a small model's whole `generate`, and such work fits wherever the model did.
     """
     if needed <= UNCHECKED_BYTES:
         return

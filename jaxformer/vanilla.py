@@ -12,10 +12,6 @@ on the residual path itself, which is why the paper needs its warmup schedule
 Masks are True where a query may read a key (the reference uses True = blocked):
   source padding:  keys that are `pad_id` in `src` (encoder self-attn and cross-attn);
   target:          causal AND keys that are not `pad_id` in `tgt_in`.
-
-For decoding, the decoder's self-attention K/V go through the same immutable `KVCache`
-as the decoder-only model, and the cross-attention K/V are projected from the memory
-once (`cross_kv`) instead of at every step.
 """
 
 from __future__ import annotations
@@ -40,10 +36,7 @@ from jaxformer.validation import check_cache_step, check_step_inputs, check_toke
 
 
 class Residual(nn.Module):
-    """The sublayer connection around every attention and FFN sublayer.
-
-    post-norm (the paper):  LayerNorm(x + Dropout(Sublayer(x)))
-    pre-norm:               x + Dropout(Sublayer(LayerNorm(x)))
+    """The sublayer connection, post-norm or (`norm_first`) pre-norm `x + Dropout(Sublayer(LayerNorm(x)))`.
 
     Use: `y = residual(x, sublayer(residual.sublayer_input(x)))`.
     """
@@ -109,16 +102,9 @@ class DecoderLayer(nn.Module):
 
 
 class VanillaTransformer(nn.Module):
-    """The encoder-decoder.
-
-    `__call__(src, tgt_in) -> logits` for teacher forcing; `encode(src) -> memory` and
-    `decode(tgt_in, memory, src, cache=None) -> (logits, cache)` for inference.
-    Dropout needs `deterministic=False` and `rngs={'dropout': key}`. Attention weights
-    are sown: `apply(..., mutable=['intermediates'])` returns them per layer.
-
-    Attributes:
-      config: the `VanillaConfig`.
-    """
+    """The encoder-decoder: `__call__(src, tgt_in) -> logits` for teacher forcing; `encode` and
+    `decode` for inference. Dropout needs `deterministic=False` and `rngs={'dropout': key}`;
+    attention weights are sown per layer (`mutable=['intermediates']`)."""
 
     config: VanillaConfig
 
@@ -143,12 +129,9 @@ class VanillaTransformer(nn.Module):
             self.decoder_norm = LayerNorm(c.norm_eps, c.param_dtype)
 
     def embed(self, table: jax.Array, tokens: jax.Array, positions: jax.Array, deterministic: bool = True) -> jax.Array:
-        """`Dropout(embedding * sqrt(d_model) + PE)` for `tokens` `[batch, T]` at `positions`
-        (`[T]`, or `[batch, T]`: each row's own).
-
-        The sqrt(d_model) scale lifts the embeddings (xavier-initialised, entries about
-        1/sqrt(d)) to the sinusoid's amplitude of 1, so positions do not drown tokens.
-        """
+        """`Dropout(embedding * sqrt(d_model) + PE)` for `tokens` `[batch, T]` at `positions` (`[T]`
+        or `[batch, T]`). The scale lifts the xavier-initialised embeddings (entries about
+        1/sqrt(d)) to the sinusoid's amplitude of 1, so positions do not drown tokens."""
         c = self.config
         pe = jnp.take(sinusoidal_table(c.max_seq_len, c.d_model), positions, axis=0)  # [(batch,) T, d_model]
         x = lookup(table, tokens).astype(c.dtype) * math.sqrt(c.d_model) + pe.astype(c.dtype)  # [batch, T, d_model]
@@ -159,16 +142,11 @@ class VanillaTransformer(nn.Module):
         return (src != self.config.pad_id)[:, None, :]
 
     def encode(self, src: jax.Array, deterministic: bool = True) -> jax.Array:
-        """
-        Args:
-          src: int `[batch, S]` source ids, right-padded with `pad_id`.
-
-        Returns:
-          The memory, `[batch, S, d_model]`.
+        """The memory `[batch, S, d_model]` of `src`, int `[batch, S]` right-padded with `pad_id`.
 
         Raises:
-          ValueError: `src` not a `[batch, S]` integer array (refused under `jit` too),
-            ids outside the source vocabulary, or longer than `max_seq_len`.
+          ValueError: `src` not a `[batch, S]` int array (under `jit` too), ids outside the
+            source vocabulary, or longer than `max_seq_len`.
         """
         c = self.config
         check_step_inputs(src, vocab_size=c.src_vocab_size, max_seq_len=c.max_seq_len, name="src")
@@ -184,25 +162,17 @@ class VanillaTransformer(nn.Module):
 
     def decode(self, tgt_in: jax.Array, memory, src: jax.Array, *, cache: KVCache | None = None,
                memory_kv: tuple[LayerKV, ...] | None = None, deterministic: bool = True):
-        """
+        """The decoder's logits of `tgt_in` over the encoded source.
+
         Args:
           tgt_in: int `[batch, T]` decoder input (BOS then the target, shifted right).
-          memory: `[batch, S, d_model]` from `encode`; may be None when `memory_kv` is given.
+          memory: `[batch, S, d_model]` from `encode`, or None with `memory_kv` (`cross_kv(memory)`).
           src: int `[batch, S]` source ids (for its padding mask).
-          cache: the decoder self-attention `KVCache` (`init_cache(batch)`), or
-            None. With a cache, row b of `tgt_in` continues its cached prefix, at positions
-            `cache.pos[b] ..`.
-          memory_kv: `cross_kv(memory)`, to skip projecting the memory at every step.
+          cache: the decoder self-attention `KVCache` (`init_cache(batch)`), or None.
           deterministic: False applies dropout.
 
         Returns:
-          `(logits, cache)`: logits `[batch, T, tgt_vocab_size]`; the cache with `tgt_in`
-          written and `pos + T` (None without one).
-
-        Raises:
-          ValueError: `tgt_in` or `src` not a `[batch, T]` integer array (refused under
-            `jit` too), `tgt_in` ids outside the target vocabulary, or positions past
-            `max_seq_len` or a row's cache (`validation.check_step_inputs`, `check_cache_step`).
+          `(logits [batch, T, tgt_vocab_size], cache)`, as `Decoder` (and raising as it does).
         """
         c = self.config
         check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, name="tgt_in")
@@ -243,7 +213,7 @@ class VanillaTransformer(nn.Module):
 
     @nn.nowrap
     def init_inputs(self) -> tuple[jax.Array, jax.Array]:
-        """The smallest `(src, tgt_in)` `init` accepts (the parameters depend on the config alone)."""
+        """The smallest `(src, tgt_in)` `init` accepts."""
         return jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32)
 
     @nn.nowrap
@@ -260,7 +230,7 @@ class VanillaTransformer(nn.Module):
 
     @nn.nowrap
     def init_cache(self, batch_size: int, capacity: int | None = None) -> KVCache:
-        """An empty cache for the decoder's self-attention (every head has its own K and V)."""
+        """An empty cache for the decoder's self-attention (every head its own K and V)."""
         c = self.config
         return KVCache.zeros(batch_size, capacity, n_layer=c.n_layer, n_kv_head=c.n_head, head_dim=c.head_dim,
                              max_seq_len=c.max_seq_len, dtype=c.cache_storage_dtype)

@@ -1,6 +1,5 @@
-"""Decoding: one front door (`generate`, `stream`) over three peer strategies, plain
-(greedy or sampling), beam search and speculative decoding (`PromptLookup`, `Draft`),
-written against the `jaxformer.decodable.Decodable` protocol both models implement."""
+"""Decoding: one front door (`generate`, `stream`) over three peer strategies (plain, beam
+search, speculative), written against the `Decodable` protocol; see docs/decoding.md."""
 
 from jaxformer.decodable import Decodable, DecodingSpec
 from jaxformer.decoding.beam import Beam, beam_search

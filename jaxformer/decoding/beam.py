@@ -1,21 +1,13 @@
 """Beam search over any step function and any cache pytree.
 
-Each source row keeps `num_beams` alive hypotheses. A step extends every alive beam by
-every token and ranks the extensions by log-probability. Those among the `num_beams` best
-that end in EOS join the row's finished pool, scored by `log p / length_norm(length, length_penalty)`;
-the `num_beams` best that do not end go on (looking at the `2 * num_beams` best is enough to
-find them). The caches follow their beams: every cache leaf with a batch axis is gathered
-with the beams' parent indices (`jax.tree.map`), so the search works for any model
-whose cache is a pytree with the batch first.
+Each row keeps `num_beams` alive hypotheses. A step ranks every alive beam's extensions by
+log-probability; those among the `num_beams` best that end in EOS join the row's finished
+pool, and the `num_beams` best that do not go on (the `2 * num_beams` best hold them). Every
+cache leaf with a batch axis follows its beams (`gather_beams`), so any pytree cache works.
 
-A row whose logits (any alive beam's) hold NaN or inf cannot be ranked: it stops there,
-its pools kept as they were, and returns its likeliest alive beam so far, then
-`NO_TOKEN` (`steps.pick`'s rule for one beam).
-
-The search stops when no alive beam can still beat the worst finished one. A beam's
-log-probability only falls as it grows, and with `length_penalty >= 0` the length norm is
-largest at the longest length, so `alive_logp / length_norm(max_len, length_penalty)` bounds any score
-an alive beam can reach.
+The search stops when no alive beam can beat the worst finished one: a log-probability
+only falls as the beam grows, and with `length_penalty >= 0` the norm is largest at the
+longest length, so `alive_logp / length_norm(max_len)` bounds what an alive beam can reach.
 """
 
 from __future__ import annotations
@@ -32,12 +24,12 @@ from jaxformer.decoding.steps import NO_TOKEN, finite_logits, prefill, step_fn
 
 
 class BeamState(NamedTuple):
-    """After the prefill of every beam.
+    """After the prefill of every beam (a row's beams adjacent, `batch * num_beams` rows).
 
     Attributes:
       context: the model's `decode_context` of the repeated prompts.
       logits: `[batch * num_beams, vocab]` after the prompt (a row's beams alike).
-      cache: the cache after the prefill, batch `batch * num_beams`, a row's beams adjacent.
+      cache: the cache after the prefill.
     """
 
     context: Any
@@ -47,11 +39,10 @@ class BeamState(NamedTuple):
 
 @struct.dataclass
 class Beam:
-    """Beam search with `request.num_beams` beams per row (`beam_search`): one program,
-    no rounds to stream (the best beam is known at the end only)."""
+    """Beam search with `request.num_beams` beams per row: one program, nothing to stream."""
 
     def start(self, model: Decodable, params, request: DecodeRequest, mesh=None) -> BeamState:
-        """Every row as `num_beams` adjacent rows, prefilled: one cache, one batch for all beams."""
+        """Every row as `num_beams` adjacent rows, prefilled in one batch."""
         return BeamState(*prefill(model, params, request.repeat_rows(request.num_beams), mesh))
 
     def round(self, model, params, request, state):
@@ -66,27 +57,13 @@ class Beam:
 
 
 def length_norm(length, length_penalty) -> jax.Array:
-    """GNMT's length normalisation `((5 + length) / 6) ** length_penalty` (Wu et al., 2016).
-
-    A finished beam's score is `log p / length_norm(length, length_penalty)`; a penalty
-    of 0 compares raw log-probabilities (favouring short outputs), a larger one favours
-    longer outputs.
-    """
+    """GNMT's length normalisation `((5 + length) / 6) ** length_penalty` (Wu et al., 2016)."""
     return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** length_penalty
 
 
 def gather_beams(tree, parents: jax.Array, num_beams: int):
-    """Reorders the beams of every `[batch * num_beams, ...]` leaf of `tree`.
-
-    Args:
-      tree: a pytree (a cache); leaves without a leading `batch * num_beams` axis (a
-        shared write position, say) are left as they are.
-      parents: int `[batch, num_beams]`, for each new beam the index of the beam it extends.
-      num_beams: beams per row.
-
-    Returns:
-      The tree with new beam j of row b taken from old beam `parents[b, j]` of row b.
-    """
+    """New beam j of row b from old beam `parents[b, j]` (int `[batch, num_beams]`), in every
+    `[batch * num_beams, ...]` leaf of `tree`; other leaves are left as they are."""
     batch = parents.shape[0]
     flat = (parents + num_beams * jnp.arange(batch)[:, None]).reshape(-1)  # [batch * num_beams]
 
@@ -102,28 +79,22 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
 
     Args:
       step: `(tokens [batch * num_beams, 1], cache) -> (logits [batch * num_beams, 1, vocab], cache)`.
-      logits: `[batch * num_beams, vocab]` next-token logits after the prompt (each row's
-        `num_beams` copies are identical).
-      cache: the cache after the prefill, batch `batch * num_beams`, beams of a row adjacent.
-      num_beams: beams per row (static).
-      max_new_tokens: tokens to generate (static).
-      eos_id: int32 `[n_eos]`, the ids that finish a beam; `[-1]` for none (then every beam
-        runs to `max_new_tokens` tokens).
-      pad_id: int32 scalar filling a finished beam after its EOS.
-      length_penalty: the length normalisation's exponent, >= 0 (a float32 scalar).
+      logits: `[batch * num_beams, vocab]` after the prompt (a row's copies identical).
+      cache: the cache after the prefill, a row's beams adjacent.
+      num_beams, max_new_tokens: static ints.
+      eos_id, pad_id, length_penalty: as `DecodeRequest` holds them.
 
     Returns:
-      `(tokens, score)`: tokens int32 `[batch, max_new_tokens]` of each row's best beam (padded
-      after its EOS); score `[batch]`, its `log p / length_norm(length, length_penalty)`. A row
-      whose logits held NaN or inf at step i: its likeliest alive beam's first i tokens, then
-      `NO_TOKEN`, then pad; score NaN.
+      `(tokens int32 [batch, max_new_tokens], score [batch])`: each row's best beam and its
+      `log p / length_norm(length)`. A row whose logits were not finite at step i: its
+      likeliest alive beam's first i tokens, `NO_TOKEN`, then pad; score NaN.
     """
     vocab = logits.shape[-1]
     batch = logits.shape[0] // num_beams
     neg_inf = jnp.float32(-jnp.inf)
 
     def select(i, logits, alive_logp, alive_tokens, done_tokens, done_score):
-        """Extends the alive beams by token i; returns the new pools and the parents."""
+        """Extends the alive beams by token i: the new pools and the parents."""
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(batch, num_beams, vocab)
         candidates = (alive_logp[:, :, None] + logp).reshape(batch, num_beams * vocab)
         top_logp, top_index = jax.lax.top_k(candidates, 2 * num_beams)  # [batch, 2 * num_beams]
@@ -148,8 +119,8 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
         return alive_logp, alive_tokens, done_tokens, done_score, parents, last
 
     def extend(i, logits, pools, failed_at):
-        """`select`, but a row whose logits hold NaN or inf (any beam's) keeps its pools and
-        records step i in `failed_at` (`[batch]`, -1 while its logits are finite)."""
+        """`select`, but a row whose logits are not finite keeps its pools; `failed_at` `[batch]`
+        records its step (-1 while finite)."""
         *new_pools, parents, last = select(i, logits, *pools)
         stopped = (failed_at >= 0) | ~finite_logits(logits.reshape(batch, num_beams * vocab))  # [batch]
         pools = [jnp.where(stopped.reshape(-1, *[1] * (new.ndim - 1)), old, new) for new, old in zip(new_pools, pools)]

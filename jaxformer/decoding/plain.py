@@ -1,10 +1,4 @@
-"""Plain decoding: greedy or sampled, one token per pass of the model.
-
-The strategy speaks to the model only through the `Decodable` protocol and to the
-front door (`front_door`) through the strategy's three methods, `start`, `round` and
-`finish` (the rules are stated there). The sampling settings are traced arrays, so a new
-temperature or top-k reuses the compiled loop.
-"""
+"""Plain decoding: greedy or sampled, one token per pass of the model."""
 
 from __future__ import annotations
 
@@ -24,10 +18,10 @@ class PlainState(NamedTuple):
 
     Attributes:
       context: the model's `decode_context`.
-      token: `[batch]` the last token picked, not yet in the cache.
+      token: `[batch]`, the last token picked, not yet in the cache.
       cache: the cache, holding everything before `token`.
-      done: `[batch]` bool, rows that have produced EOS (or `NO_TOKEN`).
-      n: int32 scalar, new tokens picked so far (`token` is new token `n - 1`).
+      done: bool `[batch]`, rows that have produced EOS (or `NO_TOKEN`).
+      n: int32 scalar, new tokens picked so far.
     """
 
     context: Any
@@ -53,10 +47,8 @@ class Plain:
         return PlainState(state.context, token, cache, done, state.n + 1), token[:, None], jnp.ones((), jnp.int32)
 
     def finish(self, model: Decodable, params, request: DecodeRequest, state: PlainState):
-        """From `state`: a `while_loop` of `round`s that stops at `max_new_tokens` or once
-        every row is done. Returns `(tokens [batch, max_new_tokens], None)`: the rows' new
-        tokens from token 0 (`pad_id` after a row's EOS, and after the `NO_TOKEN` of a row
-        whose logits held NaN or inf), and no figures."""
+        """From `state`, `round`s until `max_new_tokens` or every row done: `(tokens [batch,
+        max_new_tokens], None)`, token 0 first, `pad_id` after a row's stop."""
         max_new_tokens = request.max_new_tokens
         tokens = jnp.full((request.prompt.shape[0], max_new_tokens), request.pad_id, jnp.int32)
         tokens = jax.lax.dynamic_update_slice(tokens, state.token[:, None], (0, state.n - 1))  # [batch, max_new]

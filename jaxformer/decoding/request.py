@@ -1,8 +1,7 @@
 """A decoding run's inputs, checked once on the host before anything is traced.
 
-`DecodeRequest.create` is the one place that checks `generate`'s and `stream`'s
-arguments (raising `ValueError`s that name the argument and the limit), that refuses a
-prefill the memory free cannot hold, and that reads a ragged batch's row lengths.
+`DecodeRequest.create` is the one place that checks `generate`'s and `stream`'s arguments,
+refuses a prefill the free memory cannot hold, and reads a ragged batch's row lengths.
 """
 
 from __future__ import annotations
@@ -30,36 +29,23 @@ def _option(default=dataclasses.MISSING, help: str = "", flag_type=None):
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """A decoding run's options, declared once: `generate`'s and `stream`'s keywords (and
-    `DecodeRequest.create`'s), and, for the fields with a `flag_type`, the text command
-    line's flags (`jaxformer.text.generate` builds them from `FLAGS` and checks them with
-    `check`). Each rule that needs no model is stated in `check`.
+    """A decoding run's options, declared once: `generate`'s, `stream`'s and
+    `DecodeRequest.create`'s keywords, and (the fields with a `flag_type`) the text command's
+    flags. `check` states each rule that needs no model; docs/decoding.md explains them.
 
     Attributes:
-      max_new_tokens: tokens to generate, >= 1 (required). The decoder's prompt plus the
-        new tokens must fit `config.max_seq_len`.
-      key: PRNG key (`jax.random.key(seed)`); required when a temperature is > 0. The same
-        key gives the same tokens.
-      temperature: 0 for greedy argmax, > 0 to sample from `softmax(logits / temperature)`.
-        A scalar, or one value per row (as are `top_k` and `top_p`).
-      top_k: sample only among the k most likely tokens, `1 <= top_k <= vocab`; None keeps
-        them all.
-      top_p: nucleus sampling: only among the most likely tokens whose probability adds up
-        to `top_p`, in `(0, 1]`; None (or 1) keeps them all.
-      eos_id: a row that produces it is finished: it emits `pad_id` afterwards, and the
-        loop stops once every row is finished. A sequence of ids stops at any of them
-        (Llama 3 checkpoints name several). None never stops early.
-      pad_id: filler after EOS; defaults to the model's padding id (the encoder-decoder's
-        `config.pad_id`), else 0.
-      bos_id: the encoder-decoder's first decoder token (required for it, unused otherwise).
-      prompt_lengths: decoder-only: each row's prompt length, `1 .. prompt_len`, for a
-        batch of prompts of different lengths, right-padded (what follows a row's length
-        is ignored). Each row then decodes as it would alone. None: every row is full.
-      num_beams: `generate` only: 1 decodes greedily or samples; > 1 runs beam search
-        (deterministic: the temperature must be 0, top-k and top-p unset) and returns
-        each row's best beam.
-      length_penalty: beam search's exponent in `((5 + length) / 6) ** length_penalty`,
-        >= 0; a finished beam scores `log p / that`. 0 compares raw log-probabilities.
+      max_new_tokens: tokens to generate, >= 1 (required).
+      key: PRNG key; required when a temperature is > 0.
+      temperature: 0 for greedy argmax, > 0 to sample; a scalar or one per row, as
+        `top_k` and `top_p`.
+      top_k: sample among the k likeliest tokens, `1 <= top_k <= vocab`; None: all.
+      top_p: nucleus sampling's mass, in `(0, 1]`; None (or 1): all.
+      eos_id: an id or a sequence of ids that finish a row; None never stops early.
+      pad_id: filler after EOS; defaults to the model's padding id.
+      bos_id: the encoder-decoder's first decoder token (required for it).
+      prompt_lengths: decoder-only: each row's length in a right-padded batch, `1 .. prompt_len`.
+      num_beams: `generate` only: > 1 runs beam search (temperature 0, top-k and top-p unset).
+      length_penalty: beam search's exponent, >= 0 (0 compares raw log-probabilities).
     """
 
     max_new_tokens: int = _option(help="tokens to generate after each prompt", flag_type=int)
@@ -77,17 +63,9 @@ class DecodeOptions:
                                     float)
 
     def check(self, vocab_size: int | None = None, names: dict[str, str] | None = None) -> None:
-        """Raises unless the options that need no model are within their rules.
-
-        Args:
-          vocab_size: the model's, to check `top_k` against; None when not known yet (a
-            command line before its checkpoint is read).
-          names: how the caller names each field (a command line's flags), for the
-            messages; a field not in it is named as it is.
-
-        Raises:
-          ValueError: naming the option and its rule.
-        """
+        """Raises `ValueError`, naming the option and its rule, unless the options that need no model
+        hold; `vocab_size` (for `top_k`) may be None, not known yet; `names` are the caller's own
+        for the fields (a command line's flags)."""
         def name(field: str) -> str:
             return (names or {}).get(field, field)
 
@@ -114,14 +92,14 @@ FLAGS = tuple(field for field in dataclasses.fields(DecodeOptions) if field.meta
 
 @struct.dataclass
 class DecodeRequest:
-    """One decoding run, checked: arrays (traced, so new values reuse the compiled loop)
-    and the two sizes that shape the program (static).
+    """One decoding run, checked: arrays (traced, so new values reuse the compiled loop) and the
+    two sizes that shape the program (static).
 
     Attributes:
       prompt: int32 `[batch, prompt_len]`, each row's tokens from the left, 0 past its length.
       decoder_prompt: int32 `[batch, P]`, the decoder's first input (`Decodable.decoder_prompt`).
-      lengths: int32 `[batch]`, each row's real tokens in `decoder_prompt` (`P` when full):
-        its cache position after the prefill, and where its first new token is read.
+      lengths: int32 `[batch]`, each row's real tokens in `decoder_prompt`: its cache position
+        after the prefill.
       sampling: each row's `Sampling` settings.
       key: the PRNG key; step i samples with `fold_in(key, i)`.
       eos_id: int32 `[n_eos]`, the ids that finish a row (`[-1]` for none).
@@ -144,20 +122,10 @@ class DecodeRequest:
 
     @classmethod
     def create(cls, model: Decodable, prompt, **options) -> "DecodeRequest":
-        """Checks a run's options (`DecodeOptions`' fields, as keywords) against
-        `model.decoding_spec()`.
-
-        Integral arguments may be numpy ints and numbers numpy floats: they are read as
-        Python numbers, so `max_new_tokens=np.int64(3)` reuses the program compiled for 3.
-
-        Returns:
-          The `DecodeRequest`.
-
-        Raises:
-          TypeError: a keyword `DecodeOptions` does not have, or no `max_new_tokens`.
-          ValueError: naming the argument and its limit; or a prefill that needs more
-            memory than is free (`check_prefill_memory`), naming the prompt length.
-        """
+        """Checks a run's options (`DecodeOptions`' fields, as keywords) against `model.decoding_spec()`:
+        `TypeError` for an unknown keyword or no `max_new_tokens`, `ValueError` naming the
+        argument and its limit (or the memory). Numbers are read as docs/architecture.md's
+        "Checked inputs" says, so `max_new_tokens=np.int64(3)` reuses the program built for 3."""
         o = DecodeOptions(**options)
         spec = model.decoding_spec()
         prompt, lengths = _checked_prompt(prompt, o.prompt_lengths, spec.prompt_vocab_size, spec.ragged_prompts)
@@ -207,8 +175,8 @@ def _unused_key() -> jax.Array:
 
 
 def _checked_prompt(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Checks the prompt; returns it int32 with 0 past each row's length (what follows a
-    row's length is ignored, so need not be an id), and each row's length."""
+    """The prompt checked, int32 with 0 past each row's length (what follows need not be an
+    id), and each row's length."""
     prompt = np.asarray(prompt)
     check_token_layout(prompt, "prompt")
     if prompt.shape[0] < 1 or prompt.shape[1] < 1:
@@ -229,18 +197,8 @@ def _checked_prompt(prompt, prompt_lengths, vocab_size: int, ragged: bool) -> tu
 
 
 def check_prefill_memory(spec: DecodingSpec, batch: int, prompt_len: int, capacity: int) -> None:
-    """Refuses a prefill that cannot fit in the memory free (`jaxformer.memory.check_fits`),
-    for a model that estimates its prefill (`DecodingSpec.prefill_bytes`).
-
-    Args:
-      spec: the model's `decoding_spec()`.
-      batch: rows, every beam of every prompt.
-      prompt_len: the decoder's prompt length, fed in one call.
-      capacity: the cache's positions.
-
-    Raises:
-      ValueError: naming the prompt length, the rows, the cache, what it needs and what is free.
-    """
+    """Refuses a prefill of `batch` rows (every beam) of `prompt_len` tokens into a cache of
+    `capacity` positions that the free memory cannot hold, for a model that estimates it."""
     if spec.prefill_bytes is None:
         return
     check_fits(spec.prefill_bytes(batch, prompt_len, capacity),
@@ -249,8 +207,7 @@ def check_prefill_memory(spec: DecodingSpec, batch: int, prompt_len: int, capaci
 
 
 def _eos_ids(eos_id, token_id) -> list[int]:
-    """`eos_id` (None, an id, or a sequence of ids) as a non-empty list of checked ids;
-    `[-1]`, which no token equals, for none."""
+    """`eos_id` (None, an id, or ids) as a non-empty list of checked ids; `[-1]`, no token, for none."""
     if eos_id is None:
         return [-1]
     if np.ndim(eos_id) == 0:

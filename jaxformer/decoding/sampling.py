@@ -1,8 +1,9 @@
 """The sampling rule: how each row picks its next token from its logits.
 
-`check_temperature`, `check_top_k` and `check_top_p` are the one statement of each
-knob's valid range: `Sampling.create` calls them, and so can a command line, naming its
-own flag (`check_top_p(args.top_p, name="--top-p")`).
+`check_temperature`, `check_top_k` and `check_top_p` state each knob's range once:
+`Sampling.create` calls them, and so can a command line, naming its own flag
+(`check_top_p(args.top_p, name="--top-p")`). Each returns its value as a numpy array of
+its own shape (None stays None) and raises `ValueError` naming `name` and the range.
 """
 
 from __future__ import annotations
@@ -16,18 +17,7 @@ from jaxformer.validation import numbers_array, per_row
 
 
 def check_temperature(value, *, name: str = "temperature") -> np.ndarray:
-    """Raises unless `value`, a scalar or one value per row, is finite and >= 0.
-
-    Args:
-      value: 0 for greedy decoding, > 0 to sample.
-      name: the argument's name (or flag), for the message.
-
-    Returns:
-      `value` as a float32 numpy array of its own shape.
-
-    Raises:
-      ValueError: `value` is not a number, or negative, NaN or infinite.
-    """
+    """Raises unless `value`, a scalar or one per row, is finite and >= 0; float32."""
     temperature = numbers_array(value, name, np.float32)
     if not np.all(np.isfinite(temperature) & (temperature >= 0)):
         raise ValueError(f"{name} must be >= 0 and finite (got {np.asarray(value).tolist()})")
@@ -35,20 +25,8 @@ def check_temperature(value, *, name: str = "temperature") -> np.ndarray:
 
 
 def check_top_k(value, vocab_size: int | None, *, name: str = "top_k") -> np.ndarray | None:
-    """Raises unless `value`, a scalar or one value per row, is None or an int in `[1, vocab_size]`.
-
-    Args:
-      value: how many of the most likely tokens to sample among; None keeps them all.
-      vocab_size: the largest `value` allowed; None when it is not known yet (a command
-        line before its model is built), then only `>= 1` is checked.
-      name: the argument's name (or flag), for the message.
-
-    Returns:
-      `value` as an int32 numpy array of its own shape, or None.
-
-    Raises:
-      ValueError: `value` is not an int, or outside the range.
-    """
+    """Raises unless `value`, a scalar or one per row, is None or an int in `[1, vocab_size]`; int32.
+    A `vocab_size` of None (not known yet: a command line before its model) checks `>= 1` only."""
     if value is None:
         return None
     top_k = numbers_array(value, name, np.float64)  # whole floats (2.0) are ints here
@@ -60,18 +38,7 @@ def check_top_k(value, vocab_size: int | None, *, name: str = "top_k") -> np.nda
 
 
 def check_top_p(value, *, name: str = "top_p") -> np.ndarray | None:
-    """Raises unless `value`, a scalar or one value per row, is None or in `(0, 1]`.
-
-    Args:
-      value: the nucleus's probability mass; None (or 1) keeps every token.
-      name: the argument's name (or flag), for the message.
-
-    Returns:
-      `value` as a float32 numpy array of its own shape, or None.
-
-    Raises:
-      ValueError: `value` is not a number, or outside `(0, 1]` (NaN included).
-    """
+    """Raises unless `value`, a scalar or one per row, is None or in `(0, 1]`; float32."""
     if value is None:
         return None
     top_p = numbers_array(value, name, np.float32)
@@ -84,21 +51,17 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
                  top_p: jax.Array) -> jax.Array:
     """Picks one token per row: greedy, or sampled after temperature, top-k and top-p.
 
-    Every knob is a traced array, one value per row, so new values never recompile.
-    The filters run in the order HF transformers uses: scale by the temperature, keep
-    the k largest logits, then keep the smallest set of those whose probability
-    (renormalised among them) reaches p, and sample from what is left.
+    The filters run in HF transformers' order: scale by the temperature, keep the k largest
+    logits, then the smallest set of those whose probability (renormalised) reaches p; ties
+    with the last one kept are kept.
 
     Args:
-      logits: `[batch, vocab]` next-token logits.
-      key: PRNG key for this step.
-      temperature: `[batch]`; 0 takes the argmax for that row, > 0 samples from
-        `softmax(logits / temperature)`.
-      top_k: int `[batch]` in `[1, vocab]`; `vocab` keeps every token.
-      top_p: `[batch]` in `(0, 1]`; 1 keeps every token.
+      logits: `[batch, vocab]`; key: this step's PRNG key.
+      temperature: `[batch]`; 0 takes the row's argmax.
+      top_k: int `[batch]` in `[1, vocab]`; top_p: `[batch]` in `(0, 1]` (`vocab`, 1: all).
 
     Returns:
-      `[batch]` int32 token ids. Tokens tied with the last one kept are kept too.
+      int32 `[batch]` token ids.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
 
@@ -111,18 +74,8 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
 
 
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """The logits `sample_token` samples from: scaled by the temperature, -inf outside the
-    top k and the nucleus (see there). `softmax` of them is each sampling row's
-    distribution.
-
-    Args:
-      logits: `[..., batch, vocab]`.
-      temperature, top_k, top_p: `[batch]`, as `sample_token` takes them (a row at
-        temperature 0 is scaled by 1).
-
-    Returns:
-      float32 `[..., batch, vocab]`.
-    """
+    """float32 `[..., batch, vocab]`: the logits `sample_token` samples from, scaled by the
+    temperature (1 for a greedy row), -inf outside the top k and the nucleus."""
     scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     ranked = -jnp.sort(-scaled, axis=-1)  # [..., batch, vocab], largest first
     rank = jnp.arange(scaled.shape[-1])  # [vocab]
@@ -139,13 +92,8 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
 
 @struct.dataclass
 class Sampling:
-    """Each row's sampling settings, as arrays: new values reuse the compiled loop.
-
-    Attributes:
-      temperature: `[batch]` float32, 0 for greedy.
-      top_k: `[batch]` int32 in `[1, vocab]`.
-      top_p: `[batch]` float32 in `(0, 1]`.
-    """
+    """Each row's settings as `[batch]` arrays in the ranges the checks above state (temperature
+    float32, 0 greedy; top_k int32; top_p float32): new values reuse the compiled loop."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -153,14 +101,7 @@ class Sampling:
 
     @classmethod
     def create(cls, batch: int, vocab_size: int, temperature=0.0, top_k=None, top_p=None) -> "Sampling":
-        """Checks the settings on the host: each a scalar or one value per row.
-
-        `top_k=None` keeps every token, as does `top_p=None` (or 1).
-
-        Raises:
-          ValueError: naming the setting and its range (`check_temperature`,
-            `check_top_k`, `check_top_p`), or a per-row setting of the wrong length.
-        """
+        """Checks the settings on the host (a scalar or one per row); None keeps every token."""
         temperature = per_row(check_temperature(temperature), batch, "temperature", np.float32)
         top_k = check_top_k(top_k, vocab_size)
         top_k = per_row(vocab_size if top_k is None else top_k, batch, "top_k", np.int32)

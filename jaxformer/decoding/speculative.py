@@ -1,35 +1,12 @@
 """Speculative decoding: several tokens per pass of the model, the tokens it would give.
 
-At batch 1 a decode step reads every weight to make one token: its speed is set by
-memory bandwidth. Here each round proposes `k` tokens cheaply, then one pass of the
-model over `k + 1` positions (the last token and the proposals) scores them all, and the
-round keeps the longest prefix of proposals the model agrees with, plus the model's own
-next token after it: between 1 and `k + 1` tokens per pass of the weights.
-
-Two proposers share the mechanism:
-
-- `PromptLookup(k, n)`: the `k` tokens that followed the most recent earlier occurrence
-  of the context's last `n` tokens (or fewer, where those did not occur), in the prompt
-  and generated text: no second model;
-- `Draft(model, params, k)`: a smaller `Decoder` over the same vocabulary, with a cache
-  of its own, stepping `k` tokens ahead.
-
-Which proposals are kept: a proposal `d` that a proposer drew with probability `q(d)` is
-accepted with probability `min(1, p(d) / q(d))`, `p` the model's distribution (after
-temperature, top-k and top-p, as plain sampling uses it). At the first rejection the
-token is drawn from `max(p - q, 0)` renormalised; after `k` acceptances, from `p`.
-Each token then has distribution `p` exactly (speculative sampling: Leviathan et al.
-2023, Chen et al. 2023). At temperature 0 both `p` and the proposers' `q` are one-hot,
-so the rule is "keep while the proposal is the argmax": greedy decoding's tokens.
-
-Each row advances by its own accepted length plus one: the cache keeps one position per
-row (`KVCache.pos`), so after a round row b's `pos` moves on by what row b kept, and a
-row that accepts everything is never held back by one that accepts nothing. Rejected
-slots of the cache need no undoing: `pos` is set back past them, the slots past it are
-never attended to and are written over later. A row that is finished (EOS, or
-`max_new_tokens` made) is parked: its `pos` goes to 0, so the windows it is still fed
-(the batch keeps its shape) land in slots it no longer needs and never past the capacity.
-Everything runs in one `jit` with fixed shapes: accepting or rejecting never recompiles.
+Each round proposes `k` tokens cheaply, one pass of the model over the last token and the
+proposals scores them all, and each row keeps the proposals the model agrees with, up to
+the first it does not, plus the model's own next token. A proposal `d` drawn with
+probability `q(d)` is kept with probability `min(1, p(d) / q(d))`, and at the first one
+rejected the token is drawn from `max(p - q, 0)` renormalised, so each token has the
+model's distribution `p` (at temperature 0: greedy decoding's tokens). docs/decoding.md
+("Speculative decoding") says why it is faster, when it is not, and how rows advance.
 """
 
 from __future__ import annotations
@@ -50,11 +27,8 @@ from jaxformer.validation import as_int
 
 @dataclasses.dataclass(frozen=True)
 class PromptLookup:
-    """Proposes the continuation of the most recent earlier occurrence of the last `n` tokens.
-
-    Where the last `n` tokens did not occur before, the last `n - 1` are looked up, and so
-    on down to the last token alone (so the first token after a prompt that ends in a
-    separator, say, still finds its continuation).
+    """Proposes what followed the most recent earlier occurrence of the last `n` tokens (or of
+    fewer, down to the last token alone, where those did not occur).
 
     Attributes:
       k: tokens proposed per round, >= 1.
@@ -71,14 +45,10 @@ class PromptLookup:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Draft:
-    """Proposes the tokens a smaller decoder-only model (the draft) decodes.
-
-    The draft samples with the run's own temperature, top-k and top-p (greedy at 0), one
-    token at a time from its own KV cache.
+    """Proposes what a smaller model (the draft) decodes with the run's sampling, from its own cache.
 
     Attributes:
-      model: a model that speculative decoding may drive (`DecodingSpec.supports_speculative`,
-        as `Decoder`) over the same vocabulary as the model decoded.
+      model: a model with `DecodingSpec.supports_speculative` (a `Decoder`), the same vocabulary.
       params: its parameters.
       k: tokens proposed per round, >= 1.
     """
@@ -92,15 +62,9 @@ class Draft:
 
 
 class Stats(NamedTuple):
-    """What a speculative run did (device scalars).
-
-    Attributes:
-      rounds: passes of the model after the prompt's (one per round).
-      proposed: proposals scored by unfinished rows.
-      accepted: proposals those rows' model accepted.
-      row_rounds: rounds summed over the rows that took part (unfinished rows).
-      kept: tokens those rows kept, summed (each row keeps its own accepted + 1).
-    """
+    """What a speculative run did (device scalars), over the rows still unfinished: `rounds`
+    (passes of the model after the prompt's), proposals `proposed` and `accepted`,
+    `row_rounds` (rounds summed over rows) and `kept` (tokens, each row its accepted + 1)."""
 
     rounds: jax.Array
     proposed: jax.Array
@@ -110,20 +74,19 @@ class Stats(NamedTuple):
 
 
 class State(NamedTuple):
-    """Between two rounds (a pytree: `stream` carries it from one jitted round to the next).
+    """Between two rounds (a pytree, carried by `stream` from one jitted round to the next).
 
     Attributes:
-      n: int32 `[batch]`, new tokens each row has made so far.
-      token: `[batch]` each row's last new token, not yet in the caches.
+      n: int32 `[batch]`, new tokens each row has made.
+      token: `[batch]`, each row's last new token, not yet in the caches.
       context: the model's `decode_context`.
-      cache: the model's cache: row b holds everything before its `token` (`pos[b] =
-        lengths[b] + n[b] - 1`), or is parked (`pos[b] = 0`) once finished.
-      draft_context, draft_cache: the draft's, alike; None for prompt lookup.
-      done: `[batch]` bool, rows that have emitted EOS (or `NO_TOKEN`).
-      sequence: `[batch, prompt_len + max_new_tokens]` int32: row b's prompt (its
-        `lengths[b]` tokens), then its new tokens, pad after them.
-      emitted: int32 scalar, the new-token columns complete in every row at the last
-        round (what `stream` has handed out).
+      cache: the model's cache, row b holding everything before its `token` (`pos[b] =
+        lengths[b] + n[b] - 1`), or parked at `pos[b] = 0` once finished.
+      draft_context, draft_cache: the draft's alike; None for prompt lookup.
+      done: bool `[batch]`, rows that have emitted EOS (or `NO_TOKEN`).
+      sequence: int32 `[batch, prompt_len + max_new_tokens]`: row b's `lengths[b]` prompt
+        tokens, its new tokens, then pad.
+      emitted: int32 scalar, the new-token columns complete in every row (what `stream` handed out).
       stats: the run's `Stats` so far.
     """
 
@@ -148,8 +111,8 @@ class _DraftSpec:
 
 
 def _log_probs(logits: jax.Array, request: DecodeRequest) -> jax.Array:
-    """Each row's distribution over its `[batch, ..., vocab]` logits, as log-probabilities:
-    plain sampling's for a sampling row, one-hot on the argmax for a greedy one."""
+    """Log-probabilities over `[batch, ..., vocab]` logits: plain sampling's distribution for a
+    sampling row, one-hot on the argmax for a greedy one."""
     s = request.sampling
     moved = jnp.moveaxis(logits, 0, -2)  # [..., batch, vocab]: the layout filtered_logits reads
     greedy = jnp.where(jax.nn.one_hot(jnp.argmax(moved, axis=-1), moved.shape[-1]) > 0, 0.0, -jnp.inf)
@@ -163,8 +126,8 @@ def _log_probs(logits: jax.Array, request: DecodeRequest) -> jax.Array:
 
 
 def _lookup(sequence: jax.Array, length: jax.Array, k: int, n: int) -> jax.Array:
-    """Prompt lookup: `[batch, k]` tokens that followed the most recent earlier occurrence
-    of each row's last `j` tokens, `j` the longest up to `n` that occurred before.
+    """Prompt lookup: `[batch, k]` tokens that followed the latest earlier occurrence of each
+    row's last `j` tokens, `j` the longest up to `n` that occurred.
 
     Args:
       sequence: `[batch, L]`, row b's context in slots `0 .. length[b] - 1`.
@@ -192,10 +155,9 @@ def _lookup(sequence: jax.Array, length: jax.Array, k: int, n: int) -> jax.Array
 
 
 def _draft_proposals(draft: _DraftSpec, draft_params, request: DecodeRequest, token, context, draft_cache, key):
-    """The draft's `k` tokens after `token`, their log-probabilities under the draft
-    `[batch, k, vocab]`, and its cache with `token` and the `k` tokens written (k + 1 steps:
-    the last only writes the k-th token's K/V, so that a round that accepts all k finds
-    them cached)."""
+    """The draft's `k` tokens after `token`, their log-probabilities `[batch, k, vocab]`, and its
+    cache. It takes k + 1 steps: the last writes the k-th token's K/V, so that a round that
+    accepts all k finds them cached."""
     batch, k = token.shape[0], draft.k
 
     def step(i, carry):
@@ -218,14 +180,11 @@ def _verify(logits, proposals, log_q, request: DecodeRequest, key):
     Args:
       logits: `[batch, k + 1, vocab]`, the model's after the last token and each proposal.
       proposals: `[batch, k]`.
-      log_q: `[batch, k, vocab]` the proposer's log-probabilities; None for a proposer
-        that is certain (prompt lookup: q is one-hot on the proposal).
+      log_q: `[batch, k, vocab]`, the proposer's; None for prompt lookup (q one-hot).
 
     Returns:
-      `(accepted [batch], tokens [batch, k + 1])`: how many leading proposals each row
-      accepted, and its tokens: the accepted proposals, then a token drawn from the
-      residual (or, after k acceptances, from p), or `NO_TOKEN` where the logits it is
-      drawn from hold NaN or inf; past that, unused.
+      `(accepted [batch], tokens [batch, k + 1])`: the leading proposals accepted, then a token
+      drawn from the residual (from p after k), `NO_TOKEN` where its logits are not finite.
     """
     batch, k = proposals.shape
     vocab = logits.shape[-1]
@@ -285,14 +244,8 @@ class Speculative:
                      stats=Stats(zero, zero, zero, zero, zero))
 
     def round(self, model: Decodable, params, request: DecodeRequest, state: State):
-        """One round: propose k, score them in one pass, each row keeps its agreed prefix and one more.
-
-        Returns:
-          `(state, tokens, count)`: the state after the round; `[batch, max_new_tokens]`
-          new tokens from column `state.emitted` on, of which the first `count` (an int32
-          scalar) are now complete in every row (a row that is done holds pad after its
-          EOS; once every row is finished, up to the longest one).
-        """
+        """One round: `(state, tokens [batch, max_new_tokens], count)`, the new tokens from column
+        `state.emitted` on, the first `count` complete in every row."""
         k, max_new = self.proposer.k, request.max_new_tokens
         lengths = jnp.asarray(request.lengths)
         length = lengths + state.n  # [batch], slots of `sequence` each row has filled
@@ -354,17 +307,12 @@ class Speculative:
 
 
 def plan(model: Decodable, request: DecodeRequest, speculative) -> Speculative | None:
-    """Checks a `PromptLookup` or `Draft` against the model and the run, on the host.
-
-    The proposals of the last round must fit `max_seq_len` (the model's and the draft's):
-    `k` shrinks to fit, and where not even one fits the run is plain decoding.
-
-    Returns:
-      The `Speculative` strategy (k fitted), or None for plain decoding.
+    """The `Speculative` strategy with `k` shrunk so the last round fits `max_seq_len` (the
+    model's and the draft's), or None (plain decoding) where not one proposal fits.
 
     Raises:
-      ValueError: naming what does not fit (a model speculative decoding cannot drive,
-        beam search, a draft of another vocabulary or shorter `max_seq_len`).
+      ValueError: a model that cannot be driven, beam search, a draft of another vocabulary
+        or a shorter `max_seq_len`.
     """
     if not isinstance(speculative, (PromptLookup, Draft)):
         raise ValueError(f"speculative must be a PromptLookup or a Draft (got {type(speculative).__name__})")

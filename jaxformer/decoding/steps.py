@@ -1,14 +1,6 @@
-"""What every decoding strategy shares: the model's step, the prompt's prefill, picking
-each row's token (`plain`'s steps, `speculative`'s first token), and the stop of a row
-whose logits hold NaN or inf (beam search's too).
-
-Logits with a NaN or an inf have no token to pick: argmax and sampling would return an
-arbitrary id (NaN compares false, so often 0, many tokenizers' EOS), a completion that
-looks legitimate. Such a row gets `NO_TOKEN` at that step instead and is done, like a
-row at EOS; inside the loop this is one reduction over the vocabulary per row and step.
-`generate` and `stream` read it on the host with the tokens and raise
-`NonFiniteLogitsError`.
-"""
+"""What every decoding strategy shares: the model's step, the prompt's prefill, picking each
+row's token, and the stop of a row whose logits are not finite (docs/decoding.md,
+"Non-finite logits", says why such a row gets `NO_TOKEN` rather than a token)."""
 
 from __future__ import annotations
 
@@ -29,19 +21,12 @@ def step_fn(model: Decodable, params, context) -> Callable:
 
 
 def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_capacity: int = 0):
-    """Runs the decoder's whole prompt through the model once.
+    """`(context, logits [batch, vocab], cache)`: the decoder's whole prompt run once, the logits
+    at each row's last real position.
 
-    Every row's `P` tokens go in at slots `0 .. P - 1`; then row b's `pos` is set back to
-    its length: a shorter row's padding slots are never read (a query reads the slots up
-    to its own position) and its next tokens overwrite them.
-
-    Args:
-      extra_capacity: cache slots beyond the run's own (a speculative round writes k
-        proposals past the last token it keeps).
-
-    Returns:
-      `(context, logits, cache)`: the step's context, logits `[batch, vocab]` at each
-      row's last prompt position, and the cache holding the prompt.
+    Every row's `P` tokens go in at slots `0 .. P - 1`, then row b's `pos` is set back to its
+    length: a shorter row's padding is never read, and its next tokens overwrite it.
+    `extra_capacity` adds slots (a speculative round writes k proposals past what it keeps).
     """
     context = model.apply({"params": params}, request.prompt, method="decode_context")
     # Capacity: the prompt plus every new token but the last (which is never fed back).
@@ -60,8 +45,7 @@ NO_TOKEN = -1
 
 
 def finite_logits(logits: jax.Array) -> jax.Array:
-    """Whether a token can be picked from each distribution of `logits` `[..., vocab]`:
-    `[...]` bool, False where any logit is NaN or +-inf."""
+    """`[...]` bool: whether a token can be picked from each of `logits` `[..., vocab]`."""
     return jnp.all(jnp.isfinite(logits), axis=-1)
 
 
@@ -71,9 +55,8 @@ def stops(token: jax.Array, eos_id: jax.Array) -> jax.Array:
 
 
 def pick(request: DecodeRequest, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Token `i` of each row from `logits` `[batch, vocab]`: sampled with `fold_in(key, i)`;
-    `NO_TOKEN` where the row's logits hold NaN or inf, `pad_id` for rows already done;
-    and the rows done after it."""
+    """Token `i` of each row from `logits` `[batch, vocab]` (sampled with `fold_in(key, i)`;
+    `NO_TOKEN` where not finite, `pad_id` where done), and the rows done after it."""
     token = request.sampling.pick(logits, jax.random.fold_in(request.key, i))
     token = jnp.where(finite_logits(logits), token, NO_TOKEN)  # [batch]
     token = jnp.where(done, request.pad_id, token)
@@ -88,8 +71,7 @@ def first_token(model: Decodable, params, request: DecodeRequest, mesh=None, ext
 
 
 def as_given(out: jax.Array, prompt, options: dict) -> jax.Array:
-    """`out` with the prompt as the caller gave it (a ragged batch's padding, which the
-    request holds as 0)."""
+    """`out` with the prompt as the caller gave it (a ragged batch's padding, held as 0)."""
     if options.get("prompt_lengths") is None:
         return out
     return out.at[:, :np.shape(prompt)[1]].set(jnp.asarray(prompt))
@@ -98,17 +80,11 @@ def as_given(out: jax.Array, prompt, options: dict) -> jax.Array:
 class NonFiniteLogitsError(ValueError):
     """Rows stopped because their logits held NaN or inf: no token could be picked.
 
-    Raised by `generate` and `stream` (and `speculative_generate`) once the run's tokens
-    are on the host.
-
     Attributes:
       rows: the rows that stopped so, in order.
-      steps: for each of `rows`, the index of the new token its logits failed at (0: the
-        first token after the prompt).
-      tokens: int32 numpy, what the run made: `generate`'s output `[batch, P +
-        max_new_tokens]`, or `stream`'s steps so far `[batch, steps]`. A row that stopped
-        holds `pad_id` from its step on; the other rows hold their output, decoded on past
-        the stopped ones.
+      steps: for each of `rows`, the index of the new token its logits failed at.
+      tokens: int32 numpy, what the run made (`generate`'s output, or `stream`'s steps so
+        far `[batch, steps]`), a stopped row holding `pad_id` from its step on.
     """
 
     CAUSE = ("the logits held NaN or inf, so no token could be picked: the parameters hold NaN or inf (a diverged or "
@@ -122,17 +98,8 @@ class NonFiniteLogitsError(ValueError):
 
 
 def check_picked(tokens, new: int, pad_id) -> None:
-    """Raises where a row of `tokens` got `NO_TOKEN` (read on the host).
-
-    Args:
-      tokens: int `[batch, L]`, its last `new` columns the new tokens (the columns before,
-        the prompt as given, may hold any filler).
-      new: how many columns are new tokens.
-      pad_id: what a stopped row holds from its `NO_TOKEN` on, in the error's `tokens`.
-
-    Raises:
-      NonFiniteLogitsError: naming the rows and steps.
-    """
+    """Raises `NonFiniteLogitsError` where the last `new` columns of `tokens` `[batch, L]` hold a
+    `NO_TOKEN`; the error's `tokens` hold `pad_id` from there on."""
     host = np.asarray(tokens)  # [batch, L]
     marked = host[:, host.shape[1] - new:] == NO_TOKEN  # [batch, new]
     if not marked.any():
@@ -144,8 +111,7 @@ def check_picked(tokens, new: int, pad_id) -> None:
 
 
 def checked_steps(steps: Iterator[np.ndarray], pad_id) -> Iterator[np.ndarray]:
-    """`steps`' tokens (int32 `[batch]` numpy, one a step) as they come, up to a step where
-    a row got `NO_TOKEN`: there `NonFiniteLogitsError` is raised, with the steps so far."""
+    """`steps`' tokens as they come, raising `NonFiniteLogitsError` at a step with a `NO_TOKEN`."""
     made = []
     for token in steps:
         made.append(token)

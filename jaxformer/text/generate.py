@@ -4,17 +4,8 @@
   python -m jaxformer.text.generate --checkpoint DIR --prompts-file prompts.txt --json
   echo "Tell me a story" | python -m jaxformer.text.generate --checkpoint DIR --chat --stream
 
-Reads a Llama, Mistral or Qwen2 folder (`load_hf`) and its tokenizer
-(`jaxformer.text.load_tokenizer`), decodes every prompt (greedy unless --temperature > 0;
-beam search with --num-beams) and stops at the tokenizer's EOS. Prompts come from
---prompt (repeatable), --prompts-file (one a line; `-` reads the lines of standard
-input), or else standard input as one prompt. Several prompts decode together as one
-ragged batch; with --stream they decode one after another, each printed as it is
-generated.
-
-stdout holds the completions only, each followed by a newline (or, with --json, one JSON
-object a prompt); stderr says how long loading, compiling, the prefill and the decoding
-took.
+docs/text.md describes the flags, where prompts come from, how they are batched, and
+what goes to stdout and stderr.
 """
 
 from __future__ import annotations
@@ -62,7 +53,7 @@ def parse_args(argv=None):
         default = CLI_DEFAULTS.get(field.name, field.default)
         p.add_argument(FLAG_NAMES[field.name], type=field.metadata["flag_type"], default=default,
                        help=field.metadata["help"])
-    p.add_argument("--seed", type=int, default=0, help="seeds the sampling")
+    p.add_argument("--seed", type=int, default=0, help="the sampling's seed")
     p.add_argument("--dtype", default="float32", help=f"compute dtype, one of {', '.join(DTYPES)}")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest prompt + completion (default: the checkpoint's max_position_embeddings)")
@@ -107,11 +98,8 @@ def _check(args) -> None:
 
 
 def read_prompts(args, stdin=None) -> list[str]:
-    """The prompts: every --prompt, the lines of --prompts-file, or all of standard input.
-
-    Raises:
-      ValueError: an empty prompt (naming which), an unreadable file, or no prompt at all.
-    """
+    """The prompts: every --prompt, the lines of --prompts-file, or all of standard input;
+    `ValueError` for an empty prompt (naming which), an unreadable file, or none at all."""
     stdin = sys.stdin if stdin is None else stdin
     if args.prompt is not None:
         prompts, where = args.prompt, [f"--prompt {i + 1}" for i in range(len(args.prompt))]
@@ -156,11 +144,8 @@ def encode_prompts(tokenizer: Tokenizer, prompts: list[str], args) -> list[list[
 
 def check_prompts(ids: list[list[int]], prompts: list[str], max_new_tokens: int, max_seq_len: int,
                   vocab_size: int) -> None:
-    """Every prompt has ids the model knows, and fits `max_seq_len` with its completion.
-
-    Raises:
-      ValueError: naming the prompt and the limit.
-    """
+    """Raises `ValueError`, naming the prompt and the limit, unless every prompt has ids the
+    model knows and fits `max_seq_len` with its completion."""
     for n, (row, prompt) in enumerate(zip(ids, prompts), 1):
         name = prompt_name(n, prompt)
         if not row:
@@ -296,14 +281,11 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
     """Decodes the prompts as one batch: the prefill, then the steps, each timed.
 
     Args:
-      on_token: called with each step's tokens (`[batch]`) as they are made; then the
-        run goes through `stream`, one jitted step per token. Without it, `start` and
-        `finish` run it as two programs, the steps with no trip to the host (beam search:
-        `run`, one program).
+      on_token: called with each step's tokens (`[batch]`); the run then goes through
+        `stream`. Without it, `start` and `finish` run it as two programs (beam search: `run`).
 
     Returns:
-      One `Completion` a prompt; a row whose logits held NaN or inf has finish_reason
-      "error" (with `stream`, which stops the whole batch there, its rows' tokens so far).
+      One `Completion` a prompt, finish_reason "error" for a row whose logits were not finite.
     """
     batch, lengths = _ragged(ids)
     run_options = dataclasses.replace(options(args), key=jax.random.key(args.seed),
@@ -343,11 +325,8 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
 
 
 def load(args, prompts: list[str]):
-    """The tokenizer, the prompts' ids, the model and its parameters, every limit checked.
-
-    Raises:
-      FileNotFoundError, ValueError: naming the file, prompt or flag.
-    """
+    """The tokenizer, the prompts' ids, the model and its parameters, every limit checked
+    (`FileNotFoundError`, `ValueError` naming the file, prompt or flag)."""
     tokenizer = load_tokenizer(args.checkpoint)
     ids = encode_prompts(tokenizer, prompts, args)
     config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
@@ -364,13 +343,8 @@ def load(args, prompts: list[str]):
 
 
 def check_memory(model: Decoder, ids: list[list[int]], args) -> None:
-    """The largest prefill the run will make fits in the memory free, checked before any
-    is compiled or any text printed: all prompts as one batch (each with its beams), or
-    with --stream the longest prompt alone. (`DecodeRequest.create` checks each again.)
-
-    Raises:
-      ValueError: naming the prompt length, the memory it needs and the memory free.
-    """
+    """Refuses, before anything is compiled or printed, a run whose largest prefill does not fit
+    the free memory: all prompts as one batch (with their beams), or with --stream the longest alone."""
     prompt_len = max(len(row) for row in ids)  # a batch is padded to its longest prompt
     rows = 1 if args.stream else len(ids) * args.num_beams
     check_prefill_memory(model.decoding_spec(), rows, prompt_len, prompt_len + args.max_new_tokens - 1)

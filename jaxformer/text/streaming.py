@@ -1,16 +1,11 @@
 """Generated ids to text as they arrive, without broken characters or lost spaces.
 
-Decoding each new token alone goes wrong two ways. A byte-level BPE token can hold part
-of a character (a Chinese character is three UTF-8 bytes, often split over two or three
-tokens): alone it decodes to U+FFFD, the replacement character. And sentencepiece-style
-tokenizers decode a word's leading space only when something comes before it: alone,
-`"▁world"` decodes to `"world"`.
-
-`TextStream` therefore decodes the whole completion so far, behind the prompt's last few
-ids for context, and hands out only what was added since the last call, holding back a
-trailing U+FFFD until the bytes after it complete the character. The tokenizers'
-decoders (byte-level, sentencepiece) only ever extend the text as ids are added, so the
-pieces joined are exactly `completion_text(...)` of all the ids at once.
+Decoding each new token alone goes wrong two ways: a byte-level BPE token can hold part of
+a character (alone it decodes to U+FFFD), and sentencepiece decodes a word's leading space
+only after something (`"▁world"` alone is `"world"`). So `TextStream` decodes the whole
+completion so far behind the prompt's last few ids, hands out what was added since the
+last call, and holds back a trailing U+FFFD until its character completes. The decoders
+only ever extend the text as ids are added, so the pieces join to `completion_text`.
 """
 
 from __future__ import annotations
@@ -30,8 +25,8 @@ class TextStream:
     Args:
       tokenizer: the `Tokenizer`.
       prompt_ids: the prompt's ids; the last `CONTEXT_IDS` are decoded ahead of the
-        completion so that its first word keeps its leading space. (None of them when
-        they end inside a character: the completion's first bytes belong to it.)
+        completion so its first word keeps its leading space (none, if they end inside a
+        character).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
