@@ -9,7 +9,7 @@ Every sublayer is wrapped post-norm, `LayerNorm(x + Dropout(Sublayer(x)))`: the 
 on the residual path itself, which is why the paper needs its warmup schedule
 (`jaxformer.schedules.noam_schedule`). `norm_first=True` gives the pre-norm variant.
 
-Masks are True where a query may read a key (the reference uses True = blocked):
+Masks are True where a query may read a key (PyTorch's nn.Transformer uses True = blocked):
   source padding:  keys that are `pad_id` in `src` (encoder self-attn and cross-attn);
   target:          causal AND keys that are not `pad_id` in `tgt_in`.
 """
