@@ -72,6 +72,20 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
+# The files whose time is longest, most of it one piece a worker cannot share: a process of
+# their own (test_sharding.py's 8 devices), a module fixture, or many compiles. With
+# `--dist loadfile` a file goes to one worker whole; these are handed out first, so that
+# they run beside the many short files rather than alone at the end.
+LONGEST_FIRST = ("tests/test_sharding.py", "tests/decoding/test_speculative.py", "tests/test_docs.py",
+                 "tests/faults/test_inputs.py", "tests/benchmarks/test_decode.py", "tests/test_decoder.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of `LONGEST_FIRST` first, in that order; the rest as collected."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # (a stable sort)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per CPU this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
