@@ -1,10 +1,15 @@
-"""Shared fixtures: the reference's small test model, and a numpy reference forward."""
+"""Shared fixtures: the reference's small test model, a numpy reference forward, and a
+command line run in this process."""
 
 import contextlib
 import functools
+import io
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +72,20 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
+# The files whose time is longest, most of it one piece a worker cannot share: a process of
+# their own (test_sharding.py's 8 devices), a module fixture, or many compiles. With
+# `--dist loadfile` a file goes to one worker whole; these are handed out first, so that
+# they run beside the many short files rather than alone at the end.
+LONGEST_FIRST = ("tests/test_sharding.py", "tests/decoding/test_speculative.py", "tests/test_docs.py",
+                 "tests/faults/test_inputs.py", "tests/benchmarks/test_decode.py", "tests/test_decoder.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of `LONGEST_FIRST` first, in that order; the rest as collected."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # (a stable sort)
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per CPU this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -94,6 +113,47 @@ def scaled_random_params(params, seed: int, scale: float = 0.3):
     new = [1.0 + 0.5 * jax.random.normal(k, x.shape) if x.ndim == 1 else scale * jax.random.normal(k, x.shape)
            for k, x in zip(keys, leaves)]
     return jax.tree.unflatten(treedef, new)
+
+
+def run_main(main: Callable[[list[str]], int | None], argv: list[str], stdin: str = "") -> subprocess.CompletedProcess:
+    """A command line run in this process, as `sys.exit(main(argv))` runs it: its exit
+    status, stdout and stderr, as `subprocess.run(..., capture_output=True, text=True)`
+    gives them.
+
+    Why: a fresh process costs Python's start, JAX's import and every compile again (the
+    disk cache only saves XLA's part); in this process the programs an earlier test or
+    run compiled are reused. Keep a real process where the process itself is under test:
+    signals, a lock held by another process, a closed stdout, the interpreter's exit.
+
+    Args:
+      main: the command's `main(argv)`, e.g. `train.reverse.main`.
+      argv: its arguments.
+      stdin: what it reads from standard input.
+
+    Returns:
+      `CompletedProcess(argv, returncode, stdout, stderr)`; the return code is the one
+      `SystemExit` would give the process (None 0, a message 1, printed to stderr).
+    """
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            _stdin_from(io.StringIO(stdin)):
+        try:
+            status = main(argv)
+        except SystemExit as e:
+            status = e.code
+        if status is not None and not isinstance(status, int):  # sys.exit("message")
+            print(status, file=err)
+            status = 1
+    return subprocess.CompletedProcess(argv, status or 0, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def _stdin_from(stream):
+    saved, sys.stdin = sys.stdin, stream
+    try:
+        yield
+    finally:
+        sys.stdin = saved
 
 
 @contextlib.contextmanager

@@ -22,19 +22,24 @@ fails `test_every_python_block_has_a_marker`: no example goes untested.
 
 Shell blocks (```bash) are commands to read, not run, unless they carry a marker; a
 marked shell block must be cheap (`--help`) and runs line by line from the repository
-root. Plain ``` blocks are printed output and are never run.
+root: a line `python -m MODULE ARGS` through MODULE's `main(argv)` in this process (what
+the shell's python runs, less a new interpreter and JAX's import), any other line in a
+shell. Plain ``` blocks are printed output and are never run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -297,10 +302,18 @@ def test_python_block_runs(block, tmp_path, monkeypatch):
         _NAMESPACES[block.id] = namespace
 
 
+def _run_shell_line(command: str) -> subprocess.CompletedProcess:
+    words = shlex.split(command)
+    if words[:2] == ["python", "-m"] and len(words) > 2:
+        return run_main(importlib.import_module(words[2]).main, words[3:])
+    return subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
-def test_shell_block_runs(block):
+def test_shell_block_runs(block, monkeypatch):
+    monkeypatch.chdir(ROOT)
     for line in block.code.splitlines():
         command = line.split("#", 1)[0].strip()
         if command:
-            done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            done = _run_shell_line(command)
             assert done.returncode == 0, f"{command}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -1,8 +1,10 @@
-"""What the fault-matrix files share: the demos run as a user runs them, and what a run
-directory holds before and after."""
+"""What the fault-matrix files share: the demos run as a user runs them (in a process of
+their own where the process is under test, else in this one), and what a run directory
+holds before and after."""
 
 import contextlib
 import hashlib
+import importlib
 import os
 import signal
 import subprocess
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from conftest import run_main
 
 from jaxformer.training import read_metrics
 
@@ -21,9 +24,17 @@ CLI_TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2"
 
 
 def run_cli(module: str, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m train.<module> argv` from the repository root."""
+    """`python -m train.<module> argv` from the repository root, in a process of its own
+    (one that may run beside another: threads cannot share this process's stdout)."""
     return subprocess.run([sys.executable, "-m", f"train.{module}", *argv], capture_output=True, text=True,
                           cwd=REPO, timeout=timeout)
+
+
+def run_in_process(module: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """`python -m train.<module> argv` run in this process (`conftest.run_main`): the same
+    status, stdout and stderr as `run_cli`, without a new Python, a new JAX and new
+    compiles. For every case where nothing about a separate process is under test."""
+    return run_main(importlib.import_module(f"train.{module}").main, argv)
 
 
 def snapshot(directory: Path) -> dict[str, str] | None:

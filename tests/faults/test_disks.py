@@ -18,7 +18,7 @@ import stat
 import subprocess
 
 import pytest
-from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_losses, run_cli, saving_now,
+from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_losses, run_in_process, saving_now,
                      small_disk, snapshot, start_cli, wait_until)
 
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
@@ -61,7 +61,7 @@ def test_a_disk_that_fills_up_mid_run_ends_it_in_one_line_and_resume_continues_b
                             rf"same flags and --resume --run-dir {re.escape(str(run_dir))}", last), last
         nothing_torn(run_dir)
         (disk / "filler").unlink()
-        resumed = run_cli("reverse", ["--resume", "--steps", str(max(losses)), "--run-dir", str(run_dir), *ARGV])
+        resumed = run_in_process("reverse", ["--resume", "--steps", str(max(losses)), "--run-dir", str(run_dir), *ARGV])
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert logged_losses(run_dir) == losses  # floats compared exactly
 
@@ -73,7 +73,7 @@ def test_a_full_disk_at_the_start_is_one_line_and_no_run_dir_left(tmp_path, room
     with small_disk(tmp_path / "disk", "1m") as disk:
         fill(disk, leave=room)
         run_dir = disk / "run"
-        done = run_cli("reverse", ["--steps", "10", "--run-dir", str(run_dir), *CLI_TINY])
+        done = run_in_process("reverse", ["--steps", "10", "--run-dir", str(run_dir), *CLI_TINY])
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 1 and len(lines) == 1, done.stderr[-3000:]
         assert re.fullmatch(rf"python -m train\.reverse: error: cannot write .*{re.escape(str(run_dir))}\S*: {FULL}; "

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import (CLI_TINY, committed_steps, last_logged_step, logged_losses, run_cli, saving_now, snapshot,
-                     start_cli, wait_until)
+from harness import (CLI_TINY, committed_steps, last_logged_step, logged_losses, run_in_process, saving_now,
+                     snapshot, start_cli, wait_until)
 
 from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
 from train import report, reverse
@@ -44,13 +44,13 @@ def interrupted(tmp_path_factory) -> dict:
         process = start_cli("reverse", ["--steps", "100000", "--run-dir", str(run_dir), *ARGV], stderr=err)
         wait_until(process, lambda: len(committed_steps(run_dir)) >= 2 and not saving_now(run_dir)
                    and last_logged_step(run_dir) > committed_steps(run_dir)[-1])
-        second = run_cli("reverse", ["--resume", "--steps", "100000", "--run-dir", str(run_dir), *ARGV])
-        rebuild = run_cli("report", [str(run_dir)])
+        second = run_in_process("reverse", ["--resume", "--steps", "100000", "--run-dir", str(run_dir), *ARGV])
+        rebuild = run_in_process("report", [str(run_dir)])
         before = committed_steps(run_dir)
         process.send_signal(signal.SIGINT)
         process.wait(timeout=300)
     losses, kept, saving = logged_losses(run_dir), committed_steps(run_dir), saving_now(run_dir)
-    resumed = run_cli("reverse", ["--resume", "--steps", str(max(losses)), "--run-dir", str(run_dir), *ARGV])
+    resumed = run_in_process("reverse", ["--resume", "--steps", str(max(losses)), "--run-dir", str(run_dir), *ARGV])
     return {"second": second, "rebuild": rebuild, "status": process.returncode, "stderr": stderr.read_text(),
             "before": before, "kept": kept, "saving": saving, "losses": losses, "resumed": resumed, "run_dir": run_dir}
 
@@ -87,7 +87,7 @@ def test_a_loss_that_stops_being_finite_stops_the_run_in_one_line(tmp_path):
     the run stops there, naming it, with checkpoint 3 kept (it restores, and every value
     logged is finite), and nothing of update 5 logged or saved."""
     run_dir = tmp_path / "run"
-    done = run_cli("lm", ["--steps", "30", "--lr", "1e6", "--warmup", "30", "--n-layer", "1", "--d-model", "32",
+    done = run_in_process("lm", ["--steps", "30", "--lr", "1e6", "--warmup", "30", "--n-layer", "1", "--d-model", "32",
                           "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8", "--eval-size", "4",
                           "--log-every", "1", "--checkpoint-every", "3", "--run-dir", str(run_dir)])
     lines = [line for line in done.stderr.splitlines() if not line.lstrip()[:1].isdigit()]  # less the progress bar
