@@ -340,7 +340,7 @@ def test_bad_input(demo):
     (dict(n_layer=0), "n_layer"),
 ])
 def test_config_rules(changes, field):
-    with pytest.raises(ValueError, match=rf"VanillaConfig\.{field}: "):
+    with pytest.raises(ValueError, match=rf"VanillaConfig\.{field} must be "):
         DEMO.replace(**changes)
 
 
