@@ -212,7 +212,9 @@ class KVCache:
         def clear(leaf):
             return jax.lax.dynamic_update_index_in_dim(leaf, jnp.zeros(leaf.shape[1:], leaf.dtype), row, axis=0)
 
-        return self.replace(layers=jax.tree.map(clear, self.layers), pos=self.pos.at[row].set(0))
+        evicted = self.replace(layers=jax.tree.map(clear, self.layers),
+                               pos=jax.lax.dynamic_update_index_in_dim(self.pos, jnp.zeros((), jnp.int32), row, 0))
+        return evicted._poisoned_unless_in_range(row)
 
     def insert(self, row, other: "KVCache") -> "KVCache":
         """Row `row` replaced by the single row of `other`, a one-row cache of the same layout (a
@@ -231,8 +233,18 @@ class KVCache:
         def put(leaf, new):
             return jax.lax.dynamic_update_slice_in_dim(leaf, new.astype(leaf.dtype), row, axis=0)
 
-        return self.replace(layers=jax.tree.map(put, self.layers, other.layers),
-                            pos=jax.lax.dynamic_update_slice_in_dim(self.pos, other.pos, row, axis=0))
+        inserted = self.replace(layers=jax.tree.map(put, self.layers, other.layers),
+                                pos=jax.lax.dynamic_update_slice_in_dim(self.pos, other.pos, row, axis=0))
+        return inserted._poisoned_unless_in_range(row)
+
+    def _poisoned_unless_in_range(self, row) -> "KVCache":
+        """Under `jit` a row index cannot raise, and `dynamic_update_slice` would clamp it onto
+        another row: an out-of-range traced `row` makes every key and value NaN instead, so the
+        logits read from the cache are NaN, loud (a concrete `row` was refused by `_row`)."""
+        if not is_traced(row):
+            return self
+        in_range = (row >= 0) & (row < self.batch_size)
+        return self.replace(layers=jax.tree.map(lambda leaf: jnp.where(in_range, leaf, jnp.nan), self.layers))
 
     def _row(self, row, operation: str):
         """`row` checked against the batch where it is concrete (a traced one is used as is)."""

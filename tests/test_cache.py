@@ -140,7 +140,16 @@ def test_evict_clears_one_row_and_insert_checks_its_inputs():
     np.testing.assert_array_equal(evicted.pos, [1, 0, 1])
     for leaf in jax.tree.leaves(evicted.layers):
         assert float(jnp.abs(leaf[1]).max()) == 0.0 and float(jnp.abs(leaf[0] - 1).max()) == 0.0
-    np.testing.assert_array_equal(jax.jit(KVCache.evict)(cache, jnp.int32(2)).pos, [1, 1, 0])  # a traced row
+    traced = jax.jit(KVCache.evict)(cache, jnp.int32(2))  # a traced row
+    np.testing.assert_array_equal(traced.pos, [1, 1, 0])
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(traced.layers))
+    # A traced row out of range cannot raise; it must not clamp onto the last row either: the
+    # keys and values turn NaN, so every logit read from them is NaN.
+    one_row = KVCache.create(CONFIG, batch_size=1, capacity=8)
+    for operation in (lambda c, r: c.evict(r), lambda c, r: c.insert(r, one_row)):
+        for row in (3, -1):
+            bad = jax.jit(operation)(cache, jnp.int32(row))
+            assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(bad.layers))
     with pytest.raises(ValueError, match=r"KVCache.evict: row .*batch_size - 1=2"):
         cache.evict(3)
     with pytest.raises(ValueError, match="KVCache.insert: other must be a one-row cache"):
