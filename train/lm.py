@@ -313,7 +313,7 @@ def sample_text(setup: cli.Setup, settings: Settings, params) -> str:
                       key=jax.random.key(settings.seed), temperature=settings.temperature,
                       top_k=min(settings.top_k, tokenizer.vocab_size), top_p=settings.top_p)
     # Without a prompt, the start token only began the sampling: it is not part of the text.
-    return tokenizer.decode(np.asarray(sample[0, 0 if settings.prompt else 1:]))
+    return tokenizer.decode(np.asarray(sample)[0, 0 if settings.prompt else 1:])
 
 
 def snapshotter(setup: cli.Setup, settings: Settings):
@@ -324,8 +324,9 @@ def snapshotter(setup: cli.Setup, settings: Settings):
     model, tokenizer, corpus = setup.model, setup.tokenizer, setup.corpus
     key = jax.random.fold_in(cli.evaluation_key(settings.seed), 1)  # not the evaluation's patterns
     if corpus is None:
-        prompts, patterns = copy_prompts(key, SNAPSHOT_PROMPTS)  # [n, L + 2], [n, L]
-        example = jnp.concatenate([prompts[:1], patterns[:1, :-1]], axis=1)  # [1, 2L + 1], a training row
+        # (On the host: sliced on the device, each slice would compile a program of its own.)
+        prompts, patterns = jax.device_get(copy_prompts(key, SNAPSHOT_PROMPTS))  # [n, L + 2], [n, L]
+        example = np.concatenate([prompts[:1], patterns[:1, :-1]], axis=1)  # [1, 2L + 1], a training row
     else:
         example = corpus.val[None, :min(MAP_TOKENS, settings.seq_len)]  # [1, T], at most a training window
     labels = token_labels(tokenizer, example[0])
@@ -341,7 +342,7 @@ def snapshotter(setup: cli.Setup, settings: Settings):
         if corpus is not None:
             return {"attention": attention, "samples": [{"label": "sampled continuation",
                                                          "output": sample_text(setup, settings, params)}]}
-        out = generate(model, params, prompts, max_new_tokens=COPY_LEN)[:, COPY_LEN + 2:]  # [n, L]
+        out = np.asarray(generate(model, params, prompts, max_new_tokens=COPY_LEN))[:, COPY_LEN + 2:]  # [n, L]
         samples = [{"label": f"unseen pattern {i}, greedy", "output": token_labels(tokenizer, out[i]),
                     "target": token_labels(tokenizer, patterns[i])} for i in range(SNAPSHOT_PROMPTS)]
         return {"attention": attention, "samples": samples}
@@ -361,17 +362,17 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained) -> dict
     model, params, corpus, tokenizer = setup.model, trained.params, setup.corpus, setup.tokenizer
     eval_key = cli.evaluation_key(settings.seed)
     if corpus is None:
-        prompts, patterns = copy_prompts(eval_key, settings.eval_size)  # [n, L + 2], [n, L]
-        out = generate(model, params, prompts, max_new_tokens=COPY_LEN)[:, COPY_LEN + 2:]  # [n, L]
+        prompts, patterns = jax.device_get(copy_prompts(eval_key, settings.eval_size))  # [n, L + 2], [n, L]
+        out = np.asarray(generate(model, params, prompts, max_new_tokens=COPY_LEN))[:, COPY_LEN + 2:]  # [n, L]
         examples = [{"label": f"unseen pattern {i}", "input": token_labels(tokenizer, prompts[i]),
                      "target": token_labels(tokenizer, patterns[i]), "output": token_labels(tokenizer, out[i])}
                     for i in range(min(EXAMPLES, settings.eval_size))]
-        return {"token_accuracy": float(jnp.mean(out == patterns)),
-                "exact_match": float(jnp.mean(jnp.all(out == patterns, axis=1))),
-                "target": np.asarray(patterns[0, :12]).tolist(), "decoded": np.asarray(out[0, :12]).tolist(),
+        return {"token_accuracy": float(np.mean(out == patterns)),
+                "exact_match": float(np.mean(np.all(out == patterns, axis=1))),
+                "target": patterns[0, :12].tolist(), "decoded": out[0, :12].tolist(),
                 "examples": examples, "prompt": tokenizer.decode(np.asarray(prompts[0]), skip_special_tokens=False)}
-    val = jnp.mean(jnp.stack([setup.loss_fn(params, corpus.batch(k, settings.batch_size, "val"), None)[0]
-                              for k in jax.random.split(eval_key, 20)]))
+    batch_loss = jax.jit(lambda batch: setup.loss_fn(params, batch, None)[0])  # one program for the 20 batches
+    val = np.mean([batch_loss(corpus.batch(k, settings.batch_size, "val")) for k in jax.random.split(eval_key, 20)])
     example = settings.prompt or example_prompt(tokenizer, corpus.train[:EXAMPLE_PROMPT_TOKENS])
     return {"validation_loss": float(val), "sample": sample_text(setup, settings, params), "prompt": example}
 

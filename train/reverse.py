@@ -225,10 +225,11 @@ def decoding_exact_match(model, params, key, n: int, lengths: tuple[int, ...], w
       examples the first `EXAMPLES` rows as `{"input", "target", "output"}` tokens
       (`token_text`), target and output up to the target's EOS.
     """
-    batch = reverse_batch(key, n, min(lengths), max(lengths), width=width)
+    # (On the host: sliced on the device, every example's row would compile a slice of its own.)
+    batch = jax.device_get(reverse_batch(key, n, min(lengths), max(lengths), width=width))
     out = np.asarray(generate(model, params, batch["src"], max_new_tokens=width + 1, bos_id=BOS, eos_id=EOS))
-    exact = np.all(out[:, 1:] == np.asarray(batch["tgt_out"]), axis=1)  # [n]
-    length = np.asarray(batch["length"])
+    exact = np.all(out[:, 1:] == batch["tgt_out"], axis=1)  # [n]
+    length = batch["length"]
     per_length = {int(L): (float(exact[length == L].mean()), int((length == L).sum())) for L in np.unique(length)}
 
     def tokens(row):
@@ -252,14 +253,14 @@ def snapshotter(setup: cli.Setup, settings: Settings):
     c = setup.model.config
     batch = reverse_batch(jax.random.key(1), 1, MAP_LENGTH, MAP_LENGTH, width=MAX_LEN)
     forward = jax.jit(functools.partial(setup.model.apply, mutable=["intermediates"]))
-    src = [token_text(t) for t in np.asarray(batch["src"][0, :MAP_LENGTH])]
-    tgt = [token_text(t) for t in np.asarray(batch["tgt_in"][0, :MAP_LENGTH + 1])]  # BOS + the 8 reversed
+    src = [token_text(t) for t in np.asarray(batch["src"])[0, :MAP_LENGTH]]
+    tgt = [token_text(t) for t in np.asarray(batch["tgt_in"])[0, :MAP_LENGTH + 1]]  # BOS + the 8 reversed
 
     def snapshot(params) -> dict:
         inter = forward({"params": params}, batch["src"], batch["tgt_in"])[1]["intermediates"]
 
         def weights(stack, layer, kind, rows, cols):  # [n_head, rows, cols] of the example
-            return np.asarray(inter[f"{stack}_layers_{layer}"][kind]["attention_weights"][0][0, :, :rows, :cols])
+            return np.asarray(inter[f"{stack}_layers_{layer}"][kind]["attention_weights"][0])[0, :, :rows, :cols]
 
         groups = []
         for layer in range(c.n_layer):

@@ -78,6 +78,7 @@ def copy_batch(key: jax.Array, batch_size: int, length: int = COPY_LEN) -> dict[
     return {"tokens": sequence[:, :-1], "targets": targets}
 
 
+@functools.partial(jax.jit, static_argnames=("n", "length"))  # one program, not one per operation
 def copy_prompts(key: jax.Array, n: int, length: int = COPY_LEN) -> tuple[jax.Array, jax.Array]:
     """`([BOS] pattern [SEP]` prompts `[n, L + 2]`, the patterns `[n, L]`) to copy back."""
     batch = copy_batch(key, n, length)

@@ -130,6 +130,8 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
         log.truncate_after(start)
         bar = ProgressBar(num_steps, initial=start) if progress else None
 
+        # (Jitted: run eagerly, the schedule's few scalar operations compile one by one.)
+        learning_rate = None if lr_schedule is None else jax.jit(lr_schedule)
         last_step, last_time = start, time.perf_counter()
         nonfinite = (jnp.int32(-1), jnp.float32(0))
         for s in range(start, num_steps):
@@ -144,8 +146,8 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
             if at_log:
                 values = {name: float(v) for name, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
-                if lr_schedule is not None:
-                    values["lr"] = float(lr_schedule(s))
+                if learning_rate is not None:
+                    values["lr"] = float(learning_rate(s))
                 values["steps_per_sec"] = (done - last_step) / max(now - last_time, 1e-9)
                 last_step, last_time = done, now
                 log.write(done, **values)

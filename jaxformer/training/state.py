@@ -30,8 +30,9 @@ class TrainState:
     def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
         """A state at step 0 with `optimizer.init(params)`; `params` are copied, since
         `train_step` donates (deletes) its state's buffers, which must not be the caller's."""
-        params = jax.tree.map(jnp.copy, params)
-        return cls(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+        # One program: run eagerly, the copy and the optimizer's zeros compile an operation per leaf shape.
+        return jax.jit(lambda p: cls(step=jnp.zeros((), jnp.int32), params=jax.tree.map(jnp.copy, p),
+                                     opt_state=optimizer.init(p)))(params)
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, state_sharding=None) -> Callable:
