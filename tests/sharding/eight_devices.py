@@ -217,7 +217,7 @@ def _losses(run_dir):
 
 
 REVERSE_TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
-                "--eval-size", "16", "--log-every", "2", "--checkpoint-every", "2"]
+                "--eval-size", "16", "--log-every", "2", "--checkpoint-every", "4"]
 
 
 def test_train_reverse_on_a_mesh_resumes_on_another(tmp_path):
