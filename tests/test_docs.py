@@ -222,7 +222,8 @@ def _write_checkpoint(folder: Path) -> None:
     from jaxformer.text import char_tokenizer, save_tokenizer
 
     config = jf.DecoderConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=64)
-    params = jf.Decoder(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    # (Jitted: one compile, where the eager init compiles each of its operations.)
+    params = jax.jit(jf.Decoder(config).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     save_hf(config, params, str(folder))
     save_tokenizer(char_tokenizer("abcdefghijklmnopqrstuvwxyz .,!?\n"), str(folder))  # 32 characters
 

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import run_main
 from report_page import check_report
 
 from jaxformer.text import train_bpe
@@ -22,8 +23,7 @@ TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1"
 
 def test_copy_task_end_to_end(tmp_path):
     run_dir = tmp_path / "copy"
-    done = subprocess.run([sys.executable, "-m", "train.lm", "--steps", "10", "--eval-size", "20",
-                           "--run-dir", str(run_dir), *TINY], capture_output=True, text=True, timeout=600)
+    done = run_main(lm.main, ["--steps", "10", "--eval-size", "20", "--run-dir", str(run_dir), *TINY])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for expected in ("params", "chance loss", "KV-cached greedy decoding on 20 unseen patterns", "exact match"):
         assert expected in done.stdout

@@ -2,11 +2,10 @@
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import run_main
 from report_page import Page, check_report, chromium, heatmap_colours_shown, render
 
 from jaxformer.training import read_metrics
@@ -17,10 +16,9 @@ TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "-
         "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]
 
 
-def test_end_to_end_smoke(tmp_path):
-    run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "train.reverse", "--steps", "10", "--run-dir", str(run_dir), *TINY],
-                          capture_output=True, text=True, timeout=600)
+def test_end_to_end_smoke(first_ten_steps):
+    """The interrupted run of `runs` as it stood after its first 10 steps, and what it printed."""
+    run_dir, made_in, done = first_ten_steps
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     for expected in ("params:", "shape trace", "cross-attention weights", "NOT square", "exact match",
@@ -31,19 +29,35 @@ def test_end_to_end_smoke(tmp_path):
     assert (run_dir / "checkpoints" / "10").is_dir()
     results = json.loads((run_dir / "eval.json").read_text())
     assert results["steps"] == 10 and 0.0 <= results["exact_match"] <= 1.0
-    assert f"report: {run_dir / 'report.html'}" in out
+    assert f"report: {made_in / 'report.html'}" in out
     check_report(run_dir)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A run straight to step 15, and one stopped at 10 and resumed to 15 (checkpoints every 5)."""
+def trained(tmp_path_factory):
+    """A run straight to step 15, and one stopped at 10 and resumed to 15 (checkpoints every
+    5); a copy of the interrupted run's directory at step 10, and what that first session
+    printed. Trained once, in this process, for every test of the module."""
     root = tmp_path_factory.mktemp("reverse")
-    straight, interrupted = root / "straight", root / "interrupted"
+    straight, interrupted, ten = root / "straight", root / "interrupted", root / "ten"
     assert reverse.main(["--steps", "15", "--run-dir", str(straight), *TINY]) == 0
-    assert reverse.main(["--steps", "10", "--run-dir", str(interrupted), *TINY]) == 0
+    first = run_main(reverse.main, ["--steps", "10", "--run-dir", str(interrupted), *TINY])
+    shutil.copytree(interrupted, ten)
     assert reverse.main(["--steps", "15", "--run-dir", str(interrupted), "--resume", *TINY]) == 0
-    return straight, interrupted
+    return {"runs": (straight, interrupted), "first_ten_steps": (ten, interrupted, first)}
+
+
+@pytest.fixture
+def runs(trained):
+    """(straight, interrupted): both at step 15."""
+    return trained["runs"]
+
+
+@pytest.fixture
+def first_ten_steps(trained):
+    """(a copy of the interrupted run's directory at step 10, the directory it was made in,
+    its `run_main` result)."""
+    return trained["first_ten_steps"]
 
 
 def test_resume_continues_the_same_loss_curve(runs):
@@ -135,10 +149,9 @@ def test_bad_flags_stop_with_one_line(argv, message, capsys):
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-def test_resume_with_a_different_config_or_into_a_used_dir(tmp_path, capsys):
+def test_resume_with_a_different_config_or_into_a_used_dir(runs, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert reverse.main(["--steps", "5", "--run-dir", str(run_dir), *TINY]) == 0
-    capsys.readouterr()
+    shutil.copytree(runs[0], run_dir)  # a finished run of TINY (to step 15)
     with pytest.raises(SystemExit):
         reverse.main(["--steps", "10", "--run-dir", str(run_dir), "--resume", *TINY, "--d-model", "64"])
     err = capsys.readouterr().err.strip()
