@@ -21,6 +21,7 @@ FAILED, REFUSED, INTERRUPTED, BROKEN_PIPE = 1, 2, 128 + signal.SIGINT, 128 + sig
 
 _interrupted = threading.Event()
 _running = threading.Event()  # a command's work is under way (`run_command`)
+_running_lock = threading.Lock()  # a redelivered Ctrl-C (`_interrupt_if_running`) never lands after the command
 _deferring = [0]  # how many `interrupts_deferred` blocks are open
 _interrupt_note: list[Callable[[], str]] = []  # what the interrupted line adds, set by the command
 
@@ -76,10 +77,11 @@ def run_command(prog: str, work: Callable[[], int]) -> int:
       work: the command's body; returns its exit status.
     """
     on_main_thread = threading.current_thread() is threading.main_thread()
+    _interrupted.clear()  # (a Ctrl-C noted after the last command ended is not this one's)
+    _running.set()
     previous = signal.signal(signal.SIGINT, _on_interrupt) if on_main_thread else None
     unraisable = sys.unraisablehook
     sys.unraisablehook = functools.partial(_redeliver_interrupt, unraisable)
-    _running.set()
     try:
         status = work()
         _flush(sys.stdout)
@@ -96,10 +98,13 @@ def run_command(prog: str, work: Callable[[], int]) -> int:
         _say(f"{prog}: error: {describe_os_error(e)}")
         return FAILED
     finally:
+        # First: from here a redelivery is dropped, and one already sent meets `_on_interrupt`,
+        # which outside a command only notes it (cleared below), instead of raising into the caller.
+        with _running_lock:
+            _running.clear()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = unraisable
-        _running.clear()
         _interrupted.clear()
         note_on_interrupt(None)
 
@@ -112,14 +117,15 @@ def describe_os_error(error: OSError) -> str:
 
 def _on_interrupt(signum, frame) -> None:
     _interrupted.set()
-    if not _deferring[0]:
+    if _running.is_set() and not _deferring[0]:
         raise KeyboardInterrupt
 
 
 def _interrupt_if_running() -> None:
     """Ctrl-C again for the main thread, unless the command has ended meanwhile."""
-    if _running.is_set():
-        _thread.interrupt_main()
+    with _running_lock:
+        if _running.is_set():
+            _thread.interrupt_main()
 
 
 def _redeliver_interrupt(hook, unraisable) -> None:

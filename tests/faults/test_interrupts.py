@@ -22,7 +22,7 @@ import optax
 import pytest
 from harness import CLI_TINY, REPO
 
-from jaxformer import Decoder, DecoderConfig
+from jaxformer import Decoder, DecoderConfig, command_line
 from jaxformer.command_line import BROKEN_PIPE, INTERRUPTED, run_command
 from jaxformer.convert import save_hf
 from jaxformer.text import save_tokenizer, train_bpe
@@ -156,6 +156,17 @@ def test_a_swallowed_interrupt_still_ends_the_command_with_130(capsys):
     assert run_command("prog", lambda: (swallow_ctrl_c(), 0)[1]) == INTERRUPTED
     assert capsys.readouterr().err == "prog: interrupted\n"
     assert run_command("prog", lambda: 0) == 0  # and the next command starts afresh
+
+
+def test_a_redelivered_interrupt_that_lands_after_the_command_is_not_raised_into_its_caller():
+    """A swallowed Ctrl-C is sent again a moment later (`_interrupt_if_running`); when the
+    command ends in that moment, the handler runs after it: it must not raise into the
+    caller (a test session, a server), and the next command starts afresh."""
+    assert run_command("prog", lambda: 0) == 0
+    command_line._on_interrupt(signal.SIGINT, None)  # the late handler call
+    command_line._interrupt_if_running()  # the timer, after the end: sends nothing
+    time.sleep(0.05)  # (an interrupt sent would be raised here)
+    assert run_command("prog", lambda: 0) == 0
 
 
 def test_a_swallowed_interrupt_stops_the_training_loop_at_the_next_update(tmp_path, capsys):
