@@ -174,9 +174,11 @@ def _descriptor_captured(fd: int, name: str):
     if old_stream is not None:
         old_stream.flush()
     captured, saved_fd = _Captured(), os.dup(fd)
-    with tempfile.TemporaryFile() as file, \
-            open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False) as stream:
-        os.dup2(file.fileno(), fd)  # (the stream writes to descriptor fd, whatever it points at)
+    # The stream writes to descriptor `fd`, whatever that points at; it is left open, so that
+    # anything made during the block that kept it (a logging handler) writes where fd points.
+    stream = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+    with tempfile.TemporaryFile() as file:
+        os.dup2(file.fileno(), fd)
         handlers = [h for h in _stream_handlers() if h.stream is old_stream]
         setattr(sys, name, stream)
         for handler in handlers:

@@ -540,12 +540,15 @@ def test_cli_refuses_a_run_dir_in_one_line_and_changes_nothing(run_dir_refusals,
 def test_in_process_runs_catch_what_a_process_of_their_own_would():
     """`run_in_process` (the refusals above) sees what the pipes of a process would: Python's
     streams, descriptors 1 and 2 written directly (as C++ code writes), and a logging handler
-    made earlier around `sys.stderr`; and afterwards all of it is as it was."""
+    made earlier around `sys.stderr`; and afterwards all of it is as it was (a handler made
+    during the run can still write)."""
     logger, handler = logging.getLogger("faults-capture"), logging.StreamHandler(sys.stderr)
     logger.addHandler(handler)
     logger.propagate = False
+    made = []
 
     def main(argv):
+        made.append(logging.StreamHandler(sys.stderr))
         print("python out")
         print("python err", file=sys.stderr)
         os.write(1, b"descriptor out\n")
@@ -563,6 +566,7 @@ def test_in_process_runs_catch_what_a_process_of_their_own_would():
     assert done.stderr == "python err\ndescriptor err\nlogged\nthe message\n"
     assert (sys.stdout, sys.stderr) == streams and handler.stream is streams[1]
     assert [_file_of(fd) for fd in (1, 2)] == descriptors
+    assert not made[0].stream.closed
 
 
 def _file_of(fd: int) -> tuple[int, int]:
