@@ -4,6 +4,7 @@ command line run in this process."""
 import contextlib
 import functools
 import io
+import logging
 import os
 import shutil
 import subprocess
@@ -125,6 +126,10 @@ def run_main(main: Callable[[list[str]], int | None], argv: list[str], stdin: st
     run compiled are reused. Keep a real process where the process itself is under test:
     signals, a lock held by another process, a closed stdout, the interpreter's exit.
 
+    What the command writes is caught where a subprocess's pipes would catch it: at file
+    descriptors 1 and 2, so that C++ (absl, tensorstore, XLA) writing to them directly, and
+    a logging handler made earlier around the old `sys.stderr`, are in it too.
+
     Args:
       main: the command's `main(argv)`, e.g. `train.reverse.main`.
       argv: its arguments.
@@ -134,17 +139,69 @@ def run_main(main: Callable[[list[str]], int | None], argv: list[str], stdin: st
       `CompletedProcess(argv, returncode, stdout, stderr)`; the return code is the one
       `SystemExit` would give the process (None 0, a message 1, printed to stderr).
     """
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+    with _descriptor_captured(1, "stdout") as out, _descriptor_captured(2, "stderr") as err, \
             _stdin_from(io.StringIO(stdin)):
         try:
             status = main(argv)
         except SystemExit as e:
             status = e.code
         if status is not None and not isinstance(status, int):  # sys.exit("message")
-            print(status, file=err)
+            print(status, file=sys.stderr)
             status = 1
     return subprocess.CompletedProcess(argv, status or 0, out.getvalue(), err.getvalue())
+
+
+class _Captured:
+    """What a descriptor received, once the capture has ended (`getvalue()`)."""
+
+    def __init__(self):
+        self.text = ""
+
+    def getvalue(self) -> str:
+        return self.text
+
+
+@contextlib.contextmanager
+def _descriptor_captured(fd: int, name: str):
+    """Descriptor `fd` and `sys.<name>` (and the logging handlers writing to the old
+    `sys.<name>`) pointed at one temporary file for the block, everything put back after
+    (as pytest's own capture does, so it is safe in an xdist worker).
+
+    Yields:
+      A `_Captured` holding the text written, once the block has ended.
+    """
+    old_stream = getattr(sys, name)
+    if old_stream is not None:
+        old_stream.flush()
+    captured, saved_fd = _Captured(), os.dup(fd)
+    # The stream writes to descriptor `fd`, whatever that points at; it is left open, so that
+    # anything made during the block that kept it (a logging handler) writes where fd points.
+    stream = open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+    with tempfile.TemporaryFile() as file:
+        os.dup2(file.fileno(), fd)
+        handlers = [h for h in _stream_handlers() if h.stream is old_stream]
+        setattr(sys, name, stream)
+        for handler in handlers:
+            handler.setStream(stream)
+        try:
+            yield captured
+        finally:
+            stream.flush()
+            for handler in handlers:
+                handler.setStream(old_stream)
+            setattr(sys, name, old_stream)
+            os.dup2(saved_fd, fd)
+            os.close(saved_fd)
+            file.seek(0)
+            captured.text = file.read().decode("utf-8", errors="replace")
+
+
+def _stream_handlers() -> list[logging.StreamHandler]:
+    """Every `logging.StreamHandler` of every logger (the root one too)."""
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger))]
+    return [h for logger in loggers for h in logger.handlers
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ their own where the process is under test, else in this one), and what a run dir
 holds before and after."""
 
 import contextlib
+import fcntl
 import hashlib
 import importlib
 import os
@@ -17,24 +18,37 @@ import pytest
 from conftest import run_main
 
 from jaxformer.training import read_metrics
+from train import reverse
 
 REPO = Path(__file__).resolve().parents[2]
 CLI_TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
             "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]  # as tests/train/test_reverse.py
 
 
-def run_cli(module: str, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python -m train.<module> argv` from the repository root, in a process of its own
-    (one that may run beside another: threads cannot share this process's stdout)."""
-    return subprocess.run([sys.executable, "-m", f"train.{module}", *argv], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout)
-
-
 def run_in_process(module: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """`python -m train.<module> argv` run in this process (`conftest.run_main`): the same
-    status, stdout and stderr as `run_cli`, without a new Python, a new JAX and new
-    compiles. For every case where nothing about a separate process is under test."""
+    """`python -m train.<module> argv` run in this process (`conftest.run_main`): the
+    status, stdout and stderr a process of its own would give, without a new Python, a
+    new JAX and new compiles. For every case where nothing about a separate process is
+    under test."""
     return run_main(importlib.import_module(f"train.{module}").main, argv)
+
+
+def shared_finished_run(tmp_path_factory) -> Path:
+    """A finished `train.reverse` run to step 10 (checkpoints 5 and 10), trained in-process
+    once per pytest run: the first test file (of any xdist worker) to ask trains it, under a
+    lock, the others read it. Tests copy it before they change anything.
+
+    Why shared: the files that damage run directories all start from this same run."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if "PYTEST_XDIST_WORKER" in os.environ else root  # (shared by the workers)
+    run_dir = root / "finished-reverse-run"
+    with open(root / "finished-reverse-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        if not run_dir.is_dir():
+            training = root / f"finished-reverse-run.{os.getpid()}"  # renamed once whole
+            assert reverse.main(["--steps", "10", "--run-dir", str(training), *CLI_TINY]) == 0
+            training.rename(run_dir)
+    return run_dir
 
 
 def snapshot(directory: Path) -> dict[str, str] | None:

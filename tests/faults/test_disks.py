@@ -16,10 +16,11 @@ import re
 import shutil
 import stat
 import subprocess
+import threading
 
 import pytest
-from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_losses, run_in_process, saving_now,
-                     small_disk, snapshot, start_cli, wait_until)
+from harness import (CLI_TINY, shared_finished_run, committed_steps, fill, last_logged_step, logged_losses, run_in_process, saving_now,
+                     small_disk, snapshot)
 
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
 from jaxformer.training import MetricsLog
@@ -43,18 +44,35 @@ def nothing_torn(run_dir) -> None:
     assert leftovers == []
 
 
+def past_a_checkpoint(run_dir) -> bool:
+    """Past a finished checkpoint, with updates logged since, and no save under way."""
+    done = committed_steps(run_dir)
+    return bool(done) and not saving_now(run_dir) and last_logged_step(run_dir) > done[-1]
+
+
+def fill_when(disk, ready, ended: threading.Event) -> None:
+    """Fills `disk` as soon as `ready()` holds (polled every millisecond), unless `ended` is set first."""
+    while not ready():
+        if ended.wait(0.001):
+            return
+    fill(disk)
+
+
 def test_a_disk_that_fills_up_mid_run_ends_it_in_one_line_and_resume_continues_bitwise(tmp_path):
+    """The run trains in this process while a thread fills its disk once it is past a
+    checkpoint (a disk that never filled would let it end at step 1000, status 0)."""
     with small_disk(tmp_path / "disk") as disk:
-        run_dir = disk / "run"
-        with open(tmp_path / "stderr.txt", "w") as err:
-            process = start_cli("reverse", ["--steps", "100000", "--run-dir", str(run_dir), *ARGV], stderr=err)
-            wait_until(process, lambda: len(committed_steps(run_dir)) >= 1 and not saving_now(run_dir)
-                       and last_logged_step(run_dir) > committed_steps(run_dir)[-1])
-            fill(disk)
-            process.wait(timeout=300)
-        stderr = (tmp_path / "stderr.txt").read_text()
+        run_dir, ended = disk / "run", threading.Event()
+        filler = threading.Thread(target=fill_when, args=(disk, lambda: past_a_checkpoint(run_dir), ended))
+        filler.start()
+        try:
+            done = run_in_process("reverse", ["--steps", "1000", "--run-dir", str(run_dir), *ARGV])
+        finally:
+            ended.set()
+            filler.join()
+        stderr = done.stderr
         kept, losses = committed_steps(run_dir), logged_losses(run_dir)
-        assert process.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+        assert done.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
         last = stderr.strip().splitlines()[-1]
         assert re.fullmatch(rf"python -m train\.reverse: error: cannot write {re.escape(str(run_dir))}/\S+: {FULL}; "
                             rf"checkpoint {kept[-1]} is kept in {re.escape(str(run_dir))}: continue from it with the "
@@ -99,10 +117,8 @@ def test_a_line_that_does_not_fit_is_cut_back_off(tmp_path):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A finished `train.reverse` run to step 10 (checkpoints 5 and 10), run in-process."""
-    run_dir = tmp_path_factory.mktemp("disks") / "finished"
-    assert reverse.main(["--steps", "10", "--run-dir", str(run_dir), *CLI_TINY]) == 0
-    return run_dir
+    """A finished `train.reverse` run to step 10 (checkpoints 5 and 10), shared: copy it to change it."""
+    return shared_finished_run(tmp_path_factory)
 
 
 @pytest.mark.parametrize("command", ["resume", "report"])

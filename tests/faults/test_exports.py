@@ -72,15 +72,19 @@ def test_an_export_is_swapped_in_whole_with_the_users_permissions(runs, tmp_path
     assert {stat.S_IMODE((export / name).stat().st_mode) for name in EXPORT_FILES} == {0o666 & ~umask}
 
 
+# SIGKILL ends a process: the write runs in one of its own. (`jaxformer/files.py` needs only
+# the standard library: loaded alone, without the package's JAX.)
 KILLED_WRITE = """
-import os, signal, sys
-from jaxformer.files import write_folder_atomically
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("files", sys.argv[2])
+files = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(files)
 
 def write(folder):  # the new export, half written, then the process is killed
     (folder / "model.safetensors").write_bytes(b"new weights")
     os.kill(os.getpid(), signal.SIGKILL)
 
-write_folder_atomically(sys.argv[1], write)
+files.write_folder_atomically(sys.argv[1], write)
 """
 
 
@@ -88,7 +92,8 @@ def test_an_export_killed_while_it_writes_leaves_the_old_one_and_the_retry_works
     run_dir, export = runs[2][0], tmp_path / "export"
     shutil.copytree(runs[1][1], export)
     old = snapshot(export)
-    killed = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(export)], cwd=REPO)
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(export), str(REPO / "jaxformer" / "files.py")],
+                            cwd=REPO)
     assert killed.returncode == -9
     assert snapshot(export) == old and len(twins(export)) == 1  # the old export whole; the half-written twin beside
     assert export_again(run_dir, export, 2) == 0  # the retry is not refused

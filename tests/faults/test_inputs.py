@@ -11,24 +11,26 @@ Sections:
     a numpy-typed call and its plain-Python twin, which must agree.
   File cases: `FILE_CASES` (`test_load_hf_refuses`): a checkpoint folder written by
     `save_hf`, damaged one way each; the message must name the file and the field.
-  CLI cases: `train.reverse` and `train.lm`. `RUN_DIR_REFUSALS` run as subprocesses
-    against damaged copies of one finished run (exit 2, one stderr line, the directory
-    unchanged byte for byte); `FLAG_REFUSALS` through `main(argv)`, before a device is
-    touched; and runs killed with SIGKILL mid-run and mid-checkpoint (one also with its
-    newest checkpoint cut short) resume to bitwise the losses they had logged.
+  CLI cases: `train.reverse` and `train.lm`. `RUN_DIR_REFUSALS` run in this process
+    (`run_in_process`, which sees all a subprocess's stderr would) against damaged copies
+    of one finished run (exit 2, one stderr line, the directory unchanged byte for byte);
+    `FLAG_REFUSALS` through `main(argv)`, before a device is touched; and runs killed with
+    SIGKILL mid-run and mid-checkpoint (one also with its newest checkpoint cut short)
+    resume to bitwise the losses they had logged.
 
 Every case is cheap: one tiny decoder and one tiny encoder-decoder (vocab 32, d_model 16,
 one layer) are built once and shared, and a refusal happens before `jit`, so the API
 cases compile nothing but the two shared decoding loops of the accepted cases.
 """
 
-import concurrent.futures
 import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -36,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_compiles
-from harness import (CLI_TINY, committed_steps, kill_when, logged_losses, mid_checkpoint, mid_run, run_cli, snapshot,
-                     start_cli)
+from conftest import count_compiles, run_main
+from harness import (CLI_TINY, shared_finished_run, committed_steps, kill_when, logged_losses, mid_checkpoint, mid_run, run_in_process,
+                     snapshot, start_cli)
 
 from jaxformer import Decoder, DecoderConfig, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.convert import config_from_hf, load_hf, save_hf
@@ -437,7 +439,8 @@ def test_the_undamaged_checkpoint_loads(checkpoint):
 
 
 # ---------------------------------------------------------------------------------------
-# The CLI cases: the training commands run as subprocesses, as a user runs them.
+# The CLI cases: the training commands as a user runs them (in a process of their own
+# where a process is killed, else in this one).
 
 def damage_data_file(checkpoint: Path) -> None:
     """Truncates the largest array file of a checkpoint (a disk that filled up mid-copy)."""
@@ -451,10 +454,8 @@ def garble_metadata(checkpoint: Path) -> None:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    """A finished `train.reverse` run to step 10 (checkpoints 5 and 10), run in-process."""
-    run_dir = tmp_path_factory.mktemp("faults") / "finished"
-    assert reverse.main(["--steps", "10", "--run-dir", str(run_dir), *CLI_TINY]) == 0
-    return run_dir
+    """A finished `train.reverse` run to step 10 (checkpoints 5 and 10), shared: copy it to change it."""
+    return shared_finished_run(tmp_path_factory)
 
 
 def copy_of(run_dir: Path, damage: Callable[[Path], None] | None = None) -> Callable[[Path], Path]:
@@ -486,8 +487,8 @@ def invalid_config(run: Path) -> None:
     (run / "config.json").write_text('{"model": ')
 
 
-# Cases that read or guard a run directory run as subprocesses, as a user runs them (what
-# orbax or asyncio might print goes to the real stderr). Each: (id, command, argv with
+# Cases that read or guard a run directory, run in this process with its descriptors 1 and
+# 2 captured (what orbax, asyncio or C++ might print is caught too). Each: (id, command, argv with
 # {run} for the case's run directory, how to make that directory from the finished run
 # (None: it does not exist), what the one stderr line must say). Every case must exit 2
 # before any work, its run directory unchanged (or still absent).
@@ -511,21 +512,19 @@ RUN_DIR_REFUSALS = [
 
 @pytest.fixture(scope="module")
 def run_dir_refusals(finished_run, tmp_path_factory) -> dict:
-    """Every run-directory case at once, two at a time (most of each is Python start-up).
+    """Every run-directory case, one after another, in this process.
 
     Returns:
-      `{id: (result, run_dir, snapshot before, snapshot after)}`.
+      `{id: (status, stderr, run_dir, snapshot before, snapshot after)}`.
     """
-    def run_case(case):
-        case_id, module, argv, prepare, _ = case
+    results = {}
+    for case_id, module, argv, prepare, _ in RUN_DIR_REFUSALS:
         case_dir = tmp_path_factory.mktemp(case_id)
         run_dir = case_dir / "run" if prepare is None else prepare(finished_run)(case_dir)
         before = snapshot(run_dir)
-        done = run_cli(module, [a.replace("{run}", str(run_dir)) for a in argv])
-        return case_id, (done.returncode, done.stderr, run_dir, before, snapshot(run_dir))
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run_case, RUN_DIR_REFUSALS))
+        done = run_in_process(module, [a.replace("{run}", str(run_dir)) for a in argv])
+        results[case_id] = done.returncode, done.stderr, run_dir, before, snapshot(run_dir)
+    return results
 
 
 @pytest.mark.parametrize("case_id, message", [(case[0], case[4]) for case in RUN_DIR_REFUSALS],
@@ -536,6 +535,44 @@ def test_cli_refuses_a_run_dir_in_one_line_and_changes_nothing(run_dir_refusals,
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], stderr
     assert after == before, f"{run_dir} changed"
+
+
+def test_in_process_runs_catch_what_a_process_of_their_own_would():
+    """`run_in_process` (the refusals above) sees what the pipes of a process would: Python's
+    streams, descriptors 1 and 2 written directly (as C++ code writes), and a logging handler
+    made earlier around `sys.stderr`; and afterwards all of it is as it was (a handler made
+    during the run can still write)."""
+    logger, handler = logging.getLogger("faults-capture"), logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    logger.propagate = False
+    made = []
+
+    def main(argv):
+        made.append(logging.StreamHandler(sys.stderr))
+        print("python out")
+        print("python err", file=sys.stderr)
+        os.write(1, b"descriptor out\n")
+        os.write(2, b"descriptor err\n")
+        logger.warning("logged")
+        sys.exit("the message")
+
+    streams, descriptors = (sys.stdout, sys.stderr), [_file_of(fd) for fd in (1, 2)]
+    try:
+        done = run_main(main, [])
+    finally:
+        logger.removeHandler(handler)
+    assert done.returncode == 1
+    assert done.stdout == "python out\ndescriptor out\n"
+    assert done.stderr == "python err\ndescriptor err\nlogged\nthe message\n"
+    assert (sys.stdout, sys.stderr) == streams and handler.stream is streams[1]
+    assert [_file_of(fd) for fd in (1, 2)] == descriptors
+    assert not made[0].stream.closed
+
+
+def _file_of(fd: int) -> tuple[int, int]:
+    """What descriptor `fd` points at: (device, inode)."""
+    stat = os.fstat(fd)
+    return stat.st_dev, stat.st_ino
 
 
 # Flags checked as they are parsed, before a device is touched: run in-process through
@@ -574,12 +611,14 @@ def test_cli_refuses_a_flag_in_one_line_before_any_work(tmp_path, capsys, demo, 
 
 def test_cli_killed_mid_checkpoint_resumes_bitwise(tmp_path):
     """SIGKILL while a checkpoint is written: `--resume` continues from the newest finished
-    one, redoes the updates after it, and logs bitwise the losses the killed run logged."""
+    one, redoes the updates after it, and logs bitwise the losses the killed run logged.
+    (SIGKILL ends a process: the killed run is one of its own;
+    the resume runs in this one.)"""
     run_dir = tmp_path / "run"
     argv = [*CLI_TINY, "--run-dir", str(run_dir), "--log-every", "1", "--checkpoint-every", "1"]
     kill_when(start_cli("reverse", ["--steps", "100000", *argv]), lambda: mid_checkpoint(run_dir))
     before, restored = logged_losses(run_dir), committed_steps(run_dir)[-1]
-    done = run_cli("reverse", ["--resume", "--steps", str(max(before)), *argv])
+    done = run_in_process("reverse", ["--resume", "--steps", str(max(before)), *argv])
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resuming at step {restored} of {max(before)}" in done.stdout
     assert logged_losses(run_dir) == before  # floats compared exactly
@@ -588,13 +627,14 @@ def test_cli_killed_mid_checkpoint_resumes_bitwise(tmp_path):
 def test_cli_killed_mid_run_with_a_damaged_checkpoint_resumes_from_the_one_before(tmp_path):
     """SIGKILL between checkpoints, then the newest checkpoint cut short (a disk that filled
     up): `--resume` reports it in one line, keeps it aside, resumes from the one before
-    and redoes the updates since bitwise."""
+    and redoes the updates since bitwise. (SIGKILL ends a process: the killed run is
+    one of its own; the resume runs in this one.)"""
     run_dir = tmp_path / "run"
     argv = [*CLI_TINY, "--run-dir", str(run_dir), "--log-every", "1", "--checkpoint-every", "10"]
     kill_when(start_cli("reverse", ["--steps", "100000", *argv]), lambda: mid_run(run_dir))
     before, (*_, older, newest) = logged_losses(run_dir), committed_steps(run_dir)
     damage_data_file(run_dir / "checkpoints" / str(newest))
-    done = run_cli("reverse", ["--resume", "--steps", str(max(before)), *argv])
+    done = run_in_process("reverse", ["--resume", "--steps", str(max(before)), *argv])
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [line for line in done.stderr.splitlines() if "does not restore" in line]
     assert len(reports) == 1 and reports[0].startswith(f"checkpoint {newest} does not restore ("), done.stderr

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def start(argv: list[str], **popen) -> subprocess.Popen:
-    """The generation command started as a user starts it, its output read by the test."""
+    """The generation command started as a user starts it, its output read by the test: a
+    process of its own, as the signal, the pipe and the closed descriptor are a process's."""
     return subprocess.Popen([sys.executable, "-m", "jaxformer.text.generate", *argv], cwd=REPO,
                             stdout=popen.pop("stdout", subprocess.PIPE), stderr=subprocess.PIPE, **popen)
 
@@ -144,7 +146,10 @@ def test_a_closed_standard_output_is_refused_in_one_line(checkpoint, argv):
 
 def swallow_ctrl_c() -> None:
     """Ctrl-C for this process, caught where it lands, as a callback from compiled code
-    (XLA's, tensorstore's) may catch and drop it."""
+    (XLA's, tensorstore's) may catch and drop it. Only under a Python handler, in the main
+    thread: with none, the signal would end this process (a pytest-xdist worker)."""
+    assert threading.current_thread() is threading.main_thread(), "the handler would run elsewhere"
+    assert callable(signal.getsignal(signal.SIGINT)), "no Python handler for SIGINT: it would end this process"
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(1)  # (the handler runs at the next bytecode; this never ends)
@@ -153,8 +158,10 @@ def swallow_ctrl_c() -> None:
 
 
 def test_a_swallowed_interrupt_still_ends_the_command_with_130(capsys):
+    handler = signal.getsignal(signal.SIGINT)
     assert run_command("prog", lambda: (swallow_ctrl_c(), 0)[1]) == INTERRUPTED
     assert capsys.readouterr().err == "prog: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is handler  # this process's own handler is back
     assert run_command("prog", lambda: 0) == 0  # and the next command starts afresh
 
 
@@ -188,7 +195,9 @@ def test_a_swallowed_interrupt_stops_the_training_loop_at_the_next_update(tmp_pa
                    checkpoint_every=5, log_every=1, progress=False)
         return 0
 
+    handler = signal.getsignal(signal.SIGINT)
     assert run_command("prog", work) == INTERRUPTED
+    assert signal.getsignal(signal.SIGINT) is handler
     assert updates == list(range(1, 8))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5"]
     assert capsys.readouterr().err == "prog: interrupted\n"

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import (CLI_TINY, committed_steps, last_logged_step, logged_losses, run_in_process, saving_now,
+from harness import (CLI_TINY, shared_finished_run, committed_steps, last_logged_step, logged_losses, run_in_process, saving_now,
                      snapshot, start_cli, wait_until)
 
 from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
@@ -33,6 +33,8 @@ ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory) -> dict:
     """A run trained in the background, tried while it runs, then interrupted with Ctrl-C.
+    The run is a process of its own (its lock is held by another process, and Ctrl-C ends
+    a process); the refused attempts and the resume run in this one.
 
     Returns:
       What each step gave: the refused `--resume` and `train.report` (while it ran), the
@@ -121,10 +123,8 @@ def test_parameters_that_stop_being_finite_are_never_saved(tmp_path):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """A finished `train.reverse` run to step 10 (checkpoints 5 and 10), run in-process."""
-    run_dir = tmp_path_factory.mktemp("damaged") / "finished"
-    assert reverse.main(["--steps", "10", "--run-dir", str(run_dir), *CLI_TINY]) == 0
-    return run_dir
+    """A finished `train.reverse` run to step 10 (checkpoints 5 and 10), shared: copy it to change it."""
+    return shared_finished_run(tmp_path_factory)
 
 
 def damage_line(name: str, line: int, text: str):
