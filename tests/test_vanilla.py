@@ -192,7 +192,7 @@ def test_dropout_uses_the_dropout_stream(demo):
     src, tgt_in = _src_tgt()
 
     def train(key):
-        return jit_apply(model, {"params": params}, src, tgt_in, deterministic=False, rngs={"dropout": key})
+        return model.apply({"params": params}, src, tgt_in, deterministic=False, rngs={"dropout": key})
 
     np.testing.assert_array_equal(train(jax.random.key(1)), train(jax.random.key(1)))
     assert np.abs(np.asarray(train(jax.random.key(1)) - train(jax.random.key(2)))).max() > 1e-3
@@ -215,7 +215,8 @@ def test_padding_is_masked_and_a_fully_padded_source_is_finite(demo):
 
 def test_pre_norm_has_final_norms_and_untied_has_own_matrices():
     src, tgt_in = _src_tgt()
-    pre = jax.eval_shape(VanillaTransformer(DEMO.replace(norm_first=True)).init, jax.random.key(0), src, tgt_in)["params"]
+    pre = jax.eval_shape(VanillaTransformer(DEMO.replace(norm_first=True)).init, jax.random.key(0), src,
+                         tgt_in)["params"]
     assert "encoder_norm" in pre and "decoder_norm" in pre
     untied_config = DEMO.replace(tie_embeddings=False, tgt_vocab_size=23)
     untied = jax.eval_shape(VanillaTransformer(untied_config).init, jax.random.key(0), src, tgt_in)["params"]
@@ -248,7 +249,6 @@ def _slow_greedy(model, params, src, n_new, bos, eos, pad):
     return ys
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def _randomised(params, seed):
     """Xavier matrices kept; biases and LayerNorm scales redrawn, so every part matters."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -270,7 +270,7 @@ def test_cached_greedy_equals_uncached(norm_first, tie):
     config = DEMO.replace(norm_first=norm_first, tie_embeddings=tie, max_seq_len=40)
     model = VanillaTransformer(config)
     src = _ids(20, (4, S)).at[2, 5:].set(0)
-    params = _randomised(jax.jit(model.init)(jax.random.key(1), src, src)["params"], 21)
+    params = _randomised(model.init(jax.random.key(1), src, src)["params"], seed=21)
     # Random weights would also emit PAD mid-row. Teacher forcing masks PAD keys, the cache
     # holds what was fed (generation has no target padding), so keep PAD out of the race.
     params["out_bias"] = params["out_bias"].at[config.pad_id].set(-1e4)
@@ -293,7 +293,7 @@ def test_cached_greedy_equals_uncached(norm_first, tie):
 
 def test_cached_steps_equal_teacher_forcing(demo):
     model, params = demo
-    params = _randomised(params, 22)
+    params = _randomised(params, seed=22)
     src, tgt_in = _src_tgt()
     v = {"params": params}
     full = jit_apply(model, v, src, tgt_in)
