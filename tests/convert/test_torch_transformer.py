@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_peer, jit_apply
+from conftest import import_peer
 
 from jaxformer import DecoderConfig, VanillaConfig, VanillaTransformer
 from jaxformer.convert.torch_transformer import from_torch_transformer
@@ -108,8 +108,8 @@ def _convert(model: TorchSeq2Seq, config: VanillaConfig, state_dict=None):
 def _jax_forward(config: VanillaConfig, params, src, tgt_in) -> tuple[np.ndarray, np.ndarray]:
     model, variables = VanillaTransformer(config), {"params": params}
     src, tgt_in = jnp.asarray(src, jnp.int32), jnp.asarray(tgt_in, jnp.int32)
-    return (np.asarray(jit_apply(model, variables, src, method="encode")),
-            np.asarray(jit_apply(model, variables, src, tgt_in)))
+    return (np.asarray(model.apply(variables, src, method="encode")),
+            np.asarray(model.apply(variables, src, tgt_in)))
 
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
