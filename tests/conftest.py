@@ -301,3 +301,12 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
         x = x + (gate / (1 + np.exp(-gate)) * (h @ b["mlp"]["w_up"])) @ b["mlp"]["w_down"]
     x = rms(x, p["final_norm"]["weight"])
     return x @ (p["embed"].T if config.tie_embeddings else p["lm_head"])
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("method", "mutable", "deterministic"))
+def jit_apply(model, variables, *args, **kwargs):
+    """`model.apply(variables, *args, **kwargs)`, jitted: a reference computation for any
+    test file. Why: run eagerly, each of its operations is compiled on its own; this one
+    function object compiles once per model, method and shapes, for the whole process.
+    (`mutable` as a string or a tuple: a static argument is hashed.)"""
+    return model.apply(variables, *args, **kwargs)

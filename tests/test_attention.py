@@ -19,16 +19,20 @@ def test_grouped_einsum_equals_repeated_kv():
     out, weights = dot_product_attention(q, k, v, mask)
     chex.assert_shape(out, (2, 5, 6, 8))
     chex.assert_shape(weights, (2, 6, 5, 7))
-    # The slow path: repeat each kv head n_rep times, contiguously, then plain MHA.
-    k_rep, v_rep = jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2)  # [batch, S, n_head, head_dim]
-    scores = jnp.einsum("bthd,bshd->bhts", q, k_rep) / np.sqrt(8)
-    scores = jnp.where(mask[:, None], scores, -jnp.inf)
-    want_w = jax.nn.softmax(scores, axis=-1)
-    want = jnp.einsum("bhts,bshd->bthd", want_w, v_rep)
+    # The slow path, in float64 numpy: repeat each kv head n_rep times, contiguously, then plain MHA.
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    mask = np.asarray(mask)
+    k_rep, v_rep = np.repeat(k, 3, axis=2), np.repeat(v, 3, axis=2)  # [batch, S, n_head, head_dim]
+    scores = np.einsum("bthd,bshd->bhts", q, k_rep) / np.sqrt(8)
+    scores = np.where(mask[:, None], scores, -np.inf)
+    want_w = np.exp(scores - scores.max(-1, keepdims=True))
+    want_w /= want_w.sum(-1, keepdims=True)  # softmax over the keys
+    want = np.einsum("bhts,bshd->bthd", want_w, v_rep)
+    weights = np.asarray(weights)
     np.testing.assert_allclose(out, want, atol=1e-5)
     np.testing.assert_allclose(weights, want_w, atol=1e-6)
     np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-6)
-    assert float(jnp.where(mask[:, None], 0.0, weights).max()) == 0.0  # blocked keys get exactly 0
+    assert np.where(mask[:, None], 0.0, weights).max() == 0.0  # blocked keys get exactly 0
 
 
 def test_matches_per_head_numpy_formula():

@@ -73,15 +73,15 @@ def test_bad_create(kwargs, match):
 
 def test_cache_dtype_is_selectable():
     """A bf16 cache under float32 compute: half the bytes, logits close to the float32 cache's."""
-    from conftest import init_params
+    from conftest import init_params, jit_apply
     config = CONFIG.replace(cache_dtype="bfloat16")
     cache = KVCache.create(config, batch_size=2, capacity=8)
     assert cache.layers[0].k.dtype == jnp.bfloat16
     assert cache.nbytes * 2 == KVCache.create(CONFIG, batch_size=2, capacity=8).nbytes
     params = init_params(CONFIG)
     tokens = jnp.arange(12).reshape(2, 6) % CONFIG.vocab_size
-    want, _ = Decoder(CONFIG).apply({"params": params}, tokens, KVCache.create(CONFIG, 2, capacity=8))
-    got, cache = Decoder(config).apply({"params": params}, tokens, cache)
+    want, _ = jit_apply(Decoder(CONFIG), {"params": params}, tokens, KVCache.create(CONFIG, 2, capacity=8))
+    got, cache = jit_apply(Decoder(config), {"params": params}, tokens, cache)
     assert got.dtype == jnp.float32 and cache.layers[-1].v.dtype == jnp.bfloat16
     error = float(jnp.abs(got - want).max())
     assert 0 < error < 0.02 * float(jnp.abs(want).max())

@@ -9,7 +9,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL, init_params, random_params
+from conftest import SMALL, init_params, jit_apply, random_params
 from safetensors.numpy import load_file, save_file
 
 from jaxformer import Decoder
@@ -113,8 +113,8 @@ def test_interleaved_model_is_saved_split_half_with_the_same_logits(tmp_path):
     with jax.enable_x64(True):
         f64 = dict(dtype="float64", param_dtype="float64")
         as64 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
-        want, _ = Decoder(config.replace(**f64)).apply({"params": as64(params)}, tokens)
-        got, _ = Decoder(loaded_config.replace(**f64)).apply({"params": as64(loaded)}, tokens)
+        want, _ = jit_apply(Decoder(config.replace(**f64)), {"params": as64(params)}, tokens)
+        got, _ = jit_apply(Decoder(loaded_config.replace(**f64)), {"params": as64(loaded)}, tokens)
     assert want.dtype == np.float64 and np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=1e-10, rtol=1e-10)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, import_peer, random_params
+from conftest import SMALL, import_peer, jit_apply, random_params
 
 from jaxformer import Decoder, KVCache, generate
 from jaxformer.convert import load_hf, save_hf
@@ -119,7 +119,7 @@ def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, changes):
     tokens = np.arange(2 * 30).reshape(2, 30) * 7 % config.vocab_size
     with torch.no_grad():
         want = hf_model(torch.tensor(tokens)).logits.numpy()
-    got, _ = Decoder(config).apply({"params": params}, tokens)
+    got, _ = jit_apply(Decoder(config), {"params": params}, tokens)
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
 

@@ -1,11 +1,14 @@
 """Beam search on fixed next-token tables (right answer known) and on a real model."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, random_params
+import scipy.special
+from conftest import SMALL, jit_apply, random_params
 
 from jaxformer import Decoder, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.decoding.beam import beam_search, gather_beams, length_norm
@@ -93,11 +96,27 @@ PARAMS = random_params(SMALL, seed=11, scale=0.3)
 
 
 def _prefilled(prompt, num_beams, max_new_tokens):
-    step = lambda t, c: MODEL.apply({"params": PARAMS}, t, c)  # noqa: E731
     prompt = jnp.repeat(prompt, num_beams, axis=0)
     cache = KVCache.create(SMALL, prompt.shape[0], capacity=prompt.shape[1] + max_new_tokens - 1)
-    logits, cache = step(prompt, cache)
-    return step, logits[:, -1], cache
+    logits, cache = jit_apply(MODEL, {"params": PARAMS}, prompt, cache)
+    return logits[:, -1], cache
+
+
+@functools.partial(jax.jit, static_argnames=("num_beams", "max_new_tokens"))
+def _model_beam_search(params, logits, cache, eos_id, *, num_beams, max_new_tokens):
+    """`beam_search` over MODEL's cached steps, jitted once per shape (the EOS traced)."""
+    def step(tokens, cache):
+        return jit_apply(MODEL, {"params": params}, tokens, cache)
+
+    return beam_search(step, logits, cache, num_beams=num_beams, max_new_tokens=max_new_tokens, eos_id=eos_id,
+                       pad_id=jnp.int32(PAD), length_penalty=0.0)
+
+
+def _log_prob(out, prompt_len):
+    """float64 log p of each row's tokens after `prompt_len` under the full forward of `out`."""
+    logits = np.asarray(jit_apply(MODEL, {"params": PARAMS}, jnp.asarray(out))[0], np.float64)[:, prompt_len - 1:-1]
+    logp = logits - scipy.special.logsumexp(logits, axis=-1, keepdims=True)  # predictions of the new tokens
+    return np.take_along_axis(logp, np.asarray(out)[:, prompt_len:, None], axis=-1).sum(axis=(1, 2))
 
 
 @pytest.mark.parametrize("eos", [-1, "emitted"])
@@ -108,9 +127,8 @@ def test_one_beam_is_greedy_on_a_real_model(eos):
         eos = int(greedy[1, 6])
     want = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=None if eos == -1 else eos,
                                pad_id=PAD))[:, 7:]
-    step, logits, cache = _prefilled(prompt, 1, 20)
-    tokens, _ = jax.jit(lambda l, c: beam_search(step, l, c, num_beams=1, max_new_tokens=20, eos_id=jnp.int32(eos),
-                                                 pad_id=jnp.int32(PAD), length_penalty=0.0))(logits, cache)
+    logits, cache = _prefilled(prompt, 1, 20)
+    tokens, _ = _model_beam_search(PARAMS, logits, cache, jnp.int32(eos), num_beams=1, max_new_tokens=20)
     np.testing.assert_array_equal(tokens, want)
 
 
@@ -120,19 +138,12 @@ def test_beam_score_is_the_sequence_log_probability():
     out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=10, num_beams=4))
     chex.assert_shape(out, (2, 15))
     np.testing.assert_array_equal(out[:, :5], prompt)
-    step, logits, cache = _prefilled(prompt, 4, 10)
-    tokens, score = beam_search(step, logits, cache, num_beams=4, max_new_tokens=10, eos_id=jnp.int32(-1),
-                                pad_id=jnp.int32(PAD), length_penalty=0.0)
+    logits, cache = _prefilled(prompt, 4, 10)
+    tokens, score = _model_beam_search(PARAMS, logits, cache, jnp.int32(-1), num_beams=4, max_new_tokens=10)
     np.testing.assert_array_equal(tokens, out[:, 5:])
-    full, _ = MODEL.apply({"params": PARAMS}, jnp.asarray(out))
-    logp = jax.nn.log_softmax(full[:, 4:-1].astype(jnp.float32), axis=-1)  # predictions of tokens 5..14
-    want = jnp.take_along_axis(logp, jnp.asarray(out[:, 5:, None]), axis=-1).sum(axis=(1, 2))
-    np.testing.assert_allclose(score, want, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(score, _log_prob(out, 5), atol=1e-4, rtol=1e-5)
     greedy = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=10))
-    full_greedy, _ = MODEL.apply({"params": PARAMS}, jnp.asarray(greedy))
-    greedy_logp = jnp.take_along_axis(jax.nn.log_softmax(full_greedy[:, 4:-1], -1), jnp.asarray(greedy[:, 5:, None]),
-                                      axis=-1).sum(axis=(1, 2))
-    assert np.all(np.asarray(score) >= np.asarray(greedy_logp) - 1e-5)  # no worse than greedy here
+    assert np.all(np.asarray(score) >= _log_prob(greedy, 5) - 1e-5)  # no worse than greedy here
 
 
 def test_encoder_decoder_beam_search_runs():
@@ -140,7 +151,7 @@ def test_encoder_decoder_beam_search_runs():
                             max_seq_len=32, tie_embeddings=False)
     model = VanillaTransformer(vconfig)
     src = jax.random.randint(jax.random.key(2), (2, 6), 3, 19)
-    params = model.init(jax.random.key(3), src, src)["params"]
+    params = jax.jit(model.init)(jax.random.key(3), src, src)["params"]
     out = generate(model, params, src, max_new_tokens=8, bos_id=1, eos_id=2, num_beams=3, length_penalty=0.6)
     chex.assert_shape(out, (2, 9))
     np.testing.assert_array_equal(out[:, 0], 1)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.special
 import scipy.stats
-from conftest import count_compiles, random_params
+from conftest import count_compiles, jit_apply, random_params
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
 from jaxformer.decoding import (DecodeRequest, Draft, PromptLookup, advance, run, speculative, speculative_generate,
@@ -22,6 +22,9 @@ CONFIGS = {
     "mqa-split-half-untied": TINY.replace(n_layer=1, n_kv_head=1, tie_embeddings=False),
 }
 DRAFT = TINY.replace(n_layer=1, n_head=2, n_kv_head=1, d_model=16)
+# The runs on TINY with the target's own weights as its draft share one prompt shape, run
+# length and the proposers' k, so that their programs compile once for the file.
+SHARED_PROMPT, SHARED_NEW, LOOKUP_K, DRAFT_K = (2, 10), 20, 4, 8
 
 
 def repetitive_prompts(batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -91,19 +94,19 @@ def test_lookup_proposes_the_longest_earlier_match(n):
 
 def test_a_draft_equal_to_the_model_accepts_everything():
     model, params = Decoder(TINY), random_params(TINY, seed=1)
-    prompt = repetitive_prompts(2, 10)
-    for k in (1, 8):
-        got, stats = speculative_generate(model, params, prompt, Draft(model, params, k=k), max_new_tokens=25)
-        np.testing.assert_array_equal(got, generate(model, params, prompt, max_new_tokens=25))
-        assert stats.acceptance == 1.0 and stats.rounds == -(-24 // (k + 1))  # 24 tokens after the prefill's
+    prompt = repetitive_prompts(*SHARED_PROMPT)
+    for k in (1, DRAFT_K):
+        got, stats = speculative_generate(model, params, prompt, Draft(model, params, k=k), max_new_tokens=SHARED_NEW)
+        np.testing.assert_array_equal(got, generate(model, params, prompt, max_new_tokens=SHARED_NEW))
+        assert stats.acceptance == 1.0 and stats.rounds == -(-19 // (k + 1))  # 19 tokens after the prefill's
 
 
 def test_stream_gives_the_same_tokens():
     model, params = Decoder(TINY), random_params(TINY, seed=1)
-    prompt = repetitive_prompts(2, 10)
-    for spec in (PromptLookup(k=3, n=2), Draft(model, params, k=4)):
+    prompt = repetitive_prompts(*SHARED_PROMPT)
+    for spec in (PromptLookup(k=LOOKUP_K, n=2), Draft(model, params, k=DRAFT_K)):
         for temperature in (0.0, 1.0):
-            options = dict(max_new_tokens=17, temperature=temperature, key=jax.random.key(3))
+            options = dict(max_new_tokens=SHARED_NEW, temperature=temperature, key=jax.random.key(3))
             want = generate(model, params, prompt, speculative=spec, **options)[:, 10:]
             got = np.stack(list(stream(model, params, prompt, speculative=spec, **options)), axis=1)
             np.testing.assert_array_equal(got, want)
@@ -114,33 +117,34 @@ def test_the_cache_after_rejections_holds_plain_decodings_values():
     plain decoding's cache holds there; one compiled program serves runs that accept
     everything and runs that accept nothing."""
     model, params = Decoder(TINY), random_params(TINY, seed=1)
-    prompt = repetitive_prompts(2, 10)
-    request = DecodeRequest.create(model, prompt, max_new_tokens=20)
-    strategy = plan(model, request, PromptLookup(k=4, n=2))
+    prompt = repetitive_prompts(*SHARED_PROMPT)
+    request = DecodeRequest.create(model, prompt, max_new_tokens=SHARED_NEW)
+    strategy = plan(model, request, PromptLookup(k=LOOKUP_K, n=2))
     state = start(model, params, request, None, strategy)
     rejected = 0
     while True:  # rounds while every row is unfinished (a finished row's cache is parked)
         before = jax.device_get(state)  # (the state passed to a round is donated)
         state, _, _ = advance(model, params, request, state, strategy)
-        if int(state.n.max()) >= 20:
+        if int(state.n.max()) >= SHARED_NEW:
             break
-        rejected += int(np.any(np.asarray(state.n) - before.n < 5))
+        rejected += int(np.any(np.asarray(state.n) - before.n < LOOKUP_K + 1))
     state = before
     assert rejected > 0
     pos = np.asarray(state.cache.pos)
     np.testing.assert_array_equal(pos, 10 + np.asarray(state.n) - 1)  # everything but each row's last token
     for row in range(2):
         tokens = state.sequence[row:row + 1, :pos[row]]
-        _, plain = jax.jit(model.apply)({"params": params}, tokens, model.init_cache(1, int(pos[row])))
+        _, plain = jit_apply(model, {"params": params}, tokens, model.init_cache(1, int(pos[row])))
         for got, want in zip(state.cache.layers, plain.layers):
             np.testing.assert_allclose(got.k[row, :pos[row]], want.k[0], atol=1e-5)
             np.testing.assert_allclose(got.v[row, :pos[row]], want.v[0], atol=1e-5)
 
-    accepts_all, accepts_few = Draft(model, params, k=3), Draft(model, random_params(TINY, seed=5), k=3)
-    assert speculative_generate(model, params, prompt, accepts_all, max_new_tokens=20)[1].acceptance == 1.0
+    accepts_all = Draft(model, params, k=DRAFT_K)
+    accepts_few = Draft(model, random_params(TINY, seed=5), k=DRAFT_K)
+    assert speculative_generate(model, params, prompt, accepts_all, max_new_tokens=SHARED_NEW)[1].acceptance == 1.0
     with count_compiles() as compiles:
-        assert speculative_generate(model, params, prompt, accepts_few, max_new_tokens=20)[1].acceptance < 0.5
-        speculative_generate(model, params, prompt, accepts_all, max_new_tokens=20)
+        assert speculative_generate(model, params, prompt, accepts_few, max_new_tokens=SHARED_NEW)[1].acceptance < 0.5
+        speculative_generate(model, params, prompt, accepts_all, max_new_tokens=SHARED_NEW)
     assert compiles == []
 
 
@@ -166,7 +170,7 @@ def _exact_joint(model, params, prompt) -> np.ndarray:
     vocab = model.config.vocab_size
     t0, t1 = np.meshgrid(np.arange(vocab), np.arange(vocab), indexing="ij")
     rows = np.concatenate([np.repeat(prompt, vocab * vocab, axis=0), t0.reshape(-1, 1), t1.reshape(-1, 1)], axis=1)
-    logits, _ = jax.jit(model.apply)({"params": params}, rows)
+    logits, _ = jit_apply(model, {"params": params}, rows)
     p = scipy.special.softmax(np.asarray(logits[:, -3:], np.float64), axis=-1)  # [V*V, 3, V]
     first = p[0, 0]  # [V]
     second = p[:, 1].reshape(vocab, vocab, vocab)[:, 0]  # [t0, t1]: the same for every t1 of the row
