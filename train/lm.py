@@ -371,8 +371,10 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained) -> dict
                 "exact_match": float(np.mean(np.all(out == patterns, axis=1))),
                 "target": patterns[0, :12].tolist(), "decoded": out[0, :12].tolist(),
                 "examples": examples, "prompt": tokenizer.decode(np.asarray(prompts[0]), skip_special_tokens=False)}
-    batch_loss = jax.jit(lambda batch: setup.loss_fn(params, batch, None)[0])  # one program for the 20 batches
-    val = np.mean([batch_loss(corpus.batch(k, settings.batch_size, "val")) for k in jax.random.split(eval_key, 20)])
+    # One program for the 20 batches; the parameters an argument, not constants baked into it.
+    batch_loss = jax.jit(lambda p, batch: setup.loss_fn(p, batch, None)[0])
+    val = np.mean([batch_loss(params, corpus.batch(k, settings.batch_size, "val"))
+                   for k in jax.random.split(eval_key, 20)])
     example = settings.prompt or example_prompt(tokenizer, corpus.train[:EXAMPLE_PROMPT_TOKENS])
     return {"validation_loss": float(val), "sample": sample_text(setup, settings, params), "prompt": example}
 
