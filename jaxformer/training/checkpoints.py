@@ -173,6 +173,12 @@ class Checkpointer:
                 thread.join(timeout=60)
         with _quiet("asyncio"):
             gc.collect()
+        self._remove_unfinished()  # again: a save still running at the failure may have begun one since
+
+    def _remove_unfinished(self) -> None:
+        """Removes what unfinished saves left (`<step>.orbax-checkpoint-tmp`)."""
+        for part in self.directory.glob("*.orbax-checkpoint-tmp*") if self.directory.is_dir() else ():
+            shutil.rmtree(part, ignore_errors=True)
 
     @contextlib.contextmanager
     def _writing(self):
@@ -182,8 +188,7 @@ class Checkpointer:
             yield
         except Exception as e:  # noqa: BLE001 - orbax, tensorstore and asyncio raise many types
             self._failed = True
-            for part in self.directory.glob("*.orbax-checkpoint-tmp*") if self.directory.is_dir() else ():
-                shutil.rmtree(part, ignore_errors=True)
+            self._remove_unfinished()
             raise _write_error(e, self.directory) from None
 
     def __enter__(self) -> "Checkpointer":
