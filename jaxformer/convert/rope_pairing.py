@@ -10,6 +10,7 @@ import numpy as np
 from jaxformer.config import ROPE_PAIRINGS, DecoderConfig
 from jaxformer.convert.layers import STACKED, block_name
 from jaxformer.positions import interleaved_to_split_half
+from jaxformer.validation import one_of
 
 
 def with_rope_pairing(config: DecoderConfig, params, pairing: str):
@@ -24,8 +25,7 @@ def with_rope_pairing(config: DecoderConfig, params, pairing: str):
       `(new_config, new_params)`, `wq`, `wk`, `bq`, `bk` permuted along head_dim; the same
       objects when `pairing` is already the config's.
     """
-    if pairing not in ROPE_PAIRINGS:
-        raise ValueError(f"pairing: must be one of {ROPE_PAIRINGS} (got {pairing!r})")
+    one_of(pairing, "pairing", ROPE_PAIRINGS)
     if pairing == config.rope_pairing:
         return config, params
     perm = interleaved_to_split_half(config.head_dim)  # split_half[..., i] = interleaved[..., perm[i]]

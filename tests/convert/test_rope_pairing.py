@@ -34,5 +34,5 @@ def test_same_model_in_the_other_pairing(start, target, qkv_bias):
 def test_same_pairing_is_a_no_op_and_unknown_is_an_error():
     params = init_params(SMALL)
     assert with_rope_pairing(SMALL, params, "split_half") == (SMALL, params)
-    with pytest.raises(ValueError, match="pairing: must be one of"):
+    with pytest.raises(ValueError, match=r"pairing must be one of \(.split_half., .interleaved.\) \(got .adjacent.\)"):
         with_rope_pairing(SMALL, params, "adjacent")
