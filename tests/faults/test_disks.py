@@ -19,8 +19,8 @@ import subprocess
 import threading
 
 import pytest
-from harness import (CLI_TINY, shared_finished_run, committed_steps, fill, last_logged_step, logged_losses, run_in_process, saving_now,
-                     small_disk, snapshot)
+from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_losses, run_in_process, saving_now,
+                     shared_finished_run, small_disk, snapshot)
 
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
 from jaxformer.training import MetricsLog

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import (CLI_TINY, shared_finished_run, committed_steps, last_logged_step, logged_losses, run_in_process, saving_now,
-                     snapshot, start_cli, wait_until)
+from harness import (CLI_TINY, committed_steps, last_logged_step, logged_losses, run_in_process, saving_now,
+                     shared_finished_run, snapshot, start_cli, wait_until)
 
 from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
 from train import report, reverse
