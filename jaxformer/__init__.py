@@ -4,13 +4,13 @@ Transformer, written out plainly in JAX/Flax."""
 from jaxformer.attention import (GQASelfAttention, MultiHeadAttention, attention_weights, combine_values,
                                  dot_product_attention)
 from jaxformer.cache import KVCache, LayerKV
-from jaxformer.config import DecoderConfig, VanillaConfig
+from jaxformer.config import DecoderConfig, RopeScaling, VanillaConfig
 from jaxformer.decoder import Block, Decoder
 from jaxformer.feedforward import FeedForward, SwiGLU
 from jaxformer.decoding import generate, sample_token, stream
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.norms import LayerNorm, RMSNorm
-from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_tables, sinusoidal_table
+from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_cos_sin, rope_inv_freq, sinusoidal_table
 from jaxformer.schedules import noam_schedule, warmup_cosine_schedule
 from jaxformer.vanilla import DecoderLayer, EncoderLayer, Residual, VanillaTransformer
 
@@ -42,6 +42,8 @@ __all__ = [
     "interleaved_to_split_half",
     "label_smoothed_cross_entropy",
     "noam_schedule",
-    "rope_tables",
+    "RopeScaling",
+    "rope_cos_sin",
+    "rope_inv_freq",
     "sample_token",
 ]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxformer.validation import as_bool, as_float, as_floating_dtype, as_int, check_fields, one_of, require
 
 ROPE_PAIRINGS = ("split_half", "interleaved")
+ROPE_SCALINGS = ("linear", "llama3")
 
 
 def swiglu_hidden_dim(d_model: int) -> int:
@@ -28,6 +29,41 @@ def _check(config, check, *fields: str, **limits) -> None:
 def _require(config, condition: bool, field: str, rule: str) -> None:
     """A rule between fields, named by the field it is stated of."""
     require(condition, f"{type(config).__name__}.{field}", rule, getattr(config, field))
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How a checkpoint stretches RoPE's frequencies past the context it was trained at
+    (docs/architecture.md, "RoPE scaling"); transformers calls it `rope_scaling`.
+
+    Attributes:
+      kind: "linear" (every frequency divided by `factor`) or "llama3" (Llama 3.1's:
+        long wavelengths divided by `factor`, short ones kept, a smooth blend between).
+      factor: how many times longer the context is than the one trained at, > 0.
+      low_freq_factor, high_freq_factor: "llama3" only: wavelengths above
+        `original_max_position_embeddings / low_freq_factor` are scaled, below
+        `... / high_freq_factor` kept; `high_freq_factor > low_freq_factor > 0`.
+      original_max_position_embeddings: "llama3" only: the context trained at.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self):
+        _check(self, one_of, "kind", choices=ROPE_SCALINGS)
+        _check(self, as_float, "factor", above=0)
+        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if self.kind == "llama3":
+            _check(self, as_float, "low_freq_factor", "high_freq_factor", above=0)
+            _check(self, as_int, "original_max_position_embeddings", minimum=1)
+            _require(self, self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
+                     f"above low_freq_factor={self.low_freq_factor:g}")
+        else:
+            for field in llama3:
+                _require(self, getattr(self, field) is None, field, f"None for kind={self.kind!r} (a llama3 field)")
 
 
 class _ModelConfig:
@@ -66,6 +102,7 @@ class DecoderConfig(_ModelConfig):
       d_model: residual stream width; head_dim is `d_model // n_head`.
       max_seq_len: longest sequence (prompt plus generated tokens) the model accepts.
       rope_theta: RoPE base; pair i rotates by `pos * rope_theta ** (-2i / head_dim)`.
+      rope_scaling: a `RopeScaling` of those frequencies (Llama 3.x), or None.
       norm_eps: RMSNorm epsilon.
       d_ff: SwiGLU hidden width, or None for `swiglu_hidden_dim(d_model)` (which
         `replace(d_model=...)` rescales); the resolved width is `ffn_dim`.
@@ -99,9 +136,12 @@ class DecoderConfig(_ModelConfig):
     param_dtype: Any = jnp.float32
     cache_dtype: Any = None
     scan_layers: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         # Each field's kind first: the rules between fields below compare plain numbers.
+        _require(self, self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling), "rope_scaling",
+                 "None or a RopeScaling")
         _check(self, as_int, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len", minimum=1)
         _check(self, as_int, "d_ff", "head_dim_override", minimum=1, optional=True)
         _check(self, as_float, "rope_theta", "norm_eps", above=0)

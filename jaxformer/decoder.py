@@ -25,7 +25,7 @@ from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import SwiGLU
 from jaxformer.memory import prefill_bytes
 from jaxformer.norms import RMSNorm
-from jaxformer.positions import rope_tables
+from jaxformer.positions import rope_cos_sin, rope_inv_freq
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_cache_step, check_step_inputs
 
@@ -96,18 +96,16 @@ class Decoder(nn.Module):
         embed = param(self, "embed", init, (c.vocab_size, c.d_model), (VOCAB, EMBED), c.param_dtype)
         x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
 
-        # Positions lie below S: 0 .. T-1 without a cache; with one, pos[b] + t < capacity.
-        # Sized by S, not max_seq_len: a checkpoint may declare 10**12 positions and use a hundred.
-        cos_table, sin_table = rope_tables(c.head_dim, S, c.rope_theta)  # [S, head_dim/2]
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [head_dim/2], a few constants
         if cache is None:
             pos = None
-            cos, sin = cos_table, sin_table  # [T, head_dim/2]
+            cos, sin = rope_cos_sin(jnp.arange(T), inv_freq)  # [T, head_dim/2]
             mask = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]  # [T, S], causal
         else:
             # Row b's query t sits at position pos[b] + t, its slot in the cache.
             pos = cache.pos  # [batch]
             position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
-            cos, sin = jnp.take(cos_table, position, axis=0), jnp.take(sin_table, position, axis=0)  # [batch, T, hd/2]
+            cos, sin = rope_cos_sin(position, inv_freq)  # [batch, T, head_dim/2]
             # Query t of row b reads slots 0 .. pos[b] + t: causal over the cache; slots past
             # it are the future, not yet written, or a shorter prompt's padding. Not square: (T, S).
             mask = jnp.arange(S)[None, None, :] <= position[:, :, None]  # [batch, T, S]

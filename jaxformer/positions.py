@@ -2,13 +2,20 @@
 
     sinusoids (added to the embedding):  PE[pos, 2i] = sin(pos / 10000^(2i/d)),  PE[pos, 2i+1] = cos(...)
     RoPE (on q and k in every layer):    rotate channel pair i by pos * rope_theta^(-2i/head_dim)
+                                         (its frequencies rescaled for a longer context by `RopeScaling`)
 """
 
+from __future__ import annotations
+
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxformer.config import RopeScaling
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,32 +30,50 @@ def sinusoidal_table(max_seq_len: int, d_model: int) -> np.ndarray:
     return table
 
 
-@functools.lru_cache(maxsize=64)
-def rope_tables(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """`(cos, sin)` of every angle of positions `0 .. n_positions - 1`, each `[n_positions,
-    head_dim // 2]` float32, read-only, for an even `head_dim` and the base `theta`.
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """RoPE's inverse frequencies, `[head_dim // 2]` float32: pair i turns by `pos * inv_freq[i]`.
 
-    Rows are computed for the next power of two of `n_positions` and shared by every shorter
-    table, so asking for many lengths holds a few times the largest one.
+    Args:
+      head_dim: channels per head (even).
+      theta: the base; unscaled, `inv_freq[i] = theta ** (-2i / head_dim)`.
+      scaling: a `RopeScaling` (`config.RopeScaling`) of those frequencies, or None.
+
+    Returns:
+      The frequencies, computed in float32 step by step as Hugging Face computes them: a
+      checkpoint was trained with exactly these numbers.
     """
-    cos, sin = _rope_rows(head_dim, 1 << max(n_positions - 1, 0).bit_length(), theta)
-    return cos[:n_positions], sin[:n_positions]  # read-only views
-
-
-@functools.lru_cache(maxsize=8)
-def _rope_rows(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """`rope_tables` computed: `(cos, sin)`, each `[n_positions, head_dim // 2]` float32, read-only."""
-    # inv_freq_i = theta^(-2i/d), i = 0 .. d/2 - 1, and the angles pos * inv_freq, both
-    # rounded to float32 as the reference, Meta's Llama and Hugging Face compute them: a
-    # checkpoint was trained with exactly these angles. (Exact float64 angles drift from
-    # them by ~4e-6 rad near position 100, which moves a sharp model's logits by ~1e-4.)
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv_freq = np.float32(1.0) / (np.float64(theta) ** exponent).astype(np.float32)  # [d/2]
-    angles = np.outer(np.arange(n_positions, dtype=np.float32), inv_freq)  # [n_positions, d/2] float32
-    angles = angles.astype(np.float64)  # cos and sin of those angles, correctly rounded
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    cos.flags.writeable = sin.flags.writeable = False  # shared by every caller of the cache
-    return cos, sin
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":  # positions divided by factor: angle = (pos / factor) * inv_freq
+        return inv_freq / np.float32(scaling.factor)
+    # llama3: wavelengths past the trained context's `/ low_freq_factor` are stretched by
+    # `factor`; those below its `/ high_freq_factor` (local detail) are kept; in between,
+    # a blend that is linear in (context / wavelength).
+    context, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = np.float32(2 * np.pi) / inv_freq  # [d/2]
+    stretched = np.where(wavelength > context / low, inv_freq / np.float32(scaling.factor), inv_freq)
+    smooth = (np.float32(context) / wavelength - np.float32(low)) / np.float32(high - low)  # 0 .. 1 in between
+    blended = (1 - smooth) * stretched / np.float32(scaling.factor) + smooth * stretched
+    between = ~(wavelength < context / high) & ~(wavelength > context / low)
+    return np.where(between, blended, stretched).astype(np.float32)
+
+
+def rope_cos_sin(position: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """`(cos, sin)` of every angle `position * inv_freq`, computed in the program.
+
+    Args:
+      position: int `[T]` or `[batch, T]`, each token's position.
+      inv_freq: `[head_dim // 2]` float32, from `rope_inv_freq`.
+
+    Returns:
+      `cos, sin`, each float32 `[..., T, head_dim // 2]`. The angles are float32 products,
+      as Hugging Face's; XLA's float32 cos and sin are within an ulp of the exact values.
+      Nothing of size `max_seq_len` is made: a 128k-context model's program holds no table.
+    """
+    angles = position[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., T, head_dim/2]
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str = "split_half") -> jax.Array:

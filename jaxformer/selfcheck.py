@@ -26,7 +26,7 @@ from jaxformer.config import DecoderConfig
 from jaxformer.decoder import Decoder
 from jaxformer.decoding import generate
 from jaxformer.norms import RMSNorm
-from jaxformer.positions import apply_rope, rope_tables
+from jaxformer.positions import apply_rope, rope_cos_sin, rope_inv_freq
 
 # A small decoder: 3 layers, 4 query heads sharing 2 kv heads, d_model 64.
 CONFIG = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=64, max_seq_len=64)
@@ -86,7 +86,7 @@ def check_kv_cache() -> CheckResult:
 def check_rope_relative() -> CheckResult:
     """<RoPE(q, i), RoPE(k, j)> depends only on i - j; position 0 is the identity."""
     head_dim = 32
-    cos, sin = rope_tables(head_dim, 64, 10000.0)
+    cos, sin = rope_cos_sin(jnp.arange(64), rope_inv_freq(head_dim, 10000.0))  # [64, head_dim/2]
     q, k = jax.random.normal(jax.random.key(3), (2, 1, 1, 1, head_dim))  # [batch, seq, heads, head_dim] each
     ok, figures = True, []
     for pairing in ("split_half", "interleaved"):

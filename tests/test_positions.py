@@ -4,9 +4,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import apply_rope, interleaved_to_split_half, rope_tables
+from jaxformer import RopeScaling, apply_rope, interleaved_to_split_half, rope_cos_sin, rope_inv_freq
 
 HEAD_DIM = 32
+
+
+def rope_tables(head_dim: int, n_positions: int, theta: float):
+    """`(cos, sin)` of positions `0 .. n_positions - 1`, each `[n_positions, head_dim // 2]`."""
+    return rope_cos_sin(jnp.arange(n_positions), rope_inv_freq(head_dim, theta))
 
 
 def _score(q, k, i, j, pairing, cos, sin):
@@ -15,9 +20,9 @@ def _score(q, k, i, j, pairing, cos, sin):
     return float(jnp.sum(qi * kj))
 
 
-def test_tables_match_formula():
+def test_angles_match_formula():
     """theta^(-2i/d) and pos * inv_freq rounded to float32 (as the PyTorch reference, Meta
-    and Hugging Face compute them), then cos and sin."""
+    and Hugging Face compute them), then cos and sin, within an ulp."""
     cos, sin = rope_tables(HEAD_DIM, 64, 10000.0)
     chex.assert_shape([cos, sin], (64, HEAD_DIM // 2))
     inv_freq = np.float32(1) / np.float32(10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))
@@ -28,7 +33,36 @@ def test_tables_match_formula():
     exact = np.arange(64)[:, None] / 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
     np.testing.assert_allclose(cos, np.cos(exact), rtol=0, atol=2 * 63 * 2.0 ** -23)
     np.testing.assert_allclose(sin, np.sin(exact), rtol=0, atol=2 * 63 * 2.0 ** -23)
-    assert rope_tables(HEAD_DIM, 64, 10000.0)[0] is cos  # computed once
+    # Per row (a cache's positions): row b's angles are those of its positions.
+    position = jnp.asarray([[3, 4, 5], [40, 41, 42]])
+    row_cos, row_sin = rope_cos_sin(position, rope_inv_freq(HEAD_DIM, 10000.0))
+    chex.assert_shape([row_cos, row_sin], (2, 3, HEAD_DIM // 2))
+    np.testing.assert_array_equal(row_cos, np.asarray(cos)[np.asarray(position)])
+    np.testing.assert_array_equal(row_sin, np.asarray(sin)[np.asarray(position)])
+
+
+def test_linear_scaling_divides_every_frequency():
+    plain = rope_inv_freq(HEAD_DIM, 10000.0)
+    np.testing.assert_array_equal(rope_inv_freq(HEAD_DIM, 10000.0, RopeScaling("linear", 4.0)), plain / np.float32(4))
+
+
+def test_llama3_scaling_keeps_short_wavelengths_stretches_long_ones_and_blends_between():
+    """Llama 3.1's rule, written out per frequency in float64: wavelength 2 pi / f below
+    context / high_freq_factor kept, above context / low_freq_factor divided by factor,
+    between them (1 - s) f / factor + s f with s = (context / wavelength - low) / (high - low)."""
+    head_dim, theta = 128, 500000.0
+    scaling = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    plain = rope_inv_freq(head_dim, theta).astype(np.float64)
+    got = rope_inv_freq(head_dim, theta, scaling)
+    assert got.dtype == np.float32 and got.shape == (head_dim // 2,)
+    wavelength = 2 * np.pi / plain
+    s = (8192 / wavelength - 1.0) / (4.0 - 1.0)
+    want = np.where(wavelength < 8192 / 4.0, plain, np.where(wavelength > 8192 / 1.0, plain / 8.0,
+                                                                (1 - s) * plain / 8.0 + s * plain))
+    np.testing.assert_allclose(got, want, rtol=3e-7)  # float32 steps against float64
+    kept, stretched = wavelength < 2048, wavelength > 8192
+    assert kept.sum() > 10 and stretched.sum() > 10 and (~kept & ~stretched).sum() >= 3  # every branch is taken
 
 
 @pytest.mark.parametrize("pairing", ["split_half", "interleaved"])

@@ -19,7 +19,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from jaxformer.config import DecoderConfig
+from jaxformer.config import ROPE_SCALINGS, DecoderConfig, RopeScaling
 from jaxformer.convert.layers import with_scan_layers
 from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.files import write_atomically, write_text_atomically
@@ -36,16 +36,19 @@ def _fail(field: str, rule: str, value: Any) -> None:
     raise ValueError(f"config.json {field}: {rule} (got {value!r})")
 
 
-def _field(hf: dict, key: str, convert: Callable[[Any], Any], rule: str, *, default: Any = _REQUIRED) -> Any:
+def _field(hf: dict, key: str, convert: Callable[[Any], Any], rule: str, *, default: Any = _REQUIRED,
+           where: str | None = None) -> Any:
     """`config.json`'s `key` through `convert` (None: the wrong kind), checked positive;
-    `default` when absent or null, else a ValueError naming the field and `rule`."""
+    `default` when absent or null, else a ValueError naming the field (inside `where`, an
+    object of config.json, if given) and `rule`."""
+    name = key if where is None else f"{where}.{key}"
     if hf.get(key) is None:
         if default is _REQUIRED:
-            raise ValueError(f"config.json {key}: missing; it must be {rule}")
+            raise ValueError(f"config.json {name}: missing; it must be {rule}")
         return default
     value = convert(hf[key])
     if value is None or not value > 0:
-        _fail(key, f"must be {rule}", hf[key])
+        _fail(name, f"must be {rule}", hf[key])
     return value
 
 
@@ -58,29 +61,46 @@ def _read_json(path: str) -> Any:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def _rope_theta(hf: dict) -> float:
-    """The RoPE base, from `rope_parameters` (transformers >= 5) or the older keys.
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    """The RoPE base and scaling, from `rope_parameters` (transformers >= 5) or the older
+    top-level `rope_theta` and `rope_scaling`.
 
-    A scaled variant (linear, yarn, llama3...) changes the angles: refused, never loaded
-    as plain RoPE."""
+    A variant the decoder does not compute (yarn, longrope, dynamic...) changes the angles:
+    refused, never loaded as plain RoPE."""
     params = hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
         _fail("rope_parameters", "must be an object", params)
     if "rope_type" not in params and params and all(
             isinstance(v, dict) for v in params.values()):
         _fail("rope_parameters", "per-layer-type RoPE parameters are not supported", params)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        _fail("rope_parameters.rope_type", "only 'default' (unscaled) RoPE is supported", rope_type)
     scaling = hf.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
         _fail("rope_scaling", "must be an object or null", scaling)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        _fail("rope_scaling", "only unscaled RoPE is supported", scaling)
+    where, given = ("rope_parameters", params) if "rope_type" in params or "type" in params else (
+        "rope_scaling", scaling or {})
+    rope_type = given.get("rope_type", given.get("type", "default"))
+    stale = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if where == "rope_parameters" and stale not in ("default", rope_type):
+        _fail("rope_scaling", f"contradicts rope_parameters.rope_type={rope_type!r}", scaling)
+    if rope_type not in ("default", *ROPE_SCALINGS):
+        _fail(f"{where}.rope_type", f"must be one of {('default', *ROPE_SCALINGS)}", rope_type)
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         _fail("partial_rotary_factor", "RoPE must rotate every channel (1.0)", hf["partial_rotary_factor"])
-    return _field(params if "rope_theta" in params else hf, "rope_theta", finite_float, "a finite number > 0",
-                  default=DEFAULT_ROPE_THETA)
+    theta = _field(params if "rope_theta" in params else hf, "rope_theta", finite_float, "a finite number > 0",
+                   default=DEFAULT_ROPE_THETA)
+    if rope_type == "default":
+        return theta, None
+
+    def number(key: str, convert=finite_float, rule: str = "a finite number > 0"):
+        return _field(given, key, convert, rule, where=where)
+
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", number("factor"))
+    low, high = number("low_freq_factor"), number("high_freq_factor")
+    if not high > low:
+        _fail(f"{where}.high_freq_factor", f"must be above low_freq_factor={low:g}", high)
+    return theta, RopeScaling("llama3", number("factor"), low, high,
+                              number("original_max_position_embeddings", python_int, "a positive int"))
 
 
 def _sliding_window(hf: dict) -> int | None:
@@ -115,7 +135,7 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
     for flag in ("attention_bias", "mlp_bias"):  # Llama's flags; they also add an o_proj / MLP bias
         if hf.get(flag, False):
             _fail(flag, "must be false (only Qwen2's q/k/v biases are supported)", hf[flag])
-    rope_theta = _rope_theta(hf)
+    rope_theta, rope_scaling = _rope(hf)
     if max_seq_len is None:
         max_seq_len = _field(hf, "max_position_embeddings", python_int, "a positive int")
     window = _sliding_window(hf)
@@ -143,6 +163,7 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
         d_model=d_model,
         max_seq_len=max_seq_len,
         rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         norm_eps=_field(hf, "rms_norm_eps", finite_float, "a finite number > 0"),
         d_ff=positive_int("intermediate_size"),
         rope_pairing="split_half",  # the only pairing transformers implements
@@ -151,6 +172,15 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
         head_dim_override=None if head_dim * n_head == d_model else head_dim,
         qkv_bias=model_type == "qwen2",
     )
+
+
+def _rope_parameters(config: DecoderConfig) -> dict:
+    """`rope_parameters` as transformers >= 5 writes it: the type, the base and the scaling's fields."""
+    scaling = config.rope_scaling
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    fields = {k: v for k, v in dataclasses.asdict(scaling).items() if k != "kind" and v is not None}
+    return {"rope_type": scaling.kind, "rope_theta": config.rope_theta, **fields}
 
 
 def config_to_hf(config: DecoderConfig, *, bos_id: int | None = None, eos_id: int | list[int] | None = None,
@@ -176,7 +206,7 @@ def config_to_hf(config: DecoderConfig, *, bos_id: int | None = None, eos_id: in
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": _rope_parameters(config),
         "tie_word_embeddings": config.tie_embeddings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,

@@ -12,7 +12,7 @@ import pytest
 from conftest import SMALL, init_params, jit_apply, random_params
 from safetensors.numpy import load_file, save_file
 
-from jaxformer import Decoder
+from jaxformer import Decoder, RopeScaling
 from jaxformer.convert import config_from_hf, config_to_hf, load_hf, save_hf
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
@@ -48,6 +48,28 @@ def test_config_from_hf_maps_every_field():
         config_from_hf(LLAMA, max_seq_len=0)  # not taken for "unset"
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def test_rope_scaling_as_llama_3_ships_it_and_as_transformers_5_writes_it():
+    """Llama 3.2's config.json (top-level `rope_theta` and `rope_scaling`), and the same
+    model in `rope_parameters`: one `RopeScaling`; saved back, it reads the same."""
+    older = {k: v for k, v in LLAMA.items() if k != "rope_parameters"}
+    shipped = {**older, "rope_theta": 500000.0, "rope_scaling": {
+        "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"}}
+    want = RopeScaling("llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+    config = config_from_hf(shipped)
+    assert (config.rope_theta, config.rope_scaling) == (500000.0, want)
+    assert config_from_hf({**LLAMA, "rope_parameters": LLAMA3_ROPE}).rope_scaling == want
+    assert config_to_hf(config)["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 500000.0}
+    assert config_from_hf(config_to_hf(config)) == config
+    linear = config.replace(rope_scaling=RopeScaling("linear", 4.0))
+    assert config_from_hf(config_to_hf(linear)) == linear
+
+
 def test_rope_theta_from_the_older_top_level_key():
     older = {k: v for k, v in LLAMA.items() if k != "rope_parameters"}
     assert config_from_hf({**older, "rope_theta": 1e6, "rope_scaling": None}).rope_theta == 1e6
@@ -67,8 +89,13 @@ def test_config_round_trips_through_config_json():
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "rope_parameters.rope_type"),
-    (dict(rope_parameters=None, rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}), "rope_parameters.rope_type"),
+    (dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type"),
+    (dict(rope_parameters={**LLAMA3_ROPE, "factor": -1}), "rope_parameters.factor"),
+    (dict(rope_parameters={**LLAMA3_ROPE, "high_freq_factor": 0.5}), "rope_parameters.high_freq_factor"),
+    (dict(rope_parameters={k: v for k, v in LLAMA3_ROPE.items() if k != "low_freq_factor"}),
+     "rope_parameters.low_freq_factor"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),  # rope_parameters says default
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     (dict(model_type="mistral", sliding_window=16), "sliding_window"),
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "sliding_window"),

@@ -15,16 +15,20 @@ import pytest
 from conftest import SMALL, import_peer, jit_apply, random_params
 
 from jaxformer import Decoder, KVCache, generate
-from jaxformer.convert import load_hf, save_hf
+from jaxformer import RopeScaling, rope_inv_freq
+from jaxformer.convert import config_from_hf, load_hf, save_hf
 
 torch = import_peer("torch")
 transformers = import_peer("transformers")
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402 (after the skip)
 
 pytestmark = pytest.mark.peers
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
               pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 PEERS = {
     "llama-tied": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True),
     "llama-untied": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False),
@@ -32,6 +36,8 @@ PEERS = {
     # head_dim 24 > hidden / heads = 16; the default 4096 window is longer than any sequence.
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON),  # q/k/v biases, untied
+    # Llama 3.2's RoPE exactly as shipped (its 8192-token original context, theta 5e5).
+    "llama3.2": lambda: transformers.LlamaConfig(**{**COMMON, "rope_parameters": LLAMA3_ROPE}, tie_word_embeddings=True),
 }
 PROMPT_LEN, NEW_TOKENS = 8, 64
 TOLERANCE = 1e-4  # float32, with logits of magnitude ~10
@@ -79,6 +85,24 @@ def test_logits_match(peer, optimized_programs):  # compiled as users get it
     assert np.abs(want).max() > 5.0
     wrong, _ = jax.jit(Decoder(config.replace(rope_pairing="interleaved")).apply)({"params": params}, tokens.numpy())
     assert np.abs(wrong - want).max() > 1.0
+    if config.rope_scaling is not None:  # and the scaling is not ignored
+        unscaled, _ = jax.jit(Decoder(config.replace(rope_scaling=None)).apply)({"params": params}, tokens.numpy())
+        assert np.abs(unscaled - want).max() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 500000.0}, LLAMA3_ROPE,
+                                  {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}],
+                         ids=["default", "llama3", "linear"])
+def test_rope_frequencies_equal_transformers(rope, head_dim):
+    """`rope_inv_freq` of the config `load_hf` reads: transformers' own frequencies, bit for bit."""
+    hf_config = transformers.LlamaConfig(**{**COMMON, "rope_parameters": rope, "head_dim": head_dim,
+                                            "max_position_embeddings": 131072})
+    want = LlamaRotaryEmbedding(hf_config)  # the module transformers' Llama rotates q and k with
+    config = config_from_hf(hf_config.to_dict())
+    np.testing.assert_array_equal(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+                                  want.inv_freq.numpy())
+    assert want.attention_scaling == 1.0  # (cos and sin are not rescaled)
 
 
 def test_greedy_generation_matches_token_for_token(peer, hf_greedy):
@@ -109,6 +133,7 @@ def test_cached_decoding_logits_match_at_every_step(peer, hf_greedy):
     dict(qkv_bias=True, tie_embeddings=False),  # written as Qwen2
     dict(rope_pairing="interleaved"),  # permuted to split-half on the way out
     dict(head_dim_override=24),
+    dict(rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
 ])
 def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, changes):
     config = SMALL.replace(**changes)

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 import resource
@@ -54,7 +55,6 @@ from jaxformer import Decoder, DecoderConfig, KVCache, generate, stream
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoding import DecodeRequest, start
 from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
-from jaxformer.positions import _rope_rows, rope_tables
 from jaxformer.text import chat, render_chat, save_tokenizer, train_bpe
 from jaxformer.text import generate as cli
 from jaxformer.text.sandbox import MAX_BUILT, MAX_INT_BITS, MAX_SIZE, MAX_TEMPLATE_CHARS
@@ -322,20 +322,19 @@ def test_cli_refuses_a_hostile_template_in_one_line(folder, tmp_path, monkeypatc
 # Positions: max_position_embeddings sizes nothing
 # ---------------------------------------------------------------------------------------
 
-def test_rope_tables_are_rows_of_one_table_in_a_bounded_cache():
-    """Row p of every table is the same float32 numbers (computed once, for the next power
-    of two), so a table sized by what a call reads holds exactly the angles a table sized
-    by max_seq_len held."""
-    longest_cos, longest_sin = rope_tables(16, 5000, 10000.0)
-    for n in (1, 7, 64, 65, 1000, 4096):
-        cos, sin = rope_tables(16, n, 10000.0)
-        assert cos.shape == (n, 8) and not cos.flags.writeable
-        np.testing.assert_array_equal(cos, longest_cos[:n])
-        np.testing.assert_array_equal(sin, longest_sin[:n])
-    for n in range(1, 400):  # many lengths (one per cache capacity): the arrays held stay few
-        rope_tables(16, n, 10000.0)
-    assert rope_tables.cache_info().maxsize is not None
-    assert _rope_rows.cache_info().currsize <= _rope_rows.cache_info().maxsize <= 8
+def test_the_program_holds_no_position_table():
+    """RoPE's angles are computed in the program from the positions: a 128k-context model's
+    program holds no constant larger than its `head_dim / 2` frequencies (a table of
+    `[max_seq_len, head_dim/2]` cos and sin would be two 16 MB constants at head_dim 64)."""
+    config = TINY.replace(max_seq_len=131072)
+    model = Decoder(config)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))["params"]
+    for args in ((tokens,), (tokens, KVCache.create(config, 1, 16))):
+        program = jax.jit(model.apply).lower({"params": params}, *args).as_text()
+        shapes = re.findall(r"stablehlo\.constant dense<.*?> : tensor<([\dx]+)xf32>", program)
+        largest = max((math.prod(int(d) for d in shape.split("x")) for shape in shapes), default=0)
+        assert 0 < largest <= config.head_dim // 2, (largest, config.head_dim)
 
 
 @pytest.mark.parametrize("positions", [10**8, HUGE])
