@@ -10,7 +10,8 @@ from jaxformer.feedforward import FeedForward, SwiGLU
 from jaxformer.decoding import generate, sample_token, stream
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.norms import LayerNorm, RMSNorm
-from jaxformer.positions import apply_rope, interleaved_to_split_half, rope_cos_sin, rope_inv_freq, sinusoidal_table
+from jaxformer.positions import (apply_rope, interleaved_to_split_half, rope_attention_factor, rope_cos_sin,
+                                 rope_inv_freq, sinusoidal_table)
 from jaxformer.schedules import noam_schedule, warmup_cosine_schedule
 from jaxformer.vanilla import DecoderLayer, EncoderLayer, Residual, VanillaTransformer
 
@@ -43,6 +44,7 @@ __all__ = [
     "label_smoothed_cross_entropy",
     "noam_schedule",
     "RopeScaling",
+    "rope_attention_factor",
     "rope_cos_sin",
     "rope_inv_freq",
     "sample_token",

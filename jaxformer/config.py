@@ -5,14 +5,15 @@ config never reaches a model; `config.replace(...)` validates a variant again.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
 from jaxformer.validation import as_bool, as_float, as_floating_dtype, as_int, check_fields, one_of, require
 
 ROPE_PAIRINGS = ("split_half", "interleaved")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
 
 
 def swiglu_hidden_dim(d_model: int) -> int:
@@ -37,33 +38,54 @@ class RopeScaling:
     (docs/architecture.md, "RoPE scaling"); transformers calls it `rope_scaling`.
 
     Attributes:
-      kind: "linear" (every frequency divided by `factor`) or "llama3" (Llama 3.1's:
-        long wavelengths divided by `factor`, short ones kept, a smooth blend between).
+      kind: "linear" (every frequency divided by `factor`), "llama3" (Llama 3.1's: long
+        wavelengths divided by `factor`, short ones kept, a blend between) or "yarn"
+        (per frequency, a ramp between divided and kept by the turns it makes in the
+        trained context; cos and sin scaled by `attention_factor`).
       factor: how many times longer the context is than the one trained at, > 0.
+      original_max_position_embeddings: the context trained at ("llama3", "yarn").
       low_freq_factor, high_freq_factor: "llama3" only: wavelengths above
         `original_max_position_embeddings / low_freq_factor` are scaled, below
         `... / high_freq_factor` kept; `high_freq_factor > low_freq_factor > 0`.
-      original_max_position_embeddings: "llama3" only: the context trained at.
+      beta_fast, beta_slow: "yarn" only: frequencies that turn more than `beta_fast` times
+        in the trained context are kept, fewer than `beta_slow` times divided (32 and 1).
+      attention_factor: "yarn" only: the scale of cos and sin; None: `0.1 ln(factor) + 1`.
+      truncate: "yarn" only: the ramp's ends rounded outwards to whole channels.
     """
 
     kind: str
     factor: float
+    original_max_position_embeddings: int | None = None
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
-    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    truncate: bool | None = None
+
+    _FIELDS: ClassVar[dict] = {"linear": (), "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+               "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate")}
 
     def __post_init__(self):
         _check(self, one_of, "kind", choices=ROPE_SCALINGS)
         _check(self, as_float, "factor", above=0)
-        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        for field in {f for fields in self._FIELDS.values() for f in fields} - set(self._FIELDS[self.kind]):
+            _require(self, getattr(self, field) is None, field, f"None for kind={self.kind!r}")
+        if self.kind != "linear":
+            _check(self, as_int, "original_max_position_embeddings", minimum=1)
         if self.kind == "llama3":
             _check(self, as_float, "low_freq_factor", "high_freq_factor", above=0)
-            _check(self, as_int, "original_max_position_embeddings", minimum=1)
             _require(self, self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
                      f"above low_freq_factor={self.low_freq_factor:g}")
-        else:
-            for field in llama3:
-                _require(self, getattr(self, field) is None, field, f"None for kind={self.kind!r} (a llama3 field)")
+        if self.kind == "yarn":
+            defaults = dict(beta_fast=32.0, beta_slow=1.0, truncate=True,
+                            attention_factor=0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0)
+            for field, default in defaults.items():
+                if getattr(self, field) is None:
+                    object.__setattr__(self, field, default)
+            _check(self, as_float, "beta_fast", "beta_slow", "attention_factor", above=0)
+            _check(self, as_bool, "truncate")
+            _require(self, self.beta_fast > self.beta_slow, "beta_fast", f"above beta_slow={self.beta_slow:g}")
 
 
 class _ModelConfig:

@@ -25,7 +25,7 @@ from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import SwiGLU
 from jaxformer.memory import prefill_bytes
 from jaxformer.norms import RMSNorm
-from jaxformer.positions import rope_cos_sin, rope_inv_freq
+from jaxformer.positions import rope_attention_factor, rope_cos_sin, rope_inv_freq
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_cache_step, check_step_inputs
 
@@ -97,15 +97,16 @@ class Decoder(nn.Module):
         x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
 
         inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [head_dim/2], a few constants
+        scale = rope_attention_factor(c.rope_scaling)
         if cache is None:
             pos = None
-            cos, sin = rope_cos_sin(jnp.arange(T), inv_freq)  # [T, head_dim/2]
+            cos, sin = rope_cos_sin(jnp.arange(T), inv_freq, scale)  # [T, head_dim/2]
             mask = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]  # [T, S], causal
         else:
             # Row b's query t sits at position pos[b] + t, its slot in the cache.
             pos = cache.pos  # [batch]
             position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
-            cos, sin = rope_cos_sin(position, inv_freq)  # [batch, T, head_dim/2]
+            cos, sin = rope_cos_sin(position, inv_freq, scale)  # [batch, T, head_dim/2]
             # Query t of row b reads slots 0 .. pos[b] + t: causal over the cache; slots past
             # it are the future, not yet written, or a shorter prompt's padding. Not square: (T, S).
             mask = jnp.arange(S)[None, None, :] <= position[:, :, None]  # [batch, T, S]

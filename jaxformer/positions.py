@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import jax
@@ -39,8 +40,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
       scaling: a `RopeScaling` (`config.RopeScaling`) of those frequencies, or None.
 
     Returns:
-      The frequencies, computed in float32 step by step as Hugging Face computes them: a
-      checkpoint was trained with exactly these numbers.
+      The frequencies, computed in float32 step by step as Hugging Face computes them
+      (docs/architecture.md, "RoPE scaling", says how close that is).
     """
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
     inv_freq = np.float32(1.0) / (np.float64(theta) ** exponent).astype(np.float32)  # [d/2]
@@ -48,6 +49,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
         return inv_freq
     if scaling.kind == "linear":  # positions divided by factor: angle = (pos / factor) * inv_freq
         return inv_freq / np.float32(scaling.factor)
+    if scaling.kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # llama3: wavelengths past the trained context's `/ low_freq_factor` are stretched by
     # `factor`; those below its `/ high_freq_factor` (local detail) are kept; in between,
     # a blend that is linear in (context / wavelength).
@@ -60,12 +63,40 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     return np.where(between, blended, stretched).astype(np.float32)
 
 
-def rope_cos_sin(position: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """`(cos, sin)` of every angle `position * inv_freq`, computed in the program.
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN's frequencies: channel pair i's `theta ** (2i/d)` kept where it turns more than
+    `beta_fast` times in the trained context, divided by `factor` where fewer than
+    `beta_slow`, a linear ramp over the pairs between (transformers' steps, in float32)."""
+    base_powers = (np.float64(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
+                   ).astype(np.float32)  # [d/2], theta^(2i/d)
+    kept, divided = np.float32(1.0) / base_powers, np.float32(1.0) / (np.float32(scaling.factor) * base_powers)
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times
+        context = scaling.original_max_position_embeddings
+        return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # (a ramp of no width)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = 1 - ramp  # [d/2]: 1 for the fast pairs, 0 for the slow ones
+    return (divided * (1 - keep) + kept * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """The scale of RoPE's cos and sin: YaRN's `attention_factor`, else 1."""
+    return 1.0 if scaling is None or scaling.attention_factor is None else scaling.attention_factor
+
+
+def rope_cos_sin(position: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """`(scale * cos, scale * sin)` of every angle `position * inv_freq`, computed in the program.
 
     Args:
       position: int `[T]` or `[batch, T]`, each token's position.
       inv_freq: `[head_dim // 2]` float32, from `rope_inv_freq`.
+      scale: `rope_attention_factor` (YaRN's; it scales every score by its square).
 
     Returns:
       `cos, sin`, each float32 `[..., T, head_dim // 2]`. The angles are float32 products,
@@ -73,7 +104,9 @@ def rope_cos_sin(position: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, 
       Nothing of size `max_seq_len` is made: a 128k-context model's program holds no table.
     """
     angles = position[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., T, head_dim/2]
-    return jnp.cos(angles), jnp.sin(angles)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * np.float32(scale), jnp.sin(angles) * np.float32(scale)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str = "split_half") -> jax.Array:

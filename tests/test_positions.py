@@ -1,10 +1,13 @@
+import math
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import RopeScaling, apply_rope, interleaved_to_split_half, rope_cos_sin, rope_inv_freq
+from jaxformer import (RopeScaling, apply_rope, interleaved_to_split_half, rope_attention_factor, rope_cos_sin,
+                       rope_inv_freq)
 
 HEAD_DIM = 32
 
@@ -132,3 +135,24 @@ def test_bad_pairing():
     cos, sin = rope_tables(8, 4, 10000.0)
     with pytest.raises(ValueError, match="pairing"):
         apply_rope(jnp.zeros((1, 4, 1, 8)), cos, sin, "adjacent")
+
+
+def test_yarn_ramps_from_kept_to_divided_and_scales_cos_and_sin():
+    """YaRN written out in float64: with L the trained context, the ramp over pair i runs
+    from floor(d ln(L / (32 * 2 pi)) / (2 ln theta)) to ceil(d ln(L / (2 pi)) / (2 ln theta));
+    fast pairs (before it) kept, slow ones (after) divided by factor; cos and sin times
+    0.1 ln(factor) + 1."""
+    head_dim, theta, context, factor = 128, 1e6, 32768, 4.0
+    scaling = RopeScaling("yarn", factor, context)
+    plain = rope_inv_freq(head_dim, theta).astype(np.float64)
+    low = math.floor(head_dim * math.log(context / (32 * 2 * math.pi)) / (2 * math.log(theta)))
+    high = math.ceil(head_dim * math.log(context / (2 * math.pi)) / (2 * math.log(theta)))
+    ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0, 1)
+    want = plain / factor * ramp + plain * (1 - ramp)
+    np.testing.assert_allclose(rope_inv_freq(head_dim, theta, scaling), want, rtol=3e-7)
+    assert (ramp == 0).sum() > 5 and (ramp == 1).sum() > 5 and ((ramp > 0) & (ramp < 1)).sum() > 5
+    assert rope_attention_factor(scaling) == 0.1 * math.log(factor) + 1
+    cos, sin = rope_cos_sin(jnp.arange(8), rope_inv_freq(head_dim, theta, scaling), rope_attention_factor(scaling))
+    plain_cos, plain_sin = rope_cos_sin(jnp.arange(8), rope_inv_freq(head_dim, theta, scaling))
+    np.testing.assert_allclose(cos, plain_cos * (0.1 * math.log(factor) + 1), rtol=1e-6)
+    np.testing.assert_allclose(sin, plain_sin * (0.1 * math.log(factor) + 1), rtol=1e-6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from typing import Any, Callable
@@ -65,7 +66,7 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     """The RoPE base and scaling, from `rope_parameters` (transformers >= 5) or the older
     top-level `rope_theta` and `rope_scaling`.
 
-    A variant the decoder does not compute (yarn, longrope, dynamic...) changes the angles:
+    A variant the decoder does not compute (longrope, dynamic...) changes the angles:
     refused, never loaded as plain RoPE."""
     params = hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
@@ -91,16 +92,40 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     if rope_type == "default":
         return theta, None
 
-    def number(key: str, convert=finite_float, rule: str = "a finite number > 0"):
-        return _field(given, key, convert, rule, where=where)
+    def number(key: str, convert=finite_float, rule: str = "a finite number > 0", default: Any = _REQUIRED):
+        return _field(given, key, convert, rule, where=where, default=default)
 
     if rope_type == "linear":
         return theta, RopeScaling("linear", number("factor"))
+    context = number("original_max_position_embeddings", python_int, "a positive int")
+    if rope_type == "yarn":
+        return theta, _yarn(hf, given, where, number, context)
     low, high = number("low_freq_factor"), number("high_freq_factor")
     if not high > low:
         _fail(f"{where}.high_freq_factor", f"must be above low_freq_factor={low:g}", high)
-    return theta, RopeScaling("llama3", number("factor"), low, high,
-                              number("original_max_position_embeddings", python_int, "a positive int"))
+    return theta, RopeScaling("llama3", number("factor"), context, low_freq_factor=low, high_freq_factor=high)
+
+
+def _yarn(hf: dict, given: dict, where: str, number: Callable, context: int) -> RopeScaling:
+    """YaRN's fields, with transformers' defaults: `factor` from the two contexts when
+    absent, and the attention factor from `mscale` / `mscale_all_dim` when given."""
+    factor = number("factor", default=None)
+    if factor is None:
+        factor = _field(hf, "max_position_embeddings", python_int, "a positive int") / context
+    attention_factor = number("attention_factor", default=None)
+    mscale, mscale_all_dim = number("mscale", default=None), number("mscale_all_dim", default=None)
+    if attention_factor is None and mscale and mscale_all_dim:
+
+        def m(weight: float) -> float:  # YaRN's 0.1 * weight * ln(factor) + 1
+            return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+        attention_factor = m(mscale) / m(mscale_all_dim)
+    truncate = given.get("truncate", True)
+    if not isinstance(truncate, bool):
+        _fail(f"{where}.truncate", "must be true or false", truncate)
+    return RopeScaling("yarn", factor, context, beta_fast=number("beta_fast", default=None),
+                       beta_slow=number("beta_slow", default=None), attention_factor=attention_factor,
+                       truncate=truncate)
 
 
 def _sliding_window(hf: dict) -> int | None:

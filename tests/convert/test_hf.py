@@ -4,6 +4,7 @@ The parity tests against transformers itself are in test_hf_parity.py.
 """
 
 import json
+import math
 import os
 
 import jax
@@ -70,6 +71,24 @@ def test_rope_scaling_as_llama_3_ships_it_and_as_transformers_5_writes_it():
     assert config_from_hf(config_to_hf(linear)) == linear
 
 
+def test_yarn_as_qwen_2_5_ships_it_with_transformers_defaults():
+    """Qwen2.5's `rope_scaling` (only the type, factor and original context): the defaults
+    beta 32 / 1, ramp ends truncated, attention factor 0.1 ln 4 + 1; with `mscale` and
+    `mscale_all_dim` the factor is their ratio; without `factor`, the two contexts' ratio."""
+    older = {k: v for k, v in LLAMA.items() if k != "rope_parameters"}
+    shipped = {**older, "model_type": "qwen2", "max_position_embeddings": 131072, "rope_theta": 1e6,
+               "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}}
+    config = config_from_hf(shipped)
+    assert config.rope_scaling == RopeScaling("yarn", 4.0, 32768, beta_fast=32.0, beta_slow=1.0,
+                                              attention_factor=0.1 * math.log(4.0) + 1, truncate=True)
+    assert config_from_hf(config_to_hf(config)) == config
+    deepseek_like = {**shipped, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096,
+                                                 "mscale": 1.0, "mscale_all_dim": 0.5}}
+    scaling = config_from_hf(deepseek_like).rope_scaling
+    assert scaling.factor == 32.0 and scaling.attention_factor == pytest.approx(
+        (0.1 * math.log(32) + 1) / (0.05 * math.log(32) + 1), rel=1e-15)
+
+
 def test_rope_theta_from_the_older_top_level_key():
     older = {k: v for k, v in LLAMA.items() if k != "rope_parameters"}
     assert config_from_hf({**older, "rope_theta": 1e6, "rope_scaling": None}).rope_theta == 1e6
@@ -89,7 +108,11 @@ def test_config_round_trips_through_config_json():
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}), "rope_parameters.rope_type"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}), "rope_parameters.rope_type"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}),
+     "rope_parameters.original_max_position_embeddings"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": "no",
+                           "original_max_position_embeddings": 64}), "rope_parameters.truncate"),
     (dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type"),
     (dict(rope_parameters={**LLAMA3_ROPE, "factor": -1}), "rope_parameters.factor"),
     (dict(rope_parameters={**LLAMA3_ROPE, "high_freq_factor": 0.5}), "rope_parameters.high_freq_factor"),

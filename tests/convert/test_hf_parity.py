@@ -15,7 +15,7 @@ import pytest
 from conftest import SMALL, import_peer, jit_apply, random_params
 
 from jaxformer import Decoder, KVCache, generate
-from jaxformer import RopeScaling, rope_inv_freq
+from jaxformer import RopeScaling, rope_attention_factor, rope_inv_freq
 from jaxformer.convert import config_from_hf, load_hf, save_hf
 
 torch = import_peer("torch")
@@ -90,19 +90,38 @@ def test_logits_match(peer, optimized_programs):  # compiled as users get it
         assert np.abs(unscaled - want).max() > 100 * TOLERANCE
 
 
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
 @pytest.mark.parametrize("head_dim", [16, 128])
-@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 500000.0}, LLAMA3_ROPE,
-                                  {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}],
-                         ids=["default", "llama3", "linear"])
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 500000.0}, LLAMA3_ROPE,
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    YARN_ROPE,  # Qwen2.5's long-context setting
+    {**YARN_ROPE, "beta_fast": 16, "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False},
+    {**YARN_ROPE, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.5, "original_max_position_embeddings": 4096},
+], ids=["default", "llama3", "linear", "yarn", "yarn-untruncated", "yarn-mscale"])
 def test_rope_frequencies_equal_transformers(rope, head_dim):
-    """`rope_inv_freq` of the config `load_hf` reads: transformers' own frequencies, bit for bit."""
+    """`rope_inv_freq` and `rope_attention_factor` of the config `load_hf` reads against
+    transformers' own. Pair i's frequency depends on `theta ** (2i/d)` alone, which torch
+    computes with its float32 pow, not always correctly rounded (ours is): where the two
+    powers agree, the frequencies are equal bit for bit (the same float32 steps after it);
+    where they differ by their one ulp, within two. And the same scale of cos and sin."""
     hf_config = transformers.LlamaConfig(**{**COMMON, "rope_parameters": rope, "head_dim": head_dim,
                                             "max_position_embeddings": 131072})
-    want = LlamaRotaryEmbedding(hf_config)  # the module transformers' Llama rotates q and k with
+    want = LlamaRotaryEmbedding(hf_config).inv_freq.numpy()  # the module transformers' Llama rotates q and k with
     config = config_from_hf(hf_config.to_dict())
-    np.testing.assert_array_equal(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
-                                  want.inv_freq.numpy())
-    assert want.attention_scaling == 1.0  # (cos and sin are not rescaled)
+    got = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    same_power = (np.float64(config.rope_theta) ** exponent).astype(np.float32) == (
+        config.rope_theta ** torch.from_numpy(exponent)).numpy()
+    assert same_power.mean() > 0.9
+    np.testing.assert_array_equal(got[same_power], want[same_power])
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 2, ulps
+    assert np.float32(rope_attention_factor(config.rope_scaling)) == np.float32(
+        LlamaRotaryEmbedding(hf_config).attention_scaling)
 
 
 def test_greedy_generation_matches_token_for_token(peer, hf_greedy):
@@ -133,7 +152,9 @@ def test_cached_decoding_logits_match_at_every_step(peer, hf_greedy):
     dict(qkv_bias=True, tie_embeddings=False),  # written as Qwen2
     dict(rope_pairing="interleaved"),  # permuted to split-half on the way out
     dict(head_dim_override=24),
-    dict(rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
+    dict(rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 32.0, original_max_position_embeddings=8192,
+                                                       low_freq_factor=1.0, high_freq_factor=4.0)),
+    dict(rope_theta=1e6, rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=16)),
 ])
 def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, changes):
     config = SMALL.replace(**changes)
@@ -147,6 +168,9 @@ def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, changes):
     got, _ = jit_apply(Decoder(config), {"params": params}, tokens)
     assert np.abs(want).max() > 1.0
     np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+    if config.rope_scaling is not None:  # the scaling went both ways: without it, other logits
+        unscaled, _ = jit_apply(Decoder(config.replace(rope_scaling=None)), {"params": params}, tokens)
+        assert np.abs(unscaled - want).max() > 100 * TOLERANCE
 
 
 def test_bfloat16_checkpoint_loads_as_its_float32_values(tmp_path):
