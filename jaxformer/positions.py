@@ -44,13 +44,14 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
       (docs/architecture.md, "RoPE scaling", says how close that is).
     """
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    inv_freq = np.float32(1.0) / (np.float64(theta) ** exponent).astype(np.float32)  # [d/2]
+    powers = (np.float64(theta) ** exponent).astype(np.float32)  # [d/2], theta^(2i/d)
+    inv_freq = np.float32(1.0) / powers
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":  # positions divided by factor: angle = (pos / factor) * inv_freq
         return inv_freq / np.float32(scaling.factor)
     if scaling.kind == "yarn":
-        return _yarn_inv_freq(head_dim, theta, scaling)
+        return _yarn_inv_freq(powers, theta, scaling)
     # llama3: wavelengths past the trained context's `/ low_freq_factor` are stretched by
     # `factor`; those below its `/ high_freq_factor` (local detail) are kept; in between,
     # a blend that is linear in (context / wavelength).
@@ -63,13 +64,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     return np.where(between, blended, stretched).astype(np.float32)
 
 
-def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
-    """YaRN's frequencies: channel pair i's `theta ** (2i/d)` kept where it turns more than
-    `beta_fast` times in the trained context, divided by `factor` where fewer than
-    `beta_slow`, a linear ramp over the pairs between (transformers' steps, in float32)."""
-    base_powers = (np.float64(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim))
-                   ).astype(np.float32)  # [d/2], theta^(2i/d)
-    kept, divided = np.float32(1.0) / base_powers, np.float32(1.0) / (np.float32(scaling.factor) * base_powers)
+def _yarn_inv_freq(powers: np.ndarray, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN's frequencies from pair i's `powers[i] = theta ** (2i/d)`: kept where pair i turns
+    more than `beta_fast` times in the trained context, divided by `factor` where fewer
+    than `beta_slow`, a linear ramp over the pairs between (transformers' steps, in float32)."""
+    head_dim = 2 * powers.shape[0]
+    kept, divided = np.float32(1.0) / powers, np.float32(1.0) / (np.float32(scaling.factor) * powers)
 
     def pair_turning(turns: float) -> float:  # the (fractional) pair index that turns `turns` times
         context = scaling.original_max_position_embeddings
