@@ -77,15 +77,31 @@ class RopeScaling:
             _check(self, as_float, "low_freq_factor", "high_freq_factor", above=0)
             _require(self, self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
                      f"above low_freq_factor={self.low_freq_factor:g}")
-        if self.kind == "yarn":
-            defaults = dict(beta_fast=32.0, beta_slow=1.0, truncate=True,
-                            attention_factor=0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0)
-            for field, default in defaults.items():
-                if getattr(self, field) is None:
-                    object.__setattr__(self, field, default)
-            _check(self, as_float, "beta_fast", "beta_slow", "attention_factor", above=0)
-            _check(self, as_bool, "truncate")
-            _require(self, self.beta_fast > self.beta_slow, "beta_fast", f"above beta_slow={self.beta_slow:g}")
+        if self.kind == "yarn":  # (unset fields stay None: `replace(factor=...)` moves their defaults along)
+            _check(self, as_float, "beta_fast", "beta_slow", "attention_factor", above=0, optional=True)
+            _check(self, as_bool, "truncate", optional=True)
+            beta_fast, beta_slow, _ = self.ramp
+            _require(self, beta_fast > beta_slow, "beta_fast", f"above beta_slow={beta_slow:g}")
+
+    def replace(self, **changes) -> "RopeScaling":
+        """A copy with `changes` applied, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def ramp(self) -> tuple[float, float, bool]:
+        """YaRN's `(beta_fast, beta_slow, truncate)`, unset ones at their defaults 32, 1 and True."""
+        return (32.0 if self.beta_fast is None else self.beta_fast, 1.0 if self.beta_slow is None else self.beta_slow,
+                True if self.truncate is None else self.truncate)
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What RoPE's cos and sin are multiplied by: YaRN's `attention_factor` (unset:
+        `0.1 ln(factor) + 1`, or 1 for `factor <= 1`); 1 for the other kinds."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
 
 
 class _ModelConfig:

@@ -75,8 +75,9 @@ def _yarn_inv_freq(powers: np.ndarray, theta: float, scaling: RopeScaling) -> np
         context = scaling.original_max_position_embeddings
         return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
-    if scaling.truncate:
+    beta_fast, beta_slow, truncate = scaling.ramp
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high  # (a ramp of no width)
@@ -86,8 +87,8 @@ def _yarn_inv_freq(powers: np.ndarray, theta: float, scaling: RopeScaling) -> np
 
 
 def rope_attention_factor(scaling: RopeScaling | None) -> float:
-    """The scale of RoPE's cos and sin: YaRN's `attention_factor`, else 1."""
-    return 1.0 if scaling is None or scaling.attention_factor is None else scaling.attention_factor
+    """The scale of RoPE's cos and sin (`RopeScaling.cos_sin_scale`): YaRN's, else 1."""
+    return 1.0 if scaling is None else scaling.cos_sin_scale
 
 
 def rope_cos_sin(position: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:

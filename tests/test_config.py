@@ -3,7 +3,7 @@ import dataclasses
 import jax.numpy as jnp
 import pytest
 
-from jaxformer import DecoderConfig, VanillaConfig
+from jaxformer import DecoderConfig, RopeScaling, VanillaConfig
 from jaxformer.config import swiglu_hidden_dim
 
 
@@ -63,3 +63,33 @@ def test_vanilla_final_norm_follows_norm_first_unless_set():
 def test_each_rule_names_field_and_rule(changes, field, rule):
     with pytest.raises(ValueError, match=rf"DecoderConfig\.{field} must be .*{rule}"):
         DecoderConfig(**changes)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(kind="longrope", factor=2.0), r"RopeScaling.kind must be one of \('linear', 'llama3', 'yarn'\)"),
+    (dict(kind="linear", factor=0.0), r"RopeScaling.factor must be a finite number > 0 \(got 0.0\)"),
+    (dict(kind="linear", factor=2.0, original_max_position_embeddings=64),
+     r"RopeScaling.original_max_position_embeddings must be None for kind='linear' \(got 64\)"),
+    (dict(kind="llama3", factor=8.0, original_max_position_embeddings=64, low_freq_factor=4.0, high_freq_factor=1.0),
+     r"RopeScaling.high_freq_factor must be above low_freq_factor=4 \(got 1.0\)"),
+    (dict(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0),
+     r"RopeScaling.original_max_position_embeddings must be a positive int \(got None\)"),
+    (dict(kind="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=1.0),
+     r"RopeScaling.beta_fast must be above beta_slow=1 \(got 1.0\)"),
+    (dict(kind="yarn", factor=4.0, original_max_position_embeddings=64, low_freq_factor=1.0),
+     r"RopeScaling.low_freq_factor must be None for kind='yarn' \(got 1.0\)"),
+    (dict(kind="yarn", factor=4.0, original_max_position_embeddings=64, truncate="yes"),
+     r"RopeScaling.truncate must be None or a bool \(got 'yes'\)"),
+])
+def test_rope_scaling_refuses_what_it_cannot_mean(fields, message):
+    with pytest.raises(ValueError, match=message):
+        RopeScaling(**fields)
+
+
+def test_rope_scaling_in_a_config_and_yarns_defaults_follow_the_factor():
+    yarn = RopeScaling("yarn", 4.0, original_max_position_embeddings=64)
+    assert yarn.ramp == (32.0, 1.0, True) and yarn.cos_sin_scale == pytest.approx(1 + 0.1 * 1.3862943611198906)
+    assert yarn.replace(factor=1.0).cos_sin_scale == 1.0 and RopeScaling("linear", 4.0).cos_sin_scale == 1.0
+    assert DecoderConfig(rope_scaling=yarn).rope_scaling is yarn
+    with pytest.raises(ValueError, match=r"DecoderConfig.rope_scaling must be None or a RopeScaling"):
+        DecoderConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})

@@ -120,8 +120,8 @@ def _yarn(hf: dict, given: dict, where: str, number: Callable, context: int) -> 
             return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
 
         attention_factor = m(mscale) / m(mscale_all_dim)
-    truncate = given.get("truncate", True)
-    if not isinstance(truncate, bool):
+    truncate = given.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
         _fail(f"{where}.truncate", "must be true or false", truncate)
     return RopeScaling("yarn", factor, context, beta_fast=number("beta_fast", default=None),
                        beta_slow=number("beta_slow", default=None), attention_factor=attention_factor,

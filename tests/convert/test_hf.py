@@ -79,13 +79,16 @@ def test_yarn_as_qwen_2_5_ships_it_with_transformers_defaults():
     shipped = {**older, "model_type": "qwen2", "max_position_embeddings": 131072, "rope_theta": 1e6,
                "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}}
     config = config_from_hf(shipped)
-    assert config.rope_scaling == RopeScaling("yarn", 4.0, 32768, beta_fast=32.0, beta_slow=1.0,
-                                              attention_factor=0.1 * math.log(4.0) + 1, truncate=True)
+    assert config.rope_scaling == RopeScaling("yarn", 4.0, 32768)  # the rest at its defaults:
+    assert config.rope_scaling.ramp == (32.0, 1.0, True)
+    assert config.rope_scaling.cos_sin_scale == 0.1 * math.log(4.0) + 1
     assert config_from_hf(config_to_hf(config)) == config
+    # A default is not frozen in: another factor, another attention factor.
+    assert config.rope_scaling.replace(factor=8.0).cos_sin_scale == 0.1 * math.log(8.0) + 1
     deepseek_like = {**shipped, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 4096,
                                                  "mscale": 1.0, "mscale_all_dim": 0.5}}
     scaling = config_from_hf(deepseek_like).rope_scaling
-    assert scaling.factor == 32.0 and scaling.attention_factor == pytest.approx(
+    assert scaling.factor == 32.0 and scaling.cos_sin_scale == pytest.approx(
         (0.1 * math.log(32) + 1) / (0.05 * math.log(32) + 1), rel=1e-15)
 
 
