@@ -20,15 +20,20 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.cache import LayerKV, LayerSlice
+from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope
 from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_param, param
 
 
-def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """`softmax(q k^T / sqrt(d_k))` over the keys each query may read: float32 `[batch, n_head,
+def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array, *, scale: float | None = None,
+                      softcap: float | None = None) -> jax.Array:
+    """`softmax(q k^T * scale)` over the keys each query may read: float32 `[batch, n_head,
     T, S]` from queries `q` `[batch, T, n_head, head_dim]`, keys `k` `[batch, S, n_kv,
     head_dim]` (`n_head % n_kv == 0`) and a bool `mask`, `[T, S]` or broadcastable to
     `[batch, T, S]`, True where query t may read key s.
+
+    `scale` defaults to `1 / sqrt(head_dim)`; `softcap` (Gemma 2), if given, bounds every
+    score to `(-softcap, softcap)` as `softcap * tanh(score / softcap)` before the mask.
     """
     batch, T, n_head, head_dim = q.shape
     n_kv = k.shape[2]
@@ -36,7 +41,9 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
     # Scale by 1/sqrt(d_k), d_k the per-head width: it keeps the scores' variance near 1
     # so the softmax does not saturate just because heads are wide.
     scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(head_dim)  # [batch, n_kv, n_rep, T, S] float32
+    scores = scores * (1 / math.sqrt(head_dim) if scale is None else scale)  # [batch, n_kv, n_rep, T, S] float32
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
     if mask.ndim == 2:
         mask = mask[None]  # [1, T, S]
     # Block before the softmax: a 0 score would still get weight, and zeroing weights
@@ -57,10 +64,12 @@ def combine_values(weights: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(batch, T, n_head, head_dim)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, **scores) -> tuple[
+        jax.Array, jax.Array]:
     """Scaled dot-product attention with grouped kv heads: `(out [batch, T, n_head, head_dim],
-    weights [batch, n_head, T, S])`, arguments as `attention_weights` takes them, and `v`."""
-    weights = attention_weights(q, k, mask)
+    weights [batch, n_head, T, S])`, arguments as `attention_weights` takes them (`scores`:
+    its `scale` and `softcap`), and `v`."""
+    weights = attention_weights(q, k, mask, **scores)
     return combine_values(weights, v), weights
 
 
@@ -103,13 +112,17 @@ class GQASelfAttention(nn.Module):
             q = q + compute_param(self, "bq", nn.initializers.zeros, (H, D), (HEADS, HEAD_DIM))
             k = k + compute_param(self, "bk", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
             v = v + compute_param(self, "bv", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
+        if c.qk_norm:  # each head's q and k normalised over its channels: bounded scores (Qwen3, Gemma 3)
+            q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="q_norm")(q)
+            k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="k_norm")(k)
         # Rotate q and k (never v) before caching: a cached key keeps its position.
         q = apply_rope(q, cos, sin, c.rope_pairing)
         k = apply_rope(k, cos, sin, c.rope_pairing)
         if layer_cache is not None:
             layer_cache = layer_cache.write(k, v, pos)
             k, v = layer_cache.read()  # [batch, capacity, n_kv, head_dim]
-        out, weights = dot_product_attention(q, k, v, mask)  # [batch, T, n_head, head_dim]
+        scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
+        out, weights = dot_product_attention(q, k, v, mask, scale=scale, softcap=c.attn_logit_softcap)
         self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
         return jnp.einsum("bthk,hkd->btd", out, wo), layer_cache  # concat heads, then W_O
 

@@ -14,6 +14,8 @@ from jaxformer.validation import as_bool, as_float, as_floating_dtype, as_int, c
 
 ROPE_PAIRINGS = ("split_half", "interleaved")
 ROPE_SCALINGS = ("linear", "llama3", "yarn")
+ATTENTION_TYPES = ("full", "sliding")  # a layer reads every earlier position, or the last `sliding_window`
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's nonlinearity: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
 
 
 def swiglu_hidden_dim(d_model: int) -> int:
@@ -155,6 +157,24 @@ class DecoderConfig(_ModelConfig):
       scan_layers: one block scanned over parameters stacked on a leading layer axis
         (`params["blocks"]`) instead of one `block_{i}` per layer: the same math, a
         compile time that hardly grows with depth (docs/architecture.md, "Scanned layers").
+      layer_types: each layer's attention, "full" or "sliding" (reads its last
+        `sliding_window` positions, itself included); None: every layer "full". The
+        resolved tuple is `attention_types`.
+      sliding_window: positions a "sliding" layer reads; set exactly when one layer is sliding.
+      local_rope_theta: RoPE base of the sliding layers, unscaled (Gemma 3's local base
+        frequency); None: they rotate as the full layers do.
+      qk_norm: an RMSNorm over each head's channels of q and of k, before RoPE (Qwen3, Gemma 3).
+      norm_plus_one: every RMSNorm scales by `1 + weight`, in float32 (Gemma); weights start at 0.
+      mlp_activation: the gate's nonlinearity, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+      embed_scale: the token embeddings are multiplied by `sqrt(d_model)` (Gemma).
+      query_pre_attn_scalar: scores are scaled by `query_pre_attn_scalar ** -0.5` instead of
+        `head_dim ** -0.5` (Gemma 2 and 3); None: by `head_dim`.
+      attn_logit_softcap: scores pass through `cap * tanh(score / cap)` before the mask (Gemma 2).
+      final_logit_softcap: the logits pass through `cap * tanh(logit / cap)` (Gemma 2).
+      post_norms: an RMSNorm on each sublayer's output before it joins the residual stream
+        (Gemma 2 and 3: `x + norm(attn(norm(x)))`).
+      hf_model_type: the checkpoint family (config.json's `model_type`) `load_hf` read, which
+        `save_hf` writes again; None: "qwen2" with q/k/v biases, else "llama".
     """
 
     vocab_size: int = 256
@@ -175,6 +195,18 @@ class DecoderConfig(_ModelConfig):
     cache_dtype: Any = None
     scan_layers: bool = False
     rope_scaling: RopeScaling | None = None
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    local_rope_theta: float | None = None
+    qk_norm: bool = False
+    norm_plus_one: bool = False
+    mlp_activation: str = "silu"
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    post_norms: bool = False
+    hf_model_type: str | None = None
 
     def __post_init__(self):
         # Each field's kind first: the rules between fields below compare plain numbers.
@@ -183,14 +215,42 @@ class DecoderConfig(_ModelConfig):
         _check(self, as_int, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len", minimum=1)
         _check(self, as_int, "d_ff", "head_dim_override", minimum=1, optional=True)
         _check(self, as_float, "rope_theta", "norm_eps", above=0)
-        _check(self, as_bool, "tie_embeddings", "qkv_bias", "scan_layers")
+        _check(self, as_bool, "tie_embeddings", "qkv_bias", "scan_layers", "qk_norm", "norm_plus_one", "embed_scale",
+               "post_norms")
         _check(self, one_of, "rope_pairing", choices=ROPE_PAIRINGS)
+        _check(self, one_of, "mlp_activation", choices=MLP_ACTIVATIONS)
+        _check(self, as_int, "sliding_window", minimum=1, optional=True)
+        _check(self, as_float, "local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap",
+               "final_logit_softcap", above=0, optional=True)
+        self._check_layer_types()
+        _require(self, self.hf_model_type is None or isinstance(self.hf_model_type, str), "hf_model_type",
+                 "None or a model_type string")
         self._normalise_dtypes()
         _require(self, self.head_dim_override is not None or self.d_model % self.n_head == 0, "d_model",
                  f"divisible by n_head={self.n_head} (or set head_dim_override)")
         _require(self, self.n_head % self.n_kv_head == 0, "n_head", f"divisible by n_kv_head={self.n_kv_head}")
         _require(self, self.head_dim % 2 == 0, "head_dim_override" if self.head_dim_override else "d_model",
                  f"such that head_dim={self.head_dim} is even, for RoPE pairs")
+
+    def _check_layer_types(self) -> None:
+        """`layer_types` stored as a tuple of `ATTENTION_TYPES`, one per layer, and a
+        `sliding_window` exactly when a layer is sliding."""
+        if self.layer_types is not None:
+            types = self.layer_types
+            _require(self, isinstance(types, (tuple, list)) and len(types) == self.n_layer
+                     and all(t in ATTENTION_TYPES for t in types), "layer_types",
+                     f"None or {self.n_layer} (n_layer) entries, each one of {ATTENTION_TYPES}")
+            object.__setattr__(self, "layer_types", tuple(types))
+        sliding = "sliding" in self.attention_types
+        _require(self, (self.sliding_window is not None) == sliding, "sliding_window",
+                 "an int >= 1 exactly when a layer_types entry is 'sliding'")
+        _require(self, self.local_rope_theta is None or sliding, "local_rope_theta",
+                 "None unless a layer_types entry is 'sliding'")
+
+    @property
+    def attention_types(self) -> tuple[str, ...]:
+        """Each layer's attention type: `layer_types`, or "full" for every layer when it is None."""
+        return ("full",) * self.n_layer if self.layer_types is None else self.layer_types
 
     @property
     def head_dim(self) -> int:

@@ -11,6 +11,7 @@ Pre-norm keeps an identity path through the residual stream; no dropout, no bias
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -30,22 +31,53 @@ from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_cache_step, check_step_inputs
 
 
+def norm(config: DecoderConfig, name: str) -> RMSNorm:
+    """The decoder's RMSNorm over `d_model` channels, named `name`."""
+    return RMSNorm(config.norm_eps, config.param_dtype, config.norm_plus_one, name=name)
+
+
 class Block(nn.Module):
-    """One pre-norm block, called as a scan body `(carry, *broadcast) -> (carry, None)` so the
-    same module runs once per layer (`block_{i}`) or scanned over stacked parameters."""
+    """One pre-norm block, called as a scan body `(carry, *broadcast, is_sliding) -> (carry,
+    None)` so the same module runs once per layer (`block_{i}`) or scanned over stacked
+    parameters.
+
+    Attributes:
+      config: the model's `DecoderConfig`.
+      attention_type: this layer's entry of `config.attention_types`; None in a scan, where
+        the scanned `is_sliding` says it.
+    """
 
     config: DecoderConfig
+    attention_type: str | None = None
 
     @nn.compact
-    def __call__(self, carry, cos, sin, mask, pos):
-        """`((x, layer_cache), None)` after the block, from `carry = (x [batch, T, d_model],
-        layer_cache)` and `GQASelfAttention`'s `cos, sin, mask, pos`, the same for every block."""
+    def __call__(self, carry, views, pos, is_sliding):
+        """`((x, layer_cache), None)` after the block.
+
+        Args:
+          carry: `(x [batch, T, d_model], layer_cache)`.
+          views: `{attention type: (cos, sin, mask)}`, `GQASelfAttention`'s inputs for each
+            type of layer (`attention_views`), the same for every block.
+          pos: int32 `[batch]`, the cache rows' write positions, or None without a cache.
+          is_sliding: bool `[]`, this layer's type in a scan over mixed types.
+        """
         x, layer_cache = carry
         c = self.config
-        h, layer_cache = GQASelfAttention(c, name="attn")(
-            RMSNorm(c.norm_eps, c.param_dtype, name="attn_norm")(x), cos, sin, mask, layer_cache, pos)
+        if self.attention_type is not None:
+            cos, sin, mask = views[self.attention_type]
+        elif len(views) == 1:
+            (cos, sin, mask), = views.values()
+        else:  # one scanned body serves both types: its layer's flag picks the inputs
+            cos, sin, mask = jax.tree.map(lambda local, full: jnp.where(is_sliding, local, full),
+                                          views["sliding"], views["full"])
+        h, layer_cache = GQASelfAttention(c, name="attn")(norm(c, "attn_norm")(x), cos, sin, mask, layer_cache, pos)
+        if c.post_norms:  # Gemma 2's sandwich: the sublayer's output is normalised before the sum
+            h = norm(c, "attn_post_norm")(h)
         x = x + h  # [batch, T, d_model]
-        x = x + SwiGLU(c, name="mlp")(RMSNorm(c.norm_eps, c.param_dtype, name="mlp_norm")(x))
+        h = SwiGLU(c, name="mlp")(norm(c, "mlp_norm")(x))
+        if c.post_norms:
+            h = norm(c, "mlp_post_norm")(h)
+        x = x + h  # [batch, T, d_model]
         if isinstance(layer_cache, LayerSlice):
             layer_cache = layer_cache.next_layer()
         return (x, layer_cache), None
@@ -54,10 +86,40 @@ class Block(nn.Module):
 def scanned_blocks(n_layer: int):
     """`Block` run `n_layer` times as one: parameters, their axis names and the sown
     intermediates gain a leading layer axis, each block its own init key; the cache rides
-    in the carry."""
+    in the carry, and each block reads its own entry of the scanned `is_sliding`."""
     return nn.scan(Block, variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
-                   split_rngs={"params": True},
-                   in_axes=(nn.broadcast,) * 4, length=n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
+                   split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0), length=n_layer,
+                   metadata_params={nn.PARTITION_NAME: LAYERS})
+
+
+def attention_views(config: DecoderConfig, position: jax.Array, key_position: jax.Array) -> dict:
+    """`{attention type: (cos, sin, mask)}` for each type among `config.attention_types`.
+
+    Args:
+      config: the model's config.
+      position: int `[T]` or `[batch, T]`, each query's position.
+      key_position: int `[S]`, each key slot's position.
+
+    Returns:
+      For each type, RoPE's `cos, sin` `[..., T, head_dim/2]` at the query positions (the
+      sliding layers' at `local_rope_theta` if set) and the bool mask `[..., T, S]`: a full
+      layer's query at p reads keys at positions `<= p`, a sliding layer's those in
+      `(p - sliding_window, p]`.
+    """
+    c = config
+    full_rope = rope_cos_sin(position, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+                             rope_attention_factor(c.rope_scaling))  # [..., T, head_dim/2] each
+    query, key = position[..., :, None], key_position  # [..., T, 1], [S]
+    causal = key <= query  # [..., T, S]
+    views = {}
+    for kind in sorted(set(c.attention_types)):
+        if kind == "full":
+            views[kind] = (*full_rope, causal)
+            continue
+        rope = full_rope if c.local_rope_theta is None else rope_cos_sin(
+            position, rope_inv_freq(c.head_dim, c.local_rope_theta))
+        views[kind] = (*rope, causal & (key > query - c.sliding_window))
+    return views
 
 
 class Decoder(nn.Module):
@@ -95,37 +157,36 @@ class Decoder(nn.Module):
         init = nn.initializers.normal(0.02)
         embed = param(self, "embed", init, (c.vocab_size, c.d_model), (VOCAB, EMBED), c.param_dtype)
         x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
+        if c.embed_scale:  # Gemma: embeddings of std ~1/sqrt(d) brought to the stream's scale, in its dtype
+            x = x * jnp.asarray(math.sqrt(c.d_model), c.dtype)
 
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [head_dim/2], a few constants
-        scale = rope_attention_factor(c.rope_scaling)
         if cache is None:
             pos = None
-            cos, sin = rope_cos_sin(jnp.arange(T), inv_freq, scale)  # [T, head_dim/2]
-            mask = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]  # [T, S], causal
+            views = attention_views(c, jnp.arange(T), jnp.arange(S))  # cos, sin [T, head_dim/2]; mask [T, S]
         else:
-            # Row b's query t sits at position pos[b] + t, its slot in the cache.
+            # Row b's query t sits at position pos[b] + t, its slot in the cache; the mask is
+            # not square, (T, S): slots past a query are the future, unwritten, or padding.
             pos = cache.pos  # [batch]
-            position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
-            cos, sin = rope_cos_sin(position, inv_freq, scale)  # [batch, T, head_dim/2]
-            # Query t of row b reads slots 0 .. pos[b] + t: causal over the cache; slots past
-            # it are the future, not yet written, or a shorter prompt's padding. Not square: (T, S).
-            mask = jnp.arange(S)[None, None, :] <= position[:, :, None]  # [batch, T, S]
+            views = attention_views(c, pos[:, None] + jnp.arange(T)[None, :], jnp.arange(S))  # [batch, T, ...]
 
+        is_sliding = jnp.asarray([kind == "sliding" for kind in c.attention_types])  # [n_layer]
         if c.scan_layers:
             stack = None if cache is None else LayerSlice(cache.layers, jnp.zeros((), jnp.int32))
-            (x, stack), _ = scanned_blocks(c.n_layer)(c, name="blocks")((x, stack), cos, sin, mask, pos)
+            (x, stack), _ = scanned_blocks(c.n_layer)(c, name="blocks")((x, stack), views, pos, is_sliding)
             new_layers = None if cache is None else stack.stack
         else:
             new_layers = []
-            for i in range(c.n_layer):
-                (x, layer_cache), _ = Block(c, name=f"block_{i}")(
-                    (x, None if cache is None else cache.layers[i]), cos, sin, mask, pos)
+            for i, kind in enumerate(c.attention_types):
+                (x, layer_cache), _ = Block(c, kind, name=f"block_{i}")(
+                    (x, None if cache is None else cache.layers[i]), views, pos, is_sliding[i])
                 new_layers.append(layer_cache)
-        x = RMSNorm(c.norm_eps, c.param_dtype, name="final_norm")(x)
+        x = norm(c, "final_norm")(x)
 
         head = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),
                                                     (EMBED, VOCAB), c.param_dtype)
         logits = output_logits(x, head, c.tie_embeddings)  # [batch, T, vocab]
+        if c.final_logit_softcap is not None:  # Gemma 2: every logit within (-cap, cap)
+            logits = jnp.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
         if cache is None:
             return logits, None
         return cache.commit(new_layers, logits, T)

@@ -57,11 +57,23 @@ def _swiglu_bwd(residuals, dy):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """`(gelu(x W_gate) * (x W_up)) W_down` with GELU's tanh approximation (Gemma's
+    `gelu_pytorch_tanh`, `0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))`); shapes as `swiglu`."""
+    gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
+    up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
+    return jnp.einsum("btf,fd->btd", jax.nn.gelu(gate, approximate=True) * up, w_down)  # [batch, T, d_model]
+
+
+GATED_FFNS = {"silu": swiglu, "gelu_tanh": geglu}  # `DecoderConfig.mlp_activation` -> its FFN
+
+
 class SwiGLU(nn.Module):
-    """`W_down (silu(x W_gate) * (x W_up))`: a gated FFN with three matrices.
+    """`W_down (act(x W_gate) * (x W_up))`: a gated FFN with three matrices, `act` silu
+    (SwiGLU) or tanh-GELU (GeGLU) as `config.mlp_activation` says.
 
     Attributes:
-      config: a `DecoderConfig` (`d_model`, `ffn_dim`, `n_layer`, `dtype`).
+      config: a `DecoderConfig` (`d_model`, `ffn_dim`, `n_layer`, `mlp_activation`, `dtype`).
     """
 
     config: "DecoderConfig"  # noqa: F821
@@ -74,7 +86,7 @@ class SwiGLU(nn.Module):
         w_gate = compute_param(self, "w_gate", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
         w_up = compute_param(self, "w_up", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
         w_down = compute_param(self, "w_down", residual_init, (c.ffn_dim, c.d_model), (MLP, EMBED))
-        return swiglu(x, w_gate, w_up, w_down)  # [batch, T, d_model]
+        return GATED_FFNS[c.mlp_activation](x, w_gate, w_up, w_down)  # [batch, T, d_model]
 
 
 class FeedForward(nn.Module):

@@ -12,21 +12,29 @@ from jaxformer.sharding import EMBED, param
 
 class RMSNorm(nn.Module):
     """`y = x / sqrt(mean(x^2) + eps) * weight`, cast back to `x.dtype` before the weight
-    multiplies (HF Llama's order).
+    multiplies (HF Llama's order); with `plus_one`, `* (1 + weight)` in float32 and then
+    cast (Gemma's order; its weights start at 0, the identity).
 
     Attributes:
       eps: added to the mean square before the reciprocal square root.
       param_dtype: storage dtype of the weight.
+      plus_one: the weight is stored as its offset from 1 (Gemma).
+      axis_name: the logical axis of the normalised channels (`EMBED`, or `HEAD_DIM` for q/k norms).
     """
 
     eps: float = 1e-6
     param_dtype: jnp.dtype = jnp.float32
+    plus_one: bool = False
+    axis_name: str = EMBED
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = param(self, "weight", nn.initializers.ones, (x.shape[-1],), (EMBED,), self.param_dtype)  # [d_model]
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        weight = param(self, "weight", init, (x.shape[-1],), (self.axis_name,), self.param_dtype)  # [channels]
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
         return normed.astype(x.dtype) * weight.astype(x.dtype)
 
 

@@ -102,8 +102,10 @@ def test_rope_theta_from_the_older_top_level_key():
 
 def test_config_round_trips_through_config_json():
     for config in (SMALL, SMALL.replace(tie_embeddings=False, qkv_bias=True, head_dim_override=24, rope_theta=123.0)):
-        # config.json states the SwiGLU width; jaxformer's None (the reference's rule) resolves to it.
-        assert config_from_hf(config_to_hf(config)) == config.replace(d_ff=config.ffn_dim)
+        # config.json states the SwiGLU width; jaxformer's None (the reference's rule) resolves to it,
+        # and the loaded config remembers its family.
+        family = "qwen2" if config.qkv_bias else "llama"
+        assert config_from_hf(config_to_hf(config)) == config.replace(d_ff=config.ffn_dim, hf_model_type=family)
 
 
 @pytest.mark.parametrize("changes, field", [
@@ -123,22 +125,26 @@ def test_config_round_trips_through_config_json():
      "rope_parameters.low_freq_factor"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),  # rope_parameters says default
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    (dict(model_type="mistral", sliding_window=16), "sliding_window"),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16), "sliding_window"),
-    (dict(layer_types=["full_attention", "sliding_attention", "full_attention"]), "layer_types"),
+    (dict(layer_types=["full_attention", "sliding_attention", "full_attention"]), "layer_types"),  # Llama never slides
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types=["full_attention"]),
+     "layer_types"),
+    (dict(model_type="mistral", sliding_window=-16), "sliding_window"),
 ])
 def test_unrepresentable_configs_are_refused_by_name(changes, field):
     with pytest.raises(ValueError, match=f"config.json {field}:"):
         config_from_hf({**LLAMA, **changes})
 
 
-def test_a_sliding_window_no_shorter_than_the_sequence_is_no_window():
-    mistral = {**LLAMA, "model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}
-    with pytest.raises(ValueError, match="load with max_seq_len <= 4096"):
-        config_from_hf(mistral)
-    assert config_from_hf(mistral, max_seq_len=4096).max_seq_len == 4096
-    qwen_off = {**LLAMA, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 16}
-    assert config_from_hf(qwen_off).max_seq_len == 64
+def test_sliding_windows_are_read_per_layer_as_each_family_applies_them():
+    mistral = {**LLAMA, "model_type": "mistral", "sliding_window": 16}
+    config = config_from_hf(mistral)
+    assert (config.sliding_window, config.attention_types) == (16, ("sliding",) * 3)  # every layer
+    assert config_from_hf({**mistral, "sliding_window": None}).sliding_window is None
+    qwen = {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
+    assert config_from_hf(qwen).attention_types == ("full", "sliding", "sliding")  # from max_window_layers on
+    assert config_from_hf({**qwen, "use_sliding_window": False}).sliding_window is None  # the flag rules
+    listed = {**qwen, "layer_types": ["sliding_attention", "full_attention", "full_attention"]}
+    assert config_from_hf(listed).attention_types == ("sliding", "full", "full")  # layer_types rules
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(tie_embeddings=False), dict(qkv_bias=True),
@@ -147,7 +153,8 @@ def test_save_then_load_gives_back_the_same_model(tmp_path, changes):
     config = SMALL.replace(**changes)
     params = _saved(tmp_path, config)
     loaded_config, loaded = load_hf(str(tmp_path))
-    assert loaded_config == config.replace(d_ff=config.ffn_dim)
+    family = "qwen2" if config.qkv_bias else "llama"
+    assert loaded_config == config.replace(d_ff=config.ffn_dim, hf_model_type=family)
     assert jax.tree.structure(loaded) == jax.tree.structure(params)
     jax.tree.map(np.testing.assert_array_equal, loaded, params)
     names = load_file(str(tmp_path / "model.safetensors")).keys()
@@ -159,7 +166,7 @@ def test_interleaved_model_is_saved_split_half_with_the_same_logits(tmp_path):
     config = SMALL.replace(rope_pairing="interleaved")
     params = _saved(tmp_path, config)
     loaded_config, loaded = load_hf(str(tmp_path))
-    assert loaded_config == config.replace(rope_pairing="split_half", d_ff=config.ffn_dim)
+    assert loaded_config == config.replace(rope_pairing="split_half", d_ff=config.ffn_dim, hf_model_type="llama")
     tokens = np.arange(40).reshape(2, 20) % config.vocab_size
     # The two pairings sum each q.k in another order: compared in float64, where that
     # reordering is far below the tolerance, a wrongly permuted row is not.

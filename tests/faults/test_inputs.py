@@ -385,7 +385,7 @@ FILE_CASES = [
     pytest.param(lambda folder: _edit_json(folder / "config.json", lambda hf: hf.update(rms_norm_eps="x")),
                  ValueError, r"config\.json rms_norm_eps: must be a finite number > 0", id="config-rms_norm_eps-str"),
     pytest.param(lambda folder: _edit_json(folder / "config.json", lambda hf: hf["rope_parameters"].update(
-        rope_theta=-1.0)), ValueError, r"config\.json rope_theta: must be a finite number > 0",
+        rope_theta=-1.0)), ValueError, r"config\.json rope_parameters\.rope_theta: must be a finite number > 0",
                  id="config-rope_theta-negative"),
     pytest.param(lambda folder: _edit_json(folder / "config.json", lambda hf: hf.update(rope_parameters="default")),
                  ValueError, r"config\.json rope_parameters: must be an object", id="config-rope_parameters-str"),
@@ -434,7 +434,7 @@ def test_load_hf_refuses(checkpoint, tmp_path, damage, error, match):
 def test_the_undamaged_checkpoint_loads(checkpoint):
     """The file cases' baseline: the folder they damage loads as written."""
     config, params = load_hf(str(checkpoint))
-    assert config == TINY.replace(d_ff=TINY.ffn_dim)
+    assert config == TINY.replace(d_ff=TINY.ffn_dim, hf_model_type="llama")
     jax.tree.map(np.testing.assert_array_equal, params, _decoder()[1])
 
 

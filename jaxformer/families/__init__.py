@@ -1,0 +1,23 @@
+"""Checkpoint families: each module reads and writes one family's `config.json` and lists
+its tensors (`common.Family`); the model itself is shared. To add a family, write its
+module and add its `Family` to `FAMILIES` (docs/architecture.md, "Checkpoint families")."""
+
+from jaxformer.families.common import Family
+from jaxformer.families.gemma import GEMMA, GEMMA2, GEMMA3
+from jaxformer.families.llama import LLAMA, MISTRAL, QWEN2
+from jaxformer.families.phi3 import PHI3
+from jaxformer.families.qwen3 import QWEN3
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3)}
+
+
+def family_of(config) -> Family:
+    """The family `save_hf` writes a `DecoderConfig` as: its `hf_model_type`, else Qwen2 with
+    q/k/v biases, else Llama."""
+    model_type = config.hf_model_type or ("qwen2" if config.qkv_bias else "llama")
+    if model_type not in FAMILIES:
+        raise ValueError(f"config.hf_model_type must be one of {sorted(FAMILIES)} (got {model_type!r})")
+    return FAMILIES[model_type]
+
+
+__all__ = ["FAMILIES", "Family", "family_of"]

@@ -1,0 +1,310 @@
+"""What every checkpoint family shares: reading `config.json` fields with errors that name
+them, RoPE's parameters, the fields every family writes, and the tensor table's rows.
+
+A family module (`jaxformer.families.llama`, `.gemma`, ...) reads the fields that are its
+own and lists its tensors with these; docs/architecture.md, "Checkpoint families", says how.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import numpy as np
+
+from jaxformer.config import ROPE_SCALINGS, DecoderConfig, RopeScaling
+from jaxformer.validation import finite_float, python_int
+
+DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
+REQUIRED = object()  # `field`'s default: the field must be present
+HF_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}  # config.json's names -> ours
+
+
+def fail(field_name: str, rule: str, value: Any) -> None:
+    raise ValueError(f"config.json {field_name}: {rule} (got {value!r})")
+
+
+def field(hf: dict, key: str, convert: Callable[[Any], Any], rule: str, *, default: Any = REQUIRED,
+          where: str | None = None) -> Any:
+    """`config.json`'s `key` through `convert` (None: the wrong kind), checked positive;
+    `default` when absent or null, else a ValueError naming the field (inside `where`, an
+    object of config.json, if given) and `rule`."""
+    name = key if where is None else f"{where}.{key}"
+    if hf.get(key) is None:
+        if default is REQUIRED:
+            raise ValueError(f"config.json {name}: missing; it must be {rule}")
+        return default
+    value = convert(hf[key])
+    if value is None or not value > 0:
+        fail(name, f"must be {rule}", hf[key])
+    return value
+
+
+def positive_int(hf: dict, key: str, default: Any = REQUIRED) -> int:
+    return field(hf, key, python_int, "a positive int", default=default)
+
+
+def flag(hf: dict, key: str, default: bool) -> bool:
+    """A true/false field; `default` when absent or null (`bool("false")` would be True)."""
+    value = hf.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        fail(key, "must be true or false", value)
+    return value
+
+
+def refuse_set(hf: dict, key: str, allowed: Any, why: str) -> None:
+    """A ValueError naming `key` unless it is absent, null or `allowed`."""
+    if hf.get(key) not in (None, allowed):
+        fail(key, f"must be {allowed!r}: {why}", hf[key])
+
+
+def rope(given: dict, where: str, hf: dict, *, default_theta: float = DEFAULT_ROPE_THETA
+         ) -> tuple[float, RopeScaling | None]:
+    """The RoPE base and scaling one object of config.json states (`rope_type` or `type`,
+    `rope_theta`, the scaling's fields), named `where` in errors; `hf` is the whole config.
+
+    A variant the decoder does not compute (longrope, dynamic...) changes the angles:
+    refused, never loaded as plain RoPE."""
+    rope_type = given.get("rope_type", given.get("type", "default"))
+    if rope_type not in ("default", *ROPE_SCALINGS):
+        fail(f"{where}.rope_type", f"must be one of {('default', *ROPE_SCALINGS)}", rope_type)
+    if given.get("partial_rotary_factor", 1.0) != 1.0:
+        fail(f"{where}.partial_rotary_factor", "RoPE must rotate every channel (1.0)", given["partial_rotary_factor"])
+    theta = field(given, "rope_theta", finite_float, "a finite number > 0", where=where, default=default_theta)
+
+    def number(key: str, convert=finite_float, rule: str = "a finite number > 0", default: Any = REQUIRED):
+        return field(given, key, convert, rule, where=where, default=default)
+
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", number("factor"))
+    context = number("original_max_position_embeddings", python_int, "a positive int")
+    if rope_type == "yarn":
+        return theta, _yarn(hf, given, where, number, context)
+    low, high = number("low_freq_factor"), number("high_freq_factor")
+    if not high > low:
+        fail(f"{where}.high_freq_factor", f"must be above low_freq_factor={low:g}", high)
+    return theta, RopeScaling("llama3", number("factor"), context, low_freq_factor=low, high_freq_factor=high)
+
+
+def _yarn(hf: dict, given: dict, where: str, number: Callable, context: int) -> RopeScaling:
+    """YaRN's fields, with transformers' defaults: `factor` from the two contexts when
+    absent, and the attention factor from `mscale` / `mscale_all_dim` when given."""
+    factor = number("factor", default=None)
+    if factor is None:
+        factor = field(hf, "max_position_embeddings", python_int, "a positive int") / context
+    attention_factor = number("attention_factor", default=None)
+    mscale, mscale_all_dim = number("mscale", default=None), number("mscale_all_dim", default=None)
+    if attention_factor is None and mscale and mscale_all_dim:
+
+        def m(weight: float) -> float:  # YaRN's 0.1 * weight * ln(factor) + 1
+            return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+        attention_factor = m(mscale) / m(mscale_all_dim)
+    truncate = given.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
+        fail(f"{where}.truncate", "must be true or false", truncate)
+    return RopeScaling("yarn", factor, context, beta_fast=number("beta_fast", default=None),
+                       beta_slow=number("beta_slow", default=None), attention_factor=attention_factor,
+                       truncate=truncate)
+
+
+def single_rope(hf: dict, *, default_theta: float = DEFAULT_ROPE_THETA) -> tuple[float, RopeScaling | None]:
+    """The one RoPE of every layer, from `rope_parameters` (transformers >= 5) or the older
+    top-level `rope_theta` and `rope_scaling` (a contradiction between the two is refused)."""
+    params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        fail("rope_parameters", "must be an object", params)
+    if "rope_type" not in params and params and all(isinstance(v, dict) for v in params.values()):
+        fail("rope_parameters", "per-layer-type RoPE parameters are not supported by this family", params)
+    scaling = hf.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        fail("rope_scaling", "must be an object or null", scaling)
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        fail("partial_rotary_factor", "RoPE must rotate every channel (1.0)", hf["partial_rotary_factor"])
+    if "rope_type" in params or "type" in params:
+        stale = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if stale not in ("default", params.get("rope_type", params.get("type"))):
+            fail("rope_scaling", f"contradicts rope_parameters.rope_type={params.get('rope_type')!r}", scaling)
+        return rope(params, "rope_parameters", hf, default_theta=default_theta)
+    given = {**(scaling or {}), **({"rope_theta": hf["rope_theta"]} if "rope_theta" in hf else {})}
+    where = "rope_scaling" if scaling else "rope_theta"
+    theta, rope_scaling = rope(given, where, hf, default_theta=default_theta)
+    return theta, rope_scaling
+
+
+def rope_parameters(theta: float, scaling: RopeScaling | None) -> dict:
+    """One `rope_parameters` object as transformers >= 5 writes it: type, base, the scaling's fields."""
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": theta}
+    fields = {k: v for k, v in dataclasses.asdict(scaling).items() if k != "kind" and v is not None}
+    return {"rope_type": scaling.kind, "rope_theta": theta, **fields}
+
+
+def refuse_sliding(hf: dict) -> None:
+    """For a family that never slides (Llama, Gemma 1): a `layer_types` that says otherwise is refused."""
+    given = hf.get("layer_types")
+    if given is not None and (not isinstance(given, list) or any(t != "full_attention" for t in given)):
+        fail("layer_types", "every layer must be 'full_attention' (this family has no sliding window)", given)
+
+
+def layer_types(hf: dict, n_layer: int, derived: Callable[[int], str] | None) -> tuple[str, ...] | None:
+    """Each layer's attention type from `layer_types` (its names mapped to ours), else
+    `derived(i)` for layer i (the family's rule when the field is absent), else None (all full)."""
+    given = hf.get("layer_types")
+    if given is None:
+        return None if derived is None else tuple(derived(i) for i in range(n_layer))
+    if not (isinstance(given, list) and len(given) == n_layer and all(t in HF_LAYER_TYPES for t in given)):
+        fail("layer_types", f"must list {n_layer} (num_hidden_layers) entries of {tuple(HF_LAYER_TYPES)}", given)
+    return tuple(HF_LAYER_TYPES[t] for t in given)
+
+
+def hf_layer_types(config: DecoderConfig) -> list[str]:
+    """`config.attention_types` in config.json's names."""
+    names = {ours: theirs for theirs, ours in HF_LAYER_TYPES.items()}
+    return [names[t] for t in config.attention_types]
+
+
+def decoder_fields(hf: dict, *, max_seq_len: int | None, tie_default: bool, norm_eps_key: str = "rms_norm_eps"
+                   ) -> dict:
+    """`DecoderConfig` fields every family reads the same way: sizes, heads, the norm's
+    epsilon, the tied head, `max_seq_len` (default `max_position_embeddings`)."""
+    d_model, n_head = positive_int(hf, "hidden_size"), positive_int(hf, "num_attention_heads")
+    head_dim = positive_int(hf, "head_dim", default=d_model // n_head)
+    return dict(
+        vocab_size=positive_int(hf, "vocab_size"), n_layer=positive_int(hf, "num_hidden_layers"), n_head=n_head,
+        n_kv_head=positive_int(hf, "num_key_value_heads", default=n_head), d_model=d_model,
+        max_seq_len=positive_int(hf, "max_position_embeddings") if max_seq_len is None else max_seq_len,
+        norm_eps=field(hf, norm_eps_key, finite_float, "a finite number > 0"),
+        d_ff=positive_int(hf, "intermediate_size"),
+        rope_pairing="split_half",  # the only pairing transformers implements
+        tie_embeddings=flag(hf, "tie_word_embeddings", tie_default),
+        head_dim_override=None if head_dim * n_head == d_model else head_dim)
+
+
+def common_hf_fields(config: DecoderConfig) -> dict:
+    """The config.json fields every family writes."""
+    c = config
+    return {"vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.ffn_dim,
+            "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
+            "head_dim": c.head_dim, "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+            "tie_word_embeddings": c.tie_embeddings}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One checkpoint tensor, or a block of its rows: its name and shape there, its place and
+    shape in jaxformer's tree.
+
+    `rows` `(start, stop)` names the rows of a fused tensor (Phi-3's `qkv_proj`) that are this
+    parameter; the tensor's other blocks are other `Tensor`s of the same `hf_key`.
+    """
+
+    hf_key: str
+    hf_shape: tuple[int, ...]  # of this block: [out, in] for a torch Linear
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    transpose: bool = False  # a torch Linear weight: [out, in] there, [in, out] (split into heads) here
+    rows: tuple[int, int] | None = None
+
+    def to_jax(self, w: np.ndarray) -> np.ndarray:
+        return (w.T if self.transpose else w).reshape(self.shape)
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        return w.reshape(self.hf_shape[::-1]).T if self.transpose else w.reshape(self.hf_shape)
+
+
+def linear(hf_key: str, path: tuple[str, ...], shape: tuple[int, ...], n_out: int, n_in: int,
+           rows: tuple[int, int] | None = None) -> Tensor:
+    """A torch `Linear` weight `[n_out, n_in]` (or its `rows`) as jaxformer's `[n_in, ...]` `shape`."""
+    return Tensor(hf_key, (n_out, n_in), path, shape, transpose=True, rows=rows)
+
+
+def vector(hf_key: str, path: tuple[str, ...], n: int) -> Tensor:
+    """A 1-D tensor (a norm's weight) stored the same way in both."""
+    return Tensor(hf_key, (n,), path, (n,))
+
+
+def outer_tensors(c: DecoderConfig) -> list[Tensor]:
+    """The embedding, the final norm and (untied) the output head: every family's."""
+    V, d = c.vocab_size, c.d_model
+    table = [Tensor("model.embed_tokens.weight", (V, d), ("embed",), (V, d)),
+             vector("model.norm.weight", ("final_norm", "weight"), d)]
+    if not c.tie_embeddings:  # a tied checkpoint has no lm_head.weight: it is embed_tokens
+        table.append(linear("lm_head.weight", ("lm_head",), (d, V), V, d))
+    return table
+
+
+def attention_tensors(c: DecoderConfig, prefix: str, block: str) -> list[Tensor]:
+    """`{prefix}self_attn.{q,k,v,o}_proj.weight` as `{block}/attn/w{q,k,v,o}`."""
+    d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
+    attn = prefix + "self_attn."
+    return [linear(attn + "q_proj.weight", (block, "attn", "wq"), (d, H, D), H * D, d),
+            linear(attn + "k_proj.weight", (block, "attn", "wk"), (d, K, D), K * D, d),
+            linear(attn + "v_proj.weight", (block, "attn", "wv"), (d, K, D), K * D, d),
+            linear(attn + "o_proj.weight", (block, "attn", "wo"), (H, D, d), d, H * D)]
+
+
+def qk_norm_tensors(c: DecoderConfig, prefix: str, block: str) -> list[Tensor]:
+    """`{prefix}self_attn.{q,k}_norm.weight`, over a head's channels (Qwen3, Gemma 3)."""
+    return [vector(f"{prefix}self_attn.{x}_norm.weight", (block, "attn", f"{x}_norm", "weight"), c.head_dim)
+            for x in ("q", "k")]
+
+
+def mlp_tensors(c: DecoderConfig, prefix: str, block: str) -> list[Tensor]:
+    """`{prefix}mlp.{gate,up,down}_proj.weight` as `{block}/mlp/w_{gate,up,down}`."""
+    d, F = c.d_model, c.ffn_dim
+    return [linear(prefix + "mlp.gate_proj.weight", (block, "mlp", "w_gate"), (d, F), F, d),
+            linear(prefix + "mlp.up_proj.weight", (block, "mlp", "w_up"), (d, F), F, d),
+            linear(prefix + "mlp.down_proj.weight", (block, "mlp", "w_down"), (F, d), d, F)]
+
+
+def norm_tensor(c: DecoderConfig, hf_key: str, block: str, name: str) -> Tensor:
+    """A block's RMSNorm weight over `d_model`, `{block}/{name}/weight`."""
+    return vector(hf_key, (block, name, "weight"), c.d_model)
+
+
+# The features of `DecoderConfig` a family may or may not hold, at their plain (Llama) values.
+PLAIN_FEATURES = dict(qkv_bias=False, qk_norm=False, norm_plus_one=False, mlp_activation="silu", embed_scale=False,
+                      query_pre_attn_scalar=None, attn_logit_softcap=None, final_logit_softcap=None,
+                      post_norms=False, sliding_window=None, local_rope_theta=None)
+ANY = "any"  # `Family.features`: every value of the field
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A checkpoint family: one `model_type` of config.json, read and written.
+
+    Attributes:
+      model_type: config.json's `model_type`.
+      architecture: its `architectures` entry, the transformers class that opens it.
+      read: `(hf, max_seq_len) -> DecoderConfig fields`: all of them, with errors naming
+        config.json's field (`decoder_fields` for the shared ones).
+      write: `config -> config.json fields` of this family, besides `common_hf_fields`.
+      layer_tensors: `(config, i) -> [Tensor]`, layer i's tensors (`model.layers.{i}.`).
+      features: the values of `PLAIN_FEATURES` fields this format holds, a tuple or `ANY`
+        per field; a field not named must have its plain value.
+    """
+
+    model_type: str
+    architecture: str
+    read: Callable[[dict, int | None], dict]
+    write: Callable[[DecoderConfig], dict]
+    layer_tensors: Callable[[DecoderConfig, int], list[Tensor]]
+    features: dict = dataclasses.field(default_factory=dict)
+
+    def tensors(self, config: DecoderConfig) -> list[Tensor]:
+        """Every tensor of the checkpoint (both directions read this one table)."""
+        return outer_tensors(config) + [t for i in range(config.n_layer) for t in self.layer_tensors(config, i)]
+
+    def check_fits(self, config: DecoderConfig) -> None:
+        """A ValueError naming the first feature of `config` this format cannot hold."""
+        for name, plain in PLAIN_FEATURES.items():
+            values, value = self.features.get(name, (plain,)), getattr(config, name)
+            if values != ANY and value not in values:
+                raise ValueError(f"config.{name}={value!r} cannot be written as a {self.model_type} checkpoint "
+                                 f"(it holds {' or '.join(map(repr, values))})")

@@ -1,0 +1,386 @@
+"""The `config.json` of published checkpoints, as they ship on the Hugging Face hub, and tiny copies of them.
+
+The conversion tests build tiny random checkpoints that keep every architectural field of a shipped config
+(RoPE scaling dicts, soft-caps, sliding windows and their layer pattern, head_dim decoupled from
+hidden_size / heads, tied heads, token-id lists, ...) and shrink only the sizes, so that a loader is tested
+on what the hub really serves rather than on a config written for the test. `SHIPPED[name]` is the file
+verbatim (JSON null/true/false as None/True/False); `tiny(name, **overrides)` is its shrunk copy.
+
+Sources (the hub itself was not reachable from where this was written): each dict was checked against at
+least one verbatim copy of the hub file (a `huggingface-cli`/`curl` dump, a cached snapshot, or a vendored
+preset such as mlc-ai/mlc-llm `model_preset.py`, TensorRT-LLM's Phi-3 test, alibaba/MNN's llmexport). A
+value that could not be confirmed says so on its line. Nothing here touches the network.
+"""
+
+import copy
+
+REPOS = {
+    "Llama-3.2-1B": "meta-llama/Llama-3.2-1B",
+    "Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
+    "Qwen3-0.6B": "Qwen/Qwen3-0.6B",
+    "Mistral-7B-v0.1": "mistralai/Mistral-7B-v0.1",
+    "gemma-2b": "google/gemma-2b",
+    "gemma-2-2b": "google/gemma-2-2b",
+    "gemma-3-1b-it": "google/gemma-3-1b-it",
+    "Phi-3-mini-4k-instruct": "microsoft/Phi-3-mini-4k-instruct",
+    "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B",
+    "SmolLM2-135M": "HuggingFaceTB/SmolLM2-135M",
+}
+
+SHIPPED = {
+    "Llama-3.2-1B": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,  # the base model ships one id; the -Instruct variant ships [128001, 128008, 128009]
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0",
+        "use_cache": True,
+        "vocab_size": 128256,
+    },
+    "Llama-3.1-8B": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,  # base model; Llama-3.1-8B-Instruct ships [128001, 128008, 128009]
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {  # this key order is the file's
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.0.dev0",
+        "use_cache": True,
+        "vocab_size": 128256,
+    },
+    "Qwen3-0.6B": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,  # not hidden_size / heads (64)
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "initializer_range": 0.02,
+        "intermediate_size": 3072,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 28,
+        "model_type": "qwen3",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "Mistral-7B-v0.1": {
+        "architectures": ["MistralForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.34.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
+    "gemma-2b": {
+        "architectures": ["GemmaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "head_dim": 256,
+        "hidden_act": "gelu",  # legacy value: GemmaConfig rewrites it to "gelu_pytorch_tanh"
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 16384,
+        "max_position_embeddings": 8192,
+        "model_type": "gemma",
+        "num_attention_heads": 8,
+        "num_hidden_layers": 18,
+        "num_key_value_heads": 1,  # multi-query attention
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.38.0.dev0",
+        "use_cache": True,
+        "vocab_size": 256000,
+    },
+    "gemma-2-2b": {
+        "architectures": ["Gemma2ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": 50.0,
+        "bos_token_id": 2,
+        "cache_implementation": "hybrid",
+        "eos_token_id": 1,  # base model; gemma-2-2b-it ships [1, 107]
+        "final_logit_softcapping": 30.0,
+        "head_dim": 256,  # not hidden_size / heads (288)
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304,
+        "initializer_range": 0.02,
+        "intermediate_size": 9216,
+        "max_position_embeddings": 8192,
+        "model_type": "gemma2",
+        "num_attention_heads": 8,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 4,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "sliding_window": 4096,
+        "torch_dtype": "float32",  # the base 2b ships float32 weights (the -it and 9b/27b ship bfloat16)
+        "transformers_version": "4.42.4",
+        "use_cache": True,
+        "vocab_size": 256000,
+    },
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "cache_implementation": "hybrid",
+        "eos_token_id": [1, 106],
+        "final_logit_softcapping": None,
+        "head_dim": 256,  # not hidden_size / heads (288)
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "initializer_range": 0.02,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,  # multi-query attention
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0",  # unconfirmed: mlc-llm's copy says this, another copy says 4.52.4
+        "use_cache": True,
+        "vocab_size": 262144,
+    },
+    "Phi-3-mini-4k-instruct": {
+        "_name_or_path": "Phi-3-mini-4k-instruct",
+        "architectures": ["Phi3ForCausalLM"],
+        "attention_dropout": 0.0,
+        "auto_map": {
+            "AutoConfig": "configuration_phi3.Phi3Config",
+            "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM",
+        },
+        "bos_token_id": 1,
+        "embd_pdrop": 0.0,
+        "eos_token_id": 32000,
+        "hidden_act": "silu",
+        "hidden_size": 3072,
+        "initializer_range": 0.02,
+        "intermediate_size": 8192,
+        "max_position_embeddings": 4096,
+        "model_type": "phi3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,  # multi-head attention, no grouping
+        "original_max_position_embeddings": 4096,
+        "pad_token_id": 32000,
+        "resid_pdrop": 0.0,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "sliding_window": 2047,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.2",
+        "use_cache": True,
+        "attention_bias": False,  # this key comes after use_cache in the file
+        "vocab_size": 32064,
+    },
+    "Qwen2.5-0.5B": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "initializer_range": 0.02,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 24,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,  # inert: use_sliding_window is false
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1",
+        "use_cache": True,
+        "use_mrope": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "SmolLM2-135M": {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "hidden_act": "silu",
+        "hidden_size": 576,
+        "initializer_range": 0.041666666666666664,
+        "intermediate_size": 1536,
+        "is_llama_config": True,
+        "max_position_embeddings": 8192,
+        "model_type": "llama",
+        "num_attention_heads": 9,
+        "num_hidden_layers": 30,
+        "num_key_value_heads": 3,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_interleaved": False,
+        "rope_scaling": None,
+        "rope_theta": 100000,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.40.1",
+        "use_cache": True,
+        "vocab_size": 49152,
+    },
+}
+
+# The tiny sizes. num_hidden_layers: enough layers to show the layer pattern (gemma-2's 1:1 needs 2; gemma-3's
+# sliding_window_pattern 6 needs one whole period, five sliding layers and then a global one).
+_VOCAB, _HIDDEN, _FFN, _HEADS, _WINDOW = 128, 64, 128, 4, 8
+_LAYERS = {"gemma-3-1b-it": 6}
+_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def tiny(name, **overrides):
+    """`SHIPPED[name]` with only its sizes shrunk; `overrides` replace keys last.
+
+    Kept as shipped: every other field, the RoPE dicts, max_position_embeddings, the soft-caps, the token-id
+    structure (a list stays a list, equal ids stay equal). Shrunk: vocab 128, hidden 64, FFN 128, 4 heads,
+    sliding_window 8 where one is set, layers 2 (6 for gemma-3). Properties of the shipped shapes are kept:
+    KV heads 4 / 2 / 1 for multi-head / grouped / multi-query attention; head_dim 32 where the shipped head_dim is
+    not hidden / heads, else 16 (written only where shipped); query_pre_attn_scalar follows head_dim as shipped;
+    max_window_layers and layer_types follow the new layer count. torch_dtype is "bfloat16" for all (gemma-2-2b
+    ships "float32").
+    The result is a fresh copy: transformers edits the RoPE dict it is given in place.
+    """
+    if name not in SHIPPED:
+        raise KeyError(f"no shipped config {name!r}; have {sorted(SHIPPED)}")
+    shipped = SHIPPED[name]
+    config = copy.deepcopy(shipped)
+    layers = overrides.get("num_hidden_layers", _LAYERS.get(name, 2))
+    vocab = overrides.get("vocab_size", _VOCAB)
+    config.update(vocab_size=vocab, hidden_size=_HIDDEN, intermediate_size=_FFN, num_hidden_layers=layers,
+                  num_attention_heads=_HEADS, torch_dtype="bfloat16")
+
+    heads, kv_heads = shipped["num_attention_heads"], shipped.get("num_key_value_heads")
+    if kv_heads is not None:
+        config["num_key_value_heads"] = _HEADS if kv_heads == heads else 1 if kv_heads == 1 else 2
+    square = shipped["hidden_size"] // heads
+    head_dim = shipped.get("head_dim", square)
+    tiny_head_dim = _HIDDEN // _HEADS if head_dim == square else 2 * (_HIDDEN // _HEADS)
+    if "head_dim" in shipped:
+        config["head_dim"] = tiny_head_dim
+    if shipped.get("query_pre_attn_scalar") is not None:
+        scalar = shipped["query_pre_attn_scalar"]
+        config["query_pre_attn_scalar"] = tiny_head_dim if scalar == head_dim else _HIDDEN // _HEADS
+
+    if shipped.get("sliding_window") is not None:
+        config["sliding_window"] = _WINDOW
+    if "max_window_layers" in shipped:  # the first max_window_layers layers never slide (Qwen2/3)
+        shipped_layers, window_layers = shipped["num_hidden_layers"], shipped["max_window_layers"]
+        shrunk = window_layers * layers // shipped_layers
+        config["max_window_layers"] = layers if window_layers >= shipped_layers else shrunk
+    if shipped.get("layer_types") is not None:
+        pattern = shipped["layer_types"]
+        config["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
+
+    ids = sorted({i for key in _TOKEN_KEYS for i in _as_list(shipped.get(key))})
+    small = {i: i if i < vocab else i % vocab for i in ids}
+    if len(set(small.values())) != len(ids):
+        raise ValueError(f"{name}: token ids {ids} collide below vocab_size {vocab}")
+    for key in _TOKEN_KEYS:
+        value = shipped.get(key)
+        if value is not None:
+            config[key] = [small[i] for i in value] if isinstance(value, list) else small[value]
+
+    config.update(overrides)
+    return config
+
+
+def _as_list(value):
+    return [] if value is None else value if isinstance(value, list) else [value]
