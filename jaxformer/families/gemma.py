@@ -123,7 +123,9 @@ def write_gemma(config: DecoderConfig) -> dict:
 
 def _write_gemma2_style(config: DecoderConfig) -> dict:
     c = config
-    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": c.query_pre_attn_scalar or c.head_dim,
+    scalar = c.head_dim if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar
+    scalar = int(scalar) if float(scalar).is_integer() else scalar  # transformers wants an int where it is one
+    return {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
             "final_logit_softcapping": c.final_logit_softcap, "sliding_window": c.sliding_window,
             "layer_types": hf_layer_types(c)}
 

@@ -1,0 +1,170 @@
+"""Every checkpoint family against transformers itself, on tiny random checkpoints whose
+config.json keeps every architectural field of the one the hub ships (`shipped.tiny`):
+saved by transformers as sharded bfloat16, as checkpoints ship, and loaded by jaxformer.
+
+The reference is transformers' float32 forward of the same (bfloat16-valued) weights.
+Weights are redrawn at std 0.25 as in tests/convert/test_hf_parity.py, so that a wrong
+detail moves the logits by far more than the float32 tolerance; each prompt is longer
+than the shrunk sliding window (8), so a window that were ignored would show.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import import_peer, jit_apply
+from shipped import tiny
+
+from jaxformer import Decoder, KVCache, generate
+from jaxformer.convert import load_hf, save_hf
+
+torch = import_peer("torch")
+transformers = import_peer("transformers")
+
+pytestmark = pytest.mark.peers
+
+CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
+               "Phi-3-mini-4k-instruct", "Qwen2.5-0.5B", "SmolLM2-135M"]
+MAX_SEQ_LEN = 64
+PROMPT_LEN, NEW_TOKENS = 12, 40
+TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
+
+# Each feature a family's config switches on, and the config with it off: without it the
+# logits must move (so each test above would fail if the feature were ignored).
+FEATURES_OFF = {
+    "sliding_window": dict(layer_types=None, sliding_window=None, local_rope_theta=None),
+    "local_rope_theta": dict(local_rope_theta=None),
+    "rope_scaling": dict(rope_scaling=None),
+    "qkv_bias": dict(qkv_bias=False),
+    "qk_norm": dict(qk_norm=False),
+    "norm_plus_one": dict(norm_plus_one=False),
+    "mlp_activation": dict(mlp_activation="silu"),
+    "embed_scale": dict(embed_scale=False),
+    "query_pre_attn_scalar": dict(query_pre_attn_scalar=None),
+    "attn_logit_softcap": dict(attn_logit_softcap=None),
+    "final_logit_softcap": dict(final_logit_softcap=None),
+    "post_norms": dict(post_norms=False),
+}
+# What each family's config switches on, as read from its config.json.
+SWITCHED_ON = {
+    "Llama-3.2-1B": {"rope_scaling"},
+    "Qwen3-0.6B": {"qk_norm"},
+    "Mistral-7B-v0.1": {"sliding_window"},
+    "gemma-2b": {"norm_plus_one", "mlp_activation", "embed_scale"},
+    "gemma-2-2b": {"sliding_window", "norm_plus_one", "mlp_activation", "embed_scale", "query_pre_attn_scalar",
+                   "attn_logit_softcap", "final_logit_softcap", "post_norms"},
+    "gemma-3-1b-it": {"sliding_window", "local_rope_theta", "qk_norm", "norm_plus_one", "mlp_activation",
+                      "embed_scale", "query_pre_attn_scalar", "post_norms"},
+    "Phi-3-mini-4k-instruct": {"sliding_window"},
+    "Qwen2.5-0.5B": {"qkv_bias"},
+    "SmolLM2-135M": set(),
+}
+# Gemma 2 2B's and Gemma 3 1B's query_pre_attn_scalar is their head_dim, where it changes nothing;
+# 27B's (144, head_dim 128) is not: the tiny copies take one apart from head_dim, so its guard can tell.
+# Gemma 2's final cap (30) is shrunk as the window is, to where this tiny model's logits reach it.
+OVERRIDES = {"gemma-2-2b": dict(query_pre_attn_scalar=24, final_logit_softcapping=3.0),
+             "gemma-3-1b-it": dict(query_pre_attn_scalar=24)}
+PLAIN = dict(sliding_window=None, local_rope_theta=None, rope_scaling=None, qkv_bias=False, qk_norm=False,
+             norm_plus_one=False, mlp_activation="silu", embed_scale=False, query_pre_attn_scalar=None,
+             attn_logit_softcap=None, final_logit_softcap=None, post_norms=False)
+
+
+def _scale_up(model, seed: int):
+    """Every matrix and bias at std 0.25, every norm weight around its identity (Gemma's
+    around 0: it scales by 1 + weight); Gemma's embeddings, which it multiplies by
+    sqrt(d_model), at 0.4 / sqrt(d_model) (at 0.25 its greedy continuations repeat one token)."""
+    gemma = "gemma" in model.config.model_type
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 * torch.randn_like(p) + (0.0 if gemma else 1.0))
+            elif gemma and "embed_tokens" in name:
+                p.copy_(0.4 / model.config.hidden_size ** 0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.25 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS)
+def family(request, tmp_path_factory):
+    """(name, hf_model float32, config, params, path): a tiny shipped-config checkpoint saved by
+    transformers as sharded bfloat16, transformers' float32 model of its weights, and jaxformer's load."""
+    hf_config = transformers.AutoConfig.for_model(**tiny(request.param, **OVERRIDES.get(request.param, {})))
+    hf_model = _scale_up(transformers.AutoModelForCausalLM.from_config(hf_config), seed=0).to(torch.bfloat16)
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(path, max_shard_size="40KB")
+    assert (path / "model.safetensors.index.json").exists()  # sharded, as real checkpoints ship
+    config, params = load_hf(str(path), max_seq_len=MAX_SEQ_LEN)
+    # Reopened in float32 (not `hf_model.float()`, whose RoPE frequencies stayed rounded to bfloat16).
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return request.param, reference, config, params, path
+
+
+def _tokens(config, shape, seed):
+    return torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_equal_transformers_and_each_feature_counts(family):
+    name, hf_model, config, params, _ = family
+    tokens = _tokens(config, (2, 24), 2)  # longer than the window
+    with torch.no_grad():
+        want = hf_model(tokens).logits.numpy()
+    got, _ = jit_apply(Decoder(config), {"params": params}, tokens.numpy())
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
+    switched_on = {f for f, plain in PLAIN.items() if getattr(config, f) != plain}
+    assert switched_on == SWITCHED_ON[name]
+    for feature in sorted(switched_on):
+        off, _ = jit_apply(Decoder(config.replace(**FEATURES_OFF[feature])), {"params": params}, tokens.numpy())
+        assert np.abs(off - want).max() > 100 * TOLERANCE, f"{name}: {feature} off leaves the logits as they were"
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(family):
+    """transformers' greedy continuation of a prompt longer than the window."""
+    _, hf_model, config, _, _ = family
+    prompt = _tokens(config, (2, PROMPT_LEN), 1)
+    out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, eos_token_id=None,
+                            pad_token_id=0)
+    return prompt.numpy(), out.numpy()
+
+
+def test_greedy_tokens_equal_transformers(family, hf_greedy):
+    _, _, config, params, _ = family
+    prompt, want = hf_greedy
+    got = generate(Decoder(config), params, jnp.asarray(prompt), max_new_tokens=NEW_TOKENS)
+    assert len(np.unique(want[:, PROMPT_LEN:])) > 5  # a varied continuation
+    np.testing.assert_array_equal(got, want)
+
+
+def test_cached_decoding_equals_the_full_forward(family, hf_greedy):
+    """Prefill the prompt, then one token a step through the cache, past the window."""
+    _, _, config, params, _ = family
+    _, sequences = hf_greedy
+    model = Decoder(config)
+    full, _ = jit_apply(model, {"params": params}, sequences)
+    step = jax.jit(lambda tokens, cache: model.apply({"params": params}, tokens, cache))
+    logits, cache = step(jnp.asarray(sequences[:, :PROMPT_LEN]), KVCache.create(config, 2, sequences.shape[1]))
+    got = [logits]
+    for t in range(PROMPT_LEN, sequences.shape[1]):
+        logits, cache = step(jnp.asarray(sequences[:, t:t + 1]), cache)
+        got.append(logits)
+    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=TOLERANCE, rtol=0)
+
+
+def test_save_hf_writes_the_family_that_transformers_reopens(family, tmp_path):
+    name, hf_model, config, params, path = family
+    save_hf(config, params, str(tmp_path))
+    reopened = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(reopened).__name__ == type(hf_model).__name__
+    assert reopened.config.model_type == hf_model.config.model_type
+    tokens = _tokens(config, (2, 20), 3)
+    with torch.no_grad():
+        want = hf_model(tokens).logits.numpy()
+        again = reopened(tokens).logits.numpy()
+    np.testing.assert_allclose(again, want, atol=TOLERANCE, rtol=0)
+    loaded_config, loaded = load_hf(str(tmp_path), max_seq_len=MAX_SEQ_LEN)
+    assert loaded_config == config
+    jax.tree.map(np.testing.assert_array_equal, loaded, params)
