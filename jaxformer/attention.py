@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.cache import LayerKV, LayerSlice
+from jaxformer.cache import LayerKV
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope
 from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_param, param
@@ -79,19 +79,25 @@ class GQASelfAttention(nn.Module):
     config: "DecoderConfig"  # noqa: F821 (jaxformer.config; a string to avoid a cycle)
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, layer_cache: LayerKV | LayerSlice | None = None, pos=None):
+    def __call__(self, x, cos, sin, mask, layer_cache=None, pos=None, stop=None, is_sliding=None):
         """Attends causally over `x` (and the cache), with GQA and RoPE.
 
         Args:
           x: `[batch, T, d_model]` normalised residual stream.
           cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles.
-          mask: bool `[T, S]` or `[batch, T, S]`; S is T without a cache, its capacity with one.
-          layer_cache: this layer's cached K/V (a `LayerSlice` of a stacked cache), or None.
-          pos: int32 `[batch]`, each row's cache slot for this call's first token.
+          mask: bool `[T, S]` or `[batch, T, S]`, True where a query reads a key: S is T
+            without a cache, and with one the keys its `extend` returns (the capacity's
+            slots, or a ring's then this call's). With a `(full, sliding)` pair of caches,
+            a `(full, sliding)` pair of masks.
+          layer_cache: this layer's `LayerKV` or `RingKV` (a `LayerSlice` of a stacked
+            cache), None, or a `(full, sliding)` pair of slices, `is_sliding` picking one.
+          pos: int32 `[batch]`, each row's position for this call's first token.
+          stop: int32 `[batch]` or None, `KVCache.stop`.
+          is_sliding: bool `[]`, with a pair of caches: which this layer is (a scan over mixed types).
 
         Returns:
           `(y [batch, T, d_model], layer_cache)`, this call's K/V written; the weights are sown
-          into 'intermediates' as `attention_weights`.
+          into 'intermediates' as `attention_weights` (not with a pair: their shapes differ).
         """
         c = self.config
         d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
@@ -118,12 +124,31 @@ class GQASelfAttention(nn.Module):
         # Rotate q and k (never v) before caching: a cached key keeps its position.
         q = apply_rope(q, cos, sin, c.rope_pairing)
         k = apply_rope(k, cos, sin, c.rope_pairing)
-        if layer_cache is not None:
-            layer_cache = layer_cache.write(k, v, pos)
-            k, v = layer_cache.read()  # [batch, capacity, n_kv, head_dim]
-        scale = None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5
-        out, weights = dot_product_attention(q, k, v, mask, scale=scale, softcap=c.attn_logit_softcap)
-        self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
+        scores = dict(scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5,
+                      softcap=c.attn_logit_softcap)
+
+        def attend(mask, layer_cache):  # -> (out [batch, T, n_head, head_dim], weights, layer_cache)
+            keys, values = k, v
+            if layer_cache is not None:  # [batch, S, n_kv, head_dim]: the slots, or the ring's and ours
+                (keys, values), layer_cache = layer_cache.extend(k, v, pos, stop)
+            return (*dot_product_attention(q, keys, values, mask, **scores), layer_cache)
+
+        if isinstance(layer_cache, tuple):  # one scanned body, two kinds of cache: the layer's flag picks
+            (full_mask, sliding_mask), (full, sliding) = mask, layer_cache
+
+            def as_sliding():
+                out, _, written = attend(sliding_mask, sliding)
+                return out, full, written
+
+            def as_full():
+                out, _, written = attend(full_mask, full)
+                return out, written, sliding
+
+            out, full, sliding = jax.lax.cond(is_sliding, as_sliding, as_full)
+            layer_cache = (full, sliding)
+        else:
+            out, weights, layer_cache = attend(mask, layer_cache)
+            self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
         return jnp.einsum("bthk,hkd->btd", out, wo), layer_cache  # concat heads, then W_O
 
 

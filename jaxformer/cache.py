@@ -3,8 +3,9 @@
 A model call takes a cache and returns a new one; under `jit` XLA makes the writes in
 place, and `capacity` fixes every shape, so one compiled step serves every position. Keys
 are stored after RoPE (a cached key never moves again) and with `n_kv_head` heads (GQA
-saves memory only if K/V are not repeated first). Why a scanned model's stack is the
-scan's carry: docs/architecture.md, "Scanned layers"; the rows: docs/decoding.md.
+saves memory only if K/V are not repeated first). A sliding-window layer keeps only the
+slots its window can read, as a ring (`RingKV`). Why a scanned model's stack is the scan's
+carry: docs/architecture.md, "Scanned layers"; the rows and the rings: docs/decoding.md.
 """
 
 from __future__ import annotations
@@ -51,29 +52,121 @@ class LayerKV:
         """The keys and values attention reads, `[batch, capacity, n_kv, head_dim]` each."""
         return self.k, self.v
 
+    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None):
+        """`((keys, values), layer)`: this call's K/V written at their slots, then every slot
+        read, `[batch, capacity, ...]` (a slot's position is its index). `stop` is for rings."""
+        layer = self.write(k_new, v_new, pos)
+        return layer.read(), layer
+
+
+def ring_positions(pos: jax.Array, slots: int) -> jax.Array:
+    """`[batch, slots]` int32: the position ring slot s holds in row b before a call that
+    starts at `pos[b]`: the latest `p < pos[b]` with `p % slots == s`; negative where none."""
+    s = jnp.arange(slots)[None, :]
+    last = pos[:, None] - 1  # [batch, 1], the newest written position
+    return last - jnp.mod(last - s, slots)
+
+
+def ring_write(array: jax.Array, new: jax.Array, pos: jax.Array, stop, *, layer=None) -> jax.Array:
+    """`array` `[batch, slots, ...]` (`[batch, n_layer, slots, ...]` with `layer`) with row b's
+    `new[b]` (T tokens at positions `pos[b] ..`) in slots `position % slots`: only the last
+    `slots` positions before `stop[b]` (default `pos[b] + T`) are written, the rest dropped,
+    so no slot is written twice and a ragged batch's padding never enters the ring."""
+    T, slots = new.shape[1], array.shape[1 if layer is None else 2]
+    position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
+    end = pos[:, None] + T if stop is None else jnp.minimum(pos + T, stop)[:, None]
+    keep = (position < end) & (position >= end - slots)  # [batch, T]
+    slot = jnp.where(keep, jnp.mod(position, slots), slots)  # `slots` is out of range: dropped
+
+    def one_row(row, new_row, slot_row):  # row [slots, ...] or [n_layer, slots, ...]
+        index = slot_row if layer is None else (layer, slot_row)
+        return row.at[index].set(new_row.astype(row.dtype), mode="drop")
+
+    return jax.vmap(one_row)(array, new, slot)
+
+
+@struct.dataclass
+class RingKV:
+    """A sliding-window layer's keys and values: `slots` of them, position p in slot `p % slots`.
+
+    A query at position q reads keys in `(q - window, q]`; `slots = window - 1 + rewind`
+    keeps all of those from before the call (this call's own keys are read as they come, not
+    from the ring), and `rewind` more, so a row set back by up to `rewind` positions (a
+    speculative round's rejected tokens) still finds its window: slots a rejected token
+    overwrote held positions that no later query reads.
+    """
+
+    k: jax.Array  # [batch, slots, n_kv_head, head_dim]
+    v: jax.Array  # [batch, slots, n_kv_head, head_dim]
+
+    def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None) -> "RingKV":
+        """A copy with this call's K/V `[batch, T, n_kv, head_dim]` in the ring (`ring_write`)."""
+        return RingKV(k=ring_write(self.k, k_new, pos, stop), v=ring_write(self.v, v_new, pos, stop))
+
+    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None):
+        """`((keys, values), ring)`: the ring's slots before this call, then this call's own K/V,
+        `[batch, slots + T, ...]` (positions `ring_positions(pos, slots)`, then `pos ..`); the
+        ring returned has them written."""
+        keys = jnp.concatenate([self.k, k_new.astype(self.k.dtype)], axis=1)
+        values = jnp.concatenate([self.v, v_new.astype(self.v.dtype)], axis=1)
+        return (keys, values), self.write(k_new, v_new, pos, stop)
+
 
 @struct.dataclass
 class LayerSlice:
-    """Layer `layer` of a stacked cache, as the scanned block sees it: `write` updates that
-    layer's slots of the whole stack in place, `read` slices it out."""
+    """Layer `layer` of a stacked cache (a scanned model's), as its block sees it: `extend`
+    writes that layer's slots of the whole stack in place and reads that layer."""
 
-    stack: LayerKV  # k, v: [batch, n_layer, capacity, n_kv_head, head_dim]
-    layer: jax.Array  # [] int32, the block this slice belongs to
+    stack: LayerKV | RingKV  # k, v: [batch, n_layer, slots, n_kv_head, head_dim]
+    layer: jax.Array  # [] int32, the block's index in this stack
 
-    def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerSlice":
-        """`LayerKV.write` into layer `layer` of the stack."""
-        stack = self.stack
-        return self.replace(stack=LayerKV(k=write_rows(stack.k, k_new[:, None], pos, axis=2, layer=self.layer),
-                                          v=write_rows(stack.v, v_new[:, None], pos, axis=2, layer=self.layer)))
+    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None):
+        """`LayerKV.extend` or `RingKV.extend` on layer `layer` of the stack."""
+        stack, layer = self.stack, self.layer
 
-    def read(self) -> tuple[jax.Array, jax.Array]:
-        """This layer's keys and values, `[batch, capacity, n_kv, head_dim]` each."""
-        return (jax.lax.dynamic_index_in_dim(self.stack.k, self.layer, axis=1, keepdims=False),
-                jax.lax.dynamic_index_in_dim(self.stack.v, self.layer, axis=1, keepdims=False))
+        def this_layer(array):  # [batch, n_layer, slots, ...] -> [batch, slots, ...]
+            return jax.lax.dynamic_index_in_dim(array, layer, axis=1, keepdims=False)
 
-    def next_layer(self) -> "LayerSlice":
-        """The slice the next block of the scan reads and writes."""
-        return self.replace(layer=self.layer + 1)
+        if isinstance(stack, RingKV):
+            keys = jnp.concatenate([this_layer(stack.k), k_new.astype(stack.k.dtype)], axis=1)
+            values = jnp.concatenate([this_layer(stack.v), v_new.astype(stack.v.dtype)], axis=1)
+            stack = RingKV(k=ring_write(stack.k, k_new, pos, stop, layer=layer),
+                           v=ring_write(stack.v, v_new, pos, stop, layer=layer))
+            return (keys, values), self.replace(stack=stack)
+        stack = LayerKV(k=write_rows(stack.k, k_new[:, None], pos, axis=2, layer=layer),
+                        v=write_rows(stack.v, v_new[:, None], pos, axis=2, layer=layer))
+        return (this_layer(stack.k), this_layer(stack.v)), self.replace(stack=stack)
+
+
+@struct.dataclass
+class SplitStacks:
+    """A scanned model's cache when its full and sliding layers keep different slots: one
+    stack of each, the full layers' in order, the sliding layers' in order."""
+
+    full: LayerKV  # [batch, n_full, capacity, n_kv_head, head_dim]
+    sliding: RingKV  # [batch, n_sliding, slots, n_kv_head, head_dim]
+
+
+def layer_shapes(batch_size: int, capacity: int, slots: tuple[int, ...], n_kv_head: int, head_dim: int,
+                 stacked: bool) -> list[tuple[int, ...]]:
+    """The k (and v) shape of each layer, or of each stack (the full layers', then the rings'),
+    for layers of `slots` each; a stack holds one ring size."""
+    if not stacked:
+        return [(batch_size, n, n_kv_head, head_dim) for n in slots]
+    kinds = {n for n in slots}
+    if len(kinds) == 1:
+        return [(batch_size, len(slots), slots[0], n_kv_head, head_dim)]
+    rings = [n for n in slots if n < capacity]
+    if len(set(rings)) != 1 or len(kinds) != 2:
+        raise ValueError(f"KVCache: a stacked cache holds one ring size, got slots {slots}")
+    return [(batch_size, len(slots) - len(rings), capacity, n_kv_head, head_dim),
+            (batch_size, len(rings), rings[0], n_kv_head, head_dim)]
+
+
+def sliding_slots(config: DecoderConfig, capacity: int, rewind: int = 0) -> int:
+    """Slots a sliding layer of `config` keeps for a cache of `capacity` positions: its ring's
+    `sliding_window - 1 + rewind`, or `capacity` when that is no fewer."""
+    return min(capacity, config.sliding_window - 1 + rewind)
 
 
 @struct.dataclass
@@ -81,17 +174,24 @@ class KVCache:
     """Per-layer keys and values, and each row's write position.
 
     Attributes:
-      layers: one `LayerKV` per block, or, for a scanned model, one whose k and v stack
-        every block's: `[batch, n_layer, capacity, n_kv_head, head_dim]`.
+      layers: one `LayerKV` per block (a `RingKV` for a sliding layer whose ring is shorter
+        than the capacity), or, for a scanned model, one `LayerKV` (or `RingKV`) whose k and
+        v stack every block's, `[batch, n_layer, slots, n_kv_head, head_dim]`, or
+        `SplitStacks` of both kinds.
       pos: int32 `[batch]`, the slots written in each row: row b's next token goes to slot
         `pos[b]`, which is its position. The model advances it once per call, after all layers.
+      capacity: positions each row can hold (static).
+      stop: int32 `[batch]` or None: a call writes row b's positions before `stop[b]` only
+        into the rings (a ragged prefill's padding stays out); None: all of them.
     """
 
-    layers: tuple[LayerKV, ...] | LayerKV
+    layers: tuple[LayerKV | RingKV, ...] | LayerKV | RingKV | SplitStacks
     pos: jax.Array  # [batch] int32
+    capacity: int = struct.field(pytree_node=False)
+    stop: jax.Array | None = None  # [batch] int32
 
     @classmethod
-    def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None) -> "KVCache":
+    def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None, rewind: int = 0) -> "KVCache":
         """An empty cache for the decoder-only model of `config` (a `DecoderConfig`).
 
         Args:
@@ -100,24 +200,34 @@ class KVCache:
           batch_size: sequences decoded together.
           capacity: positions, at most (and by default) `max_seq_len`: RoPE has no angles beyond.
           dtype: a floating storage dtype; defaults to the config's `cache_dtype`, else `dtype`.
+          rewind: positions a row may be set back by after a call (a speculative round's
+            proposals), which a sliding layer's ring keeps besides its window.
         """
         if not isinstance(config, DecoderConfig):
             raise TypeError(f"KVCache.create takes a DecoderConfig, got {type(config).__name__}; for the "
                             "encoder-decoder use VanillaTransformer(config).init_cache(batch_size)")
+        capacity = as_int(config.max_seq_len if capacity is None else capacity, "KVCache.create: capacity",
+                          minimum=1, maximum=config.max_seq_len, maximum_name="max_seq_len")
+        rewind = as_int(rewind, "KVCache.create: rewind", minimum=0)
+        slots = tuple(capacity if kind == "full" else sliding_slots(config, capacity, rewind)
+                      for kind in config.attention_types)
         return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,
                          head_dim=config.head_dim, max_seq_len=config.max_seq_len,
-                         dtype=config.cache_storage_dtype if dtype is None else dtype, stacked=config.scan_layers)
+                         dtype=config.cache_storage_dtype if dtype is None else dtype, stacked=config.scan_layers,
+                         slots=slots)
 
     @classmethod
     def zeros(cls, batch_size: int, capacity: int | None, *, n_layer: int, n_kv_head: int, head_dim: int,
-              max_seq_len: int, dtype, stacked: bool = False) -> "KVCache":
-        """An empty cache of `n_layer` layers of `[batch_size, capacity, n_kv_head, head_dim]`.
+              max_seq_len: int, dtype, stacked: bool = False, slots: tuple[int, ...] | None = None) -> "KVCache":
+        """An empty cache of `n_layer` layers of `[batch_size, slots[l], n_kv_head, head_dim]`.
 
         Args:
           batch_size: rows, an int >= 1.
           capacity: positions, in `[1, max_seq_len]`; None for `max_seq_len`.
           dtype: a floating storage dtype (an integer cache would round every key and value).
-          stacked: one `[batch, n_layer, ...]` array for k and one for v (a scanned model's).
+          stacked: one `[batch, n_layer, ...]` array for k and one for v (a scanned model's;
+            with rings and full layers both, one stack of each, `SplitStacks`).
+          slots: each layer's slots; fewer than `capacity` make it a ring. None: `capacity` each.
 
         Raises:
           ValueError: an argument out of its limits, or more memory than is free.
@@ -129,42 +239,68 @@ class KVCache:
         if storage is None:
             raise ValueError(f"KVCache.create: dtype must be a floating dtype, as the configs' cache_dtype "
                              f"(got {dtype!r})")
-        shape = (batch_size, capacity, n_kv_head, head_dim)
+        slots = (capacity,) * n_layer if slots is None else tuple(slots)
         # A checkpoint's max_seq_len (the default capacity) may be 10**12: refuse, do not allocate.
-        check_fits(2 * n_layer * math.prod(shape) * storage.itemsize,
+        check_fits(2 * sum(slots) * batch_size * n_kv_head * head_dim * storage.itemsize,
                    f"KVCache.create: a cache of {capacity:,} positions (capacity, default max_seq_len)")
+
+        def layer(shape: tuple[int, ...]):
+            kind = RingKV if shape[-3] < capacity else LayerKV
+            return kind(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage))
+
+        shapes = layer_shapes(batch_size, capacity, slots, n_kv_head, head_dim, stacked)
+        layers = [layer(shape) for shape in shapes]
         if stacked:
-            stacked_shape = (batch_size, n_layer, *shape[1:])
-            layers = LayerKV(k=jnp.zeros(stacked_shape, storage), v=jnp.zeros(stacked_shape, storage))
-        else:
-            layers = tuple(LayerKV(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage)) for _ in range(n_layer))
-        return cls(layers=layers, pos=jnp.zeros((batch_size,), jnp.int32))
+            layers = layers[0] if len(layers) == 1 else SplitStacks(full=layers[0], sliding=layers[1])
+        return cls(layers=tuple(layers) if isinstance(layers, list) else layers,
+                   pos=jnp.zeros((batch_size,), jnp.int32), capacity=capacity)
+
+    def layout_shapes(self, batch_size: int, slots: tuple[int, ...], n_kv_head: int, head_dim: int, stacked: bool
+                      ) -> list[tuple[int, ...]]:
+        """The shapes of the arrays (k, v, k, v, ...) a model with these layers' `slots` reads
+        in a cache of `batch_size` rows and this one's capacity: what `check_cache_step` compares."""
+        return [shape for shape in layer_shapes(batch_size, self.capacity, slots, n_kv_head, head_dim, stacked)
+                for _ in "kv"]
 
     @property
     def stacked(self) -> bool:
-        """Whether the layers are stacked in one array (a scanned model's cache)."""
-        return isinstance(self.layers, LayerKV)
+        """Whether the layers are stacked in arrays (a scanned model's cache)."""
+        return not isinstance(self.layers, tuple)
+
+    @property
+    def stacks(self) -> tuple[LayerKV | RingKV, ...]:
+        """A scanned model's stacks (one, or `SplitStacks`' full and sliding), else the layers."""
+        if isinstance(self.layers, SplitStacks):
+            return self.layers.full, self.layers.sliding
+        return (self.layers,) if self.stacked else self.layers
 
     @property
     def n_layer(self) -> int:
-        return self.layers.k.shape[1] if self.stacked else len(self.layers)
+        return sum(stack.k.shape[1] for stack in self.stacks) if self.stacked else len(self.layers)
 
     @property
-    def layer_shape(self) -> tuple[int, ...]:
-        """One layer's k (or v) shape, `(batch, capacity, n_kv_head, head_dim)`."""
-        if self.stacked:
-            batch, _, capacity, n_kv_head, head_dim = self.layers.k.shape
-            return batch, capacity, n_kv_head, head_dim
-        return self.layers[0].k.shape
+    def layer_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Each stack's (or layer's) k shape."""
+        return tuple(stack.k.shape for stack in self.stacks)
 
     @property
     def batch_size(self) -> int:
-        return self.layer_shape[0]
+        return self.stacks[0].k.shape[0]
 
     @property
-    def capacity(self) -> int:
-        """Positions allocated (static)."""
-        return self.layer_shape[1]
+    def n_kv_head(self) -> int:
+        return self.stacks[0].k.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (every layer's slots: a ring keeps fewer than `capacity`)."""
+        return sum(array.nbytes for array in jax.tree.leaves(self.layers))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position takes across all layers and rows, on average over the capacity
+        (`2 * L * B * n_kv * d * itemsize` without rings)."""
+        return self.nbytes // self.capacity
 
     @property
     def length(self) -> jax.Array:
@@ -172,19 +308,16 @@ class KVCache:
         return self.pos
 
     @property
-    def bytes_per_token(self) -> int:
-        """Bytes one position takes across all layers and rows: `2 * L * B * n_kv * d * itemsize`."""
-        return sum(array.nbytes for array in jax.tree.leaves(self.layers)) // self.capacity
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated (all `capacity` positions)."""
-        return self.bytes_per_token * self.capacity
-
-    @property
     def bytes_used(self) -> int:
-        """Bytes holding written tokens, summed over the rows (host-side: reads `pos`)."""
-        return int(np.sum(np.asarray(self.pos))) * self.bytes_per_token // self.batch_size
+        """Bytes holding written tokens, summed over the rows (host-side: reads `pos`; a ring
+        counts at most its slots)."""
+        pos = np.asarray(self.pos)
+        total = 0
+        for stack in self.stacks:
+            slots = stack.k.shape[-3]
+            per_position = stack.k.nbytes * 2 // (self.batch_size * slots)
+            total += int(np.sum(np.minimum(pos, slots))) * per_position
+        return total
 
     def advance(self, n_tokens) -> "KVCache":
         """The same slots with every row's `pos` moved `n_tokens` on (a scalar, or `[batch]`)."""
@@ -199,7 +332,7 @@ class KVCache:
         """
         fits = self.pos + n_tokens <= self.capacity  # [batch]
         logits = jnp.where(fits[:, None, None], logits, jnp.nan)
-        layers = layers if isinstance(layers, LayerKV) else tuple(layers)
+        layers = tuple(layers) if isinstance(layers, list) else layers
         return logits, self.replace(layers=layers).advance(n_tokens)
 
     # Row operations, what a continuous-batching engine needs: a finished request leaves
@@ -224,12 +357,12 @@ class KVCache:
           ValueError: `other` is not one row of this cache's layout, or `row` is out of range.
         """
         row = self._row(row, "insert")
-        want = (1, *self.layer_shape[1:])
-        if other.stacked != self.stacked or other.layer_shape != want or other.n_layer != self.n_layer:
-            raise ValueError(f"KVCache.insert: other must be a one-row cache of layer shape {want} "
-                             f"({'stacked' if self.stacked else 'per layer'}, {self.n_layer} layers), got "
-                             f"{other.layer_shape} ({'stacked' if other.stacked else 'per layer'}, "
-                             f"{other.n_layer} layers)")
+        want = tuple((1, *shape[1:]) for shape in self.layer_shapes)
+        if (other.stacked, other.layer_shapes, other.capacity) != (self.stacked, want, self.capacity):
+            raise ValueError(f"KVCache.insert: other must be a one-row cache of this layout, k shapes {want} "
+                             f"({'stacked' if self.stacked else 'per layer'}, capacity {self.capacity}), got "
+                             f"{other.layer_shapes} ({'stacked' if other.stacked else 'per layer'}, "
+                             f"capacity {other.capacity})")
         def put(leaf, new):
             return jax.lax.dynamic_update_slice_in_dim(leaf, new.astype(leaf.dtype), row, axis=0)
 

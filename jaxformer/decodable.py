@@ -46,8 +46,9 @@ class Decodable(Protocol):
     def decoder_prompt(self, prompt: np.ndarray, bos_id: int | None) -> np.ndarray:
         """The decoder's first input `[batch, P]`: the prompt itself, or one BOS column."""
 
-    def init_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """An empty `KVCache` of `capacity` positions for `batch_size` rows."""
+    def init_cache(self, batch_size: int, capacity: int, rewind: int = 0) -> KVCache:
+        """An empty `KVCache` of `capacity` positions for `batch_size` rows, whose rows may be
+        set back by up to `rewind` positions after a call (a speculative round)."""
 
     def decode_context(self, prompt: jax.Array) -> Any:
         """What every step reads besides the cache, computed once per prompt."""

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.attention import GQASelfAttention
-from jaxformer.cache import KVCache, LayerSlice
+from jaxformer.cache import KVCache, LayerSlice, RingKV, SplitStacks, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import lookup, output_logits
@@ -37,7 +37,7 @@ def norm(config: DecoderConfig, name: str) -> RMSNorm:
 
 
 class Block(nn.Module):
-    """One pre-norm block, called as a scan body `(carry, *broadcast, is_sliding) -> (carry,
+    """One pre-norm block, called as a scan body `(carry, *broadcast, scanned) -> (carry,
     None)` so the same module runs once per layer (`block_{i}`) or scanned over stacked
     parameters.
 
@@ -51,26 +51,36 @@ class Block(nn.Module):
     attention_type: str | None = None
 
     @nn.compact
-    def __call__(self, carry, views, pos, is_sliding):
-        """`((x, layer_cache), None)` after the block.
+    def __call__(self, carry, views, pos, stop, layer):
+        """`((x, cache_part), None)` after the block.
 
         Args:
-          carry: `(x [batch, T, d_model], layer_cache)`.
+          carry: `(x [batch, T, d_model], cache_part)`: this layer's `LayerKV` / `RingKV`, or
+            in a scan the stack (or `SplitStacks`) it writes its layer of; None without a cache.
           views: `{attention type: (cos, sin, mask)}`, `GQASelfAttention`'s inputs for each
             type of layer (`attention_views`), the same for every block.
-          pos: int32 `[batch]`, the cache rows' write positions, or None without a cache.
-          is_sliding: bool `[]`, this layer's type in a scan over mixed types.
+          pos, stop: `KVCache.pos` and `KVCache.stop`, or None without a cache.
+          layer: `(is_sliding, index)` in a scan: bool `[]` this layer's type, int32 `[]` its
+            index in its stack; unused otherwise.
         """
-        x, layer_cache = carry
+        x, cache_part = carry
         c = self.config
+        is_sliding, index = layer
+        layer_cache, split = cache_part, isinstance(cache_part, SplitStacks)
         if self.attention_type is not None:
             cos, sin, mask = views[self.attention_type]
         elif len(views) == 1:
             (cos, sin, mask), = views.values()
-        else:  # one scanned body serves both types: its layer's flag picks the inputs
-            cos, sin, mask = jax.tree.map(lambda local, full: jnp.where(is_sliding, local, full),
-                                          views["sliding"], views["full"])
-        h, layer_cache = GQASelfAttention(c, name="attn")(norm(c, "attn_norm")(x), cos, sin, mask, layer_cache, pos)
+        else:  # one scanned body serves both types: its layer's flag picks the angles (and masks)
+            pick = lambda local, full: jnp.where(is_sliding, local, full)  # noqa: E731
+            cos, sin = pick(views["sliding"][0], views["full"][0]), pick(views["sliding"][1], views["full"][1])
+            mask = (views["full"][2], views["sliding"][2]) if split else pick(views["sliding"][2], views["full"][2])
+        if split:
+            layer_cache = (LayerSlice(cache_part.full, index), LayerSlice(cache_part.sliding, index))
+        elif self.attention_type is None and cache_part is not None:
+            layer_cache = LayerSlice(cache_part, index)
+        h, layer_cache = GQASelfAttention(c, name="attn")(norm(c, "attn_norm")(x), cos, sin, mask, layer_cache, pos,
+                                                          stop, is_sliding)
         if c.post_norms:  # Gemma 2's sandwich: the sublayer's output is normalised before the sum
             h = norm(c, "attn_post_norm")(h)
         x = x + h  # [batch, T, d_model]
@@ -78,48 +88,63 @@ class Block(nn.Module):
         if c.post_norms:
             h = norm(c, "mlp_post_norm")(h)
         x = x + h  # [batch, T, d_model]
-        if isinstance(layer_cache, LayerSlice):
-            layer_cache = layer_cache.next_layer()
-        return (x, layer_cache), None
+        if split:
+            cache_part = SplitStacks(full=layer_cache[0].stack, sliding=layer_cache[1].stack)
+        else:
+            cache_part = layer_cache.stack if isinstance(layer_cache, LayerSlice) else layer_cache
+        return (x, cache_part), None
 
 
 def scanned_blocks(n_layer: int):
     """`Block` run `n_layer` times as one: parameters, their axis names and the sown
     intermediates gain a leading layer axis, each block its own init key; the cache rides
-    in the carry, and each block reads its own entry of the scanned `is_sliding`."""
+    in the carry, and each block reads its own `(is_sliding, index)`."""
     return nn.scan(Block, variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
-                   split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, 0), length=n_layer,
-                   metadata_params={nn.PARTITION_NAME: LAYERS})
+                   split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                   length=n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
 
 
-def attention_views(config: DecoderConfig, position: jax.Array, key_position: jax.Array) -> dict:
+def attention_views(config: DecoderConfig, position: jax.Array, key_positions: dict) -> dict:
     """`{attention type: (cos, sin, mask)}` for each type among `config.attention_types`.
 
     Args:
       config: the model's config.
       position: int `[T]` or `[batch, T]`, each query's position.
-      key_position: int `[S]`, each key slot's position.
+      key_positions: `{attention type: int [S] or [batch, S]}`, the position of each key a
+        layer of that type reads (negative: an empty slot).
 
     Returns:
       For each type, RoPE's `cos, sin` `[..., T, head_dim/2]` at the query positions (the
       sliding layers' at `local_rope_theta` if set) and the bool mask `[..., T, S]`: a full
-      layer's query at p reads keys at positions `<= p`, a sliding layer's those in
+      layer's query at p reads keys at positions `0 .. p`, a sliding layer's those in
       `(p - sliding_window, p]`.
     """
     c = config
     full_rope = rope_cos_sin(position, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
                              rope_attention_factor(c.rope_scaling))  # [..., T, head_dim/2] each
-    query, key = position[..., :, None], key_position  # [..., T, 1], [S]
-    causal = key <= query  # [..., T, S]
+    query = position[..., :, None]  # [..., T, 1]
     views = {}
     for kind in sorted(set(c.attention_types)):
+        key = key_positions[kind][..., None, :]  # [..., 1, S]
+        mask = (key >= 0) & (key <= query)  # [..., T, S]: causal
         if kind == "full":
-            views[kind] = (*full_rope, causal)
+            views[kind] = (*full_rope, mask)
             continue
         rope = full_rope if c.local_rope_theta is None else rope_cos_sin(
             position, rope_inv_freq(c.head_dim, c.local_rope_theta))
-        views[kind] = (*rope, causal & (key > query - c.sliding_window))
+        views[kind] = (*rope, mask & (key > query - c.sliding_window))
     return views
+
+
+def cache_slots(config: DecoderConfig, cache: KVCache) -> tuple[int, ...]:
+    """The slots each layer of `config` keeps in `cache`: the capacity, or for a sliding layer
+    the cache's ring size if it has rings (a `ValueError` if that is shorter than the window)."""
+    rings = {stack.k.shape[-3] for stack in cache.stacks if isinstance(stack, RingKV)}
+    ring = rings.pop() if len(rings) == 1 else cache.capacity
+    if "sliding" in config.attention_types and ring < config.sliding_window - 1:
+        raise ValueError(f"cache: its rings of {ring} slots are shorter than sliding_window - 1 = "
+                         f"{config.sliding_window - 1}; make it with KVCache.create(config, ...)")
+    return tuple(cache.capacity if kind == "full" else ring for kind in config.attention_types)
 
 
 class Decoder(nn.Module):
@@ -150,9 +175,10 @@ class Decoder(nn.Module):
         c = self.config
         check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)
         if cache is not None:
-            check_cache_step(tokens, cache, (c.n_layer, c.n_kv_head, c.head_dim, c.scan_layers))
+            slots = cache_slots(c, cache)
+            want = cache.layout_shapes(tokens.shape[0], slots, c.n_kv_head, c.head_dim, c.scan_layers)
+            check_cache_step(tokens, cache, want, c.scan_layers)
         T = tokens.shape[1]
-        S = T if cache is None else cache.capacity
 
         init = nn.initializers.normal(0.02)
         embed = param(self, "embed", init, (c.vocab_size, c.d_model), (VOCAB, EMBED), c.param_dtype)
@@ -161,24 +187,37 @@ class Decoder(nn.Module):
             x = x * jnp.asarray(math.sqrt(c.d_model), c.dtype)
 
         if cache is None:
-            pos = None
-            views = attention_views(c, jnp.arange(T), jnp.arange(S))  # cos, sin [T, head_dim/2]; mask [T, S]
+            pos = stop = None
+            keys = {kind: jnp.arange(T) for kind in c.attention_types}  # [T]
+            views = attention_views(c, jnp.arange(T), keys)  # cos, sin [T, head_dim/2]; mask [T, T]
         else:
-            # Row b's query t sits at position pos[b] + t, its slot in the cache; the mask is
-            # not square, (T, S): slots past a query are the future, unwritten, or padding.
-            pos = cache.pos  # [batch]
-            views = attention_views(c, pos[:, None] + jnp.arange(T)[None, :], jnp.arange(S))  # [batch, T, ...]
+            # Row b's query t sits at position pos[b] + t. A full layer's slot s holds position
+            # s (later slots: the future, unwritten, or padding); a ring's, what `ring_positions`
+            # says, followed by this call's own keys.
+            pos, stop = cache.pos, cache.stop  # [batch]
+            position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
+            keys = {}
+            for kind, n_slots in zip(c.attention_types, slots):
+                if n_slots < cache.capacity:
+                    keys[kind] = jnp.concatenate([ring_positions(pos, n_slots), position], axis=1)  # [batch, R+T]
+                else:
+                    keys[kind] = jnp.arange(cache.capacity)  # [S]
+            views = attention_views(c, position, keys)  # [batch, T, ...]
 
-        is_sliding = jnp.asarray([kind == "sliding" for kind in c.attention_types])  # [n_layer]
         if c.scan_layers:
-            stack = None if cache is None else LayerSlice(cache.layers, jnp.zeros((), jnp.int32))
-            (x, stack), _ = scanned_blocks(c.n_layer)(c, name="blocks")((x, stack), views, pos, is_sliding)
-            new_layers = None if cache is None else stack.stack
+            sliding = np.array([kind == "sliding" for kind in c.attention_types])  # [n_layer]
+            # Each layer's index in the stack it writes: its number, or with a stack per type its rank there.
+            rank = np.where(sliding, np.cumsum(sliding) - 1, np.cumsum(~sliding) - 1)
+            split = cache is not None and isinstance(cache.layers, SplitStacks)
+            index = jnp.asarray(rank, jnp.int32) if split else jnp.arange(c.n_layer)  # [n_layer]
+            layer = (jnp.asarray(sliding) if len(set(c.attention_types)) > 1 else None, index)
+            (x, new_layers), _ = scanned_blocks(c.n_layer)(c, name="blocks")(
+                (x, None if cache is None else cache.layers), views, pos, stop, layer)
         else:
             new_layers = []
             for i, kind in enumerate(c.attention_types):
                 (x, layer_cache), _ = Block(c, kind, name=f"block_{i}")(
-                    (x, None if cache is None else cache.layers[i]), views, pos, is_sliding[i])
+                    (x, None if cache is None else cache.layers[i]), views, pos, stop, (None, None))
                 new_layers.append(layer_cache)
         x = norm(c, "final_norm")(x)
 
@@ -210,8 +249,8 @@ class Decoder(nn.Module):
         return prompt
 
     @nn.nowrap
-    def init_cache(self, batch_size: int, capacity: int | None = None) -> KVCache:
-        return KVCache.create(self.config, batch_size, capacity)
+    def init_cache(self, batch_size: int, capacity: int | None = None, rewind: int = 0) -> KVCache:
+        return KVCache.create(self.config, batch_size, capacity, rewind=rewind)
 
     def decode_context(self, prompt: jax.Array) -> None:
         return None  # every step reads the cache alone

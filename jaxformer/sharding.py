@@ -232,17 +232,14 @@ def mesh_of(params) -> Mesh | None:
 def cache_shardings(cache, mesh: Mesh):
     """Where a `KVCache` lives: rows over `data`, kv heads over `model` (where they divide),
     as the attention that reads it is split."""
-    batch, _, n_kv, _ = cache.layer_shape
-    rows = DATA if batch % mesh.shape[DATA] == 0 else None
-    heads = MODEL if n_kv % mesh.shape[MODEL] == 0 else None
-    spec = (rows, None, heads, None)  # [batch, capacity, n_kv, head_dim]
-    if cache.stacked:
-        kv = NamedSharding(mesh, PartitionSpec(rows, None, None, heads, None))  # [batch, n_layer, capacity, ...]
-        layers = cache.layers.replace(k=kv, v=kv)
-    else:
-        kv = NamedSharding(mesh, PartitionSpec(*spec))
-        layers = tuple(layer.replace(k=kv, v=kv) for layer in cache.layers)
-    return cache.replace(layers=layers, pos=NamedSharding(mesh, PartitionSpec(rows)))
+    rows = DATA if cache.batch_size % mesh.shape[DATA] == 0 else None
+    heads = MODEL if cache.n_kv_head % mesh.shape[MODEL] == 0 else None
+
+    def place(leaf):  # [batch, (n_layer,) slots, n_kv, head_dim]
+        return NamedSharding(mesh, PartitionSpec(rows, *(None,) * (leaf.ndim - 3), heads, None))
+
+    return cache.replace(layers=jax.tree.map(place, cache.layers), pos=NamedSharding(mesh, PartitionSpec(rows)),
+                         stop=None if cache.stop is None else NamedSharding(mesh, PartitionSpec(rows)))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -246,7 +246,7 @@ def check_step_inputs(tokens, *, vocab_size: int, max_seq_len: int, name: str = 
         _check_id_range(np.asarray(tokens), vocab_size, name)
 
 
-def check_cache_step(tokens, cache, cache_layout, name: str = "tokens") -> None:
+def check_cache_step(tokens, cache, want_shapes: list[tuple[int, ...]], stacked: bool, name: str = "tokens") -> None:
     """What a model call with a `KVCache` checks about it, after `check_step_inputs(tokens, ...)`.
 
     The layout is static, so it is checked even under `jit`; each row's position only
@@ -255,18 +255,16 @@ def check_cache_step(tokens, cache, cache_layout, name: str = "tokens") -> None:
     Args:
       tokens: `[batch, T]` ids (checked by `check_step_inputs`).
       cache: the `KVCache` the call writes to, one `pos` per row.
-      cache_layout: `(n_layer, n_kv_head, head_dim, stacked)` of the model's cache;
-        `stacked` for a scanned model's one `[batch, n_layer, ...]` k and v.
+      want_shapes: the shapes of the cache's arrays (`jax.tree.leaves(cache.layers)`) the
+        model reads, for this batch and `cache.capacity` (`cache.layout_shapes`).
+      stacked: whether the model reads stacked arrays (`scan_layers`).
       name: the tokens' argument name, for the messages.
     """
-    n_layer, n_kv_head, head_dim, stacked = cache_layout
-    want = (tokens.shape[0], cache.capacity, n_kv_head, head_dim)
-    want_shapes = [(want[0], n_layer, *want[1:])] * 2 if stacked else [want] * (2 * n_layer)
     got_shapes = [array.shape for array in jax.tree.leaves(cache.layers)]
     if cache.stacked != stacked or got_shapes != want_shapes:
-        form = ("one stacked k and v of [batch, n_layer, capacity, n_kv_head, head_dim] (scan_layers=True)"
-                if stacked else "a k and v of [batch, capacity, n_kv_head, head_dim] per layer (scan_layers=False)")
-        raise ValueError(f"cache does not fit this model: want {n_layer} layers of k/v {want} as {form}; "
+        form = ("stacked [batch, n_layer, slots, n_kv_head, head_dim] arrays (scan_layers=True)"
+                if stacked else "a k and v of [batch, slots, n_kv_head, head_dim] per layer (scan_layers=False)")
+        raise ValueError(f"cache does not fit this model: want k/v shapes {sorted(set(want_shapes))} as {form}; "
                          f"got {'a stacked' if cache.stacked else 'a per-layer'} cache of k/v shapes "
                          f"{sorted(set(got_shapes))} ({len(got_shapes)} arrays)")
     if np.shape(cache.pos) != (tokens.shape[0],):

@@ -177,7 +177,9 @@ class VanillaTransformer(nn.Module):
         c = self.config
         check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, name="tgt_in")
         if cache is not None:
-            check_cache_step(tgt_in, cache, (c.n_layer, c.n_head, c.head_dim, False), name="tgt_in")
+            want = cache.layout_shapes(tgt_in.shape[0], (cache.capacity,) * c.n_layer, c.n_head, c.head_dim,
+                                       stacked=False)
+            check_cache_step(tgt_in, cache, want, stacked=False, name="tgt_in")
         check_token_layout(src, "src")  # only its padding is read here: encode checked its ids
         T = tgt_in.shape[1]
         src_mask = self.source_mask(src)  # [batch, 1, S]
@@ -229,8 +231,9 @@ class VanillaTransformer(nn.Module):
         return np.full((prompt.shape[0], 1), bos_id, np.int32)
 
     @nn.nowrap
-    def init_cache(self, batch_size: int, capacity: int | None = None) -> KVCache:
-        """An empty cache for the decoder's self-attention (every head its own K and V)."""
+    def init_cache(self, batch_size: int, capacity: int | None = None, rewind: int = 0) -> KVCache:
+        """An empty cache for the decoder's self-attention (every head its own K and V; no
+        rings, so any `rewind` fits)."""
         c = self.config
         return KVCache.zeros(batch_size, capacity, n_layer=c.n_layer, n_kv_head=c.n_head, head_dim=c.head_dim,
                              max_seq_len=c.max_seq_len, dtype=c.cache_storage_dtype)

@@ -4,8 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import Decoder, DecoderConfig, KVCache
+from conftest import jit_apply, random_params
+
+from jaxformer import Decoder, DecoderConfig, KVCache, generate
 from jaxformer.cache import LayerSlice
+from jaxformer.decoding import PromptLookup
 
 CONFIG = DecoderConfig(vocab_size=32, n_layer=3, n_head=4, n_kv_head=2, d_model=32, max_seq_len=16)
 
@@ -46,7 +49,8 @@ def test_write_is_functional_and_lands_at_each_rows_pos():
 def test_stacked_write_lands_in_its_layer_at_each_rows_pos():
     cache = KVCache.create(CONFIG.replace(scan_layers=True), batch_size=2, capacity=8)
     k_new = jnp.ones((2, 2, 2, 8))
-    stack = LayerSlice(cache.layers, jnp.int32(1)).write(k_new, -k_new, jnp.array([0, 5], jnp.int32)).stack
+    _, written = LayerSlice(cache.layers, jnp.int32(1)).extend(k_new, -k_new, jnp.array([0, 5], jnp.int32))
+    stack = written.stack
     want = np.zeros(stack.k.shape, np.float32)
     want[0, 1, 0:2], want[1, 1, 5:7] = 1.0, 1.0
     np.testing.assert_array_equal(stack.k, want)
@@ -158,3 +162,80 @@ def test_evict_clears_one_row_and_insert_checks_its_inputs():
         cache.insert(0, KVCache.create(CONFIG, batch_size=1, capacity=4))
     with pytest.raises(ValueError, match=r"KVCache.insert: row"):
         cache.insert(-1, KVCache.create(CONFIG, batch_size=1, capacity=8))
+
+
+# Sliding-window layers keep a ring of `window - 1 + rewind` slots (`RingKV`).
+
+WINDOWED = DecoderConfig(vocab_size=32, n_layer=3, n_head=4, n_kv_head=2, d_model=32, max_seq_len=48,
+                         layer_types=("sliding", "sliding", "full"), sliding_window=5, local_rope_theta=100.0)
+
+
+def test_ring_positions_and_writes_keep_each_rows_last_slots():
+    from jaxformer.cache import RingKV, ring_positions
+
+    pos = jnp.array([0, 3, 9])
+    np.testing.assert_array_equal(ring_positions(pos, 4), [[-4, -3, -2, -1], [0, 1, 2, -1], [8, 5, 6, 7]])
+    ring = RingKV(k=jnp.zeros((3, 4, 1, 1)), v=jnp.zeros((3, 4, 1, 1)))
+    new = (jnp.arange(6.0)[None, :, None, None] + 10 * jnp.arange(3.0)[:, None, None, None])  # row b: 10b + t
+    written = ring.write(new, new, pos, stop=jnp.array([6, 5, 100]))
+    # Row 0 wrote positions 0..5 of which only the last 4 before stop 6 (2..5) fit; row 1 stopped
+    # at 5 (positions 3, 4); row 2 kept positions 11..14 in slots 3, 0, 1, 2.
+    np.testing.assert_array_equal(written.k[:, :, 0, 0], [[4, 5, 2, 3], [11, 0, 0, 10], [23, 24, 25, 22]])
+
+
+def test_a_ring_decodes_as_a_full_cache_with_the_window_mask_past_the_window():
+    """Prefill, then chunks of 1 and 3 tokens through rings of window - 1 slots (and of
+    window - 1 + 3 for the chunks), against the same calls on full slots: equal logits."""
+    model = Decoder(WINDOWED)
+    params = random_params(WINDOWED, seed=3, scale=0.5)
+    tokens = jax.random.randint(jax.random.key(0), (2, 30), 0, WINDOWED.vocab_size)
+    for rewind, chunk in ((0, 1), (2, 3)):
+        ring, full = KVCache.create(WINDOWED, 2, 40, rewind=rewind), KVCache.create(WINDOWED, 2, 40, rewind=40)
+        assert [type(layer).__name__ for layer in ring.layers] == ["RingKV", "RingKV", "LayerKV"]
+        assert ring.layers[0].k.shape[1] == 4 + rewind and full.layers[0].k.shape[1] == 40
+        step = jax.jit(lambda t, cache: model.apply({"params": params}, t, cache))
+        got, want = [], []
+        for start, stop in [(0, 7), *((t, t + chunk) for t in range(7, 30 - chunk + 1, chunk))]:
+            logits, ring = step(tokens[:, start:stop], ring)
+            got.append(logits)
+            logits, full = step(tokens[:, start:stop], full)
+            want.append(logits)
+        # (float32 sums over other key sets: the ring's slots and this call's, or all 40 slots)
+        np.testing.assert_allclose(jnp.concatenate(got, 1), jnp.concatenate(want, 1), atol=1e-4, rtol=0)
+        whole, _ = jit_apply(model, {"params": params}, tokens[:, :stop])
+        np.testing.assert_allclose(jnp.concatenate(got, 1), whole, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_rings_decode_ragged_prompts_and_speculative_rewinds_as_each_prompt_alone(scan_layers):
+    """Rows of 3 and 12 tokens (the longer past the window, the shorter padded), plain and
+    speculative (k=4: rejected proposals are set back across the ring's wrap): each row's
+    tokens are those of its prompt decoded alone on full slots."""
+    config = WINDOWED.replace(scan_layers=scan_layers)
+    model = Decoder(config)
+    params = random_params(config, seed=4, scale=0.5)
+    prompts = [np.arange(3) % 32, (np.arange(12) * 7) % 32]
+    batch = np.zeros((2, 12), np.int32)
+    batch[0, :3], batch[1] = prompts
+    alone = [generate(model, params, p[None], max_new_tokens=20)[0, len(p):] for p in prompts]
+    for speculative in (None, PromptLookup(k=4, n=1)):
+        out = generate(model, params, batch, prompt_lengths=np.array([3, 12]), max_new_tokens=20,
+                       speculative=speculative)
+        for row, want in enumerate(alone):
+            np.testing.assert_array_equal(out[row, 12:], want)  # the padded prompt's 12 columns, then the new
+
+
+def test_gemma3_cache_at_32k_keeps_about_a_sixth_of_a_full_cache():
+    """Gemma 3 1B's layout: 26 layers, five of every six sliding over 512 positions (shapes only)."""
+    gemma3 = DecoderConfig(vocab_size=262144, n_layer=26, n_head=4, n_kv_head=1, d_model=1152, head_dim_override=256,
+                           max_seq_len=32768, sliding_window=512, local_rope_theta=10000.0, scan_layers=True,
+                           layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
+                           dtype="bfloat16")
+    ring = jax.eval_shape(lambda: KVCache.create(gemma3, 1, 32768))
+    full = jax.eval_shape(lambda: KVCache.create(gemma3.replace(layer_types=None, sliding_window=None,
+                                                                local_rope_theta=None), 1, 32768))
+    nbytes = lambda cache: sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache.layers))  # noqa: E731
+    # 4 full layers of 32768 slots and 22 rings of 511, against 26 layers of 32768.
+    assert nbytes(full) == 2 * 26 * 32768 * 256 * 2
+    assert nbytes(ring) == 2 * (4 * 32768 + 22 * 511) * 256 * 2
+    assert nbytes(ring) / nbytes(full) < 0.17

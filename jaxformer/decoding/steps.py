@@ -24,19 +24,21 @@ def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_c
     """`(context, logits [batch, vocab], cache)`: the decoder's whole prompt run once, the logits
     at each row's last real position.
 
-    Every row's `P` tokens go in at slots `0 .. P - 1`, then row b's `pos` is set back to its
-    length: a shorter row's padding is never read, and its next tokens overwrite it.
-    `extra_capacity` adds slots (a speculative round writes k proposals past what it keeps).
+    Every row's `P` tokens go in at slots `0 .. P - 1` (a ring takes a row's real tokens
+    only: `KVCache.stop`), then row b's `pos` is set back to its length: a shorter row's
+    padding is never read, and its next tokens overwrite it. `extra_capacity` adds slots
+    (a speculative round writes k proposals past what it keeps, then sets rows back).
     """
     context = model.apply({"params": params}, request.prompt, method="decode_context")
     # Capacity: the prompt plus every new token but the last (which is never fed back).
     capacity = request.decoder_prompt.shape[1] + request.max_new_tokens - 1 + extra_capacity
-    cache = model.init_cache(request.prompt.shape[0], capacity)
+    lengths = jnp.asarray(request.lengths, jnp.int32)
+    cache = model.init_cache(request.prompt.shape[0], capacity, rewind=extra_capacity).replace(stop=lengths)
     if mesh is not None:  # rows over `data`, kv heads over `model`: each device keeps its own part
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
     logits, cache = step_fn(model, params, context)(request.decoder_prompt, cache)  # [batch, P, vocab]
     last = jnp.take_along_axis(logits, (request.lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
-    return context, last, cache.replace(pos=jnp.asarray(request.lengths, jnp.int32))
+    return context, last, cache.replace(pos=lengths, stop=None)
 
 
 # The token of a row whose logits hold NaN or inf: an id no vocabulary has. The row is done

@@ -28,7 +28,7 @@ class Bigram(nn.Module):
         return prompt
 
     @nn.nowrap
-    def init_cache(self, batch_size, capacity):  # the loop only counts positions in it
+    def init_cache(self, batch_size, capacity, rewind=0):  # the loop only counts positions in it
         return KVCache.zeros(batch_size, capacity, n_layer=1, n_kv_head=1, head_dim=1, max_seq_len=MAX_LEN,
                              dtype=jnp.float32)
 
