@@ -1,6 +1,6 @@
 """Compile time against depth: one block per layer (unrolled) against one scanned block.
 
-    python -m benchmarks.compile_depth [--layers 4 8 16 32] [--out F.json] [--plot DIR]
+    python -m benchmarks.compile_depth [--layers 4 8 16 32] [--pattern gemma2] [--out F.json] [--plot DIR]
 
 For each depth and form, a fresh decoder (d_model 128, 4 heads, 2 kv heads, vocab 256)
 runs `generate` on a 16-token prompt for 32 new tokens, greedy, batch 1 (the first call:
@@ -11,6 +11,11 @@ backward and AdamW on a batch of 8 x 64 tokens): its first call and a later one.
 
 Compile seconds are JAX's own: the sum of its trace, lower and XLA compile events
 (`jax.monitoring`). Both forms decode the same weights and must give the same tokens.
+
+`--pattern gemma2` gives the layers Gemma 2's parts and its pattern: sliding (window 8)
+and full layers in turn, soft-capped scores and logits, post-sublayer norms, GeGLU, so
+that the scanned body holds both kinds of layer and both kinds of cache (rings and full
+slots); `gemma3` slides five layers of every six, with q/k norms and a local RoPE base.
 """
 
 from __future__ import annotations
@@ -99,11 +104,23 @@ def plot(rows: list[dict], folder: str) -> None:
     fig.savefig(os.path.join(folder, "compile_depth.png"), dpi=120)
 
 
+GEMMA = dict(norm_plus_one=True, mlp_activation="gelu_tanh", embed_scale=True, post_norms=True, sliding_window=8)
+PATTERNS = {  # n_layer -> the DecoderConfig fields of each pattern
+    "plain": lambda n_layer: {},
+    "gemma2": lambda n_layer: dict(GEMMA, attn_logit_softcap=50.0, final_logit_softcap=30.0,
+                                   layer_types=tuple("full" if i % 2 else "sliding" for i in range(n_layer))),
+    "gemma3": lambda n_layer: dict(GEMMA, qk_norm=True, local_rope_theta=10000.0, rope_theta=1e6,
+                                   layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding"
+                                                     for i in range(n_layer))),
+}
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--new", type=int, default=32, help="new tokens per generate call")
+    p.add_argument("--pattern", choices=sorted(PATTERNS), default="plain", help="the layers' parts and types")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     p.add_argument("--plot", metavar="DIR", help="write compile_depth.png there")
     args = p.parse_args(argv)
@@ -116,7 +133,7 @@ def main(argv=None) -> list[dict]:
     print(header)
     for n_layer in args.layers:
         config = DecoderConfig(vocab_size=256, n_layer=n_layer, n_head=4, n_kv_head=2, d_model=args.d_model,
-                               max_seq_len=128)
+                               max_seq_len=128, **PATTERNS[args.pattern](n_layer))
         params = Decoder(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
         forms = {"unrolled": (config, params), "scanned": with_scan_layers(config, params, True)}
         results = {form: measure(c, p_, clock, prompt, args.new) for form, (c, p_) in forms.items()}
