@@ -10,17 +10,19 @@ what a folder may not do are in docs/parity.md.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any, Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxformer.config import DecoderConfig
-from jaxformer.convert.layers import with_scan_layers
+from jaxformer.convert.layers import STACKED, block_name, with_scan_layers
 from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail
@@ -105,25 +107,67 @@ def _shards(path: str) -> dict[str, list[str] | None]:
     raise FileNotFoundError(f"path: no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def _read_tensors(path: str, dtype) -> Iterator[tuple[str, np.ndarray]]:
-    """`(name, tensor)` for every tensor of a checkpoint folder, shard by shard, each cast to
-    `dtype` as it is read (through the flax loader, which reads bfloat16), so that no more
-    than one tensor of the stored dtype is held at a time."""
+# The dtypes a checkpoint's tensors may be stored in (safetensors' names): the floating ones.
+# Anything else (int8 or fp8 weights of a quantised checkpoint) needs dequantising, not a cast.
+_STORED_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+
+
+def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """`(name, tensor)` for every tensor of a checkpoint folder, shard by shard, each a
+    read-only view of the memory-mapped shard in its stored dtype.
+
+    safetensors checks each file (`safe_open`), but its `get_tensor` copies a tensor into a
+    new buffer (and its flax reader once more, into an XLA one) before `load_hf` could cast
+    and lay it out, a copy that the allocator then tends to keep. A view costs no memory of
+    the process's own: its pages are the file's page cache (counted in RSS as file pages,
+    given back when the shard is unmapped, once its last view is gone)."""
     index = os.path.join(path, "model.safetensors.index.json")
     for name, keys in _shards(path).items():
         file = os.path.join(path, name)
         try:
-            with safe_open(file, framework="flax") as f:
+            with safe_open(file, framework="numpy") as f:
                 held = set(f.keys())
-                absent = sorted(set(keys or ()) - held)
-                if absent:
-                    more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
-                    raise ValueError(f"{index}: weight_map puts {absent[0]!r}{more} in {name}, but {file} does not "
-                                     "hold it")
-                for key in keys or sorted(held):
-                    yield key, np.asarray(f.get_tensor(key).astype(dtype))
         except SafetensorError as e:  # truncated, garbage, a bad header: the reader says which
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        absent = sorted(set(keys or ()) - held)
+        if absent:
+            more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+            raise ValueError(f"{index}: weight_map puts {absent[0]!r}{more} in {name}, but {file} does not hold it")
+        # The format: an 8-byte little-endian header length, the JSON header (each tensor's
+        # dtype, shape and byte range), the data. safe_open has checked it, ranges included.
+        data = np.memmap(file, np.uint8, mode="r")
+        start = 8 + int.from_bytes(data[:8].tobytes(), "little")
+        header = json.loads(data[8:start].tobytes())
+        for key in keys or sorted(held):
+            entry = header[key]
+            if entry["dtype"] not in _STORED_DTYPES:
+                raise ValueError(f"{file}: {key} is stored as {entry['dtype']}; only floating tensors "
+                                 f"({', '.join(_STORED_DTYPES)}) load")
+            begin, end = entry["data_offsets"]
+            yield key, data[start + begin:start + end].view(_STORED_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        del data  # unmapped once the last view of it is dropped
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on a 64-byte boundary, which is what XLA's
+    CPU client needs to take a numpy array as its own buffer instead of copying it."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip:skip + nbytes].view(dtype).reshape(shape)
+
+
+def _placed(w: np.ndarray, dtype) -> jax.Array:
+    """`w` as a jax array of `dtype`, made with a single copy that is cast and laid out at once.
+
+    On a CPU, `jax.device_put` takes the aligned array as its buffer: the copy made here is
+    the parameter, and loading holds no second one of any tensor
+    (tests/convert/test_load_memory.py measures it). On an accelerator it is copied to the
+    device, and freed once there."""
+    out = _aligned_empty(w.shape, dtype)
+    np.copyto(out, w, casting="unsafe")  # bfloat16 to float32 is exact; float32 to bfloat16 rounds to nearest even
+    return jax.device_put(out)
 
 
 def _check_inside(folder: str, name: str, where: str) -> None:
@@ -159,7 +203,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
       dtype: compute dtype of the returned config.
       param_dtype: dtype the parameters are read into, tensor by tensor; None: `dtype`
         (`dtype=jnp.bfloat16` keeps a bfloat16 checkpoint's weights as they are).
-      scan_layers: return the scanned form (`DecoderConfig.scan_layers`, parameters stacked).
+      scan_layers: return the scanned form (`DecoderConfig.scan_layers`), each layer read
+        straight into its row of the stacked parameters.
 
     Returns:
       `(config, params)`: a `DecoderConfig` (its `hf_model_type` the family) and the
@@ -186,8 +231,13 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     for t in family_of(config).tensors(config):
         table.setdefault(t.hf_key, []).append(t)
     params: dict = {}
+    # scan_layers: layer i's tensor is copied into row i of its stacked parameter
+    # (`blocks/.../w[i]`), allocated whole at the first layer; stacking the per-layer
+    # arrays afterwards would hold the weights twice.
+    layers = {block_name(i): i for i in range(config.n_layer)} if scan_layers else {}
+    stacks: dict[tuple[str, ...], tuple[np.ndarray, list[int]]] = {}  # path under `blocks` -> (array, layers in it)
     stored_head, seen, unexpected = None, set(), []
-    for key, w in _read_tensors(path, config.param_dtype):
+    for key, w in _read_tensors(path):
         if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store them; they follow from rope_theta
             continue
         if key == "lm_head.weight" and config.tie_embeddings:  # some tied checkpoints store the head anyway
@@ -201,15 +251,28 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
         if w.shape != want:
             raise ValueError(f"{path}: {key}: expected shape {want} from config.json, got {tuple(w.shape)}")
         for t in parts:
-            _set(params, t.path, jnp.asarray(t.to_jax(w if t.rows is None else w[t.rows[0]:t.rows[1]])))
+            value = t.to_jax(w if t.rows is None else w[t.rows[0]:t.rows[1]])
+            if t.path[0] in layers:
+                stacked, filled = stacks.setdefault(
+                    t.path[1:], (_aligned_empty((config.n_layer, *t.shape), config.param_dtype), []))
+                np.copyto(stacked[layers[t.path[0]]], value, casting="unsafe")
+                filled.append(layers[t.path[0]])
+            else:
+                _set(params, t.path, _placed(value, config.param_dtype))
         seen.add(key)
     missing = sorted(table.keys() - seen)
     if missing or unexpected:
         raise ValueError(f"{path}: tensors do not match config.json: missing {missing}, unexpected {sorted(unexpected)}")
-    if stored_head is not None and not np.array_equal(stored_head, np.asarray(params["embed"])):
+    if stored_head is not None and not np.array_equal(stored_head.astype(config.param_dtype), params["embed"]):
         raise ValueError(f"{path}: config.json tie_word_embeddings: is true but lm_head.weight differs from "
                          "model.embed_tokens.weight")
-    return with_scan_layers(config, params, scan_layers)
+    if not scan_layers:
+        return config, params
+    for rest, (stacked, filled) in stacks.items():
+        if sorted(filled) != list(range(config.n_layer)):  # a row never written would be garbage
+            raise ValueError(f"{path}: {'/'.join(rest)} is not in every layer, so the layers cannot stack")
+        _set(params, (STACKED, *rest), jax.device_put(stacked))
+    return config.replace(scan_layers=True), params
 
 
 def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = None,

@@ -354,6 +354,13 @@ def _bad_header(path):
     _write(path, data[:8] + b"{" * n + data[8 + n:])
 
 
+def _stored_as(path, key: str, dtype):
+    """`key` rewritten in `dtype` (an int8 weight, as a quantised checkpoint holds)."""
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(path)
+    save_file({**tensors, key: tensors[key].astype(dtype)}, path)
+
+
 def _edit_json_text(path, text: str):
     with open(path, "w") as f:
         f.write(text)
@@ -407,6 +414,9 @@ FILE_CASES = [
     pytest.param(lambda folder: _bad_header(folder / "model.safetensors"),
                  ValueError, r"model\.safetensors: not a readable safetensors file \(.*JSON",
                  id="safetensors-bad-header"),
+    pytest.param(lambda folder: _stored_as(folder / "model.safetensors", "model.norm.weight", np.int8),
+                 ValueError, r"model\.safetensors: model\.norm\.weight is stored as I8; only floating tensors",
+                 id="safetensors-int8-tensor"),
     pytest.param(lambda folder: _edit_json_text(folder / "model.safetensors.index.json", "{oops"),
                  ValueError, r"model\.safetensors\.index\.json: not valid JSON", id="index-invalid-json"),
     pytest.param(lambda folder: _edit_json_text(folder / "model.safetensors.index.json", '{"metadata": {}}'),
