@@ -139,9 +139,9 @@ def attention_views(config: DecoderConfig, position: jax.Array, key_positions: d
 def cache_slots(config: DecoderConfig, cache: KVCache) -> tuple[int, ...]:
     """The slots each layer of `config` keeps in `cache`: the capacity, or for a sliding layer
     the cache's ring size if it has rings (a `ValueError` if that is shorter than the window)."""
-    rings = {stack.k.shape[-3] for stack in cache.stacks if isinstance(stack, RingKV)}
-    ring = rings.pop() if len(rings) == 1 else cache.capacity
-    if "sliding" in config.attention_types and ring < config.sliding_window - 1:
+    rings = sorted({stack.k.shape[-3] for stack in cache.stacks if isinstance(stack, RingKV)})
+    ring = rings[0] if rings else cache.capacity  # (rings of two sizes fail the layout check after)
+    if rings and "sliding" in config.attention_types and ring < config.sliding_window - 1:
         raise ValueError(f"cache: its rings of {ring} slots are shorter than sliding_window - 1 = "
                          f"{config.sliding_window - 1}; make it with KVCache.create(config, ...)")
     return tuple(cache.capacity if kind == "full" else ring for kind in config.attention_types)

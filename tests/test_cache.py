@@ -239,3 +239,14 @@ def test_gemma3_cache_at_32k_keeps_about_a_sixth_of_a_full_cache():
     assert nbytes(full) == 2 * 26 * 32768 * 256 * 2
     assert nbytes(ring) == 2 * (4 * 32768 + 22 * 511) * 256 * 2
     assert nbytes(ring) / nbytes(full) < 0.17
+
+
+def test_a_ring_too_short_for_the_window_or_of_another_layout_is_refused():
+    model, params = Decoder(WINDOWED), random_params(WINDOWED, seed=3)
+    kv = dict(n_layer=3, n_kv_head=2, head_dim=8, max_seq_len=48, dtype=jnp.float32)
+    short = KVCache.zeros(1, 40, slots=(3, 3, 40), **kv)  # a window of 5 reads 4 earlier keys
+    with pytest.raises(ValueError, match=r"rings of 3 slots are shorter than sliding_window - 1 = 4"):
+        model.apply({"params": params}, jnp.zeros((1, 1), jnp.int32), short)
+    unringed_full = KVCache.zeros(1, 40, slots=(4, 40, 4), **kv)  # the ring on the full layer
+    with pytest.raises(ValueError, match="cache does not fit this model"):
+        model.apply({"params": params}, jnp.zeros((1, 1), jnp.int32), unringed_full)
