@@ -209,6 +209,13 @@ class KVCache:
         capacity = as_int(config.max_seq_len if capacity is None else capacity, "KVCache.create: capacity",
                           minimum=1, maximum=config.max_seq_len, maximum_name="max_seq_len")
         rewind = as_int(rewind, "KVCache.create: rewind", minimum=0)
+        scaling = config.rope_scaling
+        if scaling is not None and scaling.kind == "longrope" and capacity > scaling.original_max_position_embeddings:
+            # Past it, every position's keys (and the hidden states below them) change; transformers
+            # recomputes the whole prefix when a sequence crosses it, which a cache cannot do.
+            raise ValueError(f"KVCache.create: capacity={capacity} is past rope_scaling.original_max_position_"
+                             f"embeddings={scaling.original_max_position_embeddings}, where LongRoPE switches "
+                             "every position to its long factors: a cache holds at most that many positions")
         slots = tuple(capacity if kind == "full" else sliding_slots(config, capacity, rewind)
                       for kind in config.attention_types)
         return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxformer.validation import as_bool, as_float, as_floating_dtype, as_int, check_fields, one_of, require
 
 ROPE_PAIRINGS = ("split_half", "interleaved")
-ROPE_SCALINGS = ("linear", "llama3", "yarn")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 ATTENTION_TYPES = ("full", "sliding")  # a layer reads every earlier position, or the last `sliding_window`
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's nonlinearity: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
 
@@ -51,8 +51,12 @@ class RopeScaling:
         `... / high_freq_factor` kept; `high_freq_factor > low_freq_factor > 0`.
       beta_fast, beta_slow: "yarn" only: frequencies that turn more than `beta_fast` times
         in the trained context are kept, fewer than `beta_slow` times divided (32 and 1).
-      attention_factor: "yarn" only: the scale of cos and sin; None: `0.1 ln(factor) + 1`.
+      attention_factor: "yarn" and "longrope": the scale of cos and sin; None: YaRN's
+        `0.1 ln(factor) + 1`, LongRoPE's `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`.
       truncate: "yarn" only: the ramp's ends rounded outwards to whole channels.
+      short_factor, long_factor: "longrope" only (Phi-3's long context): pair i's wavelength
+        is multiplied by `short_factor[i]` in a call whose positions all lie within
+        `original_max_position_embeddings`, by `long_factor[i]` in one that reaches past it.
     """
 
     kind: str
@@ -64,9 +68,13 @@ class RopeScaling:
     beta_slow: float | None = None
     attention_factor: float | None = None
     truncate: bool | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
-    _FIELDS: ClassVar[dict] = {"linear": (), "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
-               "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate")}
+    _FIELDS: ClassVar[dict] = {
+        "linear": (), "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+        "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"),
+        "longrope": ("original_max_position_embeddings", "attention_factor", "short_factor", "long_factor")}
 
     def __post_init__(self):
         _check(self, one_of, "kind", choices=ROPE_SCALINGS)
@@ -79,6 +87,16 @@ class RopeScaling:
             _check(self, as_float, "low_freq_factor", "high_freq_factor", above=0)
             _require(self, self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
                      f"above low_freq_factor={self.low_freq_factor:g}")
+        if self.kind == "longrope":
+            for field in ("short_factor", "long_factor"):
+                factors = getattr(self, field)
+                _require(self, isinstance(factors, (tuple, list)) and len(factors) > 0 and all(
+                    isinstance(f, (int, float)) and math.isfinite(f) and f > 0 for f in factors), field,
+                    "a list of finite numbers > 0, one per RoPE pair")
+                object.__setattr__(self, field, tuple(float(f) for f in factors))
+            _require(self, len(self.long_factor) == len(self.short_factor), "long_factor",
+                     f"as long as short_factor ({len(self.short_factor)})")
+            _check(self, as_float, "attention_factor", above=0, optional=True)
         if self.kind == "yarn":  # (unset fields stay None: `replace(factor=...)` moves their defaults along)
             _check(self, as_float, "beta_fast", "beta_slow", "attention_factor", above=0, optional=True)
             _check(self, as_bool, "truncate", optional=True)
@@ -97,13 +115,18 @@ class RopeScaling:
 
     @property
     def cos_sin_scale(self) -> float:
-        """What RoPE's cos and sin are multiplied by: YaRN's `attention_factor` (unset:
-        `0.1 ln(factor) + 1`, or 1 for `factor <= 1`); 1 for the other kinds."""
-        if self.kind != "yarn":
+        """What RoPE's cos and sin are multiplied by: YaRN's or LongRoPE's `attention_factor`
+        (unset: `0.1 ln(factor) + 1`, or `sqrt(1 + ln(factor) / ln(original context))`; 1 for
+        `factor <= 1`); 1 for the other kinds."""
+        if self.kind not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        if self.factor <= 1:
+            return 1.0
+        if self.kind == "yarn":
+            return 0.1 * math.log(self.factor) + 1.0
+        return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
 
 class _ModelConfig:
@@ -231,6 +254,9 @@ class DecoderConfig(_ModelConfig):
         _require(self, self.n_head % self.n_kv_head == 0, "n_head", f"divisible by n_kv_head={self.n_kv_head}")
         _require(self, self.head_dim % 2 == 0, "head_dim_override" if self.head_dim_override else "d_model",
                  f"such that head_dim={self.head_dim} is even, for RoPE pairs")
+        if self.rope_scaling is not None and self.rope_scaling.kind == "longrope":
+            _require(self, len(self.rope_scaling.short_factor) == self.head_dim // 2, "rope_scaling",
+                     f"longrope factors for head_dim // 2 = {self.head_dim // 2} pairs")
 
     def _check_layer_types(self) -> None:
         """`layer_types` stored as a tuple of `ATTENTION_TYPES`, one per layer, and a

@@ -26,7 +26,7 @@ from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import SwiGLU
 from jaxformer.memory import prefill_bytes
 from jaxformer.norms import RMSNorm
-from jaxformer.positions import rope_attention_factor, rope_cos_sin, rope_inv_freq
+from jaxformer.positions import rope_attention_factor, rope_cos_sin, rope_frequencies, rope_inv_freq
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_cache_step, check_step_inputs
 
@@ -120,7 +120,7 @@ def attention_views(config: DecoderConfig, position: jax.Array, key_positions: d
       `(p - sliding_window, p]`.
     """
     c = config
-    full_rope = rope_cos_sin(position, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling),
+    full_rope = rope_cos_sin(position, rope_frequencies(position, c.head_dim, c.rope_theta, c.rope_scaling),
                              rope_attention_factor(c.rope_scaling))  # [..., T, head_dim/2] each
     query = position[..., :, None]  # [..., T, 1]
     views = {}

@@ -31,13 +31,16 @@ def sinusoidal_table(max_seq_len: int, d_model: int) -> np.ndarray:
     return table
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None, long: bool = False
+                  ) -> np.ndarray:
     """RoPE's inverse frequencies, `[head_dim // 2]` float32: pair i turns by `pos * inv_freq[i]`.
 
     Args:
       head_dim: channels per head (even).
       theta: the base; unscaled, `inv_freq[i] = theta ** (-2i / head_dim)`.
       scaling: a `RopeScaling` (`config.RopeScaling`) of those frequencies, or None.
+      long: "longrope" only: the frequencies of a call that reaches past the trained
+        context (`long_factor`), else those within it (`short_factor`); see `rope_frequencies`.
 
     Returns:
       The frequencies, computed in float32 step by step as Hugging Face computes them
@@ -52,6 +55,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
         return inv_freq / np.float32(scaling.factor)
     if scaling.kind == "yarn":
         return _yarn_inv_freq(powers, theta, scaling)
+    if scaling.kind == "longrope":  # each wavelength stretched by its own searched factor
+        factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float32)
+        return np.float32(1.0) / (factors * powers)
     # llama3: wavelengths past the trained context's `/ low_freq_factor` are stretched by
     # `factor`; those below its `/ high_freq_factor` (local detail) are kept; in between,
     # a blend that is linear in (context / wavelength).
@@ -84,6 +90,17 @@ def _yarn_inv_freq(powers: np.ndarray, theta: float, scaling: RopeScaling) -> np
     ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
     keep = 1 - ramp  # [d/2]: 1 for the fast pairs, 0 for the slow ones
     return (divided * (1 - keep) + kept * keep).astype(np.float32)
+
+
+def rope_frequencies(position: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None = None):
+    """`rope_inv_freq` for a call at `position` (int, any shape): LongRoPE's long or short
+    set, as transformers picks it, by whether the call's last position reaches past the
+    trained context, for every position of the call; the one set otherwise. (So a cache
+    cannot cross that context: `KVCache.create` refuses a capacity past it.)"""
+    if scaling is None or scaling.kind != "longrope":
+        return rope_inv_freq(head_dim, theta, scaling)
+    past = jnp.max(position) + 1 > scaling.original_max_position_embeddings
+    return jnp.where(past, rope_inv_freq(head_dim, theta, scaling, long=True), rope_inv_freq(head_dim, theta, scaling))
 
 
 def rope_attention_factor(scaling: RopeScaling | None) -> float:

@@ -66,7 +66,11 @@ def test_each_rule_names_field_and_rule(changes, field, rule):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(kind="longrope", factor=2.0), r"RopeScaling.kind must be one of \('linear', 'llama3', 'yarn'\)"),
+    (dict(kind="dynamic", factor=2.0), r"RopeScaling.kind must be one of \('linear', 'llama3', 'yarn', 'longrope'\)"),
+    (dict(kind="longrope", factor=2.0, original_max_position_embeddings=64, short_factor=[1.0], long_factor=[0.0]),
+     r"RopeScaling.long_factor must be a list of finite numbers > 0, one per RoPE pair"),
+    (dict(kind="longrope", factor=2.0, original_max_position_embeddings=64, short_factor=[1.0], long_factor=[1, 2]),
+     r"RopeScaling.long_factor must be as long as short_factor \(1\)"),
     (dict(kind="linear", factor=0.0), r"RopeScaling.factor must be a finite number > 0 \(got 0.0\)"),
     (dict(kind="linear", factor=2.0, original_max_position_embeddings=64),
      r"RopeScaling.original_max_position_embeddings must be None for kind='linear' \(got 64\)"),

@@ -82,6 +82,8 @@ def rope(given: dict, where: str, hf: dict, *, default_theta: float = DEFAULT_RO
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", number("factor"))
+    if rope_type == "longrope":
+        return theta, _longrope(hf, given, where, number)
     context = number("original_max_position_embeddings", python_int, "a positive int")
     if rope_type == "yarn":
         return theta, _yarn(hf, given, where, number, context)
@@ -89,6 +91,29 @@ def rope(given: dict, where: str, hf: dict, *, default_theta: float = DEFAULT_RO
     if not high > low:
         fail(f"{where}.high_freq_factor", f"must be above low_freq_factor={low:g}", high)
     return theta, RopeScaling("llama3", number("factor"), context, low_freq_factor=low, high_freq_factor=high)
+
+
+def _longrope(hf: dict, given: dict, where: str, number: Callable) -> RopeScaling:
+    """LongRoPE's fields (Phi-3's long context), with transformers' defaults: the trained
+    context from the object or config.json's top level, `factor` the ratio of the two contexts."""
+    context = number("original_max_position_embeddings", python_int, "a positive int", default=None)
+    if context is None:
+        context = field(hf, "original_max_position_embeddings", python_int, "a positive int")
+    factor = number("factor", default=None)
+    if factor is None:
+        factor = field(hf, "max_position_embeddings", python_int, "a positive int") / context
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        factors = given.get(key)
+        if not (isinstance(factors, list) and factors and all(
+                finite_float(f) is not None and finite_float(f) > 0 for f in factors)):
+            fail(f"{where}.{key}", "must be a list of finite numbers > 0, one per RoPE pair", factors)
+        lists[key] = tuple(finite_float(f) for f in factors)
+    if len(lists["short_factor"]) != len(lists["long_factor"]):
+        fail(f"{where}.long_factor", f"must be as long as short_factor ({len(lists['short_factor'])})",
+             given["long_factor"])
+    return RopeScaling("longrope", factor, context, attention_factor=number("attention_factor", default=None),
+                       **lists)
 
 
 def _yarn(hf: dict, given: dict, where: str, number: Callable, context: int) -> RopeScaling:

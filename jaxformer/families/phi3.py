@@ -10,11 +10,21 @@ from jaxformer.families.llama import read_llama, window_everywhere, write_rope, 
 
 
 def read_phi3(hf: dict, max_seq_len: int | None) -> dict:
+    """Llama's fields, a window on every layer; an older `rope_scaling` of type "su" or
+    "yarn" is LongRoPE to transformers' Phi-3, and so here."""
+    scaling = hf.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in ("su", "yarn"):
+        hf = {**hf, "rope_scaling": {**scaling, "rope_type": "longrope", "type": "longrope"}}
     return window_everywhere(hf, read_llama(hf, max_seq_len))
 
 
 def write_phi3(config: DecoderConfig) -> dict:
-    return {**write_rope(config), **write_window_everywhere(config)}
+    """Llama's, and LongRoPE's trained context at the top level too: transformers' Phi-3 reads
+    it from there (default 4096) over the one in `rope_parameters`."""
+    fields = {**write_rope(config), **write_window_everywhere(config)}
+    if config.rope_scaling is not None and config.rope_scaling.original_max_position_embeddings is not None:
+        fields["original_max_position_embeddings"] = config.rope_scaling.original_max_position_embeddings
+    return fields
 
 
 def phi3_layer(c: DecoderConfig, i: int) -> list:

@@ -113,7 +113,11 @@ def test_config_round_trips_through_config_json():
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}), "rope_parameters.rope_type"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0, "short_factor": [1.0] * 8,
+                           "original_max_position_embeddings": 16}), "rope_parameters.long_factor"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 5e5, "short_factor": [1.0], "long_factor": [1.0]}),
+     "original_max_position_embeddings"),  # neither in the object nor at the top level
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}), "rope_parameters.rope_type"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}),
      "rope_parameters.original_max_position_embeddings"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "truncate": "no",

@@ -24,7 +24,7 @@ transformers = import_peer("transformers")
 pytestmark = pytest.mark.peers
 
 CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
-               "Phi-3-mini-4k-instruct", "Qwen2.5-0.5B", "SmolLM2-135M"]
+               "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M"]
 MAX_SEQ_LEN = 64
 PROMPT_LEN, NEW_TOKENS = 12, 40
 TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
@@ -56,6 +56,7 @@ SWITCHED_ON = {
     "gemma-3-1b-it": {"sliding_window", "local_rope_theta", "qk_norm", "norm_plus_one", "mlp_activation",
                       "embed_scale", "query_pre_attn_scalar", "post_norms"},
     "Phi-3-mini-4k-instruct": {"sliding_window"},
+    "Phi-3 longrope": {"rope_scaling"},
     "Qwen2.5-0.5B": {"qkv_bias"},
     "SmolLM2-135M": set(),
 }
@@ -64,6 +65,13 @@ SWITCHED_ON = {
 # Gemma 2's final cap (30) is shrunk as the window is, to where this tiny model's logits reach it.
 OVERRIDES = {"gemma-2-2b": dict(query_pre_attn_scalar=24, final_logit_softcapping=3.0),
              "gemma-3-1b-it": dict(query_pre_attn_scalar=24)}
+# Phi-3's long-context form as its 128k checkpoint states it (an older `rope_scaling` of type
+# "longrope" with a factor per RoPE pair, the trained context at config.json's top level), the
+# trained context shrunk to 16 so that a test's calls cross it; the factors are made up here.
+VARIANTS = {"Phi-3 longrope": ("Phi-3-mini-4k-instruct", dict(
+    max_position_embeddings=64, original_max_position_embeddings=16, sliding_window=None,
+    rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                  "long_factor": [1.0 + 2.5 * i for i in range(8)]}))}
 PLAIN = dict(sliding_window=None, local_rope_theta=None, rope_scaling=None, qkv_bias=False, qk_norm=False,
              norm_plus_one=False, mlp_activation="silu", embed_scale=False, query_pre_attn_scalar=None,
              attn_logit_softcap=None, final_logit_softcap=None, post_norms=False)
@@ -90,9 +98,10 @@ def _scale_up(model, seed: int):
 def family(request, tmp_path_factory):
     """(name, hf_model float32, config, params, path): a tiny shipped-config checkpoint saved by
     transformers as sharded bfloat16, transformers' float32 model of its weights, and jaxformer's load."""
-    hf_config = transformers.AutoConfig.for_model(**tiny(request.param, **OVERRIDES.get(request.param, {})))
+    base, overrides = VARIANTS.get(request.param, (request.param, OVERRIDES.get(request.param, {})))
+    hf_config = transformers.AutoConfig.for_model(**tiny(base, **overrides))
     hf_model = _scale_up(transformers.AutoModelForCausalLM.from_config(hf_config), seed=0).to(torch.bfloat16)
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(request.param.replace(" ", "-"))
     hf_model.save_pretrained(path, max_shard_size="40KB")
     assert (path / "model.safetensors.index.json").exists()  # sharded, as real checkpoints ship
     config, params = load_hf(str(path), max_seq_len=MAX_SEQ_LEN)
@@ -122,36 +131,51 @@ def test_logits_equal_transformers_and_each_feature_counts(family):
 
 @pytest.fixture(scope="module")
 def hf_greedy(family):
-    """transformers' greedy continuation of a prompt longer than the window."""
+    """transformers' greedy continuation of a prompt longer than the window, and the logits
+    of each of its steps (its own cached decoding)."""
     _, hf_model, config, _, _ = family
     prompt = _tokens(config, (2, PROMPT_LEN), 1)
+    new = NEW_TOKENS if not _longrope(config) else config.rope_scaling.original_max_position_embeddings - PROMPT_LEN + 1
     out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                            max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, eos_token_id=None,
-                            pad_token_id=0)
-    return prompt.numpy(), out.numpy()
+                            max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
+                            pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return prompt.numpy(), out.sequences.numpy(), torch.stack(out.logits, dim=1).numpy()
+
+
+def _longrope(config) -> bool:
+    return config.rope_scaling is not None and config.rope_scaling.kind == "longrope"
 
 
 def test_greedy_tokens_equal_transformers(family, hf_greedy):
+    """40 tokens (LongRoPE: as many as its trained context holds, then a clear refusal:
+    past it transformers recomputes every cached position, which a cache cannot)."""
     _, _, config, params, _ = family
-    prompt, want = hf_greedy
-    got = generate(Decoder(config), params, jnp.asarray(prompt), max_new_tokens=NEW_TOKENS)
-    assert len(np.unique(want[:, PROMPT_LEN:])) > 5  # a varied continuation
+    prompt, want, _ = hf_greedy
+    got = generate(Decoder(config), params, jnp.asarray(prompt), max_new_tokens=want.shape[1] - PROMPT_LEN)
+    assert len(np.unique(want[:, PROMPT_LEN:])) > min(5, want.shape[1] - PROMPT_LEN)  # a varied continuation
     np.testing.assert_array_equal(got, want)
+    if _longrope(config):
+        with pytest.raises(ValueError, match="past rope_scaling.original_max_position_embeddings=16"):
+            generate(Decoder(config), params, jnp.asarray(prompt), max_new_tokens=NEW_TOKENS)
 
 
-def test_cached_decoding_equals_the_full_forward(family, hf_greedy):
-    """Prefill the prompt, then one token a step through the cache, past the window."""
+def test_cached_decoding_equals_transformers_and_the_full_forward(family, hf_greedy):
+    """Prefill the prompt, then one token a step through the cache (its rings past the
+    window): each step's logits are transformers' own step's, and the full forward's."""
     _, _, config, params, _ = family
-    _, sequences = hf_greedy
+    _, sequences, hf_steps = hf_greedy
     model = Decoder(config)
-    full, _ = jit_apply(model, {"params": params}, sequences)
     step = jax.jit(lambda tokens, cache: model.apply({"params": params}, tokens, cache))
-    logits, cache = step(jnp.asarray(sequences[:, :PROMPT_LEN]), KVCache.create(config, 2, sequences.shape[1]))
+    fed = sequences[:, :-1]  # (the last token is never fed back)
+    logits, cache = step(jnp.asarray(fed[:, :PROMPT_LEN]), KVCache.create(config, 2, fed.shape[1]))
     got = [logits]
-    for t in range(PROMPT_LEN, sequences.shape[1]):
-        logits, cache = step(jnp.asarray(sequences[:, t:t + 1]), cache)
+    for t in range(PROMPT_LEN, fed.shape[1]):
+        logits, cache = step(jnp.asarray(fed[:, t:t + 1]), cache)
         got.append(logits)
-    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=TOLERANCE, rtol=0)
+    got = np.concatenate(got, axis=1)  # [batch, len - 1, vocab]
+    np.testing.assert_allclose(got[:, PROMPT_LEN - 1:], hf_steps, atol=TOLERANCE, rtol=0)
+    full, _ = jit_apply(model, {"params": params}, fed)
+    np.testing.assert_allclose(got, full, atol=TOLERANCE, rtol=0)
 
 
 def test_save_hf_writes_the_family_that_transformers_reopens(family, tmp_path):
