@@ -151,7 +151,8 @@ def _eos_ids(path: str, vocab_size: int) -> tuple[int, ...] | None:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """Reads the tokenizer of a Hugging Face checkpoint folder (`stop_ids` as transformers finds them).
+    """Reads the tokenizer of a Hugging Face checkpoint folder (`stop_ids` as transformers'
+    `generate` finds them, and where it finds none, as docs/text.md says).
 
     Args:
       path: a folder holding `tokenizer.json`, and optionally `tokenizer_config.json`,
