@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import import_peer
-from conventions import CONVENTIONS, GEMMA3, LLAMA3, greedy, save_checkpoint
+from conventions import (CONVENTIONS, GEMMA3, LLAMA3, QWEN, QWEN3_TEMPLATE, greedy, save_checkpoint,
+                         save_tokenizer_files)
 
 from jaxformer import Decoder, generate
 from jaxformer.convert import load_hf
@@ -103,6 +104,29 @@ def test_prompt_ids_chat_prompts_and_text_are_autotokenizers(checkpoint):
     ids = hf.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert ours.encode(text, add_special_tokens=False) == ids
     assert ids.count(bos) == (bos is not None)
+
+
+def test_qwen3s_template_drops_earlier_reasoning_as_apply_chat_template(tmp_path):
+    """Qwen3's template (namespaces, a reversed loop, string methods) on Qwen's tokenizer: the
+    reasoning of an answered turn is dropped, that of the turn after the last question kept."""
+    save_tokenizer_files(QWEN, str(tmp_path))
+    with open(tmp_path / "tokenizer_config.json") as f:
+        config = json.load(f)
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({**config, "chat_template": QWEN3_TEMPLATE}, f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "qwen3"}, f)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = load_tokenizer(str(tmp_path))
+    chat = _chat("Tell me a story") + [{"role": "assistant", "content": "<think>\nA sea?\n</think>\n\nOnce."},
+                                       {"role": "user", "content": "More!"},
+                                       {"role": "assistant", "content": "<think>\nGo on.\n</think>\n\nThen."}]
+    for messages, prompt in ((chat[:-1], True), (chat, False)):
+        text = render_chat(ours, messages, add_generation_prompt=prompt)
+        assert text == hf.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+        ids = hf.apply_chat_template(messages, add_generation_prompt=prompt, return_dict=True)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == ids
+    assert "A sea?" not in text and "<think>\nGo on.\n</think>\n\nThen.<|im_end|>" in text
 
 
 def test_greedy_text_is_transformers_and_stops_at_each_stop_id(checkpoint):
