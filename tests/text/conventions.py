@@ -17,7 +17,10 @@ vocabulary size and special ids.
   `<|endoftext|>`.
 
 The chat templates are the checkpoints' own, less their branches for tools (which a
-conversation without tools never runs).
+conversation without tools never runs). The hub was not reachable from where this was
+written: the fields and templates follow the published files as far as they could be
+checked against copies of them, the Gemma 3 template and the Qwen2.5 sampling settings
+among them; tests/families/shipped.py holds the config.json side, checked verbatim.
 """
 
 from __future__ import annotations
