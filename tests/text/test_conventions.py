@@ -171,7 +171,7 @@ def test_beam_search_is_generates_with_every_stop_id(checkpoint):
     """Beam search on the prompts, with all of the folder's stop ids (a beam ends at a later
     one), as `jf.generate` decodes them. Llama 3's folder alone: beam search reads nothing of
     a convention but the prompt ids and the stop ids, which the tests above cover for each."""
-    convention, path, prompts, hf, _ = checkpoint
+    _, path, prompts, hf, _ = checkpoint
     rows, err = run(["--checkpoint", path, *_flags(prompts), "--num-beams", "3"])
     tokenizer = load_tokenizer(path)
     ids = [hf(p)["input_ids"] for p in prompts]
