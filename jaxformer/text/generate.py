@@ -24,13 +24,15 @@ import numpy as np
 from jaxformer.command_line import FAILED, OneLineParser, fail, run_command
 from jaxformer.convert import load_hf
 from jaxformer.decoder import Decoder
-from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, NonFiniteLogitsError, finish, run, start,
-                                stream)
+from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, NonFiniteLogitsError, PromptLookup,
+                                Speculative, finish, run, start, stream)
+from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, load_tokenizer
 from jaxformer.training import check_seed, enable_compilation_cache
+from jaxformer.validation import as_int
 
 PROG = "python -m jaxformer.text.generate"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -53,6 +55,11 @@ def parse_args(argv=None):
         default = CLI_DEFAULTS.get(field.name, field.default)
         p.add_argument(FLAG_NAMES[field.name], type=field.metadata["flag_type"], default=default,
                        help=field.metadata["help"])
+    p.add_argument("--prompt-lookup", type=int, default=None, metavar="K",
+                   help="speculative decoding: each pass of the model also checks K tokens proposed from the text "
+                        "so far (prompt lookup); the same tokens as without, in fewer passes where the text repeats")
+    p.add_argument("--prompt-lookup-ngram", type=int, default=None, metavar="N",
+                   help=f"with --prompt-lookup: the longest n-gram looked up (default {PromptLookup.n})")
     p.add_argument("--seed", type=int, default=0, help="the sampling's seed")
     p.add_argument("--dtype", default="float32", help=f"compute dtype, one of {', '.join(DTYPES)}")
     p.add_argument("--max-seq-len", type=int, default=None,
@@ -86,6 +93,15 @@ def _check(args) -> None:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (got {args.dtype!r})")
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise ValueError(f"--max-seq-len must be >= 1 (got {args.max_seq_len})")
+    if args.prompt_lookup is not None:
+        as_int(args.prompt_lookup, "--prompt-lookup", minimum=1)
+        if args.num_beams > 1:
+            raise ValueError("--prompt-lookup proposes one continuation per row: it does not go with beam search "
+                             "(--num-beams > 1)")
+    if args.prompt_lookup_ngram is not None:
+        if args.prompt_lookup is None:
+            raise ValueError("--prompt-lookup-ngram needs --prompt-lookup")
+        as_int(args.prompt_lookup_ngram, "--prompt-lookup-ngram", minimum=1)
     if args.stream and args.num_beams > 1:
         raise ValueError("--stream prints one token after another; beam search (--num-beams > 1) picks its "
                          "text at the end")
@@ -265,6 +281,14 @@ class Stats:
     new_tokens: int = 0  # up to each row's stop id
     prefill_seconds: float = 0.0  # the prefill and each row's first token
     decode_seconds: float = 0.0  # the steps after it (beam search: everything)
+    # --prompt-lookup without --stream, over the rows still unfinished (speculative.Stats):
+    # proposals made and accepted, passes of the model summed over rows, and tokens kept.
+    proposed: int = 0
+    accepted: int = 0
+    row_passes: int = 0
+    kept: int = 0
+    lookup_k: int = 0  # the proposals a round made: --prompt-lookup, or fewer where max_seq_len had less room
+    lookup_off: bool = False  # `plan` chose plain decoding: no room for even one proposal
 
 
 def _ragged(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -278,7 +302,8 @@ def _ragged(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray | None]:
 
 def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids: list[list[int]], args,
            clock: Clock, stats: Stats, on_token=None) -> list[Completion]:
-    """Decodes the prompts as one batch: the prefill, then the steps, each timed.
+    """Decodes the prompts as one batch: the prefill, then the steps, each timed; with
+    --prompt-lookup, the steps are speculative rounds (`stats` counts their proposals).
 
     Args:
       on_token: called with each step's tokens (`[batch]`); the run then goes through
@@ -297,11 +322,13 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
         rows = out[:, batch.shape[1]:]  # NO_TOKEN where a row's logits held NaN or inf, as finish marks it
     elif on_token is None:
         request = DecodeRequest.create(model, batch, **run_options)
-        state, prefill = clock.run(lambda: jax.block_until_ready(start(model, params, request)))
-        rows, seconds = clock.run(lambda: np.asarray(finish(model, params, request, state)[0]))
+        strategy = choose(model, request, lookup(args))
+        state, prefill = clock.run(lambda: jax.block_until_ready(start(model, params, request, strategy=strategy)))
+        (rows, figures), seconds = clock.run(lambda: jax.device_get(finish(model, params, request, state, strategy)))
         stats.prefill_seconds += prefill
+        count_lookup(stats, args, strategy, figures)
     else:
-        steps, tokens = stream(model, params, batch, **run_options), []
+        steps, tokens = stream(model, params, batch, speculative=lookup(args), **run_options), []
 
         def take(token: np.ndarray) -> None:
             tokens.append(token)
@@ -322,6 +349,30 @@ def decode(model: Decoder, params, tokenizer: Tokenizer, prompts: list[str], ids
     stats.prompt_tokens += sum(len(row) for row in ids)
     stats.new_tokens += sum(len(c.ids) for c in completions)
     return completions
+
+
+def lookup(args) -> PromptLookup | None:
+    """The speculative decoding --prompt-lookup asks for, or None."""
+    if args.prompt_lookup is None:
+        return None
+    return PromptLookup(k=args.prompt_lookup, n=PromptLookup.n if args.prompt_lookup_ngram is None
+                        else args.prompt_lookup_ngram)
+
+
+def count_lookup(stats: Stats, args, strategy, figures) -> None:
+    """Adds a batch's prompt lookup figures (`speculative.Stats`) to `stats`; notes a batch that
+    `plan` left without room for a proposal (it decoded plainly, the same tokens)."""
+    if args.prompt_lookup is None:
+        return
+    if not isinstance(strategy, Speculative):
+        stats.lookup_off = True
+        return
+    _, proposed, accepted, row_passes, kept = (int(x) for x in figures)
+    stats.lookup_k = strategy.proposer.k
+    stats.proposed += proposed
+    stats.accepted += accepted
+    stats.row_passes += row_passes
+    stats.kept += kept
 
 
 def load(args, prompts: list[str]):
@@ -347,7 +398,8 @@ def check_memory(model: Decoder, ids: list[list[int]], args) -> None:
     the free memory: all prompts as one batch (with their beams), or with --stream the longest alone."""
     prompt_len = max(len(row) for row in ids)  # a batch is padded to its longest prompt
     rows = 1 if args.stream else len(ids) * args.num_beams
-    check_prefill_memory(model.decoding_spec(), rows, prompt_len, prompt_len + args.max_new_tokens - 1)
+    extra = args.prompt_lookup or 0  # a speculative round writes its proposals past what it keeps
+    check_prefill_memory(model.decoding_spec(), rows, prompt_len, prompt_len + args.max_new_tokens - 1 + extra)
 
 
 def report(args, config, params, stats: Stats, clock: Clock, load_seconds: float, rows: int, cache_dir) -> None:
@@ -372,6 +424,27 @@ def report(args, config, params, stats: Stats, clock: Clock, load_seconds: float
     stepped = stats.new_tokens - rows
     say(f"decode: {plural(stepped, 'token')} in {stats.decode_seconds:.3f} s "
         f"({stepped / stats.decode_seconds if stats.decode_seconds else 0:.1f} tokens/s)")
+    if args.prompt_lookup is not None:
+        say(lookup_line(args, stats))
+
+
+def lookup_line(args, stats: Stats) -> str:
+    """What --prompt-lookup did: its acceptance, and the new tokens each pass of the model made a row."""
+    proposer = lookup(args)
+    head = f"prompt lookup (k={proposer.k}, n={proposer.n})"
+    if args.stream:  # `stream` hands out tokens, not the strategy's figures
+        return f"{head}: --stream counts no acceptance"
+    if stats.lookup_off:
+        why = ("--max-new-tokens 1 leaves nothing to propose" if args.max_new_tokens == 1 else
+               "the prompts and --max-new-tokens leave no room for a proposal within max_seq_len")
+        return f"{head}: not used, {why}"
+    if stats.lookup_k < proposer.k:
+        head += f", k cut to {stats.lookup_k} to fit max_seq_len"
+    if not stats.row_passes:
+        return f"{head}: every row ended at its first token, before any proposal"
+    return (f"{head}: {stats.accepted:,} of {stats.proposed:,} proposed tokens accepted "
+            f"({stats.accepted / stats.proposed:.0%}), {stats.kept / stats.row_passes:.2f} new tokens a row "
+            "per pass of the model after the prefill")
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:

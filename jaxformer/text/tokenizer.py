@@ -14,7 +14,7 @@ import os
 from typing import Any, Iterable, Sequence
 
 import tokenizers
-from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
 from jaxformer.files import write_text_atomically
 from jaxformer.validation import as_int
@@ -151,7 +151,8 @@ def _eos_ids(path: str, vocab_size: int) -> tuple[int, ...] | None:
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """Reads the tokenizer of a Hugging Face checkpoint folder (`stop_ids` as transformers finds them).
+    """Reads the tokenizer of a Hugging Face checkpoint folder (`stop_ids` as transformers'
+    `generate` finds them, and where it finds none, as docs/text.md says).
 
     Args:
       path: a folder holding `tokenizer.json`, and optionally `tokenizer_config.json`,
@@ -178,23 +179,14 @@ def load_tokenizer(path: str) -> Tokenizer:
         token = _token_text(config.get(role), f"{config_file}: {role}")
         if token is not None:
             special[role] = token
-    if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-        backend.post_processor = _framing(backend, special, config.get("add_bos_token") is True,
-                                          config.get("add_eos_token") is True)
+    # The post-processor of tokenizer.json alone frames a text (Llama's and Gemma's put a BOS in
+    # front, Qwen's nothing): transformers 5 drops tokenizer_config.json's add_bos_token and
+    # add_eos_token whenever a tokenizer.json is there, so neither is read here.
     try:
         tokenizer = Tokenizer(backend, special, _chat_template(path, config))
     except ValueError as e:
         raise ValueError(f"{config_file}: {e}") from None
     return dataclasses.replace(tokenizer, eos_ids=_eos_ids(path, tokenizer.vocab_size))
-
-
-def _framing(backend: tokenizers.Tokenizer, special: dict[str, str], add_bos: bool, add_eos: bool):
-    """The post-processor transformers builds from `add_bos_token` / `add_eos_token`."""
-    bos, eos = special.get("bos_token") if add_bos else None, special.get("eos_token") if add_eos else None
-    single = " ".join([f"{bos}:0"] * (bos is not None) + ["$A:0"] + [f"{eos}:0"] * (eos is not None))
-    pair = single + " " + " ".join([f"{bos}:1"] * (bos is not None) + ["$B:1"] + [f"{eos}:1"] * (eos is not None))
-    return processors.TemplateProcessing(single=single, pair=pair,
-                                         special_tokens=[(t, backend.token_to_id(t)) for t in (bos, eos) if t])
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str) -> None:
@@ -203,7 +195,7 @@ def save_tokenizer(tokenizer: Tokenizer, path: str) -> None:
     """
     os.makedirs(path, exist_ok=True)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens,
-              # The post-processor in tokenizer.json frames the text; the flags would replace it.
+              # (No add_bos_token: the post-processor in tokenizer.json frames the text.)
               "clean_up_tokenization_spaces": False}
     if tokenizer.chat_template is not None:
         config["chat_template"] = tokenizer.chat_template

@@ -163,6 +163,24 @@ def test_sampling_and_beam_search_reach_generate(folder, params):
     assert err[2].startswith("beam search (3 beams)")
 
 
+def test_prompt_lookup_gives_the_same_text_in_fewer_passes(folder):
+    """The model recites its corpus, whose "the dog sat on the log" follows "the cat sat on the
+    mat": at the second " sat", prompt lookup proposes what followed the first, and " on the"
+    is accepted. The tokens stay greedy decoding's, streamed too."""
+    argv = ["--checkpoint", folder, "--prompt", "The cat sat on the mat, and the dog", *NEW]
+    plain, _ = run(argv + ["--json"])
+    assert json.loads(plain)["completion"].startswith(" sat on the log.")
+    out, err = run(argv + ["--json", "--prompt-lookup", "4"])
+    assert out == plain
+    accepted, proposed, per_pass = re.fullmatch(
+        r"prompt lookup \(k=4, n=3\): (\d+) of (\d+) proposed tokens accepted \(\d+%\), ([\d.]+) new tokens a row "
+        r"per pass of the model after the prefill", err[-1]).groups()
+    assert 2 <= int(accepted) < int(proposed) and float(per_pass) > 1
+    streamed, err = run(argv + ["--prompt-lookup", "4", "--stream"])
+    assert streamed == json.loads(plain)["completion"] + "\n"
+    assert err[-1] == "prompt lookup (k=4, n=3): --stream counts no acceptance"
+
+
 def _snapshot(path):
     return {name: hashlib.sha256(open(os.path.join(path, name), "rb").read()).hexdigest()
             for name in sorted(os.listdir(path))}
@@ -194,8 +212,17 @@ def _without(folder, tmp_path, name):
      r"beam search is deterministic: with --num-beams > 1 leave --temperature at 0"),
     (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--temperature", "nan"], r"--temperature must be >= 0"),
     (lambda f, t: ["--checkpoint", f], r"no prompt: give --prompt TEXT"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--prompt-lookup", "0"],
+     r"--prompt-lookup must be a positive int \(got 0\)$"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--prompt-lookup", "2", "--num-beams", "2"],
+     r"--prompt-lookup proposes one continuation per row: it does not go with beam search"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--prompt-lookup-ngram", "2"],
+     r"--prompt-lookup-ngram needs --prompt-lookup$"),
+    (lambda f, t: ["--checkpoint", f, "--prompt", "hi", "--prompt-lookup", "2", "--prompt-lookup-ngram", "0"],
+     r"--prompt-lookup-ngram must be a positive int \(got 0\)$"),
 ], ids=["no-weights", "no-tokenizer", "no-folder", "empty-prompt", "prompt-too-long", "dtype", "chat-no-template",
-        "stream-json", "top-k", "beams-sampling", "temperature-nan", "no-prompt"])
+        "stream-json", "top-k", "beams-sampling", "temperature-nan", "no-prompt", "lookup-zero", "lookup-beams",
+        "ngram-alone", "ngram-zero"])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(folder, tmp_path, capsys, monkeypatch, argv, message):
     before = _snapshot(folder)
     tty = io.StringIO()

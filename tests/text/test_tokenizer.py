@@ -88,19 +88,31 @@ def transformers():
     return import_peer("transformers")
 
 
+def _edit_json(path, edit) -> None:
+    with open(path) as f:
+        value = json.load(f)
+    edit(value)
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
 @pytest.mark.peers
-@pytest.mark.parametrize("add_bos_token", [None, True, False])
-def test_encoding_equals_autotokenizer(tmp_path, transformers, add_bos_token):
-    """tokenizer.json frames the text with <s>; add_bos_token in tokenizer_config.json,
-    when present, replaces that framing in transformers and here alike."""
-    extra = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer(), bos_token="<s>", eos_token="</s>",
-                                              **extra)
-    hf.save_pretrained(tmp_path)
+@pytest.mark.parametrize("post_processor, flags", [
+    (True, {}), (True, {"add_bos_token": False}), (True, {"add_bos_token": True, "add_eos_token": True}),
+    (False, {"add_bos_token": True})], ids=["post-processor", "bos-flag-false", "flags-true", "flag-alone"])
+def test_the_post_processor_alone_frames_a_text_as_in_autotokenizer(tmp_path, transformers, post_processor, flags):
+    """tokenizer.json's post-processor puts the <s> in front; transformers 5 drops
+    tokenizer_config.json's add_bos_token and add_eos_token when there is a tokenizer.json,
+    and so does load_tokenizer."""
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer(), bos_token="<s>",
+                                         eos_token="</s>").save_pretrained(tmp_path)
+    if not post_processor:
+        _edit_json(tmp_path / "tokenizer.json", lambda t: t.update(post_processor=None))
+    _edit_json(tmp_path / "tokenizer_config.json", lambda c: c.update(flags))
     ours = load_tokenizer(str(tmp_path))
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     ids = hf(TEXT)["input_ids"]
-    assert ours.encode(TEXT) == ids and (ids[0] == ours.bos_id) == (add_bos_token is not False)
+    assert ours.encode(TEXT) == ids and (ids[0] == ours.bos_id) == post_processor and ids[-1] != ours.eos_id
     assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
 
 

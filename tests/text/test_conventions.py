@@ -1,0 +1,194 @@
+"""Each family's tokenizer convention end to end, against transformers on the same folder:
+Llama 3 (a post-processor's BOS, three stop ids), Gemma (a BOS always, `<end_of_turn>` a
+stop) and Qwen (no BOS, ChatML), each a tiny checkpoint of its family (tests/text/conventions.py).
+
+jaxformer's prompt ids, chat prompts and decoded text are `AutoTokenizer`'s;
+`python -m jaxformer.text.generate` decodes greedily as transformers' `generate` does and
+stops at each of the folder's stop ids, prompt lookup gives the same tokens in fewer passes,
+and beam search is `jf.generate`'s.
+"""
+
+import contextlib
+import io
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import import_peer
+from conventions import (CONVENTIONS, GEMMA3, LLAMA3, QWEN, QWEN3_TEMPLATE, greedy, save_checkpoint,
+                         save_tokenizer_files)
+
+from jaxformer import Decoder, generate
+from jaxformer.convert import load_hf
+from jaxformer.text import generate as cli
+from jaxformer.text import completion_text, load_tokenizer, render_chat
+
+torch = import_peer("torch")
+transformers = import_peer("transformers")
+
+pytestmark = pytest.mark.peers
+
+NEW = 16
+PROMPTS = ["注意力", "The cat sat", "Keys and values"]  # (a Gemma or Qwen folder has two stop ids: the first two)
+SYSTEM = "Be brief."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """transformers' tiny models on one thread: on 2 busy cores, torch's default of one thread
+    a core spends most of a tiny step waiting for the other (30x slower, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _chat(prompt: str) -> list[dict]:
+    """The conversation `--chat --system SYSTEM --prompt PROMPT` renders."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+
+
+@pytest.fixture(scope="module", params=CONVENTIONS, ids=[c.name for c in CONVENTIONS])
+def checkpoint(request, tmp_path_factory):
+    """(convention, folder, prompts, transformers' tokenizer and model of the folder). Greedy
+    decoding of prompt i stops at the convention's i-th stop id."""
+    convention = request.param
+    path = str(tmp_path_factory.mktemp(convention.name))
+    prompts = PROMPTS[:len(convention.stops)]
+    save_checkpoint(convention, path, prompts, NEW)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return convention, path, prompts, tokenizer, model
+
+
+def run(argv):
+    """The CLI in this process, --json: `(rows, stderr lines)`."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert cli.main([*argv, "--max-new-tokens", str(NEW), "--json"], stdin=io.StringIO(), stdout=out) == 0
+    return [json.loads(line) for line in out.getvalue().splitlines()], err.getvalue().splitlines()
+
+
+def _flags(prompts):
+    return [flag for prompt in prompts for flag in ("--prompt", prompt)]
+
+
+def _until_stop(ids: list[int], stops) -> list[int]:
+    """The tokens up to and with the first stop id (transformers pads after it)."""
+    cut = [i for i, token in enumerate(ids) if token in stops]
+    return ids[:cut[0] + 1] if cut else ids
+
+
+def test_prompt_ids_chat_prompts_and_text_are_autotokenizers(checkpoint):
+    """Special ids, stop ids, each text's ids (the BOS, or none) and their text back, a chat's
+    rendering and its ids: load_tokenizer and render_chat against AutoTokenizer."""
+    convention, path, _, hf, _ = checkpoint
+    ours = load_tokenizer(path)
+    bos = None if convention.bos is None else ours.backend.token_to_id(convention.bos)
+    assert ours.bos_id == bos and ours.stop_ids == tuple(ours.backend.token_to_id(t) for t in convention.stops)
+    texts = ["The cat sat", "注意力 龍 ñ", "two  spaces\n\nand lines 12345", " leading space",
+             f"a stop {convention.stops[-1]} as text"]
+    for text in texts:
+        ids = hf(text)["input_ids"]
+        assert ours.encode(text) == ids
+        assert ids[0] == bos if bos is not None else ids[0] not in hf.all_special_ids
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids)
+    # The template writes the BOS itself: encoded without the post-processor's, as transformers does.
+    chat = _chat(PROMPTS[0]) + [{"role": "assistant", "content": "Once."}, {"role": "user", "content": "More!"}]
+    text = render_chat(ours, chat)
+    assert text == hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = hf.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert ours.encode(text, add_special_tokens=False) == ids
+    assert ids.count(bos) == (bos is not None)
+
+
+def test_qwen3s_template_drops_earlier_reasoning_as_apply_chat_template(tmp_path):
+    """Qwen3's template (namespaces, a reversed loop, string methods) on Qwen's tokenizer: the
+    reasoning of an answered turn is dropped, that of the turn after the last question kept."""
+    save_tokenizer_files(QWEN, str(tmp_path))
+    with open(tmp_path / "tokenizer_config.json") as f:
+        config = json.load(f)
+    with open(tmp_path / "tokenizer_config.json", "w") as f:
+        json.dump({**config, "chat_template": QWEN3_TEMPLATE}, f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"model_type": "qwen3"}, f)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = load_tokenizer(str(tmp_path))
+    chat = _chat("Tell me a story") + [{"role": "assistant", "content": "<think>\nA sea?\n</think>\n\nOnce."},
+                                       {"role": "user", "content": "More!"},
+                                       {"role": "assistant", "content": "<think>\nGo on.\n</think>\n\nThen."}]
+    for messages, prompt in ((chat[:-1], True), (chat, False)):
+        text = render_chat(ours, messages, add_generation_prompt=prompt)
+        assert text == hf.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+        ids = hf.apply_chat_template(messages, add_generation_prompt=prompt, return_dict=True)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == ids
+    assert "A sea?" not in text and "<think>\nGo on.\n</think>\n\nThen.<|im_end|>" in text
+
+
+def test_greedy_text_is_transformers_and_stops_at_each_stop_id(checkpoint):
+    """One ragged batch of prompts as the tokenizer frames them (a BOS in front but for Qwen's);
+    row i ends at the i-th id of generation_config.json's eos_token_id, its text transformers'
+    decode of the tokens before it."""
+    convention, path, prompts, hf, model = checkpoint
+    stops = model.generation_config.eos_token_id
+    assert stops == [hf.convert_tokens_to_ids(t) for t in convention.stops]
+    rows, err = run(["--checkpoint", path, *_flags(prompts)])
+    for prompt, row, stop in zip(prompts, rows, stops):
+        ids = hf(prompt)["input_ids"]
+        want = _until_stop(greedy(model, ids, NEW), stops)
+        assert row["prompt_tokens"] == len(ids)
+        assert row["token_ids"] == want and want[-1] == stop and row["finish_reason"] == "stop"
+        assert row["completion"] == hf.decode(want[:-1], skip_special_tokens=True)
+    assert [line.split()[0] for line in err] == ["loaded", "compile:", "prefill:", "decode:"]
+
+
+def test_a_chat_with_prompt_lookup_is_transformers_greedy(checkpoint):
+    """--chat --system: the prompt is apply_chat_template's (one BOS, the template's), and
+    prompt lookup's rounds, which scored proposals (and accepted some where the text repeats
+    itself, as Gemma's tiny model's does), keep greedy decoding's tokens."""
+    convention, path, _, hf, model = checkpoint
+    [row], err = run(["--checkpoint", path, "--chat", "--system", SYSTEM, "--prompt", PROMPTS[1],
+                      "--prompt-lookup", "3"])
+    ids = hf.apply_chat_template(_chat(PROMPTS[1]), add_generation_prompt=True, return_dict=True)["input_ids"]
+    stops = model.generation_config.eos_token_id
+    want = _until_stop(greedy(model, ids, NEW), stops)
+    stopped = want[-1] in stops
+    assert row["prompt_tokens"] == len(ids)
+    assert row["token_ids"] == want and row["finish_reason"] == ("stop" if stopped else "length")
+    assert row["completion"] == hf.decode(want[:-1] if stopped else want, skip_special_tokens=True)
+    figures = re.fullmatch(r"prompt lookup \(k=3, n=3\): (\d+) of (\d+) proposed tokens accepted .*", err[-1])
+    assert figures and int(figures[2]) > 0, err[-1]
+    if convention is GEMMA3:
+        assert int(figures[1]) > 0, err[-1]
+
+
+@pytest.mark.parametrize("checkpoint", [LLAMA3], ids=[LLAMA3.name], indirect=True)
+def test_beam_search_is_generates_with_every_stop_id(checkpoint):
+    """Beam search on the prompts, with all of the folder's stop ids (a beam ends at a later
+    one), as `jf.generate` decodes them. Llama 3's folder alone: beam search reads nothing of
+    a convention but the prompt ids and the stop ids, which the tests above cover for each."""
+    _, path, prompts, hf, _ = checkpoint
+    rows, err = run(["--checkpoint", path, *_flags(prompts), "--num-beams", "3"])
+    tokenizer = load_tokenizer(path)
+    ids = [hf(p)["input_ids"] for p in prompts]
+    batch = np.zeros((len(ids), max(map(len, ids))), np.int32)
+    for row, prompt_ids in zip(batch, ids):
+        row[:len(prompt_ids)] = prompt_ids
+    config, params = load_hf(path)
+    stops = list(tokenizer.stop_ids)
+    # (The command's key too, though beam search draws nothing: the same arguments reuse its program.)
+    want = np.asarray(generate(Decoder(config), params, jnp.asarray(batch), max_new_tokens=NEW, num_beams=3,
+                               eos_id=stops, pad_id=tokenizer.pad_id, prompt_lengths=[len(i) for i in ids],
+                               key=jax.random.key(0)))
+    for row, prompt_ids, new in zip(rows, ids, want[:, batch.shape[1]:].tolist()):
+        new = _until_stop(new, stops)
+        stopped = new[-1] in stops
+        assert row["prompt_tokens"] == len(prompt_ids)
+        assert row["token_ids"] == new and row["finish_reason"] == ("stop" if stopped else "length")
+        assert row["completion"] == completion_text(tokenizer, prompt_ids, new[:-1] if stopped else new)
+    assert any(row["token_ids"][-1] in stops[1:] for row in rows)
+    assert err[2].startswith("beam search (3 beams)")
