@@ -8,6 +8,7 @@ from conftest import jit_apply, random_params
 
 from jaxformer import Decoder, DecoderConfig, KVCache, generate
 from jaxformer.cache import LayerSlice
+from jaxformer.convert import with_scan_layers
 from jaxformer.decoding import PromptLookup
 
 CONFIG = DecoderConfig(vocab_size=32, n_layer=3, n_head=4, n_kv_head=2, d_model=32, max_seq_len=16)
@@ -106,9 +107,6 @@ def test_a_row_evicted_and_refilled_decodes_as_its_prompt_alone(scan_layers):
     there; every row goes on in one batched step. Row 2's greedy tokens are the new
     prompt's solo decoding's and its cache holds the solo cache's values; the other rows
     are exactly their undisturbed run."""
-    from conftest import random_params
-
-    from jaxformer.convert import with_scan_layers
     config, params = with_scan_layers(CONFIG.replace(max_seq_len=32),
                                       random_params(CONFIG.replace(max_seq_len=32), seed=3), scan_layers)
     model = Decoder(config)
@@ -206,18 +204,27 @@ def test_a_ring_decodes_as_a_full_cache_with_the_window_mask_past_the_window():
         np.testing.assert_allclose(jnp.concatenate(got, 1), whole, atol=1e-4, rtol=0)
 
 
+RAGGED_PROMPTS = [np.arange(3) % 32, (np.arange(12) * 7) % 32]
+
+
+@pytest.fixture(scope="module")
+def windowed_alone():
+    """The windowed model's parameters, and each ragged prompt's 20 greedy tokens decoded alone."""
+    params = random_params(WINDOWED, seed=4, scale=0.5)
+    return params, [generate(Decoder(WINDOWED), params, p[None], max_new_tokens=20)[0, len(p):] for p in RAGGED_PROMPTS]
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_rings_decode_ragged_prompts_and_speculative_rewinds_as_each_prompt_alone(scan_layers):
+def test_rings_decode_ragged_prompts_and_speculative_rewinds_as_each_prompt_alone(scan_layers, windowed_alone):
     """Rows of 3 and 12 tokens (the longer past the window, the shorter padded), plain and
     speculative (k=4: rejected proposals are set back across the ring's wrap): each row's
-    tokens are those of its prompt decoded alone on full slots."""
-    config = WINDOWED.replace(scan_layers=scan_layers)
+    tokens are those of its prompt decoded alone (no padding, no rewind: the ring as the test
+    above checks it), per layer or scanned (its rings and full slots two stacks)."""
+    params, alone = windowed_alone
+    config, params = with_scan_layers(WINDOWED, params, scan_layers)
     model = Decoder(config)
-    params = random_params(config, seed=4, scale=0.5)
-    prompts = [np.arange(3) % 32, (np.arange(12) * 7) % 32]
     batch = np.zeros((2, 12), np.int32)
-    batch[0, :3], batch[1] = prompts
-    alone = [generate(model, params, p[None], max_new_tokens=20)[0, len(p):] for p in prompts]
+    batch[0, :3], batch[1] = RAGGED_PROMPTS
     for speculative in (None, PromptLookup(k=4, n=1)):
         out = generate(model, params, batch, prompt_lengths=np.array([3, 12]), max_new_tokens=20,
                        speculative=speculative)

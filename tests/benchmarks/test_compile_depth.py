@@ -11,8 +11,8 @@ FIELDS = {"n_layer", "form", "generate_compile_s", "generate_first_s", "generate
 
 def test_both_forms_at_each_depth(tmp_path, capsys):
     out = tmp_path / "compile_depth.json"
-    compile_depth.main(["--layers", "1", "3", "--pattern", "gemma2", "--d-model", "32", "--new", "4",
-                        "--out", str(out), "--plot", str(tmp_path)])
+    compile_depth.main(["--layers", "1", "3", "--d-model", "32", "--new", "4", "--out", str(out),
+                        "--plot", str(tmp_path)])
     rows = json.loads(out.read_text())
     assert [(r["n_layer"], r["form"]) for r in rows] == [(1, "unrolled"), (1, "scanned"), (3, "unrolled"),
                                                          (3, "scanned")]

@@ -16,7 +16,7 @@ from conftest import import_peer, jit_apply
 from shipped import tiny
 
 from jaxformer import Decoder, KVCache, generate
-from jaxformer.convert import load_hf, save_hf
+from jaxformer.convert import load_hf, save_hf, with_scan_layers
 
 torch = import_peer("torch")
 transformers = import_peer("transformers")
@@ -124,8 +124,14 @@ def test_logits_equal_transformers_and_each_feature_counts(family):
     np.testing.assert_allclose(got, want, atol=TOLERANCE, rtol=0)
     switched_on = {f for f, plain in PLAIN.items() if getattr(config, f) != plain}
     assert switched_on == SWITCHED_ON[name]
+    # Scanned, the same model computes the same logits (and each guard below runs scanned:
+    # the same math in a program a fraction the size to compile).
+    scanned_config, scanned_params = with_scan_layers(config, params, True)
+    scanned, _ = jit_apply(Decoder(scanned_config), {"params": scanned_params}, tokens.numpy())
+    np.testing.assert_allclose(scanned, want, atol=TOLERANCE, rtol=0)
     for feature in sorted(switched_on):
-        off, _ = jit_apply(Decoder(config.replace(**FEATURES_OFF[feature])), {"params": params}, tokens.numpy())
+        off_config, off_params = with_scan_layers(config.replace(**FEATURES_OFF[feature]), params, True)
+        off, _ = jit_apply(Decoder(off_config), {"params": off_params}, tokens.numpy())
         assert np.abs(off - want).max() > 100 * TOLERANCE, f"{name}: {feature} off leaves the logits as they were"
 
 
