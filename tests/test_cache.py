@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import jit_apply, random_params
 
 from jaxformer import Decoder, DecoderConfig, KVCache, generate
