@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from conftest import SMALL, import_peer, jit_apply, random_params
 
+from tests.families.shipped import scaled_up
+
 from jaxformer import Decoder, KVCache, generate
 from jaxformer import RopeScaling, rope_attention_factor, rope_inv_freq
 from jaxformer.convert import config_from_hf, load_hf, save_hf
@@ -43,19 +45,10 @@ PROMPT_LEN, NEW_TOKENS = 8, 64
 TOLERANCE = 1e-4  # float32, with logits of magnitude ~10
 
 
-def _scale_up(model, seed: int):
-    """Every matrix and bias at std 0.25, every RMSNorm weight around 1."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.5 * torch.randn_like(p) if name.endswith("norm.weight") else 0.25 * torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module", params=sorted(PEERS))
 def peer(request, tmp_path_factory):
     """(hf_model, config, params): a tiny random HF model, saved, and loaded by jaxformer."""
-    hf_model = _scale_up(transformers.AutoModelForCausalLM.from_config(PEERS[request.param]()), seed=0).eval()
+    hf_model = scaled_up(transformers.AutoModelForCausalLM.from_config(PEERS[request.param]()), seed=0).eval()
     path = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(path)
     config, params = load_hf(str(path))
@@ -174,7 +167,7 @@ def test_save_hf_loads_in_transformers_with_the_same_logits(tmp_path, changes):
 
 
 def test_bfloat16_checkpoint_loads_as_its_float32_values(tmp_path):
-    hf_model = _scale_up(transformers.AutoModelForCausalLM.from_config(PEERS["qwen2"]()), seed=3).to(torch.bfloat16)
+    hf_model = scaled_up(transformers.AutoModelForCausalLM.from_config(PEERS["qwen2"]()), seed=3).to(torch.bfloat16)
     hf_model.save_pretrained(tmp_path)
     _, params = load_hf(str(tmp_path))
     want = hf_model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy()  # [n_head * head_dim, d_model]

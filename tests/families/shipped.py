@@ -384,3 +384,24 @@ def tiny(name, **overrides):
 
 def _as_list(value):
     return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def scaled_up(model, seed: int):
+    """A transformers model of a `tiny` config with weights far from ties, so that float32
+    rounding cannot turn a greedy choice and a wrong detail moves the logits by far more than
+    the tolerance: matrices and biases at std 0.25, norm weights around their identity
+    (Gemma's around 0: it scales by 1 + weight), and Gemma's embeddings, which it multiplies
+    by sqrt(d_model), at 0.4 / sqrt(d_model) (at 0.25 its greedy continuations repeat one token)."""
+    import torch  # (the peers extra; this module's dicts need no torch)
+
+    gemma = "gemma" in model.config.model_type
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 * torch.randn_like(p) + (0.0 if gemma else 1.0))
+            elif gemma and "embed_tokens" in name:
+                p.copy_(0.4 / model.config.hidden_size ** 0.5 * torch.randn_like(p))
+            else:
+                p.copy_(0.25 * torch.randn_like(p))
+    return model

@@ -3,8 +3,8 @@ config.json keeps every architectural field of the one the hub ships (`shipped.t
 saved by transformers as sharded bfloat16, as checkpoints ship, and loaded by jaxformer.
 
 The reference is transformers' float32 forward of the same (bfloat16-valued) weights.
-Weights are redrawn at std 0.25 as in tests/convert/test_hf_parity.py, so that a wrong
-detail moves the logits by far more than the float32 tolerance; each prompt is longer
+Weights are redrawn far from ties (`shipped.scaled_up`), so that a wrong detail moves the
+logits by far more than the float32 tolerance; each prompt is longer
 than the shrunk sliding window (8), so a window that were ignored would show.
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import import_peer, jit_apply
-from shipped import tiny
+from shipped import scaled_up, tiny
 
 from jaxformer import Decoder, KVCache, generate
 from jaxformer.convert import load_hf, save_hf, with_scan_layers
@@ -77,30 +77,13 @@ PLAIN = dict(sliding_window=None, local_rope_theta=None, rope_scaling=None, qkv_
              attn_logit_softcap=None, final_logit_softcap=None, post_norms=False)
 
 
-def _scale_up(model, seed: int):
-    """Every matrix and bias at std 0.25, every norm weight around its identity (Gemma's
-    around 0: it scales by 1 + weight); Gemma's embeddings, which it multiplies by
-    sqrt(d_model), at 0.4 / sqrt(d_model) (at 0.25 its greedy continuations repeat one token)."""
-    gemma = "gemma" in model.config.model_type
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.5 * torch.randn_like(p) + (0.0 if gemma else 1.0))
-            elif gemma and "embed_tokens" in name:
-                p.copy_(0.4 / model.config.hidden_size ** 0.5 * torch.randn_like(p))
-            else:
-                p.copy_(0.25 * torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module", params=CHECKPOINTS)
 def family(request, tmp_path_factory):
     """(name, hf_model float32, config, params, path): a tiny shipped-config checkpoint saved by
     transformers as sharded bfloat16, transformers' float32 model of its weights, and jaxformer's load."""
     base, overrides = VARIANTS.get(request.param, (request.param, OVERRIDES.get(request.param, {})))
     hf_config = transformers.AutoConfig.for_model(**tiny(base, **overrides))
-    hf_model = _scale_up(transformers.AutoModelForCausalLM.from_config(hf_config), seed=0).to(torch.bfloat16)
+    hf_model = scaled_up(transformers.AutoModelForCausalLM.from_config(hf_config), seed=0).to(torch.bfloat16)
     path = tmp_path_factory.mktemp(request.param.replace(" ", "-"))
     hf_model.save_pretrained(path, max_shard_size="40KB")
     assert (path / "model.safetensors.index.json").exists()  # sharded, as real checkpoints ship
@@ -163,6 +146,10 @@ def test_greedy_tokens_equal_transformers(family, hf_greedy):
     if _longrope(config):
         with pytest.raises(ValueError, match="past rope_scaling.original_max_position_embeddings=16"):
             generate(Decoder(config), params, jnp.asarray(prompt), max_new_tokens=NEW_TOKENS)
+        longer = KVCache.zeros(2, 32, n_layer=config.n_layer, n_kv_head=config.n_kv_head, head_dim=config.head_dim,
+                               max_seq_len=config.max_seq_len, dtype=jnp.float32)  # (not through create)
+        with pytest.raises(ValueError, match="cache: capacity=32 is past"):
+            Decoder(config).apply({"params": params}, jnp.asarray(prompt), longer)
 
 
 def test_cached_decoding_equals_transformers_and_the_full_forward(family, hf_greedy):

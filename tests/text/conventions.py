@@ -31,7 +31,7 @@ import os
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from tests.families.shipped import tiny
+from tests.families.shipped import scaled_up, tiny
 
 CORPUS = [
     "The cat sat on the mat, and the dog sat on the log.",
@@ -369,25 +369,6 @@ def write_generation_config(convention: Convention, tok: Tokenizer, path: str) -
                 {key: _ids(tok, value) for key, value in convention.generation_config.items()})
 
 
-def _scaled(model, seed: int):
-    """Weights far from ties, so float32 rounding cannot turn a greedy choice: matrices at std
-    0.25, norm weights around their identity (Gemma's around 0, as it scales by 1 + weight),
-    Gemma's embeddings at 0.4 / sqrt(d_model), since it multiplies them by sqrt(d_model)."""
-    import torch
-
-    gemma = "gemma" in model.config.model_type
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.5 * torch.randn_like(p) + (0.0 if gemma else 1.0))
-            elif gemma and "embed_tokens" in name:
-                p.copy_(0.4 / model.config.hidden_size ** 0.5 * torch.randn_like(p))
-            else:
-                p.copy_(0.25 * torch.randn_like(p))
-    return model
-
-
 def greedy(model, ids: list[int], new: int, **kwargs) -> list[int]:
     """transformers' greedy continuation of one prompt (the folder's sampling settings off)."""
     import torch
@@ -437,7 +418,7 @@ def save_checkpoint(convention: Convention, path: str, prompts: list[str], new: 
 
     tok = save_tokenizer_files(convention, path)
     config = transformers.AutoConfig.for_model(**tiny_config(convention, tok))
-    model = _scaled(transformers.AutoModelForCausalLM.from_config(config), seed).eval()
+    model = scaled_up(transformers.AutoModelForCausalLM.from_config(config), seed).eval()
     stops = [tok.token_to_id(t) for t in convention.stops]
     _relabel_to_stop(model, [tok.encode(p).ids for p in prompts], stops[:len(prompts)],
                      set(tok.get_added_tokens_decoder()), new)
