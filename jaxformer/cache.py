@@ -153,7 +153,7 @@ def layer_shapes(batch_size: int, capacity: int, slots: tuple[int, ...], n_kv_he
     for layers of `slots` each; a stack holds one ring size."""
     if not stacked:
         return [(batch_size, n, n_kv_head, head_dim) for n in slots]
-    kinds = {n for n in slots}
+    kinds = set(slots)
     if len(kinds) == 1:
         return [(batch_size, len(slots), slots[0], n_kv_head, head_dim)]
     rings = [n for n in slots if n < capacity]
@@ -161,6 +161,17 @@ def layer_shapes(batch_size: int, capacity: int, slots: tuple[int, ...], n_kv_he
         raise ValueError(f"KVCache: a stacked cache holds one ring size, got slots {slots}")
     return [(batch_size, len(slots) - len(rings), capacity, n_kv_head, head_dim),
             (batch_size, len(rings), rings[0], n_kv_head, head_dim)]
+
+
+def check_longrope_capacity(config: DecoderConfig, capacity: int, where: str) -> None:
+    """A ValueError if `config`'s LongRoPE context is shorter than `capacity`: past it, every
+    position's keys (and the hidden states below them) change, and transformers recomputes
+    the whole prefix when a sequence crosses it, which a cache cannot do."""
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.kind == "longrope" and capacity > scaling.original_max_position_embeddings:
+        raise ValueError(f"{where}: capacity={capacity} is past rope_scaling.original_max_position_embeddings="
+                         f"{scaling.original_max_position_embeddings}, where LongRoPE switches every position to "
+                         "its long factors: a cache holds at most that many positions")
 
 
 def sliding_slots(config: DecoderConfig, capacity: int, rewind: int = 0) -> int:
@@ -209,13 +220,7 @@ class KVCache:
         capacity = as_int(config.max_seq_len if capacity is None else capacity, "KVCache.create: capacity",
                           minimum=1, maximum=config.max_seq_len, maximum_name="max_seq_len")
         rewind = as_int(rewind, "KVCache.create: rewind", minimum=0)
-        scaling = config.rope_scaling
-        if scaling is not None and scaling.kind == "longrope" and capacity > scaling.original_max_position_embeddings:
-            # Past it, every position's keys (and the hidden states below them) change; transformers
-            # recomputes the whole prefix when a sequence crosses it, which a cache cannot do.
-            raise ValueError(f"KVCache.create: capacity={capacity} is past rope_scaling.original_max_position_"
-                             f"embeddings={scaling.original_max_position_embeddings}, where LongRoPE switches "
-                             "every position to its long factors: a cache holds at most that many positions")
+        check_longrope_capacity(config, capacity, "KVCache.create")
         slots = tuple(capacity if kind == "full" else sliding_slots(config, capacity, rewind)
                       for kind in config.attention_types)
         return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,
@@ -246,7 +251,10 @@ class KVCache:
         if storage is None:
             raise ValueError(f"KVCache.create: dtype must be a floating dtype, as the configs' cache_dtype "
                              f"(got {dtype!r})")
-        slots = (capacity,) * n_layer if slots is None else tuple(slots)
+        slots = (capacity,) * n_layer if slots is None else tuple(
+            as_int(n, "KVCache.create: slots", minimum=1, maximum=capacity, maximum_name="capacity") for n in slots)
+        if len(slots) != n_layer:
+            raise ValueError(f"KVCache.create: slots must give {n_layer} (n_layer) layers, got {len(slots)}")
         # A checkpoint's max_seq_len (the default capacity) may be 10**12: refuse, do not allocate.
         check_fits(2 * sum(slots) * batch_size * n_kv_head * head_dim * storage.itemsize,
                    f"KVCache.create: a cache of {capacity:,} positions (capacity, default max_seq_len)")

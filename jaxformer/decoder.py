@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.attention import GQASelfAttention
-from jaxformer.cache import KVCache, LayerSlice, RingKV, SplitStacks, ring_positions
+from jaxformer.cache import KVCache, LayerSlice, RingKV, SplitStacks, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import lookup, output_logits
@@ -138,7 +138,9 @@ def attention_views(config: DecoderConfig, position: jax.Array, key_positions: d
 
 def cache_slots(config: DecoderConfig, cache: KVCache) -> tuple[int, ...]:
     """The slots each layer of `config` keeps in `cache`: the capacity, or for a sliding layer
-    the cache's ring size if it has rings (a `ValueError` if that is shorter than the window)."""
+    the cache's ring size if it has rings (a `ValueError` if that is shorter than the window,
+    or if the cache is longer than a LongRoPE model's trained context)."""
+    check_longrope_capacity(config, cache.capacity, "cache")
     rings = sorted({stack.k.shape[-3] for stack in cache.stacks if isinstance(stack, RingKV)})
     ring = rings[0] if rings else cache.capacity  # (rings of two sizes fail the layout check after)
     if rings and "sliding" in config.attention_types and ring < config.sliding_window - 1:

@@ -256,3 +256,5 @@ def test_a_ring_too_short_for_the_window_or_of_another_layout_is_refused():
     unringed_full = KVCache.zeros(1, 40, slots=(4, 40, 4), **kv)  # the ring on the full layer
     with pytest.raises(ValueError, match="cache does not fit this model"):
         model.apply({"params": params}, jnp.zeros((1, 1), jnp.int32), unringed_full)
+    with pytest.raises(ValueError, match=r"slots must be an int in \[1, capacity=40\] \(got 41\)"):
+        KVCache.zeros(1, 40, slots=(4, 41, 4), **kv)
