@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-lookup-ngram", type=int, default=None, metavar="N",
                    help=f"with --prompt-lookup: the longest n-gram looked up (default {PromptLookup.n})")
     p.add_argument("--seed", type=int, default=0, help="the sampling's seed")
-    p.add_argument("--dtype", default="float32", help=f"compute dtype, one of {', '.join(DTYPES)}")
+    p.add_argument("--dtype", default="float32", help=f"compute and weight dtype, one of {', '.join(DTYPES)}")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest prompt + completion (default: the checkpoint's max_position_embeddings)")
     p.add_argument("--scan-layers", action="store_true",
