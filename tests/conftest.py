@@ -15,9 +15,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from jaxformer import Decoder, DecoderConfig
+from jaxformer import Decoder, DecoderConfig, label_smoothed_cross_entropy
 
 # The tests compare float32 numbers at float32 tolerances. CPUs compute float32 matmuls
 # exactly so; GPUs (TF32) and TPUs (bf16 passes) do not unless asked to.
@@ -90,6 +91,32 @@ def pytest_collection_modifyitems(config, items):
 def pytest_xdist_auto_num_workers(config):
     """`-n auto` (pyproject's addopts): one worker per CPU this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def memorised_params(config: DecoderConfig, ids: list[int], steps: int = 300, batch: int = 16, width: int = 33):
+    """Parameters of `config` that have learned the text of `ids` by heart, so greedy decoding
+    continues a prompt with that text: real words, far from ties, not random bytes."""
+    model, optimizer = Decoder(config), optax.adam(1e-2)
+    ids = jnp.asarray(ids)
+
+    @jax.jit
+    def update(params, opt_state, key):
+        start = jax.random.randint(key, (batch, 1), 0, ids.shape[0] - width)
+        tokens = ids[start + jnp.arange(width)]  # [batch, width]
+
+        def loss(params):
+            logits, _ = model.apply({"params": params}, tokens[:, :-1])
+            return label_smoothed_cross_entropy(logits, tokens[:, 1:], 0.0)
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = init_params(config)
+    opt_state = optimizer.init(params)
+    for key in jax.random.split(jax.random.key(0), steps):
+        params, opt_state = update(params, opt_state, key)
+    return params
 
 
 @functools.cache

@@ -73,6 +73,24 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
     return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
 
 
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> jax.Array:
+    """`sample_token` with a key per row (`keys` `[batch]`): a row's draw depends on its own key
+    alone, not on which rows share its batch (a server's requests, each with its seed).
+
+    Returns:
+      int32 `[batch]` token ids.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
+
+    def sample(_):
+        filtered = filtered_logits(logits, temperature, top_k, top_p)  # [batch, vocab]
+        sampled = jax.vmap(jax.random.categorical)(keys, filtered)  # one draw per row, its own key
+        return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+
+    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
+
+
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """float32 `[..., batch, vocab]`: the logits `sample_token` samples from, scaled by the
     temperature (1 for a greedy row), -inf outside the top k and the nucleus."""

@@ -16,12 +16,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from checkpoints import CORPUS, save_tiny_llama, set_eos
-from conftest import import_peer, init_params
+from conftest import import_peer, memorised_params
 
-from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy
+from jaxformer import Decoder, DecoderConfig, generate
 from jaxformer.convert import save_hf
 from jaxformer.text import completion_text, load_tokenizer, save_tokenizer, train_bpe
 from jaxformer.text import generate as cli
@@ -35,35 +34,9 @@ PROMPTS = ["今天天气很好，我们", "Keys and values", "注意力"]
 NEW = ["--max-new-tokens", "24"]
 
 
-def _memorised_params(steps: int = 300, batch: int = 16, width: int = 33):
-    """Parameters that have learned the corpus by heart, so greedy decoding continues a
-    prompt with the corpus's text: real Chinese characters and spaces, not random bytes."""
-    model, optimizer = Decoder(CONFIG), optax.adam(1e-2)
-    ids = jnp.asarray(BPE.encode(CORPUS, add_special_tokens=False))
-
-    @jax.jit
-    def update(params, opt_state, key):
-        start = jax.random.randint(key, (batch, 1), 0, ids.shape[0] - width)
-        tokens = ids[start + jnp.arange(width)]  # [batch, width]
-
-        def loss(params):
-            logits, _ = model.apply({"params": params}, tokens[:, :-1])
-            return label_smoothed_cross_entropy(logits, tokens[:, 1:], 0.0)
-
-        grads = jax.grad(loss)(params)
-        updates, opt_state = optimizer.update(grads, opt_state)
-        return optax.apply_updates(params, updates), opt_state
-
-    params = init_params(CONFIG)
-    opt_state = optimizer.init(params)
-    for key in jax.random.split(jax.random.key(0), steps):
-        params, opt_state = update(params, opt_state, key)
-    return params
-
-
 @pytest.fixture(scope="module")
 def params():
-    return _memorised_params()
+    return memorised_params(CONFIG, BPE.encode(CORPUS, add_special_tokens=False))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,355 @@
+"""Continuous batching: one engine owns the model, requests join and leave a running batch.
+
+The batch is a `KVCache` of `max_batch` rows, each a slot a request holds while it decodes.
+Every turn of the engine's loop (docs/serving.md, "The engine's turn"):
+
+  1. cancelled requests leave; waiting ones take the free slots;
+  2. the prompts of new requests are prefilled, each alone in a one-row cache, at most
+     `prefill_chunk` tokens this turn (a long prompt takes several turns, so the streams
+     already running wait for one chunk, not for the whole prompt); a prompt done
+     samples its first token and its row is copied into the batch (`KVCache.insert`);
+  3. one jitted step decodes a token for every row (a free slot's is thrown away).
+
+Shapes stay static: the step always sees `[max_batch]`, and a prefill piece is a power of
+two up to `prefill_chunk` tokens (a prompt of 100 with chunks of 64 goes in as 64 + 32 + 4),
+so `warmup` compiles every program the engine will run. Each row's sampling knobs and seed
+are arrays: a new request changes values, not shapes. Row r's token i is drawn with
+`fold_in(key(seed), i)`, so a request's draws do not depend on who shares its batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+from typing import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.decoder import Decoder
+from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p, sample_rows
+from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError, finite_logits
+from jaxformer.training import check_seed
+from jaxformer.validation import as_int
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the engine's queue holds; try again later."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine is shutting down and takes no new requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request hears from the engine, in order: tokens as they are made, then one last
+    event with `finish_reason` "stop" (a stop id, which `tokens` leaves out), "length"
+    (`max_tokens`), "cancelled" or "error" (with `error`: what went wrong, for this request alone)."""
+
+    tokens: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Handle:
+    """A submitted request: its events (`events()`, or the `listener` given to `submit`) and
+    `cancel()`, which frees its slot at the engine's next turn."""
+
+    def __init__(self, prompt: list[int], max_tokens: int, knobs: tuple, listener):
+        self.prompt, self.max_tokens, self.knobs = prompt, max_tokens, knobs  # knobs: temperature, top_k, top_p, seed
+        self.made = 0  # tokens made so far, the stopping one included
+        self.cancelled = threading.Event()
+        self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._listener = listener or self._queue.put
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def events(self) -> Iterator[Event]:
+        """The events as they come (blocking), the last one with a `finish_reason`."""
+        while True:
+            event = self._queue.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self) -> tuple[list[int], str, str | None]:
+        """`(tokens, finish_reason, error)` once the request is done."""
+        tokens, last = [], None
+        for last in self.events():
+            tokens += last.tokens
+        return tokens, last.finish_reason, last.error
+
+    def _send(self, event: Event) -> None:
+        self._listener(event)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A request in a row of the batch: still prefilling (`prefilled < len(prompt)`) or decoding."""
+
+    handle: Handle
+    cache: object = None  # the one-row cache its prompt is prefilled into
+    prefilled: int = 0
+    token: int = 0  # its last token, the next step's input
+
+
+def pieces(n_tokens: int, chunk: int) -> list[int]:
+    """The prefill's piece sizes for `n_tokens`: chunks of `chunk` (a power of two), then the
+    remainder's binary digits, largest first (`pieces(100, 64)` is `[64, 32, 4]`)."""
+    whole, rest = divmod(n_tokens, chunk)
+    return [chunk] * whole + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+
+
+class Engine:
+    """Decodes many requests at once on one device, taking them in and letting them out at every step.
+
+    Args:
+      model: a `Decoder`.
+      params: its parameters.
+      max_batch: rows decoded together (requests running at once).
+      capacity: positions a request may fill, prompt and completion together; default and at
+        most the model's `max_seq_len`.
+      prefill_chunk: the most prompt tokens prefilled in one turn of the loop, a power of two.
+      max_queue: requests that may wait for a slot; one more raises `QueueFull`.
+      stop_ids: ids that end a request (the tokenizer's EOS ids).
+    """
+
+    def __init__(self, model: Decoder, params, *, max_batch: int = 8, capacity: int | None = None,
+                 prefill_chunk: int = 64, max_queue: int = 64, stop_ids: Sequence[int] = ()):
+        c = model.config
+        self.model, self.params = model, params
+        self.max_batch = as_int(max_batch, "max_batch", minimum=1)
+        self.capacity = as_int(c.max_seq_len if capacity is None else capacity, "capacity", minimum=1,
+                               maximum=c.max_seq_len, maximum_name="max_seq_len")
+        self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk", minimum=1)
+        if self.prefill_chunk & (self.prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk must be a power of two (got {prefill_chunk})")
+        self.max_queue = as_int(max_queue, "max_queue", minimum=0)
+        self.stop_ids = frozenset(int(i) for i in stop_ids)
+        for i in self.stop_ids:
+            as_int(i, "stop_ids", minimum=0, maximum=c.vocab_size - 1, maximum_name="vocab_size - 1")
+        self._compile()
+        self._cache = model.init_cache(self.max_batch, self.capacity)
+        self._slots: list[_Slot | None] = [None] * self.max_batch
+        self._waiting: collections.deque[Handle] = collections.deque()
+        self._lock = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="jaxformer-engine", daemon=True)
+        self._thread.start()
+
+    # The compiled programs, made once: every call reuses them (`warmup` compiles them all).
+
+    def _compile(self) -> None:
+        model, capacity = self.model, self.capacity
+
+        def piece(params, tokens, cache):  # tokens [1, n]: the next n of a prompt
+            logits, cache = model.apply({"params": params}, tokens, cache)  # [1, n, vocab]
+            return logits[:, -1], cache  # [1, vocab]: only a prompt's last logits pick a token
+
+        def pick(logits, seeds, made, temperature, top_k, top_p):  # logits [rows, vocab], the rest [rows]
+            keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(seeds, made)
+            token = sample_rows(logits, keys, temperature, top_k, top_p)  # [rows]
+            return jnp.where(finite_logits(logits), token, NO_TOKEN)
+
+        def step(params, cache, tokens, active, seeds, made, temperature, top_k, top_p):  # [max_batch] each
+            # A free row decodes too (the shape is static) from position 0, where it overwrites
+            # nothing anyone reads: `insert` replaces the whole row when a request takes it.
+            cache = cache.replace(pos=jnp.where(active, cache.pos, 0))
+            logits, cache = model.apply({"params": params}, tokens[:, None], cache)  # [max_batch, 1, vocab]
+            return pick(logits[:, 0], seeds, made, temperature, top_k, top_p), cache
+
+        self._piece = jax.jit(piece, donate_argnums=2)
+        self._pick = jax.jit(pick)
+        self._step = jax.jit(step, donate_argnums=1)
+        self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one), donate_argnums=0)
+        self._empty_row = jax.jit(lambda: model.init_cache(1, capacity))
+
+    def warmup(self) -> None:
+        """Runs every program the engine uses once, so that no request waits for a compile."""
+        with self._lock:
+            cache = self._empty_row()
+            for n in (1 << bit for bit in range(self.prefill_chunk.bit_length())):
+                if n <= self.capacity:
+                    logits, cache = self._piece(self.params, np.zeros((1, n), np.int32),
+                                                cache.replace(pos=jnp.zeros((1,), jnp.int32)))
+            self._pick(logits, *self._knobs([None]))
+            _, self._cache = self._step(self.params, self._cache, np.zeros(self.max_batch, np.int32),
+                                        np.zeros(self.max_batch, bool), *self._knobs([None] * self.max_batch))
+            self._cache = self._insert(self._cache, np.int32(0), cache)
+            jax.block_until_ready(self._cache)
+
+    def _knobs(self, handles: list[Handle | None]) -> tuple:
+        """`(seeds, made, temperature, top_k, top_p)`, one of each per row: its request's seed,
+        the tokens it has made (the index of the one drawn next) and sampling knobs; a free
+        row (None) is greedy, keeping every token."""
+        vocab = self.model.config.vocab_size
+        knobs = [(0.0, vocab, 1.0, 0, 0) if h is None else (*h.knobs, h.made) for h in handles]
+        temperature, top_k, top_p, seeds, made = zip(*knobs)
+        return (np.asarray(seeds, np.int32), np.asarray(made, np.int32), np.asarray(temperature, np.float32),
+                np.asarray(top_k, np.int32), np.asarray(top_p, np.float32))
+
+    # The requests' side: any thread.
+
+    def submit(self, prompt: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int = 0,
+               listener: Callable[[Event], None] | None = None) -> Handle:
+        """Queues a request: `prompt`'s ids continued by up to `max_tokens` tokens.
+
+        Args:
+          listener: called with each `Event` on the engine's thread (it must not block); without
+            one the events wait in the handle (`Handle.events`).
+
+        Raises:
+          ValueError: a bad argument, naming it and its limit (ids past the vocabulary, a prompt
+            and `max_tokens` past the capacity), before the request is queued.
+          QueueFull: `max_queue` requests wait already.
+          EngineClosed: the engine is shutting down.
+        """
+        c = self.model.config
+        prompt = [int(i) for i in prompt]
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        if min(prompt) < 0 or max(prompt) >= c.vocab_size:
+            bad = min(prompt) if min(prompt) < 0 else max(prompt)
+            raise ValueError(f"prompt holds token id {bad}, outside the model's vocabulary [0, {c.vocab_size})")
+        max_tokens = as_int(max_tokens, "max_tokens", minimum=1)
+        if len(prompt) + max_tokens > self.capacity:
+            raise ValueError(f"the prompt's {len(prompt)} tokens and max_tokens {max_tokens} make "
+                             f"{len(prompt) + max_tokens}, past the server's max_seq_len {self.capacity}")
+        temperature = float(check_temperature(temperature))
+        top_k = int(c.vocab_size if top_k is None else check_top_k(top_k, c.vocab_size))
+        top_p = float(1.0 if top_p is None else check_top_p(top_p))
+        seed = check_seed(seed, "seed")
+        handle = Handle(prompt, max_tokens, (temperature, top_k, top_p, seed), listener)
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("the server is shutting down")
+            if len(self._waiting) >= self.max_queue + self._free_slots():
+                raise QueueFull(f"{len(self._waiting)} requests are waiting, as many as the queue holds "
+                                f"(max_queue {self.max_queue})")
+            self._waiting.append(handle)
+            self._lock.notify()
+        return handle
+
+    def _free_slots(self) -> int:
+        return sum(slot is None for slot in self._slots)
+
+    def close(self) -> None:
+        """Takes no new request, finishes those running and waiting, then stops the loop."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify()
+        self._thread.join()
+
+    # The engine's side: its own thread alone touches the cache and the slots.
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closing and not self._waiting and all(slot is None for slot in self._slots):
+                    self._lock.wait()
+                if self._closing and not self._waiting and all(slot is None for slot in self._slots):
+                    return
+                self._admit()
+            self._turn()
+
+    def _admit(self) -> None:
+        """Cancelled requests leave; waiting ones take the free rows (called holding the lock)."""
+        for row, slot in enumerate(self._slots):
+            if slot is not None and slot.handle.cancelled.is_set():
+                self._finish(row, Event(finish_reason="cancelled"))
+        for handle in [h for h in self._waiting if h.cancelled.is_set()]:
+            self._waiting.remove(handle)
+            handle._send(Event(finish_reason="cancelled"))
+        for row in range(self.max_batch):
+            if self._slots[row] is None and self._waiting:
+                self._slots[row] = _Slot(self._waiting.popleft())
+
+    def _turn(self) -> None:
+        """Prefills up to `prefill_chunk` prompt tokens, then decodes one token for every running row."""
+        budget = self.prefill_chunk
+        for row, slot in enumerate(self._slots):
+            if slot is None or slot.prefilled == len(slot.handle.prompt) or budget == 0:
+                continue
+            try:
+                budget -= self._prefill(row, slot, budget)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self._finish(row, Event(finish_reason="error", error=f"prefill failed: {type(e).__name__}: {e}"))
+        running = [row for row, slot in enumerate(self._slots)
+                   if slot is not None and slot.prefilled == len(slot.handle.prompt)]
+        if not running:
+            return
+        try:
+            tokens, self._cache = self._step(self.params, self._cache, *self._batch_inputs())
+            tokens = np.asarray(tokens)  # [max_batch]
+        except Exception as e:  # noqa: BLE001 - the batch's state is lost: its requests fail, the engine goes on
+            self._cache = self.model.init_cache(self.max_batch, self.capacity)
+            for row in running:
+                self._finish(row, Event(finish_reason="error", error=f"decode step failed: {type(e).__name__}: {e}"))
+            return
+        for row in running:
+            self._deliver(row, int(tokens[row]))
+
+    def _prefill(self, row: int, slot: _Slot, budget: int) -> int:
+        """Prefills the next pieces of `slot`'s prompt that fit `budget` tokens; at the prompt's end,
+        picks its first token and puts its row into the batch. Returns the tokens prefilled."""
+        prompt = slot.handle.prompt
+        if slot.cache is None:
+            slot.cache = self._empty_row()
+        used = 0
+        for n in pieces(len(prompt) - slot.prefilled, self.prefill_chunk):
+            if n > budget - used:
+                break
+            tokens = np.asarray(prompt[slot.prefilled:slot.prefilled + n], np.int32)[None]  # [1, n]
+            logits, slot.cache = self._piece(self.params, tokens, slot.cache)
+            slot.prefilled += n
+            used += n
+        if slot.prefilled == len(prompt):
+            token = self._pick(logits, *self._knobs([slot.handle]))  # [1]
+            self._cache = self._insert(self._cache, np.int32(row), slot.cache)
+            slot.cache = None
+            self._deliver(row, int(np.asarray(token)[0]))
+        return used
+
+    def _batch_inputs(self) -> tuple:
+        """The step's `[max_batch]` inputs: each row's last token, whether it runs, and its knobs."""
+        running = [slot if slot is not None and slot.prefilled == len(slot.handle.prompt) else None
+                   for slot in self._slots]
+        tokens = np.asarray([0 if slot is None else slot.token for slot in running], np.int32)
+        active = np.asarray([slot is not None for slot in running])
+        return tokens, active, *self._knobs([None if slot is None else slot.handle for slot in running])
+
+    def _deliver(self, row: int, token: int) -> None:
+        """Hands row `row`'s new token to its request; frees the row when the request is done."""
+        slot = self._slots[row]
+        handle = slot.handle
+        handle.made += 1
+        slot.token = token
+        if token == NO_TOKEN:
+            event = Event(finish_reason="error", error=f"new token {handle.made - 1}: {NonFiniteLogitsError.CAUSE}")
+        elif token in self.stop_ids:
+            event = Event(finish_reason="stop")
+        elif handle.made == handle.max_tokens:
+            event = Event((token,), finish_reason="length")
+        else:
+            event = Event((token,))
+        if event.finish_reason is not None:
+            self._finish(row, event)
+            return
+        try:
+            handle._send(event)
+        except Exception as e:  # noqa: BLE001 - a listener that fails ends its own request only
+            self._finish(row, Event(finish_reason="error", error=f"delivering a token failed: {type(e).__name__}: {e}"))
+
+    def _finish(self, row: int, event: Event) -> None:
+        """Frees row `row` and sends its request's last event."""
+        handle, self._slots[row] = self._slots[row].handle, None
+        try:
+            handle._send(event)
+        except Exception:  # noqa: BLE001 - its listener is gone with it; the row is free either way
+            pass

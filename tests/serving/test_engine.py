@@ -1,0 +1,162 @@
+"""The continuous-batching engine: each request's tokens are what it would get decoded alone,
+while requests come and go; nothing recompiles after `warmup`; faults stay with their request."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import count_compiles
+from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
+
+from jaxformer import Decoder, generate
+from jaxformer.decoding.sampling import filtered_logits, sample_rows
+from jaxformer.serving import Engine, EngineClosed, QueueFull
+from jaxformer.serving.engine import pieces
+
+MODEL = Decoder(CONFIG)
+STOP = TOKENIZER.stop_ids
+# Prompts of many lengths: whole questions, cut ones, and one past a chunk of 8 several times.
+PROMPTS = ([f"<|user|>{q}\n<|assistant|>" for q, _ in DIALOGUES] + ["<|user|>What", "Keys"]
+           + [f"<|user|>{DIALOGUES[3][0]}\n<|assistant|>Hello! The cat", f"<|user|>{DIALOGUES[0][0]}"])
+
+
+@pytest.fixture(scope="module")
+def params():
+    return trained_params()
+
+
+@pytest.fixture(scope="module")
+def engine(params):
+    """Four rows, prefill chunks of 8: 16 requests queue, join as rows free up, and prompts
+    longer than 8 tokens are prefilled over several turns."""
+    engine = Engine(MODEL, params, max_batch=4, prefill_chunk=8, max_queue=64, stop_ids=STOP)
+    engine.warmup()
+    yield engine
+    engine.close()
+
+
+def alone(params, ids: list[int], max_tokens: int, **sampling) -> list[int]:
+    """`generate` of one prompt alone, cut before its first stop id: what the engine must send."""
+    out = np.asarray(generate(MODEL, params, jnp.asarray([ids]), max_new_tokens=max_tokens, eos_id=list(STOP),
+                              **sampling))[0, len(ids):].tolist()
+    stops = [i for i, token in enumerate(out) if token in STOP]
+    return out[:stops[0]] if stops else out
+
+
+def test_pieces_are_chunks_then_binary_digits():
+    assert pieces(100, 64) == [64, 32, 4]
+    assert pieces(8, 8) == [8]
+    assert pieces(7, 8) == [4, 2, 1]
+    assert pieces(19, 8) == [8, 8, 2, 1]
+    for n in range(1, 70):
+        assert sum(pieces(n, 16)) == n and all(p & (p - 1) == 0 and p <= 16 for p in pieces(n, 16))
+
+
+def test_sixteen_requests_of_different_lengths_get_what_each_gets_alone(engine, params):
+    ids = [TOKENIZER.encode(p) for p in PROMPTS] * 2  # 16 requests on 4 rows
+    max_tokens = [12 + 5 * (i % 7) for i in range(len(ids))]
+    with count_compiles() as compiles:
+        handles = [engine.submit(row, n) for row, n in zip(ids, max_tokens)]
+        results = [h.result() for h in handles]
+    assert not compiles, "requests coming and going recompiled the engine's programs"
+    assert len(ids) == 16 and len({len(row) for row in ids}) >= 6
+    for row, n, (tokens, finish_reason, error) in zip(ids, max_tokens, results):
+        want = alone(params, row, max(max_tokens))[:n]  # (greedy: the first n of a longer run; one compile a prompt)
+        assert error is None
+        assert tokens == want
+        assert finish_reason == ("length" if len(want) == n else "stop")
+    assert {r[1] for r in results} == {"stop", "length"}
+
+
+def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_batch(engine):
+    row = TOKENIZER.encode(PROMPTS[0])
+    sampled = dict(temperature=4.0, top_k=40, top_p=0.95)  # hot: the memorised text is no longer certain
+    lone = engine.submit(row, 30, seed=7, **sampled).result()[0]
+    company = [engine.submit(TOKENIZER.encode(p), 30, seed=i, **sampled) for i, p in enumerate(PROMPTS[1:4])]
+    crowded = engine.submit(row, 30, seed=7, **sampled)
+    assert crowded.result()[0] == lone
+    other_seed = engine.submit(row, 30, seed=8, **sampled).result()[0]
+    assert other_seed != lone  # (30 draws at temperature 4 from a fresh key: equal by chance only if broken)
+    for handle in company:
+        handle.result()
+
+
+def test_sample_rows_draws_each_row_from_its_own_filtered_distribution():
+    logits = jax.random.normal(jax.random.key(0), (3, 6)) * 2  # [rows, vocab]
+    temperature, top_k, top_p = jnp.array([0.7, 1.0, 0.0]), jnp.array([6, 3, 6]), jnp.array([1.0, 1.0, 1.0])
+    draws = 20000
+    keys = jax.random.split(jax.random.key(1), (draws, 3))  # [draws, rows]
+    tokens = jax.vmap(lambda k: sample_rows(logits, k, temperature, top_k, top_p))(keys)  # [draws, rows]
+    want = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1)  # [rows, vocab]
+    for r in range(2):
+        freq = np.bincount(np.asarray(tokens[:, r]), minlength=6) / draws
+        np.testing.assert_allclose(freq, want[r], atol=0.015)  # ~4 standard errors at 20000 draws
+    assert np.all(np.asarray(tokens[:, 2]) == int(jnp.argmax(logits[2])))  # temperature 0: the argmax
+    # Row 0's draw depends on row 0's key alone: changing the other rows' keys changes nothing.
+    other = keys.at[:, 1:].set(jax.random.split(jax.random.key(2), (draws, 2)))
+    again = jax.vmap(lambda k: sample_rows(logits, k, temperature, top_k, top_p))(other)
+    np.testing.assert_array_equal(again[:, 0], tokens[:, 0])
+
+
+def test_cancel_frees_the_slot_at_the_next_step(params):
+    engine = Engine(MODEL, params, max_batch=1, prefill_chunk=8, stop_ids=())  # no stop id: runs to max_tokens
+    try:
+        started = threading.Event()
+        long = engine.submit(TOKENIZER.encode(PROMPTS[0]), 70, listener=lambda event: started.set())
+        started.wait(60)
+        long.cancel()
+        short = engine.submit(TOKENIZER.encode(PROMPTS[1]), 5)
+        assert short.result()[1] == "length"
+        assert long.made < 70
+    finally:
+        engine.close()
+
+
+def test_a_full_queue_refuses_and_a_failing_request_fails_alone(params):
+    engine = Engine(MODEL, params, max_batch=2, prefill_chunk=8, max_queue=0, stop_ids=STOP)
+    try:
+        row = TOKENIZER.encode(PROMPTS[0])
+
+        heard = []
+
+        def broken(event):  # a listener that fails at the request's first token
+            heard.append(event)
+            if event.finish_reason is None:
+                raise RuntimeError("the client went away")
+
+        engine.submit(row, 60, listener=broken)
+        healthy = engine.submit(row, 60)
+        with pytest.raises(QueueFull, match=r"max_queue 0"):
+            engine.submit(row, 60)
+        tokens, finish_reason, error = healthy.result()
+        assert finish_reason == "stop" and error is None and len(tokens) > 5
+        assert engine.submit(row, 60).result()[0] == tokens  # the failed one's slot is free again
+        assert heard[-1].finish_reason == "error" and "RuntimeError: the client went away" in heard[-1].error
+    finally:
+        engine.close()
+    with pytest.raises(EngineClosed):
+        engine.submit(row, 20)
+
+
+@pytest.mark.parametrize("prompt, max_tokens, sampling, message", [
+    ([], 4, {}, r"prompt must hold at least one token"),
+    ([5, CONFIG.vocab_size], 4, {}, rf"token id {CONFIG.vocab_size}, outside the model's vocabulary \[0, 320\)"),
+    ([5, -1], 4, {}, r"token id -1, outside"),
+    ([5] * 90, 7, {}, r"the prompt's 90 tokens and max_tokens 7 make 97, past the server's max_seq_len 96"),
+    ([5], 0, {}, r"max_tokens must be a positive int \(got 0\)"),
+    ([5], 4, {"top_k": 321}, r"top_k must be None or an int in \[1, vocab_size=320\]"),
+    ([5], 4, {"temperature": -1.0}, r"temperature must be >= 0"),
+    ([5], 4, {"seed": -3}, r"seed must be"),
+])
+def test_bad_requests_are_refused_before_they_queue(engine, prompt, max_tokens, sampling, message):
+    with pytest.raises(ValueError, match=message):
+        engine.submit(prompt, max_tokens, **sampling)
+
+
+def test_engine_arguments_are_checked(params):
+    with pytest.raises(ValueError, match=r"prefill_chunk must be a power of two \(got 12\)"):
+        Engine(MODEL, params, prefill_chunk=12)
+    with pytest.raises(ValueError, match=r"capacity must be an int in \[1, max_seq_len=96\] \(got 97\)"):
+        Engine(MODEL, params, capacity=97)

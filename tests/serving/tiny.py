@@ -1,0 +1,37 @@
+"""A tiny chat model trained in the test, its tokenizer and its checkpoint folder: what the
+serving tests run the engine and the server on. It has learned a few short dialogues by
+heart, each ended by `<|endoftext|>` (its EOS), so greedy decoding writes real words and
+stops by itself."""
+
+import dataclasses
+
+from conftest import memorised_params
+
+from jaxformer import DecoderConfig
+from jaxformer.convert import save_hf
+from jaxformer.text import save_tokenizer, train_bpe
+
+EOS = "<|endoftext|>"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+DIALOGUES = [
+    ("What is attention?", "Attention mixes the values, weighted by how well each key fits the query."),
+    ("Why cache keys and values?", "So each new token costs one step, not the whole sequence again."),
+    ("What does RoPE do?", "It rotates queries and keys by their positions, so scores see distances."),
+    ("Say hello.", "Hello! The cat sat on the mat, and the dog sat on the log."),
+]
+CORPUS = "".join(f"<|user|>{q}\n<|assistant|>{a}{EOS}" for q, a in DIALOGUES) * 8
+TOKENIZER = dataclasses.replace(train_bpe([CORPUS], 320), chat_template=CHAT_TEMPLATE)
+CONFIG = DecoderConfig(vocab_size=TOKENIZER.vocab_size, n_layer=1, n_head=4, n_kv_head=2, d_model=64,
+                       max_seq_len=96)
+
+
+def trained_params():
+    return memorised_params(CONFIG, TOKENIZER.encode(CORPUS, add_special_tokens=False), steps=300, width=48)
+
+
+def save_folder(params, path: str) -> str:
+    """`path`, now a checkpoint folder of the tiny model and its tokenizer."""
+    save_hf(CONFIG, params, path, bos_id=TOKENIZER.bos_id, eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
+    save_tokenizer(TOKENIZER, path)
+    return path
