@@ -137,6 +137,7 @@ class Engine:
         self._cache = model.init_cache(self.max_batch, self.capacity)
         self._slots: list[_Slot | None] = [None] * self.max_batch
         self._waiting: collections.deque[Handle] = collections.deque()
+        self._finished: collections.Counter[str] = collections.Counter()  # requests ended, by finish_reason
         self._lock = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="jaxformer-engine", daemon=True)
@@ -236,6 +237,12 @@ class Engine:
             self._lock.notify()
         return handle
 
+    def load(self) -> dict:
+        """`{"running": requests holding a row, "waiting": queued for one, "finished": {reason: count}}`."""
+        with self._lock:
+            return {"running": self.max_batch - self._free_slots(), "waiting": len(self._waiting),
+                    "finished": dict(self._finished)}
+
     def _free_slots(self) -> int:
         return sum(slot is None for slot in self._slots)
 
@@ -265,6 +272,7 @@ class Engine:
                 self._finish(row, Event(finish_reason="cancelled"))
         for handle in [h for h in self._waiting if h.cancelled.is_set()]:
             self._waiting.remove(handle)
+            self._finished["cancelled"] += 1
             handle._send(Event(finish_reason="cancelled"))
         for row in range(self.max_batch):
             if self._slots[row] is None and self._waiting:
@@ -349,6 +357,8 @@ class Engine:
     def _finish(self, row: int, event: Event) -> None:
         """Frees row `row` and sends its request's last event."""
         handle, self._slots[row] = self._slots[row].handle, None
+        with self._lock:
+            self._finished[event.finish_reason] += 1
         try:
             handle._send(event)
         except Exception:  # noqa: BLE001 - its listener is gone with it; the row is free either way

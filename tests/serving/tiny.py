@@ -1,7 +1,7 @@
 """A tiny chat model trained in the test, its tokenizer and its checkpoint folder: what the
 serving tests run the engine and the server on. It has learned a few short dialogues by
 heart, each ended by `<|endoftext|>` (its EOS), so greedy decoding writes real words and
-stops by itself."""
+stops by itself, and one long count that does not stop."""
 
 import dataclasses
 
@@ -20,7 +20,10 @@ DIALOGUES = [
     ("What does RoPE do?", "It rotates queries and keys by their positions, so scores see distances."),
     ("Say hello.", "Hello! The cat sat on the mat, and the dog sat on the log."),
 ]
-CORPUS = "".join(f"<|user|>{q}\n<|assistant|>{a}{EOS}" for q, a in DIALOGUES) * 8
+# And one answer longer than any request (past max_seq_len): a request that runs until it is
+# stopped, by its max_tokens, a cancel or its client leaving.
+COUNT = "<|user|>Count.\n<|assistant|>" + " ".join(str(n) for n in range(1, 60))
+CORPUS = ("".join(f"<|user|>{q}\n<|assistant|>{a}{EOS}" for q, a in DIALOGUES) + COUNT + EOS) * 8
 TOKENIZER = dataclasses.replace(train_bpe([CORPUS], 320), chat_template=CHAT_TEMPLATE)
 CONFIG = DecoderConfig(vocab_size=TOKENIZER.vocab_size, n_layer=1, n_head=4, n_kv_head=2, d_model=64,
                        max_seq_len=96)

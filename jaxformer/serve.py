@@ -1,0 +1,118 @@
+"""`python -m jaxformer.serve`: a checkpoint folder served over the OpenAI API, many requests
+decoded at once (continuous batching).
+
+  python -m jaxformer.serve --checkpoint DIR [--port 8000] [--max-batch 8] [--api-key KEY]
+
+Any OpenAI client talks to it (`openai.OpenAI(base_url="http://127.0.0.1:8000/v1")`);
+docs/serving.md describes the endpoints, the fields, the engine and the figures. Needs the
+`serve` extra (`pip install 'jaxformer[serve]'`). SIGTERM stops taking requests, finishes
+those running, and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import jax.numpy as jnp
+
+from jaxformer.command_line import OneLineParser, fail, run_command
+from jaxformer.convert import load_hf
+from jaxformer.decoder import Decoder
+from jaxformer.serving.engine import Engine
+from jaxformer.text.tokenizer import load_tokenizer
+from jaxformer.training import enable_compilation_cache
+from jaxformer.validation import as_int
+
+PROG = "python -m jaxformer.serve"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def parse_args(argv=None):
+    p = OneLineParser(PROG, __doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a Hugging Face folder: config.json, model.safetensors (or shards), tokenizer.json")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    p.add_argument("--model-name", default=None, help="the model's name in the API (default: the folder's name)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded at once (rows of the batch)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="longest prompt + completion of a request (default: the checkpoint's "
+                        "max_position_embeddings); the cache holds --max-batch rows of it")
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="prompt tokens prefilled per step of the batch, a power of two: a long prompt "
+                        "delays the running streams by one chunk at a time")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
+    p.add_argument("--dtype", default="float32", help=f"compute and weight dtype, one of {', '.join(DTYPES)}")
+    p.add_argument("--api-key", default=os.environ.get("JAXFORMER_API_KEY"),
+                   help="a key every /v1 request must send as 'Authorization: Bearer KEY' "
+                        "(default: $JAXFORMER_API_KEY, else none)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body read")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level (warning: no line a request)")
+    args = p.parse_args(argv)
+    try:
+        if args.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (got {args.dtype!r})")
+        as_int(args.port, "--port", minimum=0, maximum=65535)
+        for flag in ("max_batch", "max_body_bytes", "prefill_chunk"):
+            as_int(getattr(args, flag), "--" + flag.replace("_", "-"), minimum=1)
+        as_int(args.max_queue, "--max-queue", minimum=0)
+        if args.prefill_chunk & (args.prefill_chunk - 1):
+            raise ValueError(f"--prefill-chunk must be a power of two (got {args.prefill_chunk})")
+        if args.max_seq_len is not None:
+            as_int(args.max_seq_len, "--max-seq-len", minimum=2)
+        if args.api_key is not None and not args.api_key:
+            raise ValueError("--api-key must not be empty")
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def load(args):
+    """The engine and the tokenizer of --checkpoint, every limit checked (`ValueError`, `OSError`)."""
+    tokenizer = load_tokenizer(args.checkpoint)
+    config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
+    for name, value in (("pad", tokenizer.pad_id), *(("eos", i) for i in tokenizer.stop_ids)):
+        if value is not None and value >= config.vocab_size:
+            raise ValueError(f"{args.checkpoint}: the tokenizer's {name} id {value} is past the model's vocab_size "
+                             f"{config.vocab_size}")
+    engine = Engine(Decoder(config), params, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                    max_queue=args.max_queue, stop_ids=tokenizer.stop_ids)
+    return engine, tokenizer
+
+
+def main(argv=None) -> int:
+    return run_command(PROG, lambda: _main(argv))
+
+
+def _main(argv) -> int:
+    args = parse_args(argv)
+    try:
+        import uvicorn
+
+        from jaxformer.serving.app import create_app
+    except ImportError as e:
+        fail(PROG, f"{e.name} is missing: the server needs the serve extra, pip install 'jaxformer[serve]'")
+    enable_compilation_cache()
+    started = time.perf_counter()
+    try:
+        engine, tokenizer = load(args)
+    except (OSError, ValueError) as e:
+        fail(PROG, str(e))
+    engine.warmup()  # every program compiled before the first request
+    name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+    print(f"{PROG}: {name} ready in {time.perf_counter() - started:.1f} s: batch {engine.max_batch}, "
+          f"max_seq_len {engine.capacity}, prefill chunk {engine.prefill_chunk}", file=sys.stderr, flush=True)
+    app = create_app(engine, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     on_shutdown=[engine.close])
+    # uvicorn answers SIGTERM by finishing the open requests, then sends the signal again to
+    # the handler it found; this one lets the command end as it should, with status 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

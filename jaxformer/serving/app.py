@@ -1,0 +1,199 @@
+"""The HTTP layer: a Starlette app over one `Engine`, speaking the OpenAI API (`openai_api`).
+
+Each request is read and checked, submitted, and answered from the engine's events, which
+its thread hands to the event loop (`call_soon_threadsafe`). A client that goes away
+cancels its request, which frees its row at the engine's next turn. Every refusal is an
+OpenAI error body; a client's error is answered, never logged with a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from jaxformer.serving.engine import Engine, EngineClosed, Event, QueueFull
+from jaxformer.serving.openai_api import (ApiError, Job, StopText, chunk, completion_id, error_body, read_job,
+                                          response, usage_chunk)
+from jaxformer.text.tokenizer import Tokenizer
+
+LOG = logging.getLogger("jaxformer.serve")
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+DISCONNECT_POLL_S = 0.5  # how often a request that does not stream checks that its client is still there
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key: str | None = None,
+               max_body_bytes: int = 1 << 20, on_shutdown=()) -> Starlette:
+    """The OpenAI-compatible app serving `engine` as the model `model_name`.
+
+    Args:
+      api_key: if given, every /v1 request needs `Authorization: Bearer <api_key>`.
+      max_body_bytes: the largest request body read; a longer one is refused (413).
+      on_shutdown: callables run when the server stops (the CLI closes the engine there).
+    """
+    created = int(time.time())
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "model": model_name, **engine.load()})
+
+    async def models(request: Request) -> JSONResponse:
+        authorize(request, api_key)
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "jaxformer"}]})
+
+    async def completions(request: Request):
+        return await answer(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await answer(request, chat=True)
+
+    async def answer(request: Request, chat: bool):
+        authorize(request, api_key)
+        body = await read_body(request, max_body_bytes)
+        job = read_job(body, chat=chat, tokenizer=tokenizer, model_name=model_name,
+                       vocab_size=engine.model.config.vocab_size, max_seq_len=engine.capacity)
+        run = Run(engine, tokenizer, job)
+        rid = completion_id(chat)
+        if job.stream:
+            return StreamingResponse(sse(run, rid, model_name), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text = "".join([piece async for piece in run.pieces(request)])
+        if run.error is not None:
+            raise ApiError(500, run.error, kind="server_error")
+        return JSONResponse(response(job, rid, model_name, text, run.finish_reason, run.completion_tokens))
+
+    routes = [Route("/health", health), Route("/v1/models", models),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    handlers = {ApiError: api_error, HTTPException: http_error}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        for stop in on_shutdown:  # (after the server has answered every open request)
+            await asyncio.to_thread(stop)
+
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+
+
+def authorize(request: Request, api_key: str | None) -> None:
+    """A 401 unless the request carries the key (compared in constant time), where one is set."""
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int):
+    """The body as JSON, read up to `limit` bytes (413 past it; 400 if it is not JSON)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {int(declared):,} bytes, more than the {limit:,} this server reads")
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > limit:
+            raise ApiError(413, f"the request body is more than the {limit:,} bytes this server reads")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+class Run:
+    """One job on the engine, its events turned into text pieces (`pieces`); afterwards
+    `finish_reason`, `completion_tokens` and `error` (a failure of this request alone)."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, job: Job):
+        self.job = job
+        self.text = StopText(tokenizer, job.prompt_ids, job.stop)
+        self.finish_reason, self.completion_tokens, self.error = None, 0, None
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            self.handle = engine.submit(job.prompt_ids, job.max_tokens, temperature=job.temperature, top_k=job.top_k,
+                                        top_p=job.top_p, seed=job.seed,
+                                        listener=lambda event: loop.call_soon_threadsafe(self._events.put_nowait,
+                                                                                         event))
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}", kind="rate_limit_error", code="queue_full") from None
+        except EngineClosed as e:
+            raise ApiError(503, str(e), kind="server_error") from None
+        except ValueError as e:  # (read_job checked the body; this is the engine's own check)
+            raise ApiError(400, str(e)) from None
+
+    async def pieces(self, watch: Request | None = None):
+        """The text as it comes, until the job ends; `watch`: a request to poll for a disconnect
+        (a streamed response is cancelled by the server instead)."""
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self._events.get(), DISCONNECT_POLL_S if watch else None)
+                except asyncio.TimeoutError:
+                    if await watch.is_disconnected():
+                        return
+                    continue
+                self.completion_tokens += len(event.tokens)
+                piece = self.text.push(event.tokens) if event.tokens else ""
+                if event.finish_reason is None and not self.text.stopped:
+                    if piece:
+                        yield piece
+                    continue
+                if self.text.stopped:  # a stop string: the rest is not wanted
+                    self.finish_reason = "stop"
+                    yield piece
+                    return
+                if event.finish_reason == "stop":
+                    self.completion_tokens += 1  # the stop id: made, not shown
+                self.finish_reason, self.error = event.finish_reason, event.error
+                piece += self.text.finish()
+                if self.text.stopped:  # a stop string in the text's last characters
+                    self.finish_reason = "stop"
+                yield piece
+                return
+        finally:
+            self.handle.cancel()  # (done already, or a stop string, or the client left: the row is freed)
+
+
+async def sse(run: Run, rid: str, model: str):
+    """A job's answer as server-sent events, ending `data: [DONE]` (an error: an error event)."""
+    job = run.job
+
+    def event(body: dict) -> str:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    if job.chat:
+        yield event(chunk(job, rid, model, None, first=True))
+    async for piece in run.pieces():
+        if piece:
+            yield event(chunk(job, rid, model, piece))
+    if run.error is not None:
+        yield event(error_body(run.error, "server_error"))
+        return
+    yield event(chunk(job, rid, model, None if job.chat else "", run.finish_reason))
+    if job.include_usage:
+        yield event(usage_chunk(job, rid, model, run.completion_tokens))
+    yield "data: [DONE]\n\n"
+
+
+async def api_error(request: Request, e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route, a method not allowed) in the OpenAI shape."""
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(f"{request.method} {request.url.path}: {e.detail}", kind), status_code=e.status_code,
+                        headers=e.headers)

@@ -1,0 +1,270 @@
+"""The OpenAI API's side of the server, with no HTTP in it: a request body read into a `Job`
+(every field checked, each refusal an `ApiError` naming the field), the text a job's tokens
+make with its stop strings cut out, and the response bodies and stream chunks clients parse.
+
+docs/serving.md lists the fields taken, their defaults, and what is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+import uuid
+
+from jaxformer.text.chat import render_chat
+from jaxformer.text.streaming import TextStream
+from jaxformer.text.tokenizer import Tokenizer
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
+MAX_STOP_STRINGS = 4
+SEED_LIMIT = 2**31  # (the engine's keys take an int32 seed)
+# Fields clients may send with their default values, but whose other values this server does not do.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+               "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "response_format": (None, {"type": "text"})}
+
+
+class ApiError(Exception):
+    """A refusal: the HTTP status and the OpenAI error body's fields."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return error_body(self.message, self.kind, self.param, self.code)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """`{"error": {...}}`, as the OpenAI API answers a refusal."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One request, checked: what the engine decodes and how the answer is shaped.
+
+    Attributes:
+      chat: a /v1/chat/completions request (else /v1/completions).
+      prompt_ids: the prompt's ids (for chat: the messages through the chat template).
+      max_tokens: new tokens at most.
+      temperature, top_k, top_p, seed: the sampling (`top_k` None: every token).
+      stop: strings that end the text, left out of it.
+      stream: answer with server-sent events; include_usage: a last chunk with `usage`.
+    """
+
+    chat: bool
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], rule: str, default=None):
+    """`body[name]` if it is one of `kinds` (None: `default`), else an `ApiError` naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise invalid(f"{name} must be {rule} (got {value!r})", name)
+    return value
+
+
+def _number(body: dict, name: str, default, *, low: float, high: float, low_open: bool = False,
+            integer: bool = False):
+    kinds = (int,) if integer else (int, float)
+    rule = (f"an integer in [{low}, {high}]" if integer else
+            f"a number in {'(' if low_open else '['}{low}, {high}]")
+    value = _field(body, name, kinds, rule, default)
+    if value is not None and not ((low < value if low_open else low <= value) and value <= high):
+        raise invalid(f"{name} must be {rule} (got {value!r})", name)
+    return value
+
+
+def _text_content(content, where: str) -> str:
+    """A message's content: a string, or a list of `{"type": "text", "text": ...}` parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                         isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise invalid(f"{where}.content must be a string or a list of text parts (this model reads text only)", where)
+
+
+def _prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
+    """A completion's prompt: a string, a list of token ids, or a list holding one of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt is empty", "prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        return prompt
+    if isinstance(prompt, list) and not prompt:
+        raise invalid("prompt is empty", "prompt")
+    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid(f"prompt holds {len(prompt)} prompts: this server takes one a request", "prompt")
+    raise invalid("prompt must be a string or a list of token ids", "prompt")
+
+
+def _chat_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(f"{where} must be an object with a string role", where)
+        rendered.append({"role": message["role"], "content": _text_content(message.get("content"), where)})
+    try:
+        text = render_chat(tokenizer, rendered)
+    except ValueError as e:
+        raise invalid(f"messages: {e}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # (the template writes its own BOS)
+
+
+def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, vocab_size: int, max_seq_len: int) -> Job:
+    """The request `body` (parsed JSON) as a `Job`, or an `ApiError` (400) naming what is wrong."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise invalid("model must be a string: the name GET /v1/models lists", "model")
+    if model != model_name:
+        raise invalid(f"model {model!r} is not served here; this server serves {model_name!r}", "model",
+                      "model_not_found")
+    for name, defaults in UNSUPPORTED.items():
+        if name in body and not any(body[name] == d and type(body[name]) is type(d) for d in defaults):
+            raise invalid(f"{name} is not supported by this server", name)
+    if body.get("n") is not None and (body["n"] != 1 or type(body["n"]) is not int):
+        raise invalid(f"n must be 1: this server makes one choice a request (got {body['n']!r})", "n")
+    try:
+        ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
+    except ValueError as e:  # the tokenizer could not spell the text
+        raise invalid(str(e), "messages" if chat else "prompt") from None
+    if not ids:
+        raise invalid("the prompt encodes to no token", "messages" if chat else "prompt")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise invalid(f"prompt holds token id {bad[0]}, outside the model's vocabulary [0, {vocab_size})", "prompt")
+    # max_completion_tokens is the newer name of max_tokens; a chat runs to the end of the context by default.
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _field(body, param, (int,), "a positive integer")
+    if max_tokens is not None and max_tokens < 1:
+        raise invalid(f"{param} must be a positive integer (got {max_tokens})", param)
+    if max_tokens is None:
+        max_tokens = max(max_seq_len - len(ids), 1) if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    if len(ids) + max_tokens > max_seq_len:
+        raise invalid(f"the prompt is {len(ids)} tokens: with {param} {max_tokens} that makes "
+                      f"{len(ids) + max_tokens}, past the server's max_seq_len {max_seq_len}", param,
+                      "context_length_exceeded")
+    temperature = float(_number(body, "temperature", 1.0, low=0, high=2))
+    top_p = float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True))
+    top_k = _number(body, "top_k", None, low=1, high=vocab_size, integer=True)
+    seed = _number(body, "seed", None, low=0, high=SEED_LIMIT - 1, integer=True)
+    stream = _field(body, "stream", (bool,), "true or false", False)
+    options = _field(body, "stream_options", (dict,), "an object", {})
+    if options and not stream:
+        raise invalid("stream_options goes with stream: true", "stream_options")
+    include_usage = _field(options, "include_usage", (bool,), "true or false", False)
+    return Job(chat=chat, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+               seed=secrets.randbelow(SEED_LIMIT) if seed is None else seed, stop=_stops(body), stream=stream,
+               include_usage=include_usage)
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and s for s in stops)):
+        raise invalid(f"stop must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them", "stop")
+    return tuple(stops)
+
+
+class StopText:
+    """A job's text as its tokens arrive, cut before the first of its stop strings.
+
+    Text that could be the start of a stop string is held back until the next tokens show
+    whether it is one, so no piece of a stop string is ever sent, even one that spans tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...]):
+        self._stream, self._stops = TextStream(tokenizer, prompt_ids), stops
+        self._held = ""
+        self.stopped = False  # a stop string was found: the text is complete
+
+    def push(self, ids) -> str:
+        """The text the new ids release ('' while it might begin a stop string)."""
+        return self._release(self._stream.push(ids), final=False)
+
+    def finish(self) -> str:
+        """The rest of the text once the tokens end."""
+        return self._release(self._stream.finish(), final=True)
+
+    def _release(self, piece: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        text = self._held + piece
+        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+        if found:
+            self.stopped, self._held = True, ""
+            return text[:min(found)]
+        # Hold back the longest end of the text that a stop string begins with.
+        held = 0 if final else max((n for s in self._stops for n in range(1, len(s)) if text.endswith(s[:n])),
+                                   default=0)
+        self._held = text[len(text) - held:] if held else ""
+        return text[:len(text) - held]
+
+
+def completion_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response(job: Job, rid: str, model: str, text: str, finish_reason: str, completion_tokens: int) -> dict:
+    """The whole answer of a request that did not stream."""
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
+              else {"index": 0, "text": text})
+    return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(len(job.prompt_ids), completion_tokens)}
+
+
+def chunk(job: Job, rid: str, model: str, text: str | None, finish_reason: str | None = None, *,
+          first: bool = False) -> dict:
+    """One streamed piece: `text` added (a chat's first chunk also names the role)."""
+    if job.chat:
+        delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+        choice = {"index": 0, "delta": delta}
+    else:
+        choice = {"index": 0, "text": text or ""}
+    body = {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
+            "created": int(time.time()), "model": model,
+            "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}]}
+    return {**body, "usage": None} if job.include_usage else body
+
+
+def usage_chunk(job: Job, rid: str, model: str, completion_tokens: int) -> dict:
+    """The last chunk `stream_options.include_usage` asks for: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(len(job.prompt_ids), completion_tokens)}

@@ -1,0 +1,341 @@
+"""The server, started for real (`python -m jaxformer.serve` on a free loopback port) on a tiny
+model trained here, and talked to with the official `openai` client (raw HTTP where a client
+would not send such a request)."""
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import init_params
+from tiny import CONFIG, COUNT, DIALOGUES, TOKENIZER, save_folder, trained_params
+
+from jaxformer import Decoder, DecoderConfig, generate
+from jaxformer.convert import save_hf
+from jaxformer.text import completion_text, render_chat, save_tokenizer
+
+openai = pytest.importorskip("openai", reason="the server's tests need the test extra: pip install -e '.[test]'")
+httpx = pytest.importorskip("httpx")
+
+KEY = "test-key-1234"
+NAME = "tiny-chat"
+COUNT_PROMPT = COUNT.split("<|assistant|>")[0] + "<|assistant|>"  # a request that runs to its max_tokens
+QUESTIONS = [q for q, _ in DIALOGUES]
+# Completion prompts of many lengths: whole turns, cut ones, a bare word.
+PROMPTS = ([f"<|user|>{q}\n<|assistant|>" for q in QUESTIONS] + ["<|user|>What", "Keys", "<|user|>Why cache",
+           f"<|user|>{QUESTIONS[3]}\n<|assistant|>Hello! The cat"])
+
+
+class Server:
+    """`python -m jaxformer.serve` in a subprocess, on a free loopback port; its stderr in a file."""
+
+    def __init__(self, folder: str, log_path: str, *flags: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jaxformer.serve", "--checkpoint", folder, "--port", str(self.port),
+             "--model-name", NAME, "--api-key", KEY, *flags],
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError(f"the server did not come up in 180 s:\n{self.log()}")
+
+    def client(self, **kwargs) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60, **kwargs)
+
+    def post(self, path: str, **kwargs) -> "httpx.Response":
+        headers = {"Authorization": f"Bearer {KEY}", **kwargs.pop("headers", {})}
+        return httpx.post(self.url + path, headers=headers, timeout=60, **kwargs)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.process.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        status = self.process.wait(60)
+        self._log.close()
+        return status
+
+
+@pytest.fixture(scope="module")
+def params():
+    return trained_params()
+
+
+@pytest.fixture(scope="module")
+def folder(params, tmp_path_factory):
+    return save_folder(params, str(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    """16 rows, prefill chunks of 8: 16 requests decode at once, long prompts over several steps."""
+    server = Server(folder, str(tmp_path_factory.mktemp("log") / "server.log"), "--max-batch", "16",
+                    "--prefill-chunk", "8", "--max-queue", "64", "--max-seq-len", str(CONFIG.max_seq_len),
+                    "--log-level", "warning")
+    yield server
+    assert server.stop() == 0, server.log()
+    assert "Traceback" not in server.log()  # no client's error, of all the tests', was logged as a crash
+
+
+def expected(params, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
+    """`(text, finish_reason)` of greedy `generate` on the prompt alone, cut at its EOS."""
+    new = _greedy_alone(params, tuple(prompt_ids))[:max_tokens]  # greedy: the first tokens of the longest run
+    stops = [i for i, token in enumerate(new) if token in TOKENIZER.stop_ids]
+    return completion_text(TOKENIZER, prompt_ids, new[:stops[0]] if stops else new), "stop" if stops else "length"
+
+
+_RUNS = {}
+
+
+def _greedy_alone(params, prompt_ids: tuple[int, ...]) -> list[int]:
+    """The prompt's greedy continuation to the end of the context (one compile a prompt length)."""
+    if prompt_ids not in _RUNS:
+        out = generate(Decoder(CONFIG), params, jnp.asarray([prompt_ids]),
+                       max_new_tokens=CONFIG.max_seq_len - len(prompt_ids), eos_id=list(TOKENIZER.stop_ids))
+        _RUNS[prompt_ids] = np.asarray(out)[0, len(prompt_ids):].tolist()
+    return _RUNS[prompt_ids]
+
+
+def streamed(stream) -> tuple[str, str, object]:
+    """`(text, finish_reason, usage)` of a streamed completion or chat."""
+    text, finish_reason, usage = [], None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text.append(choice.text if hasattr(choice, "text") else (choice.delta.content or ""))
+            finish_reason = choice.finish_reason or finish_reason
+    return "".join(text), finish_reason, usage
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list()] == [NAME]
+    assert server.health()["status"] == "ok"
+
+
+def test_sixteen_concurrent_greedy_requests_each_get_generate_alone(server, params):
+    client = server.client()
+    ids = [TOKENIZER.encode(p) for p in PROMPTS] * 2  # 16 at once, 7 prompt lengths, 5 max_tokens
+    max_tokens = [10 + 7 * (i % 5) for i in range(len(ids))]
+    start = threading.Barrier(len(ids))
+
+    def ask(i: int):
+        start.wait()
+        r = client.completions.create(model=NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens[i],
+                                      temperature=0)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage
+
+    with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+        answers = list(pool.map(ask, range(len(ids))))
+    for row, n, (text, finish_reason, usage) in zip(ids, max_tokens, answers):
+        assert (text, finish_reason) == expected(params, row, n)
+        assert usage.prompt_tokens == len(row)
+    assert {a[1] for a in answers} == {"stop", "length"}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streamed_text_joined_is_the_text_not_streamed(server, params, chat):
+    client = server.client()
+    question = QUESTIONS[0]
+    if chat:
+        messages = [{"role": "user", "content": question}]
+        whole = client.chat.completions.create(model=NAME, messages=messages, temperature=0)
+        text, finish_reason = whole.choices[0].message.content, whole.choices[0].finish_reason
+        stream = client.chat.completions.create(model=NAME, messages=messages, temperature=0, stream=True,
+                                                stream_options={"include_usage": True})
+        prompt_ids = TOKENIZER.encode(render_chat(TOKENIZER, messages), add_special_tokens=False)
+        want = expected(params, prompt_ids, CONFIG.max_seq_len - len(prompt_ids))  # a chat's default max_tokens
+    else:
+        prompt = f"<|user|>{question}\n<|assistant|>"
+        whole = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=60)
+        text, finish_reason = whole.choices[0].text, whole.choices[0].finish_reason
+        stream = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=60, stream=True,
+                                           stream_options={"include_usage": True})
+        want = expected(params, TOKENIZER.encode(prompt), 60)
+    assert (text, finish_reason) == want == (DIALOGUES[0][1], "stop")
+    assert streamed(stream) == (text, finish_reason, whole.usage)
+    assert whole.usage.completion_tokens == len(TOKENIZER.encode(text, add_special_tokens=False)) + 1  # and EOS
+
+
+def test_stop_strings_cut_the_text_also_across_tokens(server):
+    client = server.client()
+    prompt = f"<|user|>{QUESTIONS[0]}\n<|assistant|>"
+    answer = DIALOGUES[0][1]
+    stop = "weighted by"  # inside the answer, over several tokens
+    assert len(TOKENIZER.encode(stop, add_special_tokens=False)) > 1
+    whole = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=60,
+                                      stop=["never written", stop])
+    assert (whole.choices[0].text, whole.choices[0].finish_reason) == (answer[:answer.index(stop)], "stop")
+    stream = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=60, stop=stop,
+                                       stream=True)
+    assert streamed(stream)[:2] == (answer[:answer.index(stop)], "stop")
+
+
+def test_a_seed_reproduces_a_sampled_completion(server):
+    client = server.client()
+
+    def sample(seed):
+        return client.completions.create(model=NAME, prompt=COUNT_PROMPT, temperature=2.0, max_tokens=30,
+                                         seed=seed).choices[0].text
+
+    first = sample(11)
+    assert sample(11) == first
+    assert sample(12) != first
+
+
+@pytest.mark.parametrize("request_kwargs, status, message", [
+    (dict(content=b"{not json"), 400, "the request body is not valid JSON"),
+    (dict(json=[1, 2]), 400, "the request body must be a JSON object"),
+    (dict(json={"model": NAME, "prompt": "Keys", "temperature": "hot"}), 400,
+     "temperature must be a number in [0, 2] (got 'hot')"),
+    (dict(json={"model": NAME, "prompt": "Keys", "max_tokens": 2.5}), 400, "max_tokens must be a positive integer"),
+    (dict(json={"model": "gpt-4", "prompt": "Keys"}), 400, "model 'gpt-4' is not served here"),
+    (dict(json={"model": NAME, "prompt": ""}), 400, "prompt is empty"),
+    (dict(json={"model": NAME, "prompt": "Keys", "max_tokens": 94}), 400,
+     "the prompt is 3 tokens: with max_tokens 94 that makes 97, past the server's max_seq_len 96"),
+    (dict(json={"model": NAME, "prompt": "Keys", "n": 2}), 400, "n must be 1"),
+    (dict(json={"model": NAME, "prompt": "Keys", "logprobs": 3}), 400, "logprobs is not supported"),
+    (dict(json={"model": NAME, "prompt": "Keys", "stop": ["a", "b", "c", "d", "e"]}), 400, "stop must be"),
+    (dict(json={"model": NAME, "prompt": ["Keys", "Why"]}), 400, "prompt holds 2 prompts"),
+    (dict(json={"model": NAME, "prompt": [5, 9999]}), 400, "token id 9999, outside the model's vocabulary"),
+    (dict(json={"model": NAME, "prompt": "Keys"}, headers={"Authorization": "Bearer wrong"}), 401,
+     "a valid API key is needed"),
+    (dict(json={"model": NAME, "prompt": "Keys"}, headers={"Authorization": ""}), 401, "a valid API key is needed"),
+    (dict(content=b"{" + b" " * (1 << 20) + b"}"), 413, "the request body is 1,048,578 bytes"),
+])
+def test_bad_requests_get_an_error_body_and_the_server_goes_on(server, params, request_kwargs, status, message):
+    response = server.post("/v1/completions", **request_kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"]
+    ok = server.client().completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=40, temperature=0)
+    assert (ok.choices[0].text, ok.choices[0].finish_reason) == expected(params, TOKENIZER.encode(PROMPTS[1]), 40)
+
+
+def test_the_openai_client_raises_its_own_errors(server):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="max_seq_len 96"):
+        server.client().chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                                max_completion_tokens=200)
+    with pytest.raises(openai.NotFoundError):
+        server.client().post("/nowhere", cast_to=object)
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(server):
+    before = server.health()["finished"].get("cancelled", 0)
+    body = {"model": NAME, "prompt": COUNT_PROMPT, "max_tokens": 80, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        next(response.iter_lines())  # the first chunk, then the client goes
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        health = server.health()
+        if health["finished"].get("cancelled", 0) == before + 1 and health["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["finished"].get("cancelled", 0) == before + 1 and health["running"] == 0, health
+
+
+def test_load_200_requests_from_32_clients_none_lost_none_mixed(server, params):
+    """Bounded: 200 requests, 32 threads, each request within 60 s, the whole within 300 s."""
+    prompts = PROMPTS + [COUNT_PROMPT]
+    want = {(p, n): expected(params, TOKENIZER.encode(p), n) for p in prompts for n in (8, 24)}
+    client = server.client()
+
+    def ask(i: int):
+        prompt, n = prompts[i % len(prompts)], (8, 24)[i % 2]
+        if i % 3 == 0:  # streamed, the others whole
+            text, finish_reason, _ = streamed(client.completions.create(
+                model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True))
+        else:
+            choice = client.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0).choices[0]
+            text, finish_reason = choice.text, choice.finish_reason
+        return (text, finish_reason) == want[prompt, n]
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:  # a warm-up round, then the memory is read
+        assert all(pool.map(ask, range(32)))
+    rss_before = server.rss_mb()
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, range(200), timeout=300))
+    assert len(answers) == 200 and all(answers)  # none lost, each its own prompt's answer
+    assert time.monotonic() - started < 300
+    growth = server.rss_mb() - rss_before
+    health = server.health()
+    assert (health["running"], health["waiting"]) == (0, 0)
+    assert growth < 10, f"the server's memory grew {growth:.1f} MB over 200 requests"
+
+
+@pytest.fixture(scope="module")
+def slow_folder(tmp_path_factory):
+    """A random decoder wider and deeper than the tiny one, whose requests of 400 tokens take long
+    enough to be still running while the test does what it must meanwhile."""
+    config = DecoderConfig(vocab_size=TOKENIZER.vocab_size, n_layer=4, n_head=8, n_kv_head=2, d_model=256,
+                           max_seq_len=448)
+    path = str(tmp_path_factory.mktemp("slow"))
+    save_hf(config, init_params(config), path, bos_id=TOKENIZER.bos_id, eos_id=TOKENIZER.eos_id,
+            pad_id=TOKENIZER.pad_id)
+    save_tokenizer(TOKENIZER, path)
+    return path
+
+
+def test_a_full_queue_gets_429_and_sigterm_finishes_what_is_running(slow_folder, tmp_path):
+    """One row and a queue of one: a third request is refused; SIGTERM then lets both finish."""
+    server = Server(slow_folder, str(tmp_path / "server.log"), "--max-batch", "1", "--max-queue", "1",
+                    "--prefill-chunk", "16", "--max-seq-len", "448")
+    results = {}
+    try:
+        body = {"model": NAME, "prompt": "Keys", "max_tokens": 400, "temperature": 0, "stream": True}
+
+        def run(name):
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120,
+                              headers={"Authorization": f"Bearer {KEY}"}) as response:
+                results[name] = [line for line in response.iter_lines() if line]
+
+        threads = [threading.Thread(target=run, args=(name,)) for name in ("first", "second")]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while (server.health()["running"], server.health()["waiting"]) != (1, 1):
+            assert time.monotonic() < deadline, server.health()
+        refused = server.post("/v1/completions", json={**body, "stream": False})
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+        assert "the server is busy" in refused.json()["error"]["message"]
+        assert server.health()["waiting"] == 1  # the second still waits: SIGTERM comes before it runs
+        server.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(120)
+    finally:
+        status = server.stop()
+    assert status == 0, server.log()
+    for name in ("first", "second"):
+        assert results[name][-1] == "data: [DONE]"
+        assert '"finish_reason": "length"' in results[name][-2] or '"finish_reason": "stop"' in results[name][-2]
+    assert "Traceback" not in server.log()
