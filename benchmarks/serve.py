@@ -5,18 +5,22 @@ and against `transformers serve --continuous-batching`, over HTTP.
                                [--max-seq-len 256] [--endpoint completions] [--out serve.json]
 
 The model is made here, nothing is downloaded: a Llama-shaped decoder (default d_model
-256, 4 layers, 4 heads, 2 kv heads, SwiGLU, untied), random-initialised, and a byte-level
-BPE tokenizer (`jaxformer.text.train_bpe`, vocab `--vocab-size`) trained on a text of
-made-up words that this script writes; both go into one Hugging Face folder
-(`jaxformer.convert.save_hf`, `jaxformer.text.save_tokenizer`) that every server loads.
-Each server is started in turn as a subprocess on a free loopback port, waited for
-(`GET /health` answers 200), warmed up, driven, then stopped with SIGTERM:
+256, 4 layers, 4 heads, 2 kv heads, SwiGLU 704, untied: 3.5 M parameters), random-
+initialised, and a byte-level BPE tokenizer (`jaxformer.text.train_bpe`, `--vocab-size`
+1024, the model's vocabulary too) trained on a text of made-up words that this script
+writes; both go into one Hugging Face folder (`jaxformer.convert.save_hf`,
+`jaxformer.text.save_tokenizer`) that every server loads. Each server is started in turn
+as a subprocess on a free loopback port, waited for (`GET /health` answers 200), warmed
+up (a workload of another seed, at the most clients), driven, then stopped with SIGTERM:
 
   jaxformer engine          `python -m jaxformer.serve --max-batch 16` (`--max-batch`)
   jaxformer one-at-a-time   the same with `--max-batch 1`: one request at a time
   transformers serve        `transformers serve --continuous-batching --device cpu`, the
-                            folder as its FORCE_MODEL, when the CLI runs (its serving
-                            extra: fastapi, uvicorn); otherwise the output says why
+                            folder its FORCE_MODEL (which requests must name: the path),
+                            when the CLI runs (it needs the serving extra's fastapi and
+                            uvicorn); otherwise the output says why. It refuses a body
+                            field it does not know (422), so none (`top_k`) is sent; it
+                            ignores `stream_options` but ends each stream with usage
 
 The workload, the same for every server and number of clients: `--requests` requests
 whose prompts are drawn (numpy seed `--seed`) from `--prompt-lengths` tokens of the
@@ -36,13 +40,18 @@ requests. The ratios are of figures measured in this run, at the most clients
 throughput, and the engine's TTFT p50 there over its TTFT p50 at 1 client (an idle
 server: one request at a time).
 
+The machine is measured too: "other CPU" is the share of its CPU time (all cores) that
+neither the server nor this process used during a load (other processes; a virtual
+machine's steal time); the client's threads, on the same cores as the server, count as
+this process. A row whose other CPU is above a few % was disturbed.
+
 JSON fields: `machine` (`cpu`, `cpu_count`, versions), `settings`, `model` (`params`,
 `vocab_size`, `d_model`, `n_layer`, `n_head`, `n_kv_head`, `max_seq_len`), `servers` (one
 object per server: `server`, `command`, `startup_s` (start to /health 200), `model_name`,
 `error` (null, or why it was not measured)), `rows` (one per server and number of
 clients: `server`, `clients`, `requests`, `prompt_tokens` and `completion_tokens` (sums of
-the streams' `usage`), `chunks` (with text), `wall_s`,
-`tokens_per_s`, `ttft_ms` and `itl_ms` each as `{p50, p95}`), `ratios`
+the streams' `usage`), `chunks` (with text), `wall_s`, `tokens_per_s`, `ttft_ms` and
+`itl_ms` each as `{p50, p95}`, `other_cpu_pct`), `ratios`
 (`engine_vs_one_at_a_time`, `engine_vs_transformers`, `engine_ttft_most_vs_one_client`,
 each null where a figure is missing, and `clients`: the number they were taken at).
 """
@@ -235,15 +244,35 @@ def stream_request(client, model: str, endpoint: str, prompt: str, max_tokens: i
     return Timing(sent, chunks, usage.prompt_tokens, usage.completion_tokens)
 
 
-def run_load(client, model: str, endpoint: str, workload: list[tuple[str, int]], clients: int) -> dict:
+def cpu_seconds(pid: int | None) -> tuple[float, float] | None:
+    """`(busy CPU seconds of the whole machine, CPU seconds of process pid and of this one)`,
+    from /proc; None without it (or a pid)."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        server = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError):
+        return None
+    hz, own = os.sysconf("SC_CLK_TCK"), os.times()
+    busy = sum(ticks) - ticks[3] - ticks[4]  # user .. steal, less idle and iowait
+    return busy / hz, (int(server[11]) + int(server[12])) / hz + own.user + own.system
+
+
+def run_load(client, model: str, endpoint: str, workload: list[tuple[str, int]], clients: int,
+             server_pid: int | None = None) -> dict:
     """The workload through `clients` threads, each sending its next request when its last
-    one has ended; `summarise`d."""
+    one has ended; `summarise`d, with `other_cpu_pct`: the share of the machine's CPU time
+    that went to anything but the server `server_pid` and this process (other processes, and
+    steal time of a virtual machine), None where /proc cannot tell."""
+    before = cpu_seconds(server_pid)
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         start = time.perf_counter()
         futures = [pool.submit(stream_request, client, model, endpoint, prompt, new) for prompt, new in workload]
         timings = [f.result() for f in futures]
         wall_s = time.perf_counter() - start
-    return summarise(timings, wall_s)
+    after = cpu_seconds(server_pid)
+    other = None if before is None or after is None else max(0.0, after[0] - before[0] - after[1] + before[1])
+    return {**summarise(timings, wall_s),
+            "other_cpu_pct": None if other is None else 100 * other / (wall_s * os.cpu_count())}
 
 
 # ---- the servers ----
@@ -286,9 +315,9 @@ def transformers_serve_problem() -> str | None:
 
 @contextlib.contextmanager
 def running(command: list[str], port: int, log: Path, startup_timeout: float):
-    """The server `command` as a subprocess until /health answers 200; yields the seconds that
-    took, then stops it with SIGTERM (SIGKILL after 30 s). Raises when it exits or is not
-    healthy in time; its output goes to `log`."""
+    """The server `command` as a subprocess until /health answers 200; yields `(process, the
+    seconds that took)`, then stops it with SIGTERM (SIGKILL after 30 s). Raises when it exits
+    or is not healthy in time; its output goes to `log`."""
     import httpx
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **OFFLINE})
@@ -303,7 +332,7 @@ def running(command: list[str], port: int, log: Path, startup_timeout: float):
             if time.perf_counter() - start > startup_timeout:
                 raise RuntimeError(f"/health did not answer 200 in {startup_timeout:.0f} s")
             time.sleep(0.25)
-        yield time.perf_counter() - start
+        yield process, time.perf_counter() - start
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -314,21 +343,22 @@ def running(command: list[str], port: int, log: Path, startup_timeout: float):
 
 
 def bench_server(name: str, command: list[str], port: int, log: Path, workloads: dict, args) -> tuple[dict, list]:
-    """One server: started, warmed up (the warm-up workload alone, then at the most clients),
+    """One server: started, warmed up (the warm-up workload's first request alone, then all of
+    it at the most clients: whatever the server compiles for a shape, it compiles there),
     measured at each number of clients, stopped. Returns `(server, rows)`."""
     import openai
     print(f"{name}: {' '.join(command)}", flush=True)
-    with running(command, port, log, args.startup_timeout) as startup_s:
+    with running(command, port, log, args.startup_timeout) as (process, startup_s):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=args.timeout,
                                max_retries=0)
         model = client.models.list().data[0].id
         print(f"  healthy after {startup_s:.1f} s, model {model!r}; warming up", flush=True)
-        for clients in sorted({1, max(args.clients)}):
-            run_load(client, model, args.endpoint, workloads["warm-up"][:clients], clients)
+        run_load(client, model, args.endpoint, workloads["warm-up"][:1], 1)
+        run_load(client, model, args.endpoint, workloads["warm-up"], max(args.clients))
         rows = []
         for clients in args.clients:
             rows.append({"server": name, "clients": clients,
-                         **run_load(client, model, args.endpoint, workloads["measured"], clients)})
+                         **run_load(client, model, args.endpoint, workloads["measured"], clients, process.pid)})
             print_rows(rows[-1:])
     return {"server": name, "command": command, "startup_s": startup_s, "model_name": model, "error": None}, rows
 
@@ -341,15 +371,16 @@ def _ms(value) -> str:
 
 def print_rows(rows: list[dict]) -> None:
     for r in rows:
+        other = "-" if r["other_cpu_pct"] is None else f"{r['other_cpu_pct']:.0f}%"
         print(f"  {r['server']:24s} {r['clients']:7d} {r['tokens_per_s']:9.1f} {_ms(r['ttft_ms']['p50']):>9s} "
-              f"{_ms(r['ttft_ms']['p95']):>9s} {_ms(r['itl_ms']['p50']):>8s} {_ms(r['itl_ms']['p95']):>8s}", flush=True)
+              f"{_ms(r['ttft_ms']['p95']):>9s} {_ms(r['itl_ms']['p50']):>8s} {_ms(r['itl_ms']['p95']):>8s} "
+              f"{other:>9s}", flush=True)
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"\n  {'server':24s} {'clients':>7s} {'tokens/s':>9s} {'TTFT p50':>9s} {'TTFT p95':>9s} "
-          f"{'ITL p50':>8s} {'ITL p95':>8s}   (ms)")
-    print("  " + "-" * 80)
-    print_rows(rows)
+def print_header() -> None:
+    print(f"  {'server':24s} {'clients':>7s} {'tokens/s':>9s} {'TTFT p50':>9s} {'TTFT p95':>9s} "
+          f"{'ITL p50':>8s} {'ITL p95':>8s} {'other CPU':>9s}   (times in ms)")
+    print("  " + "-" * 90, flush=True)
 
 
 def _figure(rows: list[dict], server: str, clients: int, *keys: str):
@@ -419,6 +450,7 @@ def bench(args, work: Path) -> dict:
         print(f"transformers serve: skipped ({problem})", flush=True)
         servers.append({"server": TRANSFORMERS, "command": None, "startup_s": None, "model_name": None,
                         "error": problem})
+    print_header()
     for name, command in plans:
         port = free_port()
         log = work / f"{name.replace(' ', '-')}.log"
@@ -434,7 +466,9 @@ def bench(args, work: Path) -> dict:
         servers.append(server)
         rows += measured
 
-    print_table(rows)
+    print()
+    print_header()
+    print_rows(rows)
     result_ratios = ratios(rows, max(args.clients))
     print_ratios(result_ratios)
     return {"machine": machine(), "settings": vars(args), "model": model, "servers": servers, "rows": rows,

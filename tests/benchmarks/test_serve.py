@@ -79,7 +79,7 @@ def test_a_stream_counts_text_chunks_and_usage():
     with pytest.raises(RuntimeError, match="usage"):
         serve.stream_request(_client([chunk("ab")]), "m", "completions", "a prompt", 5)
     row = serve.run_load(_client([chunk("ab"), chunk(usage=usage)]), "m", "completions", [("p", 5)] * 3, 2)
-    assert (row["requests"], row["completion_tokens"], row["chunks"]) == (3, 15, 3)
+    assert (row["requests"], row["completion_tokens"], row["chunks"], row["other_cpu_pct"]) == (3, 15, 3, None)
 
 
 HEALTHY = """
@@ -94,8 +94,13 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 def test_a_server_is_waited_for_and_stopped(tmp_path):
     port = serve.free_port()
-    with serve.running([sys.executable, "-c", HEALTHY, str(port)], port, tmp_path / "ok.log", 60) as startup_s:
-        assert startup_s > 0
+    command = [sys.executable, "-c", HEALTHY, str(port)]
+    with serve.running(command, port, tmp_path / "ok.log", 60) as (process, startup_s):
+        assert startup_s > 0 and process.poll() is None
+        if sys.platform == "linux":  # (the machine's CPU time, and the server's and this process's)
+            busy, ours = serve.cpu_seconds(process.pid)
+            assert busy >= ours > 0
+    assert process.poll() is not None  # stopped
     # (A server that exits is reported at once, not waited for until the timeout.)
     with pytest.raises(RuntimeError, match="exited with 3"):
         with serve.running([sys.executable, "-c", "raise SystemExit(3)"], port, tmp_path / "exit.log", 60):
