@@ -26,9 +26,10 @@ The workload, the same for every server and number of clients: `--requests` requ
 whose prompts are drawn (numpy seed `--seed`) from `--prompt-lengths` tokens of the
 tokenizer's own words and whose `max_tokens` from `--new-tokens`; greedy (temperature 0),
 streamed, with `stream_options={"include_usage": true}`, through the official `openai`
-client, one thread per client, each request with `--timeout`. A model's name is the one
-its server lists at `GET /v1/models`. Random weights may still emit EOS early, so
-completion tokens are counted from each stream's `usage`, never assumed.
+client, one thread per client, no retries, each wait for the server bounded by `--timeout`
+seconds. A model's name is the one its server lists at `GET /v1/models`. Random weights
+may still emit EOS early, so completion tokens are counted from each stream's `usage`,
+never assumed.
 
 Per server and number of clients: completion tokens/s (all the requests' completion
 tokens over the wall time from the first request sent to the last stream closed); TTFT,
@@ -42,8 +43,9 @@ server: one request at a time).
 
 The machine is measured too: "other CPU" is the share of its CPU time (all cores) that
 neither the server nor this process used during a load (other processes; a virtual
-machine's steal time); the client's threads, on the same cores as the server, count as
-this process. A row whose other CPU is above a few % was disturbed.
+machine's steal time, and any child process of the server's); the client's threads, on
+the same cores as the server, count as this process. A row whose other CPU is above a few
+% was disturbed.
 
 JSON fields: `machine` (`cpu`, `cpu_count`, versions), `settings`, `model` (`params`,
 `vocab_size`, `d_model`, `n_layer`, `n_head`, `n_kv_head`, `max_seq_len`), `servers` (one
@@ -87,7 +89,7 @@ ENGINE, ONE_AT_A_TIME, TRANSFORMERS = "jaxformer engine", "jaxformer one-at-a-ti
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # Nothing leaves the machine: no update check of the transformers CLI, no Hub look-ups.
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_UPDATE_CHECK": "1"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,7 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="the workload's numpy seed (the warm-up's is seed + 1)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="/v1/completions, or /v1/chat/completions (one user message) for every server")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a request may wait for the server's next bytes (the openai client's timeout)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server has to answer /health")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
     p.add_argument("--out", default="serve.json")

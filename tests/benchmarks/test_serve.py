@@ -132,3 +132,8 @@ def test_ratios_of_the_run():
                                       "engine_vs_transformers": 2.0, "engine_ttft_most_vs_one_client": 2.5}
     missing = serve.ratios(rows[:2], 16)  # transformers serve skipped: no ratio to it
     assert missing["engine_vs_transformers"] is None and missing["engine_vs_one_at_a_time"] is None
+
+
+def test_without_the_transformers_cli_says_why(monkeypatch):
+    monkeypatch.setattr(serve.shutil, "which", lambda name: None)
+    assert "no `transformers` command" in serve.transformers_serve_problem()
