@@ -11,8 +11,9 @@ Every turn of the engine's loop (docs/serving.md, "The engine's turn"):
   3. one jitted step decodes a token for every row (a free slot's is thrown away).
 
 Shapes stay static: the step always sees `[max_batch]`, and a prefill piece is a power of
-two up to `prefill_chunk` tokens (a prompt of 100 with chunks of 64 goes in as 64 + 32 + 4),
-so `warmup` compiles every program the engine will run. Each row's sampling knobs and seed
+two up to `prefill_chunk` tokens (a prompt of 100 with chunks of 64 goes in as 64 and 36
+padded to 64: each call reads every weight once, so fewer calls are cheaper than no
+padding), so `warmup` compiles every program the engine will run. Each row's sampling knobs and seed
 are arrays: a new request changes values, not shapes. Row r's token i is drawn with
 `fold_in(key(seed), i)`, so a request's draws do not depend on who shares its batch.
 """
@@ -98,11 +99,16 @@ class _Slot:
     token: int = 0  # its last token, the next step's input
 
 
-def pieces(n_tokens: int, chunk: int) -> list[int]:
-    """The prefill's piece sizes for `n_tokens`: chunks of `chunk` (a power of two), then the
-    remainder's binary digits, largest first (`pieces(100, 64)` is `[64, 32, 4]`)."""
+def pieces(n_tokens: int, chunk: int, room: int) -> list[tuple[int, int]]:
+    """The prefill's pieces for `n_tokens` as `(size, real)`: chunks of `chunk` (a power of two),
+    then the rest as one piece padded up to a power of two, `real` of its tokens the prompt's
+    (`pieces(100, 64, 256)` is `[(64, 64), (64, 36)]`). Where the padding would pass `room`, the
+    positions the cache has left, the rest goes in as its binary digits instead, unpadded."""
     whole, rest = divmod(n_tokens, chunk)
-    return [chunk] * whole + [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+    out = [(chunk, chunk)] * whole
+    if rest and whole * chunk + (padded := 1 << (rest - 1).bit_length()) <= room:
+        return out + [(padded, rest)]
+    return out + [(1 << bit, 1 << bit) for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
 
 
 class Engine:
@@ -148,9 +154,13 @@ class Engine:
     def _compile(self) -> None:
         model, capacity = self.model, self.capacity
 
-        def piece(params, tokens, cache):  # tokens [1, n]: the next n of a prompt
-            logits, cache = model.apply({"params": params}, tokens, cache)  # [1, n, vocab]
-            return logits[:, -1], cache  # [1, vocab]: only a prompt's last logits pick a token
+        def piece(params, tokens, cache, real):  # tokens [1, n]: the next `real` of a prompt, then padding
+            # As a ragged prefill's padding: a ring takes the real tokens only (`stop`), and `pos` is
+            # set back to their end, so the next tokens overwrite the padding before anyone reads it.
+            end = cache.pos + real  # [1]
+            logits, cache = model.apply({"params": params}, tokens, cache.replace(stop=end))  # [1, n, vocab]
+            last = jax.lax.dynamic_index_in_dim(logits, real - 1, axis=1, keepdims=False)  # [1, vocab]
+            return last, cache.replace(pos=end, stop=None)  # only a prompt's last logits pick a token
 
         def pick(logits, seeds, made, temperature, top_k, top_p):  # logits [rows, vocab], the rest [rows]
             keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(seeds, made)
@@ -177,7 +187,7 @@ class Engine:
             for n in (1 << bit for bit in range(self.prefill_chunk.bit_length())):
                 if n <= self.capacity:
                     logits, cache = self._piece(self.params, np.zeros((1, n), np.int32),
-                                                cache.replace(pos=jnp.zeros((1,), jnp.int32)))
+                                                cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n))
             self._pick(logits, *self._knobs([None]))
             _, self._cache = self._step(self.params, self._cache, np.zeros(self.max_batch, np.int32),
                                         np.zeros(self.max_batch, bool), *self._knobs([None] * self.max_batch))
@@ -310,12 +320,13 @@ class Engine:
         if slot.cache is None:
             slot.cache = self._empty_row()
         used = 0
-        for n in pieces(len(prompt) - slot.prefilled, self.prefill_chunk):
+        for n, real in pieces(len(prompt) - slot.prefilled, self.prefill_chunk, self.capacity - slot.prefilled):
             if n > budget - used:
                 break
-            tokens = np.asarray(prompt[slot.prefilled:slot.prefilled + n], np.int32)[None]  # [1, n]
-            logits, slot.cache = self._piece(self.params, tokens, slot.cache)
-            slot.prefilled += n
+            tokens = np.zeros((1, n), np.int32)  # [1, n]: the prompt's next `real` ids, then padding
+            tokens[0, :real] = prompt[slot.prefilled:slot.prefilled + real]
+            logits, slot.cache = self._piece(self.params, tokens, slot.cache, np.int32(real))
+            slot.prefilled += real
             used += n
         if slot.prefilled == len(prompt):
             token = self._pick(logits, *self._knobs([slot.handle]))  # [1]

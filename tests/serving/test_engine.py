@@ -45,13 +45,16 @@ def alone(params, ids: list[int], max_tokens: int, **sampling) -> list[int]:
     return out[:stops[0]] if stops else out
 
 
-def test_pieces_are_chunks_then_binary_digits():
-    assert pieces(100, 64) == [64, 32, 4]
-    assert pieces(8, 8) == [8]
-    assert pieces(7, 8) == [4, 2, 1]
-    assert pieces(19, 8) == [8, 8, 2, 1]
+def test_pieces_are_chunks_then_the_rest_padded_unless_the_cache_is_too_short():
+    assert pieces(100, 64, 256) == [(64, 64), (64, 36)]
+    assert pieces(8, 8, 96) == [(8, 8)]
+    assert pieces(5, 8, 96) == [(8, 5)]
+    assert pieces(19, 8, 19) == [(8, 8), (8, 8), (2, 2), (1, 1)]  # 16 + 4 padded would pass the room of 19
     for n in range(1, 70):
-        assert sum(pieces(n, 16)) == n and all(p & (p - 1) == 0 and p <= 16 for p in pieces(n, 16))
+        for room in (n, n + 3, 200):
+            cut = pieces(n, 16, room)
+            assert sum(real for _, real in cut) == n and sum(size for size, _ in cut) <= room
+            assert all(size & (size - 1) == 0 and real <= size <= 16 for size, real in cut)
 
 
 def test_sixteen_requests_of_different_lengths_get_what_each_gets_alone(engine, params):
