@@ -8,9 +8,10 @@ Every turn of the engine's loop (docs/serving.md, "The engine's turn"):
      `prefill_chunk` tokens this turn (a long prompt takes several turns, so the streams
      already running wait for one chunk, not for the whole prompt); a prompt done
      samples its first token and its row is copied into the batch (`KVCache.insert`);
-  3. one jitted step decodes a token for every row (a free slot's is thrown away).
+  3. one jitted step decodes a token for each of the first rows, as few (2, 4, ..., max_batch)
+     as hold the running requests (a free row's token among them is thrown away).
 
-Shapes stay static: the step always sees `[max_batch]`, and a prefill piece is a power of
+Shapes stay static: the step sees one of those row counts, and a prefill piece is a power of
 two up to `prefill_chunk` tokens (a prompt of 100 with chunks of 64 goes in as 64 and 36
 padded to 64: each call reads every weight once, so fewer calls are cheaper than no
 padding), so `warmup` compiles every program the engine will run. Each row's sampling knobs and seed
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import queue
 import threading
 from typing import Callable, Iterator, Sequence
@@ -94,6 +96,7 @@ class _Slot:
     """A request in a row of the batch: still prefilling (`prefilled < len(prompt)`) or decoding."""
 
     handle: Handle
+    order: int  # when it was admitted: prompts are prefilled first come, first served
     cache: object = None  # the one-row cache its prompt is prefilled into
     prefilled: int = 0
     token: int = 0  # its last token, the next step's input
@@ -139,11 +142,17 @@ class Engine:
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         for i in self.stop_ids:
             as_int(i, "stop_ids", minimum=0, maximum=c.vocab_size - 1, maximum_name="vocab_size - 1")
+        # The step decodes the first 2, 4, 8, ... rows, as few as hold the running requests. (Not
+        # 1 row: XLA:CPU writes a one-row slice back into the batch far slower than two, 23 ms
+        # against 10 for a step of the 22.8 M-parameter model of docs/serving.md.)
+        self._row_counts = sorted({1 << bit for bit in range(1, self.max_batch.bit_length())
+                                   if 1 << bit < self.max_batch} | {self.max_batch})
         self._compile()
         self._cache = model.init_cache(self.max_batch, self.capacity)
         self._slots: list[_Slot | None] = [None] * self.max_batch
         self._waiting: collections.deque[Handle] = collections.deque()
         self._finished: collections.Counter[str] = collections.Counter()  # requests ended, by finish_reason
+        self._admitted = itertools.count()
         self._lock = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="jaxformer-engine", daemon=True)
@@ -167,12 +176,18 @@ class Engine:
             token = sample_rows(logits, keys, temperature, top_k, top_p)  # [rows]
             return jnp.where(finite_logits(logits), token, NO_TOKEN)
 
-        def step(params, cache, tokens, active, seeds, made, temperature, top_k, top_p):  # [max_batch] each
-            # A free row decodes too (the shape is static) from position 0, where it overwrites
-            # nothing anyone reads: `insert` replaces the whole row when a request takes it.
-            cache = cache.replace(pos=jnp.where(active, cache.pos, 0))
-            logits, cache = model.apply({"params": params}, tokens[:, None], cache)  # [max_batch, 1, vocab]
-            return pick(logits[:, 0], seeds, made, temperature, top_k, top_p), cache
+        def step(params, cache, tokens, active, seeds, made, temperature, top_k, top_p):  # [rows] each
+            # The first `rows` of the batch decode (requests take the lowest free rows, so the
+            # busy ones are there); a free row among them decodes too, from position 0, where it
+            # overwrites nothing anyone reads: `insert` replaces the whole row when a request takes it.
+            rows = tokens.shape[0]
+            head = cache if rows == cache.batch_size else jax.tree.map(lambda leaf: leaf[:rows], cache)
+            head = head.replace(pos=jnp.where(active, head.pos, 0))
+            logits, head = model.apply({"params": params}, tokens[:, None], head)  # [rows, 1, vocab]
+            if rows < cache.batch_size:  # (a copy of those rows in and out: less than decoding them all)
+                head = jax.tree.map(lambda leaf, part: jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=0),
+                                    cache, head)
+            return pick(logits[:, 0], seeds, made, temperature, top_k, top_p), head
 
         self._piece = jax.jit(piece, donate_argnums=2)
         self._pick = jax.jit(pick)
@@ -189,8 +204,9 @@ class Engine:
                     logits, cache = self._piece(self.params, np.zeros((1, n), np.int32),
                                                 cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n))
             self._pick(logits, *self._knobs([None]))
-            _, self._cache = self._step(self.params, self._cache, np.zeros(self.max_batch, np.int32),
-                                        np.zeros(self.max_batch, bool), *self._knobs([None] * self.max_batch))
+            for rows in self._row_counts:
+                _, self._cache = self._step(self.params, self._cache, np.zeros(rows, np.int32), np.zeros(rows, bool),
+                                            *self._knobs([None] * rows))
             self._cache = self._insert(self._cache, np.int32(0), cache)
             jax.block_until_ready(self._cache)
 
@@ -286,14 +302,17 @@ class Engine:
             handle._send(Event(finish_reason="cancelled"))
         for row in range(self.max_batch):
             if self._slots[row] is None and self._waiting:
-                self._slots[row] = _Slot(self._waiting.popleft())
+                self._slots[row] = _Slot(self._waiting.popleft(), next(self._admitted))
 
     def _turn(self) -> None:
         """Prefills up to `prefill_chunk` prompt tokens, then decodes one token for every running row."""
         budget = self.prefill_chunk
-        for row, slot in enumerate(self._slots):
-            if slot is None or slot.prefilled == len(slot.handle.prompt) or budget == 0:
-                continue
+        prefilling = [row for row, slot in enumerate(self._slots)
+                      if slot is not None and slot.prefilled < len(slot.handle.prompt)]
+        for row in sorted(prefilling, key=lambda row: self._slots[row].order):
+            slot = self._slots[row]
+            if budget == 0:
+                break
             try:
                 budget -= self._prefill(row, slot, budget)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
@@ -336,9 +355,12 @@ class Engine:
         return used
 
     def _batch_inputs(self) -> tuple:
-        """The step's `[max_batch]` inputs: each row's last token, whether it runs, and its knobs."""
+        """The step's inputs for the first rows, enough to hold every running one (a count of
+        `_row_counts`): each row's last token, whether it runs, and its knobs."""
         running = [slot if slot is not None and slot.prefilled == len(slot.handle.prompt) else None
                    for slot in self._slots]
+        last = max(row for row, slot in enumerate(running) if slot is not None)
+        running = running[:next(n for n in self._row_counts if n > last)]
         tokens = np.asarray([0 if slot is None else slot.token for slot in running], np.int32)
         active = np.asarray([slot is not None for slot in running])
         return tokens, active, *self._knobs([None if slot is None else slot.handle for slot in running])
