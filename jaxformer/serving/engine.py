@@ -36,7 +36,7 @@ from jaxformer.decoder import Decoder
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p, sample_rows
 from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError, finite_logits
 from jaxformer.training import check_seed
-from jaxformer.validation import as_int
+from jaxformer.validation import as_int, python_int
 
 
 class QueueFull(RuntimeError):
@@ -238,6 +238,8 @@ class Engine:
           EngineClosed: the engine is shutting down.
         """
         c = self.model.config
+        if any(python_int(i) is None for i in prompt):
+            raise ValueError(f"prompt must hold integer token ids (got {list(prompt)[:8]!r}...)")
         prompt = [int(i) for i in prompt]
         if not prompt:
             raise ValueError("prompt must hold at least one token")

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_compiles
+from conftest import count_compiles, random_params
 from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
 
-from jaxformer import Decoder, generate
+from jaxformer import Decoder, DecoderConfig, generate
 from jaxformer.decoding.sampling import filtered_logits, sample_rows
 from jaxformer.serving import Engine, EngineClosed, QueueFull
 from jaxformer.serving.engine import pieces
@@ -71,6 +71,23 @@ def test_sixteen_requests_of_different_lengths_get_what_each_gets_alone(engine, 
         assert tokens == want
         assert finish_reason == ("length" if len(want) == n else "stop")
     assert {r[1] for r in results} == {"stop", "length"}
+
+
+def test_sliding_window_layers_prefilled_in_padded_pieces_decode_as_alone():
+    """Gemma's layout: a ring of the last positions for the sliding layers, which a padded piece
+    must not fill with its padding. Prompts past the window and past a chunk, on 4 rows."""
+    config = DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64,
+                           layer_types=("sliding", "full"), sliding_window=6)
+    model, params = Decoder(config), random_params(config, seed=3)
+    engine = Engine(model, params, max_batch=4, prefill_chunk=8)
+    try:
+        prompts = [list(range(1, 1 + n)) for n in (3, 7, 11, 13, 21, 5)]
+        handles = [engine.submit(row, 12) for row in prompts]
+        for row, handle in zip(prompts, handles):
+            want = np.asarray(generate(model, params, jnp.asarray([row]), max_new_tokens=12))[0, len(row):]
+            assert handle.result()[0] == want.tolist()
+    finally:
+        engine.close()
 
 
 def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_batch(engine):
@@ -145,6 +162,7 @@ def test_a_full_queue_refuses_and_a_failing_request_fails_alone(params):
 
 @pytest.mark.parametrize("prompt, max_tokens, sampling, message", [
     ([], 4, {}, r"prompt must hold at least one token"),
+    ([5, 2.5], 4, {}, r"prompt must hold integer token ids"),
     ([5, CONFIG.vocab_size], 4, {}, rf"token id {CONFIG.vocab_size}, outside the model's vocabulary \[0, 320\)"),
     ([5, -1], 4, {}, r"token id -1, outside"),
     ([5] * 90, 7, {}, r"the prompt's 90 tokens and max_tokens 7 make 97, past the server's max_seq_len 96"),
