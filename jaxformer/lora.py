@@ -153,7 +153,10 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
             raise ValueError(f"{file}: {key} {given[key]!r} is not read here (only {plain!r})")
     targets = given.get("target_modules")
     targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
-    lora = LoraConfig(rank=given.get("r"), alpha=given.get("lora_alpha"), targets=targets)
+    try:
+        lora = LoraConfig(rank=given.get("r"), alpha=given.get("lora_alpha"), targets=targets)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
     tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS_FILE))
     adapters: dict = {}
     shapes = {t.path: t.shape for t in family_of(config).tensors(config)}

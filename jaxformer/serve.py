@@ -16,18 +16,16 @@ import signal
 import sys
 import time
 
-import jax.numpy as jnp
-
 from jaxformer.command_line import OneLineParser, fail, run_command
 from jaxformer.convert import load_hf
 from jaxformer.decoder import Decoder
 from jaxformer.serving.engine import Engine
-from jaxformer.text.tokenizer import load_tokenizer
+from jaxformer.text.generate import DTYPES
+from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
 from jaxformer.training import enable_compilation_cache
 from jaxformer.validation import as_int
 
 PROG = "python -m jaxformer.serve"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def parse_args(argv=None):
@@ -74,10 +72,7 @@ def load(args):
     """The engine and the tokenizer of --checkpoint, every limit checked (`ValueError`, `OSError`)."""
     tokenizer = load_tokenizer(args.checkpoint)
     config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
-    for name, value in (("pad", tokenizer.pad_id), *(("eos", i) for i in tokenizer.stop_ids)):
-        if value is not None and value >= config.vocab_size:
-            raise ValueError(f"{args.checkpoint}: the tokenizer's {name} id {value} is past the model's vocab_size "
-                             f"{config.vocab_size}")
+    check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
     engine = Engine(Decoder(config), params, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                     max_queue=args.max_queue, stop_ids=tokenizer.stop_ids)
     return engine, tokenizer

@@ -56,7 +56,9 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
     with the last one kept are kept.
 
     Args:
-      logits: `[batch, vocab]`; key: this step's PRNG key.
+      logits: `[batch, vocab]`.
+      key: this step's PRNG key, or one key per row (`[batch]`): then a row's draw depends on
+        its own key alone, not on the rows beside it (a server's requests, each with its seed).
       temperature: `[batch]`; 0 takes the row's argmax.
       top_k: int `[batch]` in `[1, vocab]`; top_p: `[batch]` in `(0, 1]` (`vocab`, 1: all).
 
@@ -66,28 +68,14 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
 
     def sample(_):
-        sampled = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p), axis=-1)
+        filtered = filtered_logits(logits, temperature, top_k, top_p)  # [batch, vocab]
+        if key.ndim == 0:
+            sampled = jax.random.categorical(key, filtered, axis=-1)
+        else:
+            sampled = jax.vmap(jax.random.categorical)(key, filtered)  # one draw per row, its own key
         return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
     # A cond, not a where: when every row is greedy the sort and the sampling are skipped.
-    return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
-
-
-def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                top_p: jax.Array) -> jax.Array:
-    """`sample_token` with a key per row (`keys` `[batch]`): a row's draw depends on its own key
-    alone, not on which rows share its batch (a server's requests, each with its seed).
-
-    Returns:
-      int32 `[batch]` token ids.
-    """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [batch]
-
-    def sample(_):
-        filtered = filtered_logits(logits, temperature, top_k, top_p)  # [batch, vocab]
-        sampled = jax.vmap(jax.random.categorical)(keys, filtered)  # one draw per row, its own key
-        return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
-
     return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
 
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.decoder import Decoder
-from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p, sample_rows
+from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p, sample_token
 from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError, finite_logits
 from jaxformer.training import check_seed
 from jaxformer.validation import as_int, python_int
@@ -173,7 +173,7 @@ class Engine:
 
         def pick(logits, seeds, made, temperature, top_k, top_p):  # logits [rows, vocab], the rest [rows]
             keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(seeds, made)
-            token = sample_rows(logits, keys, temperature, top_k, top_p)  # [rows]
+            token = sample_token(logits, keys, temperature, top_k, top_p)  # [rows]
             return jnp.where(finite_logits(logits), token, NO_TOKEN)
 
         def step(params, cache, tokens, active, seeds, made, temperature, top_k, top_p):  # [rows] each
@@ -325,7 +325,7 @@ class Engine:
             return
         try:
             tokens, self._cache = self._step(self.params, self._cache, *self._batch_inputs())
-            tokens = np.asarray(tokens)  # [max_batch]
+            tokens = np.asarray(tokens)  # [rows]: the step's one read back to the host
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: its requests fail, the engine goes on
             self._cache = self.model.init_cache(self.max_batch, self.capacity)
             for row in running:

@@ -159,9 +159,6 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, vocab_s
         raise invalid(str(e), "messages" if chat else "prompt") from None
     if not ids:
         raise invalid("the prompt encodes to no token", "messages" if chat else "prompt")
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise invalid(f"prompt holds token id {bad[0]}, outside the model's vocabulary [0, {vocab_size})", "prompt")
     # max_completion_tokens is the newer name of max_tokens; a chat runs to the end of the context by default.
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _field(body, param, (int,), "a positive integer")

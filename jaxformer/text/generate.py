@@ -30,7 +30,7 @@ from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
-from jaxformer.text.tokenizer import Tokenizer, load_tokenizer
+from jaxformer.text.tokenizer import Tokenizer, check_fits_model, load_tokenizer
 from jaxformer.training import check_seed, enable_compilation_cache
 from jaxformer.validation import as_int
 
@@ -384,10 +384,7 @@ def load(args, prompts: list[str]):
                              scan_layers=args.scan_layers)
     check_prompts(ids, prompts, args.max_new_tokens, config.max_seq_len, config.vocab_size)
     options(args).check(config.vocab_size, names=FLAG_NAMES)
-    for name, value in (("pad", tokenizer.pad_id), *(("eos", i) for i in tokenizer.stop_ids)):
-        if value is not None and value >= config.vocab_size:
-            raise ValueError(f"{args.checkpoint}: the tokenizer's {name} id {value} is past the model's vocab_size "
-                             f"{config.vocab_size}")
+    check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
     model = Decoder(config)
     check_memory(model, ids, args)
     return tokenizer, ids, model, params

@@ -92,6 +92,14 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
+def check_fits_model(tokenizer: Tokenizer, vocab_size: int, where: str) -> None:
+    """Raises `ValueError`, naming `where` (the folder), unless the tokenizer's pad and EOS ids
+    are ids of the model's vocabulary."""
+    for name, value in (("pad", tokenizer.pad_id), *(("eos", i) for i in tokenizer.stop_ids)):
+        if value is not None and value >= vocab_size:
+            raise ValueError(f"{where}: the tokenizer's {name} id {value} is past the model's vocab_size {vocab_size}")
+
+
 def _preview(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[:limit] + "...")
 

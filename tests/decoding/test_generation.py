@@ -7,6 +7,7 @@ from conftest import SMALL, count_compiles, random_params
 
 from jaxformer import Decoder, generate, sample_token, stream
 from jaxformer.decoding import DecodeRequest, finish, start
+from jaxformer.decoding.sampling import filtered_logits
 
 MODEL = Decoder(SMALL)
 # Large random weights: greedy continuations vary instead of repeating one token.
@@ -258,3 +259,22 @@ def test_new_prompt_or_knob_values_do_not_recompile():
 def test_bad_input_is_rejected_before_jit(prompt, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(MODEL, PARAMS, prompt, **kwargs)
+
+
+def test_sample_token_with_a_key_per_row_draws_each_row_from_its_own_distribution():
+    """A key per row (a server's requests, each with its seed): frequencies are the filtered
+    softmax, and a row's draw does not move when the other rows' keys do."""
+    logits = jax.random.normal(jax.random.key(0), (3, 6)) * 2  # [rows, vocab]
+    temperature, top_k, top_p = jnp.array([0.7, 1.0, 0.0]), jnp.array([6, 3, 6]), jnp.array([1.0, 1.0, 1.0])
+    draws = 20000
+    keys = jax.random.split(jax.random.key(1), (draws, 3))  # [draws, rows]
+    tokens = jax.vmap(lambda k: sample_token(logits, k, temperature, top_k, top_p))(keys)  # [draws, rows]
+    want = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1)  # [rows, vocab]
+    for r in range(2):
+        freq = np.bincount(np.asarray(tokens[:, r]), minlength=6) / draws
+        np.testing.assert_allclose(freq, want[r], atol=0.015)  # ~4 standard errors at 20000 draws
+    assert np.all(np.asarray(tokens[:, 2]) == int(jnp.argmax(logits[2])))  # temperature 0: the argmax
+    # Row 0's draw depends on row 0's key alone: changing the other rows' keys changes nothing.
+    other = keys.at[:, 1:].set(jax.random.split(jax.random.key(2), (draws, 2)))
+    again = jax.vmap(lambda k: sample_token(logits, k, temperature, top_k, top_p))(other)
+    np.testing.assert_array_equal(again[:, 0], tokens[:, 0])

@@ -11,8 +11,10 @@ import sys
 import threading
 import time
 
+import httpx
 import jax.numpy as jnp
 import numpy as np
+import openai  # (the test extra: the server's tests talk to it with the official client)
 import pytest
 from conftest import init_params
 from tiny import CONFIG, COUNT, DIALOGUES, TOKENIZER, save_folder, trained_params
@@ -21,8 +23,6 @@ from jaxformer import Decoder, DecoderConfig, generate
 from jaxformer.convert import save_hf
 from jaxformer.text import completion_text, render_chat, save_tokenizer
 
-openai = pytest.importorskip("openai", reason="the server's tests need the test extra: pip install -e '.[test]'")
-httpx = pytest.importorskip("httpx")
 
 KEY = "test-key-1234"
 NAME = "tiny-chat"

@@ -11,7 +11,6 @@ from conftest import count_compiles, random_params
 from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
 
 from jaxformer import Decoder, DecoderConfig, generate
-from jaxformer.decoding.sampling import filtered_logits, sample_rows
 from jaxformer.serving import Engine, EngineClosed, QueueFull
 from jaxformer.serving.engine import pieces
 
@@ -101,23 +100,6 @@ def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_batch(engine)
     assert other_seed != lone  # (30 draws at temperature 4 from a fresh key: equal by chance only if broken)
     for handle in company:
         handle.result()
-
-
-def test_sample_rows_draws_each_row_from_its_own_filtered_distribution():
-    logits = jax.random.normal(jax.random.key(0), (3, 6)) * 2  # [rows, vocab]
-    temperature, top_k, top_p = jnp.array([0.7, 1.0, 0.0]), jnp.array([6, 3, 6]), jnp.array([1.0, 1.0, 1.0])
-    draws = 20000
-    keys = jax.random.split(jax.random.key(1), (draws, 3))  # [draws, rows]
-    tokens = jax.vmap(lambda k: sample_rows(logits, k, temperature, top_k, top_p))(keys)  # [draws, rows]
-    want = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), axis=-1)  # [rows, vocab]
-    for r in range(2):
-        freq = np.bincount(np.asarray(tokens[:, r]), minlength=6) / draws
-        np.testing.assert_allclose(freq, want[r], atol=0.015)  # ~4 standard errors at 20000 draws
-    assert np.all(np.asarray(tokens[:, 2]) == int(jnp.argmax(logits[2])))  # temperature 0: the argmax
-    # Row 0's draw depends on row 0's key alone: changing the other rows' keys changes nothing.
-    other = keys.at[:, 1:].set(jax.random.split(jax.random.key(2), (draws, 2)))
-    again = jax.vmap(lambda k: sample_rows(logits, k, temperature, top_k, top_p))(other)
-    np.testing.assert_array_equal(again[:, 0], tokens[:, 0])
 
 
 def test_cancel_frees_the_slot_at_the_next_step(params):
