@@ -5,7 +5,10 @@ a character (alone it decodes to U+FFFD), and sentencepiece decodes a word's lea
 only after something (`"▁world"` alone is `"world"`). So `TextStream` decodes the whole
 completion so far behind the prompt's last few ids, hands out what was added since the
 last call, and holds back a trailing U+FFFD until its character completes. The decoders
-only ever extend the text as ids are added, so the pieces join to `completion_text`.
+only ever extend the text as ids are added, so the pieces join to `completion_text`. Once
+`REBASE_IDS` ids have come out whole, their last few become the context and the rest is
+dropped, so each push decodes a few dozen ids however long the completion grows (a server
+pushes every token of every stream).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from jaxformer.text.tokenizer import Tokenizer
 
 CONTEXT_IDS = 4  # prompt ids decoded ahead of the completion: enough for a leading space
 REPLACEMENT = "\ufffd"  # what a decoder makes of bytes that do not (yet) form a character
+REBASE_IDS = 32  # completion ids decoded again at each push, at most, before they become context
 
 
 class TextStream:
@@ -45,11 +49,22 @@ class TextStream:
     def push(self, ids: Iterable[int]) -> str:
         """Adds the next ids; returns the text they add ('' while a character is unfinished)."""
         self._ids += [int(i) for i in ids]
-        text = self._text().rstrip(REPLACEMENT)
+        whole = self._text()
+        text = whole.rstrip(REPLACEMENT)
         if not text.startswith(self._sent):
             return ""  # a decoder that rewrites earlier text: wait until it extends what was sent
         piece, self._sent = text[len(self._sent):], text
+        if text == whole and len(self._ids) >= REBASE_IDS:
+            self._rebase()
         return piece
+
+    def _rebase(self) -> None:
+        """Makes the last `CONTEXT_IDS` ids the context, all of their text sent (unless they end
+        inside a character: then nothing changes until they do not)."""
+        context_ids = (self._context_ids + self._ids)[-CONTEXT_IDS:]
+        context = self._tokenizer.decode(context_ids)
+        if not context.endswith(REPLACEMENT):
+            self._context_ids, self._context, self._ids, self._sent = context_ids, context, [], ""
 
     def finish(self) -> str:
         """The rest of the text, an unfinished character included (as U+FFFD)."""

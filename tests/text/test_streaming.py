@@ -1,13 +1,15 @@
 """TextStream: pieces that join into the completion's text, with no broken character and
 no lost space, whatever the tokens' boundaries."""
 
+import dataclasses
+
 import pytest
 from checkpoints import CORPUS, bpe_tokenizer
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jaxformer.text import Tokenizer, TextStream, completion_text
-from jaxformer.text.streaming import REPLACEMENT
+from jaxformer.text.streaming import CONTEXT_IDS, REBASE_IDS, REPLACEMENT
 
 BPE = Tokenizer(bpe_tokenizer())
 # 龍 and 鳳 are not in the corpus: the tokenizer spells each in three byte tokens.
@@ -64,3 +66,25 @@ def test_a_prompt_without_usable_context_decodes_the_completion_alone(prompt):
         ids = ids[:-1]  # the prompt ends inside 龍: its bytes are not context
     completion = BPE.encode(" then more", add_special_tokens=False)
     assert completion_text(BPE, ids, completion) == " then more"
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingTokenizer(Tokenizer):
+    """The tokenizer, noting how many ids each decode is given."""
+
+    lengths: list = dataclasses.field(default_factory=list)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        ids = list(ids)
+        self.lengths.append(len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_a_long_completion_decodes_a_bounded_window_at_each_push():
+    ids = BPE.encode(TEXT * 12, add_special_tokens=False)  # some 500 ids, characters split in bytes among them
+    counting = CountingTokenizer(BPE.backend, BPE.special_tokens)
+    pieces = _pieces(counting, BPE.encode("Attention: "), ids)
+    assert "".join(pieces) == TEXT * 12 == BPE.decode(ids)
+    assert not any(REPLACEMENT in piece for piece in pieces)
+    # Each decode stays near a window (a rebase waits while a character is split), however long the text:
+    assert len(ids) > 10 * REBASE_IDS and max(counting.lengths) < 2 * (CONTEXT_IDS + REBASE_IDS)
