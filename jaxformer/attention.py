@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.cache import LayerKV
+from jaxformer.lora import project
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope
 from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_param, param
@@ -111,9 +112,10 @@ class GQASelfAttention(nn.Module):
         wv = compute_param(self, "wv", init, (d, K, D), (EMBED, KV_HEADS, HEAD_DIM))
         wo = compute_param(self, "wo", residual_init, (H, D, d), (HEADS, HEAD_DIM, EMBED))
 
-        q = jnp.einsum("btd,dhk->bthk", x, wq)  # [batch, T, n_head, head_dim]
-        k = jnp.einsum("btd,dnk->btnk", x, wk)  # [batch, T, n_kv, head_dim]
-        v = jnp.einsum("btd,dnk->btnk", x, wv)  # [batch, T, n_kv, head_dim]
+        # (`project` is the einsum, plus an adapter's low-rank term where `config.lora` adds one.)
+        q = project(self, "wq", "btd,dhk->bthk", x, wq)  # [batch, T, n_head, head_dim]
+        k = project(self, "wk", "btd,dnk->btnk", x, wk)  # [batch, T, n_kv, head_dim]
+        v = project(self, "wv", "btd,dnk->btnk", x, wv)  # [batch, T, n_kv, head_dim]
         if c.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
             q = q + compute_param(self, "bq", nn.initializers.zeros, (H, D), (HEADS, HEAD_DIM))
             k = k + compute_param(self, "bk", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
@@ -149,7 +151,7 @@ class GQASelfAttention(nn.Module):
         else:
             out, weights, layer_cache = attend(mask, layer_cache)
             self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
-        return jnp.einsum("bthk,hkd->btd", out, wo), layer_cache  # concat heads, then W_O
+        return project(self, "wo", "bthk,hkd->btd", out, wo), layer_cache  # concat heads, then W_O
 
 
 class MultiHeadAttention(nn.Module):

@@ -129,6 +129,54 @@ class RopeScaling:
         return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
 
+# LoRA's targets, by peft's (transformers') module names, and the parameter each adapts in a
+# block: attention's in `attn`, the gated FFN's in `mlp`.
+LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
+                "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA on a decoder: which matrices learn a low-rank change `(alpha / rank) * A @ B`.
+
+    Attributes:
+      rank: r, the adapters' inner size, >= 1.
+      alpha: the scale's numerator (peft's `lora_alpha`), > 0.
+      targets: peft's names of the adapted matrices (`LORA_TARGETS`' keys), in every block.
+      dropout: the rate of the dropout on each adapter's input (peft's `lora_dropout`), in
+        [0, 1); it applies only where a `dropout` rng is given, as in training.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        _check(self, as_int, "rank", minimum=1)
+        _check(self, as_float, "alpha", above=0)
+        _check(self, as_float, "dropout", at_least=0, below=1)
+        targets = self.targets
+        _require(self, isinstance(targets, (tuple, list)) and len(targets) > 0 and len(set(targets)) == len(targets)
+                 and all(t in LORA_TARGETS for t in targets), "targets",
+                 f"distinct names among {', '.join(LORA_TARGETS)}")
+        object.__setattr__(self, "targets", tuple(targets))
+
+    def replace(self, **changes) -> "LoraConfig":
+        """A copy with `changes` applied, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def scale(self) -> float:
+        """`alpha / rank`, what `A @ B` is multiplied by."""
+        return self.alpha / self.rank
+
+    @property
+    def param_names(self) -> frozenset[str]:
+        """The adapted parameters' names in a block (`wq`, `w_up`, ...)."""
+        return frozenset(LORA_TARGETS[t] for t in self.targets)
+
+
 class _ModelConfig:
     """What both configs share."""
 
@@ -198,6 +246,10 @@ class DecoderConfig(_ModelConfig):
         (Gemma 2 and 3: `x + norm(attn(norm(x)))`).
       hf_model_type: the checkpoint family (config.json's `model_type`) `load_hf` read, which
         `save_hf` writes again; None: "qwen2" with q/k/v biases, else "llama".
+      lora: a `LoraConfig`: the model then adds each adapter of the `lora` variable
+        collection to its matrix's product (`jaxformer.lora`); None: no adapters.
+      remat: each block's activations are recomputed in the backward pass instead of kept
+        (`flax.linen.remat`): less memory for a little more compute; the same math.
     """
 
     vocab_size: int = 256
@@ -230,6 +282,8 @@ class DecoderConfig(_ModelConfig):
     final_logit_softcap: float | None = None
     post_norms: bool = False
     hf_model_type: str | None = None
+    lora: LoraConfig | None = None
+    remat: bool = False
 
     def __post_init__(self):
         # Each field's kind first: the rules between fields below compare plain numbers.
@@ -239,7 +293,10 @@ class DecoderConfig(_ModelConfig):
         _check(self, as_int, "d_ff", "head_dim_override", minimum=1, optional=True)
         _check(self, as_float, "rope_theta", "norm_eps", above=0)
         _check(self, as_bool, "tie_embeddings", "qkv_bias", "scan_layers", "qk_norm", "norm_plus_one", "embed_scale",
-               "post_norms")
+               "post_norms", "remat")
+        _require(self, self.lora is None or isinstance(self.lora, LoraConfig), "lora", "None or a LoraConfig")
+        _require(self, self.lora is None or not self.scan_layers, "lora",
+                 "None with scan_layers=True: adapters are kept per block (block_{i})")
         _check(self, one_of, "rope_pairing", choices=ROPE_PAIRINGS)
         _check(self, one_of, "mlp_activation", choices=MLP_ACTIVATIONS)
         _check(self, as_int, "sliding_window", minimum=1, optional=True)

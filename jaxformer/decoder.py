@@ -95,13 +95,19 @@ class Block(nn.Module):
         return (x, cache_part), None
 
 
-def scanned_blocks(n_layer: int):
+def block_type(config: DecoderConfig) -> type[nn.Module]:
+    """`Block`, or with `config.remat` a `Block` whose activations the backward pass
+    recomputes from its input rather than keeps (one block's at a time are alive)."""
+    return nn.remat(Block) if config.remat else Block
+
+
+def scanned_blocks(config: DecoderConfig):
     """`Block` run `n_layer` times as one: parameters, their axis names and the sown
     intermediates gain a leading layer axis, each block its own init key; the cache rides
     in the carry, and each block reads its own `(is_sliding, index)`."""
-    return nn.scan(Block, variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
+    return nn.scan(block_type(config), variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
                    split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
-                   length=n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
+                   length=config.n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
 
 
 def attention_views(config: DecoderConfig, position: jax.Array, key_positions: dict) -> dict:
@@ -213,12 +219,12 @@ class Decoder(nn.Module):
             split = cache is not None and isinstance(cache.layers, SplitStacks)
             index = jnp.asarray(rank, jnp.int32) if split else jnp.arange(c.n_layer)  # [n_layer]
             layer = (jnp.asarray(sliding) if len(set(c.attention_types)) > 1 else None, index)
-            (x, new_layers), _ = scanned_blocks(c.n_layer)(c, name="blocks")(
+            (x, new_layers), _ = scanned_blocks(c)(c, name="blocks")(
                 (x, None if cache is None else cache.layers), views, pos, stop, layer)
         else:
             new_layers = []
             for i, kind in enumerate(c.attention_types):
-                (x, layer_cache), _ = Block(c, kind, name=f"block_{i}")(
+                (x, layer_cache), _ = block_type(c)(c, kind, name=f"block_{i}")(
                     (x, None if cache is None else cache.layers[i]), views, pos, stop, (None, None))
                 new_layers.append(layer_cache)
         x = norm(c, "final_norm")(x)

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxformer.lora import project
 from jaxformer.sharding import EMBED, MLP, compute_param
 
 
@@ -57,15 +58,20 @@ def _swiglu_bwd(residuals, dy):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def gelu_tanh(z: jax.Array) -> jax.Array:
+    """GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`), `0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))`."""
+    return jax.nn.gelu(z, approximate=True)
+
+
 def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """`(gelu(x W_gate) * (x W_up)) W_down` with GELU's tanh approximation (Gemma's
-    `gelu_pytorch_tanh`, `0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))`); shapes as `swiglu`."""
+    """`(gelu_tanh(x W_gate) * (x W_up)) W_down`; shapes as `swiglu`."""
     gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
     up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
-    return jnp.einsum("btf,fd->btd", jax.nn.gelu(gate, approximate=True) * up, w_down)  # [batch, T, d_model]
+    return jnp.einsum("btf,fd->btd", gelu_tanh(gate) * up, w_down)  # [batch, T, d_model]
 
 
 GATED_FFNS = {"silu": swiglu, "gelu_tanh": geglu}  # `DecoderConfig.mlp_activation` -> its FFN
+GATES = {"silu": jax.nn.silu, "gelu_tanh": gelu_tanh}  # ... and its gate's nonlinearity
 
 
 class SwiGLU(nn.Module):
@@ -86,7 +92,12 @@ class SwiGLU(nn.Module):
         w_gate = compute_param(self, "w_gate", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
         w_up = compute_param(self, "w_up", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
         w_down = compute_param(self, "w_down", residual_init, (c.ffn_dim, c.d_model), (MLP, EMBED))
-        return GATED_FFNS[c.mlp_activation](x, w_gate, w_up, w_down)  # [batch, T, d_model]
+        if c.lora is None or not c.lora.param_names & {"w_gate", "w_up", "w_down"}:
+            return GATED_FFNS[c.mlp_activation](x, w_gate, w_up, w_down)  # [batch, T, d_model]
+        # With adapters, each product is `project`'s (the fused FFNs above take bare matrices).
+        gate = project(self, "w_gate", "btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
+        up = project(self, "w_up", "btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
+        return project(self, "w_down", "btf,fd->btd", GATES[c.mlp_activation](gate) * up, w_down)  # [batch, T, d]
 
 
 class FeedForward(nn.Module):

@@ -1,13 +1,19 @@
-"""LoRA as a function of the parameter tree: `W + (alpha / r) * A @ B` on chosen matrices.
+"""LoRA: a frozen matrix `W` learns a low-rank change, `W + (alpha / r) * A @ B`.
 
-The model's modules are untouched: `merge(params, adapters, lora)` returns the tree the
-`Decoder` runs, so a fine-tune differentiates `merge` with respect to the adapters alone and
-the base stays as it was loaded. A matrix `W` of shape `[in..., out...]` (q's `[d, H, D]`, o's
-`[H, D, d]`) is read as `[n_in, n_out]`; its adapter is `a` `[n_in, r]` and `b` `[r, n_out]`,
-peft's `lora_A.weight` `[r, n_in]` and `lora_B.weight` `[n_out, r]` transposed. As in peft,
-`a` starts uniform in `±1/sqrt(n_in)` (kaiming-uniform with a = sqrt(5)) and `b` at zero, so
-a new adapter changes nothing. (Dropout on the adapter's input, which needs the unmerged
-path, is not here yet: merging gives peft's forward with `lora_dropout=0`.)
+A matrix `W` of shape `[in..., out...]` (q's `[d, H, D]`, o's `[H, D, d]`) is read as `[n_in,
+n_out]`; its adapter is `a` `[n_in, r]` and `b` `[r, n_out]`, peft's `lora_A.weight` `[r,
+n_in]` and `lora_B.weight` `[n_out, r]` transposed. As in peft, `a` starts uniform in
+`±1/sqrt(n_in)` (kaiming-uniform with a = sqrt(5)) and `b` at zero, so a new adapter changes
+nothing. The adapters are a tree shaped like the blocks' parameters, `{block: {part: {name:
+{"a", "b"}}}}`, and take part in two ways:
+
+- unmerged, in training: a model whose `DecoderConfig.lora` is set reads them as the `lora`
+  variable collection, `apply({"params": base, "lora": adapters}, tokens, rngs={"dropout":
+  key})`, and each adapted product becomes `x W + scale * dropout(x) a b` (`project`), as
+  peft computes it. Only the adapters are differentiated: the base is read, never updated,
+  and no gradient the size of `W` is formed;
+- merged, to export or evaluate: `merge(params, adapters, lora)` is the parameter tree with
+  each `W` replaced by `W + scale * a b`, which the plain model runs.
 """
 
 from __future__ import annotations
@@ -21,43 +27,69 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import DecoderConfig
+import flax.linen as nn
+
+from jaxformer.config import LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.families import family_of
 from jaxformer.files import write_atomically, write_text_atomically
-from jaxformer.validation import as_float, as_int
 
 # peft's target names (transformers' module names) and the parameters they are in a block.
-TARGETS = {"q_proj": ("attn", "wq"), "k_proj": ("attn", "wk"), "v_proj": ("attn", "wv"), "o_proj": ("attn", "wo"),
-           "gate_proj": ("mlp", "w_gate"), "up_proj": ("mlp", "w_up"), "down_proj": ("mlp", "w_down")}
+PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp"}
+TARGETS = {target: (PARTS[name], name) for target, name in LORA_TARGETS.items()}
 INPUT_AXES = {"wo": 2}  # o's input is its heads and their channels; every other target's is its first axis
+LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its adapters from
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
+__all__ = ["LORA_COLLECTION", "LoraConfig", "init_lora", "load_peft", "merge", "project", "save_peft"]
 
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """Which matrices get an adapter, of what rank, scaled by `alpha / rank`.
 
-    Attributes:
-      rank: r, the adapters' inner size, >= 1.
-      alpha: the scale's numerator (peft's `lora_alpha`), > 0.
-      targets: peft's names of the matrices (`TARGETS`' keys), in every block.
+def project(module: nn.Module, name: str, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`einsum(equation, x, w)`: the product of a block's matrix `name`, and where the
+    module's `config.lora` adapts it, plus `scale * dropout(x) a b` (peft's forward, unmerged).
+
+    The equation's letters shared by `x` and `w` are the matrix's input axes, which come
+    first in `w` (`"btd,dhk->bthk"`: input `d`, output `hk`); `a` and `b` are read through
+    them as `[in..., r]` and `[r, out...]`. Dropout applies where the call has a `dropout`
+    rng (`apply(..., rngs={"dropout": key})`), each matrix drawing its own mask as peft's
+    modules do.
+
+    Args:
+      module: the calling module (`GQASelfAttention`, `SwiGLU`), with its `config`.
+      name: the parameter's name in the block (`wq`, `w_down`, ...).
+      equation: the product's einsum, `x`'s letters then `w`'s.
+      x: the input, in the compute dtype.
+      w: the matrix, in the compute dtype.
+
+    Returns:
+      The product, in `x`'s dtype.
+
+    Raises:
+      ValueError: `config.lora` adapts `name` but the call has no adapter for it.
     """
-
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
-
-    def __post_init__(self):
-        as_int(self.rank, "rank", minimum=1)
-        as_float(self.alpha, "alpha", above=0)
-        unknown = [t for t in self.targets if t not in TARGETS]
-        if not self.targets or unknown or len(set(self.targets)) != len(self.targets):
-            raise ValueError(f"targets must be distinct names among {', '.join(TARGETS)} (got {self.targets!r})")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+    y = jnp.einsum(equation, x, w)
+    lora = module.config.lora
+    if lora is None or name not in lora.param_names:
+        return y  # the model's plain product: nothing else is traced
+    if not module.has_variable(LORA_COLLECTION, name):
+        if module.is_initializing():
+            return y  # `init` makes the base's parameters; the adapters come from `init_lora`
+        raise ValueError(f"config.lora adapts {name}, but apply() was given no {LORA_COLLECTION!r} "
+                         f"variables for it: pass {{'params': ..., {LORA_COLLECTION!r}: init_lora(...)}}")
+    adapter = module.get_variable(LORA_COLLECTION, name)
+    inputs, out_spec = equation.split("->")
+    x_spec, w_spec = inputs.split(",")
+    n_in = sum(axis in x_spec for axis in w_spec)
+    in_spec, w_out_spec = w_spec[:n_in], w_spec[n_in:]  # w's input axes come first
+    rows = "".join(axis for axis in x_spec if axis not in w_spec)  # batch and positions
+    a = adapter["a"].reshape(*w.shape[:n_in], lora.rank).astype(x.dtype)  # [in..., r]
+    b = adapter["b"].reshape(lora.rank, *w.shape[n_in:]).astype(x.dtype)  # [r, out...]
+    if lora.dropout > 0 and module.has_rng("dropout"):
+        # Inverted dropout, as torch's: kept inputs scaled by 1 / (1 - p), so the mean is unchanged.
+        keep = jax.random.bernoulli(module.make_rng("dropout"), 1 - lora.dropout, x.shape)
+        x = jnp.where(keep, x / (1 - lora.dropout), 0).astype(x.dtype)
+    low = jnp.einsum(f"{x_spec},{in_spec}r->{rows}r", x, a)  # [rows..., r]; no equation here uses the letter r
+    return y + lora.scale * jnp.einsum(f"{rows}r,r{w_out_spec}->{out_spec}", low, b)
 
 
 def _matrices(params, lora: LoraConfig):
@@ -127,7 +159,7 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
         tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(np.asarray(ab["a"], np.float32).T)  # [r, n_in]
         tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(np.asarray(ab["b"], np.float32).T)  # [n_out, r]
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-                      "target_modules": sorted(lora.targets), "lora_dropout": 0.0, "bias": "none",
+                      "target_modules": sorted(lora.targets), "lora_dropout": lora.dropout, "bias": "none",
                       "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": base_model,
                       "inference_mode": True}
     data = save(tensors, metadata={"format": "pt"})
@@ -154,7 +186,8 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
     targets = given.get("target_modules")
     targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
     try:
-        lora = LoraConfig(rank=given.get("r"), alpha=given.get("lora_alpha"), targets=targets)
+        lora = LoraConfig(rank=given.get("r"), alpha=given.get("lora_alpha"), targets=targets,
+                          dropout=given.get("lora_dropout") or 0.0)
     except ValueError as e:
         raise ValueError(f"{file}: {e}") from None
     tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS_FILE))

@@ -40,9 +40,10 @@ from train.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_
                                record_session, record_snapshot, write_report)
 
 DTYPES = ("float32", "bfloat16")
-# Config fields a run may change on resume: parameters and optimizer state are stored in
-# param_dtype (float32 in both demos), so the compute precision is not part of the run.
-DTYPE_FIELDS = ("dtype", "param_dtype", "cache_dtype")
+# Config fields a run may change on resume: how it computes, not what it learns. Parameters
+# and optimizer state are stored in float32, so the compute precision is not part of the
+# run, and recomputing activations (remat) gives the same gradients.
+DTYPE_FIELDS = ("dtype", "param_dtype", "cache_dtype", "remat")
 # What --export writes (`jaxformer.convert.save_hf`, then `jaxformer.text.save_tokenizer`):
 # a folder that holds nothing else is a previous export, which the new one replaces whole.
 EXPORT_FILES = (MODEL_CONFIG_FILE, GENERATION_CONFIG_FILE, "model.safetensors", TOKENIZER_FILE,
@@ -133,16 +134,18 @@ def add_run_flags(parser: argparse.ArgumentParser, run_name: str, checkpoint_eve
     parser.set_defaults(export=None)  # a demo that can export adds the flag (add_export_flag)
 
 
-def add_export_flag(parser: argparse.ArgumentParser) -> None:
-    """`--export DIR`, for a demo whose model `jaxformer.convert.save_hf` writes."""
-    parser.add_argument("--export", type=Path, default=None, metavar="DIR",
-                        help="after training and evaluation, write the model and its tokenizer as a Hugging Face "
+def add_export_flag(parser: argparse.ArgumentParser, flag: str = "--export", help: str | None = None) -> None:
+    """`--export DIR` (or another `flag`, into `RunOptions.export`), for a demo whose model
+    `jaxformer.convert.save_hf` writes."""
+    parser.set_defaults(export_flag=flag)
+    parser.add_argument(flag, dest="export", type=Path, default=None, metavar="DIR",
+                        help=help or "after training and evaluation, write the model and its tokenizer as a Hugging Face "
                              "folder (transformers' AutoModelForCausalLM and AutoTokenizer and python -m "
                              "jaxformer.text.generate read it); with --resume, a finished run is exported "
                              "without training")
 
 
-def check_export_dir(export: Path, run_dir: Path) -> None:
+def check_export_dir(export: Path, run_dir: Path, flag: str = "--export") -> None:
     """Checks, reading only, that `--export` can be written once the run is done: a new
     or empty directory, or a previous export (nothing but `EXPORT_FILES`, and the
     temporary files a write of one that was cut short may have left), which the new
@@ -150,20 +153,20 @@ def check_export_dir(export: Path, run_dir: Path) -> None:
     the run's own.
 
     Raises:
-      ValueError: naming `--export`: a file, a path under a file, the run directory, or a
+      ValueError: naming `flag`: a file, a path under a file, the run directory, or a
         directory that holds files an export does not write.
     """
     path = export.absolute()
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         where = "is a file, not a directory" if existing == path else f"cannot be created: {existing} is a file"
-        raise ValueError(f"--export {export} {where}")
+        raise ValueError(f"{flag} {export} {where}")
     if path.resolve() == run_dir.resolve():
-        raise ValueError(f"--export {export} is the run directory: export to a folder of its own")
+        raise ValueError(f"{flag} {export} is the run directory: export to a folder of its own")
     others = sorted(name for name in (os.listdir(path) if existing == path else ()) if not _exported(name))
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise ValueError(f"--export {export} holds {shown}: not a previous export to replace "
+        raise ValueError(f"{flag} {export} holds {shown}: not a previous export to replace "
                          f"(only {', '.join(EXPORT_FILES)}); choose an empty or new directory")
 
 
@@ -222,7 +225,7 @@ def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[A
     try:
         check_run_dir(run_dir, None, args.resume)  # where it is; its config once the model is built
         if args.export is not None:
-            check_export_dir(args.export, run_dir)  # now, not after training
+            check_export_dir(args.export, run_dir, args.export_flag)  # now, not after training
     except ValueError as e:
         parser.error(str(e))
     return settings, RunOptions(run_dir=run_dir, resume=args.resume, mesh=args.mesh, fsdp=args.fsdp,
@@ -253,6 +256,8 @@ class Setup:
         synthetic tasks, which draw every batch from a key.
       tokenizer: the `jaxformer.text.Tokenizer` of the model's ids, kept in the run
         directory as `tokenizer.json`; None for a demo without one.
+      param_axes: the logical axis names of `params` (`jaxformer.sharding.param_axes`' form)
+        when they are not the model's own parameters (LoRA's adapters); None: the model's.
     """
 
     model: nn.Module
@@ -264,6 +269,7 @@ class Setup:
     tokens_per_step: int
     corpus: Any = None
     tokenizer: Any = None
+    param_axes: Any = None
 
 
 class Demo(Protocol):
@@ -359,7 +365,8 @@ def place(setup: Setup, batch_size: int, run: RunOptions):
     check_mesh_fits(setup.model.config, mesh)
     if batch_size % mesh.shape[DATA]:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the mesh's data axis ({mesh.shape[DATA]})")
-    state, state_sharding = shard_state(state, param_axes(setup.model), mesh, "fsdp" if run.fsdp else "dp")
+    axes = param_axes(setup.model) if setup.param_axes is None else setup.param_axes
+    state, state_sharding = shard_state(state, axes, mesh, "fsdp" if run.fsdp else "dp")
     return state, shard_batches(setup.make_batch, mesh), state_sharding
 
 

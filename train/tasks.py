@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.text import Tokenizer, char_tokenizer, train_bpe, word_tokenizer
+from jaxformer.text.dataset import windows
 
 PAD, BOS, EOS = 0, 1, 2
 N_SYMBOLS = 16
@@ -134,7 +135,7 @@ class TextCorpus:
                              f"{len(self.train)} and {len(self.val)})")
 
     def batch(self, key: jax.Array, batch_size: int, split: str = "train") -> dict[str, jax.Array]:
-        return _windows(self.train if split == "train" else self.val, key, batch_size, self.seq_len)
+        return windows(self.train if split == "train" else self.val, key, batch_size, self.seq_len)
 
 
 def _read_text(path) -> str:
@@ -157,12 +158,3 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     except ValueError:  # only a character vocabulary can lack something: BPE spells every byte
         unknown = sorted(set(prompt) - set(tokenizer.backend.get_vocab()))
         raise ValueError(f"--prompt holds characters the corpus does not: {unknown}") from None
-
-
-@functools.partial(jax.jit, static_argnames=("batch_size", "seq_len"))
-def _windows(data: jax.Array, key: jax.Array, batch_size: int, seq_len: int) -> dict[str, jax.Array]:
-    """Random windows of `data`: `tokens [batch, seq_len]` and the next tokens."""
-    start = jax.random.randint(key, (batch_size,), 0, data.shape[0] - seq_len - 1)
-    index = start[:, None] + jnp.arange(seq_len + 1)[None, :]  # [batch, seq_len + 1]
-    window = data[index]
-    return {"tokens": window[:, :-1], "targets": window[:, 1:]}

@@ -1,0 +1,229 @@
+"""Fine-tuning data in a checkpoint's own tokens: next-token windows of a text, or chat and
+prompt/completion records whose loss falls on the answer alone.
+
+A file ending in `.jsonl` holds one JSON record a line, either `{"messages": [{"role",
+"content"}, ...]}` (rendered by the tokenizer's chat template; the assistant turns are
+scored) or `{"prompt": str, "completion": str}` (the plain concatenation, BOS first where
+the tokenizer frames text with one and EOS after the completion; the completion and its EOS
+are scored). Each record is one row, padded at its end to the window (padding: each row
+holds one example, so no example attends to another, and the loss is the mean over the
+scored tokens of the batch, as transformers' labels of -100 give). Any other file is UTF-8
+text: it is one stream of ids and each row a random window of it (packing: no padding).
+
+The last 10 % (at least one record, or the text's last 10 % of characters) is held out for
+validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.text.chat import render_chat
+from jaxformer.text.tokenizer import Tokenizer
+
+IGNORE = -100  # the target of a position that carries no loss (transformers' label)
+HELD_OUT = 0.1  # of the records, or of the text's characters
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One record's ids and which of them the loss is on.
+
+    Attributes:
+      ids: the token ids, as the model reads them.
+      scored: one bool per id, True where predicting that id counts in the loss.
+    """
+
+    ids: list[int]
+    scored: list[bool]
+
+
+def _scored_spans(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]],
+                  add_special_tokens: bool) -> Example:
+    """`text` tokenized once (so every merge is as the model sees it), a token scored when
+    it starts inside one of the character `spans` `[start, end)` (never a BOS the
+    tokenizer adds, whose offset is 0 too)."""
+    encoding = tokenizer.backend.encode(text, add_special_tokens=add_special_tokens)
+    scored = [not added and any(start <= begin < end for start, end in spans)
+              for (begin, _), added in zip(encoding.offsets, encoding.special_tokens_mask)]
+    return Example(ids=list(encoding.ids), scored=scored)
+
+
+def chat_example(tokenizer: Tokenizer, messages: list[dict]) -> Example:
+    """A conversation rendered by the tokenizer's chat template, its assistant turns scored.
+
+    An assistant turn is the text the template adds for it: what `render_chat(messages[:i +
+    1])` holds past `render_chat(messages[:i], add_generation_prompt=True)`, i.e. its content
+    and the template's end-of-turn marker, not the header that announces it (the prompt
+    ends with that header at inference, so the model never predicts it).
+
+    Raises:
+      ValueError: no chat template, no assistant turn, or a template whose rendering of a
+        conversation does not begin with its rendering of the conversation's start (the
+        turns could not be found in the text).
+    """
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ValueError("a messages record needs at least one assistant turn (the loss is on those)")
+    text = render_chat(tokenizer, messages, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        before = render_chat(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        through = render_chat(tokenizer, messages[:i + 1], add_generation_prompt=False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise ValueError(f"the chat template does not render turn {i} as a continuation of the turns before "
+                             "it: its assistant tokens cannot be told from the rest")
+        spans.append((len(before), len(through)))
+    return _scored_spans(tokenizer, text, spans, add_special_tokens=False)  # the template writes its own BOS
+
+
+def completion_example(tokenizer: Tokenizer, prompt: str, completion: str) -> Example:
+    """`prompt + completion` and EOS, the completion and EOS scored."""
+    example = _scored_spans(tokenizer, prompt + completion, [(len(prompt), len(prompt) + len(completion))],
+                            add_special_tokens=True)
+    if tokenizer.eos_id is None:
+        return example
+    return Example(ids=example.ids + [tokenizer.eos_id], scored=example.scored + [True])
+
+
+def read_records(path: str, tokenizer: Tokenizer) -> list[Example]:
+    """The examples of a JSONL file of `messages` or `prompt`+`completion` records.
+
+    Raises:
+      ValueError: naming the file and line: not JSON, or a record of neither kind.
+    """
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON ({e.msg})") from None
+            try:
+                if isinstance(record, dict) and isinstance(record.get("messages"), list):
+                    examples.append(chat_example(tokenizer, record["messages"]))
+                elif (isinstance(record, dict) and isinstance(record.get("prompt"), str)
+                      and isinstance(record.get("completion"), str)):
+                    examples.append(completion_example(tokenizer, record["prompt"], record["completion"]))
+                else:
+                    raise ValueError("a record is {\"messages\": [...]} or {\"prompt\": str, \"completion\": str}")
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+    if len(examples) < 2:
+        raise ValueError(f"{path} holds {len(examples)} record(s): at least 2 are needed (one to train, "
+                         "one to validate)")
+    return examples
+
+
+def rows(examples: list[Example], seq_len: int) -> dict[str, np.ndarray]:
+    """Each example as one row of `seq_len` inputs and their targets, padded at the end.
+
+    Returns:
+      `tokens [n, seq_len]` (padding id 0, never scored) and `targets [n, seq_len]`: the
+      next id where it is scored, else `IGNORE`. An example longer than `seq_len + 1` ids
+      is cut to its first `seq_len + 1`.
+    """
+    tokens = np.zeros((len(examples), seq_len), np.int32)
+    targets = np.full((len(examples), seq_len), IGNORE, np.int32)
+    for i, example in enumerate(examples):
+        ids = np.asarray(example.ids[:seq_len + 1], np.int32)
+        scored = np.asarray(example.scored[1:seq_len + 1], bool)  # whether ids[t + 1], predicted at t, counts
+        tokens[i, :len(ids) - 1] = ids[:-1]
+        targets[i, :len(ids) - 1] = np.where(scored, ids[1:], IGNORE)
+    return {"tokens": tokens, "targets": targets}
+
+
+class FinetuneData:
+    """A fine-tuning file as batches of the checkpoint's ids (module docstring: the formats).
+
+    Args:
+      path: a `.jsonl` file of records, or a UTF-8 text file.
+      tokenizer: the checkpoint's tokenizer.
+      seq_len: tokens per row.
+
+    Attributes:
+      kind: "records" or "text".
+      train, val: `{"tokens", "targets"}` rows (records), or 1-D int32 ids (text).
+
+    Raises:
+      ValueError: naming the file: unreadable, malformed, or too short for `seq_len`.
+    """
+
+    def __init__(self, path: str, tokenizer: Tokenizer, seq_len: int):
+        self.seq_len = seq_len
+        try:
+            if path.endswith(".jsonl"):
+                self.kind = "records"
+                examples = read_records(path, tokenizer)
+                n_val = max(1, int(round(HELD_OUT * len(examples))))
+                self.train, self.val = rows(examples[:-n_val], seq_len), rows(examples[-n_val:], seq_len)
+                self.cut = sum(len(e.ids) > seq_len + 1 for e in examples)  # rows cut to the window
+                if not (self.train["targets"] != IGNORE).any():
+                    raise ValueError(f"{path}: no scored token within --seq-len {seq_len} of any training record")
+                return
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --data {path}: {e}") from None
+        self.kind, self.cut = "text", 0
+        split = int((1 - HELD_OUT) * len(text))
+        # No BOS or EOS: the windows are cut from the middle of the text.
+        self.train, self.val = (np.asarray(tokenizer.encode(part, add_special_tokens=False), np.int32)
+                                for part in (text[:split], text[split:]))
+        if min(len(self.train), len(self.val)) < seq_len + 2:
+            raise ValueError(f"--data {path}: its 90/10 train/validation splits hold {len(self.train)} and "
+                             f"{len(self.val)} tokens; each needs --seq-len + 2 = {seq_len + 2}")
+
+    @functools.cached_property
+    def _train(self):
+        return jax.tree.map(jnp.asarray, self.train)  # on the device once, not at every batch
+
+    def batch(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+        """A training batch drawn from `key`: `tokens` and `targets`, `[batch_size, seq_len]`."""
+        if self.kind == "text":
+            return windows(self._train, key, batch_size, self.seq_len)
+        return _pick_rows(self._train, key, batch_size)
+
+    def validation_batches(self, batch_size: int) -> list[dict[str, np.ndarray]]:
+        """The whole held-out split, once, in batches of `batch_size` rows (the last filled
+        with rows that score nothing): text as consecutive windows, records one a row."""
+        if self.kind == "text":
+            n = (len(self.val) - 1) // self.seq_len
+            index = np.arange(n)[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]  # [n, seq_len + 1]
+            val = {"tokens": self.val[index[:, :-1]], "targets": self.val[index[:, 1:]]}
+        else:
+            val = self.val
+        n = len(val["tokens"])
+        padded = -(-n // batch_size) * batch_size
+        filled = {"tokens": np.zeros((padded, self.seq_len), np.int32),
+                  "targets": np.full((padded, self.seq_len), IGNORE, np.int32)}
+        for name in filled:
+            filled[name][:n] = val[name]
+        return [{name: rows[i:i + batch_size] for name, rows in filled.items()} for i in range(0, padded, batch_size)]
+
+
+@functools.partial(jax.jit, static_argnames="batch_size")
+def _pick_rows(rows: dict, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+    """`batch_size` rows of `rows` drawn uniformly (with replacement) from `key`."""
+    pick = jax.random.randint(key, (batch_size,), 0, rows["tokens"].shape[0])  # [batch_size], in range
+    return jax.tree.map(lambda x: x[pick], rows)
+
+
+@functools.partial(jax.jit, static_argnames=("batch_size", "seq_len"))
+def windows(data: jax.Array, key: jax.Array, batch_size: int, seq_len: int) -> dict[str, jax.Array]:
+    """Random windows of the ids `data` (at least `seq_len + 2` of them): `tokens [batch,
+    seq_len]` and the next ids, `targets`."""
+    start = jax.random.randint(key, (batch_size,), 0, data.shape[0] - seq_len - 1)
+    index = start[:, None] + jnp.arange(seq_len + 1)[None, :]  # [batch, seq_len + 1]
+    window = data[index]
+    return {"tokens": window[:, :-1], "targets": window[:, 1:]}

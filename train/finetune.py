@@ -1,0 +1,368 @@
+"""`python -m train.finetune --checkpoint DIR --data FILE`: adapt a Hugging Face checkpoint
+to your text or chat data, with LoRA (the default) or all its parameters (--full).
+
+  --data F.txt    any UTF-8 text: next-token loss on random windows of it (packed)
+  --data F.jsonl  {"messages": [...]} records (rendered by the checkpoint's chat template,
+                  loss on the assistant turns) or {"prompt", "completion"} records (loss on
+                  the completion): one record a row, padded
+
+The last 10 % of the data is held out: its loss (and perplexity) is reported before and
+after training. A LoRA run writes its adapters to RUN_DIR/adapter in peft's format (peft's
+PeftModel.from_pretrained and --adapter of python -m jaxformer.text.generate open it);
+--merge DIR writes the fine-tuned model, adapters merged in, as a checkpoint folder.
+
+AdamW (0.9, 0.999) with weight decay on matrices only, warm-up then cosine to 10 %, gradient
+clipping, as one optax chain; with LoRA only the adapters are trained and held by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import shlex
+import sys
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
+from jaxformer.command_line import FAILED, fail, run_command
+from jaxformer.config import LORA_TARGETS, LoraConfig
+from jaxformer.convert import load_hf, save_hf
+from jaxformer.decoder import sown_attention_weights
+from jaxformer.files import write_folder_atomically
+from jaxformer.lora import init_lora, merge, save_peft
+from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
+from jaxformer.text import load_tokenizer, save_tokenizer
+from jaxformer.text.dataset import IGNORE, FinetuneData
+from jaxformer.text.tokenizer import check_fits_model
+from jaxformer.validation import as_float, as_int, require
+from train import cli
+from train.lm import token_labels
+from train.report_page import attention_group
+
+PROG = "python -m train.finetune"
+MODEL_CONFIG = DecoderConfig
+ALL_TARGETS = "all"  # --lora-targets: every projection LoRA can adapt
+ADAPTER_DIR = "adapter"  # in the run directory: the adapters in peft's format
+MAP_TOKENS = 32  # of the first held-out row: the report page's attention example
+SAMPLE_TOKENS = 32  # greedy tokens after the example's start, for the report page
+BASE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The fine-tuning recipe; the defaults are the command line's.
+
+    Attributes:
+      checkpoint: the Hugging Face checkpoint folder (`jaxformer.convert.load_hf` reads it,
+        `jaxformer.text.load_tokenizer` its tokenizer).
+      data: the data file (`jaxformer.text.dataset.FinetuneData`: `.jsonl` records or text).
+      full: train every parameter instead of LoRA adapters.
+      lora_rank, lora_alpha, lora_dropout: the adapters' rank r, scale numerator (the
+        change is `alpha / r * A @ B`) and the dropout rate on their input.
+      lora_targets: "all", or peft's names of the adapted matrices, comma-separated.
+      base_dtype: the frozen base's storage dtype under LoRA ("bfloat16" halves it); the
+        adapters and optimizer state stay float32.
+      steps, batch_size, lr, warmup, weight_decay, clip: the optimizer's recipe.
+      seq_len: tokens per row.
+      seed: seeds the adapters, the batches and dropout.
+      dtype: compute dtype.
+      remat: recompute each block's activations in the backward pass instead of keeping them.
+
+    Raises:
+      ValueError: naming the flag of a value out of range.
+    """
+
+    checkpoint: str | None = None
+    data: str | None = None
+    full: bool = False
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: str = ALL_TARGETS
+    lora_dropout: float = 0.0
+    base_dtype: str = "float32"
+    steps: int = 200
+    batch_size: int = 4
+    lr: float = 2e-4
+    warmup: int = 10
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    seq_len: int = 256
+    seed: int = 0
+    dtype: str = "float32"
+    remat: bool = False
+
+    RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data", "full", "lora_rank", "lora_alpha",
+                                                "lora_targets", "lora_dropout", "base_dtype", "steps", "batch_size",
+                                                "lr", "warmup", "weight_decay", "clip", "seq_len", "seed")
+
+    def __post_init__(self):
+        cli.check_shared_settings(self)
+        cli.check(self, as_int, "seq_len", "lora_rank", minimum=1)
+        cli.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
+        cli.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
+        cli.check(self, as_float, "weight_decay", at_least=0)
+        cli.check(self, as_float, "lora_dropout", at_least=0, below=1)
+        require(self.base_dtype in BASE_DTYPES, "--base-dtype", f"one of {', '.join(BASE_DTYPES)}", self.base_dtype)
+        require(not self.full or self.base_dtype == "float32", "--base-dtype",
+                "float32 with --full, which trains (and so keeps in float32) every parameter", self.base_dtype)
+        targets = self.targets
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        require(not unknown and len(set(targets)) == len(targets) and targets, "--lora-targets",
+                f"{ALL_TARGETS!r} or distinct names among {', '.join(LORA_TARGETS)}, comma-separated",
+                self.lora_targets)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """`lora_targets` as peft's names."""
+        if self.lora_targets == ALL_TARGETS:
+            return tuple(LORA_TARGETS)
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The adapters' config; None with `full`."""
+        return None if self.full else LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.targets,
+                                                  dropout=self.lora_dropout)
+
+    @property
+    def run_name(self) -> str:
+        """A new run directory is runs/<run_name>-<time>."""
+        return "finetune-full" if self.full else "finetune-lora"
+
+
+def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
+    defaults = Settings()
+    p = cli.make_parser(PROG, __doc__, defaults)
+    p.add_argument("--checkpoint", metavar="DIR", required=True, help="the Hugging Face checkpoint folder to adapt")
+    p.add_argument("--data", metavar="FILE", required=True,
+                   help="a .jsonl file of messages or prompt/completion records, or a UTF-8 text file")
+    p.add_argument("--full", action="store_true", help="train every parameter instead of LoRA adapters")
+    p.add_argument("--lora-rank", type=int, default=defaults.lora_rank, help="the adapters' rank r")
+    p.add_argument("--lora-alpha", type=float, default=defaults.lora_alpha,
+                   help="the adapters' scale is alpha / r")
+    p.add_argument("--lora-targets", default=defaults.lora_targets,
+                   help=f"'{ALL_TARGETS}' or a comma-separated list of {', '.join(LORA_TARGETS)}")
+    p.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout,
+                   help="dropout rate on the adapters' input, in training")
+    p.add_argument("--base-dtype", default=defaults.base_dtype, choices=BASE_DTYPES,
+                   help="storage dtype of the frozen base under LoRA (bfloat16 halves its memory)")
+    p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=defaults.warmup, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=defaults.weight_decay,
+                   help="AdamW decay of the trained matrices")
+    p.add_argument("--clip", type=float, default=defaults.clip, help="gradient clipping (global norm)")
+    p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per row")
+    p.add_argument("--remat", action="store_true",
+                   help="recompute each block's activations in the backward pass (less memory, more compute)")
+    cli.add_run_flags(p, "finetune-<lora|full>", checkpoint_every=100, log_every=10)
+    cli.add_export_flag(p, "--merge", help="after training, write the fine-tuned model (adapters merged in) and its "
+                        "tokenizer as a checkpoint folder that transformers and python -m jaxformer.text.generate "
+                        "open; with --resume, a finished run is written without training")
+    return cli.parse(p, argv, Settings)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """What `build` adds to `cli.Setup` for fine-tuning.
+
+    Attributes:
+      setup: the demo's `Setup`; its `params` are what is trained (the adapters, or with
+        `--full` the whole tree), its `model` the one the loss runs.
+      base: the checkpoint's parameters (LoRA's frozen base; with `--full`, the start).
+      data: the `FinetuneData`.
+    """
+
+    setup: cli.Setup
+    base: dict
+    data: FinetuneData
+
+    def inference(self, trained) -> tuple[Decoder, dict]:
+        """The plain model (no adapters) and parameters that compute what `trained` does:
+        with LoRA, the base with the adapters merged in."""
+        config = self.setup.model.config
+        plain = Decoder(config.replace(lora=None, remat=False))
+        return plain, (trained if config.lora is None else merge(self.base, trained, config.lora))
+
+
+def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False) -> Tuning:
+    """The checkpoint, its data and the recipe, ready to train.
+
+    Args:
+      settings: the recipe.
+      mesh: `"data=N,model=M"` to place the frozen base on (the trained parameters are placed
+        by `cli.place`), or None for one device.
+      fsdp: with `mesh`, split the base over `data` too.
+
+    Raises:
+      ValueError: an unreadable checkpoint or data file, a tokenizer whose ids the model
+        lacks, `--seq-len` past the model's context, or a mesh that does not fit.
+    """
+    dtype = jnp.dtype(settings.dtype)
+    try:
+        config, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=jnp.dtype(settings.base_dtype))
+    except FileNotFoundError as e:
+        raise ValueError(f"--checkpoint: {e}") from None
+    tokenizer = load_tokenizer(settings.checkpoint)
+    check_fits_model(tokenizer, config.vocab_size, f"--checkpoint {settings.checkpoint}")
+    require(settings.seq_len <= config.max_seq_len, "--seq-len", f"at most the model's context, {config.max_seq_len}",
+            settings.seq_len)
+    config = config.replace(lora=settings.lora, remat=settings.remat)
+    model = Decoder(config)
+    data = FinetuneData(settings.data, tokenizer, settings.seq_len)
+    if mesh is not None:  # the base is read by every step: placed once, as the model's rules split it
+        mesh_ = make_mesh(**parse_mesh(mesh))
+        check_mesh_fits(config, mesh_)
+        base = jax.device_put(base, tree_shardings(base, param_axes(model), mesh_, "fsdp" if fsdp else "dp"))
+    lora = config.lora
+    if lora is None:
+        trained, axes = base, None
+    else:
+        trained = init_lora(base, lora, jax.random.key(settings.seed))
+        axes = jax.tree.map(lambda x: (None,) * x.ndim, trained)  # small: a whole copy on every device
+    schedule = warmup_cosine_schedule(settings.lr, settings.warmup, settings.steps)
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(settings.clip),
+        optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=settings.weight_decay,
+                    mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+    )
+
+    def loss_fn(trained, batch, dropout_key):
+        # The base is read, never differentiated: with LoRA only the adapters get gradients.
+        variables = {"params": trained} if lora is None else {"params": base, "lora": trained}
+        logits, _ = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key})
+        return label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE), {}
+
+    setup = cli.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
+                      make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
+                      tokens_per_step=settings.batch_size * settings.seq_len, corpus=data, tokenizer=tokenizer,
+                      param_axes=axes)
+    return Tuning(setup=setup, base=base, data=data)
+
+
+def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:
+    """The mean loss over every scored token of the held-out split (one compiled program)."""
+    model, params = tuning.inference(trained)
+
+    @jax.jit
+    def sums(params, batch):  # -> (summed loss, scored tokens)
+        logits, _ = model.apply({"params": params}, batch["tokens"])
+        scored = batch["targets"] != IGNORE
+        mean = label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE)
+        return mean * scored.sum(), scored.sum()
+
+    totals = np.array([jax.device_get(sums(params, b)) for b in tuning.data.validation_batches(batch_size)],
+                      np.float64)  # [batches, 2]
+    return float(totals[:, 0].sum() / totals[:, 1].sum())
+
+
+def snapshotter(tuning: Tuning, settings: Settings):
+    """`snapshot(trained)` for the report page: the first and last layers' attention over the
+    start of the first held-out row, and the greedy continuation of its first half."""
+    data, tokenizer = tuning.data, tuning.setup.tokenizer
+    first = data.validation_batches(1)[0]["tokens"][0]  # [seq_len]
+    length = min(MAP_TOKENS, settings.seq_len)
+    example = first[None, :length]  # [1, T]
+    labels = token_labels(tokenizer, example[0])
+    config = tuning.setup.model.config
+    layers = sorted({0, config.n_layer - 1})
+    prompt = jnp.asarray(example[:, :max(1, length // 2)])
+
+    def snapshot(trained) -> dict:
+        model, params = tuning.inference(trained)
+        _, inter = model.apply({"params": params}, example, mutable=["intermediates"])
+        weights = np.asarray(sown_attention_weights(inter, model.config))  # [n_layer, 1, H, T, T]
+        attention = [attention_group("self-attention (causal)", layer, weights[layer, 0], labels, labels)
+                     for layer in layers]
+        new = min(SAMPLE_TOKENS, model.config.max_seq_len - prompt.shape[1])
+        out = np.asarray(generate(model, params, prompt, max_new_tokens=new))[0]
+        return {"attention": attention,
+                "samples": [{"label": "greedy continuation of a held-out row's start",
+                             "input": token_labels(tokenizer, out[:prompt.shape[1]]),
+                             "output": token_labels(tokenizer, out[prompt.shape[1]:])}]}
+
+    return snapshot
+
+
+def write_outputs(tuning: Tuning, settings: Settings, trained: cli.Trained, run: cli.RunOptions) -> None:
+    """The adapters into RUN_DIR/adapter (LoRA), and with `--merge` the fine-tuned
+    checkpoint, each folder written whole or not at all."""
+    config = tuning.setup.model.config
+    plain, params = tuning.inference(trained.params)
+    if config.lora is not None:
+        folder = run.run_dir / ADAPTER_DIR
+        write_folder_atomically(folder, lambda tmp: save_peft(config, trained.params, config.lora, str(tmp),
+                                                              base_model=settings.checkpoint))
+        print(f"adapters (peft's format): {folder}: python -m jaxformer.text.generate --checkpoint "
+              f"{shlex.quote(settings.checkpoint)} --adapter {shlex.quote(str(folder))} --prompt ...")
+    merge_dir = run.export
+    if merge_dir is None:
+        return
+    tokenizer = tuning.setup.tokenizer
+
+    def write(folder):
+        save_hf(plain.config, params, str(folder), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id)
+        save_tokenizer(tokenizer, str(folder))
+
+    try:
+        cli.write_export(merge_dir, write)
+    except OSError as e:
+        fail(PROG, f"cannot write --merge {merge_dir}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
+                   f"write it with the same flags and --resume --run-dir {run.run_dir} --merge {merge_dir}", FAILED)
+    print(f"fine-tuned checkpoint: {merge_dir}: python -m jaxformer.text.generate --checkpoint "
+          f"{shlex.quote(str(merge_dir))} --prompt ...")
+
+
+def random_bits():
+    """The context the command line builds, trains and evaluates in: JAX's default bits."""
+    return contextlib.nullcontext()
+
+
+def describe(tuning: Tuning, settings: Settings) -> None:
+    """The device, the checkpoint, what is trained, and the data."""
+    config, data = tuning.setup.model.config, tuning.data
+    total, trained = cli.count_params(tuning.base), cli.count_params(tuning.setup.params)
+    cli.print_device()
+    what = "every parameter" if config.lora is None else (
+        f"LoRA r={config.lora.rank} alpha={config.lora.alpha:g} on {', '.join(config.lora.targets)}")
+    print(f"checkpoint {settings.checkpoint} ({config.hf_model_type or 'llama'}): {config.n_layer} layers x "
+          f"{config.d_model}, {total:,} params; training {what}: {trained:,} params ({trained / total:.2%})")
+    rows = len(data.train["tokens"]) if data.kind == "records" else len(data.train)
+    print(f"data {settings.data}: {rows:,} {'records' if data.kind == 'records' else 'tokens'} to train on"
+          + (f" ({data.cut} cut to --seq-len {settings.seq_len})" if data.cut else ""))
+
+
+def main(argv=None) -> int:
+    return run_command(PROG, lambda: _main(argv))
+
+
+def _main(argv) -> int:
+    settings, run = parse_args(argv)
+    cli.start_process()
+    tuning = cli.build_or_fail(PROG, functools.partial(build, mesh=run.mesh, fsdp=run.fsdp), settings)
+    setup = tuning.setup
+    with cli.start(PROG, setup, settings, run) as begun:
+        describe(tuning, settings)
+        before = validation_loss(tuning, setup.params, settings.batch_size)
+        print(f"held-out loss before: {before:.4f} (perplexity {math.exp(before):.3f})")
+        trained = cli.train(setup, settings, run, begun, snapshotter(tuning, settings))
+        after = validation_loss(tuning, trained.params, settings.batch_size)
+        print(f"held-out loss after:  {after:.4f} (perplexity {math.exp(after):.3f})")
+        results = {"steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds,
+                   "validation_loss_before": before, "validation_loss": after,
+                   "validation_perplexity_before": math.exp(before), "validation_perplexity": math.exp(after)}
+        cli.write_results(run.run_dir, results, trained)
+        with cli.failing_as(begun):
+            write_outputs(tuning, settings, trained, run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
