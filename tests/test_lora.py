@@ -1,17 +1,21 @@
-"""LoRA on the parameter tree: the merge against the formula through an independent forward,
-and against HF peft on torch (logits, one step's loss and adapter gradients, both ways of the
-adapter files)."""
+"""LoRA: the merge against the formula through an independent forward; the unmerged path the
+training runs (`DecoderConfig.lora`) against the merge, its dropout against torch's rule, and
+against HF peft on torch on a tiny Llama and a tiny Gemma (logits, one step's loss and adapter
+gradients with masked targets, both ways of the adapter files)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import flax.linen as nn
 from conftest import import_peer, numpy_decoder_logits, random_params
+from families.shipped import scaled_up, tiny
 
 from jaxformer import Decoder, DecoderConfig, label_smoothed_cross_entropy
-from jaxformer.convert import save_hf
-from jaxformer.lora import LoraConfig, init_lora, load_peft, merge, save_peft
+from jaxformer.convert import load_hf, save_hf
+from jaxformer.lora import LoraConfig, init_lora, load_peft, merge, project, save_peft
+from jaxformer.training import TrainState, make_train_step
 
 CONFIG = DecoderConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32)
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -88,34 +92,110 @@ def test_lora_config_is_checked():
         LoraConfig(rank=0)
 
 
+def adapted_logits(config, params, adapters, lora, tokens=TOKENS, **kwargs):
+    """The logits of the unmerged path, as train.finetune's loss computes them."""
+    out = Decoder(config.replace(lora=lora)).apply({"params": params, "lora": adapters}, jnp.asarray(tokens), **kwargs)
+    return out[0]
+
+
+def test_the_unmerged_path_computes_what_the_merge_does(base):
+    adapters = trained_looking(init_lora(base, LORA, jax.random.key(0)))
+    np.testing.assert_allclose(adapted_logits(CONFIG, base, adapters, LORA), logits(merge(base, adapters, LORA)),
+                               rtol=1e-4, atol=1e-4)
+    # A model with config.lora but no adapters given refuses, naming the collection.
+    with pytest.raises(ValueError, match="config.lora adapts wq, but apply\\(\\) was given no 'lora' variables"):
+        Decoder(CONFIG.replace(lora=LORA)).apply({"params": base}, jnp.asarray(TOKENS))
+
+
+def test_remat_recomputes_the_same_gradients(base):
+    adapters = trained_looking(init_lora(base, LORA, jax.random.key(0)))
+
+    def loss(adapters, remat):
+        out = adapted_logits(CONFIG.replace(remat=remat), base, adapters, LORA, TOKENS[:, :-1])
+        return label_smoothed_cross_entropy(out, jnp.asarray(TOKENS[:, 1:]), 0.0)
+
+    kept, recomputed = (jax.value_and_grad(loss)(adapters, remat) for remat in (False, True))
+    assert float(kept[0]) == float(recomputed[0])
+    for x, y in zip(jax.tree.leaves(kept[1]), jax.tree.leaves(recomputed[1])):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+
+
+class OneProjection(nn.Module):
+    """`project` alone: `x W` and its adapter's term, for the dropout test."""
+
+    config: DecoderConfig
+
+    @nn.compact
+    def __call__(self, x, w):
+        return project(self, "wq", "btd,dhk->bthk", x, w)
+
+
+def test_dropout_drops_the_adapter_input_as_torch_does():
+    # a = I and b = I at scale 1: the adapter's term is dropout(x) itself, so each entry is
+    # 0 or x / (1 - p) (torch's inverted dropout), kept with probability 1 - p, and the base
+    # product x W is untouched.
+    d, p = 16, 0.25
+    lora = LoraConfig(rank=d, alpha=d, targets=("q_proj",), dropout=p)
+    module = OneProjection(DecoderConfig(n_head=1, n_kv_head=1, d_model=d, lora=lora))
+    x = jax.random.normal(jax.random.key(0), (4, 64, d)) + 3.0  # [batch, T, d], no zeros
+    w = jax.random.normal(jax.random.key(1), (d, 1, d))
+    adapters = {"wq": {"a": jnp.eye(d), "b": jnp.eye(d)}}
+    plain = np.einsum("btd,dhk->bthk", x, w)
+    without = module.apply({"lora": adapters}, x, w)  # no dropout rng: no dropout (evaluation)
+    np.testing.assert_allclose(without - plain, np.asarray(x)[:, :, None], rtol=1e-5, atol=1e-5)
+    dropped = np.asarray(module.apply({"lora": adapters}, x, w, rngs={"dropout": jax.random.key(2)}) - plain)[:, :, 0]
+    kept = np.isclose(dropped, np.asarray(x) / (1 - p), rtol=1e-5, atol=1e-5)
+    assert np.all(kept | (np.abs(dropped) < 1e-5))  # each entry: x / (1 - p), or 0
+    assert abs(kept.mean() - (1 - p)) < 0.03  # 4096 draws: 5 standard deviations
+    again = module.apply({"lora": adapters}, x, w, rngs={"dropout": jax.random.key(3)})
+    assert not np.allclose(np.asarray(again - plain)[:, :, 0], dropped)  # a new key, a new mask
+
+
+# The families the peft comparison runs on: a tiny Llama, and a tiny Gemma (GeGLU, norms that
+# scale by 1 + w, scaled embeddings), each a random transformers model saved and loaded.
+PEFT_MODELS = {"llama": ("Llama-3.2-1B", {}), "gemma": ("gemma-2b", {})}
+
+
 @pytest.mark.peers
-def test_peft_opens_our_adapters_and_we_open_its_with_the_same_logits_and_gradients(base, tmp_path):
+@pytest.mark.parametrize("family", sorted(PEFT_MODELS))
+def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tmp_path):
     torch = import_peer("torch")
     transformers = import_peer("transformers")
     peft = import_peer("peft")
-    save_hf(CONFIG, base, str(tmp_path / "base"))
-    adapters = trained_looking(init_lora(base, LORA, jax.random.key(0)))
-    save_peft(CONFIG, adapters, LORA, str(tmp_path / "ours"))
+    name, overrides = PEFT_MODELS[family]
+    hf_config = transformers.AutoConfig.for_model(**tiny(name, **overrides))
+    scaled_up(transformers.AutoModelForCausalLM.from_config(hf_config), seed=0).save_pretrained(tmp_path / "base")
+    config, base = load_hf(str(tmp_path / "base"), max_seq_len=32)
+    frozen = jax.tree.map(np.array, base)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 12))
+    adapters = trained_looking(init_lora(base, LORA, jax.random.key(0)), seed=2)
+    adapters = jax.tree.map(lambda x: x / 4, adapters)  # (gentler: the scaled-up base is sharp already)
+    save_peft(config, adapters, LORA, str(tmp_path / "ours"))
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
     peer = peft.PeftModel.from_pretrained(model, str(tmp_path / "ours"), is_trainable=True)
-    tokens = torch.tensor(TOKENS)
-    out = peer(input_ids=tokens[:, :-1], labels=tokens[:, :-1].clone())  # (labels: next-token loss, shifted inside)
-    np.testing.assert_allclose(out.logits.detach().numpy(), logits(merge(base, adapters, LORA), TOKENS[:, :-1]),
+    labels = torch.tensor(tokens)
+    labels[0, :5] = -100  # a masked prompt: its positions carry no loss
+    out = peer(input_ids=torch.tensor(tokens), labels=labels)  # (shifted inside: position t predicts t + 1)
+    np.testing.assert_allclose(out.logits.detach().numpy(), adapted_logits(config, base, adapters, LORA, tokens),
                                rtol=1e-4, atol=1e-4)
 
-    # One step's loss and the adapters' gradients, masking included (the last position has no target).
-    def loss(adapters):
-        out = Decoder(CONFIG).apply({"params": merge(base, adapters, LORA)}, jnp.asarray(TOKENS[:, :-1]))[0]
-        return label_smoothed_cross_entropy(out[:, :-1], jnp.asarray(TOKENS[:, 1:-1]), 0.0)
+    # One step's loss and the adapters' gradients, through train.finetune's path (unmerged, no dropout key).
+    targets = np.where(labels.numpy() == -100, -100, tokens)[:, 1:]
 
-    value, grads = jax.value_and_grad(loss)(adapters)
+    def loss(adapters, batch, dropout_key):
+        out = adapted_logits(config, base, adapters, LORA, batch["tokens"])
+        return label_smoothed_cross_entropy(out, batch["targets"], 0.0, ignore_id=-100), {}
+
+    batch = {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(targets)}
+    value, grads = jax.value_and_grad(lambda a: loss(a, batch, None)[0])(adapters)
     out.loss.backward()
     np.testing.assert_allclose(float(value), out.loss.item(), rtol=1e-5)
     named = dict(peer.named_parameters())
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads))
-    for i in range(CONFIG.n_layer):
-        for target, (part, name) in (("q_proj", ("attn", "wq")), ("o_proj", ("attn", "wo")),
+    for i in range(config.n_layer):
+        for target, (part, name) in (("q_proj", ("attn", "wq")), ("k_proj", ("attn", "wk")),
+                                     ("o_proj", ("attn", "wo")), ("up_proj", ("mlp", "w_up")),
                                      ("down_proj", ("mlp", "w_down"))):
             module = "self_attn" if part == "attn" else "mlp"
             stem = f"base_model.model.model.layers.{i}.{module}.{target}"
@@ -125,17 +205,28 @@ def test_peft_opens_our_adapters_and_we_open_its_with_the_same_logits_and_gradie
                 np.testing.assert_allclose(np.asarray(grads[f"block_{i}"][part][name][letter]), got,
                                            rtol=1e-3, atol=1e-4 * scale)
 
+    # The step itself moves the adapters and leaves the base as it was, bit for bit.
+    optimizer = optax.adam(1e-2)
+    step = make_train_step(loss, optimizer)
+    state, _ = step(TrainState.create(adapters, optimizer), batch, jax.random.key(0))
+    assert not np.allclose(state.params["block_0"]["attn"]["wq"]["b"], adapters["block_0"]["attn"]["wq"]["b"])
+    for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(frozen)):
+        np.testing.assert_array_equal(x, y)
+
     # peft's own adapters (drawn by peft, saved by peft) into jaxformer.
     fresh = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
     theirs = peft.get_peft_model(fresh, peft.LoraConfig(r=3, lora_alpha=5, target_modules=["v_proj", "up_proj"],
-                                                        lora_dropout=0.0, init_lora_weights="gaussian"))
+                                                        lora_dropout=0.1, init_lora_weights="gaussian"))
     with torch.no_grad():
         for n, p in theirs.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.3)  # (peft starts B at zero even for "gaussian")
     theirs.save_pretrained(str(tmp_path / "theirs"))
-    loaded, lora = load_peft(CONFIG, str(tmp_path / "theirs"))
-    assert (lora.rank, lora.alpha, set(lora.targets)) == (3, 5, {"v_proj", "up_proj"})
+    loaded, lora = load_peft(config, str(tmp_path / "theirs"))
+    assert (lora.rank, lora.alpha, set(lora.targets), lora.dropout) == (3, 5, {"v_proj", "up_proj"}, 0.1)
+    theirs.eval()  # (dropout off, as ours without a dropout key)
     with torch.no_grad():
-        want = theirs(input_ids=tokens).logits.numpy()
-    np.testing.assert_allclose(logits(merge(base, loaded, lora)), want, rtol=1e-4, atol=1e-4)
+        want = theirs(input_ids=torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(adapted_logits(config, base, loaded, lora, tokens), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(Decoder(config).apply({"params": merge(base, loaded, lora)},
+                                                                jnp.asarray(tokens))[0]), want, rtol=1e-4, atol=1e-4)
