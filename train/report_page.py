@@ -59,7 +59,10 @@ _RESULTS = {
     "exact_match": ("exact match, trained lengths", True),
     "token_accuracy": ("token accuracy", True),
     "probe_exact_match": ("exact match, unseen longer lengths (probe)", True),
+    "validation_loss_before": ("held-out loss before fine-tuning", False),
+    "validation_perplexity_before": ("held-out perplexity before fine-tuning", False),
     "validation_loss": ("validation loss", False),
+    "validation_perplexity": ("validation perplexity", False),
 }
 _PER_LENGTH = {"per_length": "trained lengths", "probe_per_length": "unseen longer lengths (probe)"}
 

@@ -1,0 +1,174 @@
+"""`python -m train.finetune`: LoRA and full fine-tuning of a checkpoint folder end to end,
+the held-out perplexity, resume, the adapters and the merged folder (against peft and
+transformers with the peers extra), and bad flags (a tiny checkpoint made here)."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import import_peer, random_params, run_main
+from report_page import check_report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
+from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer  # noqa: E402
+
+from jaxformer import Decoder, DecoderConfig  # noqa: E402
+from jaxformer.convert import load_hf, save_hf  # noqa: E402
+from jaxformer.lora import load_peft  # noqa: E402
+from jaxformer.text import Tokenizer, save_tokenizer  # noqa: E402
+from jaxformer.training import read_metrics  # noqa: E402
+from train import finetune  # noqa: E402
+
+FAST = ["--log-every", "4", "--checkpoint-every", "4", "--warmup", "2", "--batch-size", "4", "--seq-len", "32",
+        "--lora-rank", "4"]
+# Text the checkpoint never saw: its perplexity on the held-out tail must fall as it learns it.
+NEW_TEXT = "Keys and values are cached, so each new token costs one step. " * 30
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A random Llama-shaped checkpoint folder with a byte-level BPE tokenizer and a chat template."""
+    path = tmp_path_factory.mktemp("finetune") / "checkpoint"
+    tokenizer = Tokenizer(bpe_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+                          chat_template=CHAT_TEMPLATE)
+    config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                           max_seq_len=64)
+    save_hf(config, random_params(config, seed=0, scale=0.1), str(path), bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    save_tokenizer(tokenizer, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_run(checkpoint, tmp_path_factory):
+    """A LoRA run of 12 steps on `NEW_TEXT`, its adapters merged into `merged`."""
+    root = tmp_path_factory.mktemp("lora")
+    data = root / "new.txt"
+    data.write_text(NEW_TEXT)
+    done = run_main(finetune.main, ["--checkpoint", str(checkpoint), "--data", str(data), "--steps", "12",
+                                    "--lr", "1e-2", "--run-dir", str(root / "run"), "--merge", str(root / "merged"),
+                                    *FAST])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root, done
+
+
+def test_lora_lowers_the_held_out_perplexity_and_writes_adapters_and_a_merged_folder(checkpoint, lora_run):
+    root, done = lora_run
+    run_dir = root / "run"
+    results = json.loads((run_dir / "eval.json").read_text())
+    assert results["validation_perplexity"] < 0.8 * results["validation_perplexity_before"], results
+    assert results["validation_perplexity"] == pytest.approx(np.exp(results["validation_loss"]))
+    assert "held-out loss before" in done.stdout and "training LoRA r=4" in done.stdout
+    assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [4, 8, 12]
+    page = check_report(run_dir)
+    assert page.snapshot_steps == [0, 4, 8, 12] and "samples" in page.sections
+    # The merged folder computes what the base and the adapters do, unmerged.
+    config, base = load_hf(str(checkpoint))
+    adapters, lora = load_peft(config, str(run_dir / "adapter"))
+    assert (lora.rank, lora.alpha, len(lora.targets)) == (4, 16.0, 7)
+    merged_config, merged = load_hf(str(root / "merged"))
+    assert merged_config.lora is None and (root / "merged" / "tokenizer.json").is_file()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 20)))
+    unmerged = Decoder(config.replace(lora=lora)).apply({"params": base, "lora": adapters}, tokens)[0]
+    np.testing.assert_allclose(Decoder(merged_config).apply({"params": merged}, tokens)[0], unmerged,
+                               rtol=1e-5, atol=1e-5)
+    assert not np.allclose(Decoder(config).apply({"params": base}, tokens)[0], unmerged, atol=1e-3)
+
+
+@pytest.mark.peers
+def test_peft_and_transformers_open_the_adapters_and_the_merged_folder(checkpoint, lora_run):
+    torch = import_peer("torch")
+    transformers = import_peer("transformers")
+    peft = import_peer("peft")
+    root, _ = lora_run
+    tokens = np.random.default_rng(1).integers(0, 400, (2, 20))
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, str(root / "run" / "adapter")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(root / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        want = adapted(input_ids=torch.tensor(tokens)).logits.numpy()
+        got = merged(input_ids=torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    config, params = load_hf(str(root / "merged"))
+    np.testing.assert_allclose(Decoder(config).apply({"params": params}, jnp.asarray(tokens))[0], want,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_resume_mid_run_gives_the_uninterrupted_runs_adapters_bit_for_bit(checkpoint, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Where {i}?"},
+                                                     {"role": "assistant", "content": "On the mat."}]}) + "\n"
+                            for i in range(12)))
+    common = ["--checkpoint", str(checkpoint), "--data", str(data), "--steps", "8", "--lora-dropout", "0.1",
+              "--lora-targets", "q_proj,v_proj,down_proj", *FAST, "--seq-len", "48"]
+    straight, interrupted = tmp_path / "a", tmp_path / "b"
+    assert run_main(finetune.main, [*common, "--run-dir", str(straight)]).returncode == 0
+    assert run_main(finetune.main, [*common, "--run-dir", str(interrupted)]).returncode == 0
+    # A crash after step 4's checkpoint: the last checkpoint and what was written after it never landed.
+    shutil.rmtree(interrupted / "checkpoints" / "8")
+    shutil.rmtree(interrupted / "adapter")
+    done = run_main(finetune.main, [*common, "--run-dir", str(interrupted), "--resume"])
+    assert done.returncode == 0 and "resuming at step 4 of 8" in done.stdout
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (straight / "adapter" / name).read_bytes() == (interrupted / "adapter" / name).read_bytes()
+    a, b = (read_metrics(d / "metrics.jsonl") for d in (straight, interrupted))
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]
+
+
+def test_full_fine_tuning_trains_every_parameter(checkpoint, tmp_path):
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    done = run_main(finetune.main, ["--checkpoint", str(checkpoint), "--data", str(data), "--steps", "4", "--full",
+                                    "--lr", "1e-3", "--remat", "--run-dir", str(tmp_path / "run"),
+                                    "--merge", str(tmp_path / "tuned"), *FAST])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "training every parameter" in done.stdout and not (tmp_path / "run" / "adapter").exists()
+    _, before = load_hf(str(checkpoint))
+    _, after = load_hf(str(tmp_path / "tuned"))
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        assert not np.array_equal(x, y)  # every leaf moved (Adam's first step moves each by ~lr)
+
+
+def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpoint, tmp_path):
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    tuning = finetune.build(finetune.Settings(checkpoint=str(checkpoint), data=str(data), base_dtype="bfloat16",
+                                              seq_len=32))
+    assert {x.dtype for x in jax.tree.leaves(tuning.base)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(tuning.setup.params)} == {jnp.dtype(jnp.float32)}
+    batch = tuning.setup.make_batch(jax.random.key(0))
+    loss, _ = tuning.setup.loss_fn(tuning.setup.params, batch, jax.random.key(1))
+    assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora-targets", "qkv_proj"], "--lora-targets must be 'all' or distinct names among q_proj"),
+    (["--seq-len", "65"], "--seq-len must be at most the model's context, 64"),
+    (["--full", "--base-dtype", "bfloat16"], "--base-dtype must be float32 with --full"),
+    (["--lora-dropout", "1"], "--lora-dropout must be"),
+])
+def test_bad_flags_are_refused_in_one_line(checkpoint, tmp_path, extra, message):
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    done = run_main(finetune.main, ["--checkpoint", str(checkpoint), "--data", str(data), "--steps", "20",
+                                    "--run-dir", str(tmp_path / "run"), *extra])
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_checkpoint_or_a_merge_folder_in_use_is_refused_before_training(checkpoint, tmp_path):
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    done = run_main(finetune.main, ["--checkpoint", str(tmp_path / "none"), "--data", str(data),
+                                    "--run-dir", str(tmp_path / "run")])
+    assert done.returncode == 2 and "no such checkpoint folder" in done.stderr
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    done = run_main(finetune.main, ["--checkpoint", str(checkpoint), "--data", str(data), "--merge",
+                                    str(tmp_path / "busy"), "--run-dir", str(tmp_path / "run")])
+    assert done.returncode == 2 and "--merge" in done.stderr and "notes.txt" in done.stderr
