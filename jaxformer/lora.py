@@ -41,7 +41,7 @@ LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its a
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
-__all__ = ["LORA_COLLECTION", "LoraConfig", "init_lora", "load_peft", "merge", "project", "save_peft"]
+__all__ = ["LORA_COLLECTION", "LoraConfig", "check_targets", "init_lora", "load_peft", "merge", "project", "save_peft"]
 
 
 def project(module: nn.Module, name: str, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -134,6 +134,13 @@ def merge(params, adapters: dict, lora: LoraConfig):
     return merged
 
 
+def check_targets(config: DecoderConfig, lora: LoraConfig) -> None:
+    """Raises ValueError unless each of `lora.targets` is a matrix of its own in `config`'s
+    checkpoint format (peft adapts Phi-3's fused `qkv_proj` and `gate_up_proj` whole, which
+    these adapters, one a matrix, do not map to)."""
+    _peft_keys(config, lora)
+
+
 def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
     """`(block, part, name) -> peft's key stem` (`base_model.model.model.layers.0.self_attn.q_proj`)."""
     wanted = {TARGETS[t] for t in lora.targets}
@@ -141,7 +148,8 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
     for tensor in family_of(config).tensors(config):
         if len(tensor.path) == 3 and tuple(tensor.path[1:]) in wanted:
             if tensor.rows is not None:
-                raise ValueError(f"{tensor.hf_key} is a block of a fused tensor: its adapters do not map to peft's")
+                raise ValueError(f"{tensor.hf_key} is a block of a fused tensor ({config.hf_model_type}): its "
+                                 "adapters do not map to peft's; adapt the matrices of their own (o_proj, down_proj)")
             stems[tensor.path] = PEFT_PREFIX + tensor.hf_key.removesuffix(".weight")
     return stems
 

@@ -14,7 +14,7 @@ from families.shipped import scaled_up, tiny
 
 from jaxformer import Decoder, DecoderConfig, label_smoothed_cross_entropy
 from jaxformer.convert import load_hf, save_hf
-from jaxformer.lora import LoraConfig, init_lora, load_peft, merge, project, save_peft
+from jaxformer.lora import LoraConfig, check_targets, init_lora, load_peft, merge, project, save_peft
 from jaxformer.training import TrainState, make_train_step
 
 CONFIG = DecoderConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32)
@@ -230,3 +230,13 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
     np.testing.assert_allclose(adapted_logits(config, base, loaded, lora, tokens), want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(Decoder(config).apply({"params": merge(base, loaded, lora)},
                                                                 jnp.asarray(tokens))[0]), want, rtol=1e-4, atol=1e-4)
+
+
+def test_phi3s_fused_projections_are_refused_and_its_own_matrices_taken():
+    phi3 = CONFIG.replace(hf_model_type="phi3")
+    with pytest.raises(ValueError, match="qkv_proj.weight is a block of a fused tensor \\(phi3\\)"):
+        check_targets(phi3, LoraConfig(targets=("q_proj",)))
+    with pytest.raises(ValueError, match="gate_up_proj.weight is a block of a fused tensor"):
+        check_targets(phi3, LoraConfig(targets=("up_proj",)))
+    check_targets(phi3, LoraConfig(targets=("o_proj", "down_proj")))
+    check_targets(CONFIG, LORA)

@@ -36,7 +36,7 @@ from jaxformer.config import LORA_TARGETS, LoraConfig
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.files import write_folder_atomically
-from jaxformer.lora import init_lora, merge, save_peft
+from jaxformer.lora import check_targets, init_lora, merge, save_peft
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
@@ -214,6 +214,11 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     require(settings.seq_len <= config.max_seq_len, "--seq-len", f"at most the model's context, {config.max_seq_len}",
             settings.seq_len)
     config = config.replace(lora=settings.lora, remat=settings.remat)
+    if config.lora is not None:
+        try:
+            check_targets(config, config.lora)  # now: the adapters are written after training
+        except ValueError as e:
+            raise ValueError(f"--lora-targets {settings.lora_targets}: {e}") from None
     model = Decoder(config)
     data = FinetuneData(settings.data, tokenizer, settings.seq_len)
     if mesh is not None:  # the base is read by every step: placed once, as the model's rules split it
