@@ -253,3 +253,36 @@ def test_train_lm_refuses_a_mesh_that_does_not_fit(tmp_path, capsys, flags, mess
     assert re.search(message, capsys.readouterr().err)
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
+
+
+@pytest.mark.parametrize("strategy, data, model", MESHES[:3], ids=[f"{s}-{d}x{m}" for s, d, m in MESHES[:3]])
+def test_lora_gradients_on_a_mesh_match_one_device(strategy, data, model):
+    """The frozen base placed by the rules, the adapters whole on every device (as
+    train.finetune places them), dropout on: the loss and the adapters' gradients are one
+    device's (the same masks drawn; only the reductions' order differs)."""
+    from jaxformer.lora import LoraConfig, init_lora
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "up_proj", "down_proj"), dropout=0.1)
+    base, batch, _, axes = _decoder_setup()
+    decoder = Decoder(DECODER.replace(lora=lora))
+    adapters = jax.tree.map(lambda x: x + 0.1, init_lora(base, lora, jax.random.key(2)))  # b away from zero
+
+    @jax.jit
+    def loss_and_grads(base, adapters, batch):
+        def loss(adapters):
+            logits, _ = decoder.apply({"params": base, "lora": adapters}, batch["tokens"],
+                                      rngs={"dropout": jax.random.key(3)})
+            return label_smoothed_cross_entropy(logits, batch["targets"], 0.0)
+        return jax.value_and_grad(loss)(adapters)
+
+    want_loss, want_grads = loss_and_grads(base, adapters, batch)
+    mesh = make_mesh(data=data, model=model)
+    placed = jax.device_put(base, tree_shardings(base, axes, mesh, strategy))
+    loss, grads = loss_and_grads(placed, adapters, jax.device_put(batch, batch_sharding(mesh)))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)  # the same masks, the same forward
+    # A gradient entry sums 128 positions' terms that cancel to ~1 % of the largest entry;
+    # float32 summed in another order moves it by ~1e-6 absolute (a wrong mask or a mis-split
+    # base moves it by its own size).
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads))
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-4 * scale), grads,
+                 want_grads)
