@@ -112,10 +112,9 @@ class GQASelfAttention(nn.Module):
         wv = compute_param(self, "wv", init, (d, K, D), (EMBED, KV_HEADS, HEAD_DIM))
         wo = compute_param(self, "wo", residual_init, (H, D, d), (HEADS, HEAD_DIM, EMBED))
 
-        # (`project` is the einsum, plus an adapter's low-rank term where `config.lora` adds one.)
-        q = project(self, "wq", "btd,dhk->bthk", x, wq)  # [batch, T, n_head, head_dim]
-        k = project(self, "wk", "btd,dnk->btnk", x, wk)  # [batch, T, n_kv, head_dim]
-        v = project(self, "wv", "btd,dnk->btnk", x, wv)  # [batch, T, n_kv, head_dim]
+        # (`project`: the einsums, plus an adapter's low-rank term where `config.lora` adds one.)
+        q, k, v = project(self, x, ("wq", "btd,dhk->bthk", wq),  # [batch, T, n_head, head_dim]
+                          ("wk", "btd,dnk->btnk", wk), ("wv", "btd,dnk->btnk", wv))  # [batch, T, n_kv, head_dim]
         if c.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
             q = q + compute_param(self, "bq", nn.initializers.zeros, (H, D), (HEADS, HEAD_DIM))
             k = k + compute_param(self, "bk", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
@@ -151,7 +150,8 @@ class GQASelfAttention(nn.Module):
         else:
             out, weights, layer_cache = attend(mask, layer_cache)
             self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
-        return project(self, "wo", "bthk,hkd->btd", out, wo), layer_cache  # concat heads, then W_O
+        (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # concat heads, then W_O: [batch, T, d_model]
+        return y, layer_cache
 
 
 class MultiHeadAttention(nn.Module):

@@ -129,10 +129,12 @@ class RopeScaling:
         return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
 
-# LoRA's targets, by peft's (transformers') module names, and the parameter each adapts in a
-# block: attention's in `attn`, the gated FFN's in `mlp`.
+# LoRA's targets, by peft's (transformers') module names, and the adapter each is in a block:
+# a matrix of its own, or Phi-3's fused ones, one adapter over several matrices' columns.
 LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-                "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+                "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
+                "qkv_proj": "wqkv", "gate_up_proj": "w_gate_up"}
+FUSED_ADAPTERS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # -> the matrices, in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +144,8 @@ class LoraConfig:
     Attributes:
       rank: r, the adapters' inner size, >= 1.
       alpha: the scale's numerator (peft's `lora_alpha`), > 0.
-      targets: peft's names of the adapted matrices (`LORA_TARGETS`' keys), in every block.
+      targets: peft's names of the adapted matrices (`LORA_TARGETS`' keys), in every block;
+        Phi-3's `qkv_proj` and `gate_up_proj` are one adapter over the fused matrices.
       dropout: the rate of the dropout on each adapter's input (peft's `lora_dropout`), in
         [0, 1); it applies only where a `dropout` rng is given, as in training.
     """
@@ -161,6 +164,9 @@ class LoraConfig:
                  and all(t in LORA_TARGETS for t in targets), "targets",
                  f"distinct names among {', '.join(LORA_TARGETS)}")
         object.__setattr__(self, "targets", tuple(targets))
+        matrices = [m for adapter in self.adapters for m in FUSED_ADAPTERS.get(adapter, (adapter,))]
+        _require(self, len(set(matrices)) == len(matrices), "targets",
+                 "names of distinct matrices (qkv_proj holds q, k and v; gate_up_proj gate and up)")
 
     def replace(self, **changes) -> "LoraConfig":
         """A copy with `changes` applied, validated again."""
@@ -172,9 +178,14 @@ class LoraConfig:
         return self.alpha / self.rank
 
     @property
-    def param_names(self) -> frozenset[str]:
-        """The adapted parameters' names in a block (`wq`, `w_up`, ...)."""
-        return frozenset(LORA_TARGETS[t] for t in self.targets)
+    def adapters(self) -> tuple[str, ...]:
+        """The adapters' names in a block, a target's (`wq`, `w_up`, Phi-3's `wqkv`, ...)."""
+        return tuple(LORA_TARGETS[t] for t in self.targets)
+
+    @property
+    def matrices(self) -> frozenset[str]:
+        """The parameters an adapter changes (`wq`, ...; `wqkv` changes wq, wk and wv)."""
+        return frozenset(m for adapter in self.adapters for m in FUSED_ADAPTERS.get(adapter, (adapter,)))
 
 
 class _ModelConfig:

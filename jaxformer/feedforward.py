@@ -92,12 +92,12 @@ class SwiGLU(nn.Module):
         w_gate = compute_param(self, "w_gate", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
         w_up = compute_param(self, "w_up", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
         w_down = compute_param(self, "w_down", residual_init, (c.ffn_dim, c.d_model), (MLP, EMBED))
-        if c.lora is None or not c.lora.param_names & {"w_gate", "w_up", "w_down"}:
+        if c.lora is None or not c.lora.matrices & {"w_gate", "w_up", "w_down"}:
             return GATED_FFNS[c.mlp_activation](x, w_gate, w_up, w_down)  # [batch, T, d_model]
-        # With adapters, each product is `project`'s (the fused FFNs above take bare matrices).
-        gate = project(self, "w_gate", "btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
-        up = project(self, "w_up", "btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
-        return project(self, "w_down", "btf,fd->btd", GATES[c.mlp_activation](gate) * up, w_down)  # [batch, T, d]
+        # With adapters, each product is `project`'s (the FFNs above take bare matrices).
+        gate, up = project(self, x, ("w_gate", "btd,df->btf", w_gate), ("w_up", "btd,df->btf", w_up))  # [b, T, ffn]
+        (y,) = project(self, GATES[c.mlp_activation](gate) * up, ("w_down", "btf,fd->btd", w_down))
+        return y  # [batch, T, d_model]
 
 
 class FeedForward(nn.Module):

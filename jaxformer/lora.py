@@ -29,128 +29,182 @@ import numpy as np
 
 import flax.linen as nn
 
-from jaxformer.config import LORA_TARGETS, DecoderConfig, LoraConfig
+from jaxformer.config import FUSED_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.families import family_of
 from jaxformer.files import write_atomically, write_text_atomically
 
-# peft's target names (transformers' module names) and the parameters they are in a block.
-PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp"}
-TARGETS = {target: (PARTS[name], name) for target, name in LORA_TARGETS.items()}
-INPUT_AXES = {"wo": 2}  # o's input is its heads and their channels; every other target's is its first axis
+PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
+         "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "w_gate_up": "mlp"}  # adapter -> its module in a block
+INPUT_AXES = {"wo": 2}  # o's input is its heads and their channels; every other matrix's is its first axis
 LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its adapters from
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
-__all__ = ["LORA_COLLECTION", "LoraConfig", "check_targets", "init_lora", "load_peft", "merge", "project", "save_peft"]
+__all__ = ["LORA_COLLECTION", "LoraConfig", "all_targets", "check_targets", "init_lora", "load_peft", "merge",
+           "project", "save_peft"]
 
 
-def project(module: nn.Module, name: str, equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`einsum(equation, x, w)`: the product of a block's matrix `name`, and where the
-    module's `config.lora` adapts it, plus `scale * dropout(x) a b` (peft's forward, unmerged).
+def _members(adapter: str) -> tuple[str, ...]:
+    """The matrices an adapter changes: itself, or a fused adapter's, in their column order."""
+    return FUSED_ADAPTERS.get(adapter, (adapter,))
+
+
+def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Array]) -> list[jax.Array]:
+    """`einsum(equation, x, w)` for each `(name, equation, w)` of a block's matrices reading
+    `x`, and where the module's `config.lora` adapts one, plus `scale * dropout(x) a b`
+    (peft's forward, unmerged).
 
     The equation's letters shared by `x` and `w` are the matrix's input axes, which come
     first in `w` (`"btd,dhk->bthk"`: input `d`, output `hk`); `a` and `b` are read through
-    them as `[in..., r]` and `[r, out...]`. Dropout applies where the call has a `dropout`
-    rng (`apply(..., rngs={"dropout": key})`), each matrix drawing its own mask as peft's
-    modules do.
+    them as `[in..., r]` and `[r, out...]`. A fused adapter (Phi-3's `wqkv`) has one `a`,
+    and its `b`'s columns are its matrices' one after another. Dropout applies where the
+    call has a `dropout` rng (`apply(..., rngs={"dropout": key})`), each adapter drawing its
+    own mask, as peft's modules do.
 
     Args:
       module: the calling module (`GQASelfAttention`, `SwiGLU`), with its `config`.
-      name: the parameter's name in the block (`wq`, `w_down`, ...).
-      equation: the product's einsum, `x`'s letters then `w`'s.
       x: the input, in the compute dtype.
-      w: the matrix, in the compute dtype.
+      *products: `(name, equation, w)`: the parameter's name in the block (`wq`, ...), the
+        product's einsum (`x`'s letters, then `w`'s), the matrix in the compute dtype. All
+        the matrices of a fused adapter are in one call.
 
     Returns:
-      The product, in `x`'s dtype.
+      The products, in order, in `x`'s dtype.
 
     Raises:
-      ValueError: `config.lora` adapts `name` but the call has no adapter for it.
+      ValueError: `config.lora` adapts one of them but the call has no adapter for it.
     """
-    y = jnp.einsum(equation, x, w)
+    outs = [jnp.einsum(equation, x, w) for _, equation, w in products]
     lora = module.config.lora
-    if lora is None or name not in lora.param_names:
-        return y  # the model's plain product: nothing else is traced
-    if not module.has_variable(LORA_COLLECTION, name):
-        if module.is_initializing():
-            return y  # `init` makes the base's parameters; the adapters come from `init_lora`
-        raise ValueError(f"config.lora adapts {name}, but apply() was given no {LORA_COLLECTION!r} "
-                         f"variables for it: pass {{'params': ..., {LORA_COLLECTION!r}: init_lora(...)}}")
-    adapter = module.get_variable(LORA_COLLECTION, name)
-    inputs, out_spec = equation.split("->")
-    x_spec, w_spec = inputs.split(",")
-    n_in = sum(axis in x_spec for axis in w_spec)
-    in_spec, w_out_spec = w_spec[:n_in], w_spec[n_in:]  # w's input axes come first
-    rows = "".join(axis for axis in x_spec if axis not in w_spec)  # batch and positions
-    a = adapter["a"].reshape(*w.shape[:n_in], lora.rank).astype(x.dtype)  # [in..., r]
-    b = adapter["b"].reshape(lora.rank, *w.shape[n_in:]).astype(x.dtype)  # [r, out...]
-    if lora.dropout > 0 and module.has_rng("dropout"):
-        # Inverted dropout, as torch's: kept inputs scaled by 1 / (1 - p), so the mean is unchanged.
-        keep = jax.random.bernoulli(module.make_rng("dropout"), 1 - lora.dropout, x.shape)
-        x = jnp.where(keep, x / (1 - lora.dropout), 0).astype(x.dtype)
-    low = jnp.einsum(f"{x_spec},{in_spec}r->{rows}r", x, a)  # [rows..., r]; no equation here uses the letter r
-    return y + lora.scale * jnp.einsum(f"{rows}r,r{w_out_spec}->{out_spec}", low, b)
+    if lora is None:
+        return outs  # the model's plain products: nothing else is traced
+    index = {name: i for i, (name, _, _) in enumerate(products)}
+    for adapter in lora.adapters:
+        members = [index[m] for m in _members(adapter) if m in index]
+        if not members:
+            continue
+        if not module.has_variable(LORA_COLLECTION, adapter):
+            if module.is_initializing():
+                continue  # `init` makes the base's parameters; the adapters come from `init_lora`
+            raise ValueError(f"config.lora adapts {adapter}, but apply() was given no {LORA_COLLECTION!r} "
+                             f"variables for it: pass {{'params': ..., {LORA_COLLECTION!r}: init_lora(...)}}")
+        ab = module.get_variable(LORA_COLLECTION, adapter)
+        _, equation, w = products[members[0]]
+        x_spec, w_spec = equation.split("->")[0].split(",")
+        n_in = sum(axis in x_spec for axis in w_spec)  # w's input axes come first
+        rows = "".join(axis for axis in x_spec if axis not in w_spec)  # batch and positions
+        x_in = x
+        if lora.dropout > 0 and module.has_rng("dropout"):
+            # Inverted dropout, as torch's: kept inputs scaled by 1 / (1 - p), so the mean is unchanged.
+            keep = jax.random.bernoulli(module.make_rng("dropout"), 1 - lora.dropout, x.shape)
+            x_in = jnp.where(keep, x / (1 - lora.dropout), 0).astype(x.dtype)
+        a = ab["a"].reshape(*w.shape[:n_in], lora.rank).astype(x.dtype)  # [in..., r]
+        low = jnp.einsum(f"{x_spec},{w_spec[:n_in]}r->{rows}r", x_in, a)  # [rows..., r]; r: a letter no equation uses
+        start = 0
+        for i in members:  # each matrix's columns of b, in turn
+            _, equation, w = products[i]
+            (_, w_spec), out_spec = equation.split("->")[0].split(","), equation.split("->")[1]
+            width = math.prod(w.shape[n_in:])
+            b = ab["b"][:, start:start + width].reshape(lora.rank, *w.shape[n_in:]).astype(x.dtype)  # [r, out...]
+            outs[i] = outs[i] + lora.scale * jnp.einsum(f"{rows}r,r{w_spec[n_in:]}->{out_spec}", low, b)
+            start += width
+    return outs
 
 
-def _matrices(params, lora: LoraConfig):
-    """`(block, part, name, W)` for each target matrix of a per-layer parameter tree."""
+def _adapted(params, lora: LoraConfig):
+    """`(block, part, adapter, [W...])` for each adapter of a per-layer parameter tree, with
+    the matrices it changes (one; a fused adapter's several)."""
     if "blocks" in params:
         raise ValueError("LoRA takes the per-layer parameter tree: unstack a scanned one first "
                          "(jaxformer.convert.unstack_layers)")
     blocks = sorted((k for k in params if k.startswith("block_")), key=lambda k: int(k.split("_")[1]))
     for block in blocks:
-        for target in lora.targets:
-            part, name = TARGETS[target]
-            yield block, part, name, params[block][part][name]
+        for adapter in lora.adapters:
+            part = PARTS[adapter]
+            yield block, part, adapter, [params[block][part][m] for m in _members(adapter)]
 
 
-def _in_out(name: str, shape: tuple[int, ...]) -> tuple[int, int]:
-    n_in = INPUT_AXES.get(name, 1)
-    return math.prod(shape[:n_in]), math.prod(shape[n_in:])
+def _in_out(adapter: str, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
+    """An adapter's `(n_in, n_out)`: its matrices' input size, and their output sizes summed."""
+    n_in = INPUT_AXES.get(adapter, 1)
+    return math.prod(shapes[0][:n_in]), sum(math.prod(shape[n_in:]) for shape in shapes)
 
 
 def init_lora(params, lora: LoraConfig, key: jax.Array) -> dict:
-    """New adapters for `params`: `{block: {part: {name: {"a": [n_in, r], "b": [r, n_out]}}}}`,
+    """New adapters for `params`: `{block: {part: {adapter: {"a": [n_in, r], "b": [r, n_out]}}}}`,
     `b` zero (float32, whatever the base's dtype)."""
     adapters: dict = {}
-    matrices = list(_matrices(params, lora))
-    for key_i, (block, part, name, w) in zip(jax.random.split(key, len(matrices)), matrices):
-        n_in, n_out = _in_out(name, w.shape)
+    found = list(_adapted(params, lora))
+    for key_i, (block, part, adapter, ws) in zip(jax.random.split(key, len(found)), found):
+        n_in, n_out = _in_out(adapter, [w.shape for w in ws])
         bound = 1.0 / math.sqrt(n_in)
-        adapters.setdefault(block, {}).setdefault(part, {})[name] = {
+        adapters.setdefault(block, {}).setdefault(part, {})[adapter] = {
             "a": jax.random.uniform(key_i, (n_in, lora.rank), jnp.float32, -bound, bound),
             "b": jnp.zeros((lora.rank, n_out), jnp.float32)}
     return adapters
 
 
 def merge(params, adapters: dict, lora: LoraConfig):
-    """`params` with each adapted matrix replaced by `W + scale * (a @ b)` (in W's shape and
-    dtype); every other leaf is the same array. Differentiable in `adapters`."""
+    """`params` with each adapted matrix replaced by `W + scale * (a @ b)` (its columns of
+    `b`, in W's shape and dtype); every other leaf is the same array. Differentiable in
+    `adapters`."""
     merged = jax.tree.map(lambda x: x, params)  # new dicts, the same leaves
-    for block, part, name, w in _matrices(params, lora):
-        ab = adapters[block][part][name]
+    for block, part, adapter, ws in _adapted(params, lora):
+        ab = adapters[block][part][adapter]
         delta = (ab["a"] @ ab["b"]) * lora.scale  # [n_in, n_out]
-        merged[block][part][name] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+        start = 0
+        for name, w in zip(_members(adapter), ws):
+            width = w.size // delta.shape[0]
+            merged[block][part][name] = (w.astype(jnp.float32)
+                                         + delta[:, start:start + width].reshape(w.shape)).astype(w.dtype)
+            start += width
     return merged
 
 
+def all_targets(config: DecoderConfig) -> tuple[str, ...]:
+    """Every target `config`'s checkpoint format has: Llama's seven projections, or Phi-3's
+    four (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`)."""
+    targets = []
+    for target in LORA_TARGETS:
+        try:
+            _peft_keys(config, LoraConfig(targets=(target,)))
+        except ValueError:
+            continue
+        targets.append(target)
+    return tuple(targets)
+
+
 def check_targets(config: DecoderConfig, lora: LoraConfig) -> None:
-    """Raises ValueError unless each of `lora.targets` is a matrix of its own in `config`'s
-    checkpoint format (peft adapts Phi-3's fused `qkv_proj` and `gate_up_proj` whole, which
-    these adapters, one a matrix, do not map to)."""
-    _peft_keys(config, lora)
+    """Raises ValueError unless each of `lora.targets` is a module of `config`'s checkpoint
+    format, as peft names it (Phi-3 has `qkv_proj` and `gate_up_proj`, the others `q_proj`,
+    ...)."""
+    try:
+        _peft_keys(config, lora)
+    except ValueError as e:
+        raise ValueError(f"{e}; its targets: {', '.join(all_targets(config))}") from None
 
 
 def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
-    """`(block, part, name) -> peft's key stem` (`base_model.model.model.layers.0.self_attn.q_proj`)."""
-    wanted = {TARGETS[t] for t in lora.targets}
+    """`(block, part, adapter) -> peft's key stem` (`base_model.model.model.layers.0.self_attn.q_proj`):
+    the checkpoint tensor that holds the adapter's matrices, all of it."""
+    tensors = {t.path: t for t in family_of(config).tensors(config)}
     stems = {}
-    for tensor in family_of(config).tensors(config):
-        if len(tensor.path) == 3 and tuple(tensor.path[1:]) in wanted:
-            if tensor.rows is not None:
-                raise ValueError(f"{tensor.hf_key} is a block of a fused tensor ({config.hf_model_type}): its "
-                                 "adapters do not map to peft's; adapt the matrices of their own (o_proj, down_proj)")
-            stems[tensor.path] = PEFT_PREFIX + tensor.hf_key.removesuffix(".weight")
+    for i in range(config.n_layer):
+        for target, adapter in zip(lora.targets, lora.adapters):
+            members = [tensors[(f"block_{i}", PARTS[adapter], m)] for m in _members(adapter)]
+            fused = {t.hf_key for t in members}
+            # The adapter is the tensor's: the matrices are all of it (rows, in order) or it alone.
+            whole = len(fused) == 1 and (
+                (len(members) == 1 and members[0].rows is None)
+                or [t.rows for t in members] == [(sum(x.hf_shape[0] for x in members[:k]),
+                                                  sum(x.hf_shape[0] for x in members[:k + 1]))
+                                                 for k in range(len(members))])
+            hf_key = members[0].hf_key
+            if not whole or not hf_key.endswith(f".{target}.weight"):
+                model_type = config.hf_model_type or "llama"
+                raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s "
+                                 f"{'/'.join(members[0].path[1:])} is in {hf_key})")
+            stems[(f"block_{i}", PARTS[adapter], adapter)] = PEFT_PREFIX + hf_key.removesuffix(".weight")
     return stems
 
 
@@ -202,7 +256,7 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
     adapters: dict = {}
     shapes = {t.path: t.shape for t in family_of(config).tensors(config)}
     for (block, part, name), stem in _peft_keys(config, lora).items():
-        n_in, n_out = _in_out(name, shapes[(block, part, name)])
+        n_in, n_out = _in_out(name, [shapes[(block, part, m)] for m in _members(name)])
         pair = {}
         for letter, want in (("a", (lora.rank, n_in)), ("b", (n_out, lora.rank))):
             key = f"{stem}.lora_{letter.upper()}.weight"

@@ -13,8 +13,9 @@ from conftest import import_peer, numpy_decoder_logits, random_params
 from families.shipped import scaled_up, tiny
 
 from jaxformer import Decoder, DecoderConfig, label_smoothed_cross_entropy
+from jaxformer.config import LORA_TARGETS
 from jaxformer.convert import load_hf, save_hf
-from jaxformer.lora import LoraConfig, check_targets, init_lora, load_peft, merge, project, save_peft
+from jaxformer.lora import LoraConfig, all_targets, check_targets, init_lora, load_peft, merge, project, save_peft
 from jaxformer.training import TrainState, make_train_step
 
 CONFIG = DecoderConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32)
@@ -127,7 +128,7 @@ class OneProjection(nn.Module):
 
     @nn.compact
     def __call__(self, x, w):
-        return project(self, "wq", "btd,dhk->bthk", x, w)
+        return project(self, x, ("wq", "btd,dhk->bthk", w))[0]
 
 
 def test_dropout_drops_the_adapter_input_as_torch_does():
@@ -151,9 +152,14 @@ def test_dropout_drops_the_adapter_input_as_torch_does():
     assert not np.allclose(np.asarray(again - plain)[:, :, 0], dropped)  # a new key, a new mask
 
 
-# The families the peft comparison runs on: a tiny Llama, and a tiny Gemma (GeGLU, norms that
-# scale by 1 + w, scaled embeddings), each a random transformers model saved and loaded.
-PEFT_MODELS = {"llama": ("Llama-3.2-1B", {}), "gemma": ("gemma-2b", {})}
+# The families the peft comparison runs on, each a random transformers model saved and loaded,
+# with every target its format has: a tiny Llama; a tiny Gemma (GeGLU, norms that scale by
+# 1 + w, scaled embeddings); a tiny Phi-3, whose fused qkv_proj and gate_up_proj take one
+# adapter each over the matrices jaxformer keeps apart.
+PEFT_MODELS = {"llama": ("Llama-3.2-1B", LORA), "gemma": ("gemma-2b", LORA),
+               "phi3": ("Phi-3-mini-4k-instruct", LORA.replace(targets=("qkv_proj", "o_proj", "gate_up_proj",
+                                                                         "down_proj")))}
+TARGET_OF = {adapter: target for target, adapter in LORA_TARGETS.items()}
 
 
 @pytest.mark.peers
@@ -162,29 +168,29 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
     torch = import_peer("torch")
     transformers = import_peer("transformers")
     peft = import_peer("peft")
-    name, overrides = PEFT_MODELS[family]
-    hf_config = transformers.AutoConfig.for_model(**tiny(name, **overrides))
+    name, lora = PEFT_MODELS[family]
+    hf_config = transformers.AutoConfig.for_model(**tiny(name))
     scaled_up(transformers.AutoModelForCausalLM.from_config(hf_config), seed=0).save_pretrained(tmp_path / "base")
     config, base = load_hf(str(tmp_path / "base"), max_seq_len=32)
     frozen = jax.tree.map(np.array, base)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 12))
-    adapters = trained_looking(init_lora(base, LORA, jax.random.key(0)), seed=2)
+    adapters = trained_looking(init_lora(base, lora, jax.random.key(0)), seed=2)
     adapters = jax.tree.map(lambda x: x / 4, adapters)  # (gentler: the scaled-up base is sharp already)
-    save_peft(config, adapters, LORA, str(tmp_path / "ours"))
+    save_peft(config, adapters, lora, str(tmp_path / "ours"))
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
     peer = peft.PeftModel.from_pretrained(model, str(tmp_path / "ours"), is_trainable=True)
     labels = torch.tensor(tokens)
     labels[0, :5] = -100  # a masked prompt: its positions carry no loss
     out = peer(input_ids=torch.tensor(tokens), labels=labels)  # (shifted inside: position t predicts t + 1)
-    np.testing.assert_allclose(out.logits.detach().numpy(), adapted_logits(config, base, adapters, LORA, tokens),
+    np.testing.assert_allclose(out.logits.detach().numpy(), adapted_logits(config, base, adapters, lora, tokens),
                                rtol=1e-4, atol=1e-4)
 
     # One step's loss and the adapters' gradients, through train.finetune's path (unmerged, no dropout key).
     targets = np.where(labels.numpy() == -100, -100, tokens)[:, 1:]
 
     def loss(adapters, batch, dropout_key):
-        out = adapted_logits(config, base, adapters, LORA, batch["tokens"])
+        out = adapted_logits(config, base, adapters, lora, batch["tokens"])
         return label_smoothed_cross_entropy(out, batch["targets"], 0.0, ignore_id=-100), {}
 
     batch = {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(targets)}
@@ -193,29 +199,30 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
     np.testing.assert_allclose(float(value), out.loss.item(), rtol=1e-5)
     named = dict(peer.named_parameters())
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads))
+    compared = 0
     for i in range(config.n_layer):
-        for target, (part, name) in (("q_proj", ("attn", "wq")), ("k_proj", ("attn", "wk")),
-                                     ("o_proj", ("attn", "wo")), ("up_proj", ("mlp", "w_up")),
-                                     ("down_proj", ("mlp", "w_down"))):
-            module = "self_attn" if part == "attn" else "mlp"
-            stem = f"base_model.model.model.layers.{i}.{module}.{target}"
-            for letter in ("a", "b"):
-                got = named[f"{stem}.lora_{letter.upper()}.default.weight"].grad.numpy().T
-                # float32 through two sharp layers: agreement to 1e-4 of the largest gradient
-                np.testing.assert_allclose(np.asarray(grads[f"block_{i}"][part][name][letter]), got,
-                                           rtol=1e-3, atol=1e-4 * scale)
+        for part, module in (("attn", "self_attn"), ("mlp", "mlp")):
+            for adapter, pair in grads[f"block_{i}"][part].items():
+                stem = f"base_model.model.model.layers.{i}.{module}.{TARGET_OF[adapter]}"
+                for letter in ("a", "b"):
+                    got = named[f"{stem}.lora_{letter.upper()}.default.weight"].grad.numpy().T
+                    # float32 through two sharp layers: agreement to 1e-4 of the largest gradient
+                    np.testing.assert_allclose(np.asarray(pair[letter]), got, rtol=1e-3, atol=1e-4 * scale)
+                    compared += 1
+    assert compared == 2 * config.n_layer * len(lora.targets)
 
     # The step itself moves the adapters and leaves the base as it was, bit for bit.
     optimizer = optax.adam(1e-2)
     step = make_train_step(loss, optimizer)
     state, _ = step(TrainState.create(adapters, optimizer), batch, jax.random.key(0))
-    assert not np.allclose(state.params["block_0"]["attn"]["wq"]["b"], adapters["block_0"]["attn"]["wq"]["b"])
+    assert not np.allclose(state.params["block_0"]["attn"]["wo"]["b"], adapters["block_0"]["attn"]["wo"]["b"])
     for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(frozen)):
         np.testing.assert_array_equal(x, y)
 
     # peft's own adapters (drawn by peft, saved by peft) into jaxformer.
     fresh = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
-    theirs = peft.get_peft_model(fresh, peft.LoraConfig(r=3, lora_alpha=5, target_modules=["v_proj", "up_proj"],
+    their_targets = sorted(lora.targets)[:2]
+    theirs = peft.get_peft_model(fresh, peft.LoraConfig(r=3, lora_alpha=5, target_modules=their_targets,
                                                         lora_dropout=0.1, init_lora_weights="gaussian"))
     with torch.no_grad():
         for n, p in theirs.named_parameters():
@@ -223,7 +230,7 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
                 p.normal_(0, 0.3)  # (peft starts B at zero even for "gaussian")
     theirs.save_pretrained(str(tmp_path / "theirs"))
     loaded, lora = load_peft(config, str(tmp_path / "theirs"))
-    assert (lora.rank, lora.alpha, set(lora.targets), lora.dropout) == (3, 5, {"v_proj", "up_proj"}, 0.1)
+    assert (lora.rank, lora.alpha, sorted(lora.targets), lora.dropout) == (3, 5, their_targets, 0.1)
     theirs.eval()  # (dropout off, as ours without a dropout key)
     with torch.no_grad():
         want = theirs(input_ids=torch.tensor(tokens)).logits.numpy()
@@ -232,11 +239,16 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
                                                                 jnp.asarray(tokens))[0]), want, rtol=1e-4, atol=1e-4)
 
 
-def test_phi3s_fused_projections_are_refused_and_its_own_matrices_taken():
+
+
+def test_each_family_takes_the_targets_its_format_has():
+    assert all_targets(CONFIG) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     phi3 = CONFIG.replace(hf_model_type="phi3")
-    with pytest.raises(ValueError, match="qkv_proj.weight is a block of a fused tensor \\(phi3\\)"):
+    assert all_targets(phi3) == ("o_proj", "down_proj", "qkv_proj", "gate_up_proj")
+    with pytest.raises(ValueError, match="q_proj is not a module of a phi3 checkpoint \\(layer 0's attn/wq is in "
+                                         "model.layers.0.self_attn.qkv_proj.weight\\); its targets: o_proj"):
         check_targets(phi3, LoraConfig(targets=("q_proj",)))
-    with pytest.raises(ValueError, match="gate_up_proj.weight is a block of a fused tensor"):
-        check_targets(phi3, LoraConfig(targets=("up_proj",)))
-    check_targets(phi3, LoraConfig(targets=("o_proj", "down_proj")))
-    check_targets(CONFIG, LORA)
+    with pytest.raises(ValueError, match="qkv_proj is not a module of a llama checkpoint"):
+        check_targets(CONFIG, LoraConfig(targets=("qkv_proj",)))
+    with pytest.raises(ValueError, match="names of distinct matrices"):
+        LoraConfig(targets=("qkv_proj", "k_proj"))

@@ -36,7 +36,7 @@ from jaxformer.config import LORA_TARGETS, LoraConfig
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.files import write_folder_atomically
-from jaxformer.lora import check_targets, init_lora, merge, save_peft
+from jaxformer.lora import all_targets, check_targets, init_lora, merge, save_peft
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
@@ -112,24 +112,23 @@ class Settings:
         require(self.base_dtype in BASE_DTYPES, "--base-dtype", f"one of {', '.join(BASE_DTYPES)}", self.base_dtype)
         require(not self.full or self.base_dtype == "float32", "--base-dtype",
                 "float32 with --full, which trains (and so keeps in float32) every parameter", self.base_dtype)
-        targets = self.targets
-        unknown = [t for t in targets if t not in LORA_TARGETS]
-        require(not unknown and len(set(targets)) == len(targets) and targets, "--lora-targets",
-                f"{ALL_TARGETS!r} or distinct names among {', '.join(LORA_TARGETS)}, comma-separated",
-                self.lora_targets)
+        if self.lora_targets != ALL_TARGETS:
+            try:
+                LoraConfig(targets=self.targets(None))
+            except ValueError as e:
+                raise ValueError(f"--lora-targets {self.lora_targets!r}, comma-separated or {ALL_TARGETS!r}: {e}") \
+                    from None
 
-    @property
-    def targets(self) -> tuple[str, ...]:
-        """`lora_targets` as peft's names."""
+    def targets(self, config: DecoderConfig | None) -> tuple[str, ...]:
+        """`lora_targets` as peft's names: with "all", every one `config`'s format has."""
         if self.lora_targets == ALL_TARGETS:
-            return tuple(LORA_TARGETS)
-        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+            return all_targets(config)
+        return tuple(t.strip() for t in self.lora_targets.split(","))
 
-    @property
-    def lora(self) -> LoraConfig | None:
-        """The adapters' config; None with `full`."""
-        return None if self.full else LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.targets,
-                                                  dropout=self.lora_dropout)
+    def lora(self, config: DecoderConfig) -> LoraConfig | None:
+        """The adapters' config for a checkpoint of `config`; None with `full`."""
+        return None if self.full else LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha,
+                                                  targets=self.targets(config), dropout=self.lora_dropout)
 
     @property
     def run_name(self) -> str:
@@ -213,7 +212,7 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     check_fits_model(tokenizer, config.vocab_size, f"--checkpoint {settings.checkpoint}")
     require(settings.seq_len <= config.max_seq_len, "--seq-len", f"at most the model's context, {config.max_seq_len}",
             settings.seq_len)
-    config = config.replace(lora=settings.lora, remat=settings.remat)
+    config = config.replace(lora=settings.lora(config), remat=settings.remat)
     if config.lora is not None:
         try:
             check_targets(config, config.lora)  # now: the adapters are written after training

@@ -147,7 +147,11 @@ def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpo
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--lora-targets", "qkv_proj"], "--lora-targets must be 'all' or distinct names among q_proj"),
+    (["--lora-targets", "q_proj,wk"], "--lora-targets 'q_proj,wk', comma-separated or 'all': LoraConfig.targets "
+                                      "must be distinct names among q_proj"),
+    (["--lora-targets", "qkv_proj", "--seq-len", "32"], "--lora-targets qkv_proj: qkv_proj is not a module of a llama checkpoint "
+                                     "(layer 0's attn/wq is in model.layers.0.self_attn.q_proj.weight); its targets: "
+                                     "q_proj, k_proj"),
     (["--seq-len", "65"], "--seq-len must be at most the model's context, 64"),
     (["--full", "--base-dtype", "bfloat16"], "--base-dtype must be float32 with --full"),
     (["--lora-dropout", "1"], "--lora-dropout must be"),
