@@ -286,3 +286,32 @@ def test_lora_gradients_on_a_mesh_match_one_device(strategy, data, model):
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads))
     jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-4 * scale), grads,
                  want_grads)
+
+
+def test_train_finetune_on_a_mesh_resumes_on_another(tmp_path):
+    """LoRA on a checkpoint folder: 4 steps on a 4 x 2 mesh, then resumed on 8 x 1 with
+    FSDP: the losses of one uninterrupted single-device run (dropout on)."""
+    import shutil
+
+    from jaxformer.convert import save_hf
+    from jaxformer.text import char_tokenizer, save_tokenizer
+    from train import finetune
+
+    words = "the cat sat on a mat and dog log".split()
+    tokenizer = char_tokenizer(sorted(set(" ".join(words))))
+    config = DECODER.replace(vocab_size=tokenizer.vocab_size, max_seq_len=64)
+    save_hf(config, _decoder_setup(config)[0], str(tmp_path / "checkpoint"))
+    save_tokenizer(tokenizer, str(tmp_path / "checkpoint"))
+    data = tmp_path / "words.txt"
+    data.write_text(" ".join(np.random.default_rng(0).choice(words, 600)))
+    flags = ["--checkpoint", str(tmp_path / "checkpoint"), "--data", str(data), "--batch-size", "8", "--seq-len", "16",
+             "--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "1e-2", "--warmup", "1", "--log-every", "2",
+             "--checkpoint-every", "4"]
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    assert finetune.main([*flags, "--steps", "8", "--run-dir", str(single)]) == 0
+    assert finetune.main([*flags, "--steps", "8", "--run-dir", str(sharded), "--mesh", "data=4,model=2"]) == 0
+    shutil.rmtree(sharded / "checkpoints" / "8")  # stopped after step 4's checkpoint
+    assert finetune.main([*flags, "--steps", "8", "--run-dir", str(sharded), "--mesh", "data=8", "--fsdp",
+                          "--resume"]) == 0
+    assert len(_losses(single)) == 4
+    np.testing.assert_allclose(_losses(sharded), _losses(single), rtol=1e-5)
