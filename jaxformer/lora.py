@@ -18,16 +18,14 @@ nothing. The adapters are a tree shaped like the blocks' parameters, `{block: {p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import flax.linen as nn
 
 from jaxformer.config import FUSED_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.families import family_of

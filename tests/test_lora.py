@@ -14,7 +14,7 @@ from families.shipped import scaled_up, tiny
 
 from jaxformer import Decoder, DecoderConfig, label_smoothed_cross_entropy
 from jaxformer.config import LORA_TARGETS
-from jaxformer.convert import load_hf, save_hf
+from jaxformer.convert import load_hf
 from jaxformer.lora import LoraConfig, all_targets, check_targets, init_lora, load_peft, merge, project, save_peft
 from jaxformer.training import TrainState, make_train_step
 

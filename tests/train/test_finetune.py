@@ -15,7 +15,7 @@ from conftest import import_peer, random_params, run_main
 from report_page import check_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
-from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer  # noqa: E402
+from checkpoints import CHAT_TEMPLATE, bpe_tokenizer  # noqa: E402
 
 from jaxformer import Decoder, DecoderConfig  # noqa: E402
 from jaxformer.convert import load_hf, save_hf  # noqa: E402
