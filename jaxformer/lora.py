@@ -1,8 +1,11 @@
 """LoRA: a frozen matrix `W` learns a low-rank change, `W + (alpha / r) * A @ B`.
 
 A matrix `W` of shape `[in..., out...]` (q's `[d, H, D]`, o's `[H, D, d]`) is read as `[n_in,
-n_out]`; its adapter is `a` `[n_in, r]` and `b` `[r, n_out]`, peft's `lora_A.weight` `[r,
-n_in]` and `lora_B.weight` `[n_out, r]` transposed. As in peft, `a` starts uniform in
+n_out]`; its adapter is `a` `[r, n_in]` (peft's `lora_A.weight` as it is) and `b` `[r, n_out]`
+(peft's `lora_B.weight` `[n_out, r]` transposed), and the change is `a^T b`. Both keep `r`
+first so that their gradients, `dlow^T x` and `low^T dy`, contract the positions of
+`[positions, r]` operands: no `[positions, width]` activation is transposed for them (XLA's
+CPU backend copies every transposed operand, and the FFN's are 2.75 d_model wide). As in peft, `a` starts uniform in
 `±1/sqrt(n_in)` (kaiming-uniform with a = sqrt(5)) and `b` at zero, so a new adapter changes
 nothing. The adapters are a tree shaped like the blocks' parameters, `{block: {part: {name:
 {"a", "b"}}}}`, and take part in two ways:
@@ -96,8 +99,8 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
             # Inverted dropout, as torch's: kept inputs scaled by 1 / (1 - p), so the mean is unchanged.
             keep = jax.random.bernoulli(module.make_rng("dropout"), 1 - lora.dropout, x.shape)
             x_in = jnp.where(keep, x / (1 - lora.dropout), 0).astype(x.dtype)
-        a = ab["a"].reshape(*w.shape[:n_in], lora.rank).astype(x.dtype)  # [in..., r]
-        low = jnp.einsum(f"{x_spec},{w_spec[:n_in]}r->{rows}r", x_in, a)  # [rows..., r]; r: a letter no equation uses
+        a = ab["a"].reshape(lora.rank, *w.shape[:n_in]).astype(x.dtype)  # [r, in...]
+        low = jnp.einsum(f"{x_spec},r{w_spec[:n_in]}->{rows}r", x_in, a)  # [rows..., r]; r: a letter no equation uses
         start = 0
         for i in members:  # each matrix's columns of b, in turn
             _, equation, w = products[i]
@@ -129,7 +132,7 @@ def _in_out(adapter: str, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
 
 
 def init_lora(params, lora: LoraConfig, key: jax.Array) -> dict:
-    """New adapters for `params`: `{block: {part: {adapter: {"a": [n_in, r], "b": [r, n_out]}}}}`,
+    """New adapters for `params`: `{block: {part: {adapter: {"a": [r, n_in], "b": [r, n_out]}}}}`,
     `b` zero (float32, whatever the base's dtype)."""
     adapters: dict = {}
     found = list(_adapted(params, lora))
@@ -137,7 +140,7 @@ def init_lora(params, lora: LoraConfig, key: jax.Array) -> dict:
         n_in, n_out = _in_out(adapter, [w.shape for w in ws])
         bound = 1.0 / math.sqrt(n_in)
         adapters.setdefault(block, {}).setdefault(part, {})[adapter] = {
-            "a": jax.random.uniform(key_i, (n_in, lora.rank), jnp.float32, -bound, bound),
+            "a": jax.random.uniform(key_i, (lora.rank, n_in), jnp.float32, -bound, bound),
             "b": jnp.zeros((lora.rank, n_out), jnp.float32)}
     return adapters
 
@@ -149,7 +152,7 @@ def merge(params, adapters: dict, lora: LoraConfig):
     merged = jax.tree.map(lambda x: x, params)  # new dicts, the same leaves
     for block, part, adapter, ws in _adapted(params, lora):
         ab = adapters[block][part][adapter]
-        delta = (ab["a"] @ ab["b"]) * lora.scale  # [n_in, n_out]
+        delta = (ab["a"].T @ ab["b"]) * lora.scale  # [n_in, n_out]
         start = 0
         for name, w in zip(_members(adapter), ws):
             width = w.size // delta.shape[0]
@@ -216,7 +219,7 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
     tensors = {}
     for (block, part, name), stem in _peft_keys(config, lora).items():
         ab = adapters[block][part][name]
-        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(np.asarray(ab["a"], np.float32).T)  # [r, n_in]
+        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(np.asarray(ab["a"], np.float32))  # [r, n_in]
         tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(np.asarray(ab["b"], np.float32).T)  # [n_out, r]
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
                       "target_modules": sorted(lora.targets), "lora_dropout": lora.dropout, "bias": "none",
@@ -262,6 +265,7 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
                 raise ValueError(f"{path}/{ADAPTER_WEIGHTS_FILE} has no {key}")
             if tensors[key].shape != want:
                 raise ValueError(f"{path}/{ADAPTER_WEIGHTS_FILE}: {key} is {tensors[key].shape}, not {want}")
-            pair[letter] = jnp.asarray(tensors[key].astype(np.float32).T)
+            value = tensors[key].astype(np.float32)
+            pair[letter] = jnp.asarray(value if letter == "a" else value.T)  # a [r, n_in], b [r, n_out]
         adapters.setdefault(block, {}).setdefault(part, {})[name] = pair
     return adapters, lora

@@ -43,7 +43,7 @@ def logits(params, tokens=TOKENS):
 def test_a_new_adapter_changes_nothing(base):
     adapters = init_lora(base, LORA, jax.random.key(0))
     a = adapters["block_0"]["attn"]["wq"]["a"]
-    assert a.shape == (32, 4) and float(jnp.abs(a).max()) <= 1 / np.sqrt(32)
+    assert a.shape == (4, 32) and float(jnp.abs(a).max()) <= 1 / np.sqrt(32)
     merged = merge(base, adapters, LORA)
     for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(base)):
         np.testing.assert_array_equal(x, y)
@@ -57,7 +57,7 @@ def test_the_merge_is_w_plus_scaled_a_b_in_an_independent_forward(base):
                                  ("mlp", "w_gate", 1), ("mlp", "w_up", 1), ("mlp", "w_down", 1)):
             w = want[block][part][name]
             ab = adapters[block][part][name]
-            delta = np.asarray(ab["a"], np.float64) @ np.asarray(ab["b"], np.float64) * (8.0 / 4)
+            delta = np.asarray(ab["a"], np.float64).T @ np.asarray(ab["b"], np.float64) * (8.0 / 4)
             want[block][part][name] = w + delta.reshape(w.shape)
     np.testing.assert_allclose(logits(merge(base, adapters, LORA)), numpy_decoder_logits(want, TOKENS, CONFIG),
                                rtol=1e-4, atol=1e-4)
@@ -205,7 +205,8 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
             for adapter, pair in grads[f"block_{i}"][part].items():
                 stem = f"base_model.model.model.layers.{i}.{module}.{TARGET_OF[adapter]}"
                 for letter in ("a", "b"):
-                    got = named[f"{stem}.lora_{letter.upper()}.default.weight"].grad.numpy().T
+                    got = named[f"{stem}.lora_{letter.upper()}.default.weight"].grad.numpy()
+                    got = got if letter == "a" else got.T  # peft's A is [r, n_in] as ours; its B [n_out, r]
                     # float32 through two sharp layers: agreement to 1e-4 of the largest gradient
                     np.testing.assert_allclose(np.asarray(pair[letter]), got, rtol=1e-3, atol=1e-4 * scale)
                     compared += 1
