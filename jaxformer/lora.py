@@ -42,7 +42,7 @@ ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_mode
 PEFT_PREFIX = "base_model.model."
 
 __all__ = ["LORA_COLLECTION", "LoraConfig", "all_targets", "check_targets", "init_lora", "load_peft", "merge",
-           "project", "save_peft"]
+           "merge_peft", "project", "save_peft"]
 
 
 def _members(adapter: str) -> tuple[str, ...]:
@@ -240,6 +240,8 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
     from safetensors.numpy import load_file
 
     file = os.path.join(path, ADAPTER_CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG_FILE} there: not a peft adapter folder")
     with open(file) as f:
         given = json.load(f)
     for key, plain in (("peft_type", "LORA"), ("bias", "none"), ("use_rslora", False), ("fan_in_fan_out", False),
@@ -269,3 +271,14 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
             pair[letter] = jnp.asarray(value if letter == "a" else value.T)  # a [r, n_in], b [r, n_out]
         adapters.setdefault(block, {}).setdefault(part, {})[name] = pair
     return adapters, lora
+
+
+def merge_peft(config: DecoderConfig, params, path: str):
+    """`params` with the adapters of the peft folder `path` merged in (`load_peft`, then
+    `merge`): what `--adapter DIR` of the text commands runs.
+
+    Raises:
+      FileNotFoundError, ValueError: as `load_peft`.
+    """
+    adapters, lora = load_peft(config, path)
+    return merge(params, adapters, lora)

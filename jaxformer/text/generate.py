@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.command_line import FAILED, OneLineParser, fail, run_command
-from jaxformer.convert import load_hf
+from jaxformer.convert import load_hf, with_scan_layers
 from jaxformer.decoder import Decoder
 from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, NonFiniteLogitsError, PromptLookup,
                                 Speculative, finish, run, start, stream)
 from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
+from jaxformer.lora import merge_peft
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, check_fits_model, load_tokenizer
@@ -60,6 +61,9 @@ def parse_args(argv=None):
                         "so far (prompt lookup); the same tokens as without, in fewer passes where the text repeats")
     p.add_argument("--prompt-lookup-ngram", type=int, default=None, metavar="N",
                    help=f"with --prompt-lookup: the longest n-gram looked up (default {PromptLookup.n})")
+    p.add_argument("--adapter", metavar="DIR",
+                   help="a peft LoRA adapter folder (adapter_config.json, adapter_model.safetensors), merged into "
+                        "the checkpoint's weights before decoding")
     p.add_argument("--seed", type=int, default=0, help="the sampling's seed")
     p.add_argument("--dtype", default="float32", help=f"compute and weight dtype, one of {', '.join(DTYPES)}")
     p.add_argument("--max-seq-len", type=int, default=None,
@@ -380,8 +384,13 @@ def load(args, prompts: list[str]):
     (`FileNotFoundError`, `ValueError` naming the file, prompt or flag)."""
     tokenizer = load_tokenizer(args.checkpoint)
     ids = encode_prompts(tokenizer, prompts, args)
+    # (An adapter is merged into the per-layer tree, then stacked.)
     config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
-                             scan_layers=args.scan_layers)
+                             scan_layers=args.scan_layers and args.adapter is None)
+    if args.adapter is not None:
+        params = merge_peft(config, params, args.adapter)
+        if args.scan_layers:
+            config, params = with_scan_layers(config, params, True)
     check_prompts(ids, prompts, args.max_new_tokens, config.max_seq_len, config.vocab_size)
     options(args).check(config.vocab_size, names=FLAG_NAMES)
     check_fits_model(tokenizer, config.vocab_size, args.checkpoint)

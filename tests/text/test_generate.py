@@ -250,3 +250,24 @@ def test_chat_prompts_are_apply_chat_template(tmp_path):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "今天天气"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert json.loads(out)["prompt_tokens"] == len(ids)
+
+
+def test_an_adapter_decodes_as_the_merged_checkpoint_does(folder, params, tmp_path):
+    from jaxformer.lora import LoraConfig, init_lora, merge, save_peft
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "up_proj"))
+    adapters = jax.tree.map(lambda x: 0.5 * jax.random.normal(jax.random.key(1), x.shape),
+                            init_lora(params, lora, jax.random.key(0)))
+    save_peft(CONFIG, adapters, lora, str(tmp_path / "adapter"))
+    save_hf(CONFIG, merge(params, adapters, lora), str(tmp_path / "merged"), bos_id=BPE.bos_id, eos_id=BPE.eos_id,
+            pad_id=BPE.pad_id)
+    save_tokenizer(BPE, str(tmp_path / "merged"))
+    flags = [*_flags(PROMPTS), *NEW, "--json"]
+    adapted, _ = run(["--checkpoint", folder, "--adapter", str(tmp_path / "adapter"), *flags])
+    merged, _ = run(["--checkpoint", str(tmp_path / "merged"), *flags])
+    base, _ = run(["--checkpoint", folder, *flags])
+    assert adapted == merged and adapted != base
+    scanned, _ = run(["--checkpoint", folder, "--adapter", str(tmp_path / "adapter"), "--scan-layers", *flags])
+    assert scanned == adapted  # merged into the per-layer tree, then stacked
+    with pytest.raises(SystemExit):
+        cli.main(["--checkpoint", folder, "--adapter", str(tmp_path), "--prompt", "Keys"])

@@ -1,0 +1,144 @@
+"""`jaxformer.text.perplexity`: the sliding-window perplexity against a direct formula on each
+window's own logits, against transformers' documented recipe on torch (base, adapter through
+peft, merged folder), one compile for every window, and the command's refusals."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer
+from conftest import count_compiles, import_peer, random_params, run_main
+
+from jaxformer import Decoder, DecoderConfig
+from jaxformer.convert import load_hf, save_hf
+from jaxformer.lora import LoraConfig, init_lora, merge, save_peft
+from jaxformer.text import Tokenizer, load_tokenizer, perplexity as command, save_tokenizer
+from jaxformer.text.perplexity import perplexity, window_spans
+
+TEXT = CORPUS[:900]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A random Llama-shaped checkpoint (context 48), an adapter for it, the two merged, and a text file."""
+    root = tmp_path_factory.mktemp("perplexity")
+    tokenizer = Tokenizer(bpe_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+                          chat_template=CHAT_TEMPLATE)
+    config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                           max_seq_len=48, tie_embeddings=False)
+    params = random_params(config, seed=0, scale=0.2)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+    adapters = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(1), x.shape),
+                            init_lora(params, lora, jax.random.key(0)))
+    for name, weights in (("base", params), ("merged", merge(params, adapters, lora))):
+        save_hf(config, weights, str(root / name), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id)
+        save_tokenizer(tokenizer, str(root / name))
+    save_peft(config, adapters, lora, str(root / "adapter"))
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+def slow_nll(model, params, ids, window, stride) -> float:
+    """The formula, window by window on each window's own (unpadded) logits, in float64."""
+    total = weights = 0.0
+    for begin, end, targets in window_spans(len(ids), window, stride):
+        logits = np.asarray(model.apply({"params": params}, jnp.asarray([ids[begin:end]]))[0][0], np.float64)
+        log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        picked = [-log_probs[t - 1, ids[begin + t]] for t in range(max(end - begin - targets, 1), end - begin)]
+        if targets > 1:
+            total += np.mean(picked) * (targets - 1)
+            weights += targets - 1
+    return total / weights
+
+
+def test_the_windows_cover_the_text_once():
+    assert window_spans(10, 4, 4) == [(0, 4, 4), (4, 8, 4), (8, 10, 2)]
+    assert window_spans(10, 4, 2) == [(0, 4, 4), (2, 6, 2), (4, 8, 2), (6, 10, 2)]
+    assert window_spans(3, 8, 4) == [(0, 3, 3)]
+
+
+@pytest.mark.parametrize("window, stride", [(32, 32), (32, 12), (48, 47)])
+def test_perplexity_is_the_formula_on_each_windows_own_logits_with_one_compile(folders, window, stride):
+    config, params = load_hf(str(folders / "base"))
+    ids = load_tokenizer(str(folders / "base")).encode(TEXT)
+    model = Decoder(config)
+    perplexity(model, params, ids[:window + 3], window, stride)  # compiled here
+    with count_compiles() as compiles:
+        result = perplexity(model, params, ids, window, stride)
+    assert compiles == []  # every window, the last (padded) one too, runs the program compiled above
+    assert result.tokens == len(ids) and result.windows == len(window_spans(len(ids), window, stride))
+    np.testing.assert_allclose(result.nll, slow_nll(model, params, ids, window, stride), rtol=1e-5)
+    assert result.perplexity == pytest.approx(np.exp(result.nll))
+
+
+def transformers_nll(model, ids, window, stride, torch) -> float:
+    """transformers' documented recipe for the perplexity of a fixed-length model, as written there."""
+    input_ids = torch.tensor([ids])
+    seq_len = input_ids.size(1)
+    nll_sum, n_tokens, prev_end_loc = 0.0, 0, 0
+    for begin_loc in range(0, seq_len, stride):
+        end_loc = min(begin_loc + window, seq_len)
+        trg_len = end_loc - prev_end_loc
+        window_ids = input_ids[:, begin_loc:end_loc]
+        target_ids = window_ids.clone()
+        target_ids[:, :-trg_len] = -100
+        with torch.no_grad():
+            loss = model(window_ids, labels=target_ids).loss
+        num_loss_tokens = (target_ids != -100).sum().item() - target_ids.size(0)
+        nll_sum += loss.item() * num_loss_tokens
+        n_tokens += num_loss_tokens
+        prev_end_loc = end_loc
+        if end_loc == seq_len:
+            break
+    return nll_sum / n_tokens
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("window, stride", [(32, 32), (32, 12)])
+def test_perplexity_equals_transformers_on_the_base_the_adapter_and_the_merged_folder(folders, window, stride):
+    torch = import_peer("torch")
+    transformers = import_peer("transformers")
+    peft = import_peer("peft")
+    ids = load_tokenizer(str(folders / "base")).encode(TEXT)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(folders / "base"), dtype=torch.float32).eval()
+    adapted = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(str(folders / "base"), dtype=torch.float32),
+        str(folders / "adapter")).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(folders / "merged"), dtype=torch.float32).eval()
+    for argv, peer in ((["--checkpoint", str(folders / "base")], theirs),
+                       (["--checkpoint", str(folders / "base"), "--adapter", str(folders / "adapter")], adapted),
+                       (["--checkpoint", str(folders / "merged")], merged)):
+        done = run_main(command.main, [*argv, "--data", str(folders / "text.txt"), "--window", str(window),
+                                       "--stride", str(stride), "--json"])
+        assert done.returncode == 0, done.stderr
+        ours = json.loads(done.stdout)
+        assert ours["tokens"] == len(ids) and (ours["window"], ours["stride"]) == (window, stride)
+        np.testing.assert_allclose(ours["nll"], transformers_nll(peer, ids, window, stride, torch), rtol=1e-5)
+
+
+def test_the_command_prints_its_figures_and_the_adapter_changes_them(folders):
+    data = ["--data", str(folders / "text.txt"), "--window", "32", "--stride", "16"]
+    base = run_main(command.main, ["--checkpoint", str(folders / "base"), *data])
+    assert base.returncode == 0 and base.stdout.startswith("perplexity ") and "window(s) of up to 32, stride 16" \
+        in base.stdout
+    adapted = run_main(command.main, ["--checkpoint", str(folders / "base"), "--adapter", str(folders / "adapter"),
+                                      *data, "--json"])
+    merged = run_main(command.main, ["--checkpoint", str(folders / "merged"), *data, "--json"])
+    a, m = json.loads(adapted.stdout), json.loads(merged.stdout)
+    assert a["nll"] == pytest.approx(m["nll"], rel=1e-5) and f"{a['perplexity']:.4f}" not in base.stdout
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--window", "49"], "--window must be an int in [2, the model's context=48] (got 49)"),
+    (["--window", "16", "--stride", "17"], "--stride must be an int in [1, --window=16] (got 17)"),
+    (["--adapter", "nowhere"], "nowhere: no adapter_config.json there: not a peft adapter folder"),
+    (["--data", "missing.txt"], "cannot read --data missing.txt"),
+])
+def test_bad_arguments_are_refused_in_one_line(folders, extra, message):
+    done = run_main(command.main, ["--checkpoint", str(folders / "base"), "--data", str(folders / "text.txt"),
+                                   *extra])
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
