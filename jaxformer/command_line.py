@@ -109,6 +109,23 @@ def run_command(prog: str, work: Callable[[], int]) -> int:
         note_on_interrupt(None)
 
 
+def exit_process(status: int) -> NoReturn:
+    """Ends a command's process with `status`: its `__main__`'s last call, `exit_process(main())`.
+
+    After Ctrl-C the device may still be running a program the command no longer waits for
+    (a whole decoding loop is one program). The interpreter's teardown would then free what
+    that program reads while it runs, and the process could die of SIGSEGV instead of
+    exiting 130; so an interrupted command leaves at once, its output flushed, without the
+    teardown. Any other status exits as `sys.exit` does.
+    """
+    if status == INTERRUPTED:
+        with contextlib.suppress(OSError, ValueError):
+            _flush(sys.stdout)
+            _flush(sys.stderr)
+        os._exit(status)
+    sys.exit(status)
+
+
 def describe_os_error(error: OSError) -> str:
     """An `OSError` as one line: what failed, and on which path."""
     where = f"{error.filename}: " if error.filename else ""

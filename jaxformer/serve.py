@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from jaxformer.command_line import OneLineParser, fail, run_command
+from jaxformer.command_line import OneLineParser, exit_process, fail, run_command
 from jaxformer.convert import load_hf
 from jaxformer.decoder import Decoder
 from jaxformer.serving.engine import Engine
@@ -110,4 +110,4 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

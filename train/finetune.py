@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import math
 import shlex
-import sys
 from typing import ClassVar
 
 import jax
@@ -31,7 +30,7 @@ import numpy as np
 import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
-from jaxformer.command_line import FAILED, fail, run_command
+from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.config import LORA_TARGETS, LoraConfig
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoder import sown_attention_weights
@@ -369,4 +368,4 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

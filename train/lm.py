@@ -22,7 +22,6 @@ import dataclasses
 import functools
 import math
 import shlex
-import sys
 from typing import ClassVar
 
 import jax
@@ -31,7 +30,7 @@ import numpy as np
 import optax
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
-from jaxformer.command_line import FAILED, fail, run_command
+from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.convert import save_hf
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
@@ -454,4 +453,4 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, run_command
+from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, exit_process, fail, run_command
 from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, lock_run_dir, read_run_config
 from train import cli, lm, reverse
 from train.report_page import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
@@ -122,4 +122,4 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -30,7 +29,7 @@ import numpy as np
 import optax
 
 from jaxformer import VanillaConfig, VanillaTransformer, generate
-from jaxformer.command_line import run_command
+from jaxformer.command_line import exit_process, run_command
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.validation import as_float, as_int
@@ -372,4 +371,4 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

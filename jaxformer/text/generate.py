@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.command_line import FAILED, OneLineParser, fail, run_command
+from jaxformer.command_line import FAILED, OneLineParser, exit_process, fail, run_command
 from jaxformer.convert import load_hf, with_scan_layers
 from jaxformer.decoder import Decoder
 from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, NonFiniteLogitsError, PromptLookup,
@@ -488,4 +488,4 @@ def _main(argv, stdin, stdout) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -24,13 +24,12 @@ import dataclasses
 import functools
 import json
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.command_line import OneLineParser, fail, run_command
+from jaxformer.command_line import OneLineParser, exit_process, fail, run_command
 from jaxformer.convert import load_hf
 from jaxformer.decoder import Decoder
 from jaxformer.lora import merge_peft
@@ -171,4 +170,4 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
