@@ -228,3 +228,22 @@ def test_the_program_does_not_grow_with_depth_and_writes_the_cache_in_place():
     copies = [line for line in deep.splitlines() if whole_cache in line and re.search(r"\bcopy(-start)?\(", line)]
     assert copies == []
     assert "input_output_alias" in deep
+
+
+def test_remat_in_a_scan_recomputes_the_same_gradients():
+    """`DecoderConfig.remat` wraps the scanned block too: the same loss, the same gradients."""
+    from jaxformer import DecoderConfig, label_smoothed_cross_entropy
+
+    config = DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32,
+                           scan_layers=True)
+    params = stack_layers(random_params(config.replace(scan_layers=False), seed=0), config.n_layer)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)))
+
+    def loss(params, remat):
+        logits, _ = Decoder(config.replace(remat=remat)).apply({"params": params}, tokens[:, :-1])
+        return label_smoothed_cross_entropy(logits, tokens[:, 1:], 0.0)
+
+    kept, recomputed = (jax.value_and_grad(loss)(params, remat) for remat in (False, True))
+    assert float(kept[0]) == float(recomputed[0])
+    for x, y in zip(jax.tree.leaves(kept[1]), jax.tree.leaves(recomputed[1])):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
