@@ -38,13 +38,17 @@ def check_top_k(value, vocab_size: int | None, *, name: str = "top_k") -> np.nda
 
 
 def check_top_p(value, *, name: str = "top_p") -> np.ndarray | None:
-    """Raises unless `value`, a scalar or one per row, is None or in `(0, 1]`; float32."""
+    """Raises unless `value`, a scalar or one per row, is None or in `(0, 1]`; float32.
+
+    A p below float32's smallest normal number (1e-300, say) is in range but would round to
+    0: it is kept as that smallest number instead, which keeps what any p that small keeps,
+    the likeliest token alone."""
     if value is None:
         return None
-    top_p = numbers_array(value, name, np.float32)
+    top_p = numbers_array(value, name, np.float64)
     if not np.all((top_p > 0) & (top_p <= 1)):
         raise ValueError(f"{name} must be None or in (0, 1] (got {np.asarray(value).tolist()})")
-    return top_p
+    return np.maximum(top_p, np.finfo(np.float32).tiny).astype(np.float32)
 
 
 def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -82,7 +86,11 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """float32 `[..., batch, vocab]`: the logits `sample_token` samples from, scaled by the
     temperature (1 for a greedy row), -inf outside the top k and the nucleus."""
-    scaled = logits.astype(jnp.float32) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # Less the row's largest logit first (which changes no probability): a temperature near 0
+    # then sends the others towards -inf, never past float32's range to +inf (where the
+    # softmax below would be NaN), so however small it is the likeliest token stays the likeliest.
+    logits = logits.astype(jnp.float32)
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     ranked = -jnp.sort(-scaled, axis=-1)  # [..., batch, vocab], largest first
     rank = jnp.arange(scaled.shape[-1])  # [vocab]
     in_top_k = rank < top_k[:, None]

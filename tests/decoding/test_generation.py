@@ -7,7 +7,7 @@ from conftest import SMALL, count_compiles, random_params
 
 from jaxformer import Decoder, generate, sample_token, stream
 from jaxformer.decoding import DecodeRequest, finish, start
-from jaxformer.decoding.sampling import filtered_logits
+from jaxformer.decoding.sampling import check_top_p, filtered_logits
 
 MODEL = Decoder(SMALL)
 # Large random weights: greedy continuations vary instead of repeating one token.
@@ -211,6 +211,27 @@ def test_temperature_to_zero_is_greedy_and_knobs_are_per_row():
     hot = jnp.full((6,), 50.0)
     firsts = [int(sample_token(logits, jax.random.key(i), hot, top_k, jnp.ones(6))[0]) for i in range(20)]
     assert set(firsts) == {int(greedy[0])}
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 2e-38, 1.2e-38])
+def test_a_temperature_whose_scaled_logits_pass_float32_is_still_greedy(temperature):
+    """Logits of hundreds over a temperature near float32's smallest number pass its range
+    (300 / 2e-38 = 1.5e40): scaled as they are they would be inf and the softmax NaN. The
+    row's largest logit comes off first, so the likeliest token stays the one drawn."""
+    logits = jnp.array([[10.0, 300.0, 200.0, -100.0], [-50.0, 20.0, 400.0, 399.0]])
+    draws = [np.asarray(sample_token(logits, jax.random.key(i), jnp.full((2,), temperature, jnp.float32),
+                                     jnp.full((2,), 4), jnp.full((2,), 0.9))) for i in range(16)]
+    np.testing.assert_array_equal(np.stack(draws), np.broadcast_to([1, 2], (16, 2)))
+
+
+def test_a_top_p_below_float32s_smallest_number_keeps_the_likeliest_token():
+    """p = 1e-300 is in (0, 1] but float32 holds it as 0, which no token's predecessors are
+    below: it is kept as float32's smallest normal number, the top token alone, as any p that
+    small keeps."""
+    assert check_top_p(1e-300) == np.finfo(np.float32).tiny
+    assert check_top_p([0.5, 1e-300]).tolist() == [0.5, np.finfo(np.float32).tiny]
+    probs = np.array([0.2, 0.5, 0.3])
+    assert set(np.flatnonzero(_draw(probs, top_p=float(check_top_p(1e-300))))) == {1}
 
 
 def test_new_prompt_or_knob_values_do_not_recompile():
