@@ -5,14 +5,16 @@ decoded at once (continuous batching).
 
 Any OpenAI client talks to it (`openai.OpenAI(base_url="http://127.0.0.1:8000/v1")`);
 docs/serving.md describes the endpoints, the fields, the engine and the figures. Needs the
-`serve` extra (`pip install 'jaxformer[serve]'`). SIGTERM stops taking requests, finishes
-those running, and exits 0.
+`serve` extra (`pip install 'jaxformer[serve]'`). SIGTERM or Ctrl-C stops taking requests,
+finishes those running, and exits (0 after SIGTERM, 130 after Ctrl-C); a second one ends
+the running requests at once, each with a last error event, and exits with the same status.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -23,7 +25,7 @@ from jaxformer.serving.engine import Engine
 from jaxformer.text.generate import DTYPES
 from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
 from jaxformer.training import enable_compilation_cache
-from jaxformer.validation import as_int
+from jaxformer.validation import as_float, as_int
 
 PROG = "python -m jaxformer.serve"
 
@@ -48,6 +50,8 @@ def parse_args(argv=None):
                    help="a key every /v1 request must send as 'Authorization: Bearer KEY' "
                         "(default: $JAXFORMER_API_KEY, else none)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body read")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long a request's body may take to arrive (408 past it)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (warning: no line a request)")
     args = p.parse_args(argv)
     try:
@@ -57,6 +61,7 @@ def parse_args(argv=None):
         for flag in ("max_batch", "max_body_bytes", "prefill_chunk"):
             as_int(getattr(args, flag), "--" + flag.replace("_", "-"), minimum=1)
         as_int(args.max_queue, "--max-queue", minimum=0)
+        as_float(args.body_timeout, "--body-timeout", above=0)
         if args.prefill_chunk & (args.prefill_chunk - 1):
             raise ValueError(f"--prefill-chunk must be a power of two (got {args.prefill_chunk})")
         if args.max_seq_len is not None:
@@ -78,6 +83,24 @@ def load(args):
     return engine, tokenizer
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port`, before anything is loaded: a port in use is found in
+    a moment, not after the model has loaded and compiled (`ValueError` naming the flags)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn: a restart may take the port at once)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+    return sock
+
+
 def main(argv=None) -> int:
     return run_command(PROG, lambda: _main(argv))
 
@@ -88,25 +111,35 @@ def _main(argv) -> int:
         import uvicorn
 
         from jaxformer.serving.app import create_app
+        from jaxformer.serving.server import Server
     except ImportError as e:
         fail(PROG, f"{e.name} is missing: the server needs the serve extra, pip install 'jaxformer[serve]'")
     enable_compilation_cache()
     started = time.perf_counter()
     try:
+        sock = listen(args.host, args.port)
         engine, tokenizer = load(args)
     except (OSError, ValueError) as e:
         fail(PROG, str(e))
-    engine.warmup()  # every program compiled before the first request
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    print(f"{PROG}: {name} ready in {time.perf_counter() - started:.1f} s: batch {engine.max_batch}, "
-          f"max_seq_len {engine.capacity}, prefill chunk {engine.prefill_chunk}", file=sys.stderr, flush=True)
+    say(f"{name} loaded in {time.perf_counter() - started:.1f} s; compiling the engine's programs for max_seq_len "
+        f"{engine.capacity} (the longer the context, the longer this takes)")
+    engine.warmup(lambda done, total, what: say(f"compiled {done} of {total}: {what}"))  # before the first request
+    say(f"{name} ready in {time.perf_counter() - started:.1f} s: batch {engine.max_batch}, max_seq_len "
+        f"{engine.capacity}, prefill chunk {engine.prefill_chunk}")
     app = create_app(engine, tokenizer, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     on_shutdown=[engine.close])
+                     body_timeout_s=args.body_timeout, on_shutdown=[engine.close])
     # uvicorn answers SIGTERM by finishing the open requests, then sends the signal again to
     # the handler it found; this one lets the command end as it should, with status 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=None)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None)
+    Server(config, app.state.abort, say).run(sockets=[sock])
     return 0
+
+
+def say(line: str) -> None:
+    """One line of the command's own on stderr."""
+    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ import hmac
 import json
 import logging
 import time
+import weakref
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -29,18 +30,24 @@ from jaxformer.text.tokenizer import Tokenizer
 LOG = logging.getLogger("jaxformer.serve")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a request that does not stream checks that its client is still there
+BODY_TIMEOUT_S = 30.0  # how long a request's body may take to arrive
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key: str | None = None,
-               max_body_bytes: int = 1 << 20, on_shutdown=()) -> Starlette:
+               max_body_bytes: int = 1 << 20, body_timeout_s: float = BODY_TIMEOUT_S, on_shutdown=()) -> Starlette:
     """The OpenAI-compatible app serving `engine` as the model `model_name`.
 
     Args:
       api_key: if given, every /v1 request needs `Authorization: Bearer <api_key>`.
       max_body_bytes: the largest request body read; a longer one is refused (413).
+      body_timeout_s: how long a request's body may take to arrive (408 past it).
       on_shutdown: callables run when the server stops (the CLI closes the engine there).
+
+    The app's `state.abort(reason)` ends every request being answered now, each with a
+    final error event (a stream) or a 503 (the others): what a second Ctrl-C does.
     """
     created = int(time.time())
+    runs: weakref.WeakSet[Run] = weakref.WeakSet()  # the requests being answered (one never started is dropped)
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "model": model_name, **engine.load()})
@@ -58,18 +65,28 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
 
     async def answer(request: Request, chat: bool):
         authorize(request, api_key)
-        body = await read_body(request, max_body_bytes)
-        job = read_job(body, chat=chat, tokenizer=tokenizer, model_name=model_name,
-                       vocab_size=engine.model.config.vocab_size, max_seq_len=engine.capacity)
-        run = Run(engine, tokenizer, job)
+        body = await read_body(request, max_body_bytes, body_timeout_s)
+        # Off the event loop: a long prompt's template and tokenizer would hold up every other request.
+        job = await asyncio.to_thread(read_job, body, chat=chat, tokenizer=tokenizer, model_name=model_name,
+                                      vocab_size=engine.model.config.vocab_size, max_seq_len=engine.capacity)
+        run = Run(engine, tokenizer, job, runs)
         rid = completion_id(chat)
         if job.stream:
             return StreamingResponse(sse(run, rid, model_name), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         text = "".join([piece async for piece in run.pieces(request)])
+        if run.aborted:
+            raise ApiError(503, run.error, kind="server_error")
         if run.error is not None:
             raise ApiError(500, run.error, kind="server_error")
         return JSONResponse(response(job, rid, model_name, text, run.finish_reason, run.completion_tokens))
+
+    def abort(reason: str) -> int:
+        """Ends every request being answered with `reason`; returns how many there were."""
+        running = list(runs)
+        for run in running:
+            run.abort(reason)
+        return len(running)
 
     routes = [Route("/health", health), Route("/v1/models", models),
               Route("/v1/completions", completions, methods=["POST"]),
@@ -82,7 +99,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
         for stop in on_shutdown:  # (after the server has answered every open request)
             await asyncio.to_thread(stop)
 
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.abort = abort
+    return app
 
 
 def authorize(request: Request, api_key: str | None) -> None:
@@ -95,31 +114,47 @@ def authorize(request: Request, api_key: str | None) -> None:
         raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key")
 
 
-async def read_body(request: Request, limit: int):
-    """The body as JSON, read up to `limit` bytes (413 past it; 400 if it is not JSON)."""
+async def read_body(request: Request, limit: int, timeout_s: float):
+    """The body as JSON, read up to `limit` bytes within `timeout_s` seconds: 413 past the
+    size, 408 past the time, 400 if it is not JSON (or nests deeper than Python's parser goes),
+    or if the client closed the connection before the body it announced had come."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {int(declared):,} bytes, more than the {limit:,} this server reads")
-    data = bytearray()
-    async for part in request.stream():
-        data += part
-        if len(data) > limit:
-            raise ApiError(413, f"the request body is more than the {limit:,} bytes this server reads")
+
+    async def read() -> bytearray:
+        data = bytearray()
+        async for part in request.stream():
+            data += part
+            if len(data) > limit:
+                raise ApiError(413, f"the request body is more than the {limit:,} bytes this server reads")
+        return data
+
+    try:
+        data = await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:  # (the answer reaches no one; it only keeps the log quiet)
+        raise ApiError(400, "the client closed the connection before its request body ended") from None
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON here: it nests deeper than this server parses") \
+            from None
 
 
 class Run:
     """One job on the engine, its events turned into text pieces (`pieces`); afterwards
-    `finish_reason`, `completion_tokens` and `error` (a failure of this request alone)."""
+    `finish_reason`, `completion_tokens` and `error` (a failure of this request alone, or
+    with `aborted` the server's stop). It is in `runs` while its answer is under way."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, job: Job):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, job: Job, runs: weakref.WeakSet):
         self.job = job
-        self.text = StopText(tokenizer, job.prompt_ids, job.stop)
-        self.finish_reason, self.completion_tokens, self.error = None, 0, None
+        self.finish_reason, self.completion_tokens, self.error, self.aborted = None, 0, None, False
         self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._runs, self._abort = runs, None
         loop = asyncio.get_running_loop()
         try:
             self.handle = engine.submit(job.prompt_ids, job.max_tokens, temperature=job.temperature, top_k=job.top_k,
@@ -132,6 +167,16 @@ class Run:
             raise ApiError(503, str(e), kind="server_error") from None
         except ValueError as e:  # (read_job checked the body; this is the engine's own check)
             raise ApiError(400, str(e)) from None
+        self.text = StopText(tokenizer, job.prompt_ids, job.stop)  # (its decoder reads only ids the engine took)
+        runs.add(self)
+
+    def abort(self, reason: str) -> None:
+        """Ends the answer now with `reason` as its error (unless it has ended already): the
+        engine's row is freed, and the client gets a last event (or a 503) instead of the
+        rest of the text."""
+        self.handle.cancel()
+        self._abort = Event(finish_reason="error", error=reason)
+        self._events.put_nowait(self._abort)
 
     async def pieces(self, watch: Request | None = None):
         """The text as it comes, until the job ends; `watch`: a request to poll for a disconnect
@@ -156,7 +201,7 @@ class Run:
                     return
                 if event.finish_reason == "stop":
                     self.completion_tokens += 1  # the stop id: made, not shown
-                self.finish_reason, self.error = event.finish_reason, event.error
+                self.finish_reason, self.error, self.aborted = event.finish_reason, event.error, event is self._abort
                 piece += self.text.finish()
                 if self.text.stopped:  # a stop string in the text's last characters
                     self.finish_reason = "stop"
@@ -164,6 +209,7 @@ class Run:
                 return
         finally:
             self.handle.cancel()  # (done already, or a stop string, or the client left: the row is freed)
+            self._runs.discard(self)
 
 
 async def sse(run: Run, rid: str, model: str):

@@ -195,20 +195,36 @@ class Engine:
         self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one), donate_argnums=0)
         self._empty_row = jax.jit(lambda: model.init_cache(1, capacity))
 
-    def warmup(self) -> None:
-        """Runs every program the engine uses once, so that no request waits for a compile."""
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> None:
+        """Runs every program the engine uses once, so that no request waits for a compile.
+
+        Args:
+          progress: called after each program with `(done, total, what it was)`: compiling
+            for a long context takes minutes, and a command says how far it has come.
+        """
+        sizes = [1 << bit for bit in range(self.prefill_chunk.bit_length()) if 1 << bit <= self.capacity]
+        total, done = len(sizes) + 1 + len(self._row_counts) + 1, 0
+
+        def ran(what: str, value):
+            nonlocal done
+            jax.block_until_ready(value)
+            done += 1
+            if progress is not None:
+                progress(done, total, what)
+
         with self._lock:
             cache = self._empty_row()
-            for n in (1 << bit for bit in range(self.prefill_chunk.bit_length())):
-                if n <= self.capacity:
-                    logits, cache = self._piece(self.params, np.zeros((1, n), np.int32),
-                                                cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n))
-            self._pick(logits, *self._knobs([None]))
+            for n in sizes:
+                logits, cache = self._piece(self.params, np.zeros((1, n), np.int32),
+                                            cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n))
+                ran(f"prefill of {n} token{'s' * (n > 1)}", logits)
+            ran("sampling", self._pick(logits, *self._knobs([None])))
             for rows in self._row_counts:
                 _, self._cache = self._step(self.params, self._cache, np.zeros(rows, np.int32), np.zeros(rows, bool),
                                             *self._knobs([None] * rows))
+                ran(f"decode step of {rows} rows", self._cache)
             self._cache = self._insert(self._cache, np.int32(0), cache)
-            jax.block_until_ready(self._cache)
+            ran("row insert", self._cache)
 
     def _knobs(self, handles: list[Handle | None]) -> tuple:
         """`(seeds, made, temperature, top_k, top_p)`, one of each per row: its request's seed,

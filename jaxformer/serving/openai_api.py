@@ -7,7 +7,9 @@ docs/serving.md lists the fields taken, their defaults, and what is refused.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import reprlib
 import secrets
 import time
 import uuid
@@ -72,13 +74,23 @@ class Job:
     include_usage: bool
 
 
+_SHOWN = reprlib.Repr()  # how much of a client's value a message quotes
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 3, 60, 60, 60
+
+
+def shown(value) -> str:
+    """`repr(value)` cut short, as a message quotes what a client sent: a few items of a
+    long list, the start and end of a long string, three levels of nesting."""
+    return _SHOWN.repr(value)
+
+
 def _field(body: dict, name: str, kinds: tuple[type, ...], rule: str, default=None):
     """`body[name]` if it is one of `kinds` (None: `default`), else an `ApiError` naming it."""
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise invalid(f"{name} must be {rule} (got {value!r})", name)
+        raise invalid(f"{name} must be {rule} (got {shown(value)})", name)
     return value
 
 
@@ -89,7 +101,7 @@ def _number(body: dict, name: str, default, *, low: float, high: float, low_open
             f"a number in {'(' if low_open else '['}{low}, {high}]")
     value = _field(body, name, kinds, rule, default)
     if value is not None and not ((low < value if low_open else low <= value) and value <= high):
-        raise invalid(f"{name} must be {rule} (got {value!r})", name)
+        raise invalid(f"{name} must be {rule} (got {shown(value)})", name)
     return value
 
 
@@ -103,8 +115,9 @@ def _text_content(content, where: str) -> str:
     raise invalid(f"{where}.content must be a string or a list of text parts (this model reads text only)", where)
 
 
-def _prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
-    """A completion's prompt: a string, a list of token ids, or a list holding one of those."""
+def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """A completion's prompt: a string, a list of token ids (each in the vocabulary), or a list
+    holding one of those."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -113,6 +126,10 @@ def _prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
             raise invalid("prompt is empty", "prompt")
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        bad = next((i for i in prompt if not 0 <= i < vocab_size), None)
+        if bad is not None:
+            raise invalid(f"prompt holds token id {shown(bad)}, outside the model's vocabulary [0, {vocab_size})",
+                          "prompt")
         return prompt
     if isinstance(prompt, list) and not prompt:
         raise invalid("prompt is empty", "prompt")
@@ -146,15 +163,15 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, vocab_s
     if not isinstance(model, str):
         raise invalid("model must be a string: the name GET /v1/models lists", "model")
     if model != model_name:
-        raise invalid(f"model {model!r} is not served here; this server serves {model_name!r}", "model",
+        raise invalid(f"model {shown(model)} is not served here; this server serves {model_name!r}", "model",
                       "model_not_found")
     for name, defaults in UNSUPPORTED.items():
         if name in body and not any(body[name] == d and type(body[name]) is type(d) for d in defaults):
             raise invalid(f"{name} is not supported by this server", name)
     if body.get("n") is not None and (body["n"] != 1 or type(body["n"]) is not int):
-        raise invalid(f"n must be 1: this server makes one choice a request (got {body['n']!r})", "n")
+        raise invalid(f"n must be 1: this server makes one choice a request (got {shown(body['n'])})", "n")
     try:
-        ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
+        ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer, vocab_size)
     except ValueError as e:  # the tokenizer could not spell the text
         raise invalid(str(e), "messages" if chat else "prompt") from None
     if not ids:
@@ -194,15 +211,22 @@ def _stops(body: dict) -> tuple[str, ...]:
 
 
 class StopText:
-    """A job's text as its tokens arrive, cut before the first of its stop strings.
+    """A job's text as its tokens arrive, cut before the first of its stop strings to appear.
 
     Text that could be the start of a stop string is held back until the next tokens show
     whether it is one, so no piece of a stop string is ever sent, even one that spans tokens.
+    The stop strings are matched a character at a time (`_Matcher`), so each token costs
+    its own characters, however long the stop strings and the text: a stop string of a
+    million characters costs no more than one of ten. The text ends before the stop string
+    that is completed first (at the same character: the longest); which tokens carry the
+    characters does not change where it ends.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stops: tuple[str, ...]):
-        self._stream, self._stops = TextStream(tokenizer, prompt_ids), stops
-        self._held = ""
+        self._stream = TextStream(tokenizer, prompt_ids)
+        self._matchers = [_Matcher(stop) for stop in stops]
+        self._pending: collections.deque[str] = collections.deque()  # text seen but not yet released
+        self._seen = self._released = 0  # characters fed to the matchers, and handed out
         self.stopped = False  # a stop string was found: the text is complete
 
     def push(self, ids) -> str:
@@ -216,16 +240,60 @@ class StopText:
     def _release(self, piece: str, final: bool) -> str:
         if self.stopped:
             return ""
-        text = self._held + piece
-        found = [i for i in (text.find(s) for s in self._stops) if i >= 0]
-        if found:
-            self.stopped, self._held = True, ""
-            return text[:min(found)]
+        self._pending.append(piece)
+        for char in piece:
+            self._seen += 1
+            done = [m.stop for m in self._matchers if m.feed(char)]
+            if done:  # a stop string ends here: the text ends where the longest of them begins
+                self.stopped = True
+                return self._take(self._seen - max(len(stop) for stop in done) - self._released)
         # Hold back the longest end of the text that a stop string begins with.
-        held = 0 if final else max((n for s in self._stops for n in range(1, len(s)) if text.endswith(s[:n])),
-                                   default=0)
-        self._held = text[len(text) - held:] if held else ""
-        return text[:len(text) - held]
+        held = 0 if final else max((m.matched for m in self._matchers), default=0)
+        return self._take(self._seen - held - self._released)
+
+    def _take(self, n: int) -> str:
+        """The next `n` characters of the pending text, handed out."""
+        out = []
+        self._released += n
+        while n > 0:
+            head = self._pending.popleft()
+            if len(head) > n:
+                self._pending.appendleft(head[n:])
+                head = head[:n]
+            out.append(head)
+            n -= len(head)
+        return "".join(out)
+
+
+class _Matcher:
+    """Knuth-Morris-Pratt over a stream of characters: `matched` is the length of the longest
+    prefix of `stop` that the text fed so far ends with. Its failure table (`_border[k]`: the
+    longest proper prefix of `stop[:k + 1]` that is also its suffix) is extended only as far
+    as `matched` reaches, so the work is linear in the characters fed, whatever `len(stop)`."""
+
+    def __init__(self, stop: str):
+        self.stop, self.matched = stop, 0
+        self._border: list[int] = [0]
+
+    def _fallback(self, k: int) -> int:
+        """`_border[k - 1]`, the table computed up to it first."""
+        while len(self._border) < k:
+            i, j = len(self._border), self._border[-1]
+            while j and self.stop[i] != self.stop[j]:
+                j = self._border[j - 1]
+            self._border.append(j + (self.stop[i] == self.stop[j]))
+        return self._border[k - 1]
+
+    def feed(self, char: str) -> bool:
+        """Takes the next character; True when it completes `stop`."""
+        while self.matched and self.stop[self.matched] != char:
+            self.matched = self._fallback(self.matched)
+        if self.stop[self.matched] == char:
+            self.matched += 1
+        if self.matched == len(self.stop):
+            self.matched = self._fallback(self.matched)
+            return True
+        return False
 
 
 def completion_id(chat: bool) -> str:

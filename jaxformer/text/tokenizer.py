@@ -83,7 +83,9 @@ class Tokenizer:
           ValueError: the text holds something the vocabulary cannot spell.
         """
         try:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # A batch of one: the same ids as `encode`, but tokenizers lets go of Python's lock while
+            # it works, so a long text (a server's 1 MiB prompt, in a worker thread) holds up no other thread.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except Exception as e:  # tokenizers raises a bare Exception, e.g. for a word-level unknown
             raise ValueError(f"cannot tokenize {_preview(text)}: {e}") from None
 

@@ -3,11 +3,7 @@ model trained here, and talked to with the official `openai` client (raw HTTP wh
 would not send such a request)."""
 
 import concurrent.futures
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,70 +13,18 @@ import numpy as np
 import openai  # (the test extra: the server's tests talk to it with the official client)
 import pytest
 from conftest import init_params
-from tiny import CONFIG, COUNT, DIALOGUES, TOKENIZER, save_folder, trained_params
+from server import KEY, NAME, Server
+from tiny import CONFIG, COUNT, DIALOGUES, SLOW, TOKENIZER, save_folder, trained_params
 
-from jaxformer import Decoder, DecoderConfig, generate
-from jaxformer.convert import save_hf
-from jaxformer.text import completion_text, render_chat, save_tokenizer
+from jaxformer import Decoder, generate
+from jaxformer.text import completion_text, render_chat
 
 
-KEY = "test-key-1234"
-NAME = "tiny-chat"
 COUNT_PROMPT = COUNT.split("<|assistant|>")[0] + "<|assistant|>"  # a request that runs to its max_tokens
 QUESTIONS = [q for q, _ in DIALOGUES]
 # Completion prompts of many lengths: whole turns, cut ones, a bare word.
 PROMPTS = ([f"<|user|>{q}\n<|assistant|>" for q in QUESTIONS] + ["<|user|>What", "Keys", "<|user|>Why cache",
            f"<|user|>{QUESTIONS[3]}\n<|assistant|>Hello! The cat"])
-
-
-class Server:
-    """`python -m jaxformer.serve` in a subprocess, on a free loopback port; its stderr in a file."""
-
-    def __init__(self, folder: str, log_path: str, *flags: str):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "jaxformer.serve", "--checkpoint", folder, "--port", str(self.port),
-             "--model-name", NAME, "--api-key", KEY, *flags],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError(f"the server did not come up in 180 s:\n{self.log()}")
-
-    def client(self, **kwargs) -> "openai.OpenAI":
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60, **kwargs)
-
-    def post(self, path: str, **kwargs) -> "httpx.Response":
-        headers = {"Authorization": f"Bearer {KEY}", **kwargs.pop("headers", {})}
-        return httpx.post(self.url + path, headers=headers, timeout=60, **kwargs)
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.process.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        status = self.process.wait(60)
-        self._log.close()
-        return status
 
 
 @pytest.fixture(scope="module")
@@ -295,15 +239,7 @@ def test_load_200_requests_from_32_clients_none_lost_none_mixed(server, params):
 
 @pytest.fixture(scope="module")
 def slow_folder(tmp_path_factory):
-    """A random decoder wider and deeper than the tiny one, whose requests of 400 tokens take long
-    enough to be still running while the test does what it must meanwhile."""
-    config = DecoderConfig(vocab_size=TOKENIZER.vocab_size, n_layer=4, n_head=8, n_kv_head=2, d_model=256,
-                           max_seq_len=448)
-    path = str(tmp_path_factory.mktemp("slow"))
-    save_hf(config, init_params(config), path, bos_id=TOKENIZER.bos_id, eos_id=TOKENIZER.eos_id,
-            pad_id=TOKENIZER.pad_id)
-    save_tokenizer(TOKENIZER, path)
-    return path
+    return save_folder(init_params(SLOW), str(tmp_path_factory.mktemp("slow")), SLOW)
 
 
 def test_a_full_queue_gets_429_and_sigterm_finishes_what_is_running(slow_folder, tmp_path):

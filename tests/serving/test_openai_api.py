@@ -1,5 +1,6 @@
 """The API's text side: stop strings cut out however the tokens split them."""
 
+import numpy as np
 import pytest
 from tiny import TOKENIZER
 
@@ -40,6 +41,56 @@ def test_text_that_may_begin_a_stop_string_waits_for_the_next_tokens():
     held = [n for n, text in enumerate(made) if text.endswith("weighted by")]
     assert held and all(sent[n] == "Attention mixes the values, " for n in held)
     assert sent[held[-1] + 1].startswith("Attention mixes the values, weighted by")
+
+
+def first_stop(text: str, stops) -> str:
+    """The direct rule: the text before the stop string whose occurrence ends first (at the
+    same end, the longest), or all of it."""
+    ends = [(text.find(stop) + len(stop), -len(stop)) for stop in stops if stop in text]
+    if not ends:
+        return text
+    end, minus_length = min(ends)
+    return text[:end + minus_length]
+
+
+def test_any_stop_strings_cut_the_text_where_the_direct_rule_does_however_the_ids_arrive():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        stops = []
+        for _ in range(rng.integers(1, 5)):
+            begin = int(rng.integers(0, len(TEXT) - 1))
+            stops.append(TEXT[begin:begin + int(rng.integers(1, 12))] + ("" if rng.random() < 0.7 else "~"))
+        text = StopText(TOKENIZER, [], tuple(stops))
+        out, ids = [], list(IDS)
+        while ids and not text.stopped:
+            n = int(rng.integers(1, 4))  # one to three ids an event, as a speculative step may bring
+            out.append(text.push(ids[:n]))
+            ids = ids[n:]
+        out.append(text.finish())
+        assert "".join(out) == first_stop(TEXT, stops), stops
+        assert text.stopped == (first_stop(TEXT, stops) != TEXT)
+
+
+class CountedStr(str):
+    """A string that counts the characters read from it by index."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        CountedStr.reads += 1
+        return str.__getitem__(self, index)
+
+
+def test_a_stop_string_of_250000_characters_costs_the_characters_of_the_text_not_its_own():
+    """The worst case: a stop string that is the text and then 250,000 more characters, so
+    the whole text is a possible start of it to the last token. The matcher reads the stop
+    string a bounded number of times per character of text, never all of it."""
+    CountedStr.reads = 0
+    stop = CountedStr(TEXT + "~" * 250_000)
+    out, stopped = pieces([stop])
+    assert "".join(out) == TEXT and not stopped
+    assert out[:-1] == [""] * len(IDS)  # all held back, as a possible start of the stop string
+    assert 0 < CountedStr.reads < 8 * len(TEXT)
 
 
 def test_a_job_reads_the_defaults_and_refuses_a_second_choice():

@@ -36,8 +36,13 @@ def trained_params():
     return memorised_params(CONFIG, TOKENIZER.encode(CORPUS, add_special_tokens=False), steps=600, width=96)
 
 
-def save_folder(params, path: str) -> str:
-    """`path`, now a checkpoint folder of the tiny model and its tokenizer."""
-    save_hf(CONFIG, params, path, bos_id=TOKENIZER.bos_id, eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
+# A random decoder wider and deeper than the tiny one: requests of 400 tokens take long enough
+# (seconds, 8 at once) to be still running while a test does what it must meanwhile.
+SLOW = DecoderConfig(vocab_size=TOKENIZER.vocab_size, n_layer=4, n_head=8, n_kv_head=2, d_model=256, max_seq_len=448)
+
+
+def save_folder(params, path: str, config: DecoderConfig = CONFIG) -> str:
+    """`path`, now a checkpoint folder of the tiny model (or `config`'s) and its tokenizer."""
+    save_hf(config, params, path, bos_id=TOKENIZER.bos_id, eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
     save_tokenizer(TOKENIZER, path)
     return path
