@@ -31,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import FUSED_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
+from jaxformer.convert.safetensors_file import SafetensorsFile
 from jaxformer.families import family_of
-from jaxformer.files import write_atomically, write_text_atomically
+from jaxformer.files import read_json_object, write_atomically, write_text_atomically
+from jaxformer.validation import as_float, as_int, refuse
 
 PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
          "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "w_gate_up": "mlp"}  # adapter -> its module in a block
@@ -41,8 +43,8 @@ LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its a
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
-__all__ = ["LORA_COLLECTION", "LoraConfig", "all_targets", "check_targets", "init_lora", "load_peft", "merge",
-           "merge_peft", "project", "save_peft"]
+__all__ = ["LORA_COLLECTION", "LoraConfig", "adapter_sizes", "all_targets", "check_targets", "init_lora",
+           "load_peft", "merge", "project", "save_peft"]
 
 
 def _members(adapter: str) -> tuple[str, ...]:
@@ -230,55 +232,81 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
     write_text_atomically(os.path.join(path, ADAPTER_CONFIG_FILE), json.dumps(adapter_config, indent=2) + "\n")
 
 
-def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
-    """The adapters of a peft folder (as `save_peft` or peft writes them) and their `LoraConfig`.
+def adapter_sizes(config: DecoderConfig, lora: LoraConfig) -> dict[tuple[str, str, str], tuple[int, int]]:
+    """`(block, part, adapter) -> (n_in, n_out)` of every adapter `lora` gives a model of
+    `config`, from the config alone: `a` is `[rank, n_in]`, `b` `[rank, n_out]`.
 
     Raises:
-      ValueError: naming the file, for a kind of adapter this does not read (not LoRA, rsLoRA,
-        per-module ranks, biases) or a tensor missing or of the wrong shape.
+      ValueError: a target that `config`'s checkpoint format lacks (`check_targets`).
     """
-    from safetensors.numpy import load_file
+    check_targets(config, lora)
+    shapes = {t.path: t.shape for t in family_of(config).tensors(config)}
+    return {(block, part, name): _in_out(name, [shapes[(block, part, m)] for m in _members(name)])
+            for block, part, name in _peft_keys(config, lora)}
 
-    file = os.path.join(path, ADAPTER_CONFIG_FILE)
+
+def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
+    """The adapters of a peft folder (as `save_peft` or peft writes them) and their `LoraConfig`,
+    every file checked against `config` before any tensor is used: the JSON's types, each
+    tensor's name, dtype and shape, and its values (finite).
+
+    Raises:
+      FileNotFoundError: naming the file missing.
+      ValueError: naming the file: unreadable or malformed, a kind of adapter this does not
+        read (not LoRA, rsLoRA, per-module ranks, biases), a tensor missing, unexpected, of
+        the wrong dtype or shape, or holding NaN or inf.
+    """
+    lora = _read_adapter_config(os.path.join(path, ADAPTER_CONFIG_FILE), path)
+    file = os.path.join(path, ADAPTER_WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file}: missing (a peft adapter folder holds it; adapter_model.bin, torch's pickle "
+                                "format, is not read: save with safe_serialization=True)")
+    try:
+        sizes = adapter_sizes(config, lora)
+    except ValueError as e:
+        raise ValueError(f"{os.path.join(path, ADAPTER_CONFIG_FILE)}: target_modules: {e}") from None
+    want = {}  # tensor name -> (adapter's key, "a" or "b", the shape peft stores it in)
+    for key, stem in _peft_keys(config, lora).items():
+        n_in, n_out = sizes[key]
+        want[f"{stem}.lora_A.weight"] = (key, "a", (lora.rank, n_in))
+        want[f"{stem}.lora_B.weight"] = (key, "b", (n_out, lora.rank))
+    stored = SafetensorsFile(file)
+    for names, what in ((sorted(want.keys() - stored.keys), "lacks"), (sorted(stored.keys - want.keys()), "holds")):
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise ValueError(f"{file} {what} {names[0]}{more}: not the adapters its adapter_config.json describes for "
+                             f"this {config.hf_model_type or 'llama'} checkpoint ({config.n_layer} layers, targets "
+                             f"{', '.join(lora.targets)}, r={lora.rank})")
+    adapters: dict = {}
+    for name, ((block, part, adapter), letter, shape) in want.items():
+        if stored.shape(name) != shape:
+            raise ValueError(f"{file}: {name} is {stored.shape(name)}, not {shape}")
+        value = np.asarray(stored.tensor(name), np.float32)
+        if not np.isfinite(value).all():
+            raise ValueError(f"{file}: {name} holds NaN or inf: not a usable adapter (a run that diverged, or a "
+                             "damaged file)")
+        pair = adapters.setdefault(block, {}).setdefault(part, {}).setdefault(adapter, {})
+        pair[letter] = jnp.asarray(value if letter == "a" else value.T)  # a [r, n_in], b [r, n_out]
+    return adapters, lora
+
+
+def _read_adapter_config(file: str, path: str) -> LoraConfig:
+    """The `LoraConfig` of a peft `adapter_config.json`, its JSON types checked."""
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG_FILE} there: not a peft adapter folder")
-    with open(file) as f:
-        given = json.load(f)
+    given = read_json_object(file)
     for key, plain in (("peft_type", "LORA"), ("bias", "none"), ("use_rslora", False), ("fan_in_fan_out", False),
                        ("rank_pattern", {}), ("alpha_pattern", {})):
         if given.get(key, plain) not in (plain, None):
             raise ValueError(f"{file}: {key} {given[key]!r} is not read here (only {plain!r})")
     targets = given.get("target_modules")
-    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    targets = [targets] if isinstance(targets, str) else targets
+    if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        refuse(f"{file}: target_modules", "a module name or a list of them", given.get("target_modules"))
+    rank = as_int(given.get("r"), f"{file}: r", minimum=1)
+    alpha = as_float(given.get("lora_alpha"), f"{file}: lora_alpha", above=0)
+    dropout = as_float(given.get("lora_dropout") or 0.0, f"{file}: lora_dropout", at_least=0, below=1)
     try:
-        lora = LoraConfig(rank=given.get("r"), alpha=given.get("lora_alpha"), targets=targets,
-                          dropout=given.get("lora_dropout") or 0.0)
-    except ValueError as e:
-        raise ValueError(f"{file}: {e}") from None
-    tensors = load_file(os.path.join(path, ADAPTER_WEIGHTS_FILE))
-    adapters: dict = {}
-    shapes = {t.path: t.shape for t in family_of(config).tensors(config)}
-    for (block, part, name), stem in _peft_keys(config, lora).items():
-        n_in, n_out = _in_out(name, [shapes[(block, part, m)] for m in _members(name)])
-        pair = {}
-        for letter, want in (("a", (lora.rank, n_in)), ("b", (n_out, lora.rank))):
-            key = f"{stem}.lora_{letter.upper()}.weight"
-            if key not in tensors:
-                raise ValueError(f"{path}/{ADAPTER_WEIGHTS_FILE} has no {key}")
-            if tensors[key].shape != want:
-                raise ValueError(f"{path}/{ADAPTER_WEIGHTS_FILE}: {key} is {tensors[key].shape}, not {want}")
-            value = tensors[key].astype(np.float32)
-            pair[letter] = jnp.asarray(value if letter == "a" else value.T)  # a [r, n_in], b [r, n_out]
-        adapters.setdefault(block, {}).setdefault(part, {})[name] = pair
-    return adapters, lora
-
-
-def merge_peft(config: DecoderConfig, params, path: str):
-    """`params` with the adapters of the peft folder `path` merged in (`load_peft`, then
-    `merge`): what `--adapter DIR` of the text commands runs.
-
-    Raises:
-      FileNotFoundError, ValueError: as `load_peft`.
-    """
-    adapters, lora = load_peft(config, path)
-    return merge(params, adapters, lora)
+        return LoraConfig(rank=rank, alpha=alpha, targets=tuple(targets), dropout=dropout)
+    except ValueError as e:  # (the rest is checked above: only the targets are left)
+        raise ValueError(f"{file}: target_modules: {e}") from None

@@ -18,12 +18,13 @@ from typing import Any, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from jaxformer.config import DecoderConfig
 from jaxformer.convert.layers import STACKED, block_name, with_scan_layers
 from jaxformer.convert.rope_pairing import with_rope_pairing
+from jaxformer.convert.safetensors_file import SafetensorsFile
 from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail
 from jaxformer.files import write_atomically, write_text_atomically
@@ -37,6 +38,8 @@ def _read_json(path: str) -> Any:
             return json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: its JSON nests too deeply to read") from None
 
 
 def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float32, param_dtype=None
@@ -107,45 +110,21 @@ def _shards(path: str) -> dict[str, list[str] | None]:
     raise FileNotFoundError(f"path: no model.safetensors or model.safetensors.index.json in {path}")
 
 
-# The dtypes a checkpoint's tensors may be stored in (safetensors' names): the floating ones.
-# Anything else (int8 or fp8 weights of a quantised checkpoint) needs dequantising, not a cast.
-_STORED_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
-
-
 def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
     """`(name, tensor)` for every tensor of a checkpoint folder, shard by shard, each a
-    read-only view of the memory-mapped shard in its stored dtype.
-
-    safetensors checks each file (`safe_open`), but its `get_tensor` copies a tensor into a
-    new buffer (and its flax reader once more, into an XLA one) before `load_hf` could cast
-    and lay it out, a copy that the allocator then tends to keep. A view costs no memory of
-    the process's own: its pages are the file's page cache (counted in RSS as file pages,
-    given back when the shard is unmapped, once its last view is gone)."""
+    read-only view of the memory-mapped shard in its stored dtype (`SafetensorsFile`): no
+    tensor is copied before `load_hf` casts and lays it out."""
     index = os.path.join(path, "model.safetensors.index.json")
     for name, keys in _shards(path).items():
-        file = os.path.join(path, name)
-        try:
-            with safe_open(file, framework="numpy") as f:
-                held = set(f.keys())
-        except SafetensorError as e:  # truncated, garbage, a bad header: the reader says which
-            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
-        absent = sorted(set(keys or ()) - held)
+        shard = SafetensorsFile(os.path.join(path, name))
+        absent = sorted(set(keys or ()) - shard.keys)
         if absent:
             more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
-            raise ValueError(f"{index}: weight_map puts {absent[0]!r}{more} in {name}, but {file} does not hold it")
-        # The format: an 8-byte little-endian header length, the JSON header (each tensor's
-        # dtype, shape and byte range), the data. safe_open has checked it, ranges included.
-        data = np.memmap(file, np.uint8, mode="r")
-        start = 8 + int.from_bytes(data[:8].tobytes(), "little")
-        header = json.loads(data[8:start].tobytes())
-        for key in keys or sorted(held):
-            entry = header[key]
-            if entry["dtype"] not in _STORED_DTYPES:
-                raise ValueError(f"{file}: {key} is stored as {entry['dtype']}; only floating tensors "
-                                 f"({', '.join(_STORED_DTYPES)}) load")
-            begin, end = entry["data_offsets"]
-            yield key, data[start + begin:start + end].view(_STORED_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-        del data  # unmapped once the last view of it is dropped
+            raise ValueError(f"{index}: weight_map puts {absent[0]!r}{more} in {name}, but {shard.file} does not "
+                             "hold it")
+        for key in keys or sorted(shard.keys):
+            yield key, shard.tensor(key)
+        del shard  # unmapped once the last view of it is dropped
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -192,6 +171,31 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
+def load_hf_config(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, param_dtype=None
+                   ) -> DecoderConfig:
+    """The `DecoderConfig` of a Hugging Face checkpoint folder, from its `config.json` alone:
+    what a command checks its flags against before it reads any weight. The arguments are
+    `load_hf`'s.
+
+    Raises:
+      FileNotFoundError: `path` or its `config.json` does not exist.
+      ValueError: `path` is a file, or its `config.json` is malformed (naming the field).
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint folder")
+    if not os.path.isdir(path):
+        raise ValueError(f"path must be a checkpoint folder holding config.json and model.safetensors "
+                         f"(got the file {path!r})")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json")
+    hf = _read_json(config_path)
+    try:
+        return config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+    except ValueError as e:  # say which checkpoint; the message names the field
+        raise ValueError(f"{path}: {e}") from None
+
+
 def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, param_dtype=None,
             scan_layers: bool = False):
     """Loads a Hugging Face checkpoint folder of one of `jaxformer.families.FAMILIES`.
@@ -214,19 +218,7 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
       FileNotFoundError: `path`, its `config.json` or its weights do not exist.
       ValueError: naming the file and what is wrong with it (docs/parity.md lists what is refused).
     """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such checkpoint folder")
-    if not os.path.isdir(path):
-        raise ValueError(f"path must be a checkpoint folder holding config.json and model.safetensors "
-                         f"(got the file {path!r})")
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json")
-    hf = _read_json(config_path)
-    try:
-        config = config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
-    except ValueError as e:  # say which checkpoint; the message names the field
-        raise ValueError(f"{path}: {e}") from None
+    config = load_hf_config(path, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
     table: dict[str, list[Tensor]] = {}
     for t in family_of(config).tensors(config):
         table.setdefault(t.hf_key, []).append(t)

@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.command_line import FAILED, OneLineParser, exit_process, fail, run_command
-from jaxformer.convert import load_hf, with_scan_layers
+from jaxformer.convert import load_hf, load_hf_config, with_scan_layers
 from jaxformer.decoder import Decoder
 from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, NonFiniteLogitsError, PromptLookup,
                                 Speculative, finish, run, start, stream)
 from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
-from jaxformer.lora import merge_peft
+from jaxformer.lora import load_peft, merge
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, check_fits_model, load_tokenizer
@@ -384,11 +384,13 @@ def load(args, prompts: list[str]):
     (`FileNotFoundError`, `ValueError` naming the file, prompt or flag)."""
     tokenizer = load_tokenizer(args.checkpoint)
     ids = encode_prompts(tokenizer, prompts, args)
-    # (An adapter is merged into the per-layer tree, then stacked.)
+    # The adapter is read and checked first, against config.json; it is merged into the
+    # per-layer tree, which is then stacked.
+    adapter = None if args.adapter is None else load_peft(load_hf_config(args.checkpoint), args.adapter)
     config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
-                             scan_layers=args.scan_layers and args.adapter is None)
-    if args.adapter is not None:
-        params = merge_peft(config, params, args.adapter)
+                             scan_layers=args.scan_layers and adapter is None)
+    if adapter is not None:
+        params = merge(params, *adapter)
         if args.scan_layers:
             config, params = with_scan_layers(config, params, True)
     check_prompts(ids, prompts, args.max_new_tokens, config.max_seq_len, config.vocab_size)

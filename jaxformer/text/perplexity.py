@@ -29,12 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.command_line import OneLineParser, exit_process, fail, run_command
-from jaxformer.convert import load_hf
+from jaxformer.command_line import FAILED, OneLineParser, exit_process, fail, run_command
+from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
-from jaxformer.lora import merge_peft
+from jaxformer.files import read_text
+from jaxformer.lora import load_peft, merge
 from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
-from jaxformer.validation import as_int
+from jaxformer.validation import NotFinite, as_int, why_not_finite
 
 PROG = "python -m jaxformer.text.perplexity"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -84,6 +85,8 @@ def perplexity(model: Decoder, params, ids, window: int, stride: int) -> Perplex
 
     Raises:
       ValueError: naming the argument, before anything is compiled.
+      NotFinite: a window's NLL, or the perplexity, is NaN or inf (naming the window and
+        the cause: weights that hold NaN or inf, or logits that overflowed).
     """
     ids = np.asarray(ids)
     config = model.config
@@ -105,9 +108,16 @@ def perplexity(model: Decoder, params, ids, window: int, stride: int) -> Perplex
         if weight == 0:
             continue  # a last window of one target: weight 0 (transformers' loss there is 0/0)
         nll_sum, count = jax.device_get(_window_nll(model, params, jnp.asarray(row), jnp.asarray(scored)))
-        total += float(nll_sum) / float(count) * weight
+        mean = float(nll_sum) / float(count)
+        if not math.isfinite(mean):
+            raise NotFinite(f"the mean NLL of the window over ids [{begin}, {end}) is {mean}, not a result: "
+                            f"{why_not_finite({'the weights': params}, config.dtype)}")
+        total += mean * weight
         weights += weight
     nll = total / weights
+    if nll >= math.log(np.finfo(np.float64).max):
+        raise NotFinite(f"the perplexity exp({nll:.6g}) overflows, not a result: the model gives the text almost no "
+                        "probability")
     return Perplexity(perplexity=math.exp(nll), nll=nll, tokens=len(ids), windows=len(spans))
 
 
@@ -122,6 +132,7 @@ def _window_nll(model: Decoder, params, row: jax.Array, scored: jax.Array) -> tu
 
 
 def parse_args(argv=None):
+    """The flags; what can be checked without the checkpoint is checked here (one line, status 2)."""
     p = OneLineParser(PROG, __doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a Hugging Face checkpoint folder")
     p.add_argument("--data", required=True, metavar="FILE", help="the UTF-8 text to score")
@@ -131,7 +142,15 @@ def parse_args(argv=None):
     p.add_argument("--stride", type=int, default=None, help="ids between window starts (default: half the window)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute and weight dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        if args.window is not None:  # (the model's context bounds it too, once config.json is read)
+            as_int(args.window, "--window", minimum=2)
+        if args.stride is not None:
+            as_int(args.stride, "--stride", minimum=1, maximum=args.window, maximum_name="--window")
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def main(argv=None) -> int:
@@ -140,27 +159,28 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     args = parse_args(argv)
-    try:
-        tokenizer = load_tokenizer(args.checkpoint)
-        config, params = load_hf(args.checkpoint, dtype=DTYPES[args.dtype])
-        check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
-        if args.adapter is not None:
-            params = merge_peft(config, params, args.adapter)
-        window = args.window or min(DEFAULT_WINDOW, config.max_seq_len)
-        stride = args.stride or max(1, window // 2)
+    try:  # every flag and file checked, cheapest first, before the weights are read
+        text = read_text(args.data, "--data")
+        config = load_hf_config(args.checkpoint, dtype=DTYPES[args.dtype])
+        window = min(DEFAULT_WINDOW, config.max_seq_len) if args.window is None else args.window
+        stride = max(1, window // 2) if args.stride is None else args.stride
         as_int(window, "--window", minimum=2, maximum=config.max_seq_len, maximum_name="the model's context")
         as_int(stride, "--stride", minimum=1, maximum=window, maximum_name="--window")
-        try:
-            with open(args.data, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read --data {args.data}: {e}") from None
+        tokenizer = load_tokenizer(args.checkpoint)
+        check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
         ids = tokenizer.encode(text)  # framed as the tokenizer frames a text (BOS first, for Llama's)
         if len(ids) < 2:
             raise ValueError(f"--data {args.data} holds {len(ids)} token(s): at least 2 are needed")
-        result = perplexity(Decoder(config), params, ids, window, stride)
+        adapter = None if args.adapter is None else load_peft(config, args.adapter)
+        _, params = load_hf(args.checkpoint, dtype=DTYPES[args.dtype])
     except (OSError, ValueError) as e:
         fail(PROG, str(e))
+    if adapter is not None:
+        params = merge(params, *adapter)
+    try:
+        result = perplexity(Decoder(config), params, ids, window, stride)
+    except NotFinite as e:
+        fail(PROG, str(e), FAILED)
     if args.json:
         print(json.dumps({**dataclasses.asdict(result), "window": window, "stride": stride}))
     else:

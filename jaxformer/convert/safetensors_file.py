@@ -1,0 +1,57 @@
+"""One safetensors file, read without copying: its header checked by safetensors' own reader,
+each tensor a read-only view of the memory-mapped file in its stored dtype.
+
+safetensors' `get_tensor` copies a tensor into a new buffer (and its flax reader once more,
+into an XLA one) before a loader could cast and lay it out, a copy the allocator then tends
+to keep. A view costs no memory of the process's own: its pages are the file's page cache
+(counted in RSS as file pages, given back once the file is unmapped, when its last view is
+gone).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+# The dtypes a tensor may be stored in (safetensors' names): the floating ones. Anything
+# else (int8 or fp8 weights of a quantised checkpoint) needs dequantising, not a cast.
+FLOATING_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+
+
+class SafetensorsFile:
+    """The tensors of the safetensors file `file`.
+
+    Raises:
+      ValueError: naming the file, when safetensors cannot read it (truncated, garbage, a
+        header that claims more bytes than the file holds).
+    """
+
+    def __init__(self, file: str):
+        self.file = file
+        try:
+            with safe_open(file, framework="numpy") as f:
+                self.keys = frozenset(f.keys())
+        except SafetensorError as e:  # truncated, garbage, a bad header: the reader says which
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
+        # The format: an 8-byte little-endian header length, the JSON header (each tensor's
+        # dtype, shape and byte range), the data. safe_open has checked it, ranges included.
+        self._data = np.memmap(file, np.uint8, mode="r")
+        self._start = 8 + int.from_bytes(self._data[:8].tobytes(), "little")
+        self._header = json.loads(self._data[8:self._start].tobytes())
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._header[key]["shape"])
+
+    def tensor(self, key: str) -> np.ndarray:
+        """Tensor `key` as a read-only view in its stored dtype; a ValueError naming the file
+        and the tensor unless that dtype is floating (`FLOATING_DTYPES`)."""
+        entry = self._header[key]
+        if entry["dtype"] not in FLOATING_DTYPES:
+            raise ValueError(f"{self.file}: {key} is stored as {entry['dtype']}; only floating tensors "
+                             f"({', '.join(FLOATING_DTYPES)}) load")
+        begin, end = entry["data_offsets"]
+        return self._data[self._start + begin:self._start + end].view(FLOATING_DTYPES[entry["dtype"]]).reshape(
+            entry["shape"])
