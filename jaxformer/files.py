@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import shutil
 import stat
@@ -39,6 +40,70 @@ def _mode_for(path: Path, new_mode: int) -> int:
         return stat.S_IMODE(path.stat().st_mode)
     except FileNotFoundError:
         return new_mode & ~umask()
+
+
+def check_apart(outputs: dict[str, object], inputs: dict[str, object]) -> None:
+    """Raises ValueError unless every output path lies apart from every input path: an
+    output that is an input, holds one or lies inside one would overwrite, undo or mix into
+    what the command reads. Paths are compared resolved (symlinks followed, `..` applied),
+    so another spelling of the same place is caught too.
+
+    Args:
+      outputs: `{name: path}` of what a command writes, e.g. `{"--merge": "out"}`; None
+        entries are skipped.
+      inputs: `{name: path}` of what it reads, e.g. `{"--checkpoint": "base"}`.
+    """
+    def resolved(path) -> Path:
+        return Path(os.path.realpath(os.path.abspath(path)))
+
+    for out_name, out in outputs.items():
+        if out is None:
+            continue
+        out_path = resolved(out)
+        for in_name, given in inputs.items():
+            if given is None:
+                continue
+            in_path = resolved(given)
+            if out_path == in_path:
+                relation = "is the same place as"
+            elif in_path.is_relative_to(out_path):
+                relation = "holds"
+            elif out_path.is_relative_to(in_path):
+                relation = "lies inside"
+            else:
+                continue
+            raise ValueError(f"{out_name} {out} {relation} {in_name} {given}: writing there could overwrite what "
+                             f"the command reads; choose a {out_name} apart from {in_name}")
+
+
+def read_text(path, name: str) -> str:
+    """The text of the UTF-8 file `path`, or a ValueError naming `name` (the flag that gave
+    it): a file that cannot be read (and why), or bytes that are not UTF-8 (where)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {name} {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} {path} is not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start:,})") from None
+
+
+def read_json_object(path, what: str = "a JSON object") -> dict:
+    """The JSON object in the file `path`, or a ValueError naming the file: unreadable, not
+    JSON (or nested too deeply to parse), or JSON of another kind than `what` describes."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON here: it nests too deeply") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not {what}")
+    return value
 
 
 def write_atomically(path, write: Callable[[Path], None]) -> None:

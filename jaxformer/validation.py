@@ -59,6 +59,28 @@ def floating_dtype(value) -> np.dtype | None:
     return dtype if jnp.issubdtype(dtype, jnp.floating) else None
 
 
+class NotFinite(ValueError):
+    """A figure computed from valid inputs (a loss, a perplexity) is NaN or inf: the message
+    names the figure and its cause. Such a figure is an error, never a result."""
+
+
+def why_not_finite(trees: dict, dtype) -> str:
+    """Why a figure a model computed from parameter `trees` is NaN or inf, for `NotFinite`'s
+    message: the first tree holding NaN or inf, with its first such leaf (`block_0/attn/wq`),
+    else logits that passed the range of the compute `dtype` though every weight is finite.
+
+    Args:
+      trees: `{what: tree}`, e.g. `{"the checkpoint's weights": params}`, in the order asked.
+      dtype: the compute dtype.
+    """
+    for what, tree in trees.items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(jnp.isfinite(leaf).all()):
+                where = "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
+                return f"{what} hold NaN or inf (first in {where})"
+    return f"the logits overflowed in {jnp.dtype(dtype).name} though every weight is finite"
+
+
 def refuse(name: str, rule: str, value, *, optional: bool = False) -> NoReturn:
     """Raises the one refusal: `NAME must be [None or ]RULE (got repr(VALUE))`.
 

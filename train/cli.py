@@ -27,7 +27,7 @@ import optax
 from flax import linen as nn
 
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, note_on_interrupt
-from jaxformer.files import write_folder_atomically, write_text_atomically
+from jaxformer.files import check_apart, write_folder_atomically, write_text_atomically
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh
 from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                       TOKENIZER_FILE)
@@ -35,7 +35,7 @@ from jaxformer.training import (CHECKPOINT_DIR, METRICS_FILE, Checkpointer, Dive
                                 TrainState, check_run_dir, check_seed, enable_compilation_cache,
                                 initialize_distributed, lock_run_dir, make_train_step, read_metrics,
                                 save_run_config, shard_batches, shard_state, train_loop)
-from jaxformer.validation import as_int, check_fields, one_of
+from jaxformer.validation import NotFinite, as_int, check_fields, one_of
 from train.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
                                record_session, record_snapshot, write_report)
 
@@ -223,6 +223,9 @@ def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[A
     except ValueError as e:
         parser.error(f"--{e}")  # "--mesh 'data=x': ..."
     try:
+        # Nothing the run reads (--checkpoint, --data) may be where it writes.
+        check_apart({"--run-dir": run_dir, getattr(args, "export_flag", "--export"): args.export},
+                    {flag(field): getattr(settings, field) for field in settings.INPUT_FIELDS})
         check_run_dir(run_dir, None, args.resume)  # where it is; its config once the model is built
         if args.export is not None:
             check_export_dir(args.export, run_dir, args.export_flag)  # now, not after training
@@ -281,8 +284,9 @@ class Demo(Protocol):
       PROG: its command, e.g. "python -m train.reverse"; `about.json` records it.
       MODEL_CONFIG: its model's config dataclass; `config.json` records its fields.
       Settings: its frozen recipe dataclass, the defaults its command line's, with
-        `RESUME_FIELDS` (what `--resume` must match) and `run_name` (of a new run
-        directory); built from bad values it raises ValueError naming the flag.
+        `RESUME_FIELDS` (what `--resume` must match), `INPUT_FIELDS` (the files and
+        folders it reads, which no output may be, hold or lie inside) and `run_name` (of
+        a new run directory); built from bad values it raises ValueError naming the flag.
     """
 
     PROG: str
@@ -570,9 +574,19 @@ def kept(run_dir: Path) -> str:
 @contextlib.contextmanager
 def failing_as(begun: Start):
     """Ends the command in one line (status 1) when the run cannot go on: the run
-    directory cannot be written (a full disk), or the loss stopped being finite."""
+    directory cannot be written (a full disk), the loss stopped being finite, a figure it
+    computed is not (`jaxformer.validation.NotFinite`), or the device ran out of memory."""
     try:
         yield
+    except NotFinite as e:
+        begun.abandon()
+        fail(begun.prog, f"{e}; {kept(begun.run_dir)}", FAILED)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise  # a bug, not the size: its traceback is the report
+        begun.abandon()
+        fail(begun.prog, f"out of memory: {str(e).splitlines()[0]}; {kept(begun.run_dir)}. A smaller --batch-size "
+                         "or --seq-len needs less", FAILED)
     except Diverged as e:
         begun.abandon()
         where = (f"{begun.run_dir} keeps it" if e.checkpoint is not None

@@ -32,15 +32,17 @@ import optax
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.config import LORA_TARGETS, LoraConfig
-from jaxformer.convert import load_hf, save_hf
+from jaxformer.convert import load_hf, load_hf_config, save_hf
+from jaxformer.families import family_of
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.files import write_folder_atomically
-from jaxformer.lora import all_targets, check_targets, init_lora, merge, save_peft
+from jaxformer.lora import adapter_sizes, all_targets, check_targets, init_lora, merge, save_peft
+from jaxformer.memory import check_fits, format_bytes
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
 from jaxformer.text.tokenizer import check_fits_model
-from jaxformer.validation import as_float, as_int, require
+from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, why_not_finite
 from train import cli
 from train.lm import token_labels
 from train.report_page import attention_group
@@ -100,6 +102,7 @@ class Settings:
     RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data", "full", "lora_rank", "lora_alpha",
                                                 "lora_targets", "lora_dropout", "base_dtype", "steps", "batch_size",
                                                 "lr", "warmup", "weight_decay", "clip", "seq_len", "seed")
+    INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data")
 
     def __post_init__(self):
         cli.check_shared_settings(self)
@@ -200,15 +203,15 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
 
     Raises:
       ValueError: an unreadable checkpoint or data file, a tokenizer whose ids the model
-        lacks, `--seq-len` past the model's context, or a mesh that does not fit.
+        lacks, `--seq-len` past the model's context, a LoRA rank past its matrices, a run
+        whose parameters and optimizer state cannot fit the free memory, or a mesh that
+        does not fit; each before a weight is read.
     """
-    dtype = jnp.dtype(settings.dtype)
-    try:
-        config, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=jnp.dtype(settings.base_dtype))
+    dtype, base_dtype = jnp.dtype(settings.dtype), jnp.dtype(settings.base_dtype)
+    try:  # every flag checked against config.json before a weight is read
+        config = load_hf_config(settings.checkpoint, dtype=dtype, param_dtype=base_dtype)
     except FileNotFoundError as e:
         raise ValueError(f"--checkpoint: {e}") from None
-    tokenizer = load_tokenizer(settings.checkpoint)
-    check_fits_model(tokenizer, config.vocab_size, f"--checkpoint {settings.checkpoint}")
     require(settings.seq_len <= config.max_seq_len, "--seq-len", f"at most the model's context, {config.max_seq_len}",
             settings.seq_len)
     config = config.replace(lora=settings.lora(config), remat=settings.remat)
@@ -217,12 +220,21 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
             check_targets(config, config.lora)  # now: the adapters are written after training
         except ValueError as e:
             raise ValueError(f"--lora-targets {settings.lora_targets}: {e}") from None
-    model = Decoder(config)
+        check_rank(config, config.lora)
+    check_memory(config)
+    if mesh is not None:
+        mesh = make_mesh(**parse_mesh(mesh))
+        check_mesh_fits(config, mesh)
+    tokenizer = load_tokenizer(settings.checkpoint)
+    check_fits_model(tokenizer, config.vocab_size, f"--checkpoint {settings.checkpoint}")
     data = FinetuneData(settings.data, tokenizer, settings.seq_len)
+    try:
+        _, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=base_dtype)
+    except FileNotFoundError as e:
+        raise ValueError(f"--checkpoint: {e}") from None
+    model = Decoder(config)
     if mesh is not None:  # the base is read by every step: placed once, as the model's rules split it
-        mesh_ = make_mesh(**parse_mesh(mesh))
-        check_mesh_fits(config, mesh_)
-        base = jax.device_put(base, tree_shardings(base, param_axes(model), mesh_, "fsdp" if fsdp else "dp"))
+        base = jax.device_put(base, tree_shardings(base, param_axes(model), mesh, "fsdp" if fsdp else "dp"))
     lora = config.lora
     if lora is None:
         trained, axes = base, None
@@ -249,6 +261,34 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     return Tuning(setup=setup, base=base, data=data)
 
 
+def check_rank(config: DecoderConfig, lora: LoraConfig) -> None:
+    """Refuses a rank past the narrow side of the narrowest adapted matrix: the change `a^T b`
+    of an `[n_in, n_out]` matrix has rank at most `min(n_in, n_out)`, so a larger rank adds
+    parameters (and their memory, named in the message) but no freedom."""
+    sizes = adapter_sizes(config, lora)
+    adapter, (n_in, n_out) = min(((key[2], size) for key, size in sizes.items()), key=lambda item: min(item[1]))
+    if lora.rank > min(n_in, n_out):
+        target = next(t for t, a in LORA_TARGETS.items() if a == adapter)
+        adapters = 4 * lora.rank * sum(n_in + n_out for n_in, n_out in sizes.values())  # float32 a and b
+        refuse("--lora-rank", f"at most {min(n_in, n_out)}, the narrow side of {target} ({n_in} in, {n_out} out): "
+               f"A B has rank at most that, so a larger rank adds parameters ({format_bytes(adapters)} of adapters "
+               "at this rank, 4x that with their gradients and Adam's moments) but no freedom", lora.rank)
+
+
+def check_memory(config: DecoderConfig) -> None:
+    """Refuses, before anything is allocated, a run whose frozen base and trained parameters
+    cannot fit the free memory: the trained ones (LoRA's adapters, or with `--full` the whole
+    model) in float32 with their gradients and Adam's two moments; activations come on top."""
+    base = sum(math.prod(t.shape) for t in family_of(config).tensors(config))
+    trained = base if config.lora is None else config.lora.rank * sum(
+        n_in + n_out for n_in, n_out in adapter_sizes(config, config.lora).values())
+    state = 4 * 4 * trained  # parameters, gradients, Adam's mu and nu, each float32
+    frozen = 0 if config.lora is None else base * jnp.dtype(config.param_dtype).itemsize
+    check_fits(state + frozen, f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in "
+                               f"{jnp.dtype(config.param_dtype).name} and {format_bytes(state)} of trained parameters "
+                               "with their gradients and Adam's moments, before activations)")
+
+
 def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:
     """The mean loss over every scored token of the held-out split (one compiled program)."""
     model, params = tuning.inference(trained)
@@ -263,6 +303,24 @@ def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:
     totals = np.array([jax.device_get(sums(params, b)) for b in tuning.data.validation_batches(batch_size)],
                       np.float64)  # [batches, 2]
     return float(totals[:, 0].sum() / totals[:, 1].sum())
+
+
+def held_out(tuning: Tuning, trained, batch_size: int, when: str) -> tuple[float, float]:
+    """`(loss, perplexity)` of the held-out split (`validation_loss`), both finite.
+
+    Raises:
+      NotFinite: saying `when` ("before training", ...) and why, when either is not finite:
+        NaN or inf in the checkpoint's weights or the trained parameters (the first named),
+        logits that overflowed, or a loss too large for its exponential.
+    """
+    loss = validation_loss(tuning, trained, batch_size)
+    if math.isfinite(loss) and loss < math.log(np.finfo(np.float64).max):
+        return loss, math.exp(loss)
+    cause = ("its exponential, the perplexity, overflows: the model gives the held-out tokens almost no probability"
+             if math.isfinite(loss) else
+             why_not_finite({"the checkpoint's weights": tuning.base, "the trained parameters": trained},
+                            tuning.setup.model.config.dtype))
+    raise NotFinite(f"the held-out loss {when} is {loss:.6g}, not a result: {cause}")
 
 
 def snapshotter(tuning: Tuning, settings: Settings):
@@ -353,14 +411,16 @@ def _main(argv) -> int:
     setup = tuning.setup
     with cli.start(PROG, setup, settings, run) as begun:
         describe(tuning, settings)
-        before = validation_loss(tuning, setup.params, settings.batch_size)
-        print(f"held-out loss before: {before:.4f} (perplexity {math.exp(before):.3f})")
+        with cli.failing_as(begun):
+            before, perplexity_before = held_out(tuning, setup.params, settings.batch_size, "before training")
+        print(f"held-out loss before: {before:.4f} (perplexity {perplexity_before:.3f})")
         trained = cli.train(setup, settings, run, begun, snapshotter(tuning, settings))
-        after = validation_loss(tuning, trained.params, settings.batch_size)
-        print(f"held-out loss after:  {after:.4f} (perplexity {math.exp(after):.3f})")
+        with cli.failing_as(begun):
+            after, perplexity = held_out(tuning, trained.params, settings.batch_size, "after training")
+        print(f"held-out loss after:  {after:.4f} (perplexity {perplexity:.3f})")
         results = {"steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds,
                    "validation_loss_before": before, "validation_loss": after,
-                   "validation_perplexity_before": math.exp(before), "validation_perplexity": math.exp(after)}
+                   "validation_perplexity_before": perplexity_before, "validation_perplexity": perplexity}
         cli.write_results(run.run_dir, results, trained)
         with cli.failing_as(begun):
             write_outputs(tuning, settings, trained, run)

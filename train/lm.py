@@ -111,6 +111,7 @@ class Settings:
     # depends on it.
     RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("task", "data", "tokenizer", "vocab_size", "seed", "steps",
                                                 "batch_size", "lr", "warmup", "weight_decay", "clip")
+    INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("data",)  # what no output may be, hold or lie inside
 
     def __post_init__(self):
         cli.check(self, one_of, "task", choices=TASKS)

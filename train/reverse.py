@@ -85,6 +85,7 @@ class Settings:
 
     # What --resume must match besides the model; not steps: a finished run may be extended.
     RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("seed", "batch_size", "warmup", "label_smoothing")
+    INPUT_FIELDS: ClassVar[tuple[str, ...]] = ()  # it reads no file: its data is drawn
 
     def __post_init__(self):
         cli.check_shared_settings(self)

@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxformer.files import read_text
 from jaxformer.text import Tokenizer, char_tokenizer, train_bpe, word_tokenizer
 from jaxformer.text.dataset import windows
 
@@ -120,7 +121,7 @@ class TextCorpus:
     """
 
     def __init__(self, path, seq_len: int, tokenizer: str = "char", vocab_size: int | None = None):
-        text = _read_text(path)
+        text = read_text(path, "--data")
         split = int(TRAIN_FRACTION * len(text))
         train_text, val_text = text[:split], text[split:]
         self.tokenizer = (char_tokenizer(sorted(set(text))) if tokenizer == "char"
@@ -136,15 +137,6 @@ class TextCorpus:
 
     def batch(self, key: jax.Array, batch_size: int, split: str = "train") -> dict[str, jax.Array]:
         return windows(self.train if split == "train" else self.val, key, batch_size, self.seq_len)
-
-
-def _read_text(path) -> str:
-    """The text of the UTF-8 file `path`; a ValueError naming `--data` if it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read --data {path}: {e}") from None
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:

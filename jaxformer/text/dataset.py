@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.files import read_text
 from jaxformer.text.chat import render_chat
 from jaxformer.text.tokenizer import Tokenizer
 
@@ -38,10 +39,17 @@ class Example:
     Attributes:
       ids: the token ids, as the model reads them.
       scored: one bool per id, True where predicting that id counts in the loss.
+      line: the line of the JSONL file it came from, or None.
     """
 
     ids: list[int]
     scored: list[bool]
+    line: int | None = None
+
+    def first_scored(self) -> int | None:
+        """The index of the first id the loss is on (never 0: the first id is never predicted),
+        which is the `seq_len` a row needs to score anything of this example; None if none."""
+        return next((i for i, scored in enumerate(self.scored) if scored and i > 0), None)
 
 
 def _scored_spans(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]],
@@ -94,35 +102,78 @@ def completion_example(tokenizer: Tokenizer, prompt: str, completion: str) -> Ex
 
 
 def read_records(path: str, tokenizer: Tokenizer) -> list[Example]:
-    """The examples of a JSONL file of `messages` or `prompt`+`completion` records.
+    """The examples of a JSONL file of `messages` or `prompt`+`completion` records, each
+    `Example` holding its line number.
 
     Raises:
-      ValueError: naming the file and line: not JSON, or a record of neither kind.
+      ValueError: naming the file and line: not UTF-8, not JSON, or a record of neither
+        kind (whatever JSON it holds instead), or a message that is not a `{"role": str,
+        "content": str}` object.
     """
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             where = f"{path}:{n}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg})") from None
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") \
+                    from None
+            if not line.strip():
+                continue
             try:
-                if isinstance(record, dict) and isinstance(record.get("messages"), list):
-                    examples.append(chat_example(tokenizer, record["messages"]))
-                elif (isinstance(record, dict) and isinstance(record.get("prompt"), str)
-                      and isinstance(record.get("completion"), str)):
-                    examples.append(completion_example(tokenizer, record["prompt"], record["completion"]))
-                else:
-                    raise ValueError("a record is {\"messages\": [...]} or {\"prompt\": str, \"completion\": str}")
+                record = json.loads(line)
+            except ValueError as e:  # (an integer of thousands of digits too)
+                raise ValueError(f"{where}: not JSON ({getattr(e, 'msg', e)})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: its JSON nests too deeply to read") from None
+            try:
+                example = record_example(tokenizer, record)
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
+            examples.append(dataclasses.replace(example, line=n))
     if len(examples) < 2:
         raise ValueError(f"{path} holds {len(examples)} record(s): at least 2 are needed (one to train, "
                          "one to validate)")
     return examples
+
+
+def record_example(tokenizer: Tokenizer, record) -> Example:
+    """The `Example` of one parsed JSONL record; a `ValueError` saying what the record holds
+    instead of `{"messages": [...]}` or `{"prompt": str, "completion": str}`."""
+    kinds = '{"messages": [{"role": str, "content": str}, ...]} or {"prompt": str, "completion": str}'
+    if not isinstance(record, dict):
+        raise ValueError(f"a record is {kinds} (got {_json_kind(record)})")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list):
+            raise ValueError(f"messages must be a list of {{\"role\": str, \"content\": str}} objects "
+                             f"(got {_json_kind(messages)})")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise ValueError(f"messages[{i}] must be a {{\"role\": str, \"content\": str}} object "
+                                 f"(got {_json_kind(message)})")
+            for key in ("role", "content"):
+                if not isinstance(message.get(key), str):
+                    raise ValueError(f"messages[{i}].{key} must be a string (got {_json_kind(message.get(key))})")
+        return chat_example(tokenizer, messages)
+    for key in ("prompt", "completion"):
+        if not isinstance(record.get(key), str):
+            raise ValueError(f"a record is {kinds} ({key}: got {_json_kind(record.get(key))})")
+    return completion_example(tokenizer, record["prompt"], record["completion"])
+
+
+def _json_kind(value) -> str:
+    """What a parsed JSON value is, as a message names it: `null`, `an object`, `the number 3`."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"[:60]
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}{'...' if len(value) > 40 else ''}"
+    return f"{'a list' if isinstance(value, list) else 'an object'} of {len(value)}"
 
 
 def rows(examples: list[Example], seq_len: int) -> dict[str, np.ndarray]:
@@ -161,20 +212,19 @@ class FinetuneData:
 
     def __init__(self, path: str, tokenizer: Tokenizer, seq_len: int):
         self.seq_len = seq_len
-        try:
-            if path.endswith(".jsonl"):
-                self.kind = "records"
+        if path.endswith(".jsonl"):
+            try:
                 examples = read_records(path, tokenizer)
-                n_val = max(1, int(round(HELD_OUT * len(examples))))
-                self.train, self.val = rows(examples[:-n_val], seq_len), rows(examples[-n_val:], seq_len)
-                self.cut = sum(len(e.ids) > seq_len + 1 for e in examples)  # rows cut to the window
-                if not (self.train["targets"] != IGNORE).any():
-                    raise ValueError(f"{path}: no scored token within --seq-len {seq_len} of any training record")
-                return
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read --data {path}: {e}") from None
+            except OSError as e:
+                raise ValueError(f"cannot read --data {path}: {e.strerror or e}") from None
+            self.kind = "records"
+            n_val = max(1, int(round(HELD_OUT * len(examples))))
+            _check_scored(examples[:-n_val], seq_len, path, "training")
+            _check_scored(examples[-n_val:], seq_len, path, "held-out")
+            self.train, self.val = rows(examples[:-n_val], seq_len), rows(examples[-n_val:], seq_len)
+            self.cut = sum(len(e.ids) > seq_len + 1 for e in examples)  # rows cut to the window
+            return
+        text = read_text(path, "--data")
         self.kind, self.cut = "text", 0
         split = int((1 - HELD_OUT) * len(text))
         # No BOS or EOS: the windows are cut from the middle of the text.
@@ -210,6 +260,22 @@ class FinetuneData:
         for name in filled:
             filled[name][:n] = val[name]
         return [{name: rows[i:i + batch_size] for name, rows in filled.items()} for i in range(0, padded, batch_size)]
+
+
+def _check_scored(examples: list[Example], seq_len: int, path: str, split: str) -> None:
+    """Raises unless some example of `split` scores a token within `seq_len`: a loss over no
+    token is 0/0, NaN, and no result. The message names the record that needs the least
+    `--seq-len` to be scored, and that length."""
+    if any(e.first_scored() is not None and e.first_scored() <= seq_len for e in examples):
+        return
+    lines = f"line {examples[0].line}" if len(examples) == 1 else f"lines {examples[0].line}-{examples[-1].line}"
+    scorable = [(e.first_scored(), e.line) for e in examples if e.first_scored() is not None]
+    if not scorable:
+        raise ValueError(f"{path}: the {split} records ({lines}) have no token to score at all")
+    need, line = min(scorable)
+    raise ValueError(f"{path}: the {split} records ({lines}) have no scored token within --seq-len {seq_len}, so "
+                     f"their loss would be 0/0, no result: the earliest, line {line}'s, is token {need} of its "
+                     f"record, which a --seq-len of {need} or more reaches")
 
 
 @functools.partial(jax.jit, static_argnames="batch_size")

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from jaxformer.files import write_text_atomically
+from jaxformer.files import read_json_object, write_text_atomically
 from jaxformer.training.checkpoints import CHECKPOINT_DIR
 
 CONFIG_FILE = "config.json"
@@ -160,20 +160,15 @@ def read_run_config(run_dir) -> dict:
 
 def read_run_file(path, what: str = "a JSON object") -> dict | None:
     """The JSON object of a run file (`config.json`, `about.json`, `eval.json`), None if absent;
-    a ValueError naming the file when it is not `what` (a JSON object).
+    a ValueError naming the file when it is not `what` (a JSON object): the file is damaged.
     """
     path = Path(path)
     if not path.exists():
         return None
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): the file is damaged") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a {type(value).__name__}, not {what}: the file is damaged")
-    return value
+        return read_json_object(path, what)
+    except ValueError as e:
+        raise ValueError(f"{e}: the file is damaged") from None
 
 
 def check_run_config(run_dir, config: dict, saved: dict | None = None) -> None:

@@ -95,7 +95,8 @@ def test_bad_flags_stop_with_one_line(argv, message, capsys):
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-@pytest.mark.parametrize("content, message", [(b"", "too few"), (b"abc" * 5, "too few"), (b"\xff\xfe\x00bad", "cannot read")])
+@pytest.mark.parametrize("content, message", [(b"", "too few"), (b"abc" * 5, "too few"),
+                                              (b"\xff\xfe\x00bad", "is not UTF-8 text (byte 0xff at offset 0)")])
 def test_bad_data_files(tmp_path, capsys, content, message):
     data = tmp_path / "data.txt"
     data.write_bytes(content)
