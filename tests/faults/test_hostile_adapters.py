@@ -22,7 +22,7 @@ import pytest
 from conftest import run_main
 from harness import snapshot
 from safetensors.numpy import load_file, save_file
-from tiny_llama import CONFIG, params, save_checkpoint
+from tiny_llama import CONFIG, checkpoint_and_text, params
 
 from jaxformer.lora import LoraConfig, init_lora, load_peft, merge, save_peft
 from jaxformer.text import generate, perplexity
@@ -35,12 +35,11 @@ WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """`checkpoint/`, `adapter/` (trained-looking: b not zero) and `text.txt`."""
-    root = tmp_path_factory.mktemp("hostile-adapters")
-    save_checkpoint(root / "checkpoint")
+    root = checkpoint_and_text(tmp_path_factory.mktemp("hostile-adapters"),
+                               "The cat sat on the mat, and the dog sat on the log. " * 8)
     adapters = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(1), x.shape),
                             init_lora(params(), LORA, jax.random.key(0)))
     save_peft(CONFIG, adapters, LORA, str(root / "adapter"))
-    (root / "text.txt").write_text("The cat sat on the mat, and the dog sat on the log. " * 8)
     return root
 
 

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from conftest import run_main
 from harness import snapshot
-from tiny_llama import CONFIG, TOKENIZER, params, save_checkpoint
+from tiny_llama import CONFIG, TOKENIZER, checkpoint_and_text, params, save_checkpoint
 
 from jaxformer.memory import format_bytes
 from train import finetune, lm
@@ -46,10 +46,7 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """`checkpoint/` (holding exactly what an export writes) and `text.txt`."""
-    root = tmp_path_factory.mktemp("hostile-finetune")
-    save_checkpoint(root / "checkpoint")
-    (root / "text.txt").write_text(TEXT)
-    return root
+    return checkpoint_and_text(tmp_path_factory.mktemp("hostile-finetune"), TEXT)
 
 
 def finetune_in_process(*argv) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import run_main
-from tiny_llama import CONFIG, TOKENIZER, params, save_checkpoint
+from tiny_llama import CONFIG, TOKENIZER, checkpoint_and_text, params, save_checkpoint
 
 from jaxformer import Decoder
 from jaxformer.text import perplexity
@@ -23,10 +23,7 @@ TEXT = "The cat sat on the mat, and the dog sat on the log. " * 8
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("hostile-perplexity")
-    save_checkpoint(root / "checkpoint")
-    (root / "text.txt").write_text(TEXT)
-    return root
+    return checkpoint_and_text(tmp_path_factory.mktemp("hostile-perplexity"), TEXT)
 
 
 def command(*argv) -> tuple[int, str, str]:

@@ -30,6 +30,13 @@ def params(change=None) -> dict:
     return tree
 
 
+def checkpoint_and_text(root: Path, text: str) -> Path:
+    """`root`, now holding `checkpoint/` (`save_checkpoint`) and `text.txt` (`text`)."""
+    save_checkpoint(root / "checkpoint")
+    (root / "text.txt").write_text(text)
+    return root
+
+
 def save_checkpoint(path: Path, weights=None) -> Path:
     """`path`, now a checkpoint folder of `weights` (default `params()`) and the tokenizer:
     exactly the files an export writes."""
