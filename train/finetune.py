@@ -221,7 +221,7 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         except ValueError as e:
             raise ValueError(f"--lora-targets {settings.lora_targets}: {e}") from None
         check_rank(config, config.lora)
-    check_memory(config)
+    check_memory(config, settings.batch_size, settings.seq_len)
     if mesh is not None:
         mesh = make_mesh(**parse_mesh(mesh))
         check_mesh_fits(config, mesh)
@@ -275,18 +275,25 @@ def check_rank(config: DecoderConfig, lora: LoraConfig) -> None:
                "at this rank, 4x that with their gradients and Adam's moments) but no freedom", lora.rank)
 
 
-def check_memory(config: DecoderConfig) -> None:
-    """Refuses, before anything is allocated, a run whose frozen base and trained parameters
-    cannot fit the free memory: the trained ones (LoRA's adapters, or with `--full` the whole
-    model) in float32 with their gradients and Adam's two moments; activations come on top."""
+def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
+    """Refuses, before anything is allocated, a run that cannot fit the free memory, by a
+    lower bound of what a step holds: LoRA's frozen base; the trained parameters (the
+    adapters, or with `--full` the whole model) in float32 with their gradients and Adam's
+    two moments; and of the activations, the logits and each block's input (which the
+    backward pass reads, `--remat` or not), `[batch, seq_len, vocab + n_layer * d_model]`
+    in the compute dtype."""
     base = sum(math.prod(t.shape) for t in family_of(config).tensors(config))
     trained = base if config.lora is None else config.lora.rank * sum(
         n_in + n_out for n_in, n_out in adapter_sizes(config, config.lora).values())
     state = 4 * 4 * trained  # parameters, gradients, Adam's mu and nu, each float32
     frozen = 0 if config.lora is None else base * jnp.dtype(config.param_dtype).itemsize
-    check_fits(state + frozen, f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in "
-                               f"{jnp.dtype(config.param_dtype).name} and {format_bytes(state)} of trained parameters "
-                               "with their gradients and Adam's moments, before activations)")
+    activations = (batch_size * seq_len * (config.vocab_size + config.n_layer * config.d_model)
+                   * jnp.dtype(config.dtype).itemsize)
+    check_fits(state + frozen + activations,
+               f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in "
+               f"{jnp.dtype(config.param_dtype).name}, {format_bytes(state)} of trained parameters with their "
+               f"gradients and Adam's moments, and at least {format_bytes(activations)} of activations for "
+               f"--batch-size {batch_size} x --seq-len {seq_len})")
 
 
 def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:

@@ -212,21 +212,26 @@ def _no_weights(*args, **kwargs):
     raise AssertionError("the weights were read before the refusal")
 
 
-@pytest.mark.parametrize("flags, frozen, trained", [(["--full"], 0, PARAMS), ([], 4 * PARAMS, 4 * ADAPTED)],
-                         ids=["full", "lora"])
-def test_a_run_whose_state_cannot_fit_is_refused_with_the_bytes_before_a_weight_is_read(root, tmp_path, monkeypatch,
-                                                                                       flags, frozen, trained):
-    """The state: the trained parameters (every one with --full; LoRA's r = 4 adapters), each
-    float32 with its gradient and Adam's two moments, 16 bytes, and LoRA's float32 base."""
+@pytest.mark.parametrize("flags, frozen, trained, rows", [(["--full"], 0, PARAMS, 2), ([], 4 * PARAMS, 4 * ADAPTED, 2),
+                                                         (["--batch-size", "100000"], 4 * PARAMS, 4 * ADAPTED, 100000)],
+                         ids=["full", "lora", "a-batch-of-100000"])
+def test_a_run_that_cannot_fit_is_refused_with_the_bytes_before_a_weight_is_read(root, tmp_path, monkeypatch,
+                                                                                 flags, frozen, trained, rows):
+    """What a step holds at least: the trained parameters (every one with --full; LoRA's r = 4
+    adapters), each float32 with its gradient and Adam's two moments, 16 bytes; LoRA's float32
+    base; the float32 logits and each block's input, rows x 16 x (vocab + 2 x 32) floats."""
+    free = 1024 if rows == 2 else 1 << 30  # (a GiB: the state fits, 100,000 rows' activations do not)
     monkeypatch.setattr("jaxformer.memory.UNCHECKED_BYTES", 0)
-    monkeypatch.setattr("jaxformer.memory.free_bytes", lambda: (1024, "the host"))
+    monkeypatch.setattr("jaxformer.memory.free_bytes", lambda: (free, "the host"))
     monkeypatch.setattr(finetune, "load_hf", _no_weights)
     done = finetune_in_process("--checkpoint", root / "checkpoint", "--data", root / "text.txt", "--run-dir",
                                tmp_path / "run", *FAST, *flags)
-    assert_one_line(done, 2, f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in float32 and "
+    activations = rows * 16 * (CONFIG.vocab_size + 2 * 32) * 4
+    assert_one_line(done, 2, f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in float32, "
                              f"{format_bytes(16 * trained)} of trained parameters with their gradients and Adam's "
-                             f"moments, before activations) needs about {format_bytes(frozen + 16 * trained)} of "
-                             "memory, more than the 1.0 KiB free on the host")
+                             f"moments, and at least {format_bytes(activations)} of activations for --batch-size "
+                             f"{rows} x --seq-len 16) needs about {format_bytes(frozen + 16 * trained + activations)} "
+                             f"of memory, more than the {format_bytes(free)} free on the host")
 
 
 def test_running_out_of_memory_mid_run_ends_in_one_line(root, tmp_path, monkeypatch):
