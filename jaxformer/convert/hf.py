@@ -13,7 +13,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Iterator
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -27,19 +27,8 @@ from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.convert.safetensors_file import SafetensorsFile
 from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail
-from jaxformer.files import write_atomically, write_text_atomically
+from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.validation import as_int
-
-
-def _read_json(path: str) -> Any:
-    """The parsed JSON file at `path`; a `ValueError` naming the file if it does not parse."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            return json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        except RecursionError:
-            raise ValueError(f"{path}: its JSON nests too deeply to read") from None
 
 
 def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float32, param_dtype=None
@@ -92,8 +81,7 @@ def _shards(path: str) -> dict[str, list[str] | None]:
     assigns to it (None: a single `model.safetensors`, every tensor it holds)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        weight_map = _read_json(index)
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ValueError(f"{index}: weight_map must map each tensor name to its shard file")
         shards: dict[str, list[str] | None] = {}
@@ -189,7 +177,7 @@ def load_hf_config(path: str, *, max_seq_len: int | None = None, dtype=jnp.float
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json")
-    hf = _read_json(config_path)
+    hf = read_json_object(config_path, "a model config (a JSON object)")
     try:
         return config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
     except ValueError as e:  # say which checkpoint; the message names the field

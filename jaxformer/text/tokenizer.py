@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
-from jaxformer.files import write_text_atomically
+from jaxformer.files import read_json_object, write_text_atomically
 from jaxformer.validation import as_int
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -112,14 +112,7 @@ def _read_json(path: str, required: bool) -> dict:
         if required:
             raise FileNotFoundError(f"{path}: missing")
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not readable JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: must hold a JSON object, got {type(value).__name__}")
-    return value
+    return read_json_object(path)
 
 
 def _token_text(value: Any, where: str) -> str | None:

@@ -63,7 +63,7 @@ def test_a_character_tokenizer_refuses_a_character_it_lacks():
     (lambda d: os.remove(os.path.join(d, "tokenizer.json")), "tokenizer.json: missing"),
     (lambda d: open(os.path.join(d, "tokenizer.json"), "w").write("{oops"), "tokenizer.json: not a readable tokenizer"),
     (lambda d: open(os.path.join(d, "tokenizer_config.json"), "w").write("[1]"),
-     "tokenizer_config.json: must hold a JSON object"),
+     "tokenizer_config.json holds a list, not a JSON object"),
     (lambda d: json.dump({"eos_token": "<nope>"}, open(os.path.join(d, "tokenizer_config.json"), "w")),
      r"tokenizer_config.json: special token eos_token='<nope>' is not in the vocabulary"),
     (lambda d: json.dump({"eos_token_id": 400}, open(os.path.join(d, "generation_config.json"), "w")),
