@@ -299,17 +299,19 @@ def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
 def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:
     """The mean loss over every scored token of the held-out split (one compiled program)."""
     model, params = tuning.inference(trained)
-
-    @jax.jit
-    def sums(params, batch):  # -> (summed loss, scored tokens)
-        logits, _ = model.apply({"params": params}, batch["tokens"])
-        scored = batch["targets"] != IGNORE
-        mean = label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE)
-        return mean * scored.sum(), scored.sum()
-
-    totals = np.array([jax.device_get(sums(params, b)) for b in tuning.data.validation_batches(batch_size)],
-                      np.float64)  # [batches, 2]
+    totals = np.array([jax.device_get(_held_out_sums(model, params, b))
+                       for b in tuning.data.validation_batches(batch_size)], np.float64)  # [batches, 2]
     return float(totals[:, 0].sum() / totals[:, 1].sum())
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _held_out_sums(model: Decoder, params, batch) -> tuple[jax.Array, jax.Array]:
+    """A batch's summed loss over its scored tokens, and their count: one program for the
+    evaluation before training and the one after (the parameters an argument, not a constant)."""
+    logits, _ = model.apply({"params": params}, batch["tokens"])
+    scored = batch["targets"] != IGNORE
+    mean = label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE)
+    return mean * scored.sum(), scored.sum()
 
 
 def held_out(tuning: Tuning, trained, batch_size: int, when: str) -> tuple[float, float]:

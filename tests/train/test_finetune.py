@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_peer, random_params, run_main
+from conftest import count_compiles, import_peer, random_params, run_main
 from report_page import check_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
@@ -144,6 +144,29 @@ def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpo
     batch = tuning.setup.make_batch(jax.random.key(0))
     loss, _ = tuning.setup.loss_fn(tuning.setup.params, batch, jax.random.key(1))
     assert np.isfinite(float(loss))
+
+
+def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, tmp_path):
+    """The evaluation after training reuses the one before's program (the parameters are its
+    argument), and the loss is the direct mean over the scored tokens."""
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    tuning = finetune.build(finetune.Settings(checkpoint=str(checkpoint), data=str(data), seq_len=32))
+    before = finetune.validation_loss(tuning, tuning.setup.params, 4)
+    moved = jax.tree.map(lambda x: x + 0.1, tuning.setup.params)
+    with count_compiles() as compiles:
+        after = finetune.validation_loss(tuning, moved, 4)
+    assert compiles == [] and before != after
+    model, params = tuning.inference(moved)
+    nll, count = 0.0, 0
+    for batch in tuning.data.validation_batches(4):
+        logits = np.asarray(model.apply({"params": params}, batch["tokens"])[0], np.float64)
+        log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        scored = batch["targets"] != -100
+        nll -= np.take_along_axis(log_probs, np.where(scored, batch["targets"], 0)[..., None], -1)[..., 0][scored].sum()
+        count += scored.sum()
+    assert after == pytest.approx(nll / count, rel=1e-5)
 
 
 @pytest.mark.parametrize("extra, message", [
