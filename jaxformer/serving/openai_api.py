@@ -238,6 +238,8 @@ class StopText:
         return self._release(self._stream.finish(), final=True)
 
     def _release(self, piece: str, final: bool) -> str:
+        if not self._matchers:
+            return piece  # (no stop string: nothing is ever held back, nor any character looked at)
         if self.stopped:
             return ""
         self._pending.append(piece)
