@@ -261,6 +261,8 @@ class Setup:
         directory as `tokenizer.json`; None for a demo without one.
       param_axes: the logical axis names of `params` (`jaxformer.sharding.param_axes`' form)
         when they are not the model's own parameters (LoRA's adapters); None: the model's.
+      frozen: what the loss reads but does not train (LoRA's base), passed to every step as
+        `loss_fn`'s fourth argument (`make_train_step`'s `frozen`); None for none.
     """
 
     model: nn.Module
@@ -273,6 +275,7 @@ class Setup:
     corpus: Any = None
     tokenizer: Any = None
     param_axes: Any = None
+    frozen: Any = None
 
 
 class Demo(Protocol):
@@ -629,7 +632,8 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
             if begun.step == 0:
                 observe(begun.state)
             print(f"report page (rewritten at every checkpoint): {run.run_dir / REPORT_FILE}")
-        state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding),
+        state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding,
+                                                           frozen=setup.frozen),
                            begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
                            checkpoint_every=run.checkpoint_every, log_every=run.log_every,
                            lr_schedule=setup.schedule, resume=begun.restored or False,

@@ -248,8 +248,9 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
     )
 
-    def loss_fn(trained, batch, dropout_key):
-        # The base is read, never differentiated: with LoRA only the adapters get gradients.
+    def loss_fn(trained, batch, dropout_key, base=None):
+        # The base (LoRA's frozen weights, an argument of the step: `cli.Setup.frozen`) is
+        # read, never differentiated: only the adapters get gradients.
         variables = {"params": trained} if lora is None else {"params": base, "lora": trained}
         logits, _ = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key})
         return label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE), {}
@@ -257,7 +258,7 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     setup = cli.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
                       make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
                       tokens_per_step=settings.batch_size * settings.seq_len, corpus=data, tokenizer=tokenizer,
-                      param_axes=axes)
+                      param_axes=axes, frozen=None if lora is None else base)
     return Tuning(setup=setup, base=base, data=data)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -35,21 +36,27 @@ class TrainState:
                                      opt_state=optimizer.init(p)))(params)
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, state_sharding=None) -> Callable:
+def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, state_sharding=None,
+                    frozen=None) -> Callable:
     """One jitted optimizer update, `train_step(state, batch, dropout_key) -> (state, metrics)`.
 
     The state is donated (updated in place: do not use it after the call); the metrics,
     `{"loss": loss, **aux}`, stay on the device, as fetching them waits for the step.
 
     Args:
-      loss_fn: `loss_fn(params, batch, dropout_key) -> (loss, aux)`, aux a dict of scalars but "loss".
+      loss_fn: `loss_fn(params, batch, dropout_key) -> (loss, aux)`, aux a dict of scalars but
+        "loss"; with `frozen`, `loss_fn(params, batch, dropout_key, frozen)`.
       optimizer: an optax transformation.
       state_sharding: a `TrainState` of shardings (`shard_state`) to keep; None on one device.
+      frozen: a pytree the loss reads but does not train (LoRA's base), or None. It is an
+        argument of the compiled step at every call, never closed over: a closed-over array
+        would be compiled into the program as a constant (a copy of the weights in the
+        program, placed on one device, whatever its sharding).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def train_step(state: TrainState, batch, dropout_key: jax.Array):
-        (loss, aux), grads = grad_fn(state.params, batch, dropout_key)
+    def train_step(state: TrainState, batch, dropout_key: jax.Array, frozen):
+        (loss, aux), grads = grad_fn(state.params, batch, dropout_key, *(() if frozen is None else (frozen,)))
         # These run while tracing, so a wrong loss_fn fails on the first call.
         if not isinstance(aux, dict) or "loss" in aux:
             raise ValueError(f"loss_fn must return (loss, dict of metrics without 'loss'), got aux {aux!r}")
@@ -59,7 +66,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         return state, {"loss": loss, **aux}
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
-    return jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
+    return functools.partial(jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings), frozen=frozen)
 
 SEED_LIMIT = 2**31  # a seed is an int in [0, SEED_LIMIT)
 

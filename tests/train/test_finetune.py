@@ -142,7 +142,7 @@ def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpo
     assert {x.dtype for x in jax.tree.leaves(tuning.base)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(tuning.setup.params)} == {jnp.dtype(jnp.float32)}
     batch = tuning.setup.make_batch(jax.random.key(0))
-    loss, _ = tuning.setup.loss_fn(tuning.setup.params, batch, jax.random.key(1))
+    loss, _ = tuning.setup.loss_fn(tuning.setup.params, batch, jax.random.key(1), tuning.setup.frozen)
     assert np.isfinite(float(loss))
 
 
