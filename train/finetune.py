@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
+from jaxformer import Decoder, DecoderConfig, chunked_cross_entropy, generate, warmup_cosine_schedule
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.config import LORA_TARGETS, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
@@ -251,8 +251,10 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     def loss_fn(trained, batch, dropout_key):
         # The base is read, never differentiated: with LoRA only the adapters get gradients.
         variables = {"params": trained} if lora is None else {"params": base, "lora": trained}
-        logits, _ = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key})
-        return label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE), {}
+        # The loss from the final hidden states, a chunk's logits at a time; the head is the base's (LoRA leaves it).
+        hidden, _ = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key}, hidden=True)
+        head = model.output_head(variables["params"])
+        return chunked_cross_entropy(hidden, batch["targets"], head, 0.0, ignore_id=IGNORE), {}
 
     setup = cli.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
                       make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
@@ -308,9 +310,9 @@ def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:
 def _held_out_sums(model: Decoder, params, batch) -> tuple[jax.Array, jax.Array]:
     """A batch's summed loss over its scored tokens, and their count: one program for the
     evaluation before training and the one after (the parameters an argument, not a constant)."""
-    logits, _ = model.apply({"params": params}, batch["tokens"])
+    hidden, _ = model.apply({"params": params}, batch["tokens"], hidden=True)
     scored = batch["targets"] != IGNORE
-    mean = label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE)
+    mean = chunked_cross_entropy(hidden, batch["targets"], model.output_head(params), 0.0, ignore_id=IGNORE)
     return mean * scored.sum(), scored.sum()
 
 
