@@ -104,7 +104,7 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, head: OutputHea
 
     n = targets.size
     if chunk_size is None:
-        chunk_size = max(1, CHUNK_BYTES // (4 * head.vocab_size))
+        chunk_size = chunk_positions(head.vocab_size)
     chunk_size = min(chunk_size, max(n, 1))  # no chunk longer than the positions there are
     n_chunks = -(-n // chunk_size)  # ceil(n / chunk_size)
     pad = n_chunks * chunk_size - n  # the last chunk's padding: ignored positions (keep False)
@@ -126,6 +126,12 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, head: OutputHea
 
     total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (x, t, k))  # sum over every kept position
     return total / _count(keep)
+
+
+def chunk_positions(vocab_size: int) -> int:
+    """`chunked_cross_entropy`'s default chunk: as many positions as make `CHUNK_BYTES` of
+    float32 logits `[positions, vocab_size]`, at least one."""
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
 
 
 def _per_position(logits: jax.Array, targets: jax.Array, keep: jax.Array, smoothing: float) -> jax.Array:

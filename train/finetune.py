@@ -36,6 +36,7 @@ from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.families import family_of
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.files import write_folder_atomically
+from jaxformer.losses import chunk_positions
 from jaxformer.lora import adapter_sizes, all_targets, check_targets, init_lora, merge, save_peft
 from jaxformer.memory import check_fits, format_bytes
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
@@ -281,16 +282,17 @@ def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
     """Refuses, before anything is allocated, a run that cannot fit the free memory, by a
     lower bound of what a step holds: LoRA's frozen base; the trained parameters (the
     adapters, or with `--full` the whole model) in float32 with their gradients and Adam's
-    two moments; and of the activations, the logits and each block's input (which the
-    backward pass reads, `--remat` or not), `[batch, seq_len, vocab + n_layer * d_model]`
-    in the compute dtype."""
+    two moments; and of the activations, each block's input (which the backward pass reads,
+    `--remat` or not), `[batch, seq_len, n_layer * d_model]` in the compute dtype, and the
+    loss's one chunk of float32 logits (`chunked_cross_entropy` never holds them whole)."""
     base = sum(math.prod(t.shape) for t in family_of(config).tensors(config))
     trained = base if config.lora is None else config.lora.rank * sum(
         n_in + n_out for n_in, n_out in adapter_sizes(config, config.lora).values())
     state = 4 * 4 * trained  # parameters, gradients, Adam's mu and nu, each float32
     frozen = 0 if config.lora is None else base * jnp.dtype(config.param_dtype).itemsize
-    activations = (batch_size * seq_len * (config.vocab_size + config.n_layer * config.d_model)
-                   * jnp.dtype(config.dtype).itemsize)
+    positions = batch_size * seq_len
+    activations = (positions * config.n_layer * config.d_model * jnp.dtype(config.dtype).itemsize
+                   + min(positions, chunk_positions(config.vocab_size)) * config.vocab_size * 4)
     check_fits(state + frozen + activations,
                f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in "
                f"{jnp.dtype(config.param_dtype).name}, {format_bytes(state)} of trained parameters with their "
