@@ -8,7 +8,7 @@ from jaxformer.config import DecoderConfig, RopeScaling, VanillaConfig
 from jaxformer.decoder import Block, Decoder
 from jaxformer.feedforward import FeedForward, SwiGLU
 from jaxformer.decoding import generate, sample_token, stream
-from jaxformer.losses import label_smoothed_cross_entropy
+from jaxformer.losses import chunked_cross_entropy, label_smoothed_cross_entropy
 from jaxformer.norms import LayerNorm, RMSNorm
 from jaxformer.positions import (apply_rope, interleaved_to_split_half, rope_attention_factor, rope_cos_sin,
                                  rope_inv_freq, sinusoidal_table)
@@ -25,6 +25,7 @@ __all__ = [
     "VanillaConfig",
     "VanillaTransformer",
     "attention_weights",
+    "chunked_cross_entropy",
     "combine_values",
     "sinusoidal_table",
     "stream",

@@ -22,7 +22,7 @@ from jaxformer.attention import GQASelfAttention
 from jaxformer.cache import KVCache, LayerSlice, RingKV, SplitStacks, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
-from jaxformer.embeddings import lookup, output_logits
+from jaxformer.embeddings import OutputHead, lookup
 from jaxformer.feedforward import SwiGLU
 from jaxformer.memory import prefill_bytes
 from jaxformer.norms import RMSNorm
@@ -158,6 +158,10 @@ def cache_slots(config: DecoderConfig, cache: KVCache) -> tuple[int, ...]:
 class Decoder(nn.Module):
     """Decoder-only language model: `apply({'params': p}, tokens, cache=None) -> (logits, cache)`.
 
+    For a loss that never holds the whole `[batch, T, vocab]` logits, `apply(..., hidden=True)`
+    gives the final normalised stream instead, and `output_head(params)` what turns it into
+    logits (`jaxformer.losses.chunked_cross_entropy` takes both).
+
     With a cache, row b's T tokens are the next T of its sequence (positions `cache.pos[b]
     ..`), so a prefill and a one-token step are the same call, and one jitted function
     serves every step (docs/architecture.md, "How data flows"). Every layer's attention weights
@@ -167,15 +171,18 @@ class Decoder(nn.Module):
     config: DecoderConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, cache: KVCache | None = None):
+    def __call__(self, tokens: jax.Array, cache: KVCache | None = None, hidden: bool = False):
         """The logits of `tokens`, after the cached ones where a cache is given.
 
         Args:
           tokens: int `[batch, T]`, ids in `[0, vocab_size)`.
           cache: a `KVCache` from `KVCache.create(config, batch)`, or None.
+          hidden: give the final normalised stream `[batch, T, d_model]` in place of the
+            logits; `output_head(params).logits` of it are the logits.
 
         Returns:
-          `(logits [batch, T, vocab_size] in config.dtype, cache)`, the cache None if none was given.
+          `(logits [batch, T, vocab_size] in config.dtype, cache)`, the cache None if none was given;
+          with `hidden`, `[batch, T, d_model]` in place of the logits.
 
         Raises:
           ValueError: bad `tokens` (under `jit` too), positions past `max_seq_len` or a row's cache.
@@ -229,14 +236,23 @@ class Decoder(nn.Module):
                 new_layers.append(layer_cache)
         x = norm(c, "final_norm")(x)
 
-        head = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),
-                                                    (EMBED, VOCAB), c.param_dtype)
-        logits = output_logits(x, head, c.tie_embeddings)  # [batch, T, vocab]
-        if c.final_logit_softcap is not None:  # Gemma 2: every logit within (-cap, cap)
-            logits = jnp.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+        weight = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),
+                                                      (EMBED, VOCAB), c.param_dtype)
+        # The head's parameter exists whatever is returned: `hidden` changes the output, never the tree.
+        # [batch, T, vocab] logits, or with `hidden` the stream [batch, T, d_model] they are made from
+        out = x if hidden else OutputHead(weight, c.tie_embeddings, c.final_logit_softcap).logits(x)
         if cache is None:
-            return logits, None
-        return cache.commit(new_layers, logits, T)
+            return out, None
+        return cache.commit(new_layers, out, T)
+
+    @nn.nowrap
+    def output_head(self, params) -> OutputHead:
+        """The output head in `params` (the model's `{"params": ...}` tree, scanned or not): the
+        embedding if tied, else `lm_head`, with the config's softcap. LoRA never adapts it, so
+        an adapted model's head is its base's."""
+        c = self.config
+        return OutputHead(params["embed"] if c.tie_embeddings else params["lm_head"], c.tie_embeddings,
+                          c.final_logit_softcap)
 
     # The decoding protocol (`jaxformer.decodable.Decodable`): the model continues its prompt.
 

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 
 def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -17,15 +18,47 @@ def output_logits(x: jax.Array, weight: jax.Array, tied: bool) -> jax.Array:
     """The output head's logits.
 
     Args:
-      x: `[batch, T, d_model]`, the normalised residual stream.
+      x: `[..., d_model]`, the normalised residual stream (`[batch, T, d_model]`, or a chunk of positions).
       weight: the `[vocab, d_model]` embedding if `tied` (logit v is `x . embed[v]`), else the
         head's own `[d_model, vocab]` matrix.
       tied: which of the two `weight` is.
 
     Returns:
-      `[batch, T, vocab]` logits.
+      `[..., vocab]` logits, in `x`'s dtype.
     """
     weight = weight.astype(x.dtype)
     if tied:
-        return jnp.einsum("btd,vd->btv", x, weight)
-    return jnp.einsum("btd,dv->btv", x, weight)
+        return jnp.einsum("...d,vd->...v", x, weight)
+    return jnp.einsum("...d,dv->...v", x, weight)
+
+
+@struct.dataclass
+class OutputHead:
+    """What turns the decoder's final normalised stream into logits: `logits(x)`.
+
+    A pytree whose one leaf is `weight`, so it can be handed to `jit`, `grad` or `scan`.
+
+    Attributes:
+      weight: the `[vocab, d_model]` embedding if `tied`, else the head's `[d_model, vocab]` matrix.
+      tied: which of the two `weight` is.
+      softcap: Gemma 2's `cap`: the logits pass through `cap * tanh(logit / cap)`; None: as they are.
+    """
+
+    weight: jax.Array
+    tied: bool = struct.field(pytree_node=False)
+    softcap: float | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0 if self.tied else 1]
+
+    @property
+    def d_model(self) -> int:
+        return self.weight.shape[1 if self.tied else 0]
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """`[..., vocab]` logits of `x` `[..., d_model]`, in `x`'s dtype."""
+        logits = output_logits(x, self.weight, self.tied)
+        if self.softcap is not None:  # Gemma 2: every logit within (-cap, cap)
+            logits = jnp.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -330,7 +330,7 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
     return x @ (p["embed"].T if config.tie_embeddings else p["lm_head"])
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("method", "mutable", "deterministic"))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("method", "mutable", "deterministic", "hidden"))
 def jit_apply(model, variables, *args, **kwargs):
     """`model.apply(variables, *args, **kwargs)`, jitted: a reference computation for any
     test file. Why: run eagerly, each of its operations is compiled on its own; this one

@@ -5,11 +5,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.flatten_util import ravel_pytree
 from conftest import SMALL, count_compiles, init_params, jit_apply, numpy_decoder_logits, random_params
 
-from jaxformer import Decoder, DecoderConfig, KVCache
+from jaxformer import Decoder, DecoderConfig, KVCache, label_smoothed_cross_entropy
+from jaxformer.config import LoraConfig
 from jaxformer.convert import with_scan_layers
 from jaxformer.decoder import sown_attention_weights
+from jaxformer.lora import LORA_COLLECTION, init_lora
+from jaxformer.losses import chunked_cross_entropy
 
 
 def _tokens(seed, shape, vocab=SMALL.vocab_size):
@@ -149,6 +153,57 @@ def test_sown_attention_weights_match_the_numpy_forward(scan_layers):
     chex.assert_shape(got, (config.n_layer, 2, config.n_head, 24, 24))
     assert np.max(want) > 0.9  # sharp heads: a layer or head out of place shows
     np.testing.assert_allclose(got, np.stack(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(),  # tied
+    dict(tie_embeddings=False, final_logit_softcap=3.0),  # Gemma 2's cap, on its own head
+    dict(scan_layers=True),
+    dict(lora=LoraConfig(rank=2, targets=("q_proj", "v_proj", "down_proj"))),
+])
+def test_hidden_states_and_output_head_give_the_logits_and_the_loss(changes):
+    """`apply(..., hidden=True)` and `output_head(params)` are the logits taken apart: their
+    logits equal the model's, and the chunked loss of them equals, with its gradients w.r.t.
+    what is trained (the parameters, or LoRA's adapters), the whole-logits loss, in float32:
+    the loss at 1e-5, the gradients within 1e-5 of the largest (LoRA's scale 8 makes them up to
+    ~9, and a one-chunk run, the same math summed in another order, differs by ~5e-5 there).
+    With LoRA the head is the base's: adapters never change it."""
+    config = SMALL.replace(**changes)
+    model = Decoder(config)
+    params = random_params(config, seed=3)
+    variables = {"params": params}
+    if config.lora is not None:  # adapters with b drawn too (a new one's b is zero: it would change nothing)
+        adapters = init_lora(params, config.lora, jax.random.key(1))
+        variables[LORA_COLLECTION] = jax.tree.map(lambda a: 0.3 * jax.random.normal(jax.random.key(2), a.shape),
+                                                  adapters)
+    tokens = _tokens(4, (2, 24))
+    targets = jnp.where(_tokens(5, (2, 24)) % 5 == 0, -100, _tokens(6, (2, 24)))  # some positions ignored
+    logits, _ = jit_apply(model, variables, tokens)
+    hidden, none = jit_apply(model, variables, tokens, hidden=True)
+    assert none is None
+    chex.assert_shape(hidden, (2, 24, config.d_model))
+    head = model.output_head(params)
+    assert head.tied == config.tie_embeddings and head.softcap == config.final_logit_softcap
+    np.testing.assert_allclose(jax.jit(head.logits)(hidden), logits, rtol=1e-6, atol=1e-6)
+    if config.final_logit_softcap is not None:
+        assert np.abs(logits).max() > 2.0  # the cap bends the logits it is compared on
+
+    trained = "params" if config.lora is None else LORA_COLLECTION
+
+    def loss(chunked, weights):
+        v = {**variables, trained: weights}
+        if not chunked:
+            return label_smoothed_cross_entropy(model.apply(v, tokens)[0], targets, 0.1, -100)
+        hidden, _ = model.apply(v, tokens, hidden=True)
+        return chunked_cross_entropy(hidden, targets, model.output_head(v["params"]), 0.1, -100, chunk_size=7)
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)
+    want, want_grads = value_and_grad(False, variables[trained])
+    got, grads = value_and_grad(True, variables[trained])
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-5)
+    largest = float(jnp.abs(ravel_pytree(want_grads)[0]).max())
+    assert largest > 1e-3  # gradients to compare
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * largest), grads, want_grads)
 
 
 def test_parameter_tree_and_reference_init():

@@ -1,4 +1,5 @@
-"""Label-smoothed cross-entropy against a float64 numpy formula, optax and PyTorch."""
+"""Label-smoothed cross-entropy against a float64 numpy formula, optax and PyTorch; the chunked
+loss from hidden states against the same formula, the whole-logits loss, and its memory."""
 
 import re
 
@@ -11,7 +12,8 @@ import pytest
 from conftest import import_peer
 from jax.experimental import checkify
 
-from jaxformer.losses import label_smoothed_cross_entropy
+from jaxformer.embeddings import OutputHead
+from jaxformer.losses import CHUNK_BYTES, chunked_cross_entropy, label_smoothed_cross_entropy
 
 V = 11
 
@@ -187,3 +189,171 @@ def test_matches_torch_cross_entropy(smoothing):
         label_smoothing=smoothing, ignore_index=-100)
     loss = label_smoothed_cross_entropy(logits, targets, smoothing, ignore_id=-100)
     np.testing.assert_allclose(float(loss), want.item(), rtol=1e-5, atol=1e-5)
+
+
+# The chunked loss: from hidden states `[..., D]` and an output head, a chunk of positions at a time.
+
+D = 16
+
+
+def _hidden_batch(seed, ignore_id, tied, softcap=None, shape=(3, 7)):
+    """Hidden states, an `OutputHead` and targets: hidden of std 1 and a head of std 0.75
+    make logits of std 3 (far from uniform, and past a softcap of 2.0 often enough to matter)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    hidden = jax.random.normal(k1, (*shape, D))  # [batch, seq, D]
+    weight = 0.75 * jax.random.normal(k2, (V, D) if tied else (D, V))
+    _, targets = _batch(seed, ignore_id, shape=shape)
+    return hidden, OutputHead(weight, tied, softcap), targets
+
+
+def _numpy_hidden_loss_and_grads(hidden, head, targets, smoothing, ignore_id):
+    """The loss and its gradients w.r.t. the hidden states and the head's weight in float64:
+    z = hidden @ W (W^T if tied), logits = cap * tanh(z / cap) (or z), the loss of
+    `_numpy_loss_and_grad`, and by the chain rule d z = d logits * (1 - tanh(z / cap)^2),
+    d hidden = d z @ W^T (W if tied), d W = hidden^T @ d z (its transpose if tied)."""
+    x = np.asarray(hidden, np.float64).reshape(-1, D)  # [n, D]
+    w = np.asarray(head.weight, np.float64)
+    w_dv = w.T if head.tied else w  # [D, V]
+    z = x @ w_dv  # [n, V]
+    logits = z if head.softcap is None else head.softcap * np.tanh(z / head.softcap)
+    loss, d_logits = _numpy_loss_and_grad(logits, targets, smoothing, ignore_id)
+    d_z = d_logits if head.softcap is None else d_logits * (1 - np.tanh(z / head.softcap) ** 2)
+    d_w_dv = x.T @ d_z  # [D, V]
+    return loss, (d_z @ w_dv.T).reshape(np.shape(hidden)), d_w_dv.T if head.tied else d_w_dv
+
+
+def _whole(hidden, targets, head, smoothing=0.0, ignore_id=None):
+    """The loss the chunked one must equal: the whole logits, then `label_smoothed_cross_entropy`."""
+    return label_smoothed_cross_entropy(head.logits(hidden), targets, smoothing, ignore_id)
+
+
+def _value_and_grads(loss, hidden, head, targets, *args):
+    """`loss(hidden, targets, head, *args)` and its gradients w.r.t. `hidden` and `head.weight`,
+    jitted: the targets traced (no host-side checks), as a training step runs it."""
+    def f(hidden, weight, targets):
+        return loss(hidden, targets, head.replace(weight=weight), *args)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, head.weight, targets)
+
+
+@pytest.mark.parametrize("tied, softcap", [(True, None), (False, None), (True, 2.0), (False, 2.0)])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("ignore_id", [None, -100, 0])
+@pytest.mark.parametrize("chunk_size", [None, 1, 4, 21, 50])  # 21 positions: 4 leaves a padded last chunk
+def test_chunked_equals_the_whole_logits_loss_and_the_float64_formula(tied, softcap, smoothing, ignore_id,
+                                                                      chunk_size):
+    """Values and gradients w.r.t. the hidden states and the head: equal, in float32, to the
+    whole-logits loss at 2e-6 (the same per-position math; only the sums' order differs), and
+    to the float64 formula at 1e-5 (as the logits' loss is held to above)."""
+    hidden, head, targets = _hidden_batch(11, ignore_id, tied, softcap)
+    if ignore_id is not None:
+        assert 0 < int(np.sum(np.asarray(targets) == ignore_id)) < targets.size  # the mask really matters
+    (loss, (d_hidden, d_weight)) = _value_and_grads(chunked_cross_entropy, hidden, head, targets, smoothing,
+                                                    ignore_id, chunk_size)
+    chex.assert_shape(loss, ())
+    chex.assert_type(loss, jnp.float32)
+    chex.assert_shape([d_hidden, d_weight], [hidden.shape, head.weight.shape])
+    (want, (want_hidden, want_weight)) = _value_and_grads(_whole, hidden, head, targets, smoothing, ignore_id)
+    np.testing.assert_allclose(float(loss), float(want), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(d_hidden, want_hidden, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(d_weight, want_weight, rtol=2e-6, atol=2e-6)
+    want64, want_hidden64, want_weight64 = _numpy_hidden_loss_and_grads(hidden, head, targets, smoothing, ignore_id)
+    np.testing.assert_allclose(float(loss), want64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_hidden, want_hidden64, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_weight, want_weight64, rtol=1e-5, atol=1e-5)
+    # Eager, with the targets concrete (checked on the host): the same number.
+    eager = chunked_cross_entropy(hidden, targets, head, smoothing, ignore_id, chunk_size)
+    np.testing.assert_allclose(float(eager), float(want), rtol=2e-6, atol=2e-6)
+
+
+def test_the_softcap_and_the_head_layout_are_applied():
+    """The comparisons above have teeth: a softcap of 2.0 changes the loss, and an untied head
+    is read as `[D, V]` (its transpose, read as tied, gives another loss)."""
+    hidden, head, targets = _hidden_batch(12, -100, tied=False)
+    plain = float(chunked_cross_entropy(hidden, targets, head, 0.1, -100, 4))
+    capped = float(chunked_cross_entropy(hidden, targets, head.replace(softcap=2.0), 0.1, -100, 4))
+    assert abs(capped - plain) > 0.1
+    weight = 0.75 * jax.random.normal(jax.random.key(0), (D, D))  # both layouts fit: V = D here
+    square, swapped = OutputHead(weight, tied=False), OutputHead(weight, tied=True)
+    assert abs(float(chunked_cross_entropy(hidden, targets, square, 0.0, -100))
+               - float(chunked_cross_entropy(hidden, targets, swapped, 0.0, -100))) > 0.1
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_chunked_ignores_garbage_and_gives_zero_when_nothing_is_kept(smoothing):
+    """NaN and inf hidden states at ignored positions reach neither the loss nor either gradient
+    (not even the head's, hidden^T @ d_logits); every target ignored gives 0.0, gradients 0."""
+    hidden, head, targets = _hidden_batch(13, -100, tied=False)
+    ignored = np.asarray(targets) == -100
+    bad = np.asarray(hidden).copy()
+    bad[ignored] = np.nan
+    bad[ignored, 0] = np.inf
+    loss, (d_hidden, d_weight) = _value_and_grads(chunked_cross_entropy, jnp.asarray(bad), head, targets, smoothing,
+                                                  -100, 4)
+    want, (want_hidden, want_weight) = _value_and_grads(_whole, hidden, head, targets, smoothing, -100)
+    np.testing.assert_allclose(float(loss), float(want), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(d_hidden, want_hidden, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(d_weight, want_weight, rtol=2e-6, atol=2e-6)
+    nothing = jnp.full(targets.shape, -100)
+    loss, (d_hidden, d_weight) = _value_and_grads(chunked_cross_entropy, hidden, head, nothing, smoothing, -100, 4)
+    assert float(loss) == 0.0
+    np.testing.assert_array_equal(d_hidden, np.zeros(hidden.shape))
+    np.testing.assert_array_equal(d_weight, np.zeros(head.weight.shape))
+
+
+def test_chunked_kept_out_of_range_ids_raise_or_give_nan_under_jit():
+    hidden, head, targets = _hidden_batch(14, None, tied=True)
+    for bad_id in (-1, V):
+        bad = targets.at[0, 0].set(bad_id)
+        with pytest.raises(ValueError, match=re.escape("chunked_cross_entropy: targets hold ids outside [0, V=11)")):
+            chunked_cross_entropy(hidden, bad, head, 0.1, ignore_id=-100)
+        loss, _ = _value_and_grads(chunked_cross_entropy, hidden, head, bad, 0.1, -100, 4)
+        assert np.isnan(float(loss))
+
+
+def test_chunked_bad_arguments_raise_naming_them():
+    hidden, head, targets = _hidden_batch(15, None, tied=True)  # [3, 7, D], [V, D], [3, 7]
+    shapes = re.escape("chunked_cross_entropy: hidden must be [..., d_model], targets the same shape")
+    with pytest.raises(ValueError, match=shapes):
+        chunked_cross_entropy(hidden, targets[:, :-1], head)
+    with pytest.raises(ValueError, match=shapes):
+        chunked_cross_entropy(hidden[..., :-1], targets, head)  # d_model 15, the head's 16
+    with pytest.raises(ValueError, match=shapes):
+        chunked_cross_entropy(hidden, targets, head.replace(tied=False))  # [V, D] read as [D, V]
+    with pytest.raises(ValueError, match=re.escape("chunked_cross_entropy: head must be an OutputHead")):
+        chunked_cross_entropy(hidden, targets, head.weight)
+    with pytest.raises(ValueError, match="chunked_cross_entropy: targets must hold integer ids"):
+        chunked_cross_entropy(hidden, targets.astype(jnp.float32), head)
+    with pytest.raises(ValueError, match=re.escape("chunked_cross_entropy chunk_size must be")):
+        chunked_cross_entropy(hidden, targets, head, chunk_size=0)
+    with pytest.raises(ValueError, match=re.escape("chunked_cross_entropy smoothing must be a finite number")):
+        chunked_cross_entropy(hidden, targets, head, smoothing=1.0)
+    with pytest.raises(ValueError, match=re.escape("chunked_cross_entropy ignore_id must be None or an int")):
+        chunked_cross_entropy(hidden, targets, head, ignore_id=1.5)
+
+
+def test_chunked_loss_never_holds_the_whole_logits():
+    """XLA's scratch memory for the loss and its gradients at a Llama-3 vocabulary (128,256),
+    T 2048, batch 1 (d_model 64 keeps the head small): the whole-logits loss holds several
+    [T, V] float32 arrays; the chunked one a few chunks' logits (CHUNK_BYTES each) and the
+    head's gradient, under a quarter of one [T, V] float32 array."""
+    vocab, T, d = 128_256, 2048, 64
+    hidden = jax.ShapeDtypeStruct((1, T, d), jnp.float32)
+    weight = jax.ShapeDtypeStruct((vocab, d), jnp.float32)
+    targets = jax.ShapeDtypeStruct((1, T), jnp.int32)
+
+    def temp_bytes(loss):
+        def f(hidden, weight, targets):
+            return loss(hidden, targets, OutputHead(weight, tied=True), 0.1, -100)
+        analysis = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(hidden, weight, targets).compile()
+        analysis = analysis.memory_analysis()
+        if analysis is None:
+            pytest.skip(f"no memory analysis on {jax.default_backend()}")
+        return analysis.temp_size_in_bytes
+
+    logits_bytes = T * vocab * 4
+    chunked, whole = temp_bytes(chunked_cross_entropy), temp_bytes(_whole)
+    print(f"\nvalue_and_grad temp bytes at V={vocab}, T={T}, d={d}: chunked {chunked / 2**20:.1f} MiB, "
+          f"whole logits {whole / 2**20:.1f} MiB; one [T, V] float32 array {logits_bytes / 2**20:.1f} MiB, "
+          f"a chunk's logits at most {CHUNK_BYTES / 2**20:.0f} MiB")
+    assert whole >= logits_bytes  # the measure sees the logits
+    assert chunked < logits_bytes / 4

@@ -29,13 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
+from jaxformer import Decoder, DecoderConfig, chunked_cross_entropy, generate, warmup_cosine_schedule
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.config import LORA_TARGETS, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.families import family_of
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.files import write_folder_atomically
+from jaxformer.losses import chunk_positions
 from jaxformer.lora import adapter_sizes, all_targets, check_targets, init_lora, merge, save_peft
 from jaxformer.memory import check_fits, format_bytes
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
@@ -252,8 +253,10 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         # The base (LoRA's frozen weights, an argument of the step: `cli.Setup.frozen`) is
         # read, never differentiated: only the adapters get gradients.
         variables = {"params": trained} if lora is None else {"params": base, "lora": trained}
-        logits, _ = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key})
-        return label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE), {}
+        # The loss from the final hidden states, a chunk's logits at a time; the head is the base's (LoRA leaves it).
+        hidden, _ = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key}, hidden=True)
+        head = model.output_head(variables["params"])
+        return chunked_cross_entropy(hidden, batch["targets"], head, 0.0, ignore_id=IGNORE), {}
 
     setup = cli.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
                       make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
@@ -280,16 +283,17 @@ def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
     """Refuses, before anything is allocated, a run that cannot fit the free memory, by a
     lower bound of what a step holds: LoRA's frozen base; the trained parameters (the
     adapters, or with `--full` the whole model) in float32 with their gradients and Adam's
-    two moments; and of the activations, the logits and each block's input (which the
-    backward pass reads, `--remat` or not), `[batch, seq_len, vocab + n_layer * d_model]`
-    in the compute dtype."""
+    two moments; and of the activations, each block's input (which the backward pass reads,
+    `--remat` or not), `[batch, seq_len, n_layer * d_model]` in the compute dtype, and the
+    loss's one chunk of float32 logits (`chunked_cross_entropy` never holds them whole)."""
     base = sum(math.prod(t.shape) for t in family_of(config).tensors(config))
     trained = base if config.lora is None else config.lora.rank * sum(
         n_in + n_out for n_in, n_out in adapter_sizes(config, config.lora).values())
     state = 4 * 4 * trained  # parameters, gradients, Adam's mu and nu, each float32
     frozen = 0 if config.lora is None else base * jnp.dtype(config.param_dtype).itemsize
-    activations = (batch_size * seq_len * (config.vocab_size + config.n_layer * config.d_model)
-                   * jnp.dtype(config.dtype).itemsize)
+    positions = batch_size * seq_len
+    activations = (positions * config.n_layer * config.d_model * jnp.dtype(config.dtype).itemsize
+                   + min(positions, chunk_positions(config.vocab_size)) * config.vocab_size * 4)
     check_fits(state + frozen + activations,
                f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in "
                f"{jnp.dtype(config.param_dtype).name}, {format_bytes(state)} of trained parameters with their "
@@ -309,9 +313,9 @@ def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:
 def _held_out_sums(model: Decoder, params, batch) -> tuple[jax.Array, jax.Array]:
     """A batch's summed loss over its scored tokens, and their count: one program for the
     evaluation before training and the one after (the parameters an argument, not a constant)."""
-    logits, _ = model.apply({"params": params}, batch["tokens"])
+    hidden, _ = model.apply({"params": params}, batch["tokens"], hidden=True)
     scored = batch["targets"] != IGNORE
-    mean = label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=IGNORE)
+    mean = chunked_cross_entropy(hidden, batch["targets"], model.output_head(params), 0.0, ignore_id=IGNORE)
     return mean * scored.sum(), scored.sum()
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy, warmup_cosine_schedule
+from jaxformer import Decoder, DecoderConfig, chunked_cross_entropy, generate, warmup_cosine_schedule
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.convert import save_hf
 from jaxformer.decoder import sown_attention_weights
@@ -252,8 +252,9 @@ def build(settings: Settings = Settings()) -> cli.Setup:
     ignore = IGNORE if corpus is None else None  # the copy task scores only the second copy
 
     def loss_fn(params, batch, dropout_key):  # (the decoder-only model has no dropout)
-        logits, _ = model.apply({"params": params}, batch["tokens"])
-        return label_smoothed_cross_entropy(logits, batch["targets"], 0.0, ignore_id=ignore), {}
+        # From the final hidden states, a chunk of positions' logits at a time: never [batch, T, vocab] whole.
+        hidden, _ = model.apply({"params": params}, batch["tokens"], hidden=True)
+        return chunked_cross_entropy(hidden, batch["targets"], model.output_head(params), 0.0, ignore_id=ignore), {}
 
     make_batch = (functools.partial(copy_batch, batch_size=settings.batch_size) if corpus is None
                   else functools.partial(corpus.batch, batch_size=settings.batch_size))

@@ -34,6 +34,7 @@ from conftest import run_main
 from harness import snapshot
 from tiny_llama import CONFIG, TOKENIZER, checkpoint_and_text, params, save_checkpoint
 
+from jaxformer.losses import CHUNK_BYTES
 from jaxformer.memory import format_bytes
 from train import finetune, lm
 
@@ -213,20 +214,22 @@ def _no_weights(*args, **kwargs):
 
 
 @pytest.mark.parametrize("flags, frozen, trained, rows", [(["--full"], 0, PARAMS, 2), ([], 4 * PARAMS, 4 * ADAPTED, 2),
-                                                         (["--batch-size", "100000"], 4 * PARAMS, 4 * ADAPTED, 100000)],
-                         ids=["full", "lora", "a-batch-of-100000"])
+                                                         (["--batch-size", "300000"], 4 * PARAMS, 4 * ADAPTED, 300000)],
+                         ids=["full", "lora", "a-batch-of-300000"])
 def test_a_run_that_cannot_fit_is_refused_with_the_bytes_before_a_weight_is_read(root, tmp_path, monkeypatch,
                                                                                  flags, frozen, trained, rows):
     """What a step holds at least: the trained parameters (every one with --full; LoRA's r = 4
     adapters), each float32 with its gradient and Adam's two moments, 16 bytes; LoRA's float32
-    base; the float32 logits and each block's input, rows x 16 x (vocab + 2 x 32) floats."""
-    free = 1024 if rows == 2 else 1 << 30  # (a GiB: the state fits, 100,000 rows' activations do not)
+    base; each block's input, rows x 16 x 2 x 32 floats, and the loss's one chunk of float32
+    logits, at most CHUNK_BYTES of them, never the whole rows x 16 x vocab."""
+    free = 1024 if rows == 2 else 1 << 30  # (a GiB: the state fits, 300,000 rows' activations do not)
     monkeypatch.setattr("jaxformer.memory.UNCHECKED_BYTES", 0)
     monkeypatch.setattr("jaxformer.memory.free_bytes", lambda: (free, "the host"))
     monkeypatch.setattr(finetune, "load_hf", _no_weights)
     done = finetune_in_process("--checkpoint", root / "checkpoint", "--data", root / "text.txt", "--run-dir",
                                tmp_path / "run", *FAST, *flags)
-    activations = rows * 16 * (CONFIG.vocab_size + 2 * 32) * 4
+    chunk = min(rows * 16, CHUNK_BYTES // (4 * CONFIG.vocab_size))  # positions
+    activations = rows * 16 * 2 * 32 * 4 + chunk * CONFIG.vocab_size * 4
     assert_one_line(done, 2, f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in float32, "
                              f"{format_bytes(16 * trained)} of trained parameters with their gradients and Adam's "
                              f"moments, and at least {format_bytes(activations)} of activations for --batch-size "
