@@ -18,13 +18,11 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import save_file
 
 from jaxformer.config import DecoderConfig
 from jaxformer.convert.layers import STACKED, block_name, with_scan_layers
 from jaxformer.convert.rope_pairing import with_rope_pairing
-from jaxformer.convert.safetensors_file import SafetensorsFile
+from jaxformer.convert.safetensors_file import SafetensorsFile, write_safetensors
 from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
@@ -73,7 +71,7 @@ def config_to_hf(config: DecoderConfig, *, bos_id: int | None = None, eos_id: in
     family.check_fits(config)
     return {"architectures": [family.architecture], "model_type": family.model_type, **common_hf_fields(config),
             **family.write(config), "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
-            "dtype": "float32"}  # save_hf writes float32 tensors
+            "dtype": jnp.dtype(config.param_dtype).name}  # save_hf writes the tensors in it
 
 
 def _shards(path: str) -> dict[str, list[str] | None]:
@@ -278,31 +276,27 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
     config, params = with_rope_pairing(config, params, "split_half")
     special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
     hf_config = config_to_hf(config, **special)  # refuses what the format cannot hold, before any file is written
-    blocks: dict[str, list[tuple[int, np.ndarray]]] = {}
+    dtype = np.dtype(config.param_dtype)
+    parts: dict[str, list] = {}  # HF key -> its tensors, in row order (Phi-3's fused projections: several)
     for t in family_of(config).tensors(config):
-        w = np.asarray(_get(params, t.path), np.float32)
-        if w.shape != t.shape:
-            raise ValueError(f"params{''.join(f'[{p!r}]' for p in t.path)}: expected shape {t.shape}, "
-                             f"got {tuple(w.shape)}")
-        blocks.setdefault(t.hf_key, []).append((t.rows[0] if t.rows else 0, t.to_hf(w)))
-    tensors = {key: np.ascontiguousarray(np.concatenate([w for _, w in sorted(parts, key=lambda p: p[0])]))
-               for key, parts in blocks.items()}
+        shape = tuple(_get(params, t.path).shape)
+        if shape != t.shape:
+            raise ValueError(f"params{''.join(f'[{p!r}]' for p in t.path)}: expected shape {t.shape}, got {shape}")
+        parts.setdefault(t.hf_key, []).append(t)
+    for pieces in parts.values():
+        pieces.sort(key=lambda t: t.rows[0] if t.rows else 0)
+
+    def hf_tensor(key: str) -> np.ndarray:  # one tensor at a time, in the config's parameter dtype
+        return np.concatenate([t.to_hf(np.asarray(_get(params, t.path)).astype(dtype)) for t in parts[key]])
+
+    shapes = [(key, (sum(t.hf_shape[0] for t in pieces), *pieces[0].hf_shape[1:]) if pieces[0].rows
+               else pieces[0].hf_shape, dtype) for key, pieces in parts.items()]
     os.makedirs(path, exist_ok=True)
-    write_atomically(os.path.join(path, "model.safetensors"), lambda tmp: _save_safetensors(tensors, tmp))
+    write_atomically(os.path.join(path, "model.safetensors"),
+                     lambda tmp: write_safetensors(tmp, shapes, hf_tensor, {"format": "pt"}))
     generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     write_text_atomically(os.path.join(path, "generation_config.json"), json.dumps(generation, indent=2))
     write_text_atomically(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2))
-
-
-def _save_safetensors(tensors: dict[str, np.ndarray], path) -> None:
-    """`save_file`, with a failure to write (a full disk) raised as the `OSError` it is."""
-    try:
-        save_file(tensors, str(path), metadata={"format": "pt"})
-    except SafetensorError as e:  # "... I/O error: No space left on device (os error 28)"
-        code = re.search(r"os error (\d+)", str(e))
-        if code is None:
-            raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def _get(tree, path: tuple[str, ...]):

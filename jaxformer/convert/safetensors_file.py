@@ -11,6 +11,7 @@ gone).
 from __future__ import annotations
 
 import json
+from typing import Callable, Iterable
 
 import jax.numpy as jnp
 import numpy as np
@@ -55,3 +56,39 @@ class SafetensorsFile:
         begin, end = entry["data_offsets"]
         return self._data[self._start + begin:self._start + end].view(FLOATING_DTYPES[entry["dtype"]]).reshape(
             entry["shape"])
+
+
+def write_safetensors(file, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]],
+                      read: Callable[[str], np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Writes a safetensors file holding one tensor in memory at a time.
+
+    safetensors' own `save_file` takes every tensor at once and copies each into bytes
+    before it writes: a model held three times. Here the header is made from the names,
+    shapes and dtypes alone, and each tensor is asked for (`read(name)`) and written in turn.
+
+    Args:
+      file: the path to write.
+      tensors: `(name, shape, dtype)` of each tensor, in the order they are stored; the
+        dtype one of `FLOATING_DTYPES`'.
+      read: `read(name)` -> the tensor, of the shape and dtype given.
+      metadata: the header's `__metadata__` strings.
+
+    Raises:
+      ValueError: a tensor `read` gives is not the shape or dtype announced.
+    """
+    names = {np.dtype(v): k for k, v in FLOATING_DTYPES.items()}
+    header, offset = {"__metadata__": metadata or {}}, 0
+    entries = [(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in tensors]
+    for name, shape, dtype in entries:
+        end = offset + int(np.prod(shape)) * dtype.itemsize
+        header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' writer pads it
+    with open(file, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for name, shape, dtype in entries:
+            w = np.ascontiguousarray(read(name))
+            if w.shape != shape or w.dtype != dtype:
+                raise ValueError(f"{name}: announced {shape} {dtype}, given {w.shape} {w.dtype}")
+            f.write(w.reshape(-1).view(np.uint8).data)  # the bytes as they lie (bfloat16 has no buffer format)
