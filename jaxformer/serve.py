@@ -12,15 +12,21 @@ the running requests at once, each with a last error event, and exits with the s
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
 import sys
 import time
 
+import jax.numpy as jnp
+
 from jaxformer.command_line import OneLineParser, exit_process, fail, run_command
-from jaxformer.convert import load_hf
+from jaxformer.config import DecoderConfig
+from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
+from jaxformer.families import family_of
+from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
 from jaxformer.serving.engine import Engine
 from jaxformer.text.generate import DTYPES
 from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
@@ -28,6 +34,12 @@ from jaxformer.training import enable_compilation_cache
 from jaxformer.validation import as_float, as_int
 
 PROG = "python -m jaxformer.serve"
+# A chosen --max-seq-len is a multiple of this: every prefill chunk (a power of two up to
+# 256) then ends on it, and a length a person reads at a glance.
+LENGTH_STEP = 256
+# Of the free memory, what the server's arrays may take: the rest is the runtime's own (the
+# compiler, the Python process, the HTTP server) and the estimate's margin.
+USABLE = 0.85
 
 
 def parse_args(argv=None):
@@ -40,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded at once (rows of the batch)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest prompt + completion of a request (default: the checkpoint's "
-                        "max_position_embeddings); the cache holds --max-batch rows of it")
+                        "max_position_embeddings, or the largest that fits the memory, said at start); the "
+                        "cache holds --max-batch rows of it")
     p.add_argument("--prefill-chunk", type=int, default=64,
                    help="prompt tokens prefilled per step of the batch, a power of two: a long prompt "
                         "delays the running streams by one chunk at a time")
@@ -73,10 +86,69 @@ def parse_args(argv=None):
     return args
 
 
+def serving_bytes(config: DecoderConfig, max_seq_len: int, max_batch: int, prefill_chunk: int) -> int:
+    """Bytes the server holds at its peak with `max_seq_len` positions a row, by its parts:
+    the weights; the cache (k and v of every layer) of `max_batch` rows, the row a prompt is
+    prefilled into, and as many rows again for a step's copy of the rows it decodes (a step of
+    fewer rows than the batch reads them out and writes them back); and one prompt chunk's
+    prefill work (`prefill_bytes` of one row, less that row's cache, counted already)."""
+    c = config
+    weights = sum(math.prod(t.shape) for t in family_of(c).tensors(c)) * jnp.dtype(c.param_dtype).itemsize
+    row_cache = 2 * c.n_layer * max_seq_len * c.n_kv_head * c.head_dim * jnp.dtype(c.cache_storage_dtype).itemsize
+    work = prefill_bytes(c, 1, min(prefill_chunk, max_seq_len), max_seq_len) - row_cache
+    return weights + (2 * max_batch + 1) * row_cache + work
+
+
+def largest_fitting(config: DecoderConfig, free: int, max_batch: int, prefill_chunk: int) -> int:
+    """The largest multiple of `LENGTH_STEP` (or the model's own context, if less) whose
+    `serving_bytes` fit in `free`; 0 if not even the smallest does."""
+    top = config.max_seq_len // LENGTH_STEP
+    if serving_bytes(config, config.max_seq_len, max_batch, prefill_chunk) <= free:
+        return config.max_seq_len
+    low, high = 0, top  # the bytes grow with the length: bisect on the multiples
+    while low < high:
+        mid = (low + high + 1) // 2
+        if serving_bytes(config, mid * LENGTH_STEP, max_batch, prefill_chunk) <= free:
+            low = mid
+        else:
+            high = mid - 1
+    return low * LENGTH_STEP
+
+
+def choose_max_seq_len(config: DecoderConfig, args) -> tuple[int, str | None]:
+    """`(max_seq_len, what to tell)`, from config.json alone, before a weight is read: --max-seq-len
+    if it fits (else a ValueError naming the largest that does), or without it the largest
+    that fits, saying so when that is less than the checkpoint's context."""
+    free = free_bytes()
+    wanted = config.max_seq_len if args.max_seq_len is None else args.max_seq_len
+    if free is None:
+        return wanted, None
+    free = (int(free[0] * USABLE), f"{free[1]} ({USABLE:.0%} of {format_bytes(free[0])} free)")
+    sized = config.replace(max_seq_len=wanted)
+    if serving_bytes(sized, wanted, args.max_batch, args.prefill_chunk) <= free[0]:
+        return wanted, None
+    fits = largest_fitting(sized, free[0], args.max_batch, args.prefill_chunk)
+    where = f"{format_bytes(free[0])} usable on {free[1]}"
+    needs = format_bytes(serving_bytes(sized, wanted, args.max_batch, args.prefill_chunk))
+    if fits == 0:
+        raise ValueError(f"--checkpoint {args.checkpoint}: its weights and a cache of {min(LENGTH_STEP, wanted):,} "
+                         f"positions for --max-batch {args.max_batch} rows do not fit in the {where}: try a smaller "
+                         f"--max-batch or --dtype bfloat16")
+    if args.max_seq_len is not None:
+        raise ValueError(f"--max-seq-len {wanted:,} needs about {needs} with --max-batch {args.max_batch} (the "
+                         f"weights and the cache), more than the {where}; the largest that fits is {fits:,}")
+    return fits, (f"max_seq_len {fits:,} (the checkpoint allows {wanted:,}, which needs about {needs} at "
+                  f"--max-batch {args.max_batch}; {where}): pass --max-seq-len to choose")
+
+
 def load(args):
     """The engine and the tokenizer of --checkpoint, every limit checked (`ValueError`, `OSError`)."""
     tokenizer = load_tokenizer(args.checkpoint)
-    config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
+    config = load_hf_config(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
+    max_seq_len, note = choose_max_seq_len(config, args)
+    if note is not None:
+        say(note)
+    config, params = load_hf(args.checkpoint, max_seq_len=max_seq_len, dtype=DTYPES[args.dtype])
     check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
     engine = Engine(Decoder(config), params, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                     max_queue=args.max_queue, stop_ids=tokenizer.stop_ids)
