@@ -229,13 +229,15 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     tokenizer = load_tokenizer(settings.checkpoint)
     check_fits_model(tokenizer, config.vocab_size, f"--checkpoint {settings.checkpoint}")
     data = FinetuneData(settings.data, tokenizer, settings.seq_len)
+    model = Decoder(config)
+    shardings = None
+    if mesh is not None:  # the base is read by every step: each tensor placed as the model's rules split it, as read
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs()))["params"]
+        shardings = tree_shardings(shapes, param_axes(model), mesh, "fsdp" if fsdp else "dp")
     try:
-        _, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=base_dtype)
+        _, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=base_dtype, shardings=shardings)
     except FileNotFoundError as e:
         raise ValueError(f"--checkpoint: {e}") from None
-    model = Decoder(config)
-    if mesh is not None:  # the base is read by every step: placed once, as the model's rules split it
-        base = jax.device_put(base, tree_shardings(base, param_axes(model), mesh, "fsdp" if fsdp else "dp"))
     lora = config.lora
     if lora is None:
         trained, axes = base, None

@@ -123,13 +123,16 @@ def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[skip:skip + nbytes].view(dtype).reshape(shape)
 
 
-def _placed(w: np.ndarray, dtype) -> jax.Array:
+def _placed(w: np.ndarray, dtype, sharding=None) -> jax.Array:
     """`w` as a jax array of `dtype`, made with a single copy that is cast and laid out at once.
 
     On a CPU, `jax.device_put` takes the aligned array as its buffer: the copy made here is
     the parameter, and loading holds no second one of any tensor
     (tests/convert/test_load_memory.py measures it). On an accelerator it is copied to the
-    device, and freed once there."""
+    device, and freed once there. With a `sharding`, each device's block is cut from `w` and
+    cast on its own: no device ever holds more of the tensor than its block."""
+    if sharding is not None:
+        return jax.make_array_from_callback(w.shape, sharding, lambda index: np.asarray(w[index], dtype))
     out = _aligned_empty(w.shape, dtype)
     np.copyto(out, w, casting="unsafe")  # bfloat16 to float32 is exact; float32 to bfloat16 rounds to nearest even
     return jax.device_put(out)
@@ -183,7 +186,7 @@ def load_hf_config(path: str, *, max_seq_len: int | None = None, dtype=jnp.float
 
 
 def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, param_dtype=None,
-            scan_layers: bool = False):
+            scan_layers: bool = False, shardings=None):
     """Loads a Hugging Face checkpoint folder of one of `jaxformer.families.FAMILIES`.
 
     Args:
@@ -195,6 +198,10 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
         (`dtype=jnp.bfloat16` keeps a bfloat16 checkpoint's weights as they are).
       scan_layers: return the scanned form (`DecoderConfig.scan_layers`), each layer read
         straight into its row of the stacked parameters.
+      shardings: a tree of `jax.sharding.Sharding` shaped like the returned parameters (as
+        `jaxformer.sharding.tree_shardings` makes for the model), or None for the default
+        device. Each tensor is placed in its sharding as it is read, so the model is never
+        whole on one device first (a model larger than one device's memory loads onto a mesh).
 
     Returns:
       `(config, params)`: a `DecoderConfig` (its `hf_model_type` the family) and the
@@ -236,7 +243,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
                 np.copyto(stacked[layers[t.path[0]]], value, casting="unsafe")
                 filled.append(layers[t.path[0]])
             else:
-                _set(params, t.path, _placed(value, config.param_dtype))
+                _set(params, t.path, _placed(value, config.param_dtype,
+                                             None if shardings is None else _get(shardings, t.path)))
         seen.add(key)
     missing = sorted(table.keys() - seen)
     if missing or unexpected:
@@ -249,7 +257,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     for rest, (stacked, filled) in stacks.items():
         if sorted(filled) != list(range(config.n_layer)):  # a row never written would be garbage
             raise ValueError(f"{path}: {'/'.join(rest)} is not in every layer, so the layers cannot stack")
-        _set(params, (STACKED, *rest), jax.device_put(stacked))
+        _set(params, (STACKED, *rest), jax.device_put(stacked, None if shardings is None
+                                                      else _get(shardings, (STACKED, *rest))))
     return config.replace(scan_layers=True), params
 
 

@@ -315,3 +315,33 @@ def test_train_finetune_on_a_mesh_resumes_on_another(tmp_path):
                           "--resume"]) == 0
     assert len(_losses(single)) == 4
     np.testing.assert_allclose(_losses(sharded), _losses(single), rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy,data,model", [("fsdp", 8, 1), ("dp", 2, 4), ("fsdp", 4, 2)])
+def test_load_hf_places_each_tensor_in_its_sharding_as_it_reads_it(tmp_path, monkeypatch, strategy, data, model):
+    """`load_hf(shardings=)` gives the values of a plain load, in the shardings asked for, and
+    no device is ever handed more of a tensor than its block (each block cut on its own)."""
+    import jaxformer.convert.hf as hf
+    from jaxformer.convert import load_hf, save_hf
+
+    save_hf(DECODER, _decoder_setup()[0], str(tmp_path))
+    _, want = load_hf(str(tmp_path))
+    mesh = make_mesh(data=data, model=model)
+    shardings = tree_shardings(want, param_axes(Decoder(DECODER)), mesh, strategy)
+    handed = []  # (the tensor's shape, the block a device was given, the block its sharding gives it)
+    make = jax.make_array_from_callback
+
+    def watched(shape, sharding, callback):
+        def block(index):
+            out = callback(index)
+            handed.append((shape, out.shape, sharding.shard_shape(shape)))
+            return out
+        return make(shape, sharding, block)
+    monkeypatch.setattr(hf.jax, "make_array_from_callback", watched)
+    _, got = load_hf(str(tmp_path), shardings=shardings)
+    for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(shardings)):
+        np.testing.assert_array_equal(g, w)
+        assert g.sharding == s
+    assert {shape for shape, _, _ in handed} == {w.shape for w in jax.tree.leaves(want)}  # every tensor so read
+    assert all(given == block for _, given, block in handed)
+    assert any(given != shape for shape, given, _ in handed)  # and blocks smaller than their tensors
