@@ -28,13 +28,13 @@ from flax import linen as nn
 
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, note_on_interrupt
 from jaxformer.files import check_apart, write_folder_atomically, write_text_atomically
-from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh
+from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
 from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                       TOKENIZER_FILE)
 from jaxformer.training import (CHECKPOINT_DIR, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock,
                                 TrainState, check_run_dir, check_seed, enable_compilation_cache,
                                 initialize_distributed, lock_run_dir, make_train_step, read_metrics,
-                                save_run_config, shard_batches, shard_state, train_loop)
+                                save_run_config, shard_batches, train_loop)
 from jaxformer.validation import NotFinite, as_int, check_fields, one_of
 from train.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
                                record_session, record_snapshot, write_report)
@@ -365,16 +365,20 @@ def place(setup: Setup, batch_size: int, run: RunOptions):
     Raises:
       ValueError: a mesh that does not fit the devices, the model's heads or the batch.
     """
-    state = TrainState.create(setup.params, setup.optimizer)
     if run.mesh is None:
-        return state, setup.make_batch, None
+        return TrainState.create(setup.params, setup.optimizer), setup.make_batch, None
     mesh = make_mesh(**parse_mesh(run.mesh))
     check_mesh_fits(setup.model.config, mesh)
     if batch_size % mesh.shape[DATA]:
         raise ValueError(f"--batch-size {batch_size} is not divisible by the mesh's data axis ({mesh.shape[DATA]})")
     axes = param_axes(setup.model) if setup.param_axes is None else setup.param_axes
-    state, state_sharding = shard_state(state, axes, mesh, "fsdp" if run.fsdp else "dp")
-    return state, shard_batches(setup.make_batch, mesh), state_sharding
+    shapes = jax.eval_shape(lambda p: TrainState.create(p, setup.optimizer), setup.params)
+    state_sharding = tree_shardings(shapes, axes, mesh, "fsdp" if run.fsdp else "dp")
+    # The parameters go to their blocks; the state (Adam's two moments, twice their size) is
+    # born there: nothing of it is made whole on one device and moved.
+    params = jax.device_put(setup.params, state_sharding.params)
+    return TrainState.create(params, setup.optimizer, state_sharding), shard_batches(setup.make_batch, mesh), \
+        state_sharding
 
 
 @dataclasses.dataclass(frozen=True)

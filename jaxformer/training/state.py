@@ -28,12 +28,15 @@ class TrainState:
     opt_state: Any
 
     @classmethod
-    def create(cls, params, optimizer: optax.GradientTransformation) -> "TrainState":
+    def create(cls, params, optimizer: optax.GradientTransformation, sharding=None) -> "TrainState":
         """A state at step 0 with `optimizer.init(params)`; `params` are copied, since
-        `train_step` donates (deletes) its state's buffers, which must not be the caller's."""
+        `train_step` donates (deletes) its state's buffers, which must not be the caller's.
+        With `sharding` (a `TrainState` of shardings, `jaxformer.sharding.tree_shardings` of
+        the state's shapes), the copy and the optimizer's state are made in it: each device
+        writes its own blocks, no moment is ever whole on one device."""
         # One program: run eagerly, the copy and the optimizer's zeros compile an operation per leaf shape.
         return jax.jit(lambda p: cls(step=jnp.zeros((), jnp.int32), params=jax.tree.map(jnp.copy, p),
-                                     opt_state=optimizer.init(p)))(params)
+                                     opt_state=optimizer.init(p)), out_shardings=sharding)(params)
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, state_sharding=None,

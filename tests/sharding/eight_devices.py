@@ -345,3 +345,21 @@ def test_load_hf_places_each_tensor_in_its_sharding_as_it_reads_it(tmp_path, mon
     assert {shape for shape, _, _ in handed} == {w.shape for w in jax.tree.leaves(want)}  # every tensor so read
     assert all(given == block for _, given, block in handed)
     assert any(given != shape for shape, given, _ in handed)  # and blocks smaller than their tensors
+
+
+def test_a_train_state_is_born_in_its_sharding():
+    """`TrainState.create(..., sharding)` makes the optimizer's moments in their blocks, equal
+    to the state made on one device and moved there."""
+    model = Decoder(DECODER)
+    params = _decoder_setup()[0]
+    optimizer = optax.adamw(1e-3)
+    mesh = make_mesh(data=4, model=2)
+    shapes = jax.eval_shape(lambda p: TrainState.create(p, optimizer), params)
+    sharding = tree_shardings(shapes, param_axes(model), mesh, "fsdp")
+    born = TrainState.create(jax.device_put(params, sharding.params), optimizer, sharding)
+    moved = jax.device_put(TrainState.create(params, optimizer), sharding)
+    for b, m, s in zip(jax.tree.leaves(born), jax.tree.leaves(moved), jax.tree.leaves(sharding)):
+        np.testing.assert_array_equal(b, m)
+        assert b.sharding == s
+    mu = born.opt_state[0].mu["block_0"]["mlp"]["w_up"]
+    assert mu.addressable_shards[0].data.size == mu.size // 8  # split over data and model
