@@ -85,14 +85,15 @@ def jax_step(path: str, ids: np.ndarray, lora: bool, remat: bool, base_dtype: st
     model = Decoder(config.replace(lora=adapters, remat=remat))
     optimizer = optax.adamw(LR)
 
-    def loss_fn(trained, batch, dropout_key):
+    def loss_fn(trained, batch, dropout_key, base=None):  # LoRA's base: an argument of the step, not a constant
         variables = {"params": base, "lora": trained} if lora else {"params": trained}
         logits, _ = model.apply(variables, batch["tokens"])
         return label_smoothed_cross_entropy(logits, batch["targets"], 0.0), {}
 
     trained = init_lora(base, adapters, jax.random.key(0)) if lora else base
     batch = {"tokens": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
-    return make_train_step(loss_fn, optimizer), TrainState.create(trained, optimizer), batch
+    step = make_train_step(loss_fn, optimizer, frozen=base if lora else None)
+    return step, TrainState.create(trained, optimizer), batch
 
 
 def time_jax(path: str, ids: np.ndarray, lora: bool, steps: int) -> tuple[list[float], float]:
@@ -156,7 +157,7 @@ def probe(path: str, ids_file: str, name: str) -> dict:
     lora, remat, base_dtype = MEMORY_CONFIGS[name]
     ids = np.load(ids_file)
     step, state, batch = jax_step(path, ids, lora, remat, base_dtype)
-    analysis = step.lower(state, batch, jax.random.key(0)).compile().memory_analysis()
+    analysis = step.func.lower(state, batch, jax.random.key(0), **step.keywords).compile().memory_analysis()
     state, metrics = step(state, batch, jax.random.key(0))
     jax.block_until_ready(metrics)
     reset_peak()

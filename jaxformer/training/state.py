@@ -41,7 +41,8 @@ class TrainState:
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, state_sharding=None,
                     frozen=None) -> Callable:
-    """One jitted optimizer update, `train_step(state, batch, dropout_key) -> (state, metrics)`.
+    """One jitted optimizer update, `train_step(state, batch, dropout_key) -> (state, metrics)`
+    (a `functools.partial` of the jitted program with `frozen=` bound: its `.func` lowers).
 
     The state is donated (updated in place: do not use it after the call); the metrics,
     `{"loss": loss, **aux}`, stay on the device, as fetching them waits for the step.
