@@ -30,6 +30,7 @@ the step's arguments, outputs and temporaries; the runtime and Python objects no
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -157,7 +158,8 @@ def probe(path: str, ids_file: str, name: str) -> dict:
     lora, remat, base_dtype = MEMORY_CONFIGS[name]
     ids = np.load(ids_file)
     step, state, batch = jax_step(path, ids, lora, remat, base_dtype)
-    analysis = step.func.lower(state, batch, jax.random.key(0), **step.keywords).compile().memory_analysis()
+    program, bound = (step.func, step.keywords) if isinstance(step, functools.partial) else (step, {})  # LoRA's base
+    analysis = program.lower(state, batch, jax.random.key(0), **bound).compile().memory_analysis()
     state, metrics = step(state, batch, jax.random.key(0))
     jax.block_until_ready(metrics)
     reset_peak()

@@ -42,7 +42,8 @@ class TrainState:
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, state_sharding=None,
                     frozen=None) -> Callable:
     """One jitted optimizer update, `train_step(state, batch, dropout_key) -> (state, metrics)`
-    (a `functools.partial` of the jitted program with `frozen=` bound: its `.func` lowers).
+    (with `frozen`, a `functools.partial` of the jitted program with `frozen=` bound: its
+    `.func` lowers).
 
     The state is donated (updated in place: do not use it after the call); the metrics,
     `{"loss": loss, **aux}`, stay on the device, as fetching them waits for the step.
@@ -59,7 +60,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def train_step(state: TrainState, batch, dropout_key: jax.Array, frozen):
+    def train_step(state: TrainState, batch, dropout_key: jax.Array, frozen=None):
         (loss, aux), grads = grad_fn(state.params, batch, dropout_key, *(() if frozen is None else (frozen,)))
         # These run while tracing, so a wrong loss_fn fails on the first call.
         if not isinstance(aux, dict) or "loss" in aux:
@@ -70,7 +71,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         return state, {"loss": loss, **aux}
 
     out_shardings = None if state_sharding is None else (state_sharding, None)
-    return functools.partial(jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings), frozen=frozen)
+    jitted = jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
+    return jitted if frozen is None else functools.partial(jitted, frozen=frozen)
 
 SEED_LIMIT = 2**31  # a seed is an int in [0, SEED_LIMIT)
 
