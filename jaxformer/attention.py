@@ -132,8 +132,6 @@ class GQASelfAttention(nn.Module):
             keys, values = k, v
             if layer_cache is not None:  # [batch, S, n_kv, head_dim]: the slots, or the ring's and ours
                 (keys, values), layer_cache = layer_cache.extend(k, v, pos, stop)
-                # Only the keys the mask covers: the cache's window of a full layer (`KVCache.reading`).
-                keys, values = keys[:, :mask.shape[-1]], values[:, :mask.shape[-1]]
             return (*dot_product_attention(q, keys, values, mask, **scores), layer_cache)
 
         if isinstance(layer_cache, tuple):  # one scanned body, two kinds of cache: the layer's flag picks

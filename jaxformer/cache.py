@@ -194,16 +194,12 @@ class KVCache:
       capacity: positions each row can hold (static).
       stop: int32 `[batch]` or None: a call writes row b's positions before `stop[b]` only
         into the rings (a ragged prefill's padding stays out); None: all of them.
-      window: the leading slots a call's full-attention layers read (static), or None for
-        all `capacity`: a caller that knows every row's length reads the filled part only,
-        at a cost that grows with the rows, not the capacity (`reading`).
     """
 
     layers: tuple[LayerKV | RingKV, ...] | LayerKV | RingKV | SplitStacks
     pos: jax.Array  # [batch] int32
     capacity: int = struct.field(pytree_node=False)
     stop: jax.Array | None = None  # [batch] int32
-    window: int | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None, rewind: int = 0) -> "KVCache":
@@ -338,16 +334,6 @@ class KVCache:
             total += int(np.sum(np.minimum(pos, slots))) * per_position
         return total
 
-    def reading(self, window: int | None) -> "KVCache":
-        """This cache, its next calls reading the first `window` slots of each full layer (None:
-        all of them). Every row's keys must lie there: a row whose call would pass the window
-        gets NaN logits (`commit`), as one past the capacity does. Each window is a static
-        shape: a caller keeps to a few (the serving engine: powers of two)."""
-        if window is not None:
-            window = as_int(window, "KVCache.reading: window", minimum=1, maximum=self.capacity,
-                            maximum_name="capacity")
-        return self.replace(window=window)
-
     def advance(self, n_tokens) -> "KVCache":
         """The same slots with every row's `pos` moved `n_tokens` on (a scalar, or `[batch]`)."""
         return self.replace(pos=self.pos + n_tokens)
@@ -359,7 +345,7 @@ class KVCache:
         capacity: concrete inputs are refused before (`validation.check_cache_step`), and inside
         `jit` such a row's logits `[batch, T, vocab]` become NaN. Returns `(logits, cache)`.
         """
-        fits = self.pos + n_tokens <= (self.capacity if self.window is None else self.window)  # [batch]
+        fits = self.pos + n_tokens <= self.capacity  # [batch]
         logits = jnp.where(fits[:, None, None], logits, jnp.nan)
         layers = tuple(layers) if isinstance(layers, list) else layers
         return logits, self.replace(layers=layers).advance(n_tokens)

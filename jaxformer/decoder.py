@@ -215,8 +215,8 @@ class Decoder(nn.Module):
             for kind, n_slots in zip(c.attention_types, slots):
                 if n_slots < cache.capacity:
                     keys[kind] = jnp.concatenate([ring_positions(pos, n_slots), position], axis=1)  # [batch, R+T]
-                else:  # the slots read: all, or the cache's window (the filled part its caller knows)
-                    keys[kind] = jnp.arange(cache.capacity if cache.window is None else cache.window)  # [S]
+                else:
+                    keys[kind] = jnp.arange(cache.capacity)  # [S]
             views = attention_views(c, position, keys)  # [batch, T, ...]
 
         if c.scan_layers:

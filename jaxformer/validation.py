@@ -300,6 +300,3 @@ def check_cache_step(tokens, cache, want_shapes: list[tuple[int, ...]], stacked:
         row = int(pos.argmax())
         check_positions_fit(int(pos[row]), tokens.shape[1], cache.capacity, f"cache.pos[{row}] + {name}",
                             "cache capacity")
-        if cache.window is not None:  # the slots this call reads must hold every row's keys
-            check_positions_fit(int(pos[row]), tokens.shape[1], cache.window, f"cache.pos[{row}] + {name}",
-                                "cache window (KVCache.reading)")

@@ -258,22 +258,3 @@ def test_a_ring_too_short_for_the_window_or_of_another_layout_is_refused():
         model.apply({"params": params}, jnp.zeros((1, 1), jnp.int32), unringed_full)
     with pytest.raises(ValueError, match=r"slots must be an int in \[1, capacity=40\] \(got 41\)"):
         KVCache.zeros(1, 40, slots=(4, 41, 4), **kv)
-
-
-def test_a_call_reading_a_window_of_the_cache_gives_the_logits_of_reading_it_all():
-    config = DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
-    model = Decoder(config)
-    params = model.init(jax.random.key(0), *model.init_inputs())["params"]
-    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 64)
-    whole, cache = model.apply({"params": params}, tokens, model.init_cache(2, 64))
-    windowed, small = model.apply({"params": params}, tokens, model.init_cache(2, 64).reading(16))
-    np.testing.assert_allclose(windowed, whole, rtol=1e-6, atol=1e-6)
-    step, _ = model.apply({"params": params}, tokens[:, :1], cache)
-    np.testing.assert_allclose(model.apply({"params": params}, tokens[:, :1], small.reading(11))[0], step,
-                               rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match=r"10 \+ 1 = 11 positions exceed cache window \(KVCache.reading\)=10"):
-        model.apply({"params": params}, tokens[:, :1], small.reading(10))
-    with pytest.raises(ValueError, match="window must be"):
-        cache.reading(65)
-    jitted = jax.jit(lambda c: model.apply({"params": params}, tokens[:, :1], c)[0])
-    assert np.isnan(np.asarray(jitted(small.reading(10)))).all()  # under jit: NaN, never keys cut off

@@ -39,9 +39,6 @@ from jaxformer.training import check_seed
 from jaxformer.validation import as_int, python_int
 
 
-MIN_WINDOW = 256  # the fewest cache slots a decode step reads (its windows double from here)
-
-
 class QueueFull(RuntimeError):
     """More requests are waiting than the engine's queue holds; try again later."""
 
@@ -150,10 +147,6 @@ class Engine:
         # against 10 for a step of the 22.8 M-parameter model of docs/serving.md.)
         self._row_counts = sorted({1 << bit for bit in range(1, self.max_batch.bit_length())
                                    if 1 << bit < self.max_batch} | {self.max_batch})
-        # A step reads the first 256, 512, 1024, ... slots of the cache, as few as hold its rows'
-        # keys (`KVCache.reading`): its cost follows the requests' lengths, not --max-seq-len.
-        self._windows = sorted({w for w in (MIN_WINDOW << i for i in range(self.capacity.bit_length()))
-                                if w < self.capacity} | {self.capacity})
         self._compile()
         self._cache = model.init_cache(self.max_batch, self.capacity)
         self._slots: list[_Slot | None] = [None] * self.max_batch
@@ -210,7 +203,7 @@ class Engine:
             for a long context takes minutes, and a command says how far it has come.
         """
         sizes = [1 << bit for bit in range(self.prefill_chunk.bit_length()) if 1 << bit <= self.capacity]
-        total, done = len(sizes) + 1 + len(self._row_counts) * len(self._windows) + 1, 0
+        total, done = len(sizes) + 1 + len(self._row_counts) + 1, 0
 
         def ran(what: str, value):
             nonlocal done
@@ -227,11 +220,9 @@ class Engine:
                 ran(f"prefill of {n} token{'s' * (n > 1)}", logits)
             ran("sampling", self._pick(logits, *self._knobs([None])))
             for rows in self._row_counts:
-                for window in self._windows:
-                    _, self._cache = self._step(self.params, self._cache.reading(window), np.zeros(rows, np.int32),
-                                                np.zeros(rows, bool), *self._knobs([None] * rows))
-                    self._cache = self._cache.reading(None)
-                    ran(f"decode step of {rows} rows reading {window} positions", self._cache)
+                _, self._cache = self._step(self.params, self._cache, np.zeros(rows, np.int32), np.zeros(rows, bool),
+                                            *self._knobs([None] * rows))
+                ran(f"decode step of {rows} rows", self._cache)
             self._cache = self._insert(self._cache, np.int32(0), cache)
             ran("row insert", self._cache)
 
@@ -349,12 +340,7 @@ class Engine:
         if not running:
             return
         try:
-            # The window holds every running row's keys, this step's included: its prompt and the
-            # tokens it made (the last of them written now).
-            longest = max(len(self._slots[row].handle.prompt) + self._slots[row].handle.made for row in running)
-            window = next(w for w in self._windows if w >= longest)
-            tokens, cache = self._step(self.params, self._cache.reading(window), *self._batch_inputs())
-            self._cache = cache.reading(None)  # (the row operations' programs take the cache whole)
+            tokens, self._cache = self._step(self.params, self._cache, *self._batch_inputs())
             tokens = np.asarray(tokens)  # [rows]: the step's one read back to the host
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: its requests fail, the engine goes on
             self._cache = self.model.init_cache(self.max_batch, self.capacity)

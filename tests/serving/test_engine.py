@@ -163,39 +163,3 @@ def test_engine_arguments_are_checked(params):
         Engine(MODEL, params, prefill_chunk=12)
     with pytest.raises(ValueError, match=r"capacity must be an int in \[1, max_seq_len=96\] \(got 97\)"):
         Engine(MODEL, params, capacity=97)
-
-
-def test_a_step_reads_the_window_its_rows_fill_and_decodes_as_alone():
-    """With room for 1,100 positions a step reads the first 256, 512, 1024 or all of them,
-    the fewest that hold its rows: requests whose lengths cross 256 and 512 get the tokens
-    of `generate` over the whole capacity, with no compile after the warm-up."""
-    config = DecoderConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=1100)
-    model, params = Decoder(config), random_params(config, seed=4)
-    engine = Engine(model, params, max_batch=2, prefill_chunk=64)
-    try:
-        assert engine._windows == [256, 512, 1024, 1100]
-        engine.warmup()
-        prompts = [list(np.random.default_rng(5).integers(1, 64, n)) for n in (250, 500)]
-        with count_compiles() as compiles:
-            handles = [engine.submit([int(t) for t in row], 20) for row in prompts]
-            results = [h.result()[0] for h in handles]
-        assert not compiles
-        for row, tokens in zip(prompts, results):
-            want = np.asarray(generate(model, params, jnp.asarray([row]), max_new_tokens=20))[0, len(row):]
-            assert tokens == want.tolist()
-    finally:
-        engine.close()
-
-
-def test_the_window_is_a_step_s_only_reading_of_the_cache():
-    """The step's program for a window of 256 slots reads 256 of them: its attention's keys
-    are `[rows, 256, ...]`, whatever the capacity."""
-    config = DecoderConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=4096)
-    model, params = Decoder(config), random_params(config, seed=4)
-    cache = model.init_cache(2, 4096)
-    for window, slots in ((256, 256), (None, 4096)):
-        text = jax.jit(lambda p, c: model.apply({"params": p}, jnp.zeros((2, 1), jnp.int32), c)[0]).lower(
-            params, cache.reading(window)).as_text()
-        products = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
-        # q . k and weights . v: both read [2 rows, slots, 1 kv head, 8] keys or values
-        assert sum(f"tensor<2x{slots}x1x8xf32>" in line for line in products) == 2
