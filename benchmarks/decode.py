@@ -23,7 +23,11 @@ included), compile time, peak memory, and "% of floor": the time a step must tak
 least, reading the weights and the live KV cache once at the memory bandwidth measured
 in this run, over the measured step time. Medians over `--reps` runs, spread as
 (max - min) / median. The scaling part times one cached step and one uncached forward
-at each context length of `--contexts` (batch 1).
+at each context length of `--contexts` (batch 1), then one cached step at the short
+context `--capacity-context` in caches of each capacity of `--capacities` (batch 1), read
+whole (every slot of the capacity, as a step read before spans) and read at its span (the
+bucket holding the context, `jaxformer.cache.spans`), timed in turns: their ratio is what
+the span saves a server whose `--max-seq-len` is far above its requests' lengths.
 
 Speculative decoding (`generate(..., speculative=...)`) against plain greedy `generate`,
 timed in turns, on three workloads:
@@ -52,7 +56,8 @@ JSON fields: `config`, `machine` (`bandwidth_gb_s`, versions), `settings`, `vari
 (one object per variant and batch: `variant`, `batch`, `prefill_ms`, `step_ms`,
 `tokens_per_s` each as `{median, spread}`, `compile_s`, `peak_memory_mb`,
 `floor_step_ms`, `floor_pct`, `vs_hf`, `same_tokens`), `scaling` (`context`,
-`cached_ms`, `uncached_ms`, `speedup`), `speculative` (`workload`, `batch`, `variant`, `k` (after
+`cached_ms`, `uncached_ms`, `speedup`), `capacity` (`capacity`, `context`, `span`,
+`whole_ms`, `span_ms`, `speedup`), `speculative` (`workload`, `batch`, `variant`, `k` (after
 fitting `max_seq_len`), `acceptance`, `tokens_per_pass`, `tokens_per_row_round` (the tokens an
 unfinished row keeps per round, its own accepted + 1: each row advances by its own acceptance,
 so at batch 8 this is the rows' mean, not the batch's least), `tokens_per_s` as `{median, spread}`,
@@ -96,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--uncached-steps", type=int, default=4, help="steps timed for the no-cache variant")
     p.add_argument("--contexts", type=int, nargs="*", default=[128, 256, 512, 1024, 2048])
+    p.add_argument("--capacities", type=int, nargs="*", default=[1024, 2048, 4096, 8192, 16384],
+                   help="cache capacities one step at --capacity-context is timed in, read whole and at its span")
+    p.add_argument("--capacity-context", type=int, default=128, help="the tokens cached in those steps")
     p.add_argument("--no-hf", action="store_true", help="skip transformers even if installed")
     p.add_argument("--spec-k", type=int, nargs="*", default=[4, 8, 16], help="speculative rows' proposal lengths "
                    "(none: no speculative rows)")
@@ -293,6 +301,38 @@ def bench_scaling(model, params, contexts, reps: int) -> list[dict]:
     return rows
 
 
+def bench_capacity(model, params, context: int, capacities, reps: int) -> list[dict]:
+    """Batch 1, `context` tokens cached: one step in a cache of each capacity, its attention
+    reading every slot against reading the span that holds the context, timed in turns."""
+    step = jax.jit(lambda p, t, cache: model.apply({"params": p}, t, cache), donate_argnums=2)
+    token = jnp.ones((1, 1), jnp.int32)
+    rows = []
+    for capacity in capacities:
+        _, cache = step(params, jnp.ones((1, context), jnp.int32), model.init_cache(1, capacity=capacity))
+        times = {None: [], context + 1: []}  # span None: every slot; context + 1: the bucket of this step's reach
+
+        def timed(cache, needed):  # one step from position `context` (set back each time: the same work)
+            cache = cache.spanning(needed).replace(pos=jnp.asarray([context], jnp.int32))
+            start = time.perf_counter()
+            logits, cache = step(params, token, cache)
+            logits.block_until_ready()
+            return time.perf_counter() - start, cache
+
+        for needed in times:  # compiles both programs
+            _, cache = timed(cache, needed)
+        for _ in range(reps):
+            for needed in times:
+                seconds, cache = timed(cache, needed)
+                times[needed].append(seconds)
+        whole, spanned = (statistics.median(times[needed]) for needed in times)
+        span = cache.spanning(context + 1).span
+        rows.append({"capacity": capacity, "context": context, "span": span, "whole_ms": 1e3 * whole,
+                     "span_ms": 1e3 * spanned, "speedup": whole / spanned})
+        print(f"  capacity {capacity:6d}, context {context}: whole cache {1e3 * whole:8.2f} ms   span {span:5d} "
+              f"{1e3 * spanned:8.2f} ms   {whole / spanned:6.2f}x", flush=True)
+    return rows
+
+
 def bench_speculative(model, params, prompt, new: int, reps: int, proposers: dict, workload: str,
                       **options) -> list[dict]:
     """Plain greedy `generate` and each speculative variant, timed in turns (so that a
@@ -422,7 +462,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     # (Speculative rounds write up to k proposals past the last token: room for them.)
     max_context = max([args.prompt + args.new + max(args.spec_k, default=0),
-                       *[c + args.reps + 1 for c in args.contexts]])
+                       *[c + args.reps + 1 for c in args.contexts], *args.capacities])
     config = DecoderConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
                            d_model=args.d_model, d_ff=args.d_ff, max_seq_len=max_context,
                            tie_embeddings=args.tied, dtype=args.dtype)
@@ -469,6 +509,11 @@ def main(argv=None) -> dict:
     if args.contexts and not args.speculative_only:
         print("per-token time against context length (batch 1):", flush=True)
         scaling = bench_scaling(model, params, args.contexts, args.reps)
+    capacity = []
+    if args.capacities and not args.speculative_only:
+        print(f"one cached step at context {args.capacity_context} against the cache's capacity (batch 1), "
+              "reading every slot or the span:", flush=True)
+        capacity = bench_capacity(model, params, args.capacity_context, args.capacities, args.reps)
 
     speculative = []
     if args.spec_k:
@@ -505,7 +550,7 @@ def main(argv=None) -> dict:
     result = {"config": {k: str(v) if k.endswith("dtype") else v for k, v in vars(config).items()},
               "machine": {"bandwidth_gb_s": bandwidth / 1e9, "cpu_count": os.cpu_count(), **versions},
               "settings": {**vars(args), "summary": summary}, "variants": rows, "scaling": scaling,
-              "speculative": speculative}
+              "capacity": capacity, "speculative": speculative}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
     if args.plot:

@@ -87,9 +87,9 @@ class GQASelfAttention(nn.Module):
           x: `[batch, T, d_model]` normalised residual stream.
           cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles.
           mask: bool `[T, S]` or `[batch, T, S]`, True where a query reads a key: S is T
-            without a cache, and with one the keys its `extend` returns (the capacity's
-            slots, or a ring's then this call's). With a `(full, sliding)` pair of caches,
-            a `(full, sliding)` pair of masks.
+            without a cache, and with one the keys its `extend` returns (the first S slots,
+            the cache's span, or a ring's then this call's). With a `(full, sliding)` pair of
+            caches, a `(full, sliding)` pair of masks.
           layer_cache: this layer's `LayerKV` or `RingKV` (a `LayerSlice` of a stacked
             cache), None, or a `(full, sliding)` pair of slices, `is_sliding` picking one.
           pos: int32 `[batch]`, each row's position for this call's first token.
@@ -130,8 +130,8 @@ class GQASelfAttention(nn.Module):
 
         def attend(mask, layer_cache):  # -> (out [batch, T, n_head, head_dim], weights, layer_cache)
             keys, values = k, v
-            if layer_cache is not None:  # [batch, S, n_kv, head_dim]: the slots, or the ring's and ours
-                (keys, values), layer_cache = layer_cache.extend(k, v, pos, stop)
+            if layer_cache is not None:  # [batch, S, n_kv, head_dim]: the first S slots, or the ring's and ours
+                (keys, values), layer_cache = layer_cache.extend(k, v, pos, stop, span=mask.shape[-1])
             return (*dot_product_attention(q, keys, values, mask, **scores), layer_cache)
 
         if isinstance(layer_cache, tuple):  # one scanned body, two kinds of cache: the layer's flag picks
@@ -209,7 +209,7 @@ class MultiHeadAttention(nn.Module):
             k, v = memory_kv.k, memory_kv.v  # [batch, S, n_head, head_dim]
         if layer_cache is not None:
             layer_cache = layer_cache.write(k, v, pos)
-            k, v = layer_cache.read()  # [batch, capacity, n_head, head_dim]
+            k, v = layer_cache.read(mask.shape[-1])  # [batch, S, n_head, head_dim]: the slots the mask covers
         weights = attention_weights(q, k, mask)  # [batch, n_head, T, S]
         self.sow("intermediates", "attention_weights", weights)
         out = combine_values(self.dropout(weights, deterministic=deterministic), v)  # [batch, T, n_head, head_dim]

@@ -48,15 +48,17 @@ class LayerKV:
         `pos[b] .. pos[b] + T - 1`; a start past the capacity clamps (see `KVCache.commit`)."""
         return LayerKV(k=write_rows(self.k, k_new, pos, axis=1), v=write_rows(self.v, v_new, pos, axis=1))
 
-    def read(self) -> tuple[jax.Array, jax.Array]:
-        """The keys and values attention reads, `[batch, capacity, n_kv, head_dim]` each."""
-        return self.k, self.v
+    def read(self, span: int) -> tuple[jax.Array, jax.Array]:
+        """The keys and values attention reads, slots `0 .. span - 1`: `[batch, span, n_kv,
+        head_dim]` each (a static slice, so a call costs its span, not the capacity)."""
+        return self.k[:, :span], self.v[:, :span]
 
-    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None):
-        """`((keys, values), layer)`: this call's K/V written at their slots, then every slot
-        read, `[batch, capacity, ...]` (a slot's position is its index). `stop` is for rings."""
+    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None, span=None):
+        """`((keys, values), layer)`: this call's K/V written at their slots, then slots `0 ..
+        span - 1` read, `[batch, span, ...]` (a slot's position is its index; None: every slot).
+        `stop` is for rings."""
         layer = self.write(k_new, v_new, pos)
-        return layer.read(), layer
+        return layer.read(self.k.shape[1] if span is None else span), layer
 
 
 def ring_positions(pos: jax.Array, slots: int) -> jax.Array:
@@ -103,10 +105,10 @@ class RingKV:
         """A copy with this call's K/V `[batch, T, n_kv, head_dim]` in the ring (`ring_write`)."""
         return RingKV(k=ring_write(self.k, k_new, pos, stop), v=ring_write(self.v, v_new, pos, stop))
 
-    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None):
+    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None, span=None):
         """`((keys, values), ring)`: the ring's slots before this call, then this call's own K/V,
         `[batch, slots + T, ...]` (positions `ring_positions(pos, slots)`, then `pos ..`); the
-        ring returned has them written."""
+        ring returned has them written. (`span` is for full layers: a ring is read whole.)"""
         keys = jnp.concatenate([self.k, k_new.astype(self.k.dtype)], axis=1)
         values = jnp.concatenate([self.v, v_new.astype(self.v.dtype)], axis=1)
         return (keys, values), self.write(k_new, v_new, pos, stop)
@@ -120,7 +122,7 @@ class LayerSlice:
     stack: LayerKV | RingKV  # k, v: [batch, n_layer, slots, n_kv_head, head_dim]
     layer: jax.Array  # [] int32, the block's index in this stack
 
-    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None):
+    def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None, span=None):
         """`LayerKV.extend` or `RingKV.extend` on layer `layer` of the stack."""
         stack, layer = self.stack, self.layer
 
@@ -135,7 +137,8 @@ class LayerSlice:
             return (keys, values), self.replace(stack=stack)
         stack = LayerKV(k=write_rows(stack.k, k_new[:, None], pos, axis=2, layer=layer),
                         v=write_rows(stack.v, v_new[:, None], pos, axis=2, layer=layer))
-        return (this_layer(stack.k), this_layer(stack.v)), self.replace(stack=stack)
+        span = stack.k.shape[2] if span is None else span  # slots 0 .. span - 1 of the layer are read
+        return (this_layer(stack.k[:, :, :span]), this_layer(stack.v[:, :, :span])), self.replace(stack=stack)
 
 
 @struct.dataclass
@@ -180,6 +183,28 @@ def sliding_slots(config: DecoderConfig, capacity: int, rewind: int = 0) -> int:
     return min(capacity, config.sliding_window - 1 + rewind)
 
 
+# A call's attention reads a static prefix of each full layer's slots, its span: the smallest
+# of these buckets that holds every row's positions after the call. Powers of two keep the
+# slots read within 2x of those filled, and the programs few: one per bucket, log2(capacity / 256)
+# + 1 at most. Below 256 a step's weights cost more than its keys, and a bucket saves nothing.
+SMALLEST_SPAN = 256
+
+
+def spans(capacity: int) -> tuple[int, ...]:
+    """The buckets a cache of `capacity` positions is read at: powers of two from `SMALLEST_SPAN`
+    below `capacity`, then `capacity` (`spans(1000)` is `(256, 512, 1000)`)."""
+    smaller = []
+    while (span := SMALLEST_SPAN << len(smaller)) < capacity:
+        smaller.append(span)
+    return (*smaller, capacity)
+
+
+def span_for(needed: int, capacity: int) -> int:
+    """The bucket of `spans(capacity)` a call reads when its rows' positions reach `needed`
+    (the largest `pos + T`): the smallest that holds them."""
+    return next(span for span in spans(capacity) if span >= min(needed, capacity))
+
+
 @struct.dataclass
 class KVCache:
     """Per-layer keys and values, and each row's write position.
@@ -194,12 +219,16 @@ class KVCache:
       capacity: positions each row can hold (static).
       stop: int32 `[batch]` or None: a call writes row b's positions before `stop[b]` only
         into the rings (a ragged prefill's padding stays out); None: all of them.
+      span: the slots `0 .. span - 1` a call's full layers read (static: one of `spans(capacity)`,
+        set by `spanning`), so that a step costs what the rows hold, not the capacity; every
+        row's `pos + T` must fit it. None: the capacity.
     """
 
     layers: tuple[LayerKV | RingKV, ...] | LayerKV | RingKV | SplitStacks
     pos: jax.Array  # [batch] int32
     capacity: int = struct.field(pytree_node=False)
     stop: jax.Array | None = None  # [batch] int32
+    span: int | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(cls, config, batch_size: int, capacity: int | None = None, dtype=None, rewind: int = 0) -> "KVCache":
@@ -278,6 +307,16 @@ class KVCache:
                 for _ in "kv"]
 
     @property
+    def read_slots(self) -> int:
+        """The slots a call's full layers read, `0 .. read_slots - 1` (`span`, else the capacity)."""
+        return self.capacity if self.span is None else self.span
+
+    def spanning(self, needed: int | None) -> "KVCache":
+        """This cache read at the bucket `span_for(needed, capacity)` (static: a new bucket is a new
+        program), `needed` the largest `pos + T` of the next call; None reads every slot."""
+        return self.replace(span=None if needed is None else span_for(needed, self.capacity))
+
+    @property
     def stacked(self) -> bool:
         """Whether the layers are stacked in arrays (a scanned model's cache)."""
         return not isinstance(self.layers, tuple)
@@ -342,10 +381,11 @@ class KVCache:
         """Ends a model call whose every layer wrote `n_tokens` (static) at each row's slots `pos[b] ..`.
 
         `pos` advances once, after every layer. `dynamic_update_slice` clamps a write past the
-        capacity: concrete inputs are refused before (`validation.check_cache_step`), and inside
-        `jit` such a row's logits `[batch, T, vocab]` become NaN. Returns `(logits, cache)`.
+        capacity, and a query past the span would miss its own key: concrete inputs are refused
+        before (`validation.check_cache_step`), and inside `jit` such a row's logits `[batch, T,
+        vocab]` become NaN. Returns `(logits, cache)`.
         """
-        fits = self.pos + n_tokens <= self.capacity  # [batch]
+        fits = self.pos + n_tokens <= self.read_slots  # [batch]
         logits = jnp.where(fits[:, None, None], logits, jnp.nan)
         layers = tuple(layers) if isinstance(layers, list) else layers
         return logits, self.replace(layers=layers).advance(n_tokens)

@@ -207,8 +207,9 @@ class Decoder(nn.Module):
             views = attention_views(c, jnp.arange(T), keys)  # cos, sin [T, head_dim/2]; mask [T, T]
         else:
             # Row b's query t sits at position pos[b] + t. A full layer's slot s holds position
-            # s (later slots: the future, unwritten, or padding); a ring's, what `ring_positions`
-            # says, followed by this call's own keys.
+            # s (later slots: the future, unwritten, or padding), and only its first `read_slots`
+            # are read (every row's positions lie below: `KVCache.span`); a ring's, what
+            # `ring_positions` says, followed by this call's own keys.
             pos, stop = cache.pos, cache.stop  # [batch]
             position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
             keys = {}
@@ -216,7 +217,7 @@ class Decoder(nn.Module):
                 if n_slots < cache.capacity:
                     keys[kind] = jnp.concatenate([ring_positions(pos, n_slots), position], axis=1)  # [batch, R+T]
                 else:
-                    keys[kind] = jnp.arange(cache.capacity)  # [S]
+                    keys[kind] = jnp.arange(cache.read_slots)  # [S]: the mask's width is the slots read
             views = attention_views(c, position, keys)  # [batch, T, ...]
 
         if c.scan_layers:

@@ -292,11 +292,14 @@ def check_cache_step(tokens, cache, want_shapes: list[tuple[int, ...]], stacked:
     if np.shape(cache.pos) != (tokens.shape[0],):
         raise ValueError(f"cache.pos must hold one position per row, shape ({tokens.shape[0]},), "
                          f"got {np.shape(cache.pos)}")
-    check_positions_fit(0, tokens.shape[1], cache.capacity, f"{name} length", "cache capacity")
+    if cache.span is not None:
+        as_int(cache.span, "cache.span", minimum=1, maximum=cache.capacity, maximum_name="cache capacity")
+    limit_name = "cache capacity" if cache.span is None else "cache span"  # (the slots this call reads)
+    check_positions_fit(0, tokens.shape[1], cache.read_slots, f"{name} length", limit_name)
     if not is_traced(cache.pos):
         pos = np.asarray(cache.pos)
         if pos.min() < 0:
             raise ValueError(f"cache.pos must be >= 0 in every row, got {pos.tolist()}")
         row = int(pos.argmax())
-        check_positions_fit(int(pos[row]), tokens.shape[1], cache.capacity, f"cache.pos[{row}] + {name}",
-                            "cache capacity")
+        check_positions_fit(int(pos[row]), tokens.shape[1], cache.read_slots, f"cache.pos[{row}] + {name}",
+                            limit_name)

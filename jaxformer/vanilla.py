@@ -186,10 +186,10 @@ class VanillaTransformer(nn.Module):
         if cache is None:  # teacher forcing: causal AND not padding
             pos, positions = None, jnp.arange(T)  # [T]
             tgt_mask = jnp.tril(jnp.ones((T, T), bool))[None] & (tgt_in != c.pad_id)[:, None, :]  # [batch, T, T]
-        else:  # row b's query t at position pos[b] + t reads cache slots 0 .. pos[b] + t: (T, capacity)
+        else:  # row b's query t at position pos[b] + t reads cache slots 0 .. pos[b] + t, of the span's
             pos = cache.pos  # [batch]
             positions = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
-            tgt_mask = jnp.arange(cache.capacity)[None, None, :] <= positions[:, :, None]  # [batch, T, capacity]
+            tgt_mask = jnp.arange(cache.read_slots)[None, None, :] <= positions[:, :, None]  # [batch, T, span]
         y = self.embed(self.tgt_embed, tgt_in, positions, deterministic)  # [batch, T, d_model]
         new_layers = []
         for i, layer in enumerate(self.decoder_layers):

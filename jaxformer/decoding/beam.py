@@ -20,7 +20,7 @@ from flax import struct
 
 from jaxformer.decodable import Decodable
 from jaxformer.decoding.request import DecodeRequest, is_eos
-from jaxformer.decoding.steps import NO_TOKEN, finite_logits, prefill, step_fn
+from jaxformer.decoding.steps import NO_TOKEN, finite_logits, prefill, span_loops, step_fn
 
 
 class BeamState(NamedTuple):
@@ -148,8 +148,8 @@ def beam_search(step: Callable, logits: jax.Array, cache, *, num_beams: int, max
         return i + 1, pools, last, gather_beams(cache, parents, num_beams), failed_at
 
     state = (1, pools, last, cache, failed_at)
-    i, (alive_logp, alive_tokens, done_tokens, done_score), _, _, failed_at = jax.lax.while_loop(
-        keep_going, body, state)
+    i, (alive_logp, alive_tokens, done_tokens, done_score), _, _, failed_at = span_loops(
+        keep_going, body, state, width=1)  # (a step writes one token per beam)
     # Beams still alive at the end compete too, scored at the length they reached.
     scores = jnp.concatenate([done_score, alive_logp / length_norm(i, length_penalty)], axis=1)  # [batch, 2K]
     tokens = jnp.concatenate([done_tokens, alive_tokens], axis=1)

@@ -20,7 +20,7 @@ from jaxformer.decoding.beam import Beam
 from jaxformer.decoding.plain import Plain
 from jaxformer.decoding.request import DecodeRequest
 from jaxformer.decoding.speculative import Draft, PromptLookup, Speculative, plan
-from jaxformer.decoding.steps import as_given, check_picked, checked_steps
+from jaxformer.decoding.steps import as_given, check_picked, checked_steps, host_reach, with_span
 from jaxformer.sharding import mesh_of
 
 PLAIN = Plain()
@@ -169,6 +169,8 @@ def _steps(model: Decodable, params, request: DecodeRequest, strategy) -> Iterat
     yield np.asarray(state.token)  # every strategy's state holds token 0 after its start
     made = 1
     while made < request.max_new_tokens and not np.asarray(state.done).all():  # (host reads, no device op)
+        # The round reads the span that holds its writes: a program per bucket, compiled once each.
+        state = with_span(state, host_reach(state, strategy.width))
         state, tokens, count = advance(model, params, request, state, strategy)
         tokens, count = np.asarray(tokens), min(int(count), request.max_new_tokens - made)
         yield from (tokens[:, j] for j in range(count))

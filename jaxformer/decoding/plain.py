@@ -10,7 +10,7 @@ from flax import struct
 
 from jaxformer.decodable import Decodable
 from jaxformer.decoding.request import DecodeRequest
-from jaxformer.decoding.steps import first_token, pick, step_fn
+from jaxformer.decoding.steps import first_token, pick, span_loops, step_fn
 
 
 class PlainState(NamedTuple):
@@ -34,6 +34,11 @@ class PlainState(NamedTuple):
 @struct.dataclass
 class Plain:
     """Greedy decoding or sampling, per row, as `request.sampling` says."""
+
+    @property
+    def width(self) -> int:
+        """Tokens a round writes into each row's cache."""
+        return 1
 
     def start(self, model: Decodable, params, request: DecodeRequest, mesh=None) -> PlainState:
         """The prefill and token 0 of every row."""
@@ -62,4 +67,4 @@ class Plain:
             state, token, _ = self.round(model, params, request, state)
             return state, jax.lax.dynamic_update_slice(tokens, token, (0, state.n - 1))
 
-        return jax.lax.while_loop(keep_going, body, (state, tokens))[1], None
+        return span_loops(keep_going, body, (state, tokens), self.width)[1], None

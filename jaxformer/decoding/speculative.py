@@ -21,7 +21,7 @@ from flax import struct
 from jaxformer.decodable import Decodable
 from jaxformer.decoding.request import DecodeRequest
 from jaxformer.decoding.sampling import filtered_logits
-from jaxformer.decoding.steps import NO_TOKEN, finite_logits, first_token, prefill, stops
+from jaxformer.decoding.steps import NO_TOKEN, finite_logits, first_token, prefill, span_loops, stops
 from jaxformer.validation import as_int
 
 
@@ -225,6 +225,12 @@ class Speculative:
     proposer: Any = struct.field(pytree_node=False)
     draft_params: Any = None
 
+    @property
+    def width(self) -> int:
+        """Tokens a round writes into each row's caches: the last token and k proposals (the
+        draft's k + 1 steps write as many)."""
+        return self.proposer.k + 1
+
     def start(self, model: Decodable, params, request: DecodeRequest, mesh=None) -> State:
         """The prefill (the model's and the draft's) and token 0, as plain decoding picks it."""
         k, (batch, prompt_len) = self.proposer.k, request.prompt.shape
@@ -301,7 +307,7 @@ class Speculative:
         def keep_going(state):
             return jnp.any(~state.done & (state.n < request.max_new_tokens))
 
-        state = jax.lax.while_loop(keep_going, lambda state: self.round(model, params, request, state)[0], state)
+        state = span_loops(keep_going, lambda state: self.round(model, params, request, state)[0], state, self.width)
         slot = jnp.asarray(request.lengths)[:, None] + jnp.arange(request.max_new_tokens)[None, :]
         return jnp.take_along_axis(state.sequence, slot, axis=1), state.stats
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.cache import KVCache, spans
 from jaxformer.decodable import Decodable
 from jaxformer.decoding.request import DecodeRequest, is_eos
 from jaxformer.sharding import cache_shardings
@@ -25,9 +26,10 @@ def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_c
     at each row's last real position.
 
     Every row's `P` tokens go in at slots `0 .. P - 1` (a ring takes a row's real tokens
-    only: `KVCache.stop`), then row b's `pos` is set back to its length: a shorter row's
-    padding is never read, and its next tokens overwrite it. `extra_capacity` adds slots
-    (a speculative round writes k proposals past what it keeps, then sets rows back).
+    only: `KVCache.stop`; attention reads the span that holds them), then row b's `pos` is
+    set back to its length: a shorter row's padding is never read, and its next tokens
+    overwrite it. `extra_capacity` adds slots (a speculative round writes k proposals past
+    what it keeps, then sets rows back).
     """
     context = model.apply({"params": params}, request.prompt, method="decode_context")
     # Capacity: the prompt plus every new token but the last (which is never fed back).
@@ -36,9 +38,55 @@ def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_c
     cache = model.init_cache(request.prompt.shape[0], capacity, rewind=extra_capacity).replace(stop=lengths)
     if mesh is not None:  # rows over `data`, kv heads over `model`: each device keeps its own part
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
-    logits, cache = step_fn(model, params, context)(request.decoder_prompt, cache)  # [batch, P, vocab]
+    prompt_len = request.decoder_prompt.shape[1]
+    logits, cache = step_fn(model, params, context)(request.decoder_prompt, with_span(cache, prompt_len))
     last = jnp.take_along_axis(logits, (request.lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
-    return context, last, cache.replace(pos=lengths, stop=None)
+    return context, last, with_span(cache, None).replace(pos=lengths, stop=None)
+
+
+# Spans (docs/decoding.md, "The span"): a call reads the first `span` slots of a `KVCache`,
+# the smallest bucket that holds every row's `pos + T`. A strategy's state may hold several
+# caches (a draft's) or none of this kind (then it is read whole, as its model reads it).
+
+def _caches(tree) -> list[KVCache]:
+    """The `KVCache`s in `tree`."""
+    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache)) if isinstance(x, KVCache)]
+
+
+def with_span(tree, needed):
+    """`tree` with every `KVCache` in it read at the bucket that holds positions below `needed`
+    (a static int: `KVCache.spanning`), or None: at its capacity."""
+    return jax.tree.map(lambda x: x.spanning(needed) if isinstance(x, KVCache) else x, tree,
+                        is_leaf=lambda x: isinstance(x, KVCache))
+
+
+def reach(tree, width: int) -> jax.Array:
+    """int32 `[]`: the largest `pos + width` over the rows of the caches in `tree`, the slots the
+    next call reads if it writes `width` tokens per row."""
+    return jnp.max(jnp.stack([jnp.max(cache.pos) for cache in _caches(tree)])) + width
+
+
+def host_reach(tree, width: int) -> int | None:
+    """`reach` read on the host (each cache's `pos` copied back), None where `tree` holds no `KVCache`."""
+    caches = _caches(tree)
+    return max(int(np.max(cache.pos)) for cache in caches) + width if caches else None
+
+
+def span_loops(keep_going: Callable, body: Callable, carry, width: int):
+    """`jax.lax.while_loop(keep_going, body, carry)`, run as one loop per bucket of
+    `cache.spans(capacity)` of the caches in `carry`, one after the other in the same program.
+
+    The loop of bucket L runs while every row's next call (`width` tokens from its `pos`) fits
+    in L, its caches read at L: a step's attention costs the slots the rows fill (up to 2x),
+    not the capacity. The last loop reads every slot and runs to the end, as one loop would.
+    """
+    caches = _caches(carry)
+    for span in spans(max(cache.capacity for cache in caches))[:-1] if caches else ():
+        def fits(carry, span=span):
+            return keep_going(carry) & (reach(carry, width) <= span)
+
+        carry = jax.lax.while_loop(fits, body, with_span(carry, span))
+    return jax.lax.while_loop(keep_going, body, with_span(carry, None))
 
 
 # The token of a row whose logits hold NaN or inf: an id no vocabulary has. The row is done

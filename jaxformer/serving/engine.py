@@ -9,9 +9,11 @@ Every turn of the engine's loop (docs/serving.md, "The engine's turn"):
      already running wait for one chunk, not for the whole prompt); a prompt done
      samples its first token and its row is copied into the batch (`KVCache.insert`);
   3. one jitted step decodes a token for each of the first rows, as few (2, 4, ..., max_batch)
-     as hold the running requests (a free row's token among them is thrown away).
+     as hold the running requests (a free row's token among them is thrown away), its
+     attention reading the cache's first slots only, the span that holds the longest of them
+     (`cache.spans`: 256, 512, ..., capacity), so a step costs what the rows hold.
 
-Shapes stay static: the step sees one of those row counts, and a prefill piece is a power of
+Shapes stay static: the step sees one of those row counts and spans, and a prefill piece is a power of
 two up to `prefill_chunk` tokens (a prompt of 100 with chunks of 64 goes in as 64 and 36
 padded to 64: each call reads every weight once, so fewer calls are cheaper than no
 padding), so `warmup` compiles every program the engine will run. Each row's sampling knobs and seed
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.cache import span_for, spans
 from jaxformer.decoder import Decoder
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p, sample_token
 from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError, finite_logits
@@ -176,14 +179,16 @@ class Engine:
             token = sample_token(logits, keys, temperature, top_k, top_p)  # [rows]
             return jnp.where(finite_logits(logits), token, NO_TOKEN)
 
-        def step(params, cache, tokens, active, seeds, made, temperature, top_k, top_p):  # [rows] each
+        def step(params, cache, span, tokens, active, seeds, made, temperature, top_k, top_p):  # [rows] each
             # The first `rows` of the batch decode (requests take the lowest free rows, so the
             # busy ones are there); a free row among them decodes too, from position 0, where it
             # overwrites nothing anyone reads: `insert` replaces the whole row when a request takes it.
+            # Attention reads slots 0 .. span - 1 (static), which hold every running row's positions.
             rows = tokens.shape[0]
             head = cache if rows == cache.batch_size else jax.tree.map(lambda leaf: leaf[:rows], cache)
-            head = head.replace(pos=jnp.where(active, head.pos, 0))
+            head = head.replace(pos=jnp.where(active, head.pos, 0), span=span)
             logits, head = model.apply({"params": params}, tokens[:, None], head)  # [rows, 1, vocab]
+            head = head.replace(span=None)  # (the batch's cache keeps one layout between steps)
             if rows < cache.batch_size:  # (a copy of those rows in and out: less than decoding them all)
                 head = jax.tree.map(lambda leaf, part: jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=0),
                                     cache, head)
@@ -191,7 +196,7 @@ class Engine:
 
         self._piece = jax.jit(piece, donate_argnums=2)
         self._pick = jax.jit(pick)
-        self._step = jax.jit(step, donate_argnums=1)
+        self._step = jax.jit(step, donate_argnums=1, static_argnums=2)
         self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one), donate_argnums=0)
         self._empty_row = jax.jit(lambda: model.init_cache(1, capacity))
 
@@ -203,7 +208,8 @@ class Engine:
             for a long context takes minutes, and a command says how far it has come.
         """
         sizes = [1 << bit for bit in range(self.prefill_chunk.bit_length()) if 1 << bit <= self.capacity]
-        total, done = len(sizes) + 1 + len(self._row_counts) + 1, 0
+        steps = [(rows, span) for rows in self._row_counts for span in spans(self.capacity)]
+        total, done = len(sizes) + 1 + len(steps) + 1, 0
 
         def ran(what: str, value):
             nonlocal done
@@ -219,10 +225,10 @@ class Engine:
                                             cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n))
                 ran(f"prefill of {n} token{'s' * (n > 1)}", logits)
             ran("sampling", self._pick(logits, *self._knobs([None])))
-            for rows in self._row_counts:
-                _, self._cache = self._step(self.params, self._cache, np.zeros(rows, np.int32), np.zeros(rows, bool),
-                                            *self._knobs([None] * rows))
-                ran(f"decode step of {rows} rows", self._cache)
+            for rows, span in steps:
+                _, self._cache = self._step(self.params, self._cache, span, np.zeros(rows, np.int32),
+                                            np.zeros(rows, bool), *self._knobs([None] * rows))
+                ran(f"decode step of {rows} rows reading {span} slots", self._cache)
             self._cache = self._insert(self._cache, np.int32(0), cache)
             ran("row insert", self._cache)
 
@@ -374,14 +380,18 @@ class Engine:
 
     def _batch_inputs(self) -> tuple:
         """The step's inputs for the first rows, enough to hold every running one (a count of
-        `_row_counts`): each row's last token, whether it runs, and its knobs."""
+        `_row_counts`): the span it reads, each row's last token, whether it runs, and its knobs."""
         running = [slot if slot is not None and slot.prefilled == len(slot.handle.prompt) else None
                    for slot in self._slots]
         last = max(row for row, slot in enumerate(running) if slot is not None)
         running = running[:next(n for n in self._row_counts if n > last)]
+        # A running row holds its prompt and every token made but the last, which this step
+        # writes at slot len(prompt) + made - 1: the span must hold len(prompt) + made slots.
+        span = span_for(max(len(slot.handle.prompt) + slot.handle.made for slot in running if slot is not None),
+                        self.capacity)
         tokens = np.asarray([0 if slot is None else slot.token for slot in running], np.int32)
         active = np.asarray([slot is not None for slot in running])
-        return tokens, active, *self._knobs([None if slot is None else slot.handle for slot in running])
+        return span, tokens, active, *self._knobs([None if slot is None else slot.handle for slot in running])
 
     def _deliver(self, row: int, token: int) -> None:
         """Hands row `row`'s new token to its request; frees the row when the request is done."""
