@@ -69,6 +69,17 @@ def init_params(config: DecoderConfig, seed: int = 0):
     return jax.tree.map(lambda x: x, _init_params(config, seed))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """JAX's in-memory caches emptied after each test file. Every program XLA:CPU compiles
+    stays mapped in the process while a cache holds it, a few memory maps each, and a
+    pytest-xdist worker runs hundreds of files: past Linux's limit of 65,530 maps a process
+    (`vm.max_map_count`) the next compile crashes the worker. A later file that needs a
+    program again reads it back from the run's compilation cache on disk."""
+    yield
+    jax.clear_caches()
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE_DIR is not None:
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)

@@ -51,6 +51,7 @@ def check_top_p(value, *, name: str = "top_p") -> np.ndarray | None:
     return np.maximum(top_p, np.finfo(np.float32).tiny).astype(np.float32)
 
 
+@jax.jit  # one program per shape when called eagerly: its cond's branches are fresh closures, retraced each call
 def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
                  top_p: jax.Array) -> jax.Array:
     """Picks one token per row: greedy, or sampled after temperature, top-k and top-p.

@@ -213,6 +213,22 @@ def test_temperature_to_zero_is_greedy_and_knobs_are_per_row():
     assert set(firsts) == {int(greedy[0])}
 
 
+def test_sample_token_called_eagerly_compiles_once_per_shape():
+    """A token-by-token loop in Python (a reader's own decoding loop) calls it once a step: its
+    cond's branches are new closures each call, so without its own jit each call would compile
+    again, and every program compiled stays mapped in the process."""
+    logits, knobs = jax.random.normal(jax.random.key(5), (3, 50)), (jnp.ones(3), jnp.full((3,), 5), jnp.ones(3))
+    inputs = [(logits * i, jax.random.key(i)) for i in range(5)]
+    sample_token(*inputs[0], *knobs)
+    with count_compiles() as compiles:
+        for step_logits, key in inputs[1:]:
+            sample_token(step_logits, key, *knobs)
+    assert compiles == []
+    with count_compiles() as compiles:  # the guard can fail: a new shape does compile
+        sample_token(logits[:2], jax.random.key(0), *(knob[:2] for knob in knobs))
+    assert compiles
+
+
 @pytest.mark.parametrize("temperature", [1e-30, 2e-38, 1.2e-38])
 def test_a_temperature_whose_scaled_logits_pass_float32_is_still_greedy(temperature):
     """Logits of hundreds over a temperature near float32's smallest number pass its range
