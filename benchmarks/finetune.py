@@ -3,10 +3,14 @@ run's peak memory against full fine-tuning's, on one random Llama-shaped checkpo
 
     python -m benchmarks.finetune [--d-model 768] [--layers 8] [--vocab 16384] [--batch 4] [--seq-len 256]
                                   [--steps 5] [--out benchmarks/results/finetune.json]
+    python -m benchmarks.finetune --checkpoint DIR --lora-only [--batch 1] [--seq-len 512] [--steps 1]
 
 The checkpoint is made here (transformers' `LlamaForCausalLM`, random, saved with
-`save_pretrained`); nothing is downloaded. Every row trains on the same batch of random ids,
-next-token loss on every position, float32, AdamW.
+`save_pretrained`), or `--checkpoint` names one (`python -m benchmarks.llama_1b DIR` writes a
+Llama-3.2-1B-shaped one); nothing is downloaded. `--lora-only` times the LoRA rows alone
+(with and without `--remat` on jaxformer's side) and skips full fine-tuning and the memory
+probes: at the 1B shape full fine-tuning's float32 Adam state alone passes 19 GB. Every row
+trains on the same batch of random ids, next-token loss on every position, float32, AdamW.
 
 Step time: jaxformer's step is `jaxformer.training.make_train_step` over the loss of
 `Decoder(config.replace(lora=...))` (the base read, the adapters trained), LoRA of rank 8
@@ -47,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import Decoder, label_smoothed_cross_entropy
-from jaxformer.convert import load_hf
+from jaxformer import Decoder, chunked_cross_entropy
+from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.lora import LoraConfig, init_lora
 from jaxformer.training import TrainState, make_train_step
 
@@ -88,8 +92,9 @@ def jax_step(path: str, ids: np.ndarray, lora: bool, remat: bool, base_dtype: st
 
     def loss_fn(trained, batch, dropout_key, base=None):  # LoRA's base: an argument of the step, not a constant
         variables = {"params": base, "lora": trained} if lora else {"params": trained}
-        logits, _ = model.apply(variables, batch["tokens"])
-        return label_smoothed_cross_entropy(logits, batch["targets"], 0.0), {}
+        hidden, _ = model.apply(variables, batch["tokens"], hidden=True)  # the loss train.finetune runs
+        head = model.output_head(variables["params"])
+        return chunked_cross_entropy(hidden, batch["targets"], head, 0.0), {}
 
     trained = init_lora(base, adapters, jax.random.key(0)) if lora else base
     batch = {"tokens": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
@@ -97,9 +102,9 @@ def jax_step(path: str, ids: np.ndarray, lora: bool, remat: bool, base_dtype: st
     return step, TrainState.create(trained, optimizer), batch
 
 
-def time_jax(path: str, ids: np.ndarray, lora: bool, steps: int) -> tuple[list[float], float]:
+def time_jax(path: str, ids: np.ndarray, lora: bool, steps: int, remat: bool = False) -> tuple[list[float], float]:
     """Each timed step's seconds, and the first step's loss."""
-    step, state, batch = jax_step(path, ids, lora, remat=False)
+    step, state, batch = jax_step(path, ids, lora, remat)
     times, first = [], None
     for i in range(steps + 2):
         start = time.perf_counter()
@@ -193,36 +198,52 @@ def hardware() -> str:
             f"transformers {transformers.__version__}, peft {peft.__version__}")
 
 
+def parameter_count(path: str) -> int:
+    """The checkpoint's parameters, from its config alone (nothing read)."""
+    model = Decoder(load_hf_config(path))
+    return sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0), *model.init_inputs())))
+
+
 def run(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="jaxformer-bench-finetune-") as tmp:
-        path, ids_file = os.path.join(tmp, "checkpoint"), os.path.join(tmp, "ids.npy")
-        make_checkpoint(path, args.d_model, args.layers, args.vocab, args.seq_len)
-        ids = batch_ids(args.vocab, args.batch, args.seq_len)
+        path, ids_file = args.checkpoint or os.path.join(tmp, "checkpoint"), os.path.join(tmp, "ids.npy")
+        if args.checkpoint is None:
+            make_checkpoint(path, args.d_model, args.layers, args.vocab, args.seq_len)
+        config = load_hf_config(path)
+        ids = batch_ids(config.vocab_size, args.batch, args.seq_len)
         np.save(ids_file, ids)
-        n_params = sum(x.size for x in jax.tree.leaves(load_hf(path)[1]))
-        print(f"{hardware()}\nmodel: d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}, "
+        n_params = parameter_count(path)
+        print(f"{hardware()}\nmodel: d_model {config.d_model}, {config.n_layer} layers, vocab {config.vocab_size}, "
               f"{n_params / 1e6:.1f} M params; batch {args.batch} x {args.seq_len} tokens, float32; "
               f"LoRA r={RANK} on {len(TARGETS)} projections\n")
+        rows = [("jaxformer LoRA", functools.partial(time_jax, lora=True)),
+                ("jaxformer LoRA --remat", functools.partial(time_jax, lora=True, remat=True)),
+                ("torch + peft LoRA", functools.partial(time_torch, lora=True))]
+        if not args.lora_only:
+            rows += [("jaxformer full", functools.partial(time_jax, lora=False)),
+                     ("torch full", functools.partial(time_torch, lora=False))]
         steps = {}
-        for name, timer, lora in (("jaxformer LoRA", time_jax, True), ("torch + peft LoRA", time_torch, True),
-                                  ("jaxformer full", time_jax, False), ("torch full", time_torch, False)):
-            times, first = timer(path, ids, lora, args.steps)
+        for name, timer in rows:
+            times, first = timer(path, ids, steps=args.steps)
             steps[name] = {"median_s": statistics.median(times), "times_s": times, "first_loss": first}
-            print(f"  {name:20s} step {statistics.median(times):7.3f} s (median of {len(times)})   "
+            print(f"  {name:24s} step {statistics.median(times):7.3f} s (median of {len(times)})   "
                   f"first loss {first:.5f}")
         agree = abs(steps["jaxformer LoRA"]["first_loss"] - steps["torch + peft LoRA"]["first_loss"])
         if agree > 1e-4 * abs(steps["torch + peft LoRA"]["first_loss"]):
             raise RuntimeError(f"the first LoRA losses differ by {agree}: the two sides do not train the same model")
-        memory = {}
-        print(f"\n  {'configuration':36s} {'peak RSS MB':>12s} {'training MB':>12s} {'XLA step MB':>12s}")
-        for name in MEMORY_CONFIGS:
-            memory[name] = measure_memory(path, ids_file, name)
-            m, xla = memory[name], memory[name]["xla_step_mb"]
+        memory = {} if args.lora_only else {name: measure_memory(path, ids_file, name) for name in MEMORY_CONFIGS}
+        if memory:
+            print(f"\n  {'configuration':36s} {'peak RSS MB':>12s} {'training MB':>12s} {'XLA step MB':>12s}")
+        for name, m in memory.items():
+            xla = m["xla_step_mb"]
             print(f"  {name:36s} {m['peak_rss_mb']:12.0f} {m['training_peak_mb']:12.0f} "
                   f"{'-' if xla is None else f'{xla:12.0f}'}")
-    ratios = {"lora_step_speedup_vs_peft": steps["torch + peft LoRA"]["median_s"] / steps["jaxformer LoRA"]["median_s"],
-              "full_step_speedup_vs_torch": steps["torch full"]["median_s"] / steps["jaxformer full"]["median_s"]}
-    for suffix in ("", " --remat"):
+    peft_s = steps["torch + peft LoRA"]["median_s"]
+    ratios = {"lora_step_speedup_vs_peft": peft_s / steps["jaxformer LoRA"]["median_s"],
+              "lora_remat_step_speedup_vs_peft": peft_s / steps["jaxformer LoRA --remat"]["median_s"]}
+    if not args.lora_only:
+        ratios["full_step_speedup_vs_torch"] = steps["torch full"]["median_s"] / steps["jaxformer full"]["median_s"]
+    for suffix in ("", " --remat") if memory else ():
         for measure in ("peak_rss_mb", "training_peak_mb", "xla_step_mb"):
             full = memory[f"full{suffix}"][measure]
             if full:
@@ -248,7 +269,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps of each row, after two untimed ones")
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     p.add_argument("--probe", choices=MEMORY_CONFIGS, help=argparse.SUPPRESS)  # (the memory subprocess)
-    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help="an existing checkpoint folder (then --d-model, --layers, --vocab unused)")
+    p.add_argument("--lora-only", action="store_true", help="the LoRA rows alone: no full fine-tuning, no memory probe")
     p.add_argument("--ids", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.probe is not None:

@@ -19,7 +19,8 @@ def test_a_tiny_run_writes_every_row_and_ratio(tmp_path, capsys):
     out = tmp_path / "finetune.json"
     assert finetune.main([*TINY, "--out", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert set(results["steps"]) == {"jaxformer LoRA", "torch + peft LoRA", "jaxformer full", "torch full"}
+    assert set(results["steps"]) == {"jaxformer LoRA", "jaxformer LoRA --remat", "torch + peft LoRA", "jaxformer full",
+                                     "torch full"}
     # The same weights and B = 0: both sides' first LoRA losses, and full fine-tuning's, are the base model's.
     first = [row["first_loss"] for row in results["steps"].values()]
     np.testing.assert_allclose(first, first[0], rtol=1e-4)
@@ -32,6 +33,21 @@ def test_a_tiny_run_writes_every_row_and_ratio(tmp_path, capsys):
     assert memory["lora"]["xla_step_mb"] < memory["full"]["xla_step_mb"]
     assert "lora_step_speedup_vs_peft" in results["ratios"] and "lora / full training_peak_mb" in results["ratios"]
     assert "first loss" in capsys.readouterr().out
+
+
+@pytest.mark.peers
+def test_lora_only_on_a_given_checkpoint_times_the_lora_rows_alone(tmp_path):
+    import_peer("peft")
+    path, out = str(tmp_path / "checkpoint"), tmp_path / "finetune.json"
+    finetune.make_checkpoint(path, d_model=128, layers=1, vocab=256, seq_len=16)
+    assert finetune.main(["--checkpoint", path, "--lora-only", "--batch", "1", "--seq-len", "16", "--steps", "1",
+                          "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["steps"]) == {"jaxformer LoRA", "jaxformer LoRA --remat", "torch + peft LoRA"}
+    assert results["memory"] == {} and set(results["ratios"]) == {"lora_step_speedup_vs_peft",
+                                                                  "lora_remat_step_speedup_vs_peft"}
+    first = [row["first_loss"] for row in results["steps"].values()]
+    np.testing.assert_allclose(first, first[0], rtol=1e-4)
 
 
 def test_a_probe_reports_its_peaks_from_a_fresh_process(tmp_path):

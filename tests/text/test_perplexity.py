@@ -11,6 +11,7 @@ import pytest
 from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer
 from conftest import count_compiles, import_peer, random_params, run_main
 
+from benchmarks.perplexity import transformers_nll
 from jaxformer import Decoder, DecoderConfig
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.lora import LoraConfig, init_lora, merge, save_peft
@@ -73,28 +74,6 @@ def test_perplexity_is_the_formula_on_each_windows_own_logits_with_one_compile(f
     assert result.tokens == len(ids) and result.windows == len(window_spans(len(ids), window, stride))
     np.testing.assert_allclose(result.nll, slow_nll(model, params, ids, window, stride), rtol=1e-5)
     assert result.perplexity == pytest.approx(np.exp(result.nll))
-
-
-def transformers_nll(model, ids, window, stride, torch) -> float:
-    """transformers' documented recipe for the perplexity of a fixed-length model, as written there."""
-    input_ids = torch.tensor([ids])
-    seq_len = input_ids.size(1)
-    nll_sum, n_tokens, prev_end_loc = 0.0, 0, 0
-    for begin_loc in range(0, seq_len, stride):
-        end_loc = min(begin_loc + window, seq_len)
-        trg_len = end_loc - prev_end_loc
-        window_ids = input_ids[:, begin_loc:end_loc]
-        target_ids = window_ids.clone()
-        target_ids[:, :-trg_len] = -100
-        with torch.no_grad():
-            loss = model(window_ids, labels=target_ids).loss
-        num_loss_tokens = (target_ids != -100).sum().item() - target_ids.size(0)
-        nll_sum += loss.item() * num_loss_tokens
-        n_tokens += num_loss_tokens
-        prev_end_loc = end_loc
-        if end_loc == seq_len:
-            break
-    return nll_sum / n_tokens
 
 
 @pytest.mark.peers
