@@ -3,7 +3,6 @@ while requests come and go; nothing recompiles after `warmup`; faults stay with 
 
 import threading
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
