@@ -81,11 +81,12 @@ def assert_shown_equals(shown: str, value) -> None:
     assert abs(float(number) / (100 if percent else 1) - value) <= tolerance * (1 + 1e-9), (shown, value)
 
 
-def check_report(run_dir: Path) -> Page:
+def check_report(run_dir: Path, snapshots: list[dict] | None = None) -> Page:
     """Checks the page of `run_dir` against its files: it parses; every section is there;
     every figure is its source's number, and every logged and evaluated number is shown;
     it links to nothing outside itself; each heatmap image is its snapshot's weights
-    through the colour map, one pixel a cell, at every recorded step.
+    through the colour map, one pixel a cell, at every recorded step (or of `snapshots`,
+    those `train.report` computed for the page).
 
     Returns:
       The parsed page.
@@ -112,7 +113,7 @@ def check_report(run_dir: Path) -> Page:
         link[:60] for link in page.links if not link.startswith(("data:", "#"))]
     assert not re.search(r"(https?:)?//[\w.-]+\.[a-z]{2,}/|@import|url\(", text)
 
-    snapshots = [s for s in read_snapshots(run_dir) if s["attention"]]
+    snapshots = [s for s in (read_snapshots(run_dir) if snapshots is None else snapshots) if s["attention"]]
     assert page.snapshot_steps == [s["step"] for s in snapshots]
     expected = [colormap(np.asarray(head)) for s in snapshots for group in s["attention"] for head in group["heads"]]
     assert len(page.images) == len(expected)

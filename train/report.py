@@ -4,10 +4,12 @@
 The demos write `RUN_DIR/report.html` themselves at step 0, at each checkpoint and at the
 end. This rebuilds it from what the run directory holds: checkpoints that have no
 snapshot yet (a run made before the page existed, or one whose snapshots file was
-removed) get one, computed from the checkpoint's parameters; then the page is written.
-Nothing else in the run directory is changed. A run in progress (whose process holds
-the directory's lock), a read-only directory or a damaged run file is refused in one
-line before anything is written.
+removed) get one on the page, computed from the checkpoint's parameters; then the page is
+written (atomically). Nothing else in the run directory is changed, so the report is a
+reader: it takes no lock, reads a run in progress as far as it has got (the run rewrites
+the page again at its next checkpoint), and never stops a run or a `--resume` from starting.
+A read-only directory or a damaged run file is refused in one line before anything is
+written.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from pathlib import Path
 import jax
 
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, exit_process, fail, run_command
-from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, lock_run_dir, read_run_config
+from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, read_run_config
 from train import cli, lm, reverse
 from train.report_page import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
-                               record_snapshot, write_report)
+                               snapshot_record, write_report)
 
 PROG = "python -m train.report"
 DEMOS: tuple[cli.Demo, ...] = (reverse, lm)  # the demos whose runs it reads
@@ -63,11 +65,12 @@ def demo_of(run_dir: Path) -> tuple[cli.Demo, object]:
                                   if f.name in recorded})
 
 
-def snapshot_checkpoints(run_dir: Path, demo: cli.Demo, settings) -> list[int]:
-    """Records a snapshot of every checkpoint that has none.
+def snapshot_checkpoints(run_dir: Path, demo: cli.Demo, settings) -> list[dict]:
+    """A `snapshot_record` of every checkpoint the run recorded none of (written nowhere:
+    the run's own files have one writer, the run).
 
     Returns:
-      The steps snapshotted.
+      The records, by step.
     """
     setup = demo.build(settings)
     snapshot = demo.snapshotter(setup, settings)
@@ -83,8 +86,7 @@ def snapshot_checkpoints(run_dir: Path, demo: cli.Demo, settings) -> list[int]:
             except Exception as e:  # noqa: BLE001 - orbax, tensorstore and json raise many types
                 print(f"checkpoint {step} does not restore ({type(e).__name__}): no snapshot of it", file=sys.stderr)
                 continue
-            record_snapshot(run_dir, step, **snapshot(jax.device_get(params)))
-            done.append(step)
+            done.append(snapshot_record(step, **snapshot(jax.device_get(params))))
     return done
 
 
@@ -100,24 +102,18 @@ def _main(argv) -> int:
     if not (run_dir / CONFIG_FILE).is_file():
         fail(PROG, f"{run_dir} is not a run directory: it holds no {CONFIG_FILE}")
     try:
-        # A run in progress rewrites its page itself; two writers would interleave snapshots.
-        lock = lock_run_dir(run_dir)
-    except ValueError as e:
+        check_writable(run_dir, f"the report page is written there ({REPORT_FILE})")
+        check_run_files(run_dir)
+        demo, settings = demo_of(run_dir)
+        with demo.random_bits():  # as the run was built and trained
+            added = snapshot_checkpoints(run_dir, demo, settings)
+        if added:
+            print(f"snapshots of checkpoints {', '.join(str(s['step']) for s in added)} added to the page")
+        print(f"report: {write_report(run_dir, computed=added)}")
+    except (ValueError, TypeError) as e:
         fail(PROG, str(e))
-    with lock:
-        try:
-            check_writable(run_dir, f"the report page is written there ({REPORT_FILE})")
-            check_run_files(run_dir)
-            demo, settings = demo_of(run_dir)
-            with demo.random_bits():  # as the run was built and trained
-                added = snapshot_checkpoints(run_dir, demo, settings)
-            if added:
-                print(f"snapshots of checkpoints {', '.join(map(str, added))} added")
-            print(f"report: {write_report(run_dir)}")
-        except (ValueError, TypeError) as e:
-            fail(PROG, str(e))
-        except OSError as e:
-            fail(PROG, f"cannot write {describe_os_error(e)}", FAILED)
+    except OSError as e:
+        fail(PROG, f"cannot write {describe_os_error(e)}", FAILED)
     return 0
 
 

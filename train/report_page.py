@@ -126,11 +126,16 @@ def record_snapshot(run_dir, step: int, attention: list[dict], samples: list[dic
     Raises:
       OSError: naming the file, when it cannot be written (nothing of the line is kept).
     """
-    record = {"step": int(step), "attention": list(attention), "samples": list(samples)}
+    record = snapshot_record(step, attention, samples)
     path = Path(run_dir) / SNAPSHOTS_FILE
     if _torn(path):  # a run killed mid-line: keep the whole lines, or this one would be appended to the part
         drop_records_after(path, math.inf)
     append_line(path, json.dumps(record))
+
+
+def snapshot_record(step: int, attention: list[dict], samples: list[dict] = ()) -> dict:
+    """One line of `snapshots.jsonl` (`record_snapshot`'s arguments)."""
+    return {"step": int(step), "attention": list(attention), "samples": list(samples)}
 
 
 def _torn(path: Path) -> bool:
@@ -155,7 +160,7 @@ def drop_snapshots_after(run_dir, step: int) -> None:
 
 # ------------------------------------------------------------------ the page
 
-def write_report(run_dir, title: str = "training run") -> Path:
+def write_report(run_dir, title: str = "training run", computed: list[dict] = ()) -> Path:
     """Builds `run_dir/report.html` from the run's files (`build_report`) and writes it
     atomically.
 
@@ -167,15 +172,17 @@ def write_report(run_dir, title: str = "training run") -> Path:
       OSError: naming the page, when it cannot be written.
     """
     path = Path(run_dir) / REPORT_FILE
-    write_text_atomically(path, build_report(run_dir, title))
+    write_text_atomically(path, build_report(run_dir, title, computed))
     return path
 
 
-def build_report(run_dir, title: str = "training run") -> str:
+def build_report(run_dir, title: str = "training run", computed: list[dict] = ()) -> str:
     """The report page of the run in `run_dir`, as HTML text.
 
     Files not there yet (no evaluation before the run ends, no snapshot of an older run)
-    leave their sections saying so.
+    leave their sections saying so. `computed`: `snapshot_record`s made by the caller for
+    checkpoints the run recorded none of (shown, not written to the run's files); a step the
+    run recorded is shown as recorded.
 
     Raises:
       ValueError: naming the file, when a run file is damaged (not valid JSON, or
@@ -185,7 +192,8 @@ def build_report(run_dir, title: str = "training run") -> str:
     about = read_about(run_dir)
     record = read_run_file(run_dir / CONFIG_FILE)
     metrics = read_metrics(run_dir / METRICS_FILE)
-    snapshots = read_snapshots(run_dir)
+    by_step = {**{s["step"]: s for s in computed}, **{s["step"]: s for s in read_snapshots(run_dir)}}
+    snapshots = [by_step[step] for step in sorted(by_step)]
     results = read_run_file(run_dir / RESULTS_FILE)
     with _reading(run_dir / METRICS_FILE):
         sections = [_curves_section(metrics, about)]

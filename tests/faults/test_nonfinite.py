@@ -42,7 +42,7 @@ from jaxformer.decoding import NO_TOKEN, Draft, NonFiniteLogitsError, PromptLook
 from jaxformer.text import generate as cli
 from jaxformer.text import save_tokenizer, train_bpe
 from jaxformer.training import Checkpointer, TrainState
-from train.report_page import (attention_group, colormap, record_session, record_snapshot,
+from train.report_page import (attention_group, colormap, read_snapshots, record_session, record_snapshot,
                                write_report)
 
 # Untied heads: a NaN row of the token embedding then reaches only the rows that read that token.
@@ -422,7 +422,7 @@ def test_colormap_draws_nonfinite_weights_grey():
 
 def test_train_report_rebuilds_a_run_that_diverged(tmp_path, capsys):
     """`python -m train.report` on such a run, with a checkpoint whose parameters are all
-    NaN and no snapshot: it snapshots it (every attention weight NaN) and builds the page."""
+    NaN and no snapshot: it snapshots it (every attention weight NaN) on the page."""
     from train import report, reverse
 
     settings = reverse.Settings(steps=10, batch_size=4, n_layer=1, d_model=16, d_ff=16, n_head=2, eval_size=4)
@@ -433,7 +433,11 @@ def test_train_report_rebuilds_a_run_that_diverged(tmp_path, capsys):
         checkpoints.save(state.replace(step=jnp.int32(10)))
         checkpoints.wait()
     assert report.main([str(run_dir)]) == 0
-    assert "snapshots of checkpoints 10 added" in capsys.readouterr().out
-    page = check_report(run_dir)
+    assert "snapshots of checkpoints 10 added to the page" in capsys.readouterr().out
+    demo, recorded = report.demo_of(run_dir)
+    with demo.random_bits():
+        computed = report.snapshot_checkpoints(run_dir, demo, recorded)
+    assert [s["step"] for s in computed] == [10]
+    page = check_report(run_dir, read_snapshots(run_dir) + computed)
     diverged = decode_png(page.images[-1])  # the checkpoint's last map: every cell grey
     np.testing.assert_array_equal(diverged.reshape(-1, 3), np.broadcast_to(GREY, (diverged.size // 3, 3)))

@@ -1,8 +1,10 @@
 """The fault matrix, a run directory in use: two processes on one run, Ctrl-C, a loss
 that stops being finite, and damaged run files.
 
-- Two processes on one run: while a run trains, a `--resume` of its directory and a
-  `train.report` of it are refused in one line (its lock); Ctrl-C then ends the run
+- Two processes on one run: while a run trains, a `--resume` of its directory is refused
+  in one line (its lock), and `train.report` (a reader, which takes no lock) builds the
+  page of the run as far as it has got; a `--resume` that starts while a report is being
+  built is not refused. Ctrl-C then ends the run
   with status 130 and one line saying what it kept; the lock dies with the process, and
   `--resume` continues from the kept checkpoint to bitwise the losses the run had logged.
 - A loss that turns NaN (`--lr 1e6`, a learning rate far too high) stops the run at
@@ -37,7 +39,7 @@ def interrupted(tmp_path_factory) -> dict:
     a process); the refused attempts and the resume run in this one.
 
     Returns:
-      What each step gave: the refused `--resume` and `train.report` (while it ran), the
+      What each step gave: the refused `--resume` and the `train.report` (while it ran), the
       run's own status and stderr, the checkpoints and losses it had, and the resume.
     """
     case = tmp_path_factory.mktemp("interrupted")
@@ -57,12 +59,34 @@ def interrupted(tmp_path_factory) -> dict:
             "before": before, "kept": kept, "saving": saving, "losses": losses, "resumed": resumed, "run_dir": run_dir}
 
 
-@pytest.mark.parametrize("attempt", ["second", "rebuild"])
-def test_a_second_process_on_a_running_run_is_refused_in_one_line(interrupted, attempt):
-    done = interrupted[attempt]
+def test_a_second_process_on_a_running_run_is_refused_in_one_line(interrupted):
+    done = interrupted["second"]
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
     assert f"run directory {interrupted['run_dir']} is in use by another process" in lines[0]
+
+
+def test_a_report_of_a_running_run_builds_its_page(interrupted):
+    done = interrupted["rebuild"]
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
+    assert f"report: {interrupted['run_dir'] / 'report.html'}" in done.stdout
+
+
+def test_a_resume_that_starts_while_a_report_is_built_is_not_refused(finished_run, tmp_path, monkeypatch):
+    """The resume, a process of its own, starts and ends while the report is between reading
+    the run and writing its page."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    resumed = []
+
+    def resume_meanwhile(*args, **kwargs):
+        resumed.append(start_cli("reverse", ["--resume", "--steps", "15", "--run-dir", str(run_dir), *ARGV]).wait(300))
+        return write_report(*args, **kwargs)
+
+    write_report = report.write_report
+    monkeypatch.setattr(report, "write_report", resume_meanwhile)
+    assert report.main([str(run_dir)]) == 0
+    assert resumed == [0] and committed_steps(run_dir)[-1] == 15
 
 
 def test_ctrl_c_ends_a_run_with_130_and_one_line_saying_what_it_kept(interrupted):

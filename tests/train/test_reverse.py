@@ -10,7 +10,7 @@ from report_page import Page, check_report, chromium, heatmap_colours_shown, ren
 
 from jaxformer.training import read_metrics
 from train import report, reverse
-from train.report_page import read_snapshots
+from train.report_page import build_report, read_snapshots, record_snapshot
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
         "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]
@@ -90,22 +90,30 @@ def test_the_report_of_a_resumed_run_covers_the_whole_run(runs):
 
 def test_train_report_rebuilds_the_maps_from_the_checkpoints(runs, tmp_path, capsys):
     """`python -m train.report` computes the snapshots of the checkpoints kept (the newest
-    three) from their parameters: the same as the run recorded. A run older than
-    about.json gets a page from its config.json."""
+    three) from their parameters: the same as the run recorded, shown on the page and
+    written nowhere else (the run's files have one writer). A run older than about.json
+    gets a page from its config.json."""
     straight, _ = runs
     run_dir = tmp_path / "copy"
     shutil.copytree(straight, run_dir)
     (run_dir / "snapshots.jsonl").unlink()
     (run_dir / "report.html").unlink()
+    demo, settings = report.demo_of(run_dir)
+    with demo.random_bits():
+        assert report.snapshot_checkpoints(run_dir, demo, settings) == read_snapshots(straight)[1:]  # steps 5, 10, 15
     assert report.main([str(run_dir)]) == 0
-    assert f"report: {run_dir / 'report.html'}" in capsys.readouterr().out
-    assert read_snapshots(run_dir) == read_snapshots(straight)[1:]  # steps 5, 10, 15
-    check_report(run_dir)
-    (run_dir / "snapshots.jsonl").unlink()
+    out = capsys.readouterr().out
+    assert "snapshots of checkpoints 5, 10, 15 added to the page" in out and f"report: {run_dir / 'report.html'}" in out
+    assert not (run_dir / "snapshots.jsonl").exists()
+    recorded = tmp_path / "recorded" / "copy"  # the run as if it had recorded those three alone (its title, too)
+    shutil.copytree(straight, recorded, ignore=shutil.ignore_patterns("checkpoints", "snapshots.jsonl"))
+    for snapshot in read_snapshots(straight)[1:]:
+        record_snapshot(recorded, snapshot["step"], snapshot["attention"], snapshot["samples"])
+    assert (run_dir / "report.html").read_text() == build_report(recorded)
+    check_report(run_dir, read_snapshots(straight)[1:])
     (run_dir / "about.json").unlink()
     assert report.main([str(run_dir)]) == 0
-    assert read_snapshots(run_dir) == read_snapshots(straight)[1:]
-    check_report(run_dir)
+    check_report(run_dir, read_snapshots(straight)[1:])
     assert "predates" in (run_dir / "report.html").read_text()
 
 
