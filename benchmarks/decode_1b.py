@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import Decoder, generate
+from jaxformer.config import DTYPES
 from jaxformer.convert import load_hf
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def seconds(run, reps: int) -> float:

@@ -21,15 +21,13 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.decode_1b import seconds
 from jaxformer import Decoder
+from jaxformer.config import DTYPES
 from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.text.perplexity import perplexity
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def transformers_nll(model, ids, window: int, stride: int, torch) -> float:

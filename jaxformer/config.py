@@ -15,6 +15,7 @@ from jaxformer.validation import as_bool, as_float, as_floating_dtype, as_int, c
 ROPE_PAIRINGS = ("split_half", "interleaved")
 ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 ATTENTION_TYPES = ("full", "sliding")  # a layer reads every earlier position, or the last `sliding_window`
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the compute dtypes a command takes by name
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's nonlinearity: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
 
 

@@ -22,13 +22,12 @@ import time
 import jax.numpy as jnp
 
 from jaxformer.command_line import OneLineParser, exit_process, fail, run_command
-from jaxformer.config import DecoderConfig
+from jaxformer.config import DTYPES, DecoderConfig
 from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
 from jaxformer.families import family_of
 from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
 from jaxformer.serving.engine import Engine
-from jaxformer.text.generate import DTYPES
 from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
 from jaxformer.training import enable_compilation_cache
 from jaxformer.validation import as_float, as_int

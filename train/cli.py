@@ -27,6 +27,7 @@ import optax
 from flax import linen as nn
 
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, note_on_interrupt
+from jaxformer.config import DTYPES
 from jaxformer.files import check_apart, write_folder_atomically, write_text_atomically
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
 from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
@@ -39,7 +40,6 @@ from jaxformer.validation import NotFinite, as_int, check_fields, one_of
 from train.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
                                record_session, record_snapshot, write_report)
 
-DTYPES = ("float32", "bfloat16")
 # Config fields a run may change on resume: how it computes, not what it learns. Parameters
 # and optimizer state are stored in float32, so the compute precision is not part of the
 # run, and recomputing activations (remat) gives the same gradients.

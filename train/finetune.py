@@ -31,7 +31,7 @@ import optax
 
 from jaxformer import Decoder, DecoderConfig, chunked_cross_entropy, generate, warmup_cosine_schedule
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
-from jaxformer.config import LORA_TARGETS, LoraConfig
+from jaxformer.config import DTYPES, LORA_TARGETS, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.families import family_of
 from jaxformer.decoder import sown_attention_weights
@@ -54,7 +54,6 @@ ALL_TARGETS = "all"  # --lora-targets: every projection LoRA can adapt
 ADAPTER_DIR = "adapter"  # in the run directory: the adapters in peft's format
 MAP_TOKENS = 32  # of the first held-out row: the report page's attention example
 SAMPLE_TOKENS = 32  # greedy tokens after the example's start, for the report page
-BASE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +111,7 @@ class Settings:
         cli.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
         cli.check(self, as_float, "weight_decay", at_least=0)
         cli.check(self, as_float, "lora_dropout", at_least=0, below=1)
-        require(self.base_dtype in BASE_DTYPES, "--base-dtype", f"one of {', '.join(BASE_DTYPES)}", self.base_dtype)
+        require(self.base_dtype in DTYPES, "--base-dtype", f"one of {', '.join(DTYPES)}", self.base_dtype)
         require(not self.full or self.base_dtype == "float32", "--base-dtype",
                 "float32 with --full, which trains (and so keeps in float32) every parameter", self.base_dtype)
         if self.lora_targets != ALL_TARGETS:
@@ -153,7 +152,7 @@ def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
                    help=f"'{ALL_TARGETS}' or a comma-separated list of {', '.join(LORA_TARGETS)}")
     p.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout,
                    help="dropout rate on the adapters' input, in training")
-    p.add_argument("--base-dtype", default=defaults.base_dtype, choices=BASE_DTYPES,
+    p.add_argument("--base-dtype", default=defaults.base_dtype, choices=DTYPES,
                    help="storage dtype of the frozen base under LoRA (bfloat16 halves its memory)")
     p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="linear warm-up steps")

@@ -18,10 +18,10 @@ import time
 from typing import Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.command_line import FAILED, OneLineParser, exit_process, fail, run_command
+from jaxformer.config import DTYPES
 from jaxformer.convert import load_hf, load_hf_config, with_scan_layers
 from jaxformer.decoder import Decoder
 from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, NonFiniteLogitsError, PromptLookup,
@@ -36,7 +36,6 @@ from jaxformer.training import check_seed, enable_compilation_cache
 from jaxformer.validation import as_int
 
 PROG = "python -m jaxformer.text.generate"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The events in which JAX reports the time it spends tracing, lowering and compiling.
 # The command's defaults where they differ from the library's (which has none for max_new_tokens).
 CLI_DEFAULTS = {"max_new_tokens": 128}

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.command_line import FAILED, OneLineParser, exit_process, fail, run_command
+from jaxformer.config import DTYPES
 from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
 from jaxformer.files import read_text
@@ -38,7 +39,6 @@ from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
 from jaxformer.validation import NotFinite, as_int, why_not_finite
 
 PROG = "python -m jaxformer.text.perplexity"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 DEFAULT_WINDOW = 1024  # or the model's context, where that is shorter
 
 
