@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+SEED_LIMIT = 2**31  # a seed is an int in [0, SEED_LIMIT): the key derivation takes an int32
+
 
 def is_traced(x) -> bool:
     """True for a value that exists only symbolically (inside `jit`, `grad`, ...)."""

@@ -17,10 +17,10 @@ import uuid
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream
 from jaxformer.text.tokenizer import Tokenizer
+from jaxformer.validation import SEED_LIMIT
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
 MAX_STOP_STRINGS = 4
-SEED_LIMIT = 2**31  # (the engine's keys take an int32 seed)
 # Fields clients may send with their default values, but whose other values this server does not do.
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),

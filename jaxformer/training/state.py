@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxformer.validation import as_int
+from jaxformer.validation import SEED_LIMIT, as_int
 
 
 @struct.dataclass
@@ -73,8 +73,6 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     out_shardings = None if state_sharding is None else (state_sharding, None)
     jitted = jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
     return jitted if frozen is None else functools.partial(jitted, frozen=frozen)
-
-SEED_LIMIT = 2**31  # a seed is an int in [0, SEED_LIMIT)
 
 
 def check_seed(seed, name: str = "seed") -> int:
