@@ -463,8 +463,8 @@ def main(argv=None) -> dict:
     # (Speculative rounds write up to k proposals past the last token: room for them.)
     max_context = max([args.prompt + args.new + max(args.spec_k, default=0),
                        *[c + args.reps + 1 for c in args.contexts], *args.capacities])
-    config = DecoderConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
-                           d_model=args.d_model, d_ff=args.d_ff, max_seq_len=max_context,
+    config = DecoderConfig(vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
+                           n_kv_head=args.n_kv_head, d_model=args.d_model, d_ff=args.d_ff, max_seq_len=max_context,
                            tie_embeddings=args.tied, dtype=args.dtype)
     model = Decoder(config)
     params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
@@ -483,7 +483,8 @@ def main(argv=None) -> dict:
 
     rows = []
     for batch in ([] if args.speculative_only else args.batch):
-        prompt = np.asarray(jax.random.randint(jax.random.key(batch), (batch, args.prompt), 0, args.vocab_size), np.int32)
+        prompt = jax.random.randint(jax.random.key(batch), (batch, args.prompt), 0, args.vocab_size)
+        prompt = np.asarray(prompt, np.int32)
         floor_s = floor_step_seconds(config, params, batch, args.prompt + args.new / 2, bandwidth)
         results = {"jaxformer loop": bench_loop(model, params, prompt, args.new, args.reps),
                    "jaxformer scanned": bench_loop(scanned_model, stacked_params, prompt, args.new, args.reps),

@@ -71,7 +71,8 @@ def make_checkpoint(path: str, d_model: int, layers: int, vocab: int, seq_len: i
     import transformers
 
     heads = d_model // 64
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=d_model, intermediate_size=d_model * 8 // 3 // 64 * 64,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=d_model,
+                                      intermediate_size=d_model * 8 // 3 // 64 * 64,
                                       num_hidden_layers=layers, num_attention_heads=heads,
                                       num_key_value_heads=max(1, heads // 4), max_position_embeddings=seq_len,
                                       tie_word_embeddings=False)

@@ -4,10 +4,11 @@
 
 Each demo is set up exactly as its CLI sets it up (`train.reverse`: the 2017 model,
 Noam-scheduled Adam, label smoothing, dropout, at the reference's batch of 64;
-`train.lm`: the copy task, AdamW with warmup-cosine and clipping), then `--steps` updates are timed one at a time, after the
-first (which compiles). Batches are made before the clock starts, so this is the update
-itself: forward, backward and optimizer. Tokens/s counts the decoder positions trained
-per second (reverse: 64 x 11 target tokens per step; copy: 64 x 65).
+`train.lm`: the copy task, AdamW with warmup-cosine and clipping), then `--steps` updates
+are timed one at a time, after the first (which compiles). Batches are made before the
+clock starts, so this is the update itself: forward, backward and optimizer. Tokens/s
+counts the decoder positions trained per second (reverse: 64 x 11 target tokens per step;
+copy: 64 x 65).
 
 GFLOP/s is the step's floating-point operations over its median time, and "% peak" that
 rate over this machine's float32 matmul peak, measured in the same run: the best of

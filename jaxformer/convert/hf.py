@@ -248,7 +248,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
         seen.add(key)
     missing = sorted(table.keys() - seen)
     if missing or unexpected:
-        raise ValueError(f"{path}: tensors do not match config.json: missing {missing}, unexpected {sorted(unexpected)}")
+        raise ValueError(f"{path}: tensors do not match config.json: missing {missing}, "
+                         f"unexpected {sorted(unexpected)}")
     if stored_head is not None and not np.array_equal(stored_head.astype(config.param_dtype), params["embed"]):
         raise ValueError(f"{path}: config.json tie_word_embeddings: is true but lm_head.weight differs from "
                          "model.embed_tokens.weight")

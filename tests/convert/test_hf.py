@@ -176,7 +176,10 @@ def test_interleaved_model_is_saved_split_half_with_the_same_logits(tmp_path):
     # reordering is far below the tolerance, a wrongly permuted row is not.
     with jax.enable_x64(True):
         f64 = dict(dtype="float64", param_dtype="float64")
-        as64 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+        def as64(tree):
+            return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
         want, _ = jit_apply(Decoder(config.replace(**f64)), {"params": as64(params)}, tokens)
         got, _ = jit_apply(Decoder(loaded_config.replace(**f64)), {"params": as64(loaded)}, tokens)
     assert want.dtype == np.float64 and np.abs(want).max() > 1.0

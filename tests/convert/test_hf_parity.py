@@ -39,7 +39,8 @@ PEERS = {
     "mistral": lambda: transformers.MistralConfig(**COMMON, head_dim=24),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON),  # q/k/v biases, untied
     # Llama 3.2's RoPE exactly as shipped (its 8192-token original context, theta 5e5).
-    "llama3.2": lambda: transformers.LlamaConfig(**{**COMMON, "rope_parameters": LLAMA3_ROPE}, tie_word_embeddings=True),
+    "llama3.2": lambda: transformers.LlamaConfig(**{**COMMON, "rope_parameters": LLAMA3_ROPE},
+                                                 tie_word_embeddings=True),
 }
 PROMPT_LEN, NEW_TOKENS = 8, 64
 TOLERANCE = 1e-4  # float32, with logits of magnitude ~10

@@ -268,7 +268,8 @@ def test_new_prompt_or_knob_values_do_not_recompile():
 
 
 @pytest.mark.parametrize("prompt, kwargs, match", [
-    (np.zeros((2, 60), np.int32), dict(max_new_tokens=5), r"prompt length \+ max_new_tokens: 60 \+ 5 = 65 .*max_seq_len=64"),
+    (np.zeros((2, 60), np.int32), dict(max_new_tokens=5),
+     r"prompt length \+ max_new_tokens: 60 \+ 5 = 65 .*max_seq_len=64"),
     (np.full((2, 3), 64), dict(max_new_tokens=5), r"prompt holds ids outside \[0, vocab_size=64\)"),
     (np.array([[1, -2, 3]]), dict(max_new_tokens=5), r"prompt holds ids outside"),
     (np.zeros((2, 3), np.float32), dict(max_new_tokens=5), "integer"),
@@ -287,7 +288,8 @@ def test_new_prompt_or_knob_values_do_not_recompile():
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_p=0.0), r"top_p must be None or in \(0, 1\]"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, top_p=1.5), "top_p"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, eos_id=64), "eos_id"),
-    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[0, 3]), r"prompt_lengths must be ints in \[1, prompt_len=3\]"),
+    (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[0, 3]),
+     r"prompt_lengths must be ints in \[1, prompt_len=3\]"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[2, 4]), "prompt_lengths"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[2, 2, 2]), "one value per row"),
     (np.zeros((2, 3), np.int32), dict(max_new_tokens=5, prompt_lengths=[2.5, 3]), "prompt_lengths must be ints"),

@@ -119,8 +119,9 @@ def test_a_training_run_whose_reader_went_away_ends_quietly(tmp_path):
     (at once when Python writes unbuffered, else at the end) finds no reader; the run
     ends there with status 141 rather than a traceback, leaving no half-started run: a
     new one that had saved nothing is undone, a finished one is kept."""
-    process = subprocess.Popen([sys.executable, "-m", "train.reverse", "--steps", "5", "--run-dir", str(tmp_path / "run"),
-                                *CLI_TINY], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = subprocess.Popen([sys.executable, "-m", "train.reverse", "--steps", "5",
+                                "--run-dir", str(tmp_path / "run"), *CLI_TINY], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     process.stdout.close()
     _, err = process.communicate(timeout=300)
     assert process.returncode == BROKEN_PIPE and "Traceback" not in err.decode(), err.decode()[-3000:]

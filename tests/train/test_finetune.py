@@ -172,7 +172,8 @@ def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, 
 @pytest.mark.parametrize("extra, message", [
     (["--lora-targets", "q_proj,wk"], "--lora-targets 'q_proj,wk', comma-separated or 'all': LoraConfig.targets "
                                       "must be distinct names among q_proj"),
-    (["--lora-targets", "qkv_proj", "--seq-len", "32"], "--lora-targets qkv_proj: qkv_proj is not a module of a llama checkpoint "
+    (["--lora-targets", "qkv_proj", "--seq-len", "32"],
+     "--lora-targets qkv_proj: qkv_proj is not a module of a llama checkpoint "
                                      "(layer 0's attn/wq is in model.layers.0.self_attn.q_proj.weight); its targets: "
                                      "q_proj, k_proj"),
     (["--seq-len", "65"], "--seq-len must be at most the model's context, 64"),

@@ -119,7 +119,8 @@ def test_the_run_directory_keeps_the_tokenizer(runs):
         setup, _ = run.trained()
         assert (run.run_dir / cli.TOKENIZER_FILE).read_text(encoding="utf-8") == setup.tokenizer.backend.to_str(
             pretty=True)
-        assert json.loads((run.run_dir / "config.json").read_text())["model"]["vocab_size"] == setup.tokenizer.vocab_size
+        recorded = json.loads((run.run_dir / "config.json").read_text())
+        assert recorded["model"]["vocab_size"] == setup.tokenizer.vocab_size
 
 
 def _edit_vocabulary(run_dir: Path) -> None:

@@ -15,7 +15,8 @@ CONFIG = DecoderConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=
 
 def test_shard_state_places_every_leaf_and_the_step_keeps_them_there():
     model = Decoder(CONFIG)
-    params = jax.jit(model.init)(jax.random.key(0), *model.init_inputs())["params"]  # (one compile, not one per operation)
+    # (jitted: one compile, not one per operation)
+    params = jax.jit(model.init)(jax.random.key(0), *model.init_inputs())["params"]
     optimizer = optax.adam(1e-2)
 
     def loss_fn(params, batch, dropout_key):

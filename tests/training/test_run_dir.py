@@ -12,7 +12,8 @@ def test_run_config_round_trip_and_mismatch(tmp_path):
     save_run_config(tmp_path, config)
     check_run_config(tmp_path, config)  # the tuple reads back as a list and still matches
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # no temp file left
-    with pytest.raises(ValueError, match=r"config.json holds a different config: d_model \(saved 64, given 128\)") as err:
+    different = r"config.json holds a different config: d_model \(saved 64, given 128\)"
+    with pytest.raises(ValueError, match=different) as err:
         check_run_config(tmp_path, {**config, "d_model": 128})
     assert "lr" not in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ValueError, match="seed"):
@@ -46,7 +47,8 @@ def test_start_run_refuses_a_used_directory_unless_resuming_the_same_run(tmp_pat
 def test_check_run_dir_reads_only_and_names_the_path(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    cases = [(a_file, False, "is a file, not a directory"), (a_file / "run", False, "cannot be created: .*file is a file"),
+    cases = [(a_file, False, "is a file, not a directory"),
+             (a_file / "run", False, "cannot be created: .*file is a file"),
              (tmp_path / "absent", True, "does not exist: there is no run to resume"),
              (tmp_path, True, "holds no config.json: not a run directory to resume")]
     for run_dir, resume, message in cases:
