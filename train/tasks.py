@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxformer.files import read_text
 from jaxformer.text import Tokenizer, char_tokenizer, train_bpe, word_tokenizer
-from jaxformer.text.dataset import windows
+from jaxformer.text.dataset import IGNORE, windows  # IGNORE: the target id of an unscored position
 
 PAD, BOS, EOS = 0, 1, 2
 N_SYMBOLS = 16
@@ -67,7 +67,6 @@ def reverse_batch(key: jax.Array, batch_size: int, min_len: int = 5, max_len: in
 COPY_LEN, COPY_SYMBOLS = 32, 48
 COPY_BOS, COPY_SEP = COPY_SYMBOLS, COPY_SYMBOLS + 1
 COPY_VOCAB = COPY_SYMBOLS + 2  # 50
-IGNORE = -1  # target id of unscored positions
 
 
 @functools.partial(jax.jit, static_argnames=("batch_size", "length"))
