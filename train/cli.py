@@ -1,4 +1,4 @@
-"""The command-line skeleton both demos share: parse, build, train, evaluate, report.
+"""The command-line skeleton the training commands share: parse, build, train, evaluate, report.
 
 A demo module is a `Demo`: a frozen `Settings` dataclass (its recipe; the defaults are
 the CLI's), `build(settings) -> Setup`, a `snapshotter`, its random-bit context and its

@@ -1,4 +1,4 @@
-"""Weights in and out of jaxformer: Hugging Face Llama-family checkpoints, PyTorch's
+"""Weights in and out of jaxformer: Hugging Face checkpoints of `jaxformer.families.FAMILIES`, PyTorch's
 `nn.Transformer`, the RoPE pairing permutation between conventions, and the per-layer
 and stacked (scanned) forms of the decoder's parameters."""
 
