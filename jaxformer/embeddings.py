@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxformer.products import product
+
 
 def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     """Rows of `table` `[vocab, d_model]` for int `ids` `[...]`, as `[..., d_model]`; an id outside
@@ -26,10 +28,9 @@ def output_logits(x: jax.Array, weight: jax.Array, tied: bool) -> jax.Array:
     Returns:
       `[..., vocab]` logits, in `x`'s dtype.
     """
-    weight = weight.astype(x.dtype)
-    if tied:
-        return jnp.einsum("...d,vd->...v", x, weight)
-    return jnp.einsum("...d,dv->...v", x, weight)
+    rows = x.reshape(-1, x.shape[-1])  # [positions, d_model]
+    logits = product("td,vd->tv" if tied else "td,dv->tv", rows, weight.astype(x.dtype))
+    return logits.reshape(*x.shape[:-1], logits.shape[-1])
 
 
 @struct.dataclass

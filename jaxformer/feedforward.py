@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.lora import project
+from jaxformer.products import product
 from jaxformer.sharding import EMBED, MLP, compute_param
 
 
@@ -26,9 +27,9 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
 
 
 def _swiglu_fwd(x, w_gate, w_up, w_down):
-    gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
-    up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
-    y = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)  # [batch, T, d_model]
+    gate = product("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
+    up = product("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
+    y = product("btf,fd->btd", jax.nn.silu(gate) * up, w_down)  # [batch, T, d_model]
     return y, (x, w_gate, w_up, w_down, gate, up)  # what the backward pass reads
 
 
@@ -45,13 +46,13 @@ def _swiglu_bwd(residuals, dy):
     d_silu = sig * (1 + gate * (1 - sig))  # silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))
     h = silu * up  # [batch, T, ffn_dim]
     # dW_down = h^T dy, formed as (dy^T h)^T: [d_model, ffn_dim], then transposed (small).
-    d_w_down = jnp.einsum("btd,btf->df", dy, h).T  # [ffn_dim, d_model]
-    dh = jnp.einsum("btd,fd->btf", dy, w_down)  # [batch, T, ffn_dim], dy W_down^T
+    d_w_down = product("btd,btf->df", dy, h).T  # [ffn_dim, d_model]
+    dh = product("btd,fd->btf", dy, w_down)  # [batch, T, ffn_dim], dy W_down^T
     d_up = dh * silu  # [batch, T, ffn_dim]
     d_gate = dh * up * d_silu  # [batch, T, ffn_dim]
-    dx = jnp.einsum("btf,df->btd", d_gate, w_gate) + jnp.einsum("btf,df->btd", d_up, w_up)  # [batch, T, d_model]
-    d_w_gate = jnp.einsum("btd,btf->df", x, d_gate)  # [d_model, ffn_dim], x^T dgate
-    d_w_up = jnp.einsum("btd,btf->df", x, d_up)  # [d_model, ffn_dim], x^T dup
+    dx = product("btf,df->btd", d_gate, w_gate) + product("btf,df->btd", d_up, w_up)  # [batch, T, d_model]
+    d_w_gate = product("btd,btf->df", x, d_gate)  # [d_model, ffn_dim], x^T dgate
+    d_w_up = product("btd,btf->df", x, d_up)  # [d_model, ffn_dim], x^T dup
     return dx, d_w_gate, d_w_up, d_w_down
 
 
@@ -65,9 +66,9 @@ def gelu_tanh(z: jax.Array) -> jax.Array:
 
 def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """`(gelu_tanh(x W_gate) * (x W_up)) W_down`; shapes as `swiglu`."""
-    gate = jnp.einsum("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
-    up = jnp.einsum("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
-    return jnp.einsum("btf,fd->btd", gelu_tanh(gate) * up, w_down)  # [batch, T, d_model]
+    gate = product("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
+    up = product("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
+    return product("btf,fd->btd", gelu_tanh(gate) * up, w_down)  # [batch, T, d_model]
 
 
 GATED_FFNS = {"silu": swiglu, "gelu_tanh": geglu}  # `DecoderConfig.mlp_activation` -> its FFN

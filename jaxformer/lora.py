@@ -21,6 +21,7 @@ nothing. The adapters are a tree shaped like the blocks' parameters, `{block: {p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from jaxformer.config import FUSED_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraCo
 from jaxformer.convert.safetensors_file import SafetensorsFile
 from jaxformer.families import family_of
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
+from jaxformer.products import product
 from jaxformer.validation import as_float, as_int, refuse
 
 PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
@@ -43,8 +45,8 @@ LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its a
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
-__all__ = ["LORA_COLLECTION", "LoraConfig", "adapter_sizes", "all_targets", "check_targets", "init_lora",
-           "load_peft", "merge", "project", "save_peft"]
+__all__ = ["LORA_COLLECTION", "Adapted", "LoraConfig", "adapter_sizes", "all_targets", "check_targets",
+           "init_lora", "load_peft", "merge", "project", "save_peft"]
 
 
 def _members(adapter: str) -> tuple[str, ...]:
@@ -77,7 +79,7 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
     Raises:
       ValueError: `config.lora` adapts one of them but the call has no adapter for it.
     """
-    outs = [jnp.einsum(equation, x, w) for _, equation, w in products]
+    outs = [product(equation, x, w) for _, equation, w in products]
     lora = module.config.lora
     if lora is None:
         return outs  # the model's plain products: nothing else is traced
@@ -145,6 +147,31 @@ def init_lora(params, lora: LoraConfig, key: jax.Array) -> dict:
             "a": jax.random.uniform(key_i, (lora.rank, n_in), jnp.float32, -bound, bound),
             "b": jnp.zeros((lora.rank, n_out), jnp.float32)}
     return adapters
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+    """A `Decoder` whose `config.lora` adapts it, as a model the decoding strategies drive
+    with its adapters beside the base, unmerged: `generate(Adapted(model), {"base": params,
+    "lora": adapters}, prompt)`. A step costs the adapters' products more than the merged
+    model's, and no second copy of the adapted matrices is made (`merge` makes one).
+    """
+
+    model: "Decoder"  # noqa: F821
+
+    def decoding_spec(self):
+        return self.model.decoding_spec()
+
+    def decoder_prompt(self, prompt, bos_id):
+        return self.model.decoder_prompt(prompt, bos_id)
+
+    def init_cache(self, batch_size: int, capacity: int, rewind: int = 0):
+        return self.model.init_cache(batch_size, capacity, rewind)
+
+    def apply(self, variables: dict, *args, **kwargs):
+        """`model.apply` with `variables["params"]` `{"base": ..., "lora": ...}` as its two collections."""
+        params = variables["params"]
+        return self.model.apply({"params": params["base"], LORA_COLLECTION: params["lora"]}, *args, **kwargs)
 
 
 def merge(params, adapters: dict, lora: LoraConfig):

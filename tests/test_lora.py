@@ -12,10 +12,11 @@ import flax.linen as nn
 from conftest import import_peer, numpy_decoder_logits, random_params
 from families.shipped import scaled_up, tiny
 
-from jaxformer import Decoder, DecoderConfig, label_smoothed_cross_entropy
+from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy
 from jaxformer.config import LORA_TARGETS
 from jaxformer.convert import load_hf
-from jaxformer.lora import LoraConfig, all_targets, check_targets, init_lora, load_peft, merge, project, save_peft
+from jaxformer.lora import (Adapted, LoraConfig, all_targets, check_targets, init_lora, load_peft, merge, project,
+                            save_peft)
 from jaxformer.training import TrainState, make_train_step
 
 CONFIG = DecoderConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32)
@@ -106,6 +107,20 @@ def test_the_unmerged_path_computes_what_the_merge_does(base):
     # A model with config.lora but no adapters given refuses, naming the collection.
     with pytest.raises(ValueError, match="config.lora adapts wq, but apply\\(\\) was given no 'lora' variables"):
         Decoder(CONFIG.replace(lora=LORA)).apply({"params": base}, jnp.asarray(TOKENS))
+
+
+
+def test_decoding_with_the_adapters_unmerged_gives_the_merged_models_tokens(base):
+    """`Adapted`: greedy and sampled decoding with the adapters beside the base equal the
+    merged model's, and differ from the base's (the adapters are really read)."""
+    adapters = trained_looking(init_lora(base, LORA, jax.random.key(0)))
+    adapted = Adapted(Decoder(CONFIG.replace(lora=LORA)))
+    prompt = np.asarray(TOKENS[:, :4], np.int32)
+    for options in ({}, {"temperature": 0.8, "top_k": 20, "key": jax.random.key(3)}):
+        got = generate(adapted, {"base": base, "lora": adapters}, prompt, max_new_tokens=8, **options)
+        want = generate(Decoder(CONFIG), merge(base, adapters, LORA), prompt, max_new_tokens=8, **options)
+        np.testing.assert_array_equal(got, want)
+        assert not np.array_equal(got, generate(Decoder(CONFIG), base, prompt, max_new_tokens=8, **options))
 
 
 def test_remat_recomputes_the_same_gradients(base):

@@ -53,20 +53,22 @@ def test_bfloat16_and_sampled_generation_complete(checkpoint):
     assert out["completion_tokens"] == 8
 
 
-@pytest.mark.xfail(strict=True, reason="XLA:CPU computes a bfloat16 product of this layout from float32 copies of "
-                   "the weights, held at once: 8.8 GB measured (docs/performance.md, 'The 1B shape')")
 def test_bfloat16_generation_holds_the_bfloat16_weights_and_little_more(checkpoint):
+    """bf16 weights (2.47 GB) and a 256-position bf16 cache: the peak is within 1.3x. It was
+    4.0x while XLA:CPU computed the products from float32 copies of the weights."""
     _, peak = generate(checkpoint, "bfloat16")
     assert peak <= 1.3 * BF16_WEIGHTS + 16 * 2 * 256 * 8 * 64 * 2, f"{peak / GB:.2f} GB"
 
 
 def test_a_lora_step_on_the_1b_shape_completes(checkpoint, tmp_path):
-    """Before the frozen base became an argument of the step, this process was killed at
-    24 GB: every step program carried the weights as constants."""
+    """Within 2x the bfloat16 weights. Before the frozen base became an argument of the
+    step, this process was killed at 24 GB: every step program carried the weights as constants."""
     data = tmp_path / "text.txt"
     data.write_text(llama_1b.TEXT * 20)
     done, peak = run_measured("train.finetune", "--checkpoint", checkpoint, "--data", str(data), "--steps", "1",
                               "--batch-size", "1", "--seq-len", "128", "--lora-rank", "8", "--base-dtype", "bfloat16",
                               "--dtype", "bfloat16", "--warmup", "1", "--run-dir", str(tmp_path / "run"))
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
-    print(f"LoRA step, 1B shape: peak {peak / GB:.2f} GB = {peak / BF16_WEIGHTS:.1f}x the bfloat16 weights")
+    # The held-out evaluations and the report's snapshots apply the adapters beside the base:
+    # merged into a copy of it, they took the peak to 2.65x.
+    assert peak <= 2 * BF16_WEIGHTS, f"LoRA step, 1B shape: peak {peak / GB:.2f} GB = {peak / BF16_WEIGHTS:.2f}x"

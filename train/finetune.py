@@ -32,12 +32,13 @@ import optax
 from jaxformer import Decoder, DecoderConfig, chunked_cross_entropy, generate, warmup_cosine_schedule
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.config import DTYPES, LORA_TARGETS, LoraConfig
+from jaxformer.decodable import Decodable
 from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.families import family_of
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.files import write_folder_atomically
 from jaxformer.losses import chunk_positions
-from jaxformer.lora import adapter_sizes, all_targets, check_targets, init_lora, merge, save_peft
+from jaxformer.lora import Adapted, adapter_sizes, all_targets, check_targets, init_lora, merge, save_peft
 from jaxformer.memory import check_fits, format_bytes
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer
@@ -184,12 +185,15 @@ class Tuning:
     base: dict
     data: FinetuneData
 
-    def inference(self, trained) -> tuple[Decoder, dict]:
-        """The plain model (no adapters) and parameters that compute what `trained` does:
-        with LoRA, the base with the adapters merged in."""
-        config = self.setup.model.config
-        plain = Decoder(config.replace(lora=None, remat=False))
-        return plain, (trained if config.lora is None else merge(self.base, trained, config.lora))
+    def variables(self, trained) -> dict:
+        """What the model applies with: the trained parameters, or with LoRA the base beside
+        the adapters (never merged into a copy of the base, which would hold the weights twice)."""
+        return {"params": trained} if self.setup.model.config.lora is None else {"params": self.base, "lora": trained}
+
+    def decodable(self, trained) -> tuple[Decodable, dict]:
+        """The model as decoding drives it, and its parameters: with LoRA, `Adapted`."""
+        model = Decoder(self.setup.model.config.replace(remat=False))
+        return (model, trained) if model.config.lora is None else (Adapted(model), {"base": self.base, "lora": trained})
 
 
 def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False) -> Tuning:
@@ -303,20 +307,22 @@ def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
 
 
 def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:
-    """The mean loss over every scored token of the held-out split (one compiled program)."""
-    model, params = tuning.inference(trained)
-    totals = np.array([jax.device_get(_held_out_sums(model, params, b))
+    """The mean loss over every scored token of the held-out split (one compiled program).
+    With LoRA the adapters are applied beside the base, as in training: a merged copy of the
+    base would hold the weights twice."""
+    totals = np.array([jax.device_get(_held_out_sums(tuning.setup.model, tuning.variables(trained), b))
                        for b in tuning.data.validation_batches(batch_size)], np.float64)  # [batches, 2]
     return float(totals[:, 0].sum() / totals[:, 1].sum())
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _held_out_sums(model: Decoder, params, batch) -> tuple[jax.Array, jax.Array]:
+def _held_out_sums(model: Decoder, variables, batch) -> tuple[jax.Array, jax.Array]:
     """A batch's summed loss over its scored tokens, and their count: one program for the
     evaluation before training and the one after (the parameters an argument, not a constant)."""
-    hidden, _ = model.apply({"params": params}, batch["tokens"], hidden=True)
+    hidden, _ = model.apply(variables, batch["tokens"], hidden=True)
     scored = batch["targets"] != IGNORE
-    mean = chunked_cross_entropy(hidden, batch["targets"], model.output_head(params), 0.0, ignore_id=IGNORE)
+    mean = chunked_cross_entropy(hidden, batch["targets"], model.output_head(variables["params"]), 0.0,
+                                 ignore_id=IGNORE)
     return mean * scored.sum(), scored.sum()
 
 
@@ -351,13 +357,13 @@ def snapshotter(tuning: Tuning, settings: Settings):
     prompt = jnp.asarray(example[:, :max(1, length // 2)])
 
     def snapshot(trained) -> dict:
-        model, params = tuning.inference(trained)
-        _, inter = model.apply({"params": params}, example, mutable=["intermediates"])
-        weights = np.asarray(sown_attention_weights(inter, model.config))  # [n_layer, 1, H, T, T]
+        model = Decoder(config.replace(remat=False))
+        _, inter = model.apply(tuning.variables(trained), example, mutable=["intermediates"])
+        weights = np.asarray(sown_attention_weights(inter, config))  # [n_layer, 1, H, T, T]
         attention = [attention_group("self-attention (causal)", layer, weights[layer, 0], labels, labels)
                      for layer in layers]
-        new = min(SAMPLE_TOKENS, model.config.max_seq_len - prompt.shape[1])
-        out = np.asarray(generate(model, params, prompt, max_new_tokens=new))[0]
+        new = min(SAMPLE_TOKENS, config.max_seq_len - prompt.shape[1])
+        out = np.asarray(generate(*tuning.decodable(trained), prompt, max_new_tokens=new))[0]
         return {"attention": attention,
                 "samples": [{"label": "greedy continuation of a held-out row's start",
                              "input": token_labels(tokenizer, out[:prompt.shape[1]]),
@@ -370,7 +376,6 @@ def write_outputs(tuning: Tuning, settings: Settings, trained: cli.Trained, run:
     """The adapters into RUN_DIR/adapter (LoRA), and with `--merge` the fine-tuned
     checkpoint, each folder written whole or not at all."""
     config = tuning.setup.model.config
-    plain, params = tuning.inference(trained.params)
     if config.lora is not None:
         folder = run.run_dir / ADAPTER_DIR
         write_folder_atomically(folder, lambda tmp: save_peft(config, trained.params, config.lora, str(tmp),
@@ -381,10 +386,11 @@ def write_outputs(tuning: Tuning, settings: Settings, trained: cli.Trained, run:
     if merge_dir is None:
         return
     tokenizer = tuning.setup.tokenizer
+    params = trained.params if config.lora is None else merge(tuning.base, trained.params, config.lora)
 
     def write(folder):
-        save_hf(plain.config, params, str(folder), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                pad_id=tokenizer.pad_id)
+        save_hf(config.replace(lora=None, remat=False), params, str(folder), bos_id=tokenizer.bos_id,
+                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
         save_tokenizer(tokenizer, str(folder))
 
     try:

@@ -99,7 +99,8 @@ def _shards(path: str) -> dict[str, list[str] | None]:
 def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
     """`(name, tensor)` for every tensor of a checkpoint folder, shard by shard, each a
     read-only view of the memory-mapped shard in its stored dtype (`SafetensorsFile`): no
-    tensor is copied before `load_hf` casts and lays it out."""
+    tensor is copied before `load_hf` casts and lays it out, and its pages are released once
+    the caller asks for the next."""
     index = os.path.join(path, "model.safetensors.index.json")
     for name, keys in _shards(path).items():
         shard = SafetensorsFile(os.path.join(path, name))
@@ -110,6 +111,7 @@ def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
                              "hold it")
         for key in keys or sorted(shard.keys):
             yield key, shard.tensor(key)
+            shard.release(key)  # the caller has made its copy: the mapped pages need not stay resident
         del shard  # unmapped once the last view of it is dropped
 
 

@@ -3,14 +3,15 @@ each tensor a read-only view of the memory-mapped file in its stored dtype.
 
 safetensors' `get_tensor` copies a tensor into a new buffer (and its flax reader once more,
 into an XLA one) before a loader could cast and lay it out, a copy the allocator then tends
-to keep. A view costs no memory of the process's own: its pages are the file's page cache
-(counted in RSS as file pages, given back once the file is unmapped, when its last view is
-gone).
+to keep. A view costs no memory of the process's own: its pages are the file's page cache,
+though counted in RSS as file pages while mapped; `release` gives a tensor's back once the
+loader has its copy, so a shard is never resident whole beside the copies made of it.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 from typing import Callable, Iterable
 
 import jax.numpy as jnp
@@ -39,7 +40,9 @@ class SafetensorsFile:
             raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
         # The format: an 8-byte little-endian header length, the JSON header (each tensor's
         # dtype, shape and byte range), the data. safe_open has checked it, ranges included.
-        self._data = np.memmap(file, np.uint8, mode="r")
+        with open(file, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._data = np.frombuffer(self._map, np.uint8)
         self._start = 8 + int.from_bytes(self._data[:8].tobytes(), "little")
         self._header = json.loads(self._data[8:self._start].tobytes())
 
@@ -56,6 +59,13 @@ class SafetensorsFile:
         begin, end = entry["data_offsets"]
         return self._data[self._start + begin:self._start + end].view(FLOATING_DTYPES[entry["dtype"]]).reshape(
             entry["shape"])
+
+    def release(self, key: str) -> None:
+        """Unmaps the pages of tensor `key`'s bytes from the process (`MADV_DONTNEED`): they
+        stop counting in its RSS. A view of them still reads the same bytes, from the file."""
+        begin, end = self._header[key]["data_offsets"]
+        first = (self._start + begin) // mmap.PAGESIZE * mmap.PAGESIZE  # madvise takes whole pages
+        self._map.madvise(mmap.MADV_DONTNEED, first, self._start + end - first)
 
 
 def write_safetensors(file, tensors: Iterable[tuple[str, tuple[int, ...], np.dtype]],

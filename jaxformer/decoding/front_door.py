@@ -24,9 +24,14 @@ from jaxformer.decoding.steps import as_given, check_picked, checked_steps, host
 from jaxformer.sharding import mesh_of
 
 PLAIN = Plain()
+# XLA:CPU gathers bfloat16 rows through a float32 copy of the table; in a decoding loop XLA's
+# loop-invariant code motion lifts that copy out of the loop, so a run would hold the
+# embedding table again at twice its bytes (1 GB for a 128k x 2048 bf16 table). Kept in the
+# loop, the conversion folds into the gather of the rows it needs. The programs below loop.
+NO_LOOP_HOISTING = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
-@functools.partial(jax.jit, static_argnames=("model", "mesh"))
+@functools.partial(jax.jit, static_argnames=("model", "mesh"), compiler_options=NO_LOOP_HOISTING)
 def run(model: Decodable, params, request: DecodeRequest, strategy=PLAIN, mesh=None):
     """The whole decoding run as one program: the strategy's `start`, then its `finish`.
 
@@ -51,7 +56,7 @@ def start(model: Decodable, params, request: DecodeRequest, mesh=None, strategy=
     return strategy.start(model, params, request, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("model",), donate_argnames=("state",), compiler_options=NO_LOOP_HOISTING)
 def advance(model: Decodable, params, request: DecodeRequest, state, strategy=PLAIN):
     """One round from `state`: `(state, tokens [batch, W], count)`, the first `count` columns new.
 
@@ -60,7 +65,7 @@ def advance(model: Decodable, params, request: DecodeRequest, state, strategy=PL
     return strategy.round(model, params, request, state)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
+@functools.partial(jax.jit, static_argnames=("model",), compiler_options=NO_LOOP_HOISTING)
 def finish(model: Decodable, params, request: DecodeRequest, state, strategy=PLAIN):
     """After `start`, the rest of the run: `(tokens [batch, max_new_tokens], figures)`, as `run`."""
     return strategy.finish(model, params, request, state)

@@ -19,7 +19,7 @@ from checkpoints import CHAT_TEMPLATE, bpe_tokenizer  # noqa: E402
 
 from jaxformer import Decoder, DecoderConfig  # noqa: E402
 from jaxformer.convert import load_hf, save_hf  # noqa: E402
-from jaxformer.lora import load_peft  # noqa: E402
+from jaxformer.lora import load_peft, merge  # noqa: E402
 from jaxformer.text import Tokenizer, save_tokenizer  # noqa: E402
 from jaxformer.training import read_metrics  # noqa: E402
 from train import finetune  # noqa: E402
@@ -157,7 +157,9 @@ def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, 
     with count_compiles() as compiles:
         after = finetune.validation_loss(tuning, moved, 4)
     assert compiles == [] and before != after
-    model, params = tuning.inference(moved)
+    # The reference: the plain model on the base with the adapters merged in (the evaluation applies them unmerged).
+    config = tuning.setup.model.config
+    model, params = Decoder(config.replace(lora=None)), merge(tuning.base, moved, config.lora)
     nll, count = 0.0, 0
     for batch in tuning.data.validation_batches(4):
         logits = np.asarray(model.apply({"params": params}, batch["tokens"])[0], np.float64)

@@ -1,0 +1,93 @@
+"""`product`: float32 unchanged, bfloat16 accumulated in float32 and rounded once (values and
+gradients against float64), one row as many, and on a CPU no float32 copy of a bf16 matrix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import init_params
+
+from jaxformer import Decoder, DecoderConfig
+from jaxformer.decoding.front_door import run
+from jaxformer.decoding.request import DecodeRequest
+from jaxformer.products import product
+
+EQUATIONS = [("btd,df->btf", (3, 5, 64), (64, 48)), ("bthk,hkd->btd", (2, 3, 4, 16), (4, 16, 40)),
+             ("td,vd->tv", (6, 64), (96, 64))]
+
+
+def operands(x_shape, w_shape, dtype, seed=0):
+    kx, kw, ky = jax.random.split(jax.random.key(seed), 3)
+    return jax.random.normal(kx, x_shape).astype(dtype), jax.random.normal(kw, w_shape).astype(dtype), ky
+
+
+def within_one_rounding(got, x, w, equation):
+    """`got` is the exact product of `x` and `w` (float64) rounded once to bfloat16: within
+    bf16's unit roundoff (2^-8 of the value: 8 significant bits) plus float32 accumulation's
+    error, bounded by the sum of the terms' magnitudes (|x| . |w|) times a few float32 units."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    exact = np.einsum(equation, x64, w64)
+    magnitude = np.einsum(equation, np.abs(x64), np.abs(w64))
+    error = np.abs(np.asarray(got, np.float64) - exact)
+    assert np.all(error <= 2.0**-8 * np.abs(exact) + 2.0**-20 * magnitude), error.max()
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape", EQUATIONS)
+def test_float32_is_einsum_with_autodiffs_gradient(equation, x_shape, w_shape):
+    x, w, ky = operands(x_shape, w_shape, jnp.float32)
+    dy = jax.random.normal(ky, jnp.einsum(equation, x, w).shape)
+    got, pull = jax.vjp(lambda x, w: product(equation, x, w), x, w)
+    want, pull_want = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), x, w)
+    np.testing.assert_array_equal(got, want)
+    for g, w_ in zip(pull(dy), pull_want(dy)):
+        np.testing.assert_array_equal(g, w_)
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape", EQUATIONS)
+def test_bfloat16_values_and_gradients_are_the_float64_products_rounded_once(equation, x_shape, w_shape):
+    x, w, ky = operands(x_shape, w_shape, jnp.bfloat16)
+    y, pull = jax.vjp(jax.jit(lambda x, w: product(equation, x, w)), x, w)
+    dy = jax.random.normal(ky, y.shape).astype(jnp.bfloat16)
+    dx, dw = pull(dy)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.bfloat16 and dx.shape == x.shape and dw.shape == w.shape
+    (x_spec, w_spec), y_spec = equation.split("->")[0].split(","), equation.split("->")[1]
+    within_one_rounding(y, x, w, equation)
+    within_one_rounding(dx, dy, w, f"{y_spec},{w_spec}->{x_spec}")  # dL/dx = dy . w
+    within_one_rounding(dw, x, dy, f"{x_spec},{y_spec}->{w_spec}")  # dL/dw = x . dy
+
+
+def test_one_row_is_the_product_of_that_row():
+    """Decoding one sequence: a single row (computed beside a zero row) is the row alone's
+    product, and its gradient is too."""
+    x, w, _ = operands((1, 1, 64), (64, 48), jnp.bfloat16)
+    y = product("btd,df->btf", x, w)
+    assert y.shape == (1, 1, 48)
+    within_one_rounding(y, x, w, "btd,df->btf")
+    dx = jax.grad(lambda x: product("btd,df->btf", x, w).astype(jnp.float32).sum())(x)
+    within_one_rounding(dx, jnp.ones((1, 1, 48), jnp.bfloat16), w, "btf,df->btd")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="how XLA:CPU computes a bfloat16 product")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_bfloat16_product_needs_no_float32_copy_of_the_matrix(rows, optimized_programs):
+    """The matrix is read as bf16: XLA's temporary memory is far below the float32 copy
+    (2x the matrix) that `jnp.einsum` of bf16 operands, or a single row, makes on a CPU."""
+    x, w, _ = operands((rows, 1, 1024), (1024, 2048), jnp.bfloat16)
+    plain = jax.jit(lambda x, w: jnp.einsum("btd,df->btf", x, w)).lower(x, w).compile().memory_analysis()
+    assert plain.temp_size_in_bytes >= 2 * w.nbytes  # what this test guards against is real here
+    ours = jax.jit(lambda x, w: product("btd,df->btf", x, w)).lower(x, w).compile().memory_analysis()
+    assert ours.temp_size_in_bytes < w.nbytes / 16, ours.temp_size_in_bytes
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="how XLA:CPU computes a bfloat16 product")
+def test_a_bfloat16_decoding_run_holds_no_float32_copy_of_the_weights(optimized_programs):
+    """`generate`'s whole program with bf16 weights, batch 1: XLA's temporary memory stays
+    far below the weights (a float32 copy of them, or of the embedding table lifted out of
+    the loop, would be 2x theirs)."""
+    config = DecoderConfig(vocab_size=4096, n_layer=2, n_head=4, n_kv_head=2, d_model=256, max_seq_len=64,
+                           dtype="bfloat16", param_dtype="bfloat16")
+    model, params = Decoder(config), init_params(config)
+    weights = sum(p.nbytes for p in jax.tree.leaves(params))
+    request = DecodeRequest.create(model, np.ones((1, 8), np.int32), max_new_tokens=8)
+    memory = run.lower(model, params, request).compile().memory_analysis()
+    assert memory.temp_size_in_bytes < weights / 8, (memory.temp_size_in_bytes, weights)
