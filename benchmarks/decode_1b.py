@@ -1,6 +1,6 @@
 """Greedy decoding of the 1B shape, jaxformer against transformers in one run.
 
-    python -m benchmarks.decode_1b DIR [--batch 1 8] [--prompt 32] [--new 32] [--out decode_1b.json]
+    python -m benchmarks.decode_1b DIR [--batch 1 8] [--prompt 32] [--new 32] [--no-peer] [--out decode_1b.json]
 
 DIR is a checkpoint folder (`python -m benchmarks.llama_1b DIR` writes a Llama-3.2-1B-shaped
 one). For each dtype (float32, bfloat16) and batch size: jaxformer's `generate` (the whole
@@ -83,20 +83,28 @@ def main(argv=None) -> None:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=sorted(DTYPES))
+    p.add_argument("--no-peer", action="store_true", help="jaxformer alone (no transformers rows): an accelerator run")
     p.add_argument("--out", default="decode_1b.json")
     args = p.parse_args(argv)
     rows = []
     for dtype in args.dtypes:
-        for make in (jaxformer_rows, transformers_rows):
+        for make in (jaxformer_rows,) if args.no_peer else (jaxformer_rows, transformers_rows):
             rows += make(args.checkpoint, dtype, args.batch, args.prompt, args.new, args.reps)
     peer = {(r["dtype"], r["batch"]): r for r in rows if r["impl"] == "transformers"}
+    float32 = {r["batch"]: r for r in rows if r["impl"] == "jaxformer" and r["dtype"] == "float32"}
     for r in rows:
-        hf = peer[r["dtype"], r["batch"]]
-        r["vs_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
-        r["same_tokens"] = r["tokens"] == hf["tokens"]
-        floor = f"  {r['floor_pct']:.0f} % of floor" if "floor_pct" in r else ""
-        print(f"{r['impl']:12s} {r['dtype']:8s} batch {r['batch']}: {r['tokens_per_s']:6.2f} tokens/s  "
-              f"{r['vs_transformers']:.2f}x transformers{floor}  same tokens: {r['same_tokens']}")
+        line = f"{r['impl']:12s} {r['dtype']:8s} batch {r['batch']}: {r['tokens_per_s']:6.2f} tokens/s"
+        if r["batch"] in float32 and r["impl"] == "jaxformer":
+            r["vs_float32"] = r["tokens_per_s"] / float32[r["batch"]]["tokens_per_s"]
+            line += f"  {r['vs_float32']:.2f}x float32"
+        if (r["dtype"], r["batch"]) in peer:
+            hf = peer[r["dtype"], r["batch"]]
+            r["vs_transformers"] = r["tokens_per_s"] / hf["tokens_per_s"]
+            r["same_tokens"] = r["tokens"] == hf["tokens"]
+            line += f"  {r['vs_transformers']:.2f}x transformers  same tokens: {r['same_tokens']}"
+        if "floor_pct" in r:
+            line += f"  {r['floor_pct']:.0f} % of floor"
+        print(line)
     with open(args.out, "w") as f:
         json.dump({"settings": vars(args), "jax": jax.__version__, "rows": rows}, f, indent=1)
 

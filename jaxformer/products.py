@@ -1,6 +1,6 @@
 """`product(equation, x, w)`: the einsum every weight matrix of the decoder is applied with.
 
-In float32 it is `jnp.einsum`. With narrower operands (bfloat16) every product accumulates
+In float32 (and float64) it is `jnp.einsum`. With narrower operands (bfloat16) every product accumulates
 in float32 and rounds once, on every backend, and is written so that XLA:CPU runs it on
 bfloat16 data (docs/performance.md, "bfloat16 on a CPU"):
 
@@ -34,8 +34,8 @@ def product(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
     Returns:
       The product, in `x`'s dtype.
     """
-    if x.dtype == jnp.float32 and w.dtype == jnp.float32:
-        return jnp.einsum(equation, x, w)  # already float32 throughout: autodiff's gradient
+    if min(jnp.finfo(x.dtype).bits, jnp.finfo(w.dtype).bits) >= 32:
+        return jnp.einsum(equation, x, w)  # float32 (or float64) throughout: autodiff's gradient
     return _narrow(equation, x, w)
 
 

@@ -32,15 +32,18 @@ def within_one_rounding(got, x, w, equation):
     assert np.all(error <= 2.0**-8 * np.abs(exact) + 2.0**-20 * magnitude), error.max()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("equation,x_shape,w_shape", EQUATIONS)
-def test_float32_is_einsum_with_autodiffs_gradient(equation, x_shape, w_shape):
-    x, w, ky = operands(x_shape, w_shape, jnp.float32)
-    dy = jax.random.normal(ky, jnp.einsum(equation, x, w).shape)
-    got, pull = jax.vjp(lambda x, w: product(equation, x, w), x, w)
-    want, pull_want = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), x, w)
-    np.testing.assert_array_equal(got, want)
-    for g, w_ in zip(pull(dy), pull_want(dy)):
-        np.testing.assert_array_equal(g, w_)
+def test_float32_and_float64_are_einsum_with_autodiffs_gradient(equation, x_shape, w_shape, dtype):
+    with jax.enable_x64(dtype == "float64"):
+        x, w, ky = operands(x_shape, w_shape, dtype)
+        dy = jax.random.normal(ky, jnp.einsum(equation, x, w).shape, dtype)
+        got, pull = jax.vjp(lambda x, w: product(equation, x, w), x, w)
+        want, pull_want = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), x, w)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, want)
+        for g, w_ in zip(pull(dy), pull_want(dy)):
+            np.testing.assert_array_equal(g, w_)
 
 
 @pytest.mark.parametrize("equation,x_shape,w_shape", EQUATIONS)
