@@ -1,52 +1,32 @@
 """jaxformer: the 2017 encoder-decoder Transformer and a modern decoder-only
-Transformer, written out plainly in JAX/Flax."""
+Transformer, written out plainly in JAX/Flax.
 
-from jaxformer.attention import (GQASelfAttention, MultiHeadAttention, attention_weights, combine_values,
-                                 dot_product_attention)
-from jaxformer.cache import KVCache, LayerKV
-from jaxformer.config import DecoderConfig, RopeScaling, VanillaConfig
-from jaxformer.decoder import Block, Decoder
-from jaxformer.feedforward import FeedForward, SwiGLU
+What a user calls is here; the parts the models are built from (attention, norms,
+positions, feed-forward layers, the blocks) stay in their modules: `jaxformer.attention`,
+`jaxformer.norms`, `jaxformer.positions`, `jaxformer.feedforward`, `jaxformer.vanilla`, ...
+"""
+
+from jaxformer.cache import KVCache
+from jaxformer.config import DecoderConfig, LoraConfig, RopeScaling, VanillaConfig
+from jaxformer.convert import load_hf, save_hf
+from jaxformer.decoder import Decoder
 from jaxformer.decoding import generate, sample_token, stream
+from jaxformer.lora import init_lora, load_peft, merge, save_peft
 from jaxformer.losses import chunked_cross_entropy, label_smoothed_cross_entropy
-from jaxformer.norms import LayerNorm, RMSNorm
-from jaxformer.positions import (apply_rope, interleaved_to_split_half, rope_attention_factor, rope_cos_sin,
-                                 rope_inv_freq, sinusoidal_table)
 from jaxformer.schedules import noam_schedule, warmup_cosine_schedule
-from jaxformer.vanilla import DecoderLayer, EncoderLayer, Residual, VanillaTransformer
+from jaxformer.serving import Engine
+from jaxformer.text import load_tokenizer, save_tokenizer
+from jaxformer.text.perplexity import perplexity
+from jaxformer.vanilla import VanillaTransformer
 
 __all__ = [
-    "Block",
-    "DecoderLayer",
-    "EncoderLayer",
-    "FeedForward",
-    "MultiHeadAttention",
-    "Residual",
-    "VanillaConfig",
-    "VanillaTransformer",
-    "attention_weights",
-    "chunked_cross_entropy",
-    "combine_values",
-    "sinusoidal_table",
-    "stream",
-    "warmup_cosine_schedule",
-    "Decoder",
-    "DecoderConfig",
-    "GQASelfAttention",
-    "KVCache",
-    "LayerNorm",
-    "LayerKV",
-    "RMSNorm",
-    "SwiGLU",
-    "apply_rope",
-    "dot_product_attention",
-    "generate",
-    "interleaved_to_split_half",
-    "label_smoothed_cross_entropy",
-    "noam_schedule",
-    "RopeScaling",
-    "rope_attention_factor",
-    "rope_cos_sin",
-    "rope_inv_freq",
-    "sample_token",
+    # the two models and their configurations
+    "Decoder", "DecoderConfig", "RopeScaling", "VanillaTransformer", "VanillaConfig",
+    # decoding: whole runs, token by token, one pick, the cache they carry, a server's engine
+    "generate", "stream", "sample_token", "KVCache", "Engine",
+    # checkpoint folders, tokenizers, LoRA adapters (peft's files)
+    "load_hf", "save_hf", "load_tokenizer", "save_tokenizer", "LoraConfig", "init_lora", "merge", "load_peft",
+    "save_peft",
+    # training and evaluation
+    "label_smoothed_cross_entropy", "chunked_cross_entropy", "noam_schedule", "warmup_cosine_schedule", "perplexity",
 ]

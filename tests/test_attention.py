@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import dot_product_attention
+from jaxformer.attention import dot_product_attention
 
 
 def _qkv(seed, batch=2, T=5, S=7, n_head=6, n_kv=2, head_dim=8):

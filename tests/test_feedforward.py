@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import DecoderConfig, SwiGLU
-from jaxformer.feedforward import swiglu
+from jaxformer import DecoderConfig
+from jaxformer.feedforward import SwiGLU, swiglu
 
 
 def plain_swiglu(x, w_gate, w_up, w_down):

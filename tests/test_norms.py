@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer import LayerNorm, RMSNorm
+from jaxformer.norms import LayerNorm, RMSNorm
 
 
 def test_rmsnorm_matches_formula_and_is_not_centred():

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer import (RopeScaling, apply_rope, interleaved_to_split_half, rope_attention_factor, rope_cos_sin,
-                       rope_inv_freq)
+from jaxformer import RopeScaling
+from jaxformer.positions import (apply_rope, interleaved_to_split_half, rope_attention_factor, rope_cos_sin,
+                                 rope_inv_freq)
 
 HEAD_DIM = 32
 

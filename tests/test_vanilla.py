@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 from conftest import jit_apply, scaled_random_params
 
-from jaxformer import (DecoderLayer, EncoderLayer, FeedForward, KVCache, MultiHeadAttention, VanillaConfig,
-                       VanillaTransformer, attention_weights, generate, sinusoidal_table, stream)
+from jaxformer import KVCache, VanillaConfig, VanillaTransformer, generate, stream
+from jaxformer.attention import MultiHeadAttention, attention_weights
+from jaxformer.feedforward import FeedForward
+from jaxformer.positions import sinusoidal_table
+from jaxformer.vanilla import DecoderLayer, EncoderLayer
 
 # The model `python -m train.reverse` trains by default.
 DEMO = VanillaConfig(src_vocab_size=19, tgt_vocab_size=19, n_layer=2, d_model=64, d_ff=128, n_head=4, max_seq_len=32)

@@ -17,7 +17,8 @@ from conftest import SMALL, import_peer, jit_apply, random_params
 from tests.families.shipped import scaled_up
 
 from jaxformer import Decoder, KVCache, generate
-from jaxformer import RopeScaling, rope_attention_factor, rope_inv_freq
+from jaxformer import RopeScaling
+from jaxformer.positions import rope_attention_factor, rope_inv_freq
 from jaxformer.convert import config_from_hf, load_hf, save_hf
 
 torch = import_peer("torch")
