@@ -11,7 +11,8 @@ from jaxformer.config import DecoderConfig, LoraConfig, RopeScaling, VanillaConf
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoder import Decoder
 from jaxformer.decoding import generate, sample_token, stream
-from jaxformer.lora import init_lora, load_peft, merge, save_peft
+from jaxformer.convert.peft import load_peft, save_peft
+from jaxformer.lora import init_lora, merge
 from jaxformer.losses import chunked_cross_entropy, label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule, warmup_cosine_schedule
 from jaxformer.serving import Engine

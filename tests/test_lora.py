@@ -15,8 +15,8 @@ from families.shipped import scaled_up, tiny
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy
 from jaxformer.config import LORA_TARGETS
 from jaxformer.convert import load_hf
-from jaxformer.lora import (Adapted, LoraConfig, all_targets, check_targets, init_lora, load_peft, merge, project,
-                            save_peft)
+from jaxformer.convert.peft import all_targets, check_targets, load_peft, save_peft
+from jaxformer.lora import Adapted, LoraConfig, init_lora, merge, project
 from jaxformer.training import TrainState, make_train_step
 
 CONFIG = DecoderConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32)

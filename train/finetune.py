@@ -38,7 +38,8 @@ from jaxformer.families import family_of
 from jaxformer.decoder import sown_attention_weights
 from jaxformer.files import write_folder_atomically
 from jaxformer.losses import chunk_positions
-from jaxformer.lora import Adapted, adapter_sizes, all_targets, check_targets, init_lora, merge, save_peft
+from jaxformer.convert.peft import adapter_sizes, all_targets, check_targets, save_peft
+from jaxformer.lora import Adapted, init_lora, merge
 from jaxformer.memory import check_fits, format_bytes
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer

@@ -28,7 +28,8 @@ from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, No
                                 Speculative, finish, run, start, stream)
 from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
-from jaxformer.lora import load_peft, merge
+from jaxformer.convert.peft import load_peft
+from jaxformer.lora import merge
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, check_fits_model, load_tokenizer

@@ -34,7 +34,8 @@ from jaxformer.config import DTYPES
 from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
 from jaxformer.files import read_text
-from jaxformer.lora import load_peft, merge
+from jaxformer.convert.peft import load_peft
+from jaxformer.lora import merge
 from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
 from jaxformer.validation import NotFinite, as_int, why_not_finite
 

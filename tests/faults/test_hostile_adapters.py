@@ -1,5 +1,5 @@
 """Hostile adapter folders: what `--adapter DIR` of `python -m jaxformer.text.generate` and
-`python -m jaxformer.text.perplexity` is given, and `jaxformer.lora.load_peft` reads.
+`python -m jaxformer.text.perplexity` is given, and `jaxformer.convert.peft.load_peft` reads.
 
 An adapter folder is someone else's file, like a checkpoint: each damage below is refused
 with one line naming the file (and the tensor), exit status 2, before the base's weights
@@ -7,7 +7,7 @@ are read, by the library and by both commands. A new adapter format or field add
 `DAMAGE`.
 
 Everything runs on the tiny random checkpoint of tiny_llama.py and a LoRA adapter for it
-saved by `jaxformer.lora.save_peft` (no network, no torch); the commands run in-process.
+saved by `jaxformer.convert.peft.save_peft` (no network, no torch); the commands run in-process.
 """
 
 import json
@@ -24,7 +24,8 @@ from harness import snapshot
 from safetensors.numpy import load_file, save_file
 from tiny_llama import CONFIG, checkpoint_and_text, params
 
-from jaxformer.lora import LoraConfig, init_lora, load_peft, merge, save_peft
+from jaxformer.convert.peft import load_peft, save_peft
+from jaxformer.lora import LoraConfig, init_lora, merge
 from jaxformer.text import generate, perplexity
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))

@@ -253,7 +253,8 @@ def test_chat_prompts_are_apply_chat_template(tmp_path):
 
 
 def test_an_adapter_decodes_as_the_merged_checkpoint_does(folder, params, tmp_path):
-    from jaxformer.lora import LoraConfig, init_lora, merge, save_peft
+    from jaxformer.convert.peft import save_peft
+    from jaxformer.lora import LoraConfig, init_lora, merge
 
     lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "up_proj"))
     adapters = jax.tree.map(lambda x: 0.5 * jax.random.normal(jax.random.key(1), x.shape),

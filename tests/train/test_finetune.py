@@ -19,7 +19,8 @@ from checkpoints import CHAT_TEMPLATE, bpe_tokenizer  # noqa: E402
 
 from jaxformer import Decoder, DecoderConfig  # noqa: E402
 from jaxformer.convert import load_hf, save_hf  # noqa: E402
-from jaxformer.lora import load_peft, merge  # noqa: E402
+from jaxformer.convert.peft import load_peft  # noqa: E402
+from jaxformer.lora import merge  # noqa: E402
 from jaxformer.text import Tokenizer, save_tokenizer  # noqa: E402
 from jaxformer.training import read_metrics  # noqa: E402
 from train import finetune  # noqa: E402
