@@ -12,6 +12,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -37,6 +38,9 @@ class Restored:
     unrestorable: tuple[tuple[int, str], ...] = ()
 
 
+READ_ATTEMPTS = 5  # listings of a live run's checkpoint folder before a reader gives up
+
+
 class Checkpointer:
     """Saves and restores `TrainState`s under `run_dir/checkpoints/<step>` with orbax.
 
@@ -57,17 +61,32 @@ class Checkpointer:
         self._background = contextlib.ExitStack()
         self._failed = False
         if read_only:
-            options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
-                                                   cleanup_tmp_directories=False, save_interval_steps=0)
-        else:
-            options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, cleanup_tmp_directories=True)
-            self._background.enter_context(_background_quiet())
+            self._manager = self._open_read_only()
+            return
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, cleanup_tmp_directories=True)
+        self._background.enter_context(_background_quiet())
         try:
-            with _quiet("absl"), self._writing():  # a read-only manager warns that it is read-only
+            with _quiet("absl"), self._writing():
                 self._manager = ocp.CheckpointManager(self.directory, options=options)
         except BaseException:
             self._background.close()
             raise
+
+    def _open_read_only(self) -> ocp.CheckpointManager:
+        """A manager that only reads. The run may be writing meanwhile: a save that commits
+        (renames `<step>.orbax-checkpoint-tmp` to `<step>`) while orbax lists the folder makes
+        the listing fail on a name that is gone, so it is listed again. Nothing is removed:
+        an unfinished save may be the live run's."""
+        options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                               cleanup_tmp_directories=False, save_interval_steps=0)
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                with _quiet("absl"):  # a read-only manager warns that it is read-only
+                    return ocp.CheckpointManager(self.directory, options=options)
+            except FileNotFoundError:
+                if attempt == READ_ATTEMPTS - 1 or not self.directory.is_dir():
+                    raise
+                time.sleep(0.05)
 
     def all_steps(self) -> list[int]:
         """The committed steps, oldest first."""

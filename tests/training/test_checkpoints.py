@@ -9,7 +9,7 @@ import optax
 import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import UNRESTORABLE_DIR, Checkpointer, make_train_step
+from jaxformer.training import UNRESTORABLE_DIR, Checkpointer, checkpoints, make_train_step
 
 
 def test_half_written_checkpoint_is_never_restored(tmp_path):
@@ -104,3 +104,24 @@ def test_restore_newest_of_nothing_and_set_aside(tmp_path):
         ckpt.save(state.replace(step=jnp.array(10, jnp.int32)))  # step 10 can be written again
         ckpt.wait()
         assert ckpt.set_aside(10) == tmp_path / UNRESTORABLE_DIR / "10-1"  # the first one is kept
+
+
+def test_a_reader_of_a_live_run_lists_again_and_removes_nothing(tmp_path, monkeypatch):
+    """A save that commits while a reader's orbax lists the folder makes the listing fail on
+    a vanished name (FileNotFoundError): the reader lists again, and never removes the live
+    run's unfinished save."""
+    saved_run(tmp_path, steps=(5, 10))
+    unfinished = tmp_path / "checkpoints" / "15.orbax-checkpoint-tmp-1"
+    unfinished.mkdir()
+    real, calls = checkpoints.ocp.CheckpointManager, []
+
+    def racing(*args, **kwargs):  # the first listing meets a folder renamed under it
+        calls.append(1)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", str(tmp_path / "checkpoints" / "15.orbax-tmp"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoints.ocp, "CheckpointManager", racing)
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        assert ckpt.all_steps() == [5, 10]
+    assert len(calls) == 2 and unfinished.is_dir()
