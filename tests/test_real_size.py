@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import llama_1b
 
-pytestmark = [pytest.mark.full, pytest.mark.alone]  # each test measures a process's peak memory
+pytestmark = pytest.mark.full
 
 GB = 1e9
 BF16_WEIGHTS = 1_235_814_400 * 2  # bytes: the parameters in bfloat16, as shipped
