@@ -23,7 +23,7 @@ the same way, for context.
 
 Memory: each jaxformer configuration (LoRA or full, `--remat` off or on, and LoRA over a
 bfloat16 base) runs in a fresh Python process that loads the checkpoint, builds the state
-and takes three steps; its peak resident memory (`ru_maxrss`: what the operating system
+and takes three steps; its peak resident memory (Linux's VmHWM: what the operating system
 counts for the process over its life, compilation's transient peak and the JAX runtime's
 few hundred MB included), its peak over the training steps after the first (Linux's VmHWM,
 reset once the first step, which compiles, is done: the parameters, optimizer state and
@@ -38,7 +38,6 @@ import functools
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -146,8 +145,9 @@ def time_torch(path: str, ids: np.ndarray, lora: bool, steps: int) -> tuple[list
     return times, first
 
 
-def training_peak_mb() -> float:
-    """The process's resident peak since `reset_peak` (Linux's VmHWM)."""
+def resident_peak_mb() -> float:
+    """The process's resident peak since it started or since `reset_peak` (Linux's VmHWM: this
+    process's own, where `ru_maxrss` would carry over the peak of the process that started it)."""
     line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmHWM:"))
     return int(line.split()[1]) / 1024
 
@@ -168,14 +168,16 @@ def probe(path: str, ids_file: str, name: str) -> dict:
     analysis = program.lower(state, batch, jax.random.key(0), **bound).compile().memory_analysis()
     state, metrics = step(state, batch, jax.random.key(0))
     jax.block_until_ready(metrics)
+    whole = resident_peak_mb()
     reset_peak()
     for i in range(1, PROBE_STEPS + 1):
         state, metrics = step(state, batch, jax.random.key(i))
         jax.block_until_ready(metrics)
     xla = None if analysis is None else (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
                                          + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "training_peak_mb": training_peak_mb(), "xla_step_mb": None if xla is None else xla / 2**20}
+    training = resident_peak_mb()
+    return {"peak_rss_mb": max(whole, training), "training_peak_mb": training,
+            "xla_step_mb": None if xla is None else xla / 2**20}
 
 
 def measure_memory(path: str, ids_file: str, name: str) -> dict:

@@ -90,12 +90,35 @@ def pytest_unconfigure(config):
 # their own (test_sharding.py's 8 devices), a module fixture, or many compiles. With
 # `--dist loadfile` a file goes to one worker whole; these are handed out first, so that
 # they run beside the many short files rather than alone at the end.
-LONGEST_FIRST = ("tests/test_sharding.py", "tests/decoding/test_speculative.py", "tests/test_docs.py",
-                 "tests/faults/test_inputs.py", "tests/benchmarks/test_decode.py", "tests/test_decoder.py")
+LONGEST_FIRST = ("tests/test_real_size.py", "tests/test_sharding.py", "tests/test_docs.py",
+                 "tests/serving/test_engine.py", "tests/serving/test_app.py", "tests/decoding/test_speculative.py",
+                 "tests/test_decoder.py", "tests/families/test_families.py")
 
 
+# The full tier (`pytest -m full`), besides what a file marks `full` itself (the real
+# sizes): the tests that start processes, run the demos and benchmarks end to end, or span
+# meshes of 8 devices. `pytest` alone runs the rest: every module's core checks, in minutes.
+FULL_TIER = {
+    "tests/test_constants.py": "every user path compiled in a process of its own",
+    "tests/test_sharding.py::test_sharding_cases_on_eight_devices": "meshes of 8 devices",
+    "tests/benchmarks/": "the benchmarks run small, end to end",
+    "tests/serving/test_app.py": "the server started, with concurrent clients",
+    "tests/faults/test_hostile_server.py": "servers started, signalled and loaded",
+    "tests/faults/test_runs.py": "runs started, raced and interrupted",
+    "tests/faults/test_interrupts.py": "commands interrupted by signals",
+    "tests/faults/test_hostile_finetune.py": "fine-tuning runs raced and refused",
+    "tests/faults/test_disks.py": "runs on disks that fill up",
+    "tests/train/": "the demos end to end",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
 def pytest_collection_modifyitems(config, items):
-    """The files of `LONGEST_FIRST` first, in that order; the rest as collected."""
+    """The full tier's tests marked `full`; the files of `LONGEST_FIRST` first, in that
+    order, the rest as collected."""
+    for item in items:
+        if any(item.nodeid.startswith(prefix) for prefix in FULL_TIER):
+            item.add_marker(pytest.mark.full)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # (a stable sort)
 

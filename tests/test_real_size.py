@@ -15,9 +15,11 @@ pytestmark = pytest.mark.full
 
 GB = 1e9
 BF16_WEIGHTS = 1_235_814_400 * 2  # bytes: the parameters in bfloat16, as shipped
-# The process's own peak (`ru_maxrss`, KiB on Linux), printed as it exits, whatever `main` returns.
-PEAK = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('peak_rss_kib', "
-        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); "
+# The process's own peak, printed as it exits, whatever `main` returns: Linux's VmHWM, the
+# high-water mark of this process's own memory. (`ru_maxrss` is not: Linux carries it across
+# `exec`, so a child started by a large pytest worker reports the worker's peak.)
+PEAK = ("import atexit, runpy, sys; atexit.register(lambda: print('peak_rss_kib', next(line.split()[1] "
+        "for line in open('/proc/self/status') if line.startswith('VmHWM:')), file=sys.stderr)); "
         "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 
 
