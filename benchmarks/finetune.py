@@ -92,7 +92,7 @@ def jax_step(path: str, ids: np.ndarray, lora: bool, remat: bool, base_dtype: st
 
     def loss_fn(trained, batch, dropout_key, base=None):  # LoRA's base: an argument of the step, not a constant
         variables = {"params": base, "lora": trained} if lora else {"params": trained}
-        hidden, _ = model.apply(variables, batch["tokens"], hidden=True)  # the loss train.finetune runs
+        hidden, _ = model.apply(variables, batch["tokens"], hidden=True)  # the loss jaxformer-finetune runs
         head = model.output_head(variables["params"])
         return chunked_cross_entropy(hidden, batch["targets"], head, 0.0), {}
 

@@ -4,7 +4,7 @@ tests/every_program.py DIR` (DIR a scratch folder). `tests/test_constants.py` ru
 reads them for constants.
 
 The paths: the training steps and their validation (`train.reverse`, `train.lm`,
-`train.finetune` with LoRA and with --full), generation (greedy, sampled, beams, prompt
+`jaxformer-finetune` with LoRA and with --full), generation (greedy, sampled, beams, prompt
 lookup, a draft model, streamed, an adapter), perplexity, and the serving engine's
 prefill and step."""
 
@@ -25,7 +25,8 @@ from jaxformer.decoding import Draft, generate, stream  # noqa: E402
 from jaxformer.serving.engine import Engine  # noqa: E402
 from jaxformer.text import generate as generate_command  # noqa: E402
 from jaxformer.text import perplexity, save_tokenizer  # noqa: E402
-from train import finetune, lm, reverse  # noqa: E402
+from jaxformer.training import finetune  # noqa: E402
+from train import lm, reverse  # noqa: E402
 
 TEXT = "Keys and values are cached, so each new token costs one step. " * 20
 # Each matrix of these models holds 128 x 512 float32s (256 KiB), over the test's limit, so a
@@ -51,8 +52,8 @@ def main(root: Path) -> None:
     ran(run_main(lm.main, [*tiny, "--n-kv-head", "1", "--run-dir", str(root / "lm")]), "train.lm")
     tune = ["--checkpoint", checkpoint, "--data", data, "--steps", "2", "--log-every", "2", "--checkpoint-every", "2",
             "--warmup", "1", "--batch-size", "2", "--seq-len", "32"]
-    ran(run_main(finetune.main, [*tune, "--lora-rank", "4", "--run-dir", str(root / "lora")]), "train.finetune")
-    ran(run_main(finetune.main, [*tune, "--full", "--run-dir", str(root / "full")]), "train.finetune --full")
+    ran(run_main(finetune.main, [*tune, "--lora-rank", "4", "--run-dir", str(root / "lora")]), "jaxformer-finetune")
+    ran(run_main(finetune.main, [*tune, "--full", "--run-dir", str(root / "full")]), "jaxformer-finetune --full")
     decode = ["--checkpoint", checkpoint, "--prompt", "Keys and", "--max-new-tokens", "6", "--max-seq-len", "64"]
     for extra in ([], ["--temperature", "0.8", "--top-k", "5", "--top-p", "0.9"], ["--num-beams", "2"],
                   ["--prompt-lookup", "2"], ["--stream"], ["--adapter", str(root / "lora" / "adapter")]):

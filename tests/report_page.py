@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxformer.training import read_metrics
-from train.report_page import colormap, read_snapshots
+from jaxformer.training.report_page import colormap, read_snapshots
 
 SECTIONS = ("curves", "attention", "evaluation", "run")
 _SHOWN = re.compile(r"(-?[\d,]*\.?\d+(?:e[-+]?\d+)?)\s*(%?)$")
@@ -86,7 +86,7 @@ def check_report(run_dir: Path, snapshots: list[dict] | None = None) -> Page:
     every figure is its source's number, and every logged and evaluated number is shown;
     it links to nothing outside itself; each heatmap image is its snapshot's weights
     through the colour map, one pixel a cell, at every recorded step (or of `snapshots`,
-    those `train.report` computed for the page).
+    those `jaxformer-report` computed for the page).
 
     Returns:
       The parsed page.

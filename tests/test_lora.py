@@ -95,7 +95,7 @@ def test_lora_config_is_checked():
 
 
 def adapted_logits(config, params, adapters, lora, tokens=TOKENS, **kwargs):
-    """The logits of the unmerged path, as train.finetune's loss computes them."""
+    """The logits of the unmerged path, as jaxformer-finetune's loss computes them."""
     out = Decoder(config.replace(lora=lora)).apply({"params": params, "lora": adapters}, jnp.asarray(tokens), **kwargs)
     return out[0]
 
@@ -201,7 +201,7 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
     np.testing.assert_allclose(out.logits.detach().numpy(), adapted_logits(config, base, adapters, lora, tokens),
                                rtol=1e-4, atol=1e-4)
 
-    # One step's loss and the adapters' gradients, through train.finetune's path (unmerged, no dropout key).
+    # One step's loss and the adapters' gradients, through jaxformer-finetune's path (unmerged, no dropout key).
     targets = np.where(labels.numpy() == -100, -100, tokens)[:, 1:]
 
     def loss(adapters, batch, dropout_key):

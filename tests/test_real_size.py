@@ -67,9 +67,10 @@ def test_a_lora_step_on_the_1b_shape_completes(checkpoint, tmp_path):
     step, this process was killed at 24 GB: every step program carried the weights as constants."""
     data = tmp_path / "text.txt"
     data.write_text(llama_1b.TEXT * 20)
-    done, peak = run_measured("train.finetune", "--checkpoint", checkpoint, "--data", str(data), "--steps", "1",
-                              "--batch-size", "1", "--seq-len", "128", "--lora-rank", "8", "--base-dtype", "bfloat16",
-                              "--dtype", "bfloat16", "--warmup", "1", "--run-dir", str(tmp_path / "run"))
+    done, peak = run_measured("jaxformer.training.finetune", "--checkpoint", checkpoint, "--data", str(data),
+                              "--steps", "1", "--batch-size", "1", "--seq-len", "128", "--lora-rank", "8",
+                              "--base-dtype", "bfloat16", "--dtype", "bfloat16", "--warmup", "1",
+                              "--run-dir", str(tmp_path / "run"))
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").exists()
     # The held-out evaluations and the report's snapshots apply the adapters beside the base:
     # merged into a copy of it, they took the peak to 2.65x.

@@ -37,8 +37,8 @@ from jaxformer.decoding.sampling import check_temperature, check_top_k, check_to
 from jaxformer.text import Tokenizer, save_tokenizer
 from jaxformer.text.streaming import REPLACEMENT
 from jaxformer.validation import as_float, as_int, one_of, require
-from train import cli
-from train.report_page import attention_group
+from jaxformer.training import runs
+from jaxformer.training.report_page import attention_group, token_labels
 from train.tasks import (BPE_MIN_VOCAB, COPY_LEN, COPY_SYMBOLS, IGNORE, TEXT_TOKENIZERS, TextCorpus, copy_batch,
                          copy_prompts, copy_tokenizer, encode_prompt)
 
@@ -114,12 +114,12 @@ class Settings:
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("data",)  # what no output may be, hold or lie inside
 
     def __post_init__(self):
-        cli.check(self, one_of, "task", choices=TASKS)
-        cli.check_shared_settings(self)
-        cli.check(self, as_int, "eval_size", "seq_len", "sample_tokens", minimum=1)
-        cli.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
-        cli.check(self, as_float, "lr", "clip", above=0)
-        cli.check(self, as_float, "weight_decay", at_least=0)
+        runs.check(self, one_of, "task", choices=TASKS)
+        runs.check_shared_settings(self)
+        runs.check(self, as_int, "eval_size", "seq_len", "sample_tokens", minimum=1)
+        runs.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
+        runs.check(self, as_float, "lr", "clip", above=0)
+        runs.check(self, as_float, "weight_decay", at_least=0)
         # The sampling knobs by generate's own rules, checked now rather than after training.
         check_temperature(self.temperature, name="--temperature")
         check_top_k(self.top_k, None, name="--top-k")  # the vocabulary is known once the data is read
@@ -132,7 +132,7 @@ class Settings:
     def _check_tokenizer(self) -> None:
         """`tokenizer` and `vocab_size` for the task, their defaults filled in, so that a
         run's record holds what it used however the flags spelled it."""
-        cli.check(self, one_of, "tokenizer", choices=TEXT_TOKENIZERS, optional=True)
+        runs.check(self, one_of, "tokenizer", choices=TEXT_TOKENIZERS, optional=True)
         require(self.task == "text" or self.tokenizer is None, "--tokenizer",
                 f"left out with --task {self.task}, whose vocabulary is its own ({COPY_SYMBOLS} symbols, BOS and SEP)",
                 self.tokenizer)
@@ -145,7 +145,7 @@ class Settings:
             if self.vocab_size is None:
                 object.__setattr__(self, "vocab_size", DEFAULT_BPE_VOCAB)
             # The 256 bytes and <|endoftext|>, at least.
-            cli.check(self, as_int, "vocab_size", minimum=BPE_MIN_VOCAB)
+            runs.check(self, as_int, "vocab_size", minimum=BPE_MIN_VOCAB)
 
     @property
     def run_name(self) -> str:
@@ -153,9 +153,9 @@ class Settings:
         return f"lm-{self.task}"
 
 
-def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
+def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
     defaults = Settings()
-    p = cli.make_parser(PROG, __doc__, defaults)
+    p = runs.make_parser(PROG, __doc__, defaults)
     p.add_argument("--task", choices=TASKS, default=defaults.task,
                    help="copy: the synthetic copy task; text: a language model of --data")
     p.add_argument("--data", metavar="FILE", help="UTF-8 text file, needed by --task text")
@@ -184,9 +184,9 @@ def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="--task text: sample among the k likeliest")
     p.add_argument("--top-p", type=float, default=defaults.top_p,
                    help="--task text: nucleus sampling, in (0, 1] (default: off, every token of the top k)")
-    cli.add_run_flags(p, "lm-<task>", checkpoint_every=200, log_every=50)
-    cli.add_export_flag(p)
-    return cli.parse(p, argv, Settings)
+    runs.add_run_flags(p, "lm-<task>", checkpoint_every=200, log_every=50)
+    runs.add_export_flag(p)
+    return runs.parse(p, argv, Settings)
 
 
 def training_length(settings: Settings) -> int:
@@ -219,7 +219,7 @@ def model_config(settings: Settings, tokenizer: Tokenizer) -> DecoderConfig:
                          dtype=settings.dtype)
 
 
-def build(settings: Settings = Settings()) -> cli.Setup:
+def build(settings: Settings = Settings()) -> runs.Setup:
     """The decoder-only demo ready to train.
 
     AdamW (0.9, 0.95) with weight decay on the matrices only, warm-up then cosine to
@@ -241,7 +241,7 @@ def build(settings: Settings = Settings()) -> cli.Setup:
     tokenizer = copy_tokenizer() if corpus is None else corpus.tokenizer
     # A prompt the vocabulary cannot spell is refused here, before training.
     model = Decoder(model_config(settings, tokenizer))
-    params = cli.init_params(model, settings.seed)
+    params = runs.init_params(model, settings.seed)
     schedule = warmup_cosine_schedule(settings.lr, settings.warmup, settings.steps)
     optimizer = optax.chain(
         optax.clip_by_global_norm(settings.clip),
@@ -258,12 +258,12 @@ def build(settings: Settings = Settings()) -> cli.Setup:
 
     make_batch = (functools.partial(copy_batch, batch_size=settings.batch_size) if corpus is None
                   else functools.partial(corpus.batch, batch_size=settings.batch_size))
-    return cli.Setup(model=model, params=params, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
+    return runs.Setup(model=model, params=params, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
                      make_batch=make_batch, tokens_per_step=settings.batch_size * training_length(settings),
                      corpus=corpus, tokenizer=tokenizer)
 
 
-def shape_trace(setup: cli.Setup, settings: Settings) -> list[tuple[str, tuple, str]]:
+def shape_trace(setup: runs.Setup, settings: Settings) -> list[tuple[str, tuple, str]]:
     """What each stage of one forward pass on two training rows produces, as `(stage,
     shape, note)` rows. Shapes only: `jax.eval_shape` traces the model abstractly."""
     c = setup.model.config
@@ -286,11 +286,11 @@ def shape_trace(setup: cli.Setup, settings: Settings) -> list[tuple[str, tuple, 
     ]
 
 
-def describe(setup: cli.Setup, settings: Settings) -> None:
+def describe(setup: runs.Setup, settings: Settings) -> None:
     """The device, the task, the model's size, and the loss of a uniform guess."""
     config, params = setup.model.config, setup.params
-    n_params = cli.count_params(params)
-    cli.print_device()
+    n_params = runs.count_params(params)
+    runs.print_device()
     tokens = f" ({settings.tokenizer} tokens)" if settings.tokenizer else ""
     print(f"task {settings.task}: vocab {config.vocab_size}{tokens}, sequences of {training_length(settings)}")
     print(f"model: {config.n_layer} layers x {config.d_model}, {config.n_head} query / {config.n_kv_head} kv heads, "
@@ -299,13 +299,7 @@ def describe(setup: cli.Setup, settings: Settings) -> None:
     print(f"chance loss (uniform) = {chance:.4f}\n")
 
 
-def token_labels(tokenizer: Tokenizer, ids) -> list[str]:
-    """Each id's text, one label a token, whitespace made visible (for the maps)."""
-    texts = (tokenizer.decode(np.asarray([i]), skip_special_tokens=False) for i in np.asarray(ids))
-    return [t.replace(" ", "\u2423").replace("\n", "\u23ce") or "\u2205" for t in texts]
-
-
-def sample_text(setup: cli.Setup, settings: Settings, params) -> str:
+def sample_text(setup: runs.Setup, settings: Settings, params) -> str:
     """The text task's continuation of its start (`sample_start`), sampled with the
     settings' knobs from `jax.random.key(settings.seed)`."""
     tokenizer = setup.tokenizer
@@ -317,13 +311,13 @@ def sample_text(setup: cli.Setup, settings: Settings, params) -> str:
     return tokenizer.decode(np.asarray(sample)[0, 0 if settings.prompt else 1:])
 
 
-def snapshotter(setup: cli.Setup, settings: Settings):
+def snapshotter(setup: runs.Setup, settings: Settings):
     """`snapshot(params)` for the report page: the self-attention of every layer and head
     on one example (a copy-task sequence, or the start of the validation text, at most
     `MAP_TOKENS` and `seq_len` long), and samples: the copy task's greedy decoding of `SNAPSHOT_PROMPTS` unseen
     patterns, or the text task's sampled continuation."""
     model, tokenizer, corpus = setup.model, setup.tokenizer, setup.corpus
-    key = jax.random.fold_in(cli.evaluation_key(settings.seed), 1)  # not the evaluation's patterns
+    key = jax.random.fold_in(runs.evaluation_key(settings.seed), 1)  # not the evaluation's patterns
     if corpus is None:
         # (On the host: sliced on the device, each slice would compile a program of its own.)
         prompts, patterns = jax.device_get(copy_prompts(key, SNAPSHOT_PROMPTS))  # [n, L + 2], [n, L]
@@ -351,7 +345,7 @@ def snapshotter(setup: cli.Setup, settings: Settings):
     return snapshot
 
 
-def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained) -> dict:
+def evaluate(setup: runs.Setup, settings: Settings, trained: runs.Trained) -> dict:
     """The copy task: token accuracy and exact match of KV-cached greedy decoding on
     unseen patterns. The text task: validation loss, and a sampled continuation.
 
@@ -361,7 +355,7 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained) -> dict
       `--prompt`, or the start of the file, with the sample).
     """
     model, params, corpus, tokenizer = setup.model, trained.params, setup.corpus, setup.tokenizer
-    eval_key = cli.evaluation_key(settings.seed)
+    eval_key = runs.evaluation_key(settings.seed)
     if corpus is None:
         prompts, patterns = jax.device_get(copy_prompts(eval_key, settings.eval_size))  # [n, L + 2], [n, L]
         out = np.asarray(generate(model, params, prompts, max_new_tokens=COPY_LEN))[:, COPY_LEN + 2:]  # [n, L]
@@ -386,7 +380,7 @@ def example_prompt(tokenizer: Tokenizer, ids) -> str:
     return " ".join(text.split())
 
 
-def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir) -> None:
+def report(settings: Settings, trained: runs.Trained, evaluation: dict, run_dir) -> None:
     """Prints the evaluation and writes the run's results to `run_dir/eval.json`."""
     results = {"steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds}
     if settings.task == "copy":
@@ -401,12 +395,13 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir) 
         print(f"\ntrain loss {trained.last['loss']:.4f}   validation loss {val:.4f} (ppl {math.exp(val):.2f})")
         print("-" * 60 + "\n" + evaluation["sample"] + "\n" + "-" * 60)
         results.update(validation_loss=val, sample=evaluation["sample"])
-    cli.write_results(run_dir, results, trained)
+    runs.write_results(run_dir, results, trained)
 
 
-def export(setup: cli.Setup, settings: Settings, trained: cli.Trained, evaluation: dict, run: cli.RunOptions) -> None:
+def export(setup: runs.Setup, settings: Settings, trained: runs.Trained, evaluation: dict,
+           run: runs.RunOptions) -> None:
     """Writes the trained model and its tokenizer to `run.export` as a Hugging Face
-    folder, as one transaction (`cli.write_export`): a previous export there is
+    folder, as one transaction (`runs.write_export`): a previous export there is
     replaced whole, or stays whole. Then prints a command that decodes it.
 
     Exits with one line (status 1) when the folder cannot be written; the run directory
@@ -420,7 +415,7 @@ def export(setup: cli.Setup, settings: Settings, trained: cli.Trained, evaluatio
         save_tokenizer(tokenizer, str(folder))
 
     try:
-        cli.write_export(path, write)
+        runs.write_export(path, write)
     except OSError as e:
         fail(PROG, f"cannot write --export {path}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
                    f"export it with the same flags and --resume --run-dir {run.run_dir} --export {path}", FAILED)
@@ -441,12 +436,12 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     settings, run = parse_args(argv)
-    cli.start_process()
+    runs.start_process()
     with random_bits():
-        setup = cli.build_or_fail(PROG, build, settings)
-        with cli.start(PROG, setup, settings, run, shape_trace(setup, settings)) as begun:
+        setup = runs.build_or_fail(PROG, build, settings)
+        with runs.start(PROG, setup, settings, run, shape_trace(setup, settings)) as begun:
             describe(setup, settings)
-            trained = cli.train(setup, settings, run, begun, snapshotter(setup, settings))
+            trained = runs.train(setup, settings, run, begun, snapshotter(setup, settings))
             evaluation = evaluate(setup, settings, trained)
             report(settings, trained, evaluation, run.run_dir)
             if run.export is not None:

@@ -33,9 +33,9 @@ from jaxformer.command_line import exit_process, run_command
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.validation import as_float, as_int
-from train import cli
+from jaxformer.training import runs
 from train.attention_maps import ascii_attention, save_attention_grid
-from train.report_page import attention_group
+from jaxformer.training.report_page import attention_group
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 PROG = "python -m train.reverse"
@@ -88,9 +88,9 @@ class Settings:
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ()  # it reads no file: its data is drawn
 
     def __post_init__(self):
-        cli.check_shared_settings(self)
-        cli.check(self, as_int, "warmup", "eval_size", minimum=1)
-        cli.check(self, as_float, "label_smoothing", at_least=0, below=1)
+        runs.check_shared_settings(self)
+        runs.check(self, as_int, "warmup", "eval_size", minimum=1)
+        runs.check(self, as_float, "label_smoothing", at_least=0, below=1)
 
     @property
     def run_name(self) -> str:
@@ -98,9 +98,9 @@ class Settings:
         return "reverse"
 
 
-def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
+def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
     defaults = Settings()
-    p = cli.make_parser(PROG, __doc__, defaults)
+    p = runs.make_parser(PROG, __doc__, defaults)
     p.add_argument("--n-layer", type=int, default=defaults.n_layer, help="encoder layers (and as many decoder layers)")
     p.add_argument("--d-model", type=int, default=defaults.d_model, help="model width")
     p.add_argument("--d-ff", type=int, default=defaults.d_ff, help="feed-forward hidden width")
@@ -111,8 +111,8 @@ def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
     p.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing, help="in [0, 1)")
     p.add_argument("--eval-size", type=int, default=defaults.eval_size,
                    help="fresh sequences decoded for each evaluation set")
-    cli.add_run_flags(p, "reverse", checkpoint_every=500, log_every=100)
-    return cli.parse(p, argv, Settings)
+    runs.add_run_flags(p, "reverse", checkpoint_every=500, log_every=100)
+    return runs.parse(p, argv, Settings)
 
 
 def model_config(settings: Settings) -> VanillaConfig:
@@ -123,7 +123,7 @@ def model_config(settings: Settings) -> VanillaConfig:
                          norm_first=settings.norm_first, dtype=settings.dtype)
 
 
-def build(settings: Settings = Settings()) -> cli.Setup:
+def build(settings: Settings = Settings()) -> runs.Setup:
     """The reversal demo ready to train, with the paper's recipe.
 
     Adam (0.9, 0.98, 1e-9) on the Noam schedule, label smoothing, dropout; batches of
@@ -142,7 +142,7 @@ def build(settings: Settings = Settings()) -> cli.Setup:
         divisible by `n_head`).
     """
     model = VanillaTransformer(model_config(settings))
-    params = cli.init_params(model, settings.seed)
+    params = runs.init_params(model, settings.seed)
     schedule = noam_schedule(settings.d_model, settings.warmup)
     # The paper's Adam: beta2 0.98 and eps 1e-9. The schedule *is* the learning rate.
     optimizer = optax.adam(learning_rate=schedule, b1=0.9, b2=0.98, eps=1e-9)
@@ -154,14 +154,14 @@ def build(settings: Settings = Settings()) -> cli.Setup:
 
     make_batch = functools.partial(reverse_batch, batch_size=settings.batch_size, min_len=MIN_LEN, max_len=MAX_LEN)
     # Every target row is MAX_LEN + 1 wide: the reversed symbols, EOS, then padding.
-    return cli.Setup(model=model, params=params, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
+    return runs.Setup(model=model, params=params, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
                      make_batch=make_batch, tokens_per_step=settings.batch_size * (MAX_LEN + 1))
 
 
-def describe(setup: cli.Setup, trace) -> None:
+def describe(setup: runs.Setup, trace) -> None:
     """The device, the parameter count, and the shape trace (`shape_trace`'s rows)."""
-    cli.print_device()
-    print(f"params: {cli.count_params(setup.params):,}   (the paper's base model: 65M)\n")
+    runs.print_device()
+    print(f"params: {runs.count_params(setup.params):,}   (the paper's base model: 65M)\n")
     print("shape trace (B=batch, S=src len, T=tgt len, d=d_model, h=heads)\n")
     for name, shape, note in trace:
         print(f"  {name:<44} {str(shape):<18} {note}")
@@ -245,7 +245,7 @@ def token_text(token: int) -> str:
     return {PAD: "PAD", BOS: "BOS", EOS: "EOS"}.get(int(token), str(int(token)))
 
 
-def snapshotter(setup: cli.Setup, settings: Settings):
+def snapshotter(setup: runs.Setup, settings: Settings):
     """`snapshot(params)`: every attention map of one length-8 example, teacher-forced
     (encoder self, decoder self and cross-attention, every layer and head), for the
     report page. One compiled forward serves every call; the example is the same
@@ -291,7 +291,7 @@ def cross_attention_map(snapshot: dict, run_dir: Path | None) -> str:
     return ascii_attention(weights[-1].mean(0), rows, cols)
 
 
-def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir: Path, snapshot) -> dict:
+def evaluate(setup: runs.Setup, settings: Settings, trained: runs.Trained, run_dir: Path, snapshot) -> dict:
     """Decodes fresh sequences of the trained lengths and of the probe's longer ones,
     and draws the cross-attention map of `snapshot` (`snapshotter`'s) of the trained
     parameters (its PNG into `run_dir`, unless the run had finished before: then the one
@@ -302,7 +302,7 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir
       decoding time and the map as ASCII.
     """
     model, params = setup.model, trained.params
-    eval_key, probe_key = jax.random.split(cli.evaluation_key(settings.seed))
+    eval_key, probe_key = jax.random.split(runs.evaluation_key(settings.seed))
     start = time.perf_counter()
     seen = decoding_exact_match(model, params, eval_key, settings.eval_size, tuple(range(MIN_LEN, MAX_LEN + 1)),
                                 MAX_LEN)
@@ -311,7 +311,7 @@ def evaluate(setup: cli.Setup, settings: Settings, trained: cli.Trained, run_dir
             "map": cross_attention_map(snapshot(params), None if trained.finished_before else run_dir)}
 
 
-def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: Path) -> None:
+def report(settings: Settings, trained: runs.Trained, evaluation: dict, run_dir: Path) -> None:
     """Prints the evaluation and writes the run's results to `run_dir/eval.json`."""
     seen, probe = evaluation["seen"], evaluation["probe"]
     print(f"\ncached greedy decoding, {settings.eval_size} fresh sequences of lengths {MIN_LEN}-{MAX_LEN} "
@@ -331,7 +331,7 @@ def report(settings: Settings, trained: cli.Trained, evaluation: dict, run_dir: 
     print(f"\n  decoder step k should be reading source position {MAP_LENGTH + 1}-k -> anti-diagonal")
     print(f"  every layer and head: {run_dir / 'cross_attention.png'}")
 
-    cli.write_results(run_dir, {
+    runs.write_results(run_dir, {
         "steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds,
         "exact_match": seen["exact_match"], "per_length": seen["per_length"],
         "probe_exact_match": probe["exact_match"], "probe_per_length": probe["per_length"],
@@ -356,16 +356,16 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     settings, run = parse_args(argv)
-    cli.start_process()
+    runs.start_process()
     with random_bits():
-        setup = cli.build_or_fail(PROG, build, settings)
+        setup = runs.build_or_fail(PROG, build, settings)
         trace = shape_trace(setup.model, setup.params)
-        with cli.start(PROG, setup, settings, run, trace) as begun:
+        with runs.start(PROG, setup, settings, run, trace) as begun:
             describe(setup, trace)
             print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
                   f"batch {settings.batch_size}, run dir {run.run_dir}\n")
             snapshot = snapshotter(setup, settings)
-            trained = cli.train(setup, settings, run, begun, snapshot)
+            trained = runs.train(setup, settings, run, begun, snapshot)
             evaluation = evaluate(setup, settings, trained, run.run_dir, snapshot)
             report(settings, trained, evaluation, run.run_dir)
     return 0

@@ -25,12 +25,21 @@ CLI_TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2"
             "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]  # as tests/train/test_reverse.py
 
 
+# The commands by short name: the demos in train/, the library's commands that train.
+LIBRARY_COMMANDS = {"report": "jaxformer.training.report", "finetune": "jaxformer.training.finetune"}
+
+
+def module_of(command: str) -> str:
+    """The module `python -m` runs for `command` ("reverse", "lm", "report", "finetune")."""
+    return LIBRARY_COMMANDS.get(command, f"train.{command}")
+
+
 def run_in_process(module: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """`python -m train.<module> argv` run in this process (`conftest.run_main`): the
+    """`python -m <module_of(module)> argv` run in this process (`conftest.run_main`): the
     status, stdout and stderr a process of its own would give, without a new Python, a
     new JAX and new compiles. For every case where nothing about a separate process is
     under test."""
-    return run_main(importlib.import_module(f"train.{module}").main, argv)
+    return run_main(importlib.import_module(module_of(module)).main, argv)
 
 
 def shared_finished_run(tmp_path_factory) -> Path:
@@ -60,9 +69,9 @@ def snapshot(directory: Path) -> dict[str, str] | None:
 
 
 def start_cli(module: str, argv: list[str], stderr=subprocess.DEVNULL) -> subprocess.Popen:
-    """`python -m train.<module> argv` started in the background, its output discarded
+    """`python -m <module_of(module)> argv` started in the background, its output discarded
     (stderr: or written to the file given)."""
-    return subprocess.Popen([sys.executable, "-m", f"train.{module}", *argv], stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", module_of(module), *argv], stdout=subprocess.DEVNULL,
                             stderr=stderr, cwd=REPO)
 
 

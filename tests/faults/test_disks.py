@@ -24,7 +24,8 @@ from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_l
 
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
 from jaxformer.training import MetricsLog
-from train import report, reverse
+from jaxformer.training import report
+from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
 FULL = "No space left on device"
@@ -137,7 +138,7 @@ def test_a_read_only_run_dir_is_refused_in_one_line(finished_run, tmp_path, caps
         writes = ("a resumed run writes its checkpoints and metrics there" if command == "resume"
                   else "the report page is written there (report.html)")
         assert exit_info.value.code == 2 and err == [
-            f"python -m train.{'reverse' if command == 'resume' else 'report'}: error: {run_dir} is on a read-only "
+            f"{'python -m train.reverse' if command == 'resume' else 'jaxformer-report'}: error: {run_dir} is on a read-only "
             f"file system: {writes}"], err
         assert snapshot(run_dir) == before
 

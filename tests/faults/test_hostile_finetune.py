@@ -1,4 +1,4 @@
-"""Hostile input to `python -m train.finetune` (and the outputs of `train.lm`): each case is
+"""Hostile input to `jaxformer-finetune` (and the outputs of `train.lm`): each case is
 refused in one line before any work, or ends in one line saying why, and nothing saved changes.
 
 Sections (each a table a new flag or format extends):
@@ -36,7 +36,8 @@ from tiny_llama import CONFIG, TOKENIZER, checkpoint_and_text, params, save_chec
 
 from jaxformer.losses import CHUNK_BYTES
 from jaxformer.memory import format_bytes
-from train import finetune, lm
+from jaxformer.training import finetune
+from train import lm
 
 FAST = ["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "16", "--lora-rank", "4",
         "--log-every", "2", "--checkpoint-every", "2"]
@@ -241,7 +242,7 @@ def test_running_out_of_memory_mid_run_ends_in_one_line(root, tmp_path, monkeypa
     def out_of_memory(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123456 bytes.")
 
-    monkeypatch.setattr("train.cli.train_loop", out_of_memory)
+    monkeypatch.setattr("jaxformer.training.runs.train_loop", out_of_memory)
     done = finetune_in_process("--checkpoint", root / "checkpoint", "--data", root / "text.txt", "--run-dir",
                                tmp_path / "run", *FAST)
     assert_one_line(done, 1, "out of memory: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 123456 bytes.;"

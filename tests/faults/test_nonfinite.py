@@ -14,7 +14,7 @@ Sections:
     mid-run).
   The command: a saved checkpoint with that embedding, through `main`.
   The report page: a run whose metrics, evaluation and snapshots hold NaN and inf, and
-    `train.report` snapshotting a diverged checkpoint.
+    `jaxformer-report` snapshotting a diverged checkpoint.
 
 Every case is cheap: one tiny untied decoder and one tiny untied encoder-decoder (vocab
 32, d_model 16, one layer), built once; a run with bad parameters reuses the programs a
@@ -42,7 +42,7 @@ from jaxformer.decoding import NO_TOKEN, Draft, NonFiniteLogitsError, PromptLook
 from jaxformer.text import generate as cli
 from jaxformer.text import save_tokenizer, train_bpe
 from jaxformer.training import Checkpointer, TrainState
-from train.report_page import (attention_group, colormap, read_snapshots, record_session, record_snapshot,
+from jaxformer.training.report_page import (attention_group, colormap, read_snapshots, record_session, record_snapshot,
                                write_report)
 
 # Untied heads: a NaN row of the token embedding then reaches only the rows that read that token.
@@ -421,9 +421,10 @@ def test_colormap_draws_nonfinite_weights_grey():
 
 
 def test_train_report_rebuilds_a_run_that_diverged(tmp_path, capsys):
-    """`python -m train.report` on such a run, with a checkpoint whose parameters are all
+    """`jaxformer-report` on such a run, with a checkpoint whose parameters are all
     NaN and no snapshot: it snapshots it (every attention weight NaN) on the page."""
-    from train import report, reverse
+    from jaxformer.training import report
+    from train import reverse
 
     settings = reverse.Settings(steps=10, batch_size=4, n_layer=1, d_model=16, d_ff=16, n_head=2, eval_size=4)
     run_dir = _nonfinite_run(tmp_path / "run", dataclasses.asdict(settings))

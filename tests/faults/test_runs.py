@@ -2,7 +2,7 @@
 that stops being finite, and damaged run files.
 
 - Two processes on one run: while a run trains, a `--resume` of its directory is refused
-  in one line (its lock), and `train.report` (a reader, which takes no lock) builds the
+  in one line (its lock), and `jaxformer-report` (a reader, which takes no lock) builds the
   page of the run as far as it has got; a `--resume` that starts while a report is being
   built is not refused. Ctrl-C then ends the run
   with status 130 and one line saying what it kept; the lock dies with the process, and
@@ -11,7 +11,7 @@ that stops being finite, and damaged run files.
   once in one line naming the step, with the checkpoints before it kept and nothing
   non-finite logged or saved; parameters an update left NaN are never saved either.
 - Damaged run files (`metrics.jsonl`, `snapshots.jsonl`, `eval.json`, `about.json`):
-  `train.report` and `--resume` refuse in one line naming the file, changing nothing.
+  `jaxformer-report` and `--resume` refuse in one line naming the file, changing nothing.
 """
 
 import json
@@ -27,7 +27,8 @@ from harness import (CLI_TINY, committed_steps, last_logged_step, logged_losses,
                      shared_finished_run, snapshot, start_cli, wait_until)
 
 from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
-from train import report, reverse
+from jaxformer.training import report
+from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
 
@@ -39,7 +40,7 @@ def interrupted(tmp_path_factory) -> dict:
     a process); the refused attempts and the resume run in this one.
 
     Returns:
-      What each step gave: the refused `--resume` and the `train.report` (while it ran), the
+      What each step gave: the refused `--resume` and the `jaxformer-report` (while it ran), the
       run's own status and stderr, the checkpoints and losses it had, and the resume.
     """
     case = tmp_path_factory.mktemp("interrupted")

@@ -258,7 +258,7 @@ def test_train_lm_refuses_a_mesh_that_does_not_fit(tmp_path, capsys, flags, mess
 @pytest.mark.parametrize("strategy, data, model", MESHES[:3], ids=[f"{s}-{d}x{m}" for s, d, m in MESHES[:3]])
 def test_lora_gradients_on_a_mesh_match_one_device(strategy, data, model):
     """The frozen base placed by the rules, the adapters whole on every device (as
-    train.finetune places them), dropout on: the loss and the adapters' gradients are one
+    jaxformer-finetune places them), dropout on: the loss and the adapters' gradients are one
     device's (the same masks drawn; only the reductions' order differs)."""
     from jaxformer.lora import LoraConfig, init_lora
 
@@ -295,7 +295,7 @@ def test_train_finetune_on_a_mesh_resumes_on_another(tmp_path):
 
     from jaxformer.convert import save_hf
     from jaxformer.text import char_tokenizer, save_tokenizer
-    from train import finetune
+    from jaxformer.training import finetune
 
     words = "the cat sat on a mat and dog log".split()
     tokenizer = char_tokenizer(sorted(set(" ".join(words))))

@@ -1,4 +1,4 @@
-"""`train.cli`, the skeleton both demos share: help texts, settings, builds and run records."""
+"""`jaxformer.training.runs`, the library trainer the demos share: help texts, settings, builds and run records."""
 
 import dataclasses
 import re
@@ -6,24 +6,26 @@ import re
 import jax
 import pytest
 
-from train import cli, lm, reverse
-from train.report import DEMOS
+from jaxformer.training import report, runs
+from train import lm, reverse
 
 TINY = {reverse: dict(n_layer=1, d_model=32, d_ff=32, n_head=2, batch_size=4),
         lm: dict(n_layer=1, d_model=32, n_head=2, n_kv_head=1, batch_size=4)}
 TARGETS = {reverse: "tgt_out", lm: "targets"}  # the batch's scored ids
+DEMOS = (reverse, lm)
 
 
-@pytest.mark.parametrize("demo", DEMOS, ids=lambda demo: demo.__name__)
-def test_every_demo_is_a_demo(demo):
-    """Each module `train.report` serves has what `cli.Demo` names, and the tests
-    here cover each."""
-    for name in cli.Demo.__annotations__:
+@pytest.mark.parametrize("program", report.KINDS)
+def test_every_kind_of_run_is_made_by_a_demo(program):
+    """Each module `jaxformer-report` serves has what `runs.Demo` names, under the program
+    its runs record; the demos' settings are covered by the tests here."""
+    demo = report.demo(program)
+    for name in runs.Demo.__annotations__:
         assert hasattr(demo, name), name
     for name in ("build", "snapshotter", "random_bits", "main"):
         assert callable(getattr(demo, name)), name
     assert dataclasses.is_dataclass(demo.MODEL_CONFIG) and dataclasses.is_dataclass(demo.Settings)
-    assert demo in TINY
+    assert demo.PROG == program and (demo in TINY or demo.__name__.startswith("jaxformer."))
 
 
 def help_entries(demo, capsys) -> dict[str, str]:
@@ -51,7 +53,7 @@ def test_help_shows_every_default_once(demo, capsys):
         default = field.default
         if default is None or isinstance(default, bool) or default == "":
             continue  # the help says in words what happens without the flag
-        assert entries[cli.flag(field.name)].count(f"default: {default}") == 1, entries[cli.flag(field.name)]
+        assert entries[runs.flag(field.name)].count(f"default: {default}") == 1, entries[runs.flag(field.name)]
     assert "default: runs/" in entries["--run-dir"] and "default: one device" in entries["--mesh"]
 
 
@@ -67,13 +69,13 @@ def test_settings_name_the_flag_of_a_bad_value(demo):
 def test_build_gives_one_shape_of_setup_and_record(demo):
     settings = demo.Settings(**TINY[demo])
     setup = demo.build(settings)
-    assert isinstance(setup, cli.Setup)
+    assert isinstance(setup, runs.Setup)
     batch = setup.make_batch(jax.random.key(0))
     # (Jitted: one compile, where the eager loss compiles each of its operations.)
     loss, aux = jax.jit(setup.loss_fn)(setup.params, batch, jax.random.key(1))
     assert loss.shape == () and aux == {}
     assert setup.tokens_per_step == batch[TARGETS[demo]].size
     assert isinstance(setup.model.config, demo.MODEL_CONFIG)
-    record = cli.run_record(setup.model.config, settings)
+    record = runs.run_record(setup.model.config, settings)
     assert set(record) == {"model", *demo.Settings.RESUME_FIELDS}
-    assert record["model"]["d_model"] == 32 and not set(cli.DTYPE_FIELDS) & set(record["model"])
+    assert record["model"]["d_model"] == 32 and not set(runs.DTYPE_FIELDS) & set(record["model"])

@@ -28,7 +28,8 @@ from conftest import import_peer
 from jaxformer import Decoder, generate
 from jaxformer.text import generate as generate_cli
 from jaxformer.training import Checkpointer, TrainState
-from train import cli, lm
+from jaxformer.training.runs import EXPORT_FILES, TOKENIZER_FILE
+from train import lm
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",
         "--steps", "20", "--warmup", "2", "--seq-len", "32", "--log-every", "10", "--checkpoint-every", "10"]
@@ -117,7 +118,7 @@ def test_the_run_directory_keeps_the_tokenizer(runs):
     for kind in KINDS:
         run = runs(kind)
         setup, _ = run.trained()
-        assert (run.run_dir / cli.TOKENIZER_FILE).read_text(encoding="utf-8") == setup.tokenizer.backend.to_str(
+        assert (run.run_dir / TOKENIZER_FILE).read_text(encoding="utf-8") == setup.tokenizer.backend.to_str(
             pretty=True)
         recorded = json.loads((run.run_dir / "config.json").read_text())
         assert recorded["model"]["vocab_size"] == setup.tokenizer.vocab_size
@@ -125,7 +126,7 @@ def test_the_run_directory_keeps_the_tokenizer(runs):
 
 def _edit_vocabulary(run_dir: Path) -> None:
     """Swaps the ids of two tokens in the run's tokenizer.json (a data file that changed)."""
-    path = run_dir / cli.TOKENIZER_FILE
+    path = run_dir / TOKENIZER_FILE
     saved = json.loads(path.read_text(encoding="utf-8"))
     vocab = saved["model"]["vocab"]
     a, b = list(vocab)[:2]
@@ -135,7 +136,7 @@ def _edit_vocabulary(run_dir: Path) -> None:
 
 @pytest.mark.parametrize("damage, message", [
     (_edit_vocabulary, "tokenizer.json differs from the tokenizer this run builds"),
-    (lambda run_dir: (run_dir / cli.TOKENIZER_FILE).unlink(), "cannot read "),
+    (lambda run_dir: (run_dir / TOKENIZER_FILE).unlink(), "cannot read "),
 ], ids=["changed", "missing"])
 def test_resume_refuses_another_tokenizer_in_one_line_and_changes_nothing(runs, tmp_path, capsys, damage, message):
     run = runs("bpe")
@@ -147,7 +148,7 @@ def test_resume_refuses_another_tokenizer_in_one_line_and_changes_nothing(runs, 
         lm.main(run.resume(run_dir))
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and str(run_dir / cli.TOKENIZER_FILE) in lines[0], lines
+    assert len(lines) == 1 and message in lines[0] and str(run_dir / TOKENIZER_FILE) in lines[0], lines
     assert snapshot(run_dir) == before
 
 
@@ -157,7 +158,7 @@ def test_resume_refuses_another_tokenizer_in_one_line_and_changes_nothing(runs, 
 def test_export_writes_a_hugging_face_folder_and_says_how_to_decode_it(runs):
     for kind in KINDS:
         run = runs(kind)
-        assert sorted(p.name for p in run.export.iterdir()) == sorted(cli.EXPORT_FILES)
+        assert sorted(p.name for p in run.export.iterdir()) == sorted(EXPORT_FILES)
         hint = run.hint()
         assert hint[:5] == ["python", "-m", "jaxformer.text.generate", "--checkpoint", str(run.export)], hint
         assert hint[5] == "--prompt" and hint[6].strip(), hint
@@ -171,7 +172,7 @@ def test_resume_of_a_finished_run_exports_it_without_training(runs, tmp_path, ca
     again = tmp_path / "again"
     assert lm.main([*run.resume(), "--export", str(again)]) == 0
     assert "resuming at step 20 of 20: nothing left to train" in capsys.readouterr().out
-    for name in cli.EXPORT_FILES:  # the same parameters, written the same way
+    for name in EXPORT_FILES:  # the same parameters, written the same way
         assert (again / name).read_bytes() == (run.export / name).read_bytes(), name
 
 

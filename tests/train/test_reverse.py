@@ -9,8 +9,9 @@ from conftest import run_main
 from report_page import Page, check_report, chromium, heatmap_colours_shown, render
 
 from jaxformer.training import read_metrics
-from train import report, reverse
-from train.report_page import build_report, read_snapshots, record_snapshot
+from jaxformer.training import report
+from train import reverse
+from jaxformer.training.report_page import build_report, read_snapshots, record_snapshot
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
         "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]
@@ -89,7 +90,7 @@ def test_the_report_of_a_resumed_run_covers_the_whole_run(runs):
 
 
 def test_train_report_rebuilds_the_maps_from_the_checkpoints(runs, tmp_path, capsys):
-    """`python -m train.report` computes the snapshots of the checkpoints kept (the newest
+    """`jaxformer-report` computes the snapshots of the checkpoints kept (the newest
     three) from their parameters: the same as the run recorded, shown on the page and
     written nowhere else (the run's files have one writer). A run older than about.json
     gets a page from its config.json."""

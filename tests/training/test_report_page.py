@@ -8,7 +8,7 @@ import pytest
 from report_page import Page, check_report, decode_png
 
 from jaxformer.training import MetricsLog
-from train.report_page import (REPORT_FILE, attention_group, colormap, drop_snapshots_after, png_bytes,
+from jaxformer.training.report_page import (REPORT_FILE, attention_group, colormap, drop_snapshots_after, png_bytes,
                                read_snapshots, record_session, record_snapshot, write_report)
 
 

@@ -1,7 +1,7 @@
-"""`python -m train.report RUN_DIR`: build the report page of a run of `train.reverse` or
-`train.lm`, finished, interrupted or older than the page.
+"""`jaxformer-report RUN_DIR`: build the report page of a run of `jaxformer-finetune`,
+`train.reverse` or `train.lm`, finished, interrupted or older than the page.
 
-The demos write `RUN_DIR/report.html` themselves at step 0, at each checkpoint and at the
+Every run writes `RUN_DIR/report.html` itself at step 0, at each checkpoint and at the
 end. This rebuilds it from what the run directory holds: checkpoints that have no
 snapshot yet (a run made before the page existed, or one whose snapshots file was
 removed) get one on the page, computed from the checkpoint's parameters; then the page is
@@ -15,6 +15,7 @@ written.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 from pathlib import Path
 
@@ -22,15 +23,32 @@ import jax
 
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, exit_process, fail, run_command
 from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, read_run_config
-from train import cli, lm, reverse
-from train.report_page import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
-                               snapshot_record, write_report)
+from jaxformer.training import runs
+from jaxformer.training.report_page import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
+                                            snapshot_record, write_report)
 
-PROG = "python -m train.report"
-DEMOS: tuple[cli.Demo, ...] = (reverse, lm)  # the demos whose runs it reads
+PROG = "jaxformer-report"
+# Every kind of run, by the program `about.json` records: the module that makes it (a
+# `runs.Demo`), imported when a run of it is read (the demos are in a checkout's `train/`).
+KINDS = {"python -m train.reverse": "train.reverse", "python -m train.lm": "train.lm",
+         "jaxformer-finetune": "jaxformer.training.finetune"}
+OLDER_THAN_ABOUT = ("python -m train.reverse", "python -m train.lm")  # the kinds whose runs may lack about.json
 
 
-def demo_of(run_dir: Path) -> tuple[cli.Demo, object]:
+def demo(program: str) -> runs.Demo:
+    """The module that makes `program`'s runs.
+
+    Raises:
+      ValueError: when it cannot be imported here (a demo, outside the repository's checkout).
+    """
+    try:
+        return importlib.import_module(KINDS[program])
+    except ModuleNotFoundError as e:
+        raise ValueError(f"the run was made by {program!r}, whose module {KINDS[program]} cannot be imported here "
+                         f"({e}): run {PROG} from the repository's checkout") from None
+
+
+def demo_of(run_dir: Path) -> tuple[runs.Demo, object]:
     """The demo that made the run in `run_dir`, and its settings.
 
     The settings are those `about.json` records, with the demo its program names; a run
@@ -44,36 +62,35 @@ def demo_of(run_dir: Path) -> tuple[cli.Demo, object]:
     about_path = run_dir / ABOUT_FILE
     about = read_about(run_dir)
     if about is not None:
-        demo = next((demo for demo in DEMOS if demo.PROG == about["program"]), None)
-        if demo is None:
-            raise ValueError(f"{about_path} names {about['program']!r}, not one of "
-                             f"{', '.join(other.PROG for other in DEMOS)}")
+        if about["program"] not in KINDS:
+            raise ValueError(f"{about_path} names {about['program']!r}, not one of {', '.join(KINDS)}")
+        made_by = demo(about["program"])
         try:
-            return demo, demo.Settings(**about["settings"])
+            return made_by, made_by.Settings(**about["settings"])
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{about_path} holds settings {demo.PROG} does not take ({e}): the file is damaged, "
+            raise ValueError(f"{about_path} holds settings {made_by.PROG} does not take ({e}): the file is damaged, "
                              "or from another version") from None
     record = read_run_config(run_dir)  # ValueError naming config.json when missing or unreadable
     model = record.get("model") or {}
-    demo = next((demo for demo in DEMOS
-                 if model and set(model) <= {f.name for f in dataclasses.fields(demo.MODEL_CONFIG)}), None)
-    if demo is None:
-        raise ValueError(f"{run_dir / CONFIG_FILE} records a model none of "
-                         f"{', '.join(other.PROG for other in DEMOS)} builds (fields {sorted(model)})")
+    made_by = next((demo(program) for program in OLDER_THAN_ABOUT
+                    if model and set(model) <= {f.name for f in dataclasses.fields(demo(program).MODEL_CONFIG)}), None)
+    if made_by is None:
+        raise ValueError(f"{run_dir / CONFIG_FILE} records a model none of {', '.join(OLDER_THAN_ABOUT)} builds "
+                         f"(fields {sorted(model)})")
     recorded = {**model, **record}
-    return demo, demo.Settings(**{f.name: recorded[f.name] for f in dataclasses.fields(demo.Settings)
-                                  if f.name in recorded})
+    return made_by, made_by.Settings(**{f.name: recorded[f.name] for f in dataclasses.fields(made_by.Settings)
+                                        if f.name in recorded})
 
 
-def snapshot_checkpoints(run_dir: Path, demo: cli.Demo, settings) -> list[dict]:
+def snapshot_checkpoints(run_dir: Path, made_by: runs.Demo, settings) -> list[dict]:
     """A `snapshot_record` of every checkpoint the run recorded none of (written nowhere:
     the run's own files have one writer, the run).
 
     Returns:
       The records, by step.
     """
-    setup = demo.build(settings)
-    snapshot = demo.snapshotter(setup, settings)
+    setup = made_by.build(settings)
+    snapshot = made_by.snapshotter(setup, settings)
     recorded = {s["step"] for s in read_snapshots(run_dir)}
     target = TrainState.create(setup.params, setup.optimizer)
     done = []
@@ -104,9 +121,9 @@ def _main(argv) -> int:
     try:
         check_writable(run_dir, f"the report page is written there ({REPORT_FILE})")
         check_run_files(run_dir)
-        demo, settings = demo_of(run_dir)
-        with demo.random_bits():  # as the run was built and trained
-            added = snapshot_checkpoints(run_dir, demo, settings)
+        made_by, settings = demo_of(run_dir)
+        with made_by.random_bits():  # as the run was built and trained
+            added = snapshot_checkpoints(run_dir, made_by, settings)
         if added:
             print(f"snapshots of checkpoints {', '.join(str(s['step']) for s in added)} added to the page")
         print(f"report: {write_report(run_dir, computed=added)}")

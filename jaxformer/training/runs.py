@@ -1,11 +1,12 @@
-"""The command-line skeleton the training commands share: parse, build, train, evaluate, report.
+"""The library trainer the training commands share: parse, build, train, evaluate, report.
 
-A demo module is a `Demo`: a frozen `Settings` dataclass (its recipe; the defaults are
-the CLI's), `build(settings) -> Setup`, a `snapshotter`, its random-bit context and its
-own evaluation. This module holds the rest: the one-line-error parser, the flags every
-demo has, the run directory's name, recorded config and tokenizer, the path from a
+A command that trains (`jaxformer-finetune`, the demos `train.reverse` and `train.lm`) is a
+`Demo`: a frozen `Settings` dataclass (its recipe; the defaults are the command line's),
+`build(settings) -> Setup`, a `snapshotter`, its random-bit context and its own
+evaluation. This module holds the rest: the one-line-error parser, the flags every
+command has, the run directory's name, recorded config and tokenizer, the path from a
 `Setup` to trained parameters through `jaxformer.training`, and the run's report page
-(`train.report_page`), which a demo feeds with a `snapshot(params) -> {"attention": [...],
+(`jaxformer.training.report_page`), which a command feeds with a `snapshot(params) -> {"attention": [...],
 "samples": [...]}` of what its model does at step 0 and at every checkpoint.
 """
 
@@ -37,7 +38,7 @@ from jaxformer.training import (CHECKPOINT_DIR, METRICS_FILE, Checkpointer, Dive
                                 initialize_distributed, lock_run_dir, make_train_step, read_metrics,
                                 save_run_config, shard_batches, train_loop)
 from jaxformer.validation import NotFinite, as_int, check_fields, one_of
-from train.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
+from jaxformer.training.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
                                record_session, record_snapshot, write_report)
 
 # Config fields a run may change on resume: how it computes, not what it learns. Parameters
@@ -255,8 +256,8 @@ class Setup:
       loss_fn: `loss_fn(params, batch, dropout_key) -> (loss, {})`, for `make_train_step`.
       make_batch: `make_batch(data_key) -> batch` of the training data.
       tokens_per_step: target positions scored per update (batch rows x scored width).
-      corpus: the text the data is drawn from (`train.tasks.TextCorpus`), or None for the
-        synthetic tasks, which draw every batch from a key.
+      corpus: the data the batches are drawn from (a `jaxformer.text.dataset.FinetuneData`, the
+        text demo's corpus), or None for the synthetic tasks, which draw every batch from a key.
       tokenizer: the `jaxformer.text.Tokenizer` of the model's ids, kept in the run
         directory as `tokenizer.json`; None for a demo without one.
       param_axes: the logical axis names of `params` (`jaxformer.sharding.param_axes`' form)
@@ -279,9 +280,9 @@ class Setup:
 
 
 class Demo(Protocol):
-    """What a demo module provides (`train.reverse`, `train.lm`), so that what serves
-    every demo (this skeleton, `python -m train.report`) treats them alike, never by
-    asking which one it holds.
+    """What a module that trains provides (`train.reverse`, `train.lm`,
+    `jaxformer.training.finetune`), so that what serves every kind of run (this module,
+    `jaxformer-report`) treats them alike, never by asking which one it holds.
 
     Attributes:
       PROG: its command, e.g. "python -m train.reverse"; `about.json` records it.
@@ -306,9 +307,6 @@ class Demo(Protocol):
     def random_bits(self) -> contextlib.AbstractContextManager:
         """The context its command line builds, trains and evaluates in: the same keys
         then draw the same parameters, dropout masks and evaluation data."""
-
-    def main(self, argv=None) -> int:
-        """The command line."""
 
 
 def build_or_fail(prog: str, build: Callable, settings) -> Setup:

@@ -1,4 +1,4 @@
-"""`python -m train.finetune`: LoRA and full fine-tuning of a checkpoint folder end to end,
+"""`jaxformer-finetune`: LoRA and full fine-tuning of a checkpoint folder end to end,
 the held-out perplexity, resume, the adapters and the merged folder (against peft and
 transformers with the peers extra), and bad flags (a tiny checkpoint made here)."""
 
@@ -23,7 +23,8 @@ from jaxformer.convert.peft import load_peft  # noqa: E402
 from jaxformer.lora import merge  # noqa: E402
 from jaxformer.text import Tokenizer, save_tokenizer  # noqa: E402
 from jaxformer.training import read_metrics  # noqa: E402
-from train import finetune  # noqa: E402
+from jaxformer.training import finetune, report  # noqa: E402
+from jaxformer.training.report_page import SNAPSHOTS_FILE, read_snapshots  # noqa: E402
 
 FAST = ["--log-every", "4", "--checkpoint-every", "4", "--warmup", "2", "--batch-size", "4", "--seq-len", "32",
         "--lora-rank", "4"]
@@ -79,6 +80,24 @@ def test_lora_lowers_the_held_out_perplexity_and_writes_adapters_and_a_merged_fo
     np.testing.assert_allclose(Decoder(merged_config).apply({"params": merged}, tokens)[0], unmerged,
                                rtol=1e-5, atol=1e-5)
     assert not np.allclose(Decoder(config).apply({"params": base}, tokens)[0], unmerged, atol=1e-3)
+
+
+def test_the_report_knows_a_fine_tuning_run_and_recomputes_its_snapshots(lora_run, tmp_path):
+    """`jaxformer-report` on a LoRA run whose snapshots file is gone: it rebuilds each kept
+    checkpoint's snapshot from the base and that checkpoint's adapters, equal to the run's own."""
+    root, _ = lora_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(root / "run", run_dir)
+    recorded = {s["step"]: s for s in read_snapshots(run_dir)}
+    (run_dir / SNAPSHOTS_FILE).unlink()
+    made_by, settings = report.demo_of(run_dir)
+    assert made_by is finetune and settings.lora_rank == 4
+    done = run_main(report.main, [str(run_dir)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "snapshots of checkpoints 4, 8, 12 added to the page" in done.stdout
+    with made_by.random_bits():
+        computed = report.snapshot_checkpoints(run_dir, made_by, settings)
+    assert computed == [recorded[step] for step in (4, 8, 12)]
 
 
 @pytest.mark.peers
@@ -138,12 +157,12 @@ def test_full_fine_tuning_trains_every_parameter(checkpoint, tmp_path):
 def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpoint, tmp_path):
     data = tmp_path / "new.txt"
     data.write_text(NEW_TEXT)
-    tuning = finetune.build(finetune.Settings(checkpoint=str(checkpoint), data=str(data), base_dtype="bfloat16",
+    setup = finetune.build(finetune.Settings(checkpoint=str(checkpoint), data=str(data), base_dtype="bfloat16",
                                               seq_len=32))
-    assert {x.dtype for x in jax.tree.leaves(tuning.base)} == {jnp.dtype(jnp.bfloat16)}
-    assert {x.dtype for x in jax.tree.leaves(tuning.setup.params)} == {jnp.dtype(jnp.float32)}
-    batch = tuning.setup.make_batch(jax.random.key(0))
-    loss, _ = tuning.setup.loss_fn(tuning.setup.params, batch, jax.random.key(1), tuning.setup.frozen)
+    assert {x.dtype for x in jax.tree.leaves(finetune.base_of(setup))} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(setup.params)} == {jnp.dtype(jnp.float32)}
+    batch = setup.make_batch(jax.random.key(0))
+    loss, _ = setup.loss_fn(setup.params, batch, jax.random.key(1), setup.frozen)
     assert np.isfinite(float(loss))
 
 
@@ -152,17 +171,17 @@ def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, 
     argument), and the loss is the direct mean over the scored tokens."""
     data = tmp_path / "new.txt"
     data.write_text(NEW_TEXT)
-    tuning = finetune.build(finetune.Settings(checkpoint=str(checkpoint), data=str(data), seq_len=32))
-    before = finetune.validation_loss(tuning, tuning.setup.params, 4)
-    moved = jax.tree.map(lambda x: x + 0.1, tuning.setup.params)
+    setup = finetune.build(finetune.Settings(checkpoint=str(checkpoint), data=str(data), seq_len=32))
+    before = finetune.validation_loss(setup, setup.params, 4)
+    moved = jax.tree.map(lambda x: x + 0.1, setup.params)
     with count_compiles() as compiles:
-        after = finetune.validation_loss(tuning, moved, 4)
+        after = finetune.validation_loss(setup, moved, 4)
     assert compiles == [] and before != after
     # The reference: the plain model on the base with the adapters merged in (the evaluation applies them unmerged).
-    config = tuning.setup.model.config
-    model, params = Decoder(config.replace(lora=None)), merge(tuning.base, moved, config.lora)
+    config = setup.model.config
+    model, params = Decoder(config.replace(lora=None)), merge(finetune.base_of(setup), moved, config.lora)
     nll, count = 0.0, 0
-    for batch in tuning.data.validation_batches(4):
+    for batch in setup.corpus.validation_batches(4):
         logits = np.asarray(model.apply({"params": params}, batch["tokens"])[0], np.float64)
         log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
             - logits.max(-1, keepdims=True)

@@ -1,4 +1,4 @@
-"""`python -m train.finetune --checkpoint DIR --data FILE`: adapt a Hugging Face checkpoint
+"""`jaxformer-finetune --checkpoint DIR --data FILE`: adapt a Hugging Face checkpoint
 to your text or chat data, with LoRA (the default) or all its parameters (--full).
 
   --data F.txt    any UTF-8 text: next-token loss on random windows of it (packed)
@@ -46,11 +46,11 @@ from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
 from jaxformer.text.tokenizer import check_fits_model
 from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, why_not_finite
-from train import cli
-from train.lm import token_labels
-from train.report_page import attention_group
+from jaxformer.training import runs
+from jaxformer.training.report_page import token_labels
+from jaxformer.training.report_page import attention_group
 
-PROG = "python -m train.finetune"
+PROG = "jaxformer-finetune"
 MODEL_CONFIG = DecoderConfig
 ALL_TARGETS = "all"  # --lora-targets: every projection LoRA can adapt
 ADAPTER_DIR = "adapter"  # in the run directory: the adapters in peft's format
@@ -107,12 +107,12 @@ class Settings:
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data")
 
     def __post_init__(self):
-        cli.check_shared_settings(self)
-        cli.check(self, as_int, "seq_len", "lora_rank", minimum=1)
-        cli.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
-        cli.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
-        cli.check(self, as_float, "weight_decay", at_least=0)
-        cli.check(self, as_float, "lora_dropout", at_least=0, below=1)
+        runs.check_shared_settings(self)
+        runs.check(self, as_int, "seq_len", "lora_rank", minimum=1)
+        runs.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
+        runs.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
+        runs.check(self, as_float, "weight_decay", at_least=0)
+        runs.check(self, as_float, "lora_dropout", at_least=0, below=1)
         require(self.base_dtype in DTYPES, "--base-dtype", f"one of {', '.join(DTYPES)}", self.base_dtype)
         require(not self.full or self.base_dtype == "float32", "--base-dtype",
                 "float32 with --full, which trains (and so keeps in float32) every parameter", self.base_dtype)
@@ -140,9 +140,9 @@ class Settings:
         return "finetune-full" if self.full else "finetune-lora"
 
 
-def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
+def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
     defaults = Settings()
-    p = cli.make_parser(PROG, __doc__, defaults)
+    p = runs.make_parser(PROG, __doc__, defaults)
     p.add_argument("--checkpoint", metavar="DIR", required=True, help="the Hugging Face checkpoint folder to adapt")
     p.add_argument("--data", metavar="FILE", required=True,
                    help="a .jsonl file of messages or prompt/completion records, or a UTF-8 text file")
@@ -164,46 +164,38 @@ def parse_args(argv=None) -> tuple[Settings, cli.RunOptions]:
     p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per row")
     p.add_argument("--remat", action="store_true",
                    help="recompute each block's activations in the backward pass (less memory, more compute)")
-    cli.add_run_flags(p, "finetune-<lora|full>", checkpoint_every=100, log_every=10)
-    cli.add_export_flag(p, "--merge", help="after training, write the fine-tuned model (adapters merged in) and its "
+    runs.add_run_flags(p, "finetune-<lora|full>", checkpoint_every=100, log_every=10)
+    runs.add_export_flag(p, "--merge", help="after training, write the fine-tuned model (adapters merged in) and its "
                         "tokenizer as a checkpoint folder that transformers and python -m jaxformer.text.generate "
                         "open; with --resume, a finished run is written without training")
-    return cli.parse(p, argv, Settings)
+    return runs.parse(p, argv, Settings)
 
 
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """What `build` adds to `cli.Setup` for fine-tuning.
-
-    Attributes:
-      setup: the demo's `Setup`; its `params` are what is trained (the adapters, or with
-        `--full` the whole tree), its `model` the one the loss runs.
-      base: the checkpoint's parameters (LoRA's frozen base; with `--full`, the start).
-      data: the `FinetuneData`.
-    """
-
-    setup: cli.Setup
-    base: dict
-    data: FinetuneData
-
-    def variables(self, trained) -> dict:
-        """What the model applies with: the trained parameters, or with LoRA the base beside
-        the adapters (never merged into a copy of the base, which would hold the weights twice)."""
-        return {"params": trained} if self.setup.model.config.lora is None else {"params": self.base, "lora": trained}
-
-    def decodable(self, trained) -> tuple[Decodable, dict]:
-        """The model as decoding drives it, and its parameters: with LoRA, `Adapted`."""
-        model = Decoder(self.setup.model.config.replace(remat=False))
-        return (model, trained) if model.config.lora is None else (Adapted(model), {"base": self.base, "lora": trained})
+def base_of(setup: runs.Setup) -> dict:
+    """The checkpoint's parameters: LoRA's frozen base (`setup.frozen`), or with `--full` the
+    start of training (`setup.params`)."""
+    return setup.params if setup.frozen is None else setup.frozen
 
 
-def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False) -> Tuning:
+def variables(setup: runs.Setup, trained) -> dict:
+    """What the model applies with: the trained parameters, or with LoRA the base beside the
+    adapters (never merged into a copy of the base, which would hold the weights twice)."""
+    return {"params": trained} if setup.frozen is None else {"params": setup.frozen, "lora": trained}
+
+
+def decodable(setup: runs.Setup, trained) -> tuple[Decodable, dict]:
+    """The model as decoding drives it, and its parameters: with LoRA, `Adapted`."""
+    model = Decoder(setup.model.config.replace(remat=False))
+    return (model, trained) if setup.frozen is None else (Adapted(model), {"base": setup.frozen, "lora": trained})
+
+
+def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False) -> runs.Setup:
     """The checkpoint, its data and the recipe, ready to train.
 
     Args:
       settings: the recipe.
       mesh: `"data=N,model=M"` to place the frozen base on (the trained parameters are placed
-        by `cli.place`), or None for one device.
+        by `runs.place`), or None for one device.
       fsdp: with `mesh`, split the base over `data` too.
 
     Raises:
@@ -256,7 +248,7 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     )
 
     def loss_fn(trained, batch, dropout_key, base=None):
-        # The base (LoRA's frozen weights, an argument of the step: `cli.Setup.frozen`) is
+        # The base (LoRA's frozen weights, an argument of the step: `runs.Setup.frozen`) is
         # read, never differentiated: only the adapters get gradients.
         variables = {"params": trained} if lora is None else {"params": base, "lora": trained}
         # The loss from the final hidden states, a chunk's logits at a time; the head is the base's (LoRA leaves it).
@@ -264,11 +256,10 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         head = model.output_head(variables["params"])
         return chunked_cross_entropy(hidden, batch["targets"], head, 0.0, ignore_id=IGNORE), {}
 
-    setup = cli.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
+    return runs.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
                       make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
                       tokens_per_step=settings.batch_size * settings.seq_len, corpus=data, tokenizer=tokenizer,
                       param_axes=axes, frozen=None if lora is None else base)
-    return Tuning(setup=setup, base=base, data=data)
 
 
 def check_rank(config: DecoderConfig, lora: LoraConfig) -> None:
@@ -307,12 +298,12 @@ def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
                f"--batch-size {batch_size} x --seq-len {seq_len})")
 
 
-def validation_loss(tuning: Tuning, trained, batch_size: int) -> float:
+def validation_loss(setup: runs.Setup, trained, batch_size: int) -> float:
     """The mean loss over every scored token of the held-out split (one compiled program).
     With LoRA the adapters are applied beside the base, as in training: a merged copy of the
     base would hold the weights twice."""
-    totals = np.array([jax.device_get(_held_out_sums(tuning.setup.model, tuning.variables(trained), b))
-                       for b in tuning.data.validation_batches(batch_size)], np.float64)  # [batches, 2]
+    totals = np.array([jax.device_get(_held_out_sums(setup.model, variables(setup, trained), b))
+                       for b in setup.corpus.validation_batches(batch_size)], np.float64)  # [batches, 2]
     return float(totals[:, 0].sum() / totals[:, 1].sum())
 
 
@@ -327,7 +318,7 @@ def _held_out_sums(model: Decoder, variables, batch) -> tuple[jax.Array, jax.Arr
     return mean * scored.sum(), scored.sum()
 
 
-def held_out(tuning: Tuning, trained, batch_size: int, when: str) -> tuple[float, float]:
+def held_out(setup: runs.Setup, trained, batch_size: int, when: str) -> tuple[float, float]:
     """`(loss, perplexity)` of the held-out split (`validation_loss`), both finite.
 
     Raises:
@@ -335,36 +326,36 @@ def held_out(tuning: Tuning, trained, batch_size: int, when: str) -> tuple[float
         NaN or inf in the checkpoint's weights or the trained parameters (the first named),
         logits that overflowed, or a loss too large for its exponential.
     """
-    loss = validation_loss(tuning, trained, batch_size)
+    loss = validation_loss(setup, trained, batch_size)
     if math.isfinite(loss) and loss < math.log(np.finfo(np.float64).max):
         return loss, math.exp(loss)
     cause = ("its exponential, the perplexity, overflows: the model gives the held-out tokens almost no probability"
              if math.isfinite(loss) else
-             why_not_finite({"the checkpoint's weights": tuning.base, "the trained parameters": trained},
-                            tuning.setup.model.config.dtype))
+             why_not_finite({"the checkpoint's weights": base_of(setup), "the trained parameters": trained},
+                            setup.model.config.dtype))
     raise NotFinite(f"the held-out loss {when} is {loss:.6g}, not a result: {cause}")
 
 
-def snapshotter(tuning: Tuning, settings: Settings):
+def snapshotter(setup: runs.Setup, settings: Settings):
     """`snapshot(trained)` for the report page: the first and last layers' attention over the
     start of the first held-out row, and the greedy continuation of its first half."""
-    data, tokenizer = tuning.data, tuning.setup.tokenizer
+    data, tokenizer = setup.corpus, setup.tokenizer
     first = data.validation_batches(1)[0]["tokens"][0]  # [seq_len]
     length = min(MAP_TOKENS, settings.seq_len)
     example = first[None, :length]  # [1, T]
     labels = token_labels(tokenizer, example[0])
-    config = tuning.setup.model.config
+    config = setup.model.config
     layers = sorted({0, config.n_layer - 1})
     prompt = jnp.asarray(example[:, :max(1, length // 2)])
 
     def snapshot(trained) -> dict:
         model = Decoder(config.replace(remat=False))
-        _, inter = model.apply(tuning.variables(trained), example, mutable=["intermediates"])
+        _, inter = model.apply(variables(setup, trained), example, mutable=["intermediates"])
         weights = np.asarray(sown_attention_weights(inter, config))  # [n_layer, 1, H, T, T]
         attention = [attention_group("self-attention (causal)", layer, weights[layer, 0], labels, labels)
                      for layer in layers]
         new = min(SAMPLE_TOKENS, config.max_seq_len - prompt.shape[1])
-        out = np.asarray(generate(*tuning.decodable(trained), prompt, max_new_tokens=new))[0]
+        out = np.asarray(generate(*decodable(setup, trained), prompt, max_new_tokens=new))[0]
         return {"attention": attention,
                 "samples": [{"label": "greedy continuation of a held-out row's start",
                              "input": token_labels(tokenizer, out[:prompt.shape[1]]),
@@ -373,10 +364,10 @@ def snapshotter(tuning: Tuning, settings: Settings):
     return snapshot
 
 
-def write_outputs(tuning: Tuning, settings: Settings, trained: cli.Trained, run: cli.RunOptions) -> None:
+def write_outputs(setup: runs.Setup, settings: Settings, trained: runs.Trained, run: runs.RunOptions) -> None:
     """The adapters into RUN_DIR/adapter (LoRA), and with `--merge` the fine-tuned
     checkpoint, each folder written whole or not at all."""
-    config = tuning.setup.model.config
+    config = setup.model.config
     if config.lora is not None:
         folder = run.run_dir / ADAPTER_DIR
         write_folder_atomically(folder, lambda tmp: save_peft(config, trained.params, config.lora, str(tmp),
@@ -386,8 +377,8 @@ def write_outputs(tuning: Tuning, settings: Settings, trained: cli.Trained, run:
     merge_dir = run.export
     if merge_dir is None:
         return
-    tokenizer = tuning.setup.tokenizer
-    params = trained.params if config.lora is None else merge(tuning.base, trained.params, config.lora)
+    tokenizer = setup.tokenizer
+    params = trained.params if config.lora is None else merge(base_of(setup), trained.params, config.lora)
 
     def write(folder):
         save_hf(config.replace(lora=None, remat=False), params, str(folder), bos_id=tokenizer.bos_id,
@@ -395,7 +386,7 @@ def write_outputs(tuning: Tuning, settings: Settings, trained: cli.Trained, run:
         save_tokenizer(tokenizer, str(folder))
 
     try:
-        cli.write_export(merge_dir, write)
+        runs.write_export(merge_dir, write)
     except OSError as e:
         fail(PROG, f"cannot write --merge {merge_dir}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
                    f"write it with the same flags and --resume --run-dir {run.run_dir} --merge {merge_dir}", FAILED)
@@ -408,11 +399,11 @@ def random_bits():
     return contextlib.nullcontext()
 
 
-def describe(tuning: Tuning, settings: Settings) -> None:
+def describe(setup: runs.Setup, settings: Settings) -> None:
     """The device, the checkpoint, what is trained, and the data."""
-    config, data = tuning.setup.model.config, tuning.data
-    total, trained = cli.count_params(tuning.base), cli.count_params(tuning.setup.params)
-    cli.print_device()
+    config, data = setup.model.config, setup.corpus
+    total, trained = runs.count_params(base_of(setup)), runs.count_params(setup.params)
+    runs.print_device()
     what = "every parameter" if config.lora is None else (
         f"LoRA r={config.lora.rank} alpha={config.lora.alpha:g} on {', '.join(config.lora.targets)}")
     print(f"checkpoint {settings.checkpoint} ({config.hf_model_type or 'llama'}): {config.n_layer} layers x "
@@ -428,24 +419,23 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     settings, run = parse_args(argv)
-    cli.start_process()
-    tuning = cli.build_or_fail(PROG, functools.partial(build, mesh=run.mesh, fsdp=run.fsdp), settings)
-    setup = tuning.setup
-    with cli.start(PROG, setup, settings, run) as begun:
-        describe(tuning, settings)
-        with cli.failing_as(begun):
-            before, perplexity_before = held_out(tuning, setup.params, settings.batch_size, "before training")
+    runs.start_process()
+    setup = runs.build_or_fail(PROG, functools.partial(build, mesh=run.mesh, fsdp=run.fsdp), settings)
+    with runs.start(PROG, setup, settings, run) as begun:
+        describe(setup, settings)
+        with runs.failing_as(begun):
+            before, perplexity_before = held_out(setup, setup.params, settings.batch_size, "before training")
         print(f"held-out loss before: {before:.4f} (perplexity {perplexity_before:.3f})")
-        trained = cli.train(setup, settings, run, begun, snapshotter(tuning, settings))
-        with cli.failing_as(begun):
-            after, perplexity = held_out(tuning, trained.params, settings.batch_size, "after training")
+        trained = runs.train(setup, settings, run, begun, snapshotter(setup, settings))
+        with runs.failing_as(begun):
+            after, perplexity = held_out(setup, trained.params, settings.batch_size, "after training")
         print(f"held-out loss after:  {after:.4f} (perplexity {perplexity:.3f})")
         results = {"steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds,
                    "validation_loss_before": before, "validation_loss": after,
                    "validation_perplexity_before": perplexity_before, "validation_perplexity": perplexity}
-        cli.write_results(run.run_dir, results, trained)
-        with cli.failing_as(begun):
-            write_outputs(tuning, settings, trained, run)
+        runs.write_results(run.run_dir, results, trained)
+        with runs.failing_as(begun):
+            write_outputs(setup, settings, trained, run)
     return 0
 
 

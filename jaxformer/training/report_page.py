@@ -113,6 +113,13 @@ def attention_group(name: str, layer: int, weights, rows, cols, note: str = "") 
             "cols": [str(c) for c in cols], "heads": np.round(weights, 4).tolist()}
 
 
+def token_labels(tokenizer, ids) -> list[str]:
+    """Each id's text (`tokenizer`: a `jaxformer.text.Tokenizer`), one label a token,
+    whitespace made visible (for the attention maps)."""
+    texts = (tokenizer.decode(np.asarray([i]), skip_special_tokens=False) for i in np.asarray(ids))
+    return [t.replace(" ", "\u2423").replace("\n", "\u23ce") or "\u2205" for t in texts]
+
+
 def record_snapshot(run_dir, step: int, attention: list[dict], samples: list[dict] = ()) -> None:
     """Appends what the model does at `step` to `snapshots.jsonl`.
 
