@@ -194,11 +194,13 @@ class MultiHeadAttention(nn.Module):
           mask: bool, broadcastable to `[batch, T, S]`.
           memory: `[batch, S, d_model]`, cross-attention's K/V input (or `memory_kv`, projected
             by `project_kv`); neither for self-attention.
-          layer_cache, pos: as `GQASelfAttention` takes them.
+          layer_cache: this layer's `LayerKV` (self-attention with a cache), or None.
+          pos: int32 `[batch]`, each row's position for this call's first token (with `layer_cache`).
           deterministic: False applies dropout to the attention weights.
 
         Returns:
-          As `GQASelfAttention`.
+          `(y [batch, T, d_model], layer_cache)`, this call's K/V written; the weights are sown
+          into 'intermediates' as `attention_weights`.
         """
         dtype = self.config.dtype
         if memory is None and memory_kv is None:  # self-attention: one GEMM for Q, K and V
