@@ -78,7 +78,7 @@ class LayerKV(OneKind):
         """`extend` on layer `layer` of this stack: that layer's slots written in place, then read."""
         stack = LayerKV(k=write_rows(self.k, k_new[:, None], pos, axis=2, layer=layer),
                         v=write_rows(self.v, v_new[:, None], pos, axis=2, layer=layer))
-        span = stack.k.shape[2] if span is None else span
+        span = stack.k.shape[2] if span is None else span  # slots 0 .. span - 1 of the layer are read
         return (layer_of(stack.k[:, :, :span], layer), layer_of(stack.v[:, :, :span], layer)), stack
 
 
@@ -159,8 +159,9 @@ class LayerSlice(OneKind):
 
 @struct.dataclass
 class SplitSlice:
-    """Layer `layer` of `SplitStacks`: a layer of the full stack or of the rings, `ring` says
-    which. Their keys differ in number, so `attend` runs the one of `ring`'s kind (`lax.cond`)."""
+    """A layer of `SplitStacks`: its slices of the full stack and of the rings, at its index in
+    its own stack (the other one's is never read), and `ring`, which of the two it is. Their
+    keys differ in number, so `attend` runs attention on one of them (`lax.cond`)."""
 
     full: LayerSlice
     sliding: LayerSlice
@@ -194,7 +195,7 @@ class SplitStacks:
     def layer(self, layer: jax.Array) -> SplitSlice:
         """Layer `layer` of the model (traced, in a scan): its `SplitSlice`, at its index in its stack."""
         rings = np.array(self.rings)
-        rank = np.where(rings, np.cumsum(rings) - 1, np.cumsum(~rings) - 1)  # [n_layer], the index in its stack
+        rank = np.where(rings, np.cumsum(rings) - 1, np.cumsum(~rings) - 1)  # [n_layer]: each one's index in its stack
         index = jnp.asarray(rank, jnp.int32)[layer]
         return SplitSlice(full=LayerSlice(self.full, index), sliding=LayerSlice(self.sliding, index),
                           ring=jnp.asarray(rings)[layer])
@@ -386,8 +387,11 @@ class KVCache:
 
     # A model reads and writes its layers through views, one per layer: `layer(i)` gives layer
     # i's, `with_layer(i, view)` takes it back written. Each view has `attend(attention, k_new,
-    # v_new, pos, stop, span)`, whichever layout holds the layer: a layer's own `LayerKV` or
-    # `RingKV`, a `LayerSlice` of a stack, or a `SplitSlice` choosing between two stacks.
+    # v_new, pos, stop, span)`, which writes this call's K/V and calls `attention(keys, values)`
+    # on the keys the layer reads, whichever layout holds it: a layer's own `LayerKV` or
+    # `RingKV`, a `LayerSlice` of a stack, or a `SplitSlice` choosing between two stacks, which
+    # adds the layer's kind, "full" or "sliding" (the model's flag cannot pick the mask: the two
+    # kinds' differ in shape). So the model never asks which layout it holds.
 
     def layer(self, i):
         """Layer i's view: the layer itself, or in a stacked cache (`i` traced, in a scan) its slice
