@@ -74,31 +74,41 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     return combine_values(weights, v), weights
 
 
+def of_type(by_type: dict, is_sliding):
+    """A layer's entry of `by_type` (`{attention type: pytree}`): the only one, or in a scan over
+    both types the sliding one where the traced `is_sliding` is set, else the full one (the two
+    the same shape)."""
+    if len(by_type) == 1:
+        (value,) = by_type.values()
+        return value
+    return jax.tree.map(lambda sliding, full: jnp.where(is_sliding, sliding, full), by_type["sliding"],
+                        by_type["full"])
+
+
 class GQASelfAttention(nn.Module):
     """Causal self-attention of the decoder-only model: GQA with RoPE and a KV cache."""
 
     config: "DecoderConfig"  # noqa: F821 (jaxformer.config; a string to avoid a cycle)
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask, layer_cache=None, pos=None, stop=None, is_sliding=None):
+    def __call__(self, x, cos, sin, masks, cache=None, layer=None, is_sliding=None):
         """Attends causally over `x` (and the cache), with GQA and RoPE.
 
         Args:
           x: `[batch, T, d_model]` normalised residual stream.
           cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles.
-          mask: bool `[T, S]` or `[batch, T, S]`, True where a query reads a key: S is T
-            without a cache, and with one the keys its `extend` returns (the first S slots,
-            the cache's span, or a ring's then this call's). With a `(full, sliding)` pair of
-            caches, a `(full, sliding)` pair of masks.
-          layer_cache: this layer's `LayerKV` or `RingKV` (a `LayerSlice` of a stacked
-            cache), None, or a `(full, sliding)` pair of slices, `is_sliding` picking one.
-          pos: int32 `[batch]`, each row's position for this call's first token.
-          stop: int32 `[batch]` or None, `KVCache.stop`.
-          is_sliding: bool `[]`, with a pair of caches: which this layer is (a scan over mixed types).
+          masks: `{attention type: bool [T, S] or [batch, T, S]}`, True where a query reads a
+            key, for the types this layer may be (one, or both in a scan over both). S is T
+            without a cache, and with one the keys its layer's view gives (the first S slots,
+            the cache's span, or a ring's then this call's).
+          cache: the model's `KVCache`, or None.
+          layer: this layer's index in `cache` (traced in a scan).
+          is_sliding: bool `[]` in a scan over both types: this layer's, which picks its mask.
 
         Returns:
-          `(y [batch, T, d_model], layer_cache)`, this call's K/V written; the weights are sown
-          into 'intermediates' as `attention_weights` (not with a pair: their shapes differ).
+          `(y [batch, T, d_model], cache)`, this call's K/V written into the layer's slots; the
+          weights are sown into 'intermediates' as `attention_weights` (unless the cache keeps
+          the two types in two stacks: their shapes differ).
         """
         c = self.config
         d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
@@ -128,30 +138,21 @@ class GQASelfAttention(nn.Module):
         scores = dict(scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5,
                       softcap=c.attn_logit_softcap)
 
-        def attend(mask, layer_cache):  # -> (out [batch, T, n_head, head_dim], weights, layer_cache)
-            keys, values = k, v
-            if layer_cache is not None:  # [batch, S, n_kv, head_dim]: the first S slots, or the ring's and ours
-                (keys, values), layer_cache = layer_cache.extend(k, v, pos, stop, span=mask.shape[-1])
-            return (*dot_product_attention(q, keys, values, mask, **scores), layer_cache)
+        def attend(keys, values, kind=None):  # -> (out [batch, T, n_head, head_dim], weights)
+            # `keys` read as a layer of `kind` reads them (a cache of two stacks names the kind of
+            # each); None: this layer's own type, picked by its flag in a scan over both.
+            mask = masks[kind] if kind else of_type(masks, is_sliding)
+            return dot_product_attention(q, keys, values, mask, **scores)
 
-        if isinstance(layer_cache, tuple):  # one scanned body, two kinds of cache: the layer's flag picks
-            (full_mask, sliding_mask), (full, sliding) = mask, layer_cache
-
-            def as_sliding():
-                out, _, written = attend(sliding_mask, sliding)
-                return out, full, written
-
-            def as_full():
-                out, _, written = attend(full_mask, full)
-                return out, written, sliding
-
-            out, full, sliding = jax.lax.cond(is_sliding, as_sliding, as_full)
-            layer_cache = (full, sliding)
-        else:
-            out, weights, layer_cache = attend(mask, layer_cache)
+        if cache is None:
+            out, weights = attend(k, v)
+        else:  # the layer's view writes this call's K/V and gives the keys it reads: [batch, S, n_kv, head_dim]
+            (out, weights), view = cache.layer(layer).attend(attend, k, v, cache.pos, cache.stop, cache.read_slots)
+            cache = cache.with_layer(layer, view)
+        if weights is not None:  # (a cache of two stacks gives none)
             self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
         (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # concat heads, then W_O: [batch, T, d_model]
-        return y, layer_cache
+        return y, cache
 
 
 class MultiHeadAttention(nn.Module):
@@ -193,11 +194,13 @@ class MultiHeadAttention(nn.Module):
           mask: bool, broadcastable to `[batch, T, S]`.
           memory: `[batch, S, d_model]`, cross-attention's K/V input (or `memory_kv`, projected
             by `project_kv`); neither for self-attention.
-          layer_cache, pos: as `GQASelfAttention` takes them.
+          layer_cache: this layer's `LayerKV` (self-attention with a cache), or None.
+          pos: int32 `[batch]`, each row's position for this call's first token (with `layer_cache`).
           deterministic: False applies dropout to the attention weights.
 
         Returns:
-          As `GQASelfAttention`.
+          `(y [batch, T, d_model], layer_cache)`, this call's K/V written; the weights are sown
+          into 'intermediates' as `attention_weights`.
         """
         dtype = self.config.dtype
         if memory is None and memory_kv is None:  # self-attention: one GEMM for Q, K and V

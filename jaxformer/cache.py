@@ -35,12 +35,26 @@ def write_rows(array: jax.Array, new: jax.Array, pos: jax.Array, *, axis: int, l
     return jax.vmap(one_row)(array, new, pos)
 
 
-@struct.dataclass
-class LayerKV:
-    """One layer's cached keys and values."""
+def layer_of(stack: jax.Array, layer: jax.Array) -> jax.Array:
+    """Layer `layer` (traced) of a stacked array: `[batch, n_layer, slots, ...] -> [batch, slots, ...]`."""
+    return jax.lax.dynamic_index_in_dim(stack, layer, axis=1, keepdims=False)
 
-    k: jax.Array  # [batch, capacity, n_kv_head, head_dim]
-    v: jax.Array  # [batch, capacity, n_kv_head, head_dim]
+
+class OneKind:
+    """`attend` for a view that reads one kind of slots (the views' protocol: see `KVCache.layer`)."""
+
+    def attend(self, attention, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None, span=None):
+        """`(attention(keys, values), view)`: `extend`'s keys and values attended to, and the view written."""
+        (keys, values), written = self.extend(k_new, v_new, pos, stop, span)
+        return attention(keys, values), written
+
+
+@struct.dataclass
+class LayerKV(OneKind):
+    """One layer's cached keys and values (or, in a stacked cache, every layer's)."""
+
+    k: jax.Array  # [batch, capacity, n_kv_head, head_dim] ([batch, n_layer, ...] stacked)
+    v: jax.Array  # [batch, capacity, n_kv_head, head_dim] ([batch, n_layer, ...] stacked)
 
     def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array) -> "LayerKV":
         """A copy with row b's `k_new` / `v_new` `[batch, T, n_kv, head_dim]` at slots
@@ -56,8 +70,16 @@ class LayerKV:
         """`((keys, values), layer)`: this call's K/V written at their slots, then slots `0 ..
         span - 1` read, `[batch, span, ...]` (a slot's position is its index; None: every slot).
         `stop` is for rings."""
-        layer = self.write(k_new, v_new, pos)
-        return layer.read(self.k.shape[1] if span is None else span), layer
+        written = self.write(k_new, v_new, pos)
+        return written.read(self.k.shape[1] if span is None else span), written
+
+    def extend_layer(self, layer: jax.Array, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None,
+                     span=None):
+        """`extend` on layer `layer` of this stack: that layer's slots written in place, then read."""
+        stack = LayerKV(k=write_rows(self.k, k_new[:, None], pos, axis=2, layer=layer),
+                        v=write_rows(self.v, v_new[:, None], pos, axis=2, layer=layer))
+        span = stack.k.shape[2] if span is None else span  # slots 0 .. span - 1 of the layer are read
+        return (layer_of(stack.k[:, :, :span], layer), layer_of(stack.v[:, :, :span], layer)), stack
 
 
 def ring_positions(pos: jax.Array, slots: int) -> jax.Array:
@@ -87,7 +109,7 @@ def ring_write(array: jax.Array, new: jax.Array, pos: jax.Array, stop, *, layer=
 
 
 @struct.dataclass
-class RingKV:
+class RingKV(OneKind):
     """A sliding-window layer's keys and values: `slots` of them, position p in slot `p % slots`.
 
     A query at position q reads keys in `(q - window, q]`; `slots = window - 1 + rewind`
@@ -97,8 +119,8 @@ class RingKV:
     overwrote held positions that no later query reads.
     """
 
-    k: jax.Array  # [batch, slots, n_kv_head, head_dim]
-    v: jax.Array  # [batch, slots, n_kv_head, head_dim]
+    k: jax.Array  # [batch, slots, n_kv_head, head_dim] ([batch, n_layer, ...] stacked)
+    v: jax.Array  # [batch, slots, n_kv_head, head_dim] ([batch, n_layer, ...] stacked)
 
     def write(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None) -> "RingKV":
         """A copy with this call's K/V `[batch, T, n_kv, head_dim]` in the ring (`ring_write`)."""
@@ -112,9 +134,17 @@ class RingKV:
         values = jnp.concatenate([self.v, v_new.astype(self.v.dtype)], axis=1)
         return (keys, values), self.write(k_new, v_new, pos, stop)
 
+    def extend_layer(self, layer: jax.Array, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None,
+                     span=None):
+        """`extend` on layer `layer` of this stack of rings: its slots read, then written in place."""
+        keys = jnp.concatenate([layer_of(self.k, layer), k_new.astype(self.k.dtype)], axis=1)
+        values = jnp.concatenate([layer_of(self.v, layer), v_new.astype(self.v.dtype)], axis=1)
+        return (keys, values), RingKV(k=ring_write(self.k, k_new, pos, stop, layer=layer),
+                                      v=ring_write(self.v, v_new, pos, stop, layer=layer))
+
 
 @struct.dataclass
-class LayerSlice:
+class LayerSlice(OneKind):
     """Layer `layer` of a stacked cache (a scanned model's), as its block sees it: `extend`
     writes that layer's slots of the whole stack in place and reads that layer."""
 
@@ -123,21 +153,34 @@ class LayerSlice:
 
     def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None, span=None):
         """`LayerKV.extend` or `RingKV.extend` on layer `layer` of the stack."""
-        stack, layer = self.stack, self.layer
+        keys_values, stack = self.stack.extend_layer(self.layer, k_new, v_new, pos, stop, span)
+        return keys_values, self.replace(stack=stack)
 
-        def this_layer(array):  # [batch, n_layer, slots, ...] -> [batch, slots, ...]
-            return jax.lax.dynamic_index_in_dim(array, layer, axis=1, keepdims=False)
 
-        if isinstance(stack, RingKV):
-            keys = jnp.concatenate([this_layer(stack.k), k_new.astype(stack.k.dtype)], axis=1)
-            values = jnp.concatenate([this_layer(stack.v), v_new.astype(stack.v.dtype)], axis=1)
-            stack = RingKV(k=ring_write(stack.k, k_new, pos, stop, layer=layer),
-                           v=ring_write(stack.v, v_new, pos, stop, layer=layer))
-            return (keys, values), self.replace(stack=stack)
-        stack = LayerKV(k=write_rows(stack.k, k_new[:, None], pos, axis=2, layer=layer),
-                        v=write_rows(stack.v, v_new[:, None], pos, axis=2, layer=layer))
-        span = stack.k.shape[2] if span is None else span  # slots 0 .. span - 1 of the layer are read
-        return (this_layer(stack.k[:, :, :span]), this_layer(stack.v[:, :, :span])), self.replace(stack=stack)
+@struct.dataclass
+class SplitSlice:
+    """A layer of `SplitStacks`: its slices of the full stack and of the rings, at its index in
+    its own stack (the other one's is never read), and `ring`, which of the two it is. Their
+    keys differ in number, so `attend` runs attention on one of them (`lax.cond`)."""
+
+    full: LayerSlice
+    sliding: LayerSlice
+    ring: jax.Array  # [] bool
+
+    def attend(self, attention, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None, span=None):
+        """`((out, None), view)`: `attention(keys, values, kind)`'s first output, with the keys and
+        values of the stack of the layer's kind (`kind` "full" or "sliding": the masks differ too),
+        and that stack written. (Its weights are dropped: the two kinds' differ in shape.)"""
+        def as_sliding():
+            (keys, values), sliding = self.sliding.extend(k_new, v_new, pos, stop, span)
+            return attention(keys, values, "sliding")[0], self.full, sliding
+
+        def as_full():
+            (keys, values), full = self.full.extend(k_new, v_new, pos, stop, span)
+            return attention(keys, values, "full")[0], full, self.sliding
+
+        out, full, sliding = jax.lax.cond(self.ring, as_sliding, as_full)
+        return (out, None), self.replace(full=full, sliding=sliding)
 
 
 @struct.dataclass
@@ -147,6 +190,15 @@ class SplitStacks:
 
     full: LayerKV  # [batch, n_full, capacity, n_kv_head, head_dim]
     sliding: RingKV  # [batch, n_sliding, slots, n_kv_head, head_dim]
+    rings: tuple[bool, ...] = struct.field(pytree_node=False)  # per layer of the model: whether it is a ring
+
+    def layer(self, layer: jax.Array) -> SplitSlice:
+        """Layer `layer` of the model (traced, in a scan): its `SplitSlice`, at its index in its stack."""
+        rings = np.array(self.rings)
+        rank = np.where(rings, np.cumsum(rings) - 1, np.cumsum(~rings) - 1)  # [n_layer]: each one's index in its stack
+        index = jnp.asarray(rank, jnp.int32)[layer]
+        return SplitSlice(full=LayerSlice(self.full, index), sliding=LayerSlice(self.sliding, index),
+                          ring=jnp.asarray(rings)[layer])
 
 
 def layer_shapes(batch_size: int, capacity: int, slots: tuple[int, ...], n_kv_head: int, head_dim: int,
@@ -294,7 +346,8 @@ class KVCache:
         shapes = layer_shapes(batch_size, capacity, slots, n_kv_head, head_dim, stacked)
         layers = [layer(shape) for shape in shapes]
         if stacked:
-            layers = layers[0] if len(layers) == 1 else SplitStacks(full=layers[0], sliding=layers[1])
+            layers = layers[0] if len(layers) == 1 else SplitStacks(full=layers[0], sliding=layers[1],
+                                                                    rings=tuple(n < capacity for n in slots))
         return cls(layers=tuple(layers) if isinstance(layers, list) else layers,
                    pos=jnp.zeros((batch_size,), jnp.int32), capacity=capacity)
 
@@ -326,6 +379,36 @@ class KVCache:
         if isinstance(self.layers, SplitStacks):
             return self.layers.full, self.layers.sliding
         return (self.layers,) if self.stacked else self.layers
+
+    @property
+    def ring_slots(self) -> tuple[int, ...]:
+        """The sizes of the rings among the layers (or stacks), smallest first; () without rings."""
+        return tuple(sorted({stack.k.shape[-3] for stack in self.stacks if isinstance(stack, RingKV)}))
+
+    # A model reads and writes its layers through views, one per layer: `layer(i)` gives layer
+    # i's, `with_layer(i, view)` takes it back written. Each view has `attend(attention, k_new,
+    # v_new, pos, stop, span)`, which writes this call's K/V and calls `attention(keys, values)`
+    # on the keys the layer reads, whichever layout holds it: a layer's own `LayerKV` or
+    # `RingKV`, a `LayerSlice` of a stack, or a `SplitSlice` choosing between two stacks, which
+    # adds the layer's kind, "full" or "sliding" (the model's flag cannot pick the mask: the two
+    # kinds' differ in shape). So the model never asks which layout it holds.
+
+    def layer(self, i):
+        """Layer i's view: the layer itself, or in a stacked cache (`i` traced, in a scan) its slice
+        of the stack (`SplitSlice` of two stacks)."""
+        if isinstance(self.layers, SplitStacks):
+            return self.layers.layer(i)
+        return LayerSlice(self.layers, i) if self.stacked else self.layers[i]
+
+    def with_layer(self, i, view) -> "KVCache":
+        """This cache with layer i's view `view` (from `layer(i)`, written) in its place."""
+        if isinstance(self.layers, SplitStacks):
+            layers = self.layers.replace(full=view.full.stack, sliding=view.sliding.stack)
+        elif self.stacked:
+            layers = view.stack
+        else:
+            layers = (*self.layers[:i], view, *self.layers[i + 1:])
+        return self.replace(layers=layers)
 
     @property
     def n_layer(self) -> int:

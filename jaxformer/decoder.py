@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.attention import GQASelfAttention
-from jaxformer.cache import KVCache, LayerSlice, RingKV, SplitStacks, check_longrope_capacity, ring_positions
+from jaxformer.attention import GQASelfAttention, of_type
+from jaxformer.cache import KVCache, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import OutputHead, lookup
@@ -51,36 +51,26 @@ class Block(nn.Module):
     attention_type: str | None = None
 
     @nn.compact
-    def __call__(self, carry, views, pos, stop, layer):
-        """`((x, cache_part), None)` after the block.
+    def __call__(self, carry, views, layer):
+        """`((x, cache), None)` after the block.
 
         Args:
-          carry: `(x [batch, T, d_model], cache_part)`: this layer's `LayerKV` / `RingKV`, or
-            in a scan the stack (or `SplitStacks`) it writes its layer of; None without a cache.
+          carry: `(x [batch, T, d_model], cache)`, the cache the model's `KVCache` (None without
+            one), which the block writes its layer of.
           views: `{attention type: (cos, sin, mask)}`, `GQASelfAttention`'s inputs for each
             type of layer (`attention_views`), the same for every block.
-          pos, stop: `KVCache.pos` and `KVCache.stop`, or None without a cache.
-          layer: `(is_sliding, index)` in a scan: bool `[]` this layer's type, int32 `[]` its
-            index in its stack; unused otherwise.
+          layer: `(is_sliding, index)`: in a scan over both types bool `[]` this layer's type
+            (else None), and its index in the model (int32 `[]` in a scan).
         """
-        x, cache_part = carry
+        x, cache = carry
         c = self.config
         is_sliding, index = layer
-        layer_cache, split = cache_part, isinstance(cache_part, SplitStacks)
         if self.attention_type is not None:
-            cos, sin, mask = views[self.attention_type]
-        elif len(views) == 1:
-            (cos, sin, mask), = views.values()
-        else:  # one scanned body serves both types: its layer's flag picks the angles (and masks)
-            pick = lambda local, full: jnp.where(is_sliding, local, full)  # noqa: E731
-            cos, sin = pick(views["sliding"][0], views["full"][0]), pick(views["sliding"][1], views["full"][1])
-            mask = (views["full"][2], views["sliding"][2]) if split else pick(views["sliding"][2], views["full"][2])
-        if split:
-            layer_cache = (LayerSlice(cache_part.full, index), LayerSlice(cache_part.sliding, index))
-        elif self.attention_type is None and cache_part is not None:
-            layer_cache = LayerSlice(cache_part, index)
-        h, layer_cache = GQASelfAttention(c, name="attn")(norm(c, "attn_norm")(x), cos, sin, mask, layer_cache, pos,
-                                                          stop, is_sliding)
+            views = {self.attention_type: views[self.attention_type]}
+        # One scanned body serves both types: its layer's flag picks the angles (and the attention, the mask).
+        cos, sin = of_type({kind: view[:2] for kind, view in views.items()}, is_sliding)
+        masks = {kind: view[2] for kind, view in views.items()}
+        h, cache = GQASelfAttention(c, name="attn")(norm(c, "attn_norm")(x), cos, sin, masks, cache, index, is_sliding)
         if c.post_norms:  # Gemma 2's sandwich: the sublayer's output is normalised before the sum
             h = norm(c, "attn_post_norm")(h)
         x = x + h  # [batch, T, d_model]
@@ -88,11 +78,7 @@ class Block(nn.Module):
         if c.post_norms:
             h = norm(c, "mlp_post_norm")(h)
         x = x + h  # [batch, T, d_model]
-        if split:
-            cache_part = SplitStacks(full=layer_cache[0].stack, sliding=layer_cache[1].stack)
-        else:
-            cache_part = layer_cache.stack if isinstance(layer_cache, LayerSlice) else layer_cache
-        return (x, cache_part), None
+        return (x, cache), None
 
 
 def block_type(config: DecoderConfig) -> type[nn.Module]:
@@ -106,7 +92,7 @@ def scanned_blocks(config: DecoderConfig):
     intermediates gain a leading layer axis, each block its own init key; the cache rides
     in the carry, and each block reads its own `(is_sliding, index)`."""
     return nn.scan(block_type(config), variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
-                   split_rngs={"params": True}, in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+                   split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
                    length=config.n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
 
 
@@ -147,7 +133,7 @@ def cache_slots(config: DecoderConfig, cache: KVCache) -> tuple[int, ...]:
     the cache's ring size if it has rings (a `ValueError` if that is shorter than the window,
     or if the cache is longer than a LongRoPE model's trained context)."""
     check_longrope_capacity(config, cache.capacity, "cache")
-    rings = sorted({stack.k.shape[-3] for stack in cache.stacks if isinstance(stack, RingKV)})
+    rings = cache.ring_slots
     ring = rings[0] if rings else cache.capacity  # (rings of two sizes fail the layout check after)
     if rings and "sliding" in config.attention_types and ring < config.sliding_window - 1:
         raise ValueError(f"cache: its rings of {ring} slots are shorter than sliding_window - 1 = "
@@ -202,7 +188,6 @@ class Decoder(nn.Module):
             x = x * jnp.asarray(math.sqrt(c.d_model), c.dtype)
 
         if cache is None:
-            pos = stop = None
             keys = {kind: jnp.arange(T) for kind in c.attention_types}  # [T]
             views = attention_views(c, jnp.arange(T), keys)  # cos, sin [T, head_dim/2]; mask [T, T]
         else:
@@ -210,7 +195,7 @@ class Decoder(nn.Module):
             # s (later slots: the future, unwritten, or padding), and only its first `read_slots`
             # are read (every row's positions lie below: `KVCache.span`); a ring's, what
             # `ring_positions` says, followed by this call's own keys.
-            pos, stop = cache.pos, cache.stop  # [batch]
+            pos = cache.pos  # [batch]
             position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
             keys = {}
             for kind, n_slots in zip(c.attention_types, slots):
@@ -221,20 +206,13 @@ class Decoder(nn.Module):
             views = attention_views(c, position, keys)  # [batch, T, ...]
 
         if c.scan_layers:
-            sliding = np.array([kind == "sliding" for kind in c.attention_types])  # [n_layer]
-            # Each layer's index in the stack it writes: its number, or with a stack per type its rank there.
-            rank = np.where(sliding, np.cumsum(sliding) - 1, np.cumsum(~sliding) - 1)
-            split = cache is not None and isinstance(cache.layers, SplitStacks)
-            index = jnp.asarray(rank, jnp.int32) if split else jnp.arange(c.n_layer)  # [n_layer]
-            layer = (jnp.asarray(sliding) if len(set(c.attention_types)) > 1 else None, index)
-            (x, new_layers), _ = scanned_blocks(c)(c, name="blocks")(
-                (x, None if cache is None else cache.layers), views, pos, stop, layer)
+            sliding = jnp.asarray([kind == "sliding" for kind in c.attention_types])  # [n_layer]
+            layer = (sliding if len(set(c.attention_types)) > 1 else None, jnp.arange(c.n_layer))
+            (x, written), _ = scanned_blocks(c)(c, name="blocks")((x, cache), views, layer)
         else:
-            new_layers = []
+            written = cache
             for i, kind in enumerate(c.attention_types):
-                (x, layer_cache), _ = block_type(c)(c, kind, name=f"block_{i}")(
-                    (x, None if cache is None else cache.layers[i]), views, pos, stop, (None, None))
-                new_layers.append(layer_cache)
+                (x, written), _ = block_type(c)(c, kind, name=f"block_{i}")((x, written), views, (None, i))
         x = norm(c, "final_norm")(x)
 
         weight = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),
@@ -244,7 +222,7 @@ class Decoder(nn.Module):
         out = x if hidden else OutputHead(weight, c.tie_embeddings, c.final_logit_softcap).logits(x)
         if cache is None:
             return out, None
-        return cache.commit(new_layers, out, T)
+        return cache.commit(written.layers, out, T)
 
     @nn.nowrap
     def output_head(self, params) -> OutputHead:

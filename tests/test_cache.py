@@ -247,6 +247,63 @@ def test_gemma3_cache_at_32k_keeps_about_a_sixth_of_a_full_cache():
     assert nbytes(ring) / nbytes(full) < 0.17
 
 
+def direct_layer(cache: KVCache, config: DecoderConfig, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer i's k and v `[batch, slots, n_kv, head_dim]`, sliced straight from the cache's arrays:
+    its own, its row of the one stack, or of its kind's stack at its rank among that kind."""
+    if not config.scan_layers:
+        layer, index = cache.layers[i], slice(None)
+    elif not cache.ring_slots:
+        layer, index = cache.layers, i
+    else:
+        kind = config.attention_types[i]
+        layer = cache.layers.sliding if kind == "sliding" else cache.layers.full
+        index = config.attention_types[:i].count(kind)
+    return np.array(layer.k[:, index]), np.array(layer.v[:, index])
+
+
+@pytest.mark.parametrize("config", [
+    CONFIG, CONFIG.replace(scan_layers=True), WINDOWED,
+    # (a layer's rank in its stack differs from its number, clamped into the stack: the rank is read)
+    WINDOWED.replace(layer_types=("full", "sliding", "sliding"), scan_layers=True),
+], ids=["per layer", "stacked", "rings", "two stacks"])
+def test_each_layouts_layer_view_reads_and_writes_its_layer_alone(config):
+    """For each layer i of each layout: `layer(i)` given back unwritten is the same cache; its
+    `attend` reads layer i's slots (a full layer's first `read_slots`, a ring's whole) then this
+    call's K/V; `with_layer(i, written)` holds them at each row's slot and leaves every other
+    layer as it was."""
+    cache = KVCache.create(config, batch_size=2, capacity=16).replace(pos=jnp.array([3, 9], jnp.int32))
+    keys = jax.random.split(jax.random.key(0), len(jax.tree.leaves(cache.layers)))
+    leaves = [jax.random.randint(key, leaf.shape, 0, 100).astype(leaf.dtype)  # integers: exact sums
+              for key, leaf in zip(keys, jax.tree.leaves(cache.layers))]
+    cache = cache.replace(layers=jax.tree.unflatten(jax.tree.structure(cache.layers), leaves))
+    k_new = jnp.full((2, 1, 2, 8), 1000.0)
+    step = jax.jit(lambda cache, i: cache.with_layer(i, cache.layer(i)), static_argnums=1 if not config.scan_layers
+                   else ())
+    for i, kind in enumerate(config.attention_types):
+        index = i if not config.scan_layers else jnp.int32(i)  # traced in a scan, so here too
+        chex.assert_trees_all_equal(step(cache, index), cache)
+        def sums(keys, values, kind=None):  # the same shape for both kinds: a cache of two stacks returns it
+            return jnp.stack([keys.sum(1), values.sum(1)]), None  # (out, weights)
+
+        (read, _), written = cache.layer(index).attend(sums, k_new, -k_new, cache.pos, None, cache.read_slots)
+        k_sum, v_sum = read
+        written = cache.with_layer(index, written)
+        for j in range(config.n_layer):
+            want_k, want_v = direct_layer(cache, config, j)
+            if j == i:  # row b's slot pos[b] (in a ring, pos[b] % slots) holds the new K/V
+                before_k, before_v = want_k.copy(), want_v.copy()
+                slots = want_k.shape[1]
+                for row, at in enumerate(np.asarray(cache.pos) % slots):
+                    want_k[row, at], want_v[row, at] = 1000.0, -1000.0
+                # what attention read: a full layer's slots once written, a ring's before, then this call's
+                read_k, read_v = (want_k, want_v) if slots == cache.capacity else (before_k, before_v)
+                np.testing.assert_array_equal(k_sum, read_k.sum(1) + (slots < cache.capacity) * 1000.0)
+                np.testing.assert_array_equal(v_sum, read_v.sum(1) - (slots < cache.capacity) * 1000.0)
+            got_k, got_v = direct_layer(written, config, j)
+            np.testing.assert_array_equal(got_k, want_k, err_msg=f"layer {j} after writing layer {i} ({kind})")
+            np.testing.assert_array_equal(got_v, want_v, err_msg=f"layer {j} after writing layer {i} ({kind})")
+
+
 def test_a_ring_too_short_for_the_window_or_of_another_layout_is_refused():
     model, params = Decoder(WINDOWED), random_params(WINDOWED, seed=3)
     kv = dict(n_layer=3, n_kv_head=2, head_dim=8, max_seq_len=48, dtype=jnp.float32)
