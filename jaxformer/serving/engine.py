@@ -199,6 +199,7 @@ class Engine:
             rows = tokens.shape[0]
             head = cache if rows == cache.batch_size else jax.tree.map(lambda leaf: leaf[:rows], cache)
             head = head.replace(pos=jnp.where(active, head.pos, 0), span=span)
+            # (Context None: a model that continues its prompt reads the cache alone, as in `prefill_piece`.)
             logits, head = step_fn(model, params, None)(tokens[:, None], head)  # [rows, 1, vocab]
             head = head.replace(span=None)  # (the batch's cache keeps one layout between steps)
             if rows < cache.batch_size:  # (a copy of those rows in and out: less than decoding them all)
