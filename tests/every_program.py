@@ -21,7 +21,7 @@ from tiny_llama import TOKENIZER  # noqa: E402
 
 from jaxformer import Decoder, DecoderConfig  # noqa: E402
 from jaxformer.convert import load_hf, save_hf  # noqa: E402
-from jaxformer.decoding import Draft, generate, stream  # noqa: E402
+from jaxformer.decoding import DecodeOptions, Draft, generate, stream  # noqa: E402
 from jaxformer.serving.engine import Engine  # noqa: E402
 from jaxformer.text import generate as generate_command  # noqa: E402
 from jaxformer.text import perplexity, save_tokenizer  # noqa: E402
@@ -70,7 +70,7 @@ def main(root: Path) -> None:
     list(stream(model, params, prompt, speculative=draft, max_new_tokens=5))
     engine = Engine(model, params, max_batch=2, capacity=64)
     try:
-        engine.submit([1, 2, 3], 4, temperature=0.7, seed=1).result()
+        engine.submit([1, 2, 3], DecodeOptions(max_new_tokens=4, temperature=0.7, key=jax.random.key(1))).result()
     finally:
         engine.close()
 

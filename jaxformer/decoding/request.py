@@ -81,6 +81,10 @@ class DecodeOptions:
         if penalty is None or penalty < 0:
             raise ValueError(f"{name('length_penalty')} must be a finite number >= 0 (got {self.length_penalty!r})")
 
+    def sampling(self, batch: int, vocab_size: int) -> Sampling:
+        """The sampling settings as `Sampling` for `batch` rows, checked (`Sampling.create`)."""
+        return Sampling.create(batch, vocab_size, self.temperature, self.top_k, self.top_p)
+
     def keywords(self) -> dict:
         """The options as `generate`'s keywords."""
         return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
@@ -148,7 +152,7 @@ class DecodeRequest:
         # The cache `steps.prefill` makes: the prompt and every new token but the last.
         check_prefill_memory(spec, batch * num_beams, decoder_prompt.shape[1],
                              decoder_prompt.shape[1] + max_new_tokens - 1)
-        sampling = Sampling.create(batch, spec.vocab_size, o.temperature, o.top_k, o.top_p)
+        sampling = o.sampling(batch, spec.vocab_size)
         key = o.key
         if key is None:
             if sampling.samples.any():

@@ -130,5 +130,9 @@ class Sampling:
         return np.asarray(self.temperature) > 0
 
     def pick(self, logits: jax.Array, key: jax.Array) -> jax.Array:
-        """`[batch]` int32: each row's token from its `[batch, vocab]` logits."""
+        """`[batch]` int32: each row's token from its `[batch, vocab]` logits (`key`: one, or one per row)."""
         return sample_token(logits, key, self.temperature, self.top_k, self.top_p)
+
+    def filtered(self, logits: jax.Array) -> jax.Array:
+        """`filtered_logits` of `[..., batch, vocab]` logits: what a sampling row draws from."""
+        return filtered_logits(logits, self.temperature, self.top_k, self.top_p)

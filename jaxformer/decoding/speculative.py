@@ -20,7 +20,6 @@ from flax import struct
 
 from jaxformer.decodable import Decodable
 from jaxformer.decoding.request import DecodeRequest
-from jaxformer.decoding.sampling import filtered_logits
 from jaxformer.decoding.steps import NO_TOKEN, finite_logits, first_token, prefill, span_loops, stops
 from jaxformer.validation import as_int
 
@@ -118,7 +117,7 @@ def _log_probs(logits: jax.Array, request: DecodeRequest) -> jax.Array:
     greedy = jnp.where(jax.nn.one_hot(jnp.argmax(moved, axis=-1), moved.shape[-1]) > 0, 0.0, -jnp.inf)
 
     def sample(_):
-        sampled = jax.nn.log_softmax(filtered_logits(moved, s.temperature, s.top_k, s.top_p), axis=-1)
+        sampled = jax.nn.log_softmax(s.filtered(moved), axis=-1)
         return jnp.where((s.temperature > 0)[:, None], sampled, greedy)
 
     # A cond, as in sample_token: when every row is greedy the vocabulary is not sorted.

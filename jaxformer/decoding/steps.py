@@ -13,6 +13,7 @@ import numpy as np
 from jaxformer.cache import KVCache, spans
 from jaxformer.decodable import Decodable
 from jaxformer.decoding.request import DecodeRequest, is_eos
+from jaxformer.decoding.sampling import Sampling
 from jaxformer.sharding import cache_shardings
 
 
@@ -42,6 +43,22 @@ def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_c
     logits, cache = step_fn(model, params, context)(request.decoder_prompt, with_span(cache, prompt_len))
     last = jnp.take_along_axis(logits, (request.lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
     return context, last, with_span(cache, None).replace(pos=lengths, stop=None)
+
+
+def prefill_piece(model: Decodable, params, tokens: jax.Array, cache: KVCache, real) -> tuple[jax.Array, KVCache]:
+    """`(logits [batch, vocab], cache)`: the next piece of each row's prompt run into `cache`,
+    the logits at its last real token; a chunked prefill is such pieces one after the other.
+
+    `tokens` `[batch, n]` hold the next `real` (int32 `[]`, `1 .. n`) tokens of each row, then
+    padding, as `prefill`'s ragged rows: a ring takes the real tokens only (`stop`), and `pos`
+    is set back to their end, so the next piece overwrites the padding before anything reads
+    it. For a model that continues its prompt (`DecodingSpec.supports_speculative`), whose
+    steps read the cache alone (context None).
+    """
+    end = cache.pos + real  # [batch]
+    logits, cache = step_fn(model, params, None)(tokens, cache.replace(stop=end))  # [batch, n, vocab]
+    last = jax.lax.dynamic_index_in_dim(logits, real - 1, axis=1, keepdims=False)  # [batch, vocab]
+    return last, cache.replace(pos=end, stop=None)
 
 
 # Spans (docs/decoding.md, "The span"): a call reads the first `span` slots of a `KVCache`,
@@ -107,10 +124,21 @@ def stops(token: jax.Array, eos_id: jax.Array) -> jax.Array:
 def pick(request: DecodeRequest, i, logits: jax.Array, done: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Token `i` of each row from `logits` `[batch, vocab]` (sampled with `fold_in(key, i)`;
     `NO_TOKEN` where not finite, `pad_id` where done), and the rows done after it."""
-    token = request.sampling.pick(logits, jax.random.fold_in(request.key, i))
-    token = jnp.where(finite_logits(logits), token, NO_TOKEN)  # [batch]
+    token = picked(request.sampling, logits, jax.random.fold_in(request.key, i))
     token = jnp.where(done, request.pad_id, token)
     return token, done | stops(token, request.eos_id)
+
+
+def pick_rows(sampling: Sampling, keys: jax.Array, made: jax.Array, logits: jax.Array) -> jax.Array:
+    """`[batch]`: token `made[r]` of each row r, drawn from `logits` `[batch, vocab]` with
+    `fold_in(keys[r], made[r])`, its own key: a row's draws do not depend on the rows beside it
+    (a server's requests, each with its key); `NO_TOKEN` where not finite."""
+    return picked(sampling, logits, jax.vmap(jax.random.fold_in)(keys, made))
+
+
+def picked(sampling: Sampling, logits: jax.Array, key: jax.Array) -> jax.Array:
+    """`sampling.pick(logits, key)`, `NO_TOKEN` in the rows whose logits are not finite."""
+    return jnp.where(finite_logits(logits), sampling.pick(logits, key), NO_TOKEN)
 
 
 def first_token(model: Decodable, params, request: DecodeRequest, mesh=None, extra_capacity: int = 0):

@@ -68,7 +68,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
         body = await read_body(request, max_body_bytes, body_timeout_s)
         # Off the event loop: a long prompt's template and tokenizer would hold up every other request.
         job = await asyncio.to_thread(read_job, body, chat=chat, tokenizer=tokenizer, model_name=model_name,
-                                      vocab_size=engine.model.config.vocab_size, max_seq_len=engine.capacity)
+                                      max_seq_len=engine.capacity)
         run = Run(engine, tokenizer, job, runs)
         rid = completion_id(chat)
         if job.stream:
@@ -157,15 +157,14 @@ class Run:
         self._runs, self._abort = runs, None
         loop = asyncio.get_running_loop()
         try:
-            self.handle = engine.submit(job.prompt_ids, job.max_tokens, temperature=job.temperature, top_k=job.top_k,
-                                        top_p=job.top_p, seed=job.seed,
+            self.handle = engine.submit(job.prompt_ids, job.options,
                                         listener=lambda event: loop.call_soon_threadsafe(self._events.put_nowait,
                                                                                          event))
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", kind="rate_limit_error", code="queue_full") from None
         except EngineClosed as e:
             raise ApiError(503, str(e), kind="server_error") from None
-        except ValueError as e:  # (read_job checked the body; this is the engine's own check)
+        except ValueError as e:  # (read_job read the body in the API's terms; this is the library's check)
             raise ApiError(400, str(e)) from None
         self.text = StopText(tokenizer, job.prompt_ids, job.stop)  # (its decoder reads only ids the engine took)
         runs.add(self)

@@ -16,15 +16,18 @@ Every turn of the engine's loop (docs/serving.md, "The engine's turn"):
 Shapes stay static: the step sees one of those row counts and spans, and a prefill piece is a power of
 two up to `prefill_chunk` tokens (a prompt of 100 with chunks of 64 goes in as 64 and 36
 padded to 64: each call reads every weight once, so fewer calls are cheaper than no
-padding), so `warmup` compiles every program the engine will run. Each row's sampling knobs and seed
-are arrays: a new request changes values, not shapes. Row r's token i is drawn with
-`fold_in(key(seed), i)`, so a request's draws do not depend on who shares its batch.
+padding), so `warmup` compiles every program the engine will run. The rows' sampling settings
+are one `Sampling` and their keys one array: a new request changes values, not shapes. Row r's
+token i is drawn with `fold_in(key, i)`, its request's key (`steps.pick_rows`), so a request's
+draws do not depend on who shares its batch. The model's calls and the token's pick are the
+decoding library's (`steps.prefill_piece`, `steps.step_fn`, `steps.pick_rows`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -35,11 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.cache import span_for, spans
-from jaxformer.decoder import Decoder
-from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p, sample_token
-from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError, finite_logits
-from jaxformer.training import check_seed
+from jaxformer.decodable import Decodable
+from jaxformer.decoding.request import DecodeOptions
+from jaxformer.decoding.sampling import Sampling
+from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError, pick_rows, prefill_piece, step_fn
 from jaxformer.validation import as_int, python_int
+
+# `DecodeOptions` the engine does not take: its stop ids are the engine's, and a request is one
+# prompt decoded a token per step. A value other than the default is refused.
+NOT_SERVED = ("eos_id", "pad_id", "bos_id", "prompt_lengths", "num_beams", "length_penalty")
 
 
 class QueueFull(RuntimeError):
@@ -65,8 +72,9 @@ class Handle:
     """A submitted request: its events (`events()`, or the `listener` given to `submit`) and
     `cancel()`, which frees its slot at the engine's next turn."""
 
-    def __init__(self, prompt: list[int], max_tokens: int, knobs: tuple, listener):
-        self.prompt, self.max_tokens, self.knobs = prompt, max_tokens, knobs  # knobs: temperature, top_k, top_p, seed
+    def __init__(self, prompt: list[int], max_tokens: int, sampling: Sampling, key: np.ndarray, listener):
+        self.prompt, self.max_tokens = prompt, max_tokens
+        self.sampling, self.key = sampling, key  # its row's: a one-row `Sampling`, its key's data
         self.made = 0  # tokens made so far, the stopping one included
         self.cancelled = threading.Event()
         self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -117,11 +125,20 @@ def pieces(n_tokens: int, chunk: int, room: int) -> list[tuple[int, int]]:
     return out + [(1 << bit, 1 << bit) for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
 
 
+def check_served(options: DecodeOptions) -> None:
+    """Raises `ValueError` naming the first field of `NOT_SERVED` that `options` sets."""
+    defaults = DecodeOptions(max_new_tokens=options.max_new_tokens)
+    for name in NOT_SERVED:
+        value, default = getattr(options, name), getattr(defaults, name)
+        if value is not None if default is None else np.any(np.asarray(value) != default):
+            raise ValueError(f"the engine does not take {name}: leave it at {default!r} (got {value!r})")
+
+
 class Engine:
     """Decodes many requests at once on one device, taking them in and letting them out at every step.
 
     Args:
-      model: a `Decoder`.
+      model: a `Decodable` that continues its prompt (`DecodingSpec.supports_speculative`: a `Decoder`).
       params: its parameters.
       max_batch: rows decoded together (requests running at once).
       capacity: positions a request may fill, prompt and completion together; default and at
@@ -131,25 +148,30 @@ class Engine:
       stop_ids: ids that end a request (the tokenizer's EOS ids).
     """
 
-    def __init__(self, model: Decoder, params, *, max_batch: int = 8, capacity: int | None = None,
+    def __init__(self, model: Decodable, params, *, max_batch: int = 8, capacity: int | None = None,
                  prefill_chunk: int = 64, max_queue: int = 64, stop_ids: Sequence[int] = ()):
-        c = model.config
-        self.model, self.params = model, params
+        spec = model.decoding_spec()
+        if not spec.supports_speculative:  # (a prompt prefilled in pieces, into the cache its steps read)
+            raise ValueError("the engine serves a model that continues its prompt (DecodingSpec.supports_speculative, "
+                             "as the decoder-only Decoder)")
+        self.model, self.params, self.vocab_size = model, params, spec.vocab_size
         self.max_batch = as_int(max_batch, "max_batch", minimum=1)
-        self.capacity = as_int(c.max_seq_len if capacity is None else capacity, "capacity", minimum=1,
-                               maximum=c.max_seq_len, maximum_name="max_seq_len")
+        self.capacity = as_int(spec.max_seq_len if capacity is None else capacity, "capacity", minimum=1,
+                               maximum=spec.max_seq_len, maximum_name="max_seq_len")
         self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk", minimum=1)
         if self.prefill_chunk & (self.prefill_chunk - 1):
             raise ValueError(f"prefill_chunk must be a power of two (got {prefill_chunk})")
         self.max_queue = as_int(max_queue, "max_queue", minimum=0)
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         for i in self.stop_ids:
-            as_int(i, "stop_ids", minimum=0, maximum=c.vocab_size - 1, maximum_name="vocab_size - 1")
+            as_int(i, "stop_ids", minimum=0, maximum=spec.vocab_size - 1, maximum_name="vocab_size - 1")
         # The step decodes the first 2, 4, 8, ... rows, as few as hold the running requests. (Not
         # 1 row: XLA:CPU writes a one-row slice back into the batch far slower than two, 23 ms
         # against 10 for a step of the 22.8 M-parameter model of docs/serving.md.)
         self._row_counts = sorted({1 << bit for bit in range(1, self.max_batch.bit_length())
                                    if 1 << bit < self.max_batch} | {self.max_batch})
+        # A free row decodes greedily (the step skips the sort when no row samples), with an unused key.
+        self._free_row = (Sampling.create(1, spec.vocab_size), np.asarray(jax.random.key_data(jax.random.key(0))))
         self._compile()
         self._cache = model.init_cache(self.max_batch, self.capacity)
         self._slots: list[_Slot | None] = [None] * self.max_batch
@@ -166,20 +188,10 @@ class Engine:
     def _compile(self) -> None:
         model, capacity = self.model, self.capacity
 
-        def piece(params, tokens, cache, real):  # tokens [1, n]: the next `real` of a prompt, then padding
-            # As a ragged prefill's padding: a ring takes the real tokens only (`stop`), and `pos` is
-            # set back to their end, so the next tokens overwrite the padding before anyone reads it.
-            end = cache.pos + real  # [1]
-            logits, cache = model.apply({"params": params}, tokens, cache.replace(stop=end))  # [1, n, vocab]
-            last = jax.lax.dynamic_index_in_dim(logits, real - 1, axis=1, keepdims=False)  # [1, vocab]
-            return last, cache.replace(pos=end, stop=None)  # only a prompt's last logits pick a token
+        def pick(sampling, keys, made, logits):  # keys: the rows' key data [rows, ...]; made [rows]
+            return pick_rows(sampling, jax.random.wrap_key_data(keys), made, logits)
 
-        def pick(logits, seeds, made, temperature, top_k, top_p):  # logits [rows, vocab], the rest [rows]
-            keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(seeds, made)
-            token = sample_token(logits, keys, temperature, top_k, top_p)  # [rows]
-            return jnp.where(finite_logits(logits), token, NO_TOKEN)
-
-        def step(params, cache, span, tokens, active, seeds, made, temperature, top_k, top_p):  # [rows] each
+        def step(params, cache, span, tokens, active, sampling, keys, made):  # [rows] each
             # The first `rows` of the batch decode (requests take the lowest free rows, so the
             # busy ones are there); a free row among them decodes too, from position 0, where it
             # overwrites nothing anyone reads: `insert` replaces the whole row when a request takes it.
@@ -187,14 +199,15 @@ class Engine:
             rows = tokens.shape[0]
             head = cache if rows == cache.batch_size else jax.tree.map(lambda leaf: leaf[:rows], cache)
             head = head.replace(pos=jnp.where(active, head.pos, 0), span=span)
-            logits, head = model.apply({"params": params}, tokens[:, None], head)  # [rows, 1, vocab]
+            # (Context None: a model that continues its prompt reads the cache alone, as in `prefill_piece`.)
+            logits, head = step_fn(model, params, None)(tokens[:, None], head)  # [rows, 1, vocab]
             head = head.replace(span=None)  # (the batch's cache keeps one layout between steps)
             if rows < cache.batch_size:  # (a copy of those rows in and out: less than decoding them all)
                 head = jax.tree.map(lambda leaf, part: jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=0),
                                     cache, head)
-            return pick(logits[:, 0], seeds, made, temperature, top_k, top_p), head
+            return pick(sampling, keys, made, logits[:, 0]), head
 
-        self._piece = jax.jit(piece, donate_argnums=2)
+        self._piece = jax.jit(functools.partial(prefill_piece, model), donate_argnums=2)
         self._pick = jax.jit(pick)
         self._step = jax.jit(step, donate_argnums=1, static_argnums=2)
         self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one), donate_argnums=0)
@@ -224,59 +237,50 @@ class Engine:
                 logits, cache = self._piece(self.params, np.zeros((1, n), np.int32),
                                             cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n))
                 ran(f"prefill of {n} token{'s' * (n > 1)}", logits)
-            ran("sampling", self._pick(logits, *self._knobs([None])))
+            ran("sampling", self._pick(*self._rows([None]), logits))
             for rows, span in steps:
                 _, self._cache = self._step(self.params, self._cache, span, np.zeros(rows, np.int32),
-                                            np.zeros(rows, bool), *self._knobs([None] * rows))
+                                            np.zeros(rows, bool), *self._rows([None] * rows))
                 ran(f"decode step of {rows} rows reading {span} slots", self._cache)
             self._cache = self._insert(self._cache, np.int32(0), cache)
             ran("row insert", self._cache)
 
-    def _knobs(self, handles: list[Handle | None]) -> tuple:
-        """`(seeds, made, temperature, top_k, top_p)`, one of each per row: its request's seed,
-        the tokens it has made (the index of the one drawn next) and sampling knobs; a free
-        row (None) is greedy, keeping every token."""
-        vocab = self.model.config.vocab_size
-        knobs = [(0.0, vocab, 1.0, 0, 0) if h is None else (*h.knobs, h.made) for h in handles]
-        temperature, top_k, top_p, seeds, made = zip(*knobs)
-        return (np.asarray(seeds, np.int32), np.asarray(made, np.int32), np.asarray(temperature, np.float32),
-                np.asarray(top_k, np.int32), np.asarray(top_p, np.float32))
+    def _rows(self, handles: list[Handle | None]) -> tuple[Sampling, np.ndarray, np.ndarray]:
+        """`(sampling, keys, made)`, a row of each per handle: its request's `Sampling` and key's
+        data, and the tokens it has made (the index of the one drawn next); a free row (None) is
+        greedy."""
+        rows = [self._free_row + (0,) if h is None else (h.sampling, h.key, h.made) for h in handles]
+        samplings, keys, made = zip(*rows)
+        sampling = jax.tree.map(lambda *columns: np.concatenate(columns), *samplings)
+        return sampling, np.stack(keys), np.asarray(made, np.int32)
 
     # The requests' side: any thread.
 
-    def submit(self, prompt: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, seed: int = 0,
+    def submit(self, prompt: Sequence[int], options: DecodeOptions, *,
                listener: Callable[[Event], None] | None = None) -> Handle:
-        """Queues a request: `prompt`'s ids continued by up to `max_tokens` tokens.
+        """Queues a request: `prompt`'s ids continued by up to `options.max_new_tokens` tokens.
 
         Args:
+          options: its `max_new_tokens`, sampling settings and `key` (required to sample: the
+            key of token i is `fold_in(key, i)`); the fields of `NOT_SERVED` stay at their defaults.
           listener: called with each `Event` on the engine's thread (it must not block); without
             one the events wait in the handle (`Handle.events`).
 
         Raises:
           ValueError: a bad argument, naming it and its limit (ids past the vocabulary, a prompt
-            and `max_tokens` past the capacity), before the request is queued.
+            and `max_new_tokens` past the capacity), before the request is queued: the one check
+            of a request, the server's included.
           QueueFull: `max_queue` requests wait already.
           EngineClosed: the engine is shutting down.
         """
-        c = self.model.config
-        if any(python_int(i) is None for i in prompt):
-            raise ValueError(f"prompt must hold integer token ids (got {list(prompt)[:8]!r}...)")
-        prompt = [int(i) for i in prompt]
-        if not prompt:
-            raise ValueError("prompt must hold at least one token")
-        if min(prompt) < 0 or max(prompt) >= c.vocab_size:
-            bad = min(prompt) if min(prompt) < 0 else max(prompt)
-            raise ValueError(f"prompt holds token id {bad}, outside the model's vocabulary [0, {c.vocab_size})")
-        max_tokens = as_int(max_tokens, "max_tokens", minimum=1)
+        prompt = self._checked_prompt(prompt)
+        max_tokens = as_int(options.max_new_tokens, "max_new_tokens", minimum=1)
         if len(prompt) + max_tokens > self.capacity:
-            raise ValueError(f"the prompt's {len(prompt)} tokens and max_tokens {max_tokens} make "
+            raise ValueError(f"the prompt's {len(prompt)} tokens and max_new_tokens {max_tokens} make "
                              f"{len(prompt) + max_tokens}, past the server's max_seq_len {self.capacity}")
-        temperature = float(check_temperature(temperature))
-        top_k = int(c.vocab_size if top_k is None else check_top_k(top_k, c.vocab_size))
-        top_p = float(1.0 if top_p is None else check_top_p(top_p))
-        seed = check_seed(seed, "seed")
-        handle = Handle(prompt, max_tokens, (temperature, top_k, top_p, seed), listener)
+        check_served(options)
+        sampling = options.sampling(1, self.vocab_size)  # (`Sampling.create` checks the settings)
+        handle = Handle(prompt, max_tokens, sampling, self._key_data(options.key, sampling), listener)
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down")
@@ -286,6 +290,34 @@ class Engine:
             self._waiting.append(handle)
             self._lock.notify()
         return handle
+
+    def _checked_prompt(self, prompt: Sequence[int]) -> list[int]:
+        """`prompt` as a list of ids, each in the vocabulary, at least one."""
+        if any(python_int(i) is None for i in prompt):
+            raise ValueError(f"prompt must hold integer token ids (got {list(prompt)[:8]!r}...)")
+        prompt = [int(i) for i in prompt]
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = min(prompt) if min(prompt) < 0 else max(prompt)
+            raise ValueError(f"prompt holds token id {bad}, outside the model's vocabulary [0, {self.vocab_size})")
+        return prompt
+
+    def _key_data(self, key, sampling: Sampling) -> np.ndarray:
+        """The data of a request's `key` (what the step's keys array holds), the free row's
+        unused key for a greedy request without one."""
+        unused = self._free_row[1]
+        if key is None:
+            if sampling.samples.any():
+                raise ValueError("key is required when temperature > 0: pass key=jax.random.key(seed)")
+            return unused
+        try:
+            data = np.asarray(jax.random.key_data(key))
+        except (TypeError, ValueError):
+            data = None
+        if data is None or data.shape != unused.shape or data.dtype != unused.dtype:
+            raise ValueError(f"key must be one PRNG key, jax.random.key(seed) (got {key!r})")
+        return data
 
     def load(self) -> dict:
         """`{"running": requests holding a row, "waiting": queued for one, "finished": {reason: count}}`."""
@@ -372,7 +404,7 @@ class Engine:
             slot.prefilled += real
             used += n
         if slot.prefilled == len(prompt):
-            token = self._pick(logits, *self._knobs([slot.handle]))  # [1]
+            token = self._pick(*self._rows([slot.handle]), logits)  # [1]
             self._cache = self._insert(self._cache, np.int32(row), slot.cache)
             slot.cache = None
             self._deliver(row, int(np.asarray(token)[0]))
@@ -380,7 +412,7 @@ class Engine:
 
     def _batch_inputs(self) -> tuple:
         """The step's inputs for the first rows, enough to hold every running one (a count of
-        `_row_counts`): the span it reads, each row's last token, whether it runs, and its knobs."""
+        `_row_counts`): the span it reads, each row's last token, whether it runs, and `_rows`."""
         running = [slot if slot is not None and slot.prefilled == len(slot.handle.prompt) else None
                    for slot in self._slots]
         last = max(row for row, slot in enumerate(running) if slot is not None)
@@ -391,7 +423,7 @@ class Engine:
                         self.capacity)
         tokens = np.asarray([0 if slot is None else slot.token for slot in running], np.int32)
         active = np.asarray([slot is not None for slot in running])
-        return span, tokens, active, *self._knobs([None if slot is None else slot.handle for slot in running])
+        return span, tokens, active, *self._rows([None if slot is None else slot.handle for slot in running])
 
     def _deliver(self, row: int, token: int) -> None:
         """Hands row `row`'s new token to its request; frees the row when the request is done."""

@@ -1,6 +1,10 @@
 """The OpenAI API's side of the server, with no HTTP in it: a request body read into a `Job`
-(every field checked, each refusal an `ApiError` naming the field), the text a job's tokens
-make with its stop strings cut out, and the response bodies and stream chunks clients parse.
+(each refusal an `ApiError` naming the field), the text a job's tokens make with its stop
+strings cut out, and the response bodies and stream chunks clients parse.
+
+A job's decoding is `DecodeOptions`, read from the body in the API's terms (its types, its
+ranges, `seed` made a key); the decoding library's own rules (a top_k within the vocabulary,
+a prompt's ids, ...) are checked once, by `Engine.submit`, which the app answers as a 400.
 
 docs/serving.md lists the fields taken, their defaults, and what is refused.
 """
@@ -14,6 +18,9 @@ import secrets
 import time
 import uuid
 
+import jax
+
+from jaxformer.decoding.request import DecodeOptions
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream
 from jaxformer.text.tokenizer import Tokenizer
@@ -56,19 +63,15 @@ class Job:
     Attributes:
       chat: a /v1/chat/completions request (else /v1/completions).
       prompt_ids: the prompt's ids (for chat: the messages through the chat template).
-      max_tokens: new tokens at most.
-      temperature, top_k, top_p, seed: the sampling (`top_k` None: every token).
+      options: what the engine decodes: `max_new_tokens` (the body's max_tokens), the sampling
+        settings and `key` (`jax.random.key(seed)`).
       stop: strings that end the text, left out of it.
       stream: answer with server-sent events; include_usage: a last chunk with `usage`.
     """
 
     chat: bool
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_k: int | None
-    top_p: float
-    seed: int
+    options: DecodeOptions
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -94,13 +97,11 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], rule: str, default=No
     return value
 
 
-def _number(body: dict, name: str, default, *, low: float, high: float, low_open: bool = False,
-            integer: bool = False):
+def _number(body: dict, name: str, default, *, low: float, high: float, integer: bool = False):
     kinds = (int,) if integer else (int, float)
-    rule = (f"an integer in [{low}, {high}]" if integer else
-            f"a number in {'(' if low_open else '['}{low}, {high}]")
+    rule = f"{'an integer' if integer else 'a number'} in [{low}, {high}]"
     value = _field(body, name, kinds, rule, default)
-    if value is not None and not ((low < value if low_open else low <= value) and value <= high):
+    if value is not None and not low <= value <= high:
         raise invalid(f"{name} must be {rule} (got {shown(value)})", name)
     return value
 
@@ -115,9 +116,9 @@ def _text_content(content, where: str) -> str:
     raise invalid(f"{where}.content must be a string or a list of text parts (this model reads text only)", where)
 
 
-def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """A completion's prompt: a string, a list of token ids (each in the vocabulary), or a list
-    holding one of those."""
+def _prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
+    """A completion's prompt: a string, a list of token ids (the engine checks them against
+    the vocabulary), or a list holding one of those."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -126,10 +127,6 @@ def _prompt_ids(body: dict, tokenizer: Tokenizer, vocab_size: int) -> list[int]:
             raise invalid("prompt is empty", "prompt")
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        bad = next((i for i in prompt if not 0 <= i < vocab_size), None)
-        if bad is not None:
-            raise invalid(f"prompt holds token id {shown(bad)}, outside the model's vocabulary [0, {vocab_size})",
-                          "prompt")
         return prompt
     if isinstance(prompt, list) and not prompt:
         raise invalid("prompt is empty", "prompt")
@@ -155,7 +152,7 @@ def _chat_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)  # (the template writes its own BOS)
 
 
-def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, vocab_size: int, max_seq_len: int) -> Job:
+def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq_len: int) -> Job:
     """The request `body` (parsed JSON) as a `Job`, or an `ApiError` (400) naming what is wrong."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
@@ -171,7 +168,7 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, vocab_s
     if body.get("n") is not None and (body["n"] != 1 or type(body["n"]) is not int):
         raise invalid(f"n must be 1: this server makes one choice a request (got {shown(body['n'])})", "n")
     try:
-        ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer, vocab_size)
+        ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
     except ValueError as e:  # the tokenizer could not spell the text
         raise invalid(str(e), "messages" if chat else "prompt") from None
     if not ids:
@@ -187,17 +184,21 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, vocab_s
         raise invalid(f"the prompt is {len(ids)} tokens: with {param} {max_tokens} that makes "
                       f"{len(ids) + max_tokens}, past the server's max_seq_len {max_seq_len}", param,
                       "context_length_exceeded")
-    temperature = float(_number(body, "temperature", 1.0, low=0, high=2))
-    top_p = float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True))
-    top_k = _number(body, "top_k", None, low=1, high=vocab_size, integer=True)
+    # The sampling settings in the API's terms (a temperature up to 2, a seed an int32 makes a key of);
+    # the library's ranges for them are the engine's check.
+    temperature = _number(body, "temperature", 1.0, low=0, high=2)
+    top_p = _field(body, "top_p", (int, float), "a number", 1.0)
+    top_k = _field(body, "top_k", (int,), "an integer")
     seed = _number(body, "seed", None, low=0, high=SEED_LIMIT - 1, integer=True)
+    seed = secrets.randbelow(SEED_LIMIT) if seed is None else seed
     stream = _field(body, "stream", (bool,), "true or false", False)
     options = _field(body, "stream_options", (dict,), "an object", {})
     if options and not stream:
         raise invalid("stream_options goes with stream: true", "stream_options")
     include_usage = _field(options, "include_usage", (bool,), "true or false", False)
-    return Job(chat=chat, prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-               seed=secrets.randbelow(SEED_LIMIT) if seed is None else seed, stop=_stops(body), stream=stream,
+    options = DecodeOptions(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            key=jax.random.key(seed))
+    return Job(chat=chat, prompt_ids=ids, options=options, stop=_stops(body), stream=stream,
                include_usage=include_usage)
 
 

@@ -11,7 +11,7 @@ from conftest import count_compiles, random_params
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
 from jaxformer.cache import span_for, spans
-from jaxformer.decoding import DecodeRequest, PromptLookup
+from jaxformer.decoding import DecodeOptions, DecodeRequest, PromptLookup
 from jaxformer.decoding.front_door import advance, run, start
 from jaxformer.decoding.steps import pick
 from jaxformer.serving import Engine
@@ -102,7 +102,8 @@ def test_beam_search_and_prompt_lookup_across_spans_keep_their_tokens(greedy):
 def test_the_engine_decodes_across_spans_as_generate_with_a_program_per_span(greedy):
     engine = Engine(MODEL, PARAMS, max_batch=2, prefill_chunk=64)
     try:
-        handles = [engine.submit(PROMPT[row, :LENGTHS[row]].tolist(), NEW) for row in range(2)]
+        handles = [engine.submit(PROMPT[row, :LENGTHS[row]].tolist(), DecodeOptions(max_new_tokens=NEW))
+                   for row in range(2)]
         for row, handle in enumerate(handles):
             assert handle.result()[0] == greedy[row].tolist()
     finally:

@@ -168,6 +168,9 @@ def test_a_seed_reproduces_a_sampled_completion(server):
     (dict(json={"model": NAME, "prompt": "Keys", "stop": ["a", "b", "c", "d", "e"]}), 400, "stop must be"),
     (dict(json={"model": NAME, "prompt": ["Keys", "Why"]}), 400, "prompt holds 2 prompts"),
     (dict(json={"model": NAME, "prompt": [5, 9999]}), 400, "token id 9999, outside the model's vocabulary"),
+    (dict(json={"model": NAME, "prompt": "Keys", "top_k": 9999}), 400,  # (the engine's check, answered as a 400)
+     f"top_k must be None or an int in [1, vocab_size={CONFIG.vocab_size}] (got 9999)"),
+    (dict(json={"model": NAME, "prompt": "Keys", "top_p": 0}), 400, "top_p must be None or in (0, 1] (got 0)"),
     (dict(json={"model": NAME, "prompt": "Keys"}, headers={"Authorization": "Bearer wrong"}), 401,
      "a valid API key is needed"),
     (dict(json={"model": NAME, "prompt": "Keys"}, headers={"Authorization": ""}), 401, "a valid API key is needed"),

@@ -3,13 +3,15 @@ while requests come and go; nothing recompiles after `warmup`; faults stay with 
 
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import count_compiles, random_params
 from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
 
-from jaxformer import Decoder, DecoderConfig, generate
+from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate
+from jaxformer.decoding import DecodeOptions
 from jaxformer.serving import Engine, EngineClosed, QueueFull
 from jaxformer.serving.engine import pieces
 
@@ -33,6 +35,11 @@ def engine(params):
     engine.warmup()
     yield engine
     engine.close()
+
+
+def options(max_tokens: int, seed: int | None = None, **sampling) -> DecodeOptions:
+    """A request's options; `seed` makes its key."""
+    return DecodeOptions(max_new_tokens=max_tokens, key=None if seed is None else jax.random.key(seed), **sampling)
 
 
 def alone(params, ids: list[int], max_tokens: int, **sampling) -> list[int]:
@@ -59,7 +66,7 @@ def test_sixteen_requests_of_different_lengths_get_what_each_gets_alone(engine, 
     ids = [TOKENIZER.encode(p) for p in PROMPTS] * 2  # 16 requests on 4 rows
     max_tokens = [12 + 5 * (i % 7) for i in range(len(ids))]
     with count_compiles() as compiles:
-        handles = [engine.submit(row, n) for row, n in zip(ids, max_tokens)]
+        handles = [engine.submit(row, options(n)) for row, n in zip(ids, max_tokens)]
         results = [h.result() for h in handles]
     assert not compiles, "requests coming and going recompiled the engine's programs"
     assert len(ids) == 16 and len({len(row) for row in ids}) >= 6
@@ -80,7 +87,7 @@ def test_sliding_window_layers_prefilled_in_padded_pieces_decode_as_alone():
     engine = Engine(model, params, max_batch=4, prefill_chunk=8)
     try:
         prompts = [list(range(1, 1 + n)) for n in (3, 7, 11, 13, 21, 5)]
-        handles = [engine.submit(row, 12) for row in prompts]
+        handles = [engine.submit(row, options(12)) for row in prompts]
         for row, handle in zip(prompts, handles):
             want = np.asarray(generate(model, params, jnp.asarray([row]), max_new_tokens=12))[0, len(row):]
             assert handle.result()[0] == want.tolist()
@@ -91,11 +98,11 @@ def test_sliding_window_layers_prefilled_in_padded_pieces_decode_as_alone():
 def test_a_seeded_request_draws_the_same_tokens_whoever_shares_its_batch(engine):
     row = TOKENIZER.encode(PROMPTS[0])
     sampled = dict(temperature=4.0, top_k=40, top_p=0.95)  # hot: the memorised text is no longer certain
-    lone = engine.submit(row, 30, seed=7, **sampled).result()[0]
-    company = [engine.submit(TOKENIZER.encode(p), 30, seed=i, **sampled) for i, p in enumerate(PROMPTS[1:4])]
-    crowded = engine.submit(row, 30, seed=7, **sampled)
+    lone = engine.submit(row, options(30, seed=7, **sampled)).result()[0]
+    company = [engine.submit(TOKENIZER.encode(p), options(30, seed=i, **sampled)) for i, p in enumerate(PROMPTS[1:4])]
+    crowded = engine.submit(row, options(30, seed=7, **sampled))
     assert crowded.result()[0] == lone
-    other_seed = engine.submit(row, 30, seed=8, **sampled).result()[0]
+    other_seed = engine.submit(row, options(30, seed=8, **sampled)).result()[0]
     assert other_seed != lone  # (30 draws at temperature 4 from a fresh key: equal by chance only if broken)
     for handle in company:
         handle.result()
@@ -105,10 +112,10 @@ def test_cancel_frees_the_slot_at_the_next_step(params):
     engine = Engine(MODEL, params, max_batch=1, prefill_chunk=8, stop_ids=())  # no stop id: runs to max_tokens
     try:
         started = threading.Event()
-        long = engine.submit(TOKENIZER.encode(PROMPTS[0]), 70, listener=lambda event: started.set())
+        long = engine.submit(TOKENIZER.encode(PROMPTS[0]), options(70), listener=lambda event: started.set())
         started.wait(60)
         long.cancel()
-        short = engine.submit(TOKENIZER.encode(PROMPTS[1]), 5)
+        short = engine.submit(TOKENIZER.encode(PROMPTS[1]), options(5))
         assert short.result()[1] == "length"
         assert long.made < 70
     finally:
@@ -127,18 +134,18 @@ def test_a_full_queue_refuses_and_a_failing_request_fails_alone(params):
             if event.finish_reason is None:
                 raise RuntimeError("the client went away")
 
-        engine.submit(row, 60, listener=broken)
-        healthy = engine.submit(row, 60)
+        engine.submit(row, options(60), listener=broken)
+        healthy = engine.submit(row, options(60))
         with pytest.raises(QueueFull, match=r"max_queue 0"):
-            engine.submit(row, 60)
+            engine.submit(row, options(60))
         tokens, finish_reason, error = healthy.result()
         assert finish_reason == "stop" and error is None and len(tokens) > 5
-        assert engine.submit(row, 60).result()[0] == tokens  # the failed one's slot is free again
+        assert engine.submit(row, options(60)).result()[0] == tokens  # the failed one's slot is free again
         assert heard[-1].finish_reason == "error" and "RuntimeError: the client went away" in heard[-1].error
     finally:
         engine.close()
     with pytest.raises(EngineClosed):
-        engine.submit(row, 20)
+        engine.submit(row, options(20))
 
 
 @pytest.mark.parametrize("prompt, max_tokens, sampling, message", [
@@ -146,15 +153,20 @@ def test_a_full_queue_refuses_and_a_failing_request_fails_alone(params):
     ([5, 2.5], 4, {}, r"prompt must hold integer token ids"),
     ([5, CONFIG.vocab_size], 4, {}, rf"token id {CONFIG.vocab_size}, outside the model's vocabulary \[0, 320\)"),
     ([5, -1], 4, {}, r"token id -1, outside"),
-    ([5] * 90, 7, {}, r"the prompt's 90 tokens and max_tokens 7 make 97, past the server's max_seq_len 96"),
-    ([5], 0, {}, r"max_tokens must be a positive int \(got 0\)"),
+    ([5] * 90, 7, {}, r"the prompt's 90 tokens and max_new_tokens 7 make 97, past the server's max_seq_len 96"),
+    ([5], 0, {}, r"max_new_tokens must be a positive int \(got 0\)"),
     ([5], 4, {"top_k": 321}, r"top_k must be None or an int in \[1, vocab_size=320\]"),
+    ([5], 4, {"top_p": 0.0}, r"top_p must be None or in \(0, 1\]"),
     ([5], 4, {"temperature": -1.0}, r"temperature must be >= 0"),
-    ([5], 4, {"seed": -3}, r"seed must be"),
+    ([5], 4, {"temperature": 0.5}, r"key is required when temperature > 0"),
+    ([5], 4, {"key": 7}, r"key must be one PRNG key, jax.random.key\(seed\) \(got 7\)"),
+    ([5], 4, {"key": jax.random.key(7, impl="rbg")}, r"key must be one PRNG key"),
+    ([5], 4, {"num_beams": 2}, r"the engine does not take num_beams: leave it at 1 \(got 2\)"),
+    ([5], 4, {"eos_id": 3}, r"the engine does not take eos_id: leave it at None"),
 ])
 def test_bad_requests_are_refused_before_they_queue(engine, prompt, max_tokens, sampling, message):
     with pytest.raises(ValueError, match=message):
-        engine.submit(prompt, max_tokens, **sampling)
+        engine.submit(prompt, DecodeOptions(max_new_tokens=max_tokens, **sampling))
 
 
 def test_engine_arguments_are_checked(params):
@@ -162,3 +174,6 @@ def test_engine_arguments_are_checked(params):
         Engine(MODEL, params, prefill_chunk=12)
     with pytest.raises(ValueError, match=r"capacity must be an int in \[1, max_seq_len=96\] \(got 97\)"):
         Engine(MODEL, params, capacity=97)
+    with pytest.raises(ValueError, match=r"the engine serves a model that continues its prompt"):
+        Engine(VanillaTransformer(VanillaConfig(src_vocab_size=32, tgt_vocab_size=32, d_model=16, n_head=2, d_ff=32,
+                                                n_layer=1)), params)  # (an encoder-decoder: its decoder starts at BOS)

@@ -1,5 +1,6 @@
 """The API's text side: stop strings cut out however the tokens split them."""
 
+import jax
 import numpy as np
 import pytest
 from tiny import TOKENIZER
@@ -94,13 +95,22 @@ def test_a_stop_string_of_250000_characters_costs_the_characters_of_the_text_not
 
 
 def test_a_job_reads_the_defaults_and_refuses_a_second_choice():
-    job = read_job({"model": "m", "prompt": "Keys"}, chat=False, tokenizer=TOKENIZER, model_name="m",
-                   vocab_size=TOKENIZER.vocab_size, max_seq_len=96)
-    assert (job.max_tokens, job.temperature, job.top_p, job.top_k, job.stop, job.stream) == (16, 1.0, 1.0, None, (),
-                                                                                              False)
+    job = read_job({"model": "m", "prompt": "Keys"}, chat=False, tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
+    o = job.options
+    assert (o.max_new_tokens, o.temperature, o.top_p, o.top_k, job.stop, job.stream) == (16, 1.0, 1.0, None, (), False)
     chat = read_job({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
-                    chat=True, tokenizer=TOKENIZER, model_name="m", vocab_size=TOKENIZER.vocab_size, max_seq_len=96)
-    assert chat.max_tokens == 96 - len(chat.prompt_ids)  # a chat runs to the end of the context
+                    chat=True, tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
+    assert chat.options.max_new_tokens == 96 - len(chat.prompt_ids)  # a chat runs to the end of the context
     with pytest.raises(ApiError, match="n must be 1"):
         read_job({"model": "m", "prompt": "Keys", "n": 3}, chat=False, tokenizer=TOKENIZER, model_name="m",
-                 vocab_size=TOKENIZER.vocab_size, max_seq_len=96)
+                 max_seq_len=96)
+
+
+def test_a_seed_becomes_the_key_and_the_sampling_settings_pass_as_sent():
+    """The body's settings become `DecodeOptions` unchanged (their ranges are the engine's check)."""
+    body = {"model": "m", "prompt": "Keys", "seed": 5, "temperature": 0.5, "top_k": 7, "top_p": 0.9, "max_tokens": 3}
+    o = read_job(body, chat=False, tokenizer=TOKENIZER, model_name="m", max_seq_len=96).options
+    assert (o.max_new_tokens, o.temperature, o.top_k, o.top_p) == (3, 0.5, 7, 0.9)
+    np.testing.assert_array_equal(jax.random.key_data(o.key), jax.random.key_data(jax.random.key(5)))
+    with pytest.raises(ApiError, match=r"top_k must be an integer \(got 'many'\)"):
+        read_job({**body, "top_k": "many"}, chat=False, tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
