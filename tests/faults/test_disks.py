@@ -138,8 +138,8 @@ def test_a_read_only_run_dir_is_refused_in_one_line(finished_run, tmp_path, caps
         writes = ("a resumed run writes its checkpoints and metrics there" if command == "resume"
                   else "the report page is written there (report.html)")
         assert exit_info.value.code == 2 and err == [
-            f"{'python -m train.reverse' if command == 'resume' else 'jaxformer-report'}: error: {run_dir} is on a read-only "
-            f"file system: {writes}"], err
+            f"{'python -m train.reverse' if command == 'resume' else 'jaxformer-report'}: error: {run_dir} is on a "
+            f"read-only file system: {writes}"], err
         assert snapshot(run_dir) == before
 
 
