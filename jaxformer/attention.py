@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.cache import LayerKV
+from jaxformer.dropout import Dropout
 from jaxformer.lora import project
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope
@@ -176,7 +177,7 @@ class MultiHeadAttention(nn.Module):
         self.w_o = param(self, "w_o", nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2),
                          (c.n_head, c.head_dim, c.d_model), (HEADS, HEAD_DIM, EMBED), c.param_dtype)
         self.b_o = param(self, "b_o", nn.initializers.zeros, (c.d_model,), (EMBED,), c.param_dtype)
-        self.dropout = nn.Dropout(c.dropout)
+        self.dropout = Dropout(c.dropout)
 
     def project_kv(self, memory: jax.Array) -> LayerKV:
         """Cross-attention's K/V of `memory` `[batch, S, d_model]`, projected once per source."""

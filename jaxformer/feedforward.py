@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxformer.dropout import Dropout
 from jaxformer.lora import project
 from jaxformer.products import product
 from jaxformer.sharding import EMBED, MLP, compute_param
@@ -119,6 +120,6 @@ class FeedForward(nn.Module):
         w2 = compute_param(self, "w2", init, (c.ffn_dim, c.d_model), (MLP, EMBED))
         b2 = compute_param(self, "b2", nn.initializers.zeros, (c.d_model,), (EMBED,))
         hidden = jax.nn.relu(jnp.einsum("btd,df->btf", x, w1) + b1)  # [batch, T, ffn_dim]
-        hidden = nn.Dropout(c.dropout)(hidden, deterministic=deterministic)
+        hidden = Dropout(c.dropout)(hidden, deterministic=deterministic)
         return jnp.einsum("btf,fd->btd", hidden, w2) + b2  # [batch, T, d_model]
 

@@ -27,6 +27,7 @@ from jaxformer.attention import MultiHeadAttention
 from jaxformer.cache import KVCache, LayerKV
 from jaxformer.config import VanillaConfig
 from jaxformer.decodable import DecodingSpec
+from jaxformer.dropout import Dropout
 from jaxformer.embeddings import lookup, output_logits
 from jaxformer.feedforward import FeedForward
 from jaxformer.norms import LayerNorm
@@ -45,7 +46,7 @@ class Residual(nn.Module):
 
     def setup(self):
         self.norm = LayerNorm(self.config.norm_eps, self.config.param_dtype)
-        self.dropout = nn.Dropout(self.config.dropout)
+        self.dropout = Dropout(self.config.dropout)
 
     def sublayer_input(self, x: jax.Array) -> jax.Array:
         return self.norm(x) if self.config.norm_first else x
@@ -123,7 +124,7 @@ class VanillaTransformer(nn.Module):
         self.out_bias = param(self, "out_bias", nn.initializers.zeros, (c.tgt_vocab_size,), (VOCAB,), c.param_dtype)
         self.encoder_layers = [EncoderLayer(c, name=f"encoder_layers_{i}") for i in range(c.n_layer)]
         self.decoder_layers = [DecoderLayer(c, name=f"decoder_layers_{i}") for i in range(c.n_layer)]
-        self.embed_dropout = nn.Dropout(c.dropout)
+        self.embed_dropout = Dropout(c.dropout)
         if c.has_final_norm:  # pre-norm leaves the residual stream unnormalised: norm it once at the end
             self.encoder_norm = LayerNorm(c.norm_eps, c.param_dtype)
             self.decoder_norm = LayerNorm(c.norm_eps, c.param_dtype)
