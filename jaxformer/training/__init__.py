@@ -19,7 +19,7 @@ from jaxformer.training.progress import ProgressBar
 from jaxformer.training.run_dir import (CONFIG_FILE, RunLock, check_run_config, check_run_dir, check_writable,
                                        lock_run_dir, read_run_config, save_run_config, start_run)
 from jaxformer.training.runtime import enable_compilation_cache, initialize_distributed
-from jaxformer.training.state import TrainState, check_seed, make_train_step, step_keys
+from jaxformer.training.state import TrainState, check_seed, make_train_step, make_train_steps, step_keys
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -41,6 +41,7 @@ __all__ = [
     "initialize_distributed",
     "lock_run_dir",
     "make_train_step",
+    "make_train_steps",
     "read_metrics",
     "read_run_config",
     "save_run_config",

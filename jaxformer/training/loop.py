@@ -41,18 +41,35 @@ def _all_finite(tree) -> jax.Array:
 
 
 @jax.jit
-def _note_nonfinite(first: tuple[jax.Array, jax.Array], loss: jax.Array, step) -> tuple[jax.Array, jax.Array]:
-    """`first` (the first step whose loss was not finite, or -1; and that loss) after `step`'s
-    `loss`, kept on the device so that watching costs no wait for the host."""
+def _note_nonfinite(first: tuple[jax.Array, jax.Array], loss: jax.Array, done) -> tuple[jax.Array, jax.Array]:
+    """`first` (the first step whose loss was not finite, or -1; and that loss) after the
+    losses of the updates up to step `done` (`loss`: one, or `[n]` of steps `done - n + 1 ..
+    done`), kept on the device so that watching costs no wait for the host."""
     first_step, first_loss = first
-    new = (first_step < 0) & ~jnp.isfinite(loss)
-    return jnp.where(new, step, first_step), jnp.where(new, loss.astype(jnp.float32), first_loss)
+    loss = jnp.atleast_1d(loss)
+    bad = ~jnp.isfinite(loss)
+    i = jnp.argmax(bad)  # the first not finite, if any
+    new = (first_step < 0) & bad.any()
+    return (jnp.where(new, done - loss.shape[0] + 1 + i, first_step),
+            jnp.where(new, loss[i].astype(jnp.float32), first_loss))
+
+
+def _updates_in_call(step: int, num_steps: int, log_every: int, checkpoint_every: int, steps_per_call: int) -> int:
+    """How many updates the call from update `step` makes: `steps_per_call` when `step` is a
+    multiple of it and no log line, checkpoint or the end comes before `step + steps_per_call`,
+    else 1. A function of the step alone, so a resumed run makes the calls the uninterrupted
+    run made, and computes what it did bit for bit."""
+    if steps_per_call == 1 or step % steps_per_call:
+        return 1
+    stop = min(num_steps, (step // log_every + 1) * log_every, (step // checkpoint_every + 1) * checkpoint_every)
+    return steps_per_call if step + steps_per_call <= stop else 1
 
 
 def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *, seed: int, num_steps: int,
                run_dir, checkpoint_every: int, log_every: int, lr_schedule: Callable | None = None,
                resume: bool | Restored = False, progress: bool = True,
-               on_checkpoint: Callable[[TrainState], None] | None = None) -> TrainState:
+               on_checkpoint: Callable[[TrainState], None] | None = None,
+               train_steps: tuple[int, Callable] | None = None) -> TrainState:
     """Runs updates `state.step .. num_steps - 1`, logging and checkpointing into `run_dir`.
 
     Update s trains on `make_batch(data_key)`, `(data_key, dropout_key) = step_keys(seed,
@@ -74,6 +91,9 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
         the caller already got from `Checkpointer(run_dir, read_only=True).restore_newest`.
       progress: show a `ProgressBar` on stderr.
       on_checkpoint: called with the state after each checkpoint is started.
+      train_steps: `(n, make_train_steps(..., count=n))`: `n` updates in one call wherever
+        they fit between log lines and checkpoints (`_updates_in_call`), the rest one by one
+        with `train_step`; the same updates either way (its `make_batch` and `seed` this call's).
 
     Returns:
       The state after `num_steps` updates, its checkpoint on disk.
@@ -95,11 +115,11 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
         raise ValueError(f"run directory {run_dir} does not exist: it holds no checkpoint to resume from")
     with lock_run_dir(run_dir):
         return _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_every, log_every,
-                      lr_schedule, resume, progress, on_checkpoint)
+                      lr_schedule, resume, progress, on_checkpoint, train_steps or (1, None))
 
 
 def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_every, log_every, lr_schedule,
-           resume, progress, on_checkpoint) -> TrainState:
+           resume, progress, on_checkpoint, train_steps) -> TrainState:
     """`train_loop` with its arguments checked and the run directory locked."""
     if resume is True:
         with Checkpointer(run_dir, read_only=True) as saved:
@@ -134,20 +154,26 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
         learning_rate = None if lr_schedule is None else jax.jit(lr_schedule)
         last_step, last_time = start, time.perf_counter()
         nonfinite = (jnp.int32(-1), jnp.float32(0))
-        for s in range(start, num_steps):
+        steps_per_call, many = train_steps
+        s = start
+        while s < num_steps:
             raise_if_interrupted()
-            data_key, dropout_key = step_keys(seed, s)
-            state, metrics = train_step(state, make_batch(data_key), dropout_key)
-            done = s + 1
+            n = _updates_in_call(s, num_steps, log_every, checkpoint_every, steps_per_call)
+            if n > 1:
+                state, metrics = many(state)
+            else:
+                data_key, dropout_key = step_keys(seed, s)
+                state, metrics = train_step(state, make_batch(data_key), dropout_key)
+            done = s + n
             nonfinite = _note_nonfinite(nonfinite, metrics["loss"], done)
             at_log, at_checkpoint = done % log_every == 0 or done == num_steps, done % checkpoint_every == 0
             if at_log or at_checkpoint:
                 _stop_if_nonfinite(nonfinite, checkpointer)
-            if at_log:
-                values = {name: float(v) for name, v in jax.device_get(metrics).items()}
+            if at_log:  # the line's last update's metrics
+                values = {name: float(v if n == 1 else v[-1]) for name, v in jax.device_get(metrics).items()}
                 now = time.perf_counter()
                 if learning_rate is not None:
-                    values["lr"] = float(learning_rate(s))
+                    values["lr"] = float(learning_rate(done - 1))
                 values["steps_per_sec"] = (done - last_step) / max(now - last_time, 1e-9)
                 last_step, last_time = done, now
                 log.write(done, **values)
@@ -162,6 +188,7 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
                     checkpointer.save(state)
                 if on_checkpoint is not None:
                     on_checkpoint(state)
+            s = done
         checkpointer.wait()
     finally:
         if bar is not None:

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -35,7 +36,7 @@ from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE,
                                       TOKENIZER_FILE)
 from jaxformer.training import (CHECKPOINT_DIR, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock,
                                 TrainState, check_run_dir, check_seed, enable_compilation_cache,
-                                initialize_distributed, lock_run_dir, make_train_step, read_metrics,
+                                initialize_distributed, lock_run_dir, make_train_step, make_train_steps, read_metrics,
                                 save_run_config, shard_batches, train_loop)
 from jaxformer.validation import NotFinite, as_int, check_fields, one_of
 from jaxformer.training.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
@@ -264,6 +265,10 @@ class Setup:
         when they are not the model's own parameters (LoRA's adapters); None: the model's.
       frozen: what the loss reads but does not train (LoRA's base), passed to every step as
         `loss_fn`'s fourth argument (`make_train_step`'s `frozen`); None for none.
+      steps_per_call: at most this many updates per compiled call (`make_train_steps`: a
+        `lax.scan` of them), for a `make_batch` that draws on the device from its key: `train`
+        takes its greatest common divisor with the log and checkpoint intervals. 1 (and on a
+        mesh): one call an update.
     """
 
     model: nn.Module
@@ -277,6 +282,7 @@ class Setup:
     tokenizer: Any = None
     param_axes: Any = None
     frozen: Any = None
+    steps_per_call: int = 1
 
 
 class Demo(Protocol):
@@ -634,12 +640,18 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
             if begun.step == 0:
                 observe(begun.state)
             print(f"report page (rewritten at every checkpoint): {run.run_dir / REPORT_FILE}")
+        # Calls of n updates that line up with every log line and checkpoint (n divides both).
+        n = math.gcd(setup.steps_per_call, run.log_every, run.checkpoint_every)
+        many = None
+        if n > 1 and begun.state_sharding is None:
+            many = (n, make_train_steps(setup.loss_fn, setup.optimizer, begun.make_batch, settings.seed, n,
+                                        frozen=setup.frozen))
         state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding,
-                                                           frozen=setup.frozen),
+                                                        frozen=setup.frozen),
                            begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
                            checkpoint_every=run.checkpoint_every, log_every=run.log_every,
                            lr_schedule=setup.schedule, resume=begun.restored or False,
-                           on_checkpoint=observe if snapshot else None)
+                           on_checkpoint=observe if snapshot else None, train_steps=many)
     trained = Trained(params=jax.device_get(state.params), steps=int(state.step),
                       seconds=time.perf_counter() - started, last=read_metrics(run.run_dir / METRICS_FILE)[-1])
     print(f"\ntrained to step {trained.steps} in {trained.seconds:.1f} s (compile included): "

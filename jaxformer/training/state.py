@@ -58,6 +58,43 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         would be compiled into the program as a constant (a copy of the weights in the
         program, placed on one device, whatever its sharding).
     """
+    update = _update(loss_fn, optimizer)
+    out_shardings = None if state_sharding is None else (state_sharding, None)
+    jitted = jax.jit(update, donate_argnums=0, out_shardings=out_shardings)
+    return jitted if frozen is None else functools.partial(jitted, frozen=frozen)
+
+
+def make_train_steps(loss_fn: Callable, optimizer: optax.GradientTransformation, make_batch: Callable, seed: int,
+                     count: int, frozen=None) -> Callable:
+    """`count` optimizer updates as one jitted call, `train_steps(state) -> (state, metrics)`:
+    update `s` (from `state.step`) trains on `make_batch(data_key)`, `(data_key, dropout_key)
+    = step_keys(seed, s)`, as `count` calls of `make_train_step`'s step would, in one
+    `lax.scan`, so the host dispatches once for `count` updates; the metrics are stacked,
+    `[count]` each. The state is donated.
+
+    Args:
+      loss_fn, optimizer, frozen: as `make_train_step`'s.
+      make_batch: `make_batch(data_key) -> batch`, traced: it draws on the device from the key.
+      seed: the run's seed.
+      count: updates per call, an int >= 1.
+    """
+    seed, count = check_seed(seed), as_int(count, "count", minimum=1)
+    update = _update(loss_fn, optimizer)
+
+    def train_steps(state: TrainState, frozen=None):
+        def one(state, _):
+            data_key, dropout_key = _step_keys(seed, state.step.astype(jnp.uint32))
+            return update(state, make_batch(data_key), dropout_key, frozen)
+
+        return jax.lax.scan(one, state, length=count)
+
+    jitted = jax.jit(train_steps, donate_argnums=0)
+    return jitted if frozen is None else functools.partial(jitted, frozen=frozen)
+
+
+def _update(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Callable:
+    """`train_step(state, batch, dropout_key, frozen=None) -> (state, metrics)`: one optimizer
+    update, not jitted (`make_train_step` jits it alone, `make_train_steps` scans it)."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def train_step(state: TrainState, batch, dropout_key: jax.Array, frozen=None):
@@ -67,12 +104,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
             raise ValueError(f"loss_fn must return (loss, dict of metrics without 'loss'), got aux {aux!r}")
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
-        return state, {"loss": loss, **aux}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), {"loss": loss, **aux}
 
-    out_shardings = None if state_sharding is None else (state_sharding, None)
-    jitted = jax.jit(train_step, donate_argnums=0, out_shardings=out_shardings)
-    return jitted if frozen is None else functools.partial(jitted, frozen=frozen)
+    return train_step
 
 
 def check_seed(seed, name: str = "seed") -> int:

@@ -3,12 +3,14 @@
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import UNRESTORABLE_DIR, Checkpointer, make_train_step, read_metrics, train_loop
+from jaxformer.training import (UNRESTORABLE_DIR, Checkpointer, Diverged, TrainState, make_train_step,
+                                make_train_steps, read_metrics, train_loop)
 
 
 class Crash(Exception):
@@ -105,3 +107,60 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
     with pytest.raises(ValueError, match="holds no checkpoint to resume from"):
         train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "c", resume=True, **common)
     assert not (tmp_path / "c").exists()
+
+
+def test_updates_scanned_in_one_call_are_the_updates_made_one_by_one(tmp_path):
+    """`make_train_steps`' scan of 4 updates draws each update's batch and dropout from its
+    own keys, as the loop does: the same losses and parameters as one update a call (to
+    float32 rounding: the scan is another program), with log lines and checkpoints where
+    they were; the steps between lines go 4 at a time, the rest one by one."""
+    schedule = optax.linear_schedule(LR, 0.0, 22)
+    optimizer = optax.adam(schedule)
+    common = dict(seed=3, num_steps=22, checkpoint_every=8, log_every=4, lr_schedule=schedule, progress=False)
+    one = train_loop(init_state(optimizer), make_train_step(loss_fn, optimizer), make_batch, run_dir=tmp_path / "a",
+                     **common)
+    calls = []
+    scanned = make_train_steps(loss_fn, optimizer, make_batch, 3, 4)
+
+    def counted(state):
+        calls.append(int(state.step))
+        return scanned(state)
+
+    many = train_loop(init_state(optimizer), make_train_step(loss_fn, optimizer), make_batch,
+                      run_dir=tmp_path / "b", train_steps=(4, counted), **common)
+    assert calls == [0, 4, 8, 12, 16]  # 20 and 21: one by one, the end comes first
+    for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(many)):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    log_one, log_many = (read_metrics(tmp_path / run / "metrics.jsonl") for run in ("a", "b"))
+    assert [r["step"] for r in log_many] == [r["step"] for r in log_one] == [4, 8, 12, 16, 20, 22]
+    np.testing.assert_allclose([r["loss"] for r in log_many], [r["loss"] for r in log_one], rtol=1e-6)
+    assert [r["lr"] for r in log_many] == [r["lr"] for r in log_one]
+    assert Checkpointer(tmp_path / "b").all_steps() == Checkpointer(tmp_path / "a").all_steps()
+
+
+def test_a_run_of_scanned_updates_resumes_bitwise(tmp_path):
+    """Which updates go in one call depends on the step alone, so a resumed run makes the
+    calls the uninterrupted one made."""
+    optimizer = optax.adam(LR)
+    step, many = make_train_step(loss_fn, optimizer), (4, make_train_steps(loss_fn, optimizer, make_batch, 1, 4))
+    common = dict(seed=1, num_steps=24, checkpoint_every=12, log_every=4, progress=False, train_steps=many)
+    a = train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "a", **common)
+    train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "b", **{**common, "num_steps": 12})
+    b = train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "b", resume=True, **common)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_loss_that_stops_being_finite_inside_a_scan_names_its_own_update(tmp_path):
+    """Update 6, inside the call of updates 5 to 8, is the first whose loss is NaN: the run
+    stops at that call's log line naming update 6, checkpoint 4 the newest it kept."""
+    optimizer = optax.sgd(LR)
+
+    def climbing(params, batch, dropout_key):  # w = (u - 1) LR at update u; NaN from update 6 on
+        return jnp.where(params["w"] > 4.5 * LR, jnp.nan, -params["w"]), {}
+
+    with pytest.raises(Diverged) as diverged:
+        train_loop(TrainState.create({"w": jnp.zeros(())}, optimizer), make_train_step(climbing, optimizer),
+                   make_batch, seed=0, num_steps=12, run_dir=tmp_path, checkpoint_every=4, log_every=4,
+                   progress=False, train_steps=(4, make_train_steps(climbing, optimizer, make_batch, 0, 4)))
+    assert diverged.value.step == 6 and diverged.value.checkpoint == 4
