@@ -11,6 +11,7 @@
 resuming and the device mesh: docs/training.md and docs/sharding.md.
 """
 
+from jaxformer.training.averaging import average_last, averaged
 from jaxformer.training.checkpoints import CHECKPOINT_DIR, UNRESTORABLE_DIR, Checkpointer, Restored
 from jaxformer.training.loop import Diverged, train_loop
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog, read_metrics
@@ -33,6 +34,8 @@ __all__ = [
     "Restored",
     "RunLock",
     "TrainState",
+    "average_last",
+    "averaged",
     "check_run_config",
     "check_run_dir",
     "check_seed",

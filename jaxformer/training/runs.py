@@ -269,6 +269,9 @@ class Setup:
         `lax.scan` of them), for a `make_batch` that draws on the device from its key: `train`
         takes its greatest common divisor with the log and checkpoint intervals. 1 (and on a
         mesh): one call an update.
+      evaluated: `evaluated(state) -> params`, the parameters the run's evaluation and results
+        use, from its final `TrainState` (e.g. `jaxformer.training.averaged` of its optimizer
+        state); None: the state's own.
     """
 
     model: nn.Module
@@ -283,6 +286,7 @@ class Setup:
     param_axes: Any = None
     frozen: Any = None
     steps_per_call: int = 1
+    evaluated: Callable | None = None
 
 
 class Demo(Protocol):
@@ -390,7 +394,8 @@ class Trained:
     """The end of training.
 
     Attributes:
-      params: the trained parameters, gathered onto one device (evaluation runs there).
+      params: the trained parameters (`Setup.evaluated`'s, when it has one), gathered onto one
+        device (evaluation runs there).
       steps: the updates done.
       seconds: training wall time, compilation included.
       last: the last metrics line (`loss`, `lr`, `steps_per_sec`).
@@ -626,7 +631,7 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
     if begun.finished:
         last = read_metrics(run.run_dir / METRICS_FILE)
         print("the run had finished: it is evaluated again, and its directory is left as it is")
-        return Trained(params=jax.device_get(begun.state.params), steps=begun.step, seconds=0.0,
+        return Trained(params=jax.device_get(evaluated_params(setup, begun.state)), steps=begun.step, seconds=0.0,
                        last=last[-1] if last else {}, finished_before=True)
 
     def observe(state):
@@ -652,11 +657,16 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
                            checkpoint_every=run.checkpoint_every, log_every=run.log_every,
                            lr_schedule=setup.schedule, resume=begun.restored or False,
                            on_checkpoint=observe if snapshot else None, train_steps=many)
-    trained = Trained(params=jax.device_get(state.params), steps=int(state.step),
+    trained = Trained(params=jax.device_get(evaluated_params(setup, state)), steps=int(state.step),
                       seconds=time.perf_counter() - started, last=read_metrics(run.run_dir / METRICS_FILE)[-1])
     print(f"\ntrained to step {trained.steps} in {trained.seconds:.1f} s (compile included): "
           f"final loss {trained.last['loss']:.4f}, lr {trained.last['lr']:.2e}")
     return trained
+
+
+def evaluated_params(setup: Setup, state: TrainState):
+    """The parameters a run is evaluated with: `setup.evaluated(state)`, or the state's own."""
+    return state.params if setup.evaluated is None else setup.evaluated(state)
 
 
 def evaluation_key(seed: int) -> jax.Array:
