@@ -24,6 +24,7 @@ _running = threading.Event()  # a command's work is under way (`run_command`)
 _running_lock = threading.Lock()  # a redelivered Ctrl-C (`_interrupt_if_running`) never lands after the command
 _deferring = [0]  # how many `interrupts_deferred` blocks are open
 _interrupt_note: list[Callable[[], str]] = []  # what the interrupted line adds, set by the command
+_leave_at_once = [False]  # a failure ends the process without the interpreter's teardown (`leave_at_once_on_failure`)
 
 
 def fail(prog: str, message: str, status: int = REFUSED) -> NoReturn:
@@ -31,7 +32,34 @@ def fail(prog: str, message: str, status: int = REFUSED) -> NoReturn:
     `REFUSED` (2) for input the command will not take, `FAILED` (1) for work it could not do.
     """
     _say(f"{prog}: error: {message}")
+    if _leave_at_once[0]:
+        _leave(status)
     sys.exit(status)
+
+
+def leave_at_once_on_failure() -> None:
+    """From now on a failing command (`fail`, a non-zero `exit_process`, an uncaught
+    exception after its traceback) ends its process at once, its output flushed, without
+    the interpreter's teardown: for a process of a run of several
+    (`jaxformer.training.runtime.initialize_distributed`), whose teardown would wait for the
+    others to finish while they wait for it in their next collective. Its end is what tells
+    them: they stop within JAX's heartbeat timeout."""
+    _leave_at_once[0] = True
+    excepthook = sys.excepthook
+
+    def report_then_leave(kind, error, traceback):
+        excepthook(kind, error, traceback)
+        _leave(FAILED)
+
+    sys.excepthook = report_then_leave
+
+
+def _leave(status: int) -> NoReturn:
+    """Ends the process with `status` now, its output flushed, without the teardown."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        _flush(sys.stdout)
+        _flush(sys.stderr)
+    os._exit(status)
 
 
 def note_on_interrupt(note: Callable[[], str] | None) -> None:
@@ -116,13 +144,11 @@ def exit_process(status: int) -> NoReturn:
     (a whole decoding loop is one program). The interpreter's teardown would then free what
     that program reads while it runs, and the process could die of SIGSEGV instead of
     exiting 130; so an interrupted command leaves at once, its output flushed, without the
-    teardown. Any other status exits as `sys.exit` does.
+    teardown. So does any failure of a process of a run of several (`leave_at_once_on_failure`).
+    Any other status exits as `sys.exit` does.
     """
-    if status == INTERRUPTED:
-        with contextlib.suppress(OSError, ValueError):
-            _flush(sys.stdout)
-            _flush(sys.stderr)
-        os._exit(status)
+    if status == INTERRUPTED or (status and _leave_at_once[0]):
+        _leave(status)
     sys.exit(status)
 
 

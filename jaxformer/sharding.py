@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import struct
 from flax.core import meta
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxformer.validation import python_int
 
@@ -127,7 +127,10 @@ def param_axes(model: nn.Module) -> dict:
 
 
 def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
-    """A `(data, model)` mesh over `devices` (default `jax.devices()`, in order).
+    """A `(data, model)` mesh over `devices` (default `jax.devices()`: every process's),
+    laid out by the devices' topology (`jax.make_mesh`): on a TPU slice or a GPU host the
+    `model` axis, whose collectives come at every layer, spans neighbouring devices on the
+    fastest links; across processes, each process's devices are together.
 
     Args:
       data: devices along the batch axis; None takes every device `model` leaves.
@@ -144,9 +147,11 @@ def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
                          f"{len(devices)}, got {model!r}")
     n_data = len(devices) // n_model if data is None else python_int(data)
     if n_data is None or n_data < 1 or n_data * n_model != len(devices):
-        raise ValueError(f"make_mesh: data * model must equal the device count {len(devices)}, "
-                         f"got data={data!r} x model={n_model}")
-    return Mesh(np.asarray(devices).reshape(n_data, n_model), (DATA, MODEL))
+        raise ValueError(f"make_mesh: data * model must equal the device count {len(devices)}"
+                         + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else "")
+                         + f", got data={data!r} x model={n_model}")
+    # Auto axes: the compiler places what the rules leave open (jax.make_mesh's default is Explicit).
+    return jax.make_mesh((n_data, n_model), (DATA, MODEL), (AxisType.Auto, AxisType.Auto), devices=devices)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
@@ -240,6 +245,36 @@ def cache_shardings(cache, mesh: Mesh):
 
     return cache.replace(layers=jax.tree.map(place, cache.layers), pos=NamedSharding(mesh, PartitionSpec(rows)),
                          stop=None if cache.stop is None else NamedSharding(mesh, PartitionSpec(rows)))
+
+
+def put(tree, shardings):
+    """`tree`'s arrays placed by `shardings` (a matching tree, or one sharding for all).
+
+    On one process, `jax.device_put`. On several, each process places the blocks of its
+    own devices, cut from its copy of each array: the arrays must be the same on every
+    process (drawn from the same seed, read from the same file), as nothing is compared
+    across processes (`jax.device_put` would gather and compare every array).
+    """
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(put, tree, shardings)
+    if shardings.is_fully_addressable:
+        return jax.device_put(tree, shardings)
+    return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), shardings, lambda index: x[index]), tree)
+
+
+def to_host(tree):
+    """`tree`'s arrays as numpy arrays on this host: fetched where this process holds them
+    whole (one process, or replicated arrays), gathered from the other processes' devices
+    where it does not (`process_allgather`: every process calls it, and every one gets the
+    whole arrays). What a report or an export asks for; never the training's hot path."""
+    def fetch(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return jax.device_get(x)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(fetch, tree)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

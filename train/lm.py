@@ -436,7 +436,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     settings, run = parse_args(argv)
-    runs.start_process()
+    runs.start_process(PROG)
     with random_bits():
         setup = runs.build_or_fail(PROG, build, settings)
         with runs.start(PROG, setup, settings, run, shape_trace(setup, settings)) as begun:

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from jaxformer.training.runtime import barrier, is_primary
 from jaxformer.training.state import TrainState
 
 CHECKPOINT_DIR = "checkpoints"
@@ -44,6 +45,9 @@ READ_ATTEMPTS = 5  # listings of a live run's checkpoint folder before a reader 
 class Checkpointer:
     """Saves and restores `TrainState`s under `run_dir/checkpoints/<step>` with orbax.
 
+    In a run of several processes every process opens it, saves and restores together:
+    each writes and reads the blocks of its own devices, and process 0 commits.
+
     `save` returns once the arrays are on the host; orbax writes the files in the background
     into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete, and lists
     only integer names, so a save cut short by a crash is never restored. A failed save is
@@ -66,6 +70,12 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, cleanup_tmp_directories=True)
         self._background.enter_context(_background_quiet())
         try:
+            # Made before orbax looks: of several processes, orbax makes it (with a collective)
+            # on those that see none, and a process that looked after another made it would skip it.
+            if is_primary():
+                with self._writing():
+                    self.directory.mkdir(parents=True, exist_ok=True)
+            barrier("checkpoint directory")
             with _quiet("absl"), self._writing():
                 self._manager = ocp.CheckpointManager(self.directory, options=options)
         except BaseException:
@@ -161,8 +171,10 @@ class Checkpointer:
         while target.exists():  # set aside before: keep both
             suffix += 1
             target = target.with_name(f"{step}-{suffix}")
-        target.parent.mkdir(exist_ok=True)
-        (self.directory / str(step)).rename(target)
+        if is_primary():
+            target.parent.mkdir(exist_ok=True)
+            (self.directory / str(step)).rename(target)
+        barrier(f"checkpoint {step} set aside")
         self._manager.reload()
         return target
 
@@ -195,8 +207,8 @@ class Checkpointer:
         self._remove_unfinished()  # again: a save still running at the failure may have begun one since
 
     def _remove_unfinished(self) -> None:
-        """Removes what unfinished saves left (`<step>.orbax-checkpoint-tmp`)."""
-        for part in self.directory.glob("*.orbax-checkpoint-tmp*") if self.directory.is_dir() else ():
+        """Removes what unfinished saves left (`<step>.orbax-checkpoint-tmp`): process 0's work."""
+        for part in self.directory.glob("*.orbax-checkpoint-tmp*") if self.directory.is_dir() and is_primary() else ():
             shutil.rmtree(part, ignore_errors=True)
 
     @contextlib.contextmanager

@@ -41,12 +41,13 @@ from jaxformer.losses import chunk_positions
 from jaxformer.convert.peft import adapter_sizes, all_targets, check_targets, save_peft
 from jaxformer.lora import Adapted, init_lora, merge
 from jaxformer.memory import check_fits, format_bytes
-from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
+from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, to_host, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
 from jaxformer.text.tokenizer import check_fits_model
 from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, why_not_finite
 from jaxformer.training import runs
+from jaxformer.training.runtime import is_primary
 from jaxformer.training.report_page import token_labels
 from jaxformer.training.report_page import attention_group
 
@@ -370,15 +371,17 @@ def write_outputs(setup: runs.Setup, settings: Settings, trained: runs.Trained, 
     config = setup.model.config
     if config.lora is not None:
         folder = run.run_dir / ADAPTER_DIR
-        write_folder_atomically(folder, lambda tmp: save_peft(config, trained.params, config.lora, str(tmp),
-                                                              base_model=settings.checkpoint))
+        if is_primary():
+            write_folder_atomically(folder, lambda tmp: save_peft(config, trained.params, config.lora, str(tmp),
+                                                                  base_model=settings.checkpoint))
         print(f"adapters (peft's format): {folder}: python -m jaxformer.text.generate --checkpoint "
               f"{shlex.quote(settings.checkpoint)} --adapter {shlex.quote(str(folder))} --prompt ...")
     merge_dir = run.export
     if merge_dir is None:
         return
     tokenizer = setup.tokenizer
-    params = trained.params if config.lora is None else merge(base_of(setup), trained.params, config.lora)
+    # Merged where the base is (split over the mesh), then whole on every process (process 0 writes).
+    params = to_host(trained.params if config.lora is None else merge(base_of(setup), trained.params, config.lora))
 
     def write(folder):
         save_hf(config.replace(lora=None, remat=False), params, str(folder), bos_id=tokenizer.bos_id,
@@ -419,7 +422,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     settings, run = parse_args(argv)
-    runs.start_process()
+    runs.start_process(PROG)
     setup = runs.build_or_fail(PROG, functools.partial(build, mesh=run.mesh, fsdp=run.fsdp), settings)
     with runs.start(PROG, setup, settings, run) as begun:
         describe(setup, settings)

@@ -15,6 +15,7 @@ from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restore
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog
 from jaxformer.training.progress import ProgressBar
 from jaxformer.training.run_dir import lock_run_dir
+from jaxformer.training.runtime import is_primary, on_primary
 from jaxformer.training.state import TrainState, step_keys
 from jaxformer.validation import as_int
 
@@ -129,26 +130,25 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
             raise ValueError(f"num_steps {num_steps} is below the step the run in {run_dir} has reached "
                              f"({resume.step})")
         state = resume.state
-    elif (run_dir / CHECKPOINT_DIR).is_dir():
-        with Checkpointer(run_dir, read_only=True) as saved:
-            latest = saved.latest_step()
-        if latest is not None:
-            raise ValueError(f"{run_dir / CHECKPOINT_DIR} already holds step {latest}; "
-                             "pass resume=True to continue that run or choose a new run_dir")
+    else:  # read by process 0 alone: the others may find the folder it is about to make
+        on_primary(lambda: _check_new(run_dir))
 
-    # Every check is done: from here on the run directory is written.
+    # Every check is done: from here on the run directory is written: the metrics by process
+    # 0, the checkpoints by every process (each its own blocks).
     checkpointer = Checkpointer(run_dir)
     for step, why in resume.unrestorable if resume else ():
         print(f"checkpoint {step} does not restore ({why}): moved to {checkpointer.set_aside(step)}",
               file=sys.stderr)
+    primary = is_primary()
     log = MetricsLog(run_dir / METRICS_FILE)
     bar = None
     try:
         start = int(state.step)
         # Lines past the restored step come from updates after the last checkpoint of an
         # interrupted run; they are about to be redone. (A fresh run clears the file.)
-        log.truncate_after(start)
-        bar = ProgressBar(num_steps, initial=start) if progress else None
+        if primary:
+            log.truncate_after(start)
+        bar = ProgressBar(num_steps, initial=start) if progress and primary else None
 
         # (Jitted: run eagerly, the schedule's few scalar operations compile one by one.)
         learning_rate = None if lr_schedule is None else jax.jit(lr_schedule)
@@ -176,7 +176,8 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
                     values["lr"] = float(learning_rate(done - 1))
                 values["steps_per_sec"] = (done - last_step) / max(now - last_time, 1e-9)
                 last_step, last_time = done, now
-                log.write(done, **values)
+                if primary:
+                    log.write(done, **values)
                 if bar is not None:
                     bar.update(done, **values)
             if at_checkpoint or done == num_steps:
@@ -195,6 +196,15 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
             bar.close()
         checkpointer.close()
     return state
+
+
+def _check_new(run_dir: Path) -> None:
+    """Raises unless `run_dir` holds no committed checkpoint (an integer-named folder)."""
+    folder = run_dir / CHECKPOINT_DIR
+    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+    if steps:
+        raise ValueError(f"{folder} already holds step {steps[-1]}; pass resume=True to continue that run or choose "
+                         "a new run_dir")
 
 
 def _stop_if_nonfinite(nonfinite: tuple[jax.Array, jax.Array], checkpointer: Checkpointer) -> None:

@@ -7,7 +7,7 @@ from typing import Callable
 import jax
 from jax.sharding import Mesh
 
-from jaxformer.sharding import batch_sharding, tree_shardings
+from jaxformer.sharding import batch_sharding, put, tree_shardings
 from jaxformer.training.state import TrainState
 
 
@@ -24,15 +24,21 @@ def shard_state(state: TrainState, axes, mesh: Mesh, strategy: str = "dp") -> tu
       `(state, state_sharding)`: the state on the mesh, and its shardings for `make_train_step`.
     """
     state_sharding = tree_shardings(state, axes, mesh, strategy)
-    return jax.device_put(state, state_sharding), state_sharding
+    return put(state, state_sharding), state_sharding
 
 
 def shard_batches(make_batch: Callable, mesh: Mesh) -> Callable:
     """`make_batch` whose batches have their rows split over the mesh's `data` axis.
+
+    On a mesh over several processes, each process places only its own devices' rows
+    (`jaxformer.sharding.put`): the batch drawn from a key is the same on every process,
+    and the same as on one, so a run resumes on any number of processes.
 
     Args:
       make_batch: `make_batch(data_key) -> batch`, arrays with rows first, as many as `data` divides.
       mesh: the mesh the state is on.
     """
     rows = batch_sharding(mesh)
-    return lambda data_key: jax.device_put(make_batch(data_key), rows)
+    if rows.is_fully_addressable:
+        return lambda data_key: jax.device_put(make_batch(data_key), rows)
+    return lambda data_key: put(jax.device_get(make_batch(data_key)), rows)

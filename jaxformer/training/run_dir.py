@@ -1,5 +1,5 @@
 """A run directory, started and resumed as a transaction: everything is checked first
-(`check_run_dir`), written only then (`start_run`), by one process at a time (`lock_run_dir`).
+(`check_run_dir`), written only then (`start_run`), by one run at a time (`lock_run_dir`).
 """
 
 from __future__ import annotations
@@ -12,19 +12,21 @@ from pathlib import Path
 
 from jaxformer.files import read_json_object, write_text_atomically
 from jaxformer.training.checkpoints import CHECKPOINT_DIR
+from jaxformer.training.runtime import on_primary
 
 CONFIG_FILE = "config.json"
 
 
 class RunLock:
-    """This process's exclusive lock on a run directory; `release()` (or `with`) ends it.
+    """This run's exclusive lock on a run directory; `release()` (or `with`) ends it.
 
     `flock` on the directory itself: taking it writes nothing, and the system drops it
     however the process ends. Within one process it is counted, not refused (`train_loop`
-    inside a command that locked its run first).
+    inside a command that locked its run first). A run of several processes shares one run
+    directory: process 0 holds the flock for all of them, and the others hold its count.
     """
 
-    _held: dict[Path, list] = {}  # resolved directory -> [fd, holders], this process's locks
+    _held: dict[Path, list] = {}  # resolved directory -> [fd (None off process 0), holders], this process's locks
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -44,7 +46,8 @@ class RunLock:
         entry[1] -= 1
         if entry[1] == 0:
             del RunLock._held[self._key]
-            os.close(entry[0])  # closing the last descriptor releases the flock
+            if entry[0] is not None:
+                os.close(entry[0])  # closing the last descriptor releases the flock
 
     def __enter__(self) -> "RunLock":
         return self
@@ -56,14 +59,23 @@ class RunLock:
 def lock_run_dir(run_dir) -> RunLock:
     """The `RunLock` of an existing run directory, held until released or the process ends.
 
+    In a run of several processes every one calls it at the same point: process 0 takes the
+    flock, and all of them go on or raise together (`jaxformer.training.runtime.on_primary`).
+
     Raises:
-      ValueError: naming the directory, when another process holds its lock.
+      ValueError: naming the directory, when another run holds its lock.
     """
     run_dir = Path(run_dir)
     key = run_dir.resolve()
     if key in RunLock._held:
         RunLock._held[key][1] += 1
         return RunLock(run_dir)
+    RunLock._held[key] = [on_primary(lambda: _flock(run_dir)), 1]
+    return RunLock(run_dir)
+
+
+def _flock(run_dir: Path) -> int:
+    """An open descriptor of `run_dir` holding its exclusive flock."""
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)  # not inherited by child processes
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -74,8 +86,7 @@ def lock_run_dir(run_dir) -> RunLock:
     except BaseException:
         os.close(fd)
         raise
-    RunLock._held[key] = [fd, 1]
-    return RunLock(run_dir)
+    return fd
 
 
 def check_writable(directory, purpose: str) -> None:

@@ -31,13 +31,14 @@ from flax import linen as nn
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, fail, note_on_interrupt
 from jaxformer.config import DTYPES
 from jaxformer.files import check_apart, write_folder_atomically, write_text_atomically
-from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh, tree_shardings
+from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh, put, to_host, tree_shardings
 from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                       TOKENIZER_FILE)
-from jaxformer.training import (CHECKPOINT_DIR, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock,
+from jaxformer.training import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock,
                                 TrainState, check_run_dir, check_seed, enable_compilation_cache,
                                 initialize_distributed, lock_run_dir, make_train_step, make_train_steps, read_metrics,
                                 save_run_config, shard_batches, train_loop)
+from jaxformer.training.runtime import agree, barrier, is_primary, on_primary
 from jaxformer.validation import NotFinite, as_int, check_fields, one_of
 from jaxformer.training.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
                                record_session, record_snapshot, write_report)
@@ -187,9 +188,14 @@ def write_export(export: Path, write: Callable[[Path], None]) -> None:
       export: the `--export` folder (checked by `check_export_dir`).
       write: fills the new folder it is given.
 
+    On a run of several processes, process 0 writes it (from arrays every process holds
+    whole: `jaxformer.sharding.to_host`).
+
     Raises:
       OSError: naming the path, when it cannot be written (a full disk, say).
     """
+    if not is_primary():
+        return
     export.absolute().parent.mkdir(parents=True, exist_ok=True)
     write_folder_atomically(export, write)
 
@@ -238,10 +244,14 @@ def parse(parser: argparse.ArgumentParser, argv, settings_type: type) -> tuple[A
                                 export=args.export)
 
 
-def start_process() -> None:
-    """What a demo does before touching a device: join the other hosts of a multi-host
-    run, and keep compiled programs on disk for the next run."""
-    initialize_distributed()
+def start_process(prog: str) -> None:
+    """What a command does before touching a device: join the other processes of a run of
+    several (one line and exit status 2 when the environment names them wrongly), and keep
+    compiled programs on disk for the next run."""
+    try:
+        initialize_distributed(prog)
+    except ValueError as e:
+        fail(prog, str(e))
     enable_compilation_cache()
 
 
@@ -384,7 +394,7 @@ def place(setup: Setup, batch_size: int, run: RunOptions):
     state_sharding = tree_shardings(shapes, axes, mesh, "fsdp" if run.fsdp else "dp")
     # The parameters go to their blocks; the state (Adam's two moments, twice their size) is
     # born there: nothing of it is made whole on one device and moved.
-    params = jax.device_put(setup.params, state_sharding.params)
+    params = put(setup.params, state_sharding.params)
     return TrainState.create(params, setup.optimizer, state_sharding), shard_batches(setup.make_batch, mesh), \
         state_sharding
 
@@ -448,7 +458,8 @@ class Start:
     def abandon(self) -> None:
         """Lets the run go after an error: undoes a new run with no checkpoint yet, and
         releases the lock."""
-        if self.restored is None and not self.lock.released and not committed_steps(self.run_dir):
+        if (is_primary() and self.restored is None and not self.lock.released
+                and not committed_steps(self.run_dir)):
             _undo_new_run(self.run_dir, self.created)
         self.lock.release()
 
@@ -518,17 +529,14 @@ def start(prog: str, setup: Setup, settings, run: RunOptions, shape_trace=()) ->
         state, make_batch, state_sharding = place(setup, settings.batch_size, run)
         record = run_record(setup.model.config, settings)
         if not run.resume:
-            created = not run.run_dir.exists()
-            _make_run_dir(run.run_dir)
+            created = bool(on_primary(lambda: _make_run_dir(run.run_dir)))
         lock = lock_run_dir(run.run_dir)  # then checked: of two commands on one run, the second is refused
-        check_run_dir(run.run_dir, record, run.resume)
+        # Read by process 0 alone: the others may read the run directory only once it is taken.
+        on_primary(lambda: _check_run(run.run_dir, record, run.resume, setup.tokenizer))
         restored = None
         if run.resume:
-            check_run_files(run.run_dir)
-            if setup.tokenizer is not None:
-                check_run_tokenizer(run.run_dir, setup.tokenizer)
             with Checkpointer(run.run_dir, read_only=True) as saved:
-                restored = saved.restore_newest(state)
+                restored = saved.restore_newest(state)  # every process reads its own blocks
             if restored.step > settings.steps:
                 raise ValueError(f"--steps {settings.steps} is below step {restored.step}, which the run in "
                                  f"{run.run_dir} has reached: pass --steps {restored.step} or more")
@@ -544,22 +552,43 @@ def start(prog: str, setup: Setup, settings, run: RunOptions, shape_trace=()) ->
     begun = Start(prog=prog, run_dir=run.run_dir, state=state, make_batch=make_batch, state_sharding=state_sharding,
                   restored=restored, finished=finished, lock=lock, created=created)
     with failing_as(begun):
-        if restored is None:  # every check passed: the first writes
-            save_run_config(run.run_dir, record)
-            if setup.tokenizer is not None:
-                save_run_tokenizer(run.run_dir, setup.tokenizer)
-        if not finished:
-            record_session(run.run_dir, prog, dataclasses.asdict(settings), count_params(setup.params), shape_trace,
-                           begun.step, device_name())
+        if is_primary():
+            if restored is None:  # every check passed: the first writes
+                save_run_config(run.run_dir, record)
+                if setup.tokenizer is not None:
+                    save_run_tokenizer(run.run_dir, setup.tokenizer)
+            if not finished:
+                record_session(run.run_dir, prog, dataclasses.asdict(settings), count_params(setup.params),
+                               shape_trace, begun.step, device_name())
+    try:
+        barrier("run directory recorded")
+        # Every process writes its blocks of each checkpoint into this directory: one they all see.
+        agree((run.run_dir / CONFIG_FILE).is_file(), f"{run.run_dir} does not hold the {CONFIG_FILE} process 0 "
+              "wrote: the processes of a run need one run directory, on a file system they all see")
+    except ValueError as e:
+        begun.abandon()
+        fail(prog, str(e))
     note_on_interrupt(lambda: kept(run.run_dir))
     return begun
 
 
-def _make_run_dir(run_dir: Path) -> None:
+def _make_run_dir(run_dir: Path) -> bool:
+    """Creates `run_dir` if missing; returns whether it did."""
+    created = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"run directory {run_dir} cannot be created: {e.strerror or e}") from None
+    return created
+
+
+def _check_run(run_dir: Path, record: dict, resume: bool, tokenizer) -> None:
+    """`check_run_dir`, and for a resumed run its files and tokenizer."""
+    check_run_dir(run_dir, record, resume)
+    if resume:
+        check_run_files(run_dir)
+        if tokenizer is not None:
+            check_run_tokenizer(run_dir, tokenizer)
 
 
 def _undo_new_run(run_dir: Path, created: bool) -> None:
@@ -631,17 +660,20 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
     if begun.finished:
         last = read_metrics(run.run_dir / METRICS_FILE)
         print("the run had finished: it is evaluated again, and its directory is left as it is")
-        return Trained(params=jax.device_get(evaluated_params(setup, begun.state)), steps=begun.step, seconds=0.0,
+        return Trained(params=to_host(evaluated_params(setup, begun.state)), steps=begun.step, seconds=0.0,
                        last=last[-1] if last else {}, finished_before=True)
 
     def observe(state):
-        record_snapshot(run.run_dir, int(state.step), **snapshot(jax.device_get(state.params)))
-        write_report(run.run_dir)
+        figures = snapshot(to_host(state.params))  # on every process: it may compute across them
+        if is_primary():
+            record_snapshot(run.run_dir, int(state.step), **figures)
+            write_report(run.run_dir)
 
     started = time.perf_counter()
     with failing_as(begun):
         if snapshot is not None:
-            drop_snapshots_after(run.run_dir, begun.step)
+            if is_primary():
+                drop_snapshots_after(run.run_dir, begun.step)
             if begun.step == 0:
                 observe(begun.state)
             print(f"report page (rewritten at every checkpoint): {run.run_dir / REPORT_FILE}")
@@ -657,7 +689,8 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
                            checkpoint_every=run.checkpoint_every, log_every=run.log_every,
                            lr_schedule=setup.schedule, resume=begun.restored or False,
                            on_checkpoint=observe if snapshot else None, train_steps=many)
-    trained = Trained(params=jax.device_get(evaluated_params(setup, state)), steps=int(state.step),
+    barrier("trained")  # process 0's metrics are written
+    trained = Trained(params=to_host(evaluated_params(setup, state)), steps=int(state.step),
                       seconds=time.perf_counter() - started, last=read_metrics(run.run_dir / METRICS_FILE)[-1])
     print(f"\ntrained to step {trained.steps} in {trained.seconds:.1f} s (compile included): "
           f"final loss {trained.last['loss']:.4f}, lr {trained.last['lr']:.2e}")
@@ -682,5 +715,7 @@ def write_results(run_dir: Path, results: dict, trained: Trained) -> None:
     if trained.finished_before:
         print(f"\nreport (as the run left it): {run_dir / REPORT_FILE}")
         return
-    write_text_atomically(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
-    print(f"\nreport: {write_report(run_dir)}")
+    if is_primary():
+        write_text_atomically(run_dir / RESULTS_FILE, json.dumps(results, indent=2) + "\n")
+        write_report(run_dir)
+    print(f"\nreport: {run_dir / REPORT_FILE}")
