@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Iterator, NoReturn
 
 FAILED, REFUSED, INTERRUPTED, BROKEN_PIPE = 1, 2, 128 + signal.SIGINT, 128 + signal.SIGPIPE
@@ -24,7 +25,7 @@ _running = threading.Event()  # a command's work is under way (`run_command`)
 _running_lock = threading.Lock()  # a redelivered Ctrl-C (`_interrupt_if_running`) never lands after the command
 _deferring = [0]  # how many `interrupts_deferred` blocks are open
 _interrupt_note: list[Callable[[], str]] = []  # what the interrupted line adds, set by the command
-_leave_at_once = [False]  # a failure ends the process without the interpreter's teardown (`leave_at_once_on_failure`)
+_leave_at_once: list[bool | float] = [False]  # False, or the seconds a failing process lingers before it leaves
 
 
 def fail(prog: str, message: str, status: int = REFUSED) -> NoReturn:
@@ -32,19 +33,24 @@ def fail(prog: str, message: str, status: int = REFUSED) -> NoReturn:
     `REFUSED` (2) for input the command will not take, `FAILED` (1) for work it could not do.
     """
     _say(f"{prog}: error: {message}")
-    if _leave_at_once[0]:
+    if _leave_at_once[0] is not False:
         _leave(status)
     sys.exit(status)
 
 
-def leave_at_once_on_failure() -> None:
+def leave_at_once_on_failure(linger: float = 0.0) -> None:
     """From now on a failing command (`fail`, a non-zero `exit_process`, an uncaught
-    exception after its traceback) ends its process at once, its output flushed, without
-    the interpreter's teardown: for a process of a run of several
+    exception after its traceback) ends its process without the interpreter's teardown,
+    its output flushed: for a process of a run of several
     (`jaxformer.training.runtime.initialize_distributed`), whose teardown would wait for the
     others to finish while they wait for it in their next collective. Its end is what tells
-    them: they stop within JAX's heartbeat timeout."""
-    _leave_at_once[0] = True
+    them: they stop within JAX's heartbeat timeout.
+
+    Args:
+      linger: seconds to wait first: for the process whose end stops the others at once
+        (JAX's coordinator, process 0), so that those failing with it say why themselves.
+    """
+    _leave_at_once[0] = linger
     excepthook = sys.excepthook
 
     def report_then_leave(kind, error, traceback):
@@ -55,10 +61,13 @@ def leave_at_once_on_failure() -> None:
 
 
 def _leave(status: int) -> NoReturn:
-    """Ends the process with `status` now, its output flushed, without the teardown."""
+    """Ends the process with `status`, its output flushed, without the teardown (a failing
+    process of a run of several lingers first, `leave_at_once_on_failure`)."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
         _flush(sys.stdout)
         _flush(sys.stderr)
+    if status != INTERRUPTED and _leave_at_once[0]:
+        time.sleep(_leave_at_once[0])
     os._exit(status)
 
 
@@ -147,7 +156,7 @@ def exit_process(status: int) -> NoReturn:
     teardown. So does any failure of a process of a run of several (`leave_at_once_on_failure`).
     Any other status exits as `sys.exit` does.
     """
-    if status == INTERRUPTED or (status and _leave_at_once[0]):
+    if status == INTERRUPTED or (status and _leave_at_once[0] is not False):
         _leave(status)
     sys.exit(status)
 

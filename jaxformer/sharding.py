@@ -257,9 +257,13 @@ def put(tree, shardings):
     """
     if not isinstance(shardings, jax.sharding.Sharding):
         return jax.tree.map(put, tree, shardings)
-    if shardings.is_fully_addressable:
-        return jax.device_put(tree, shardings)
-    return jax.tree.map(lambda x: jax.make_array_from_callback(np.shape(x), shardings, lambda index: x[index]), tree)
+
+    def place(x):
+        if shardings.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, shardings)  # on one process; or from one global layout to another
+        return jax.make_array_from_callback(np.shape(x), shardings, lambda index: x[index])
+
+    return jax.tree.map(place, tree)
 
 
 def to_host(tree):

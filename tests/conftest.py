@@ -109,6 +109,7 @@ FULL_TIER = {
     "tests/faults/test_hostile_finetune.py": "fine-tuning runs raced and refused",
     "tests/faults/test_disks.py": "runs on disks that fill up",
     "tests/train/": "the demos end to end",
+    "tests/training/test_processes.py": "runs of 2 processes on loopback",
 }
 
 

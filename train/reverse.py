@@ -38,6 +38,7 @@ from jaxformer.validation import as_float, as_int
 from jaxformer.training import runs
 from train.attention_maps import ascii_attention, save_attention_grid
 from jaxformer.training.report_page import attention_group
+from jaxformer.training.runtime import is_primary
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 PROG = "python -m train.reverse"
@@ -300,7 +301,7 @@ def cross_attention_map(snapshot: dict, run_dir: Path | None) -> str:
     cross = [g for g in snapshot["attention"] if g["name"].startswith("cross")]
     weights = np.array([g["heads"] for g in cross])  # [n_layer, n_head, T, S]
     rows, cols = cross[0]["rows"], cross[0]["cols"]
-    if run_dir is not None:
+    if run_dir is not None and is_primary():  # the run's files are process 0's
         save_attention_grid(weights, run_dir / "cross_attention.png", rows, cols,
                             title="cross-attention, every layer and head")
     return ascii_attention(weights[-1].mean(0), rows, cols)

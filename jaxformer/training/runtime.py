@@ -31,6 +31,7 @@ JOIN_TIMEOUT_VARIABLE = "JAXFORMER_JOIN_TIMEOUT"
 JOIN_SECONDS = 120  # default: how long a process waits for the others to start and join
 HEARTBEAT_SECONDS = 30  # a process that stops answering (it died) ends the others within this long
 SHUTDOWN_SECONDS = 60  # at exit, how long a process waits for the others to finish too
+LINGER_SECONDS = 2.0  # how long a failing process 0 waits before it leaves (and so ends the others)
 _MESSAGE_BYTES = 2048  # of a shared error line
 
 
@@ -125,7 +126,8 @@ def initialize_distributed(prog: str = "jaxformer") -> bool:
         jax.distributed.initialize(**settings, initialization_timeout=timeout + 30,
                                    heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
                                    shutdown_timeout_seconds=SHUTDOWN_SECONDS)
-    leave_at_once_on_failure()
+    # Process 0's end stops the others at once: failing with it, they first get to say why.
+    leave_at_once_on_failure(LINGER_SECONDS if jax.process_index() == 0 else 0.0)
     return True
 
 

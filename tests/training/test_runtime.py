@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from jaxformer.training import initialize_distributed
-from jaxformer.training.runtime import (HEARTBEAT_SECONDS, JOIN_SECONDS, agree, distributed_settings,
+from jaxformer.training.runtime import (HEARTBEAT_SECONDS, JOIN_SECONDS, LINGER_SECONDS, agree, distributed_settings,
                                         is_primary, join_timeout, on_primary)
 
 VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
@@ -66,13 +66,14 @@ def test_initialize_joins_with_bounded_timeouts_and_only_when_named(clean_enviro
     monkeypatch = clean_environment
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setattr("jaxformer.training.runtime.leave_at_once_on_failure", lambda: calls.append("leave"))
+    monkeypatch.setattr("jaxformer.training.runtime.leave_at_once_on_failure",
+                        lambda linger: calls.append(("leave", linger)))
     assert initialize_distributed() is False and calls == []
     monkeypatch.setenv("SLURM_NTASKS", "4")
     monkeypatch.setenv("JAXFORMER_JOIN_TIMEOUT", "9")
     assert initialize_distributed() is True
     assert calls == [{"initialization_timeout": 9 + 30, "heartbeat_timeout_seconds": HEARTBEAT_SECONDS,
-                      "shutdown_timeout_seconds": 60}, "leave"]
+                      "shutdown_timeout_seconds": 60}, ("leave", LINGER_SECONDS)]
 
 
 def test_process_0_is_refused_a_coordinator_port_already_in_use(clean_environment):
