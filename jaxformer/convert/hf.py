@@ -26,6 +26,7 @@ from jaxformer.convert.safetensors_file import SafetensorsFile, write_safetensor
 from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
+from jaxformer.sharding import put
 from jaxformer.validation import as_int
 
 
@@ -260,8 +261,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     for rest, (stacked, filled) in stacks.items():
         if sorted(filled) != list(range(config.n_layer)):  # a row never written would be garbage
             raise ValueError(f"{path}: {'/'.join(rest)} is not in every layer, so the layers cannot stack")
-        _set(params, (STACKED, *rest), jax.device_put(stacked, None if shardings is None
-                                                      else _get(shardings, (STACKED, *rest))))
+        _set(params, (STACKED, *rest), jax.device_put(stacked) if shardings is None
+             else put(stacked, _get(shardings, (STACKED, *rest))))
     return config.replace(scan_layers=True), params
 
 

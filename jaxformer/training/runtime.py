@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import threading
@@ -126,6 +127,10 @@ def initialize_distributed(prog: str = "jaxformer") -> bool:
         jax.distributed.initialize(**settings, initialization_timeout=timeout + 30,
                                    heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
                                    shutdown_timeout_seconds=SHUTDOWN_SECONDS)
+    # JAX's runtime catches SIGTERM to note a preemption and goes on; a jaxformer command ends
+    # on it, as on one host (and `timeout` and `kill` expect), and the others follow it.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # Process 0's end stops the others at once: failing with it, they first get to say why.
     leave_at_once_on_failure(LINGER_SECONDS if jax.process_index() == 0 else 0.0)
     return True
@@ -238,6 +243,29 @@ def _share_text(text: str) -> str:
     data[:len(encoded)] = np.frombuffer(encoded, np.uint8)
     shared = np.asarray(multihost_utils.broadcast_one_to_all(data))
     return bytes(shared).rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def local_environments(count: int, devices: int, environ=os.environ) -> list[dict[str, str]]:
+    """The environments of `count` processes of one run on this machine, joined over loopback,
+    each seeing `devices` CPU devices: to try a run of several processes without several
+    hosts (docs/sharding.md, "Several hosts"). One process (`count` 1) names no others.
+
+    Returns:
+      For each process id, `environ` with `JAX_COORDINATOR_ADDRESS` (a free loopback port),
+      `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, `JAX_PLATFORMS=cpu` and the device count in
+      `XLA_FLAGS`.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = {name: value for name, value in environ.items()
+            if name not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    base.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{environ.get('XLA_FLAGS', '')} "
+                                               f"--xla_force_host_platform_device_count={devices}".strip())
+    if count == 1:
+        return [base]
+    return [{**base, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(count),
+             "JAX_PROCESS_ID": str(i)} for i in range(count)]
 
 
 def enable_compilation_cache(directory=None) -> Path:

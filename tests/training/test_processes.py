@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from jaxformer import DecoderConfig  # noqa: E402
 from jaxformer.convert import save_hf  # noqa: E402
 from jaxformer.text import Tokenizer, save_tokenizer  # noqa: E402
 from jaxformer.training import lock_run_dir  # noqa: E402
-from jaxformer.training.runtime import HEARTBEAT_SECONDS  # noqa: E402
+from jaxformer.training.runtime import HEARTBEAT_SECONDS, local_environments  # noqa: E402
 
 ROOT = Path(__file__).parent.parent.parent
 LM = ["-m", "train.lm", "--steps", "6", "--warmup", "2", "--batch-size", "16", "--n-layer", "2", "--d-model", "64",
@@ -46,33 +45,20 @@ class Ended:
         return [line for line in self.stderr.splitlines() if line.strip() and not line.startswith("[Gloo]")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(args, folder: Path, ids=(0, 1), devices: int = 4, count: int | None = None, env=None,
+def start(args, folder: Path, count: int = 2, devices: int = 4, ids=None, env=None,
           delays=()) -> list[subprocess.Popen]:
-    """Processes of one run with `ids` (JAX_PROCESS_ID) of `count` (default `len(ids)`), on a
-    free loopback port; one process with no ids names no others. Their output goes to files
-    in `folder` (a pipe left unread would stop them)."""
-    port, count = free_port(), count or len(ids)
+    """`count` processes of one run on loopback (`local_environments`), or with `ids` as
+    their JAX_PROCESS_IDs; `env` added to each, each started `delays[i]` seconds after the
+    one before. Their output goes to files in `folder` (a pipe left unread would stop them)."""
+    environments = local_environments(count, devices)
+    if ids is not None:
+        environments = [{**environments[0], "JAX_PROCESS_ID": str(i)} for i in ids]
     processes = []
-    for i, process_id in enumerate(ids or (None,)):
-        if i < len(delays):
-            time.sleep(delays[i])
-        variables = {**os.environ, "JAX_PLATFORMS": "cpu",
-                     "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
-        for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
-            variables.pop(name, None)
-        if process_id is not None:
-            variables.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(count),
-                             JAX_PROCESS_ID=str(process_id))
-        variables.update(env or {})
-        out, err = (open(folder / f"{name}-{i}-{port}.txt", "w+") for name in ("out", "err"))
-        processes.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=variables, stdout=out, stderr=err,
-                                          start_new_session=True))
+    for i, environment in enumerate(environments):
+        time.sleep(delays[i] if i < len(delays) else 0)
+        out, err = (open(folder / f"{name}-{i}-{time.monotonic_ns()}.txt", "w+") for name in ("out", "err"))
+        processes.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**environment, **(env or {})},
+                                          stdout=out, stderr=err, start_new_session=True))
         processes[-1].files = (out, err)
     return processes
 
@@ -100,9 +86,9 @@ def finish(processes: list[subprocess.Popen], timeout: float = 300) -> list[Ende
     return ended
 
 
-def run(args, folder: Path, ids=(0, 1), devices: int = 4, **kwargs) -> list[Ended]:
+def run(args, folder: Path, count: int = 2, devices: int = 4) -> list[Ended]:
     """`start` then `finish`; every process must end with status 0."""
-    ended = finish(start(args, folder, ids, devices, **kwargs))
+    ended = finish(start(args, folder, count, devices))
     for i, e in enumerate(ended):
         assert e.status == 0, f"process {i}: {e.status}\n{e.stdout[-2000:]}\n{e.stderr[-4000:]}"
     return ended
@@ -116,7 +102,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def one_process(args, folder: Path) -> list[Ended]:
-    return run(args, folder, ids=(), devices=8)
+    return run(args, folder, count=1, devices=8)
 
 
 def test_train_lm_on_two_processes_has_the_losses_of_one_and_resumes_across_layouts(tmp_path):
@@ -183,9 +169,8 @@ def test_lora_fine_tuning_over_two_processes_writes_one_adapter_and_one_merged_f
 
 
 def test_a_missing_process_id_is_refused_in_one_line(tmp_path):
-    [ended] = finish(start([*LM, *DP, "--run-dir", str(tmp_path / "run")], tmp_path, ids=(),
-                           env={"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}),
-                     timeout=60)
+    [ended] = finish(start([*LM, *DP, "--run-dir", str(tmp_path / "run")], tmp_path, count=1,
+                           env={"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2"}), timeout=60)
     assert ended.status == 2
     assert ended.errors == ["python -m train.lm: error: JAX_NUM_PROCESSES=2 but JAX_PROCESS_ID is not set: give each "
                             "process its own id, 0 to 1"]
@@ -194,7 +179,7 @@ def test_a_missing_process_id_is_refused_in_one_line(tmp_path):
 
 def test_two_processes_with_one_id_end_in_one_line_each_within_the_join_timeout(tmp_path):
     began = time.monotonic()
-    first, second = finish(start([*LM, *DP, "--run-dir", str(tmp_path / "run")], tmp_path, ids=(0, 0), count=2,
+    first, second = finish(start([*LM, *DP, "--run-dir", str(tmp_path / "run")], tmp_path, ids=(0, 0),
                                  env={"JAXFORMER_JOIN_TIMEOUT": "10"}, delays=(0, 3)), timeout=120)
     assert time.monotonic() - began < 60
     assert second.status == 2 and len(second.errors) == 1
@@ -225,7 +210,8 @@ def test_a_run_directory_in_use_refuses_every_process_of_a_second_run(tmp_path):
     assert list((tmp_path / "run").iterdir()) == []
 
 
-def test_a_process_that_dies_mid_run_ends_the_other_within_the_heartbeat_timeout(tmp_path):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])  # SIGTERM: JAX's runtime would catch it
+def test_a_process_that_dies_mid_run_ends_the_other_within_the_heartbeat_timeout(tmp_path, how):
     processes = start([*LM[:2], "--steps", "5000", "--warmup", "2", "--batch-size", "16", "--n-layer", "1",
                        "--d-model", "32", "--log-every", "10", "--checkpoint-every", "1000", *DP, "--run-dir",
                        str(tmp_path / "run")], tmp_path)
@@ -234,9 +220,10 @@ def test_a_process_that_dies_mid_run_ends_the_other_within_the_heartbeat_timeout
     while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert metrics.exists(), "training never started"
-    os.killpg(processes[1].pid, signal.SIGKILL)
+    os.killpg(processes[1].pid, how)
     killed = time.monotonic()
-    survivor, _ = finish(processes, timeout=HEARTBEAT_SECONDS + 60)
+    survivor, dead = finish(processes, timeout=HEARTBEAT_SECONDS + 60)
+    assert dead.status == -how
     assert time.monotonic() - killed < HEARTBEAT_SECONDS + 30
     assert survivor.status != 0
     assert "another task died" in survivor.stderr  # JAX's own line, naming the cause

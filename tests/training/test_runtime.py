@@ -9,7 +9,7 @@ import pytest
 
 from jaxformer.training import initialize_distributed
 from jaxformer.training.runtime import (HEARTBEAT_SECONDS, JOIN_SECONDS, LINGER_SECONDS, agree, distributed_settings,
-                                        is_primary, join_timeout, on_primary)
+                                        is_primary, join_timeout, local_environments, on_primary)
 
 VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
              "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES", "JAXFORMER_JOIN_TIMEOUT")
@@ -112,3 +112,13 @@ def test_on_one_process_it_is_the_primary_and_checks_are_its_own():
     agree(True, "unused")
     with pytest.raises(ValueError, match="^not shared$"):
         agree(False, "not shared")
+
+
+def test_local_environments_name_a_run_of_processes_on_loopback():
+    one, = local_environments(1, 8, {"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false", "JAX_PROCESS_ID": "5"})
+    assert "JAX_PROCESS_ID" not in one and "JAX_COORDINATOR_ADDRESS" not in one
+    assert one["XLA_FLAGS"] == "--xla_cpu_use_fusion_emitters=false --xla_force_host_platform_device_count=8"
+    two = local_environments(2, 4, {})
+    assert [distributed_settings(env)["process_id"] for env in two] == [0, 1]
+    assert {env["JAX_COORDINATOR_ADDRESS"] for env in two} == {two[0]["JAX_COORDINATOR_ADDRESS"]}
+    assert two[0]["JAX_COORDINATOR_ADDRESS"].startswith("127.0.0.1:") and two[0]["JAX_PLATFORMS"] == "cpu"
