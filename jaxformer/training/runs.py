@@ -535,6 +535,7 @@ def start(prog: str, setup: Setup, settings, run: RunOptions, shape_trace=()) ->
         on_primary(lambda: _check_run(run.run_dir, record, run.resume, setup.tokenizer))
         restored = None
         if run.resume:
+            _check_shared(run.run_dir)  # before every process reads its checkpoint
             with Checkpointer(run.run_dir, read_only=True) as saved:
                 restored = saved.restore_newest(state)  # every process reads its own blocks
             if restored.step > settings.steps:
@@ -560,14 +561,13 @@ def start(prog: str, setup: Setup, settings, run: RunOptions, shape_trace=()) ->
             if not finished:
                 record_session(run.run_dir, prog, dataclasses.asdict(settings), count_params(setup.params),
                                shape_trace, begun.step, device_name())
-    try:
-        barrier("run directory recorded")
-        # Every process writes its blocks of each checkpoint into this directory: one they all see.
-        agree((run.run_dir / CONFIG_FILE).is_file(), f"{run.run_dir} does not hold the {CONFIG_FILE} process 0 "
-              "wrote: the processes of a run need one run directory, on a file system they all see")
-    except ValueError as e:
-        begun.abandon()
-        fail(prog, str(e))
+    if restored is None:
+        try:
+            barrier("run directory recorded")
+            _check_shared(run.run_dir)  # before every process writes its blocks of a checkpoint there
+        except ValueError as e:
+            begun.abandon()
+            fail(prog, str(e))
     note_on_interrupt(lambda: kept(run.run_dir))
     return begun
 
@@ -580,6 +580,13 @@ def _make_run_dir(run_dir: Path) -> bool:
     except OSError as e:
         raise ValueError(f"run directory {run_dir} cannot be created: {e.strerror or e}") from None
     return created
+
+
+def _check_shared(run_dir: Path) -> None:
+    """Raises, on every process, unless every process sees process 0's `config.json` in
+    `run_dir`: the processes of a run write one run directory, shared."""
+    agree((run_dir / CONFIG_FILE).is_file(), f"{run_dir} does not hold the {CONFIG_FILE} process 0 wrote: the "
+          "processes of a run need one run directory, on a file system they all see")
 
 
 def _check_run(run_dir: Path, record: dict, resume: bool, tokenizer) -> None:

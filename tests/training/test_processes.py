@@ -45,11 +45,12 @@ class Ended:
         return [line for line in self.stderr.splitlines() if line.strip() and not line.startswith("[Gloo]")]
 
 
-def start(args, folder: Path, count: int = 2, devices: int = 4, ids=None, env=None,
-          delays=()) -> list[subprocess.Popen]:
+def start(args, folder: Path, count: int = 2, devices: int = 4, ids=None, env=None, delays=(),
+          cwds=None) -> list[subprocess.Popen]:
     """`count` processes of one run on loopback (`local_environments`), or with `ids` as
     their JAX_PROCESS_IDs; `env` added to each, each started `delays[i]` seconds after the
-    one before. Their output goes to files in `folder` (a pipe left unread would stop them)."""
+    one before, in `cwds[i]` (default: the repository). Their output goes to files in
+    `folder` (a pipe left unread would stop them)."""
     environments = local_environments(count, devices)
     if ids is not None:
         environments = [{**environments[0], "JAX_PROCESS_ID": str(i)} for i in ids]
@@ -57,7 +58,8 @@ def start(args, folder: Path, count: int = 2, devices: int = 4, ids=None, env=No
     for i, environment in enumerate(environments):
         time.sleep(delays[i] if i < len(delays) else 0)
         out, err = (open(folder / f"{name}-{i}-{time.monotonic_ns()}.txt", "w+") for name in ("out", "err"))
-        processes.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**environment, **(env or {})},
+        processes.append(subprocess.Popen([sys.executable, *args], cwd=cwds[i] if cwds else ROOT,
+                                          env={**environment, "PYTHONPATH": str(ROOT), **(env or {})},
                                           stdout=out, stderr=err, start_new_session=True))
         processes[-1].files = (out, err)
     return processes
@@ -208,6 +210,18 @@ def test_a_run_directory_in_use_refuses_every_process_of_a_second_run(tmp_path):
         assert e.errors == [f"python -m train.lm: error: run directory {tmp_path / 'run'} is in use by another "
                             "process (a run, a resume or a report rebuild of it): wait for it to end, or stop it"]
     assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_run_directories_that_are_not_one_shared_directory_are_refused_by_every_process(tmp_path):
+    hosts = [tmp_path / "host0", tmp_path / "host1"]  # "run" on each: two directories of one name
+    for host in hosts:
+        host.mkdir()
+    ended = finish(start([*LM, *DP, "--run-dir", "run"], tmp_path, cwds=hosts), timeout=120)
+    for e in ended:
+        assert e.status == 2
+        assert e.errors == ["python -m train.lm: error: run does not hold the config.json process 0 wrote: the "
+                            "processes of a run need one run directory, on a file system they all see (on process 1)"]
+    assert [list(host.iterdir()) for host in hosts] == [[], []]  # the new run undone
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])  # SIGTERM: JAX's runtime would catch it
