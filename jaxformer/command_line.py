@@ -66,7 +66,7 @@ def _leave(status: int) -> NoReturn:
     with contextlib.suppress(OSError, ValueError, AttributeError):
         _flush(sys.stdout)
         _flush(sys.stderr)
-    if status != INTERRUPTED and _leave_at_once[0]:
+    if _leave_at_once[0]:
         time.sleep(_leave_at_once[0])
     os._exit(status)
 

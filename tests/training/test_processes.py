@@ -170,6 +170,17 @@ def test_lora_fine_tuning_over_two_processes_writes_one_adapter_and_one_merged_f
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=TOLERANCE)
 
 
+def test_full_fine_tuning_over_two_processes_has_the_losses_of_one(checkpoint, tmp_path):
+    finetune = ["-m", "jaxformer.training.finetune", "--checkpoint", str(checkpoint), "--data",
+                str(checkpoint.parent / "new.txt"), "--full", "--steps", "4", "--lr", "1e-3", "--log-every", "1",
+                "--checkpoint-every", "2", "--warmup", "2", "--batch-size", "4", "--seq-len", "32",
+                "--mesh", "data=2,model=4", "--fsdp"]
+    one_process([*finetune, "--run-dir", str(tmp_path / "one")], tmp_path)
+    run([*finetune, "--run-dir", str(tmp_path / "two")], tmp_path)
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=0, atol=TOLERANCE)
+    assert len(losses(tmp_path / "two")) == 4
+
+
 def test_a_missing_process_id_is_refused_in_one_line(tmp_path):
     [ended] = finish(start([*LM, *DP, "--run-dir", str(tmp_path / "run")], tmp_path, count=1,
                            env={"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2"}), timeout=60)
