@@ -64,3 +64,21 @@ def set_eos(path: str, eos_ids: list[int]) -> None:
     config["eos_token_id"] = eos_ids
     with open(file, "w") as f:
         json.dump(config, f)
+
+
+def save_random_checkpoint(path) -> None:
+    """A random Llama-shaped checkpoint folder written by jaxformer (2 layers of 32, small
+    weights), with `bpe_tokenizer` and `CHAT_TEMPLATE`: what fine-tuning tests adapt."""
+    from conftest import random_params
+
+    from jaxformer import DecoderConfig
+    from jaxformer.convert import save_hf
+    from jaxformer.text import Tokenizer as Framed, save_tokenizer
+
+    tokenizer = Framed(bpe_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
+                       chat_template=CHAT_TEMPLATE)
+    config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
+                           max_seq_len=64)
+    save_hf(config, random_params(config, seed=0, scale=0.1), str(path), bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+    save_tokenizer(tokenizer, str(path))

@@ -11,17 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_compiles, import_peer, random_params, run_main
+from conftest import count_compiles, import_peer, run_main
 from report_page import check_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
-from checkpoints import CHAT_TEMPLATE, bpe_tokenizer  # noqa: E402
+from checkpoints import save_random_checkpoint  # noqa: E402
 
-from jaxformer import Decoder, DecoderConfig  # noqa: E402
-from jaxformer.convert import load_hf, save_hf  # noqa: E402
+from jaxformer import Decoder  # noqa: E402
+from jaxformer.convert import load_hf  # noqa: E402
 from jaxformer.convert.peft import load_peft  # noqa: E402
 from jaxformer.lora import merge  # noqa: E402
-from jaxformer.text import Tokenizer, save_tokenizer  # noqa: E402
 from jaxformer.training import read_metrics  # noqa: E402
 from jaxformer.training import finetune, report  # noqa: E402
 from jaxformer.training.report_page import SNAPSHOTS_FILE, read_snapshots  # noqa: E402
@@ -36,13 +35,7 @@ NEW_TEXT = "Keys and values are cached, so each new token costs one step. " * 30
 def checkpoint(tmp_path_factory) -> Path:
     """A random Llama-shaped checkpoint folder with a byte-level BPE tokenizer and a chat template."""
     path = tmp_path_factory.mktemp("finetune") / "checkpoint"
-    tokenizer = Tokenizer(bpe_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
-                          chat_template=CHAT_TEMPLATE)
-    config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                           max_seq_len=64)
-    save_hf(config, random_params(config, seed=0, scale=0.1), str(path), bos_id=tokenizer.bos_id,
-            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    save_tokenizer(tokenizer, str(path))
+    save_random_checkpoint(path)
     return path
 
 

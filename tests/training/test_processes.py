@@ -15,14 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import import_peer, random_params
+from conftest import import_peer
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "text"))
-from checkpoints import CHAT_TEMPLATE, bpe_tokenizer  # noqa: E402
+from checkpoints import save_random_checkpoint  # noqa: E402
 
-from jaxformer import DecoderConfig  # noqa: E402
-from jaxformer.convert import save_hf  # noqa: E402
-from jaxformer.text import Tokenizer, save_tokenizer  # noqa: E402
 from jaxformer.training import lock_run_dir  # noqa: E402
 from jaxformer.training.runtime import HEARTBEAT_SECONDS, local_environments  # noqa: E402
 
@@ -139,13 +136,7 @@ def test_train_reverse_on_two_processes_has_the_losses_of_one(tmp_path):
 def checkpoint(tmp_path_factory) -> Path:
     """A random Llama-shaped checkpoint folder with a byte-level BPE tokenizer, and text to learn."""
     path = tmp_path_factory.mktemp("processes") / "checkpoint"
-    tokenizer = Tokenizer(bpe_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
-                          chat_template=CHAT_TEMPLATE)
-    config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
-                           max_seq_len=64)
-    save_hf(config, random_params(config, seed=0, scale=0.1), str(path), bos_id=tokenizer.bos_id,
-            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    save_tokenizer(tokenizer, str(path))
+    save_random_checkpoint(path)
     (path.parent / "new.txt").write_text("Keys and values are cached, so each new token costs one step. " * 30)
     return path
 
