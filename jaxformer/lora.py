@@ -25,6 +25,7 @@ family's fused modules are `jaxformer.convert.peft`'s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -176,11 +177,19 @@ def merge(params, adapters: dict, lora: LoraConfig):
     merged = jax.tree.map(lambda x: x, params)  # new dicts, the same leaves
     for block, part, adapter, ws in _adapted(params, lora):
         ab = adapters[block][part][adapter]
-        delta = (ab["a"].T @ ab["b"]) * lora.scale  # [n_in, n_out]
         start = 0
         for name, w in zip(adapter_matrices(adapter), ws):
-            width = w.size // delta.shape[0]
-            merged[block][part][name] = (w.astype(jnp.float32)
-                                         + delta[:, start:start + width].reshape(w.shape)).astype(w.dtype)
-            start += width
+            merged[block][part][name] = _merged(w, ab["a"], ab["b"], lora.scale, start)
+            start += w.size // ab["a"].shape[1]
     return merged
+
+
+# Jitted: one program a matrix, wherever `w` lies; op by op, a `w` split over several
+# processes would make each operation a program of its own across them.
+@functools.partial(jax.jit, static_argnames="start")
+def _merged(w, a, b, scale, start: int):
+    """`W + scale * a^T b[:, start:start + width]`, in W's shape and dtype: one matrix of an
+    adapter (a fused one's columns from `start`)."""
+    width = w.size // a.shape[1]
+    delta = (a.T @ b[:, start:start + width]) * scale  # [n_in, width]
+    return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)

@@ -66,6 +66,11 @@ class NotFinite(ValueError):
     names the figure and its cause. Such a figure is an error, never a result."""
 
 
+@jax.jit  # one program a leaf, also for a leaf split over several processes (op by op, two)
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.isfinite(x).all()
+
+
 def why_not_finite(trees: dict, dtype) -> str:
     """Why a figure a model computed from parameter `trees` is NaN or inf, for `NotFinite`'s
     message: the first tree holding NaN or inf, with its first such leaf (`block_0/attn/wq`),
@@ -77,7 +82,7 @@ def why_not_finite(trees: dict, dtype) -> str:
     """
     for what, tree in trees.items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(jnp.isfinite(leaf).all()):
+            if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(_all_finite(leaf)):
                 where = "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
                 return f"{what} hold NaN or inf (first in {where})"
     return f"the logits overflowed in {jnp.dtype(dtype).name} though every weight is finite"

@@ -67,11 +67,11 @@ class Checkpointer:
         if read_only:
             self._manager = self._open_read_only()
             return
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, cleanup_tmp_directories=True)
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, cleanup_tmp_directories=True, create=False,
+                                               multiprocessing_options=_processes())
         self._background.enter_context(_background_quiet())
         try:
-            # Made before orbax looks: of several processes, orbax makes it (with a collective)
-            # on those that see none, and a process that looked after another made it would skip it.
+            # Made here, by process 0, before any process opens it (orbax cannot, for named processes).
             if is_primary():
                 with self._writing():
                     self.directory.mkdir(parents=True, exist_ok=True)
@@ -88,6 +88,7 @@ class Checkpointer:
         the listing fail on a name that is gone, so it is listed again. Nothing is removed:
         an unfinished save may be the live run's."""
         options = ocp.CheckpointManagerOptions(read_only=True, create=False, max_to_keep=None,
+                                               multiprocessing_options=_processes(),
                                                cleanup_tmp_directories=False, save_interval_steps=0)
         for attempt in range(READ_ATTEMPTS):
             try:
@@ -227,6 +228,15 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _processes() -> ocp.options.MultiprocessingOptions:
+    """Orbax's processes: all of the run's, named, so that orbax's barriers go through JAX's
+    coordination service, with timeouts. Unnamed, they are collectives on the devices, which
+    a barrier in one of orbax's background threads would start beside the training's own.
+    (Named, orbax does not create the checkpoint folder: `Checkpointer` does.)"""
+    return ocp.options.MultiprocessingOptions(active_processes=set(range(jax.process_count()))
+                                              if jax.process_count() > 1 else None)
 
 
 @contextlib.contextmanager

@@ -348,15 +348,19 @@ def snapshotter(setup: runs.Setup, settings: Settings):
     config = setup.model.config
     layers = sorted({0, config.n_layer - 1})
     prompt = jnp.asarray(example[:, :max(1, length // 2)])
+    model = Decoder(config.replace(remat=False))
+
+    @jax.jit  # one program, whatever the mesh: op by op, each operation on a split base would be one
+    def attention_weights(variables, tokens):
+        _, inter = model.apply(variables, tokens, mutable=["intermediates"])
+        return sown_attention_weights(inter, config)  # [n_layer, 1, H, T, T]
 
     def snapshot(trained) -> dict:
-        model = Decoder(config.replace(remat=False))
-        _, inter = model.apply(variables(setup, trained), example, mutable=["intermediates"])
-        weights = np.asarray(sown_attention_weights(inter, config))  # [n_layer, 1, H, T, T]
+        weights = to_host(attention_weights(variables(setup, trained), example))
         attention = [attention_group("self-attention (causal)", layer, weights[layer, 0], labels, labels)
                      for layer in layers]
         new = min(SAMPLE_TOKENS, config.max_seq_len - prompt.shape[1])
-        out = np.asarray(generate(*decodable(setup, trained), prompt, max_new_tokens=new))[0]
+        out = to_host(generate(*decodable(setup, trained), prompt, max_new_tokens=new))[0]
         return {"attention": attention,
                 "samples": [{"label": "greedy continuation of a held-out row's start",
                              "input": token_labels(tokenizer, out[:prompt.shape[1]]),
