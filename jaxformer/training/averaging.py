@@ -69,4 +69,9 @@ def averaged(opt_state: AveragingState, params):
     """The mean of the parameters `average_last` kept, or `params` (the last ones) while it
     has kept none (a run stopped before its first point)."""
     kept = int(opt_state.kept)
-    return params if kept == 0 else jax.tree.map(lambda t: t / kept, opt_state.total)
+    return params if kept == 0 else _mean(opt_state.total, kept)
+
+
+@jax.jit  # one program: op by op, each leaf's division would be one (across processes, on a mesh of several)
+def _mean(total, kept):
+    return jax.tree.map(lambda t: t / kept, total)
