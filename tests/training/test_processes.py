@@ -242,4 +242,6 @@ def test_a_process_that_dies_mid_run_ends_the_other_within_the_heartbeat_timeout
     assert dead.status == -how
     assert time.monotonic() - killed < HEARTBEAT_SECONDS + 30
     assert survivor.status != 0
-    assert "another task died" in survivor.stderr  # JAX's own line, naming the cause
+    # The first layer to notice says so: JAX's heartbeat ("another task died"), or gloo, in
+    # a collective whose peer's socket closed mid-message.
+    assert "another task died" in survivor.stderr or "gloo" in survivor.stderr, survivor.stderr[-2000:]
