@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from jaxformer.serving.engine import Engine, EngineClosed, Event, QueueFull
-from jaxformer.serving.openai_api import (ApiError, Job, StopText, chunk, completion_id, error_body, read_job,
-                                          response, usage_chunk)
+from jaxformer.serving.openai_api import (ApiError, Job, StopText, chunk, completion_id, error_body,
+                                          read_detokenize, read_job, read_tokenize, response, shown, usage_chunk)
 from jaxformer.text.tokenizer import Tokenizer
 
 LOG = logging.getLogger("jaxformer.serve")
@@ -57,6 +57,24 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
         return JSONResponse({"object": "list", "data": [
             {"id": model_name, "object": "model", "created": created, "owned_by": "jaxformer"}]})
 
+    async def model(request: Request) -> JSONResponse:
+        authorize(request, api_key)
+        name = request.path_params["name"]
+        if name != model_name:
+            raise ApiError(404, f"the model {shown(name)} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse({"id": model_name, "object": "model", "created": created, "owned_by": "jaxformer"})
+
+    async def tokenize(request: Request) -> JSONResponse:
+        authorize(request, api_key)
+        body = await read_body(request, max_body_bytes, body_timeout_s)
+        return JSONResponse(await asyncio.to_thread(read_tokenize, body, tokenizer, engine.capacity))
+
+    async def detokenize(request: Request) -> JSONResponse:
+        authorize(request, api_key)
+        body = await read_body(request, max_body_bytes, body_timeout_s)
+        return JSONResponse(await asyncio.to_thread(read_detokenize, body, tokenizer))
+
     async def completions(request: Request):
         return await answer(request, chat=False)
 
@@ -88,7 +106,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
             run.abort(reason)
         return len(running)
 
-    routes = [Route("/health", health), Route("/v1/models", models),
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
+              Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     handlers = {ApiError: api_error, HTTPException: http_error}

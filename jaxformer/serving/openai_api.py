@@ -202,6 +202,51 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq
                include_usage=include_usage)
 
 
+def read_tokenize(body, tokenizer: Tokenizer, max_seq_len: int) -> dict:
+    """`POST /tokenize`'s answer to `body`: the ids of its `prompt` (a string; framed as a
+    completion's, unless `add_special_tokens` is false) or of its `messages` (through the
+    chat template, as a chat request's prompt), as `{"tokens", "count", "max_model_len"}`.
+
+    Raises:
+      ApiError: 400 naming the field.
+    """
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    if ("prompt" in body) == ("messages" in body):
+        raise invalid("give prompt (a string) or messages, one of them", "prompt")
+    if "messages" in body:
+        ids = _chat_ids(body, tokenizer)
+    else:
+        prompt = _field(body, "prompt", (str,), "a string")
+        if prompt is None:
+            raise invalid("prompt must be a string", "prompt")
+        framed = _field(body, "add_special_tokens", (bool,), "true or false", True)
+        try:
+            ids = tokenizer.encode(prompt, add_special_tokens=framed)
+        except ValueError as e:
+            raise invalid(str(e), "prompt") from None
+    return {"tokens": ids, "count": len(ids), "max_model_len": max_seq_len}
+
+
+def read_detokenize(body, tokenizer: Tokenizer) -> dict:
+    """`POST /detokenize`'s answer to `body`: the text of its `tokens` (ids of the
+    vocabulary, special tokens spelled out), as `{"prompt": text}`.
+
+    Raises:
+      ApiError: 400 naming `tokens`.
+    """
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    ids = body.get("tokens")
+    rule = f"a list of token ids in [0, {tokenizer.vocab_size})"
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise invalid(f"tokens must be {rule} (got {shown(ids)})", "tokens")
+    outside = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+    if outside:
+        raise invalid(f"tokens must be {rule} (got {shown(outside)} among them)", "tokens")
+    return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
+
 def _stops(body: dict) -> tuple[str, ...]:
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop

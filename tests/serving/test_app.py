@@ -80,7 +80,21 @@ def streamed(stream) -> tuple[str, str, object]:
 
 def test_models_and_health(server):
     assert [m.id for m in server.client().models.list()] == [NAME]
+    assert server.client().models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError) as missing:
+        server.client().models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found"
     assert server.health()["status"] == "ok"
+
+
+def test_tokenize_and_detokenize_round_trip_a_prompt(server):
+    tokens = server.post("/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert tokens["tokens"] == TOKENIZER.encode(PROMPTS[0]) and tokens["count"] == len(tokens["tokens"])
+    text = server.post("/detokenize", json={"tokens": TOKENIZER.encode(PROMPTS[0], add_special_tokens=False)})
+    assert text.json() == {"prompt": PROMPTS[0]}
+    refused = server.post("/detokenize", json={"tokens": [-1]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    assert server.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
 def test_sixteen_concurrent_greedy_requests_each_get_generate_alone(server, params):

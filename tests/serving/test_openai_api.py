@@ -114,3 +114,43 @@ def test_a_seed_becomes_the_key_and_the_sampling_settings_pass_as_sent():
     np.testing.assert_array_equal(jax.random.key_data(o.key), jax.random.key_data(jax.random.key(5)))
     with pytest.raises(ApiError, match=r"top_k must be an integer \(got 'many'\)"):
         read_job({**body, "top_k": "many"}, chat=False, tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
+
+
+def test_tokenize_gives_a_completions_prompt_ids_and_detokenize_their_text():
+    from jaxformer.serving.openai_api import read_detokenize, read_tokenize
+
+    framed = read_tokenize({"prompt": TEXT}, TOKENIZER, 64)
+    assert framed == {"tokens": TOKENIZER.encode(TEXT), "count": len(TOKENIZER.encode(TEXT)), "max_model_len": 64}
+    assert read_tokenize({"prompt": TEXT, "add_special_tokens": False}, TOKENIZER, 64)["tokens"] == IDS
+    assert read_detokenize({"tokens": IDS}, TOKENIZER) == {"prompt": TOKENIZER.decode(IDS, skip_special_tokens=False)}
+    assert TOKENIZER.decode(IDS) == TEXT  # what the ids spell
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({}, "prompt", "give prompt (a string) or messages, one of them"),
+    ({"prompt": "a", "messages": []}, "prompt", "give prompt (a string) or messages, one of them"),
+    ({"prompt": [1, 2]}, "prompt", "prompt must be a string (got [1, 2])"),
+    ({"prompt": "a", "add_special_tokens": 1}, "add_special_tokens", "add_special_tokens must be true or false"),
+    ({"messages": "hi"}, "messages", "messages must be a non-empty list"),
+])
+def test_tokenize_refuses_a_bad_body_naming_the_field(body, param, message):
+    from jaxformer.serving.openai_api import read_tokenize
+
+    with pytest.raises(ApiError) as caught:
+        read_tokenize(body, TOKENIZER, 64)
+    assert caught.value.message.startswith(message)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (None, "tokens must be a list of token ids in [0, "),
+    ([1, "2"], "tokens must be a list of token ids in [0, "),
+    ([1, True], "tokens must be a list of token ids in [0, "),
+    ([1, -1, 10**6], "(got [-1, 1000000] among them)"),
+])
+def test_detokenize_refuses_ids_outside_the_vocabulary(tokens, message):
+    from jaxformer.serving.openai_api import read_detokenize
+
+    with pytest.raises(ApiError) as caught:
+        read_detokenize({"tokens": tokens}, TOKENIZER)
+    assert message in caught.value.message and caught.value.param == "tokens" and caught.value.status == 400
