@@ -18,11 +18,13 @@ import weakref
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from jaxformer.serving.engine import Engine, EngineClosed, Event, QueueFull
+from jaxformer.serving.metrics import CountRequests, ServerMetrics
 from jaxformer.serving.openai_api import (ApiError, Job, StopText, chunk, completion_id, error_body,
                                           read_detokenize, read_job, read_tokenize, response, shown, usage_chunk)
 from jaxformer.text.tokenizer import Tokenizer
@@ -31,6 +33,10 @@ LOG = logging.getLogger("jaxformer.serve")
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_POLL_S = 0.5  # how often a request that does not stream checks that its client is still there
 BODY_TIMEOUT_S = 30.0  # how long a request's body may take to arrive
+
+
+# The paths /metrics counts requests of by name (any other, "other").
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key: str | None = None,
@@ -48,6 +54,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
     """
     created = int(time.time())
     runs: weakref.WeakSet[Run] = weakref.WeakSet()  # the requests being answered (one never started is dropped)
+    metrics = ServerMetrics(ROUTES)
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "model": model_name, **engine.load()})
@@ -64,6 +71,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
             raise ApiError(404, f"the model {shown(name)} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
         return JSONResponse({"id": model_name, "object": "model", "created": created, "owned_by": "jaxformer"})
+
+    async def metrics_page(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(metrics.text(engine.load()), media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> JSONResponse:
         authorize(request, api_key)
@@ -87,7 +97,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
         # Off the event loop: a long prompt's template and tokenizer would hold up every other request.
         job = await asyncio.to_thread(read_job, body, chat=chat, tokenizer=tokenizer, model_name=model_name,
                                       max_seq_len=engine.capacity)
-        run = Run(engine, tokenizer, job, runs)
+        run = Run(engine, tokenizer, job, runs, metrics)
         rid = completion_id(chat)
         if job.stream:
             return StreamingResponse(sse(run, rid, model_name), media_type="text/event-stream",
@@ -108,6 +118,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
 
     routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
               Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
+              Route("/metrics", metrics_page),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     handlers = {ApiError: api_error, HTTPException: http_error}
@@ -118,7 +129,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
         for stop in on_shutdown:  # (after the server has answered every open request)
             await asyncio.to_thread(stop)
 
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan,
+                    middleware=[Middleware(CountRequests, metrics=metrics)])
     app.state.abort = abort
     return app
 
@@ -169,8 +181,9 @@ class Run:
     `finish_reason`, `completion_tokens` and `error` (a failure of this request alone, or
     with `aborted` the server's stop). It is in `runs` while its answer is under way."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, job: Job, runs: weakref.WeakSet):
-        self.job = job
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, job: Job, runs: weakref.WeakSet,
+                 metrics: ServerMetrics):
+        self.job, self._metrics = job, metrics
         self.finish_reason, self.completion_tokens, self.error, self.aborted = None, 0, None, False
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._runs, self._abort = runs, None
@@ -186,6 +199,8 @@ class Run:
         except ValueError as e:  # (read_job read the body in the API's terms; this is the library's check)
             raise ApiError(400, str(e)) from None
         self.text = StopText(tokenizer, job.prompt_ids, job.stop)  # (its decoder reads only ids the engine took)
+        metrics.tokens(prompt=len(job.prompt_ids))
+        self._last_token_at, self._submitted_at = None, time.monotonic()
         runs.add(self)
 
     def abort(self, reason: str) -> None:
@@ -208,6 +223,8 @@ class Run:
                         return
                     continue
                 self.completion_tokens += len(event.tokens)
+                if event.tokens:
+                    self._timed(len(event.tokens))
                 piece = self.text.push(event.tokens) if event.tokens else ""
                 if event.finish_reason is None and not self.text.stopped:
                     if piece:
@@ -228,6 +245,16 @@ class Run:
         finally:
             self.handle.cancel()  # (done already, or a stop string, or the client left: the row is freed)
             self._runs.discard(self)
+            self._metrics.tokens(completion=self.completion_tokens)
+
+    def _timed(self, count: int) -> None:
+        """Notes when `count` new tokens came: the first, from the submission; later ones, from the last."""
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self._metrics.first_token(now - self._submitted_at)
+        else:
+            self._metrics.per_token(now - self._last_token_at, count)
+        self._last_token_at = now
 
 
 async def sse(run: Run, rid: str, model: str):

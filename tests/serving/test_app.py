@@ -87,6 +87,28 @@ def test_models_and_health(server):
     assert server.health()["status"] == "ok"
 
 
+def test_metrics_count_a_request_its_tokens_and_its_latencies(server):
+    from test_metrics import samples
+
+    def scrape() -> dict:
+        page = httpx.get(server.url + "/metrics", timeout=10)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+        return samples(page.text)
+
+    before = scrape()
+    answer = server.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    after = scrape()
+    grew = {key: after[key] - before.get(key, 0) for key in after}
+    assert grew[("jaxformer_requests_total", (("route", "/v1/completions"), ("status", "200")))] == 1
+    assert grew[("jaxformer_requests_total", (("route", "/metrics"), ("status", "200")))] == 1  # the first scrape
+    assert grew[("jaxformer_prompt_tokens_total", ())] == answer.usage.prompt_tokens
+    assert grew[("jaxformer_completion_tokens_total", ())] == answer.usage.completion_tokens
+    shown = answer.usage.completion_tokens - (answer.choices[0].finish_reason == "stop")  # an EOS is not a token event
+    assert grew[("jaxformer_time_to_first_token_seconds_count", ())] == 1
+    assert grew[("jaxformer_time_per_output_token_seconds_count", ())] == shown - 1
+    assert after[("jaxformer_running_requests", ())] == 0 and after[("jaxformer_waiting_requests", ())] == 0
+
+
 def test_tokenize_and_detokenize_round_trip_a_prompt(server):
     tokens = server.post("/tokenize", json={"prompt": PROMPTS[0]}).json()
     assert tokens["tokens"] == TOKENIZER.encode(PROMPTS[0]) and tokens["count"] == len(tokens["tokens"])
