@@ -88,7 +88,7 @@ def test_models_and_health(server):
 
 
 def test_metrics_count_a_request_its_tokens_and_its_latencies(server):
-    from test_metrics import samples
+    from test_server_metrics import samples
 
     def scrape() -> dict:
         page = httpx.get(server.url + "/metrics", timeout=10)
