@@ -230,6 +230,13 @@ class Checkpointer:
         self.close()
 
 
+def committed_steps(run_dir) -> list[int]:
+    """The steps of the checkpoints committed in `run_dir`, oldest first (read from their
+    folder names, without opening orbax)."""
+    checkpoints = Path(run_dir) / CHECKPOINT_DIR
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+
+
 def _processes() -> ocp.options.MultiprocessingOptions:
     """Orbax's processes: all of the run's, named, so that orbax's barriers go through JAX's
     coordination service, with timeouts. Unnamed, they are collectives on the devices, which

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.command_line import interrupts_deferred, raise_if_interrupted
-from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restored
+from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restored, committed_steps
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog
 from jaxformer.training.progress import ProgressBar
 from jaxformer.training.run_dir import lock_run_dir
@@ -199,12 +199,11 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
 
 
 def _check_new(run_dir: Path) -> None:
-    """Raises unless `run_dir` holds no committed checkpoint (an integer-named folder)."""
-    folder = run_dir / CHECKPOINT_DIR
-    steps = sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
+    """Raises unless `run_dir` holds no committed checkpoint."""
+    steps = committed_steps(run_dir)
     if steps:
-        raise ValueError(f"{folder} already holds step {steps[-1]}; pass resume=True to continue that run or choose "
-                         "a new run_dir")
+        raise ValueError(f"{run_dir / CHECKPOINT_DIR} already holds step {steps[-1]}; pass resume=True to continue "
+                         "that run or choose a new run_dir")
 
 
 def _stop_if_nonfinite(nonfinite: tuple[jax.Array, jax.Array], checkpointer: Checkpointer) -> None:

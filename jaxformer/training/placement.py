@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
 from jax.sharding import Mesh
 
 from jaxformer.sharding import batch_sharding, put, tree_shardings
@@ -39,6 +38,4 @@ def shard_batches(make_batch: Callable, mesh: Mesh) -> Callable:
       mesh: the mesh the state is on.
     """
     rows = batch_sharding(mesh)
-    if rows.is_fully_addressable:
-        return lambda data_key: jax.device_put(make_batch(data_key), rows)
-    return lambda data_key: put(jax.device_get(make_batch(data_key)), rows)
+    return lambda data_key: put(make_batch(data_key), rows)

@@ -34,10 +34,11 @@ from jaxformer.files import check_apart, write_folder_atomically, write_text_ato
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh, put, to_host, tree_shardings
 from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                       TOKENIZER_FILE)
-from jaxformer.training import (CHECKPOINT_DIR, CONFIG_FILE, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock,
+from jaxformer.training import (CONFIG_FILE, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock,
                                 TrainState, check_run_dir, check_seed, enable_compilation_cache,
                                 initialize_distributed, lock_run_dir, make_train_step, make_train_steps, read_metrics,
                                 save_run_config, shard_batches, train_loop)
+from jaxformer.training.checkpoints import committed_steps
 from jaxformer.training.runtime import agree, barrier, is_primary, on_primary
 from jaxformer.validation import NotFinite, as_int, check_fields, one_of
 from jaxformer.training.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
@@ -605,13 +606,6 @@ def _undo_new_run(run_dir: Path, created: bool) -> None:
         return
     for path in run_dir.iterdir() if run_dir.is_dir() else ():
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def committed_steps(run_dir: Path) -> list[int]:
-    """The steps of the checkpoints committed in `run_dir`, oldest first (read from their
-    folder names, without opening orbax)."""
-    checkpoints = run_dir / CHECKPOINT_DIR
-    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
 
 
 def kept(run_dir: Path) -> str:

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from jaxformer.command_line import FAILED, leave_at_once_on_failure
+from jaxformer.validation import as_int
 
 T = TypeVar("T")
 
@@ -47,15 +48,14 @@ def distributed_settings(environ=os.environ) -> dict | None:
         count below 1, an address without a port.
     """
     named = [name for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if name in environ]
+    cluster = (int(environ.get("SLURM_NTASKS", "1")) > 1 or "OMPI_MCA_orte_hnp_uri" in environ
+               or "," in environ.get("TPU_WORKER_HOSTNAMES", ""))
     if not named:
-        if (int(environ.get("SLURM_NTASKS", "1")) > 1 or "OMPI_MCA_orte_hnp_uri" in environ
-                or "," in environ.get("TPU_WORKER_HOSTNAMES", "")):
-            return {}
-        return None
+        return {} if cluster else None
     if "JAX_NUM_PROCESSES" not in environ:
-        if "JAX_PROCESS_ID" in environ:
-            raise ValueError("JAX_PROCESS_ID is set but JAX_NUM_PROCESSES is not: set both (and "
-                             "JAX_COORDINATOR_ADDRESS) on every process")
+        if "JAX_PROCESS_ID" in environ or not cluster:
+            raise ValueError(f"{' and '.join(named)} set but JAX_NUM_PROCESSES is not: set it (with "
+                             "JAX_COORDINATOR_ADDRESS and JAX_PROCESS_ID) on every process")
         return {"coordinator_address": _address(environ["JAX_COORDINATOR_ADDRESS"])}  # the rest from the cluster
     count = _int_variable(environ, "JAX_NUM_PROCESSES", 1)
     if "JAX_COORDINATOR_ADDRESS" not in environ:
@@ -255,6 +255,7 @@ def local_environments(count: int, devices: int, environ=os.environ) -> list[dic
       `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`, `JAX_PLATFORMS=cpu` and the device count in
       `XLA_FLAGS`.
     """
+    count, devices = as_int(count, "count", minimum=1), as_int(devices, "devices", minimum=1)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -32,7 +32,9 @@ def test_the_environment_names_the_other_processes_or_none(env, settings):
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"},
      "JAX_NUM_PROCESSES=2 but JAX_PROCESS_ID is not set: give each process its own id, 0 to 1"),
     ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES=2 but JAX_COORDINATOR_ADDRESS is not set"),
-    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"}, "JAX_PROCESS_ID is set but JAX_NUM_PROCESSES is not"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "0"},
+     "JAX_COORDINATOR_ADDRESS and JAX_PROCESS_ID set but JAX_NUM_PROCESSES is not"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1"}, "JAX_COORDINATOR_ADDRESS set but JAX_NUM_PROCESSES is not"),
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
      "JAX_PROCESS_ID=2 is not below JAX_NUM_PROCESSES=2"),
     ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "-1"},
@@ -122,3 +124,5 @@ def test_local_environments_name_a_run_of_processes_on_loopback():
     assert [distributed_settings(env)["process_id"] for env in two] == [0, 1]
     assert {env["JAX_COORDINATOR_ADDRESS"] for env in two} == {two[0]["JAX_COORDINATOR_ADDRESS"]}
     assert two[0]["JAX_COORDINATOR_ADDRESS"].startswith("127.0.0.1:") and two[0]["JAX_PLATFORMS"] == "cpu"
+    with pytest.raises(ValueError, match="count must be"):
+        local_environments(0, 4)
