@@ -84,6 +84,14 @@ def sample_token(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_
     return jax.lax.cond(jnp.any(temperature > 0), sample, lambda _: greedy, None)
 
 
+def log_probabilities(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """float32 `[batch, ..., vocab]`: each row's log-probabilities after its temperature and before
+    top-k and top-p cut them, `log_softmax(logits / T)` (T = 1 for a greedy row: the model's own).
+    `temperature` is `[batch]`; the server's `logprobs` are these (docs/serving.md)."""
+    scale = jnp.where(temperature > 0, temperature, 1.0).reshape(temperature.shape + (1,) * (logits.ndim - 1))
+    return jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+
+
 def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """float32 `[..., batch, vocab]`: the logits `sample_token` samples from, scaled by the
     temperature (1 for a greedy row), -inf outside the top k and the nucleus."""

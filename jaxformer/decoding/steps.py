@@ -46,8 +46,9 @@ def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_c
 
 
 def prefill_piece(model: Decodable, params, tokens: jax.Array, cache: KVCache, real) -> tuple[jax.Array, KVCache]:
-    """`(logits [batch, vocab], cache)`: the next piece of each row's prompt run into `cache`,
-    the logits at its last real token; a chunked prefill is such pieces one after the other.
+    """`(logits [batch, n, vocab], cache)`: the next piece of each row's prompt run into `cache`,
+    the logits at each of its positions (the last real one, `real - 1`, gives the next token; the
+    ones before score the prompt's own tokens); a chunked prefill is such pieces one after the other.
 
     `tokens` `[batch, n]` hold the next `real` (int32 `[]`, `1 .. n`) tokens of each row, then
     padding, as `prefill`'s ragged rows: a ring takes the real tokens only (`stop`), and `pos`
@@ -57,8 +58,7 @@ def prefill_piece(model: Decodable, params, tokens: jax.Array, cache: KVCache, r
     """
     end = cache.pos + real  # [batch]
     logits, cache = step_fn(model, params, None)(tokens, cache.replace(stop=end))  # [batch, n, vocab]
-    last = jax.lax.dynamic_index_in_dim(logits, real - 1, axis=1, keepdims=False)  # [batch, vocab]
-    return last, cache.replace(pos=end, stop=None)
+    return logits, cache.replace(pos=end, stop=None)
 
 
 # Spans (docs/decoding.md, "The span"): a call reads the first `span` slots of a `KVCache`,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import queue
 import threading
@@ -40,13 +39,14 @@ import numpy as np
 from jaxformer.cache import span_for, spans
 from jaxformer.decodable import Decodable
 from jaxformer.decoding.request import DecodeOptions
-from jaxformer.decoding.sampling import Sampling
+from jaxformer.decoding.sampling import Sampling, log_probabilities
 from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError, pick_rows, prefill_piece, step_fn
 from jaxformer.validation import as_int, python_int
 
 # `DecodeOptions` the engine does not take: its stop ids are the engine's, and a request is one
 # prompt decoded a token per step. A value other than the default is refused.
 NOT_SERVED = ("eos_id", "pad_id", "bos_id", "prompt_lengths", "num_beams", "length_penalty")
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list (the OpenAI API's limit)
 
 
 class QueueFull(RuntimeError):
@@ -58,27 +58,54 @@ class EngineClosed(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability (`sampling.log_probabilities`: after the request's temperature)
+    and the `top` likeliest tokens at its position as `(id, logprob)`, likeliest first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Event:
-    """What a request hears from the engine, in order: tokens as they are made, then one last
-    event with `finish_reason` "stop" (a stop id, which `tokens` leaves out), "length"
-    (`max_tokens`), "cancelled" or "error" (with `error`: what went wrong, for this request alone)."""
+    """What a request hears from the engine, in order: its prompt's logprobs if it asked
+    (`prompt_logprobs`, one per prompt token, None for the first, which nothing predicts),
+    tokens as they are made (with `logprobs`, one each, if it asked), then one last event with
+    `finish_reason` "stop" (a stop id, which `tokens` leaves out), "length" (`max_tokens`),
+    "cancelled" or "error" (with `error`: what went wrong, for this request alone)."""
 
     tokens: tuple[int, ...] = ()
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class Handle:
     """A submitted request: its events (`events()`, or the `listener` given to `submit`) and
     `cancel()`, which frees its slot at the engine's next turn."""
 
-    def __init__(self, prompt: list[int], max_tokens: int, sampling: Sampling, key: np.ndarray, listener):
+    def __init__(self, prompt: list[int], max_tokens: int, sampling: Sampling, key: np.ndarray, listener,
+                 logprobs: int | None = None, prompt_logprobs: bool = False):
         self.prompt, self.max_tokens = prompt, max_tokens
         self.sampling, self.key = sampling, key  # its row's: a one-row `Sampling`, its key's data
+        self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
+        self.scored: list[TokenLogprob | None] = [None]  # the prompt's logprobs so far (`prompt_logprobs`)
         self.made = 0  # tokens made so far, the stopping one included
         self.cancelled = threading.Event()
         self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._listener = listener or self._queue.put
+
+    @property
+    def wanted(self) -> int:
+        """What the engine's programs score for it: 0 nothing, 1 its tokens' logprobs, 2 with the top ones."""
+        return 0 if self.logprobs is None else 1 if self.logprobs == 0 else 2
+
+    def logprob(self, token: int, logprob, top_ids, top_logprobs) -> TokenLogprob:
+        """A `TokenLogprob` of what a program scored, its top cut to the `logprobs` asked for."""
+        top = tuple((int(i), float(v)) for i, v in zip(top_ids[:self.logprobs], top_logprobs[:self.logprobs]))
+        return TokenLogprob(token, float(logprob), top)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -187,11 +214,35 @@ class Engine:
 
     def _compile(self) -> None:
         model, capacity = self.model, self.capacity
+        top = min(MAX_LOGPROBS, self.vocab_size)
 
-        def pick(sampling, keys, made, logits):  # keys: the rows' key data [rows, ...]; made [rows]
-            return pick_rows(sampling, jax.random.wrap_key_data(keys), made, logits)
+        def scores(logits, temperature, ids, wanted):
+            """`(logprob of ids [...], top ids [..., top], their logprobs)` from `logits` `[..., vocab]`;
+            `wanted` (`Handle.wanted`, the most of the rows'): 0 skips it all, 1 the top."""
+            blank = (jnp.zeros(ids.shape, jnp.float32), jnp.zeros(ids.shape + (top,), jnp.int32),
+                     jnp.zeros(ids.shape + (top,), jnp.float32))
 
-        def step(params, cache, span, tokens, active, sampling, keys, made):  # [rows] each
+            def chosen(with_top: bool):
+                logprobs = log_probabilities(logits, temperature)  # [..., vocab]
+                picked = jnp.take_along_axis(logprobs, jnp.maximum(ids, 0)[..., None], axis=-1)[..., 0]
+                if not with_top:
+                    return picked, *blank[1:]
+                values, best = jax.lax.top_k(logprobs, top)
+                return picked, best.astype(jnp.int32), values
+
+            return jax.lax.switch(wanted, (lambda: blank, lambda: chosen(False), lambda: chosen(True)))
+
+        def pick(sampling, keys, made, logits, wanted):  # keys: the rows' key data [rows, ...]; made [rows]
+            token = pick_rows(sampling, jax.random.wrap_key_data(keys), made, logits)
+            return token, scores(logits, sampling.temperature, token, wanted)
+
+        def piece(params, tokens, cache, real, targets, temperature, wanted):
+            # `targets` [1, n]: the prompt's token after each of the piece's positions, which its logits score.
+            logits, cache = prefill_piece(model, params, tokens, cache, real)  # [1, n, vocab]
+            last = jax.lax.dynamic_index_in_dim(logits, real - 1, axis=1, keepdims=False)  # [1, vocab]
+            return last, scores(logits, temperature, targets, wanted), cache
+
+        def step(params, cache, span, tokens, active, sampling, keys, made, wanted):  # [rows] each
             # The first `rows` of the batch decode (requests take the lowest free rows, so the
             # busy ones are there); a free row among them decodes too, from position 0, where it
             # overwrites nothing anyone reads: `insert` replaces the whole row when a request takes it.
@@ -205,9 +256,9 @@ class Engine:
             if rows < cache.batch_size:  # (a copy of those rows in and out: less than decoding them all)
                 head = jax.tree.map(lambda leaf, part: jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=0),
                                     cache, head)
-            return pick(sampling, keys, made, logits[:, 0]), head
+            return pick(sampling, keys, made, logits[:, 0], wanted), head
 
-        self._piece = jax.jit(functools.partial(prefill_piece, model), donate_argnums=2)
+        self._piece = jax.jit(piece, donate_argnums=2)
         self._pick = jax.jit(pick)
         self._step = jax.jit(step, donate_argnums=1, static_argnums=2)
         self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one), donate_argnums=0)
@@ -234,13 +285,14 @@ class Engine:
         with self._lock:
             cache = self._empty_row()
             for n in sizes:
-                logits, cache = self._piece(self.params, np.zeros((1, n), np.int32),
-                                            cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n))
+                logits, _, cache = self._piece(self.params, np.zeros((1, n), np.int32),
+                                               cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n),
+                                               np.zeros((1, n), np.int32), np.ones(1, np.float32), np.int32(0))
                 ran(f"prefill of {n} token{'s' * (n > 1)}", logits)
-            ran("sampling", self._pick(*self._rows([None]), logits))
+            ran("sampling", self._pick(*self._rows([None]), logits, np.int32(0)))
             for rows, span in steps:
                 _, self._cache = self._step(self.params, self._cache, span, np.zeros(rows, np.int32),
-                                            np.zeros(rows, bool), *self._rows([None] * rows))
+                                            np.zeros(rows, bool), *self._rows([None] * rows), np.int32(0))
                 ran(f"decode step of {rows} rows reading {span} slots", self._cache)
             self._cache = self._insert(self._cache, np.int32(0), cache)
             ran("row insert", self._cache)
@@ -257,14 +309,19 @@ class Engine:
     # The requests' side: any thread.
 
     def submit(self, prompt: Sequence[int], options: DecodeOptions, *,
-               listener: Callable[[Event], None] | None = None) -> Handle:
+               listener: Callable[[Event], None] | None = None, logprobs: int | None = None,
+               prompt_logprobs: bool = False) -> Handle:
         """Queues a request: `prompt`'s ids continued by up to `options.max_new_tokens` tokens.
 
         Args:
-          options: its `max_new_tokens`, sampling settings and `key` (required to sample: the
-            key of token i is `fold_in(key, i)`); the fields of `NOT_SERVED` stay at their defaults.
+          options: its `max_new_tokens` (0: the prompt is only scored), sampling settings and
+            `key` (required to sample: the key of token i is `fold_in(key, i)`); the fields of
+            `NOT_SERVED` stay at their defaults.
           listener: called with each `Event` on the engine's thread (it must not block); without
             one the events wait in the handle (`Handle.events`).
+          logprobs: None, or each token's logprob with its `logprobs` (0 .. `MAX_LOGPROBS`)
+            likeliest alternatives (`Event.logprobs`).
+          prompt_logprobs: the same for the prompt's tokens (`Event.prompt_logprobs`); needs `logprobs`.
 
         Raises:
           ValueError: a bad argument, naming it and its limit (ids past the vocabulary, a prompt
@@ -274,13 +331,18 @@ class Engine:
           EngineClosed: the engine is shutting down.
         """
         prompt = self._checked_prompt(prompt)
-        max_tokens = as_int(options.max_new_tokens, "max_new_tokens", minimum=1)
+        max_tokens = as_int(options.max_new_tokens, "max_new_tokens", minimum=0)
+        if logprobs is not None:
+            logprobs = as_int(logprobs, "logprobs", minimum=0, maximum=min(MAX_LOGPROBS, self.vocab_size))
+        if prompt_logprobs and logprobs is None:
+            raise ValueError("prompt_logprobs needs logprobs (0 for the tokens' own alone)")
         if len(prompt) + max_tokens > self.capacity:
             raise ValueError(f"the prompt's {len(prompt)} tokens and max_new_tokens {max_tokens} make "
                              f"{len(prompt) + max_tokens}, past the server's max_seq_len {self.capacity}")
         check_served(options)
         sampling = options.sampling(1, self.vocab_size)  # (`Sampling.create` checks the settings)
-        handle = Handle(prompt, max_tokens, sampling, self._key_data(options.key, sampling), listener)
+        handle = Handle(prompt, max_tokens, sampling, self._key_data(options.key, sampling), listener, logprobs,
+                        bool(prompt_logprobs))
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down")
@@ -378,15 +440,15 @@ class Engine:
         if not running:
             return
         try:
-            tokens, self._cache = self._step(self.params, self._cache, *self._batch_inputs())
-            tokens = np.asarray(tokens)  # [rows]: the step's one read back to the host
+            (tokens, scored), self._cache = self._step(self.params, self._cache, *self._batch_inputs())
+            tokens, scored = np.asarray(tokens), jax.tree.map(np.asarray, scored)  # the step's one read back
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: its requests fail, the engine goes on
             self._cache = self.model.init_cache(self.max_batch, self.capacity)
             for row in running:
                 self._finish(row, Event(finish_reason="error", error=f"decode step failed: {type(e).__name__}: {e}"))
             return
         for row in running:
-            self._deliver(row, int(tokens[row]))
+            self._deliver(row, int(tokens[row]), *(part[row] for part in scored))
 
     def _prefill(self, row: int, slot: _Slot, budget: int) -> int:
         """Prefills the next pieces of `slot`'s prompt that fit `budget` tokens; at the prompt's end,
@@ -394,20 +456,35 @@ class Engine:
         prompt = slot.handle.prompt
         if slot.cache is None:
             slot.cache = self._empty_row()
-        used = 0
+        handle, used = slot.handle, 0
+        wanted = handle.wanted if handle.prompt_logprobs else 0
         for n, real in pieces(len(prompt) - slot.prefilled, self.prefill_chunk, self.capacity - slot.prefilled):
             if n > budget - used:
                 break
-            tokens = np.zeros((1, n), np.int32)  # [1, n]: the prompt's next `real` ids, then padding
-            tokens[0, :real] = prompt[slot.prefilled:slot.prefilled + real]
-            logits, slot.cache = self._piece(self.params, tokens, slot.cache, np.int32(real))
+            start = slot.prefilled
+            tokens = np.zeros((2, n), np.int32)  # [1, n] each: the prompt's next `real` ids, then padding,
+            tokens[0, :real] = prompt[start:start + real]  # and the ids each of those positions predicts
+            following = prompt[start + 1:start + 1 + real]
+            tokens[1, :len(following)] = following
+            logits, scored, slot.cache = self._piece(self.params, tokens[:1], slot.cache, np.int32(real),
+                                                     tokens[1:], handle.sampling.temperature, np.int32(wanted))
+            if wanted:
+                scored = jax.tree.map(lambda part: np.asarray(part)[0], scored)
+                handle.scored += [handle.logprob(token, *(part[i] for part in scored))
+                                  for i, token in enumerate(following)]
             slot.prefilled += real
             used += n
         if slot.prefilled == len(prompt):
-            token = self._pick(*self._rows([slot.handle]), logits)  # [1]
+            if handle.prompt_logprobs:
+                handle._send(Event(prompt_logprobs=tuple(handle.scored)))
+            if handle.max_tokens == 0:  # scoring alone: nothing is made
+                slot.cache = None
+                self._finish(row, Event(finish_reason="length"))
+                return used
+            token, scored = self._pick(*self._rows([handle]), logits, np.int32(handle.wanted))  # [1] each
             self._cache = self._insert(self._cache, np.int32(row), slot.cache)
             slot.cache = None
-            self._deliver(row, int(np.asarray(token)[0]))
+            self._deliver(row, int(np.asarray(token)[0]), *(np.asarray(part)[0] for part in scored))
         return used
 
     def _batch_inputs(self) -> tuple:
@@ -423,22 +500,26 @@ class Engine:
                         self.capacity)
         tokens = np.asarray([0 if slot is None else slot.token for slot in running], np.int32)
         active = np.asarray([slot is not None for slot in running])
-        return span, tokens, active, *self._rows([None if slot is None else slot.handle for slot in running])
+        wanted = max(slot.handle.wanted for slot in running if slot is not None)
+        return (span, tokens, active, *self._rows([None if slot is None else slot.handle for slot in running]),
+                np.int32(wanted))
 
-    def _deliver(self, row: int, token: int) -> None:
-        """Hands row `row`'s new token to its request; frees the row when the request is done."""
+    def _deliver(self, row: int, token: int, *scored) -> None:
+        """Hands row `row`'s new token to its request (with its logprob, top ids and top logprobs
+        from `scored`, if it asked); frees the row when the request is done."""
         slot = self._slots[row]
         handle = slot.handle
         handle.made += 1
         slot.token = token
+        logprobs = () if handle.logprobs is None else (handle.logprob(token, *scored),)
         if token == NO_TOKEN:
             event = Event(finish_reason="error", error=f"new token {handle.made - 1}: {NonFiniteLogitsError.CAUSE}")
         elif token in self.stop_ids:
             event = Event(finish_reason="stop")
         elif handle.made == handle.max_tokens:
-            event = Event((token,), finish_reason="length")
+            event = Event((token,), finish_reason="length", logprobs=logprobs)
         else:
-            event = Event((token,))
+            event = Event((token,), logprobs=logprobs)
         if event.finish_reason is not None:
             self._finish(row, event)
             return

@@ -154,7 +154,7 @@ def test_a_full_queue_refuses_and_a_failing_request_fails_alone(params):
     ([5, CONFIG.vocab_size], 4, {}, rf"token id {CONFIG.vocab_size}, outside the model's vocabulary \[0, 320\)"),
     ([5, -1], 4, {}, r"token id -1, outside"),
     ([5] * 90, 7, {}, r"the prompt's 90 tokens and max_new_tokens 7 make 97, past the server's max_seq_len 96"),
-    ([5], 0, {}, r"max_new_tokens must be a positive int \(got 0\)"),
+    ([5], -1, {}, r"max_new_tokens must be an int >= 0 \(got -1\)"),
     ([5], 4, {"top_k": 321}, r"top_k must be None or an int in \[1, vocab_size=320\]"),
     ([5], 4, {"top_p": 0.0}, r"top_p must be None or in \(0, 1\]"),
     ([5], 4, {"temperature": -1.0}, r"temperature must be >= 0"),
@@ -167,6 +167,53 @@ def test_a_full_queue_refuses_and_a_failing_request_fails_alone(params):
 def test_bad_requests_are_refused_before_they_queue(engine, prompt, max_tokens, sampling, message):
     with pytest.raises(ValueError, match=message):
         engine.submit(prompt, DecodeOptions(max_new_tokens=max_tokens, **sampling))
+
+
+def test_logprob_requests_are_checked(engine):
+    with pytest.raises(ValueError, match=r"logprobs must be an int in \[0, 20\] \(got 21\)"):
+        engine.submit([5], options(2), logprobs=21)
+    with pytest.raises(ValueError, match=r"prompt_logprobs needs logprobs"):
+        engine.submit([5], options(2), prompt_logprobs=True)
+
+
+def direct_logprobs(params, ids: list[int], temperature: float = 0.0) -> np.ndarray:
+    """`[len(ids), vocab]`: log_softmax of the `Decoder`'s logits over the whole sequence at once
+    (no cache, no pieces), after the temperature: what position i says of token i + 1."""
+    logits, _ = MODEL.apply({"params": params}, jnp.asarray([ids]))
+    logits = logits[0].astype(jnp.float32)  # [len(ids), vocab]
+    return np.asarray(jax.nn.log_softmax(logits / (temperature if temperature > 0 else 1.0), axis=-1))
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.7, 3)])
+def test_logprobs_are_the_log_softmax_of_the_decoders_logits_for_prompt_and_tokens(engine, params, temperature,
+                                                                                     seed):
+    prompt = TOKENIZER.encode(PROMPTS[-2])  # 20-odd tokens: three pieces of 8
+    handle = engine.submit(prompt, options(10, seed, temperature=temperature), logprobs=5, prompt_logprobs=True)
+    events = list(handle.events())
+    assert events[0].prompt_logprobs is not None and not events[0].tokens  # the prompt's, before any token
+    scored = events[0].prompt_logprobs
+    made = [record for event in events[1:] for record in event.logprobs]
+    tokens = [token for event in events for token in event.tokens]
+    assert [r.token for r in made] == tokens and len(tokens) >= 5
+    want = direct_logprobs(params, prompt + tokens, temperature)
+    assert len(scored) == len(prompt) and scored[0] is None  # nothing predicts the first token
+    for i, record in enumerate(list(scored[1:]) + made, start=1):  # position i - 1 scores token i
+        row = want[i - 1]
+        assert record.token == (prompt + tokens)[i]
+        np.testing.assert_allclose(record.logprob, row[record.token], atol=2e-5, rtol=0)
+        best = np.argsort(-row, kind="stable")[:5]
+        assert [t for t, _ in record.top] == best.tolist()
+        np.testing.assert_allclose([v for _, v in record.top], row[best], atol=2e-5, rtol=0)
+
+
+def test_max_tokens_0_scores_the_prompt_and_makes_nothing(engine, params):
+    prompt = TOKENIZER.encode(PROMPTS[0])
+    events = list(engine.submit(prompt, options(0), logprobs=0, prompt_logprobs=True).events())
+    assert [e.finish_reason for e in events] == [None, "length"] and not any(e.tokens for e in events)
+    want = direct_logprobs(params, prompt)
+    got = [r.logprob for r in events[0].prompt_logprobs[1:]]
+    np.testing.assert_allclose(got, want[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-5, rtol=0)
+    assert all(r.top == () for r in events[0].prompt_logprobs[1:])  # logprobs=0: the tokens' own alone
 
 
 def test_engine_arguments_are_checked(params):
