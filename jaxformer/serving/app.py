@@ -25,8 +25,9 @@ from starlette.routing import Route
 
 from jaxformer.serving.engine import Engine, EngineClosed, Event, QueueFull
 from jaxformer.serving.metrics import CountRequests, ServerMetrics
-from jaxformer.serving.openai_api import (ApiError, Job, StopText, chunk, completion_id, error_body,
-                                          read_detokenize, read_job, read_tokenize, response, shown, usage_chunk)
+from jaxformer.serving.openai_api import (ApiError, Choice, Job, StopText, chat_logprobs, chunk, completion_id,
+                                          completion_logprobs, error_body, read_detokenize, read_job, read_tokenize,
+                                          response, shown, usage_chunk)
 from jaxformer.text.tokenizer import Tokenizer
 
 LOG = logging.getLogger("jaxformer.serve")
@@ -96,18 +97,27 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
         body = await read_body(request, max_body_bytes, body_timeout_s)
         # Off the event loop: a long prompt's template and tokenizer would hold up every other request.
         job = await asyncio.to_thread(read_job, body, chat=chat, tokenizer=tokenizer, model_name=model_name,
-                                      max_seq_len=engine.capacity)
-        run = Run(engine, tokenizer, job, runs, metrics)
+                                      max_seq_len=engine.capacity, max_choices=engine.max_queue + engine.max_batch)
+        started: list[Run] = []
+        try:
+            for choice in range(job.choices):  # (each choice a request of the engine's, `index` in order)
+                started.append(Run(engine, tokenizer, job, choice, runs, metrics))
+        except ApiError:
+            for run in started:  # (the request is refused whole)
+                run.cancel()
+            raise
         rid = completion_id(chat)
         if job.stream:
-            return StreamingResponse(sse(run, rid, model_name), media_type="text/event-stream",
+            return StreamingResponse(sse(job, started, rid, model_name), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text = "".join([piece async for piece in run.pieces(request)])
-        if run.aborted:
-            raise ApiError(503, run.error, kind="server_error")
-        if run.error is not None:
-            raise ApiError(500, run.error, kind="server_error")
-        return JSONResponse(response(job, rid, model_name, text, run.finish_reason, run.completion_tokens))
+        choices = await asyncio.gather(*(run.answer(request) for run in started))
+        for run in started:
+            if run.aborted:
+                raise ApiError(503, run.error, kind="server_error")
+            if run.error is not None:
+                raise ApiError(500, run.error, kind="server_error")
+        return JSONResponse(response(job, rid, model_name, choices, prompt_tokens(job),
+                                     sum(run.completion_tokens for run in started)))
 
     def abort(reason: str) -> int:
         """Ends every request being answered with `reason`; returns how many there were."""
@@ -176,32 +186,44 @@ async def read_body(request: Request, limit: int, timeout_s: float):
             from None
 
 
-class Run:
-    """One job on the engine, its events turned into text pieces (`pieces`); afterwards
-    `finish_reason`, `completion_tokens` and `error` (a failure of this request alone, or
-    with `aborted` the server's stop). It is in `runs` while its answer is under way."""
+def prompt_tokens(job: Job) -> int:
+    """The prompt tokens a request's usage counts: each prompt's once, however many its choices."""
+    return sum(len(ids) for ids in job.prompts)
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, job: Job, runs: weakref.WeakSet,
+
+class Run:
+    """One choice of a job on the engine, its events turned into text pieces (`pieces`);
+    afterwards `finish_reason`, `completion_tokens` and `error` (a failure of this choice alone,
+    or with `aborted` the server's stop). It is in `runs` while its answer is under way."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, job: Job, choice: int, runs: weakref.WeakSet,
                  metrics: ServerMetrics):
-        self.job, self._metrics = job, metrics
+        self.job, self.choice, self._tokenizer, self._metrics = job, choice, tokenizer, metrics
         self.finish_reason, self.completion_tokens, self.error, self.aborted = None, 0, None, False
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._runs, self._abort = runs, None
+        self.prompt = job.prompt_of(choice)
         loop = asyncio.get_running_loop()
         try:
-            self.handle = engine.submit(job.prompt_ids, job.options,
+            self.handle = engine.submit(self.prompt, job.choice_options(choice),
                                         listener=lambda event: loop.call_soon_threadsafe(self._events.put_nowait,
-                                                                                         event))
+                                                                                         event),
+                                        logprobs=job.logprobs, prompt_logprobs=job.echo and job.logprobs is not None)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", kind="rate_limit_error", code="queue_full") from None
         except EngineClosed as e:
             raise ApiError(503, str(e), kind="server_error") from None
         except ValueError as e:  # (read_job read the body in the API's terms; this is the library's check)
             raise ApiError(400, str(e)) from None
-        self.text = StopText(tokenizer, job.prompt_ids, job.stop)  # (its decoder reads only ids the engine took)
-        metrics.tokens(prompt=len(job.prompt_ids))
+        self.text = StopText(tokenizer, self.prompt, job.stop)  # (its decoder reads only ids the engine took)
+        metrics.tokens(prompt=len(self.prompt))
         self._last_token_at, self._submitted_at = None, time.monotonic()
         runs.add(self)
+
+    def cancel(self) -> None:
+        """Withdraws a choice whose answer will not be given (its request was refused whole)."""
+        self.handle.cancel()
+        self._runs.discard(self)
 
     def abort(self, reason: str) -> None:
         """Ends the answer now with `reason` as its error (unless it has ended already): the
@@ -211,9 +233,30 @@ class Run:
         self._abort = Event(finish_reason="error", error=reason)
         self._events.put_nowait(self._abort)
 
+    def logprobs(self, scored: list, offset: int = 0) -> dict | None:
+        """The API's `logprobs` of `scored`, `(token, TokenLogprob)` pairs; None if not asked for."""
+        if self.job.logprobs is None:
+            return None
+        if self.job.chat:
+            return chat_logprobs(self._tokenizer, [record for _, record in scored])
+        return completion_logprobs(self._tokenizer, scored, offset)
+
+    async def answer(self, watch: Request) -> Choice:
+        """The whole answer, as the choice of a response that does not stream."""
+        texts, scored = [], []
+        async for text, pairs in self.pieces(watch):
+            texts.append(text)
+            scored += pairs
+        return Choice("".join(texts), self.finish_reason, self.logprobs(scored))
+
     async def pieces(self, watch: Request | None = None):
-        """The text as it comes, until the job ends; `watch`: a request to poll for a disconnect
-        (a streamed response is cancelled by the server instead)."""
+        """`(text, scored)` as they come, until the job ends: the text added and the `(token,
+        TokenLogprob)` of the tokens that brought it (with echo, first the prompt's, its first
+        token's None); `watch`: a request to poll for a disconnect (a streamed response is
+        cancelled by the server instead)."""
+        echo_scores = self.job.echo and self.job.logprobs is not None  # (else the prompt's text comes at once)
+        if self.job.echo and not echo_scores:
+            yield self._tokenizer.decode(self.prompt), []
         try:
             while True:
                 try:
@@ -222,17 +265,20 @@ class Run:
                     if await watch.is_disconnected():
                         return
                     continue
+                if event.prompt_logprobs is not None:
+                    yield self._tokenizer.decode(self.prompt), list(zip(self.prompt, event.prompt_logprobs))
                 self.completion_tokens += len(event.tokens)
                 if event.tokens:
                     self._timed(len(event.tokens))
+                scored = list(zip(event.tokens, event.logprobs)) if echo_scores or event.logprobs else []
                 piece = self.text.push(event.tokens) if event.tokens else ""
                 if event.finish_reason is None and not self.text.stopped:
-                    if piece:
-                        yield piece
+                    if piece or scored:
+                        yield piece, scored
                     continue
                 if self.text.stopped:  # a stop string: the rest is not wanted
                     self.finish_reason = "stop"
-                    yield piece
+                    yield piece, scored
                     return
                 if event.finish_reason == "stop":
                     self.completion_tokens += 1  # the stop id: made, not shown
@@ -240,7 +286,7 @@ class Run:
                 piece += self.text.finish()
                 if self.text.stopped:  # a stop string in the text's last characters
                     self.finish_reason = "stop"
-                yield piece
+                yield piece, scored
                 return
         finally:
             self.handle.cancel()  # (done already, or a stop string, or the client left: the row is freed)
@@ -257,25 +303,45 @@ class Run:
         self._last_token_at = now
 
 
-async def sse(run: Run, rid: str, model: str):
-    """A job's answer as server-sent events, ending `data: [DONE]` (an error: an error event)."""
-    job = run.job
-
+async def sse(job: Job, runs: list[Run], rid: str, model: str):
+    """A job's answer as server-sent events, its choices' chunks as they come, ending `data:
+    [DONE]` (an error in any choice: an error event, and the others are stopped)."""
     def event(body: dict) -> str:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    if job.chat:
-        yield event(chunk(job, rid, model, None, first=True))
-    async for piece in run.pieces():
-        if piece:
-            yield event(chunk(job, rid, model, piece))
-    if run.error is not None:
-        yield event(error_body(run.error, "server_error"))
-        return
-    yield event(chunk(job, rid, model, None if job.chat else "", run.finish_reason))
-    if job.include_usage:
-        yield event(usage_chunk(job, rid, model, run.completion_tokens))
-    yield "data: [DONE]\n\n"
+    pieces: asyncio.Queue = asyncio.Queue()  # (choice, text, scored), then (choice, None, None) at its end
+
+    async def feed(index: int, run: Run):
+        try:
+            async for text, scored in run.pieces():
+                await pieces.put((index, text, scored))
+        finally:
+            await pieces.put((index, None, None))
+
+    tasks = [asyncio.create_task(feed(index, run)) for index, run in enumerate(runs)]
+    try:
+        if job.chat:
+            for index in range(len(runs)):
+                yield event(chunk(job, rid, model, index, None, first=True))
+        offsets, open_choices = [0] * len(runs), len(runs)  # (a completion's logprobs count characters of its text)
+        while open_choices:
+            index, text, scored = await pieces.get()
+            run = runs[index]
+            if text is None:
+                open_choices -= 1
+                if run.error is not None:
+                    yield event(error_body(run.error, "server_error"))
+                    return
+                yield event(chunk(job, rid, model, index, None if job.chat else "", run.finish_reason))
+                continue
+            yield event(chunk(job, rid, model, index, text, logprobs=run.logprobs(scored, offsets[index])))
+            offsets[index] += len(text)
+        if job.include_usage:
+            yield event(usage_chunk(job, rid, model, prompt_tokens(job), sum(run.completion_tokens for run in runs)))
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def api_error(request: Request, e: ApiError) -> JSONResponse:

@@ -21,6 +21,7 @@ import uuid
 import jax
 
 from jaxformer.decoding.request import DecodeOptions
+from jaxformer.serving.engine import MAX_LOGPROBS, TokenLogprob
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream
 from jaxformer.text.tokenizer import Tokenizer
@@ -28,9 +29,9 @@ from jaxformer.validation import SEED_LIMIT
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
 MAX_STOP_STRINGS = 4
+MAX_N = 16  # choices a prompt may ask for
 # Fields clients may send with their default values, but whose other values this server does not do.
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
                "functions": (None, []), "response_format": (None, {"type": "text"})}
 
@@ -62,19 +63,40 @@ class Job:
 
     Attributes:
       chat: a /v1/chat/completions request (else /v1/completions).
-      prompt_ids: the prompt's ids (for chat: the messages through the chat template).
+      prompts: each prompt's ids (for chat: one, the messages through the chat template).
+      n: choices per prompt; choice `c` (`index`) continues prompt `c // n`.
       options: what the engine decodes: `max_new_tokens` (the body's max_tokens), the sampling
-        settings and `key` (`jax.random.key(seed)`).
+        settings and `key` (`jax.random.key(seed)`: the first choice's; `choice_options`).
+      seed: the body's seed (drawn when absent); choice i of a prompt samples with seed + i.
       stop: strings that end the text, left out of it.
       stream: answer with server-sent events; include_usage: a last chunk with `usage`.
+      logprobs: None, or each token's logprob with this many likeliest alternatives.
+      echo: the text begins with the prompt (a completion's), and its logprobs with the prompt's.
     """
 
     chat: bool
-    prompt_ids: list[int]
+    prompts: tuple[list[int], ...]
+    n: int
     options: DecodeOptions
+    seed: int
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None
+    echo: bool = False
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.n]
+
+    def choice_options(self, choice: int) -> DecodeOptions:
+        """Choice `choice`'s options: its prompt's i-th choice draws with `seed + i`, so it is the
+        one choice a request with that seed would get."""
+        seed = (self.seed + choice % self.n) % SEED_LIMIT
+        return dataclasses.replace(self.options, key=jax.random.key(seed))
 
 
 _SHOWN = reprlib.Repr()  # how much of a client's value a message quotes
@@ -116,23 +138,28 @@ def _text_content(content, where: str) -> str:
     raise invalid(f"{where}.content must be a string or a list of text parts (this model reads text only)", where)
 
 
-def _prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
-    """A completion's prompt: a string, a list of token ids (the engine checks them against
-    the vocabulary), or a list holding one of those."""
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def _prompts(body: dict, tokenizer: Tokenizer) -> list[list[int]]:
+    """A completion's prompts: a string or a list of token ids (the engine checks them against
+    the vocabulary), or a list of those, each non-empty."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("prompt is empty", "prompt")
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        return prompt
-    if isinstance(prompt, list) and not prompt:
-        raise invalid("prompt is empty", "prompt")
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid(f"prompt holds {len(prompt)} prompts: this server takes one a request", "prompt")
-    raise invalid("prompt must be a string or a list of token ids", "prompt")
+    rule = "a string, a list of token ids, or a list of those"
+    if isinstance(prompt, str) or _token_ids(prompt) and prompt:
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid("prompt is empty" if prompt == [] else f"prompt must be {rule}", "prompt")
+    out = []
+    for i, one in enumerate(prompt):
+        where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        if not (isinstance(one, str) or _token_ids(one)):
+            raise invalid(f"prompt must be {rule} (got {shown(one)} at {where})", "prompt")
+        if not one:
+            raise invalid(f"{where} is empty", "prompt")
+        out.append(tokenizer.encode(one) if isinstance(one, str) else one)
+    return out
 
 
 def _chat_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
@@ -152,8 +179,10 @@ def _chat_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)  # (the template writes its own BOS)
 
 
-def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq_len: int) -> Job:
-    """The request `body` (parsed JSON) as a `Job`, or an `ApiError` (400) naming what is wrong."""
+def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq_len: int,
+             max_choices: int | None = None) -> Job:
+    """The request `body` (parsed JSON) as a `Job`, or an `ApiError` (400) naming what is wrong;
+    `max_choices`: the most choices (prompts times n) one request may ask for."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     model = body.get("model")
@@ -165,24 +194,29 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq
     for name, defaults in UNSUPPORTED.items():
         if name in body and not any(body[name] == d and type(body[name]) is type(d) for d in defaults):
             raise invalid(f"{name} is not supported by this server", name)
-    if body.get("n") is not None and (body["n"] != 1 or type(body["n"]) is not int):
-        raise invalid(f"n must be 1: this server makes one choice a request (got {shown(body['n'])})", "n")
+    n = _number(body, "n", 1, low=1, high=MAX_N, integer=True)
+    logprobs, echo = _logprobs(body, chat), False if chat else _field(body, "echo", (bool,), "true or false", False)
     try:
-        ids = _chat_ids(body, tokenizer) if chat else _prompt_ids(body, tokenizer)
+        prompts = [_chat_ids(body, tokenizer)] if chat else _prompts(body, tokenizer)
     except ValueError as e:  # the tokenizer could not spell the text
         raise invalid(str(e), "messages" if chat else "prompt") from None
-    if not ids:
+    if not all(prompts):
         raise invalid("the prompt encodes to no token", "messages" if chat else "prompt")
+    if max_choices is not None and len(prompts) * n > max_choices:
+        raise invalid(f"{len(prompts)} prompts of n {n} choices make {len(prompts) * n}, more than the "
+                      f"{max_choices} this server takes in one request", "n" if n > 1 else "prompt")
     # max_completion_tokens is the newer name of max_tokens; a chat runs to the end of the context by default.
+    # 0 only scores the prompt: a completion's with echo (as lm-evaluation-harness asks for log-likelihoods).
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _field(body, param, (int,), "a positive integer")
-    if max_tokens is not None and max_tokens < 1:
-        raise invalid(f"{param} must be a positive integer (got {max_tokens})", param)
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
+        raise invalid(f"{param} must be a positive integer (0 only with echo: true) (got {max_tokens})", param)
+    longest = max(len(ids) for ids in prompts)
     if max_tokens is None:
-        max_tokens = max(max_seq_len - len(ids), 1) if chat else COMPLETION_DEFAULT_MAX_TOKENS
-    if len(ids) + max_tokens > max_seq_len:
-        raise invalid(f"the prompt is {len(ids)} tokens: with {param} {max_tokens} that makes "
-                      f"{len(ids) + max_tokens}, past the server's max_seq_len {max_seq_len}", param,
+        max_tokens = max(max_seq_len - longest, 1) if chat else COMPLETION_DEFAULT_MAX_TOKENS
+    if longest + max_tokens > max_seq_len:
+        raise invalid(f"the prompt is {longest} tokens: with {param} {max_tokens} that makes "
+                      f"{longest + max_tokens}, past the server's max_seq_len {max_seq_len}", param,
                       "context_length_exceeded")
     # The sampling settings in the API's terms (a temperature up to 2, a seed an int32 makes a key of);
     # the library's ranges for them are the engine's check.
@@ -198,8 +232,21 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq
     include_usage = _field(options, "include_usage", (bool,), "true or false", False)
     options = DecodeOptions(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             key=jax.random.key(seed))
-    return Job(chat=chat, prompt_ids=ids, options=options, stop=_stops(body), stream=stream,
-               include_usage=include_usage)
+    return Job(chat=chat, prompts=tuple(prompts), n=n, options=options, seed=seed, stop=_stops(body), stream=stream,
+               include_usage=include_usage, logprobs=logprobs, echo=echo)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprob comes with, None for no logprobs: a completion's
+    `logprobs` (an integer), a chat's `top_logprobs` where `logprobs` is true."""
+    if not chat:
+        return _number(body, "logprobs", None, low=0, high=MAX_LOGPROBS, integer=True)
+    top = _number(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS, integer=True)
+    if not _field(body, "logprobs", (bool,), "true or false", False):
+        if top:
+            raise invalid("top_logprobs goes with logprobs: true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def read_tokenize(body, tokenizer: Tokenizer, max_seq_len: int) -> dict:
@@ -344,6 +391,33 @@ class _Matcher:
         return False
 
 
+def token_text(tokenizer: Tokenizer, token: int) -> str:
+    """A token's own text, as a logprob names it (special tokens spelled out)."""
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer: Tokenizer, scored: list[tuple[int, TokenLogprob | None]], offset: int = 0
+                        ) -> dict:
+    """A completion's `logprobs` of `scored`, `(token, its TokenLogprob)` in order (None: a prompt's
+    first token, which nothing predicts): the tokens' texts, their logprobs, the alternatives as
+    `{text: logprob}`, and where each token's text begins, counted from `offset`."""
+    texts = [token_text(tokenizer, token) for token, _ in scored]
+    offsets = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [None if r is None else r.logprob for _, r in scored],
+            "top_logprobs": [None if r is None else {token_text(tokenizer, t): v for t, v in r.top} for _, r in scored],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Tokenizer, scored: list[TokenLogprob]) -> dict:
+    """A chat's `logprobs`: each token's text, logprob and UTF-8 bytes, with its `top_logprobs`."""
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, v) for t, v in r.top]}
+                        for r in scored]}
+
+
 def completion_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
@@ -353,31 +427,43 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def response(job: Job, rid: str, model: str, text: str, finish_reason: str, completion_tokens: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One choice's whole answer: its text, why it ended, its `logprobs` body (None if not asked)."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict | None = None
+
+
+def response(job: Job, rid: str, model: str, choices: list[Choice], prompt_tokens: int, completion_tokens: int
+             ) -> dict:
     """The whole answer of a request that did not stream."""
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if job.chat
-              else {"index": 0, "text": text})
+    def body(index: int, choice: Choice) -> dict:
+        said = {"message": {"role": "assistant", "content": choice.text}} if job.chat else {"text": choice.text}
+        return {"index": index, **said, "logprobs": choice.logprobs, "finish_reason": choice.finish_reason}
+
     return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage(len(job.prompt_ids), completion_tokens)}
+            "model": model, "choices": [body(i, choice) for i, choice in enumerate(choices)],
+            "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chunk(job: Job, rid: str, model: str, text: str | None, finish_reason: str | None = None, *,
-          first: bool = False) -> dict:
-    """One streamed piece: `text` added (a chat's first chunk also names the role)."""
+def chunk(job: Job, rid: str, model: str, index: int, text: str | None, finish_reason: str | None = None, *,
+          first: bool = False, logprobs: dict | None = None) -> dict:
+    """One streamed piece of choice `index`: `text` added (a chat's first chunk also names the role)."""
     if job.chat:
         delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-        choice = {"index": 0, "delta": delta}
+        choice = {"index": index, "delta": delta}
     else:
-        choice = {"index": 0, "text": text or ""}
+        choice = {"index": index, "text": text or ""}
     body = {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
             "created": int(time.time()), "model": model,
-            "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish_reason}]}
     return {**body, "usage": None} if job.include_usage else body
 
 
-def usage_chunk(job: Job, rid: str, model: str, completion_tokens: int) -> dict:
+def usage_chunk(job: Job, rid: str, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
     """The last chunk `stream_options.include_usage` asks for: no choices, the usage."""
     return {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(len(job.prompt_ids), completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens)}

@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import openai  # (the test extra: the server's tests talk to it with the official client)
@@ -189,6 +190,85 @@ def test_a_seed_reproduces_a_sampled_completion(server):
     assert sample(12) != first
 
 
+def direct_logprobs(params, ids: list[int]) -> np.ndarray:
+    """`[len(ids), vocab]`: log_softmax of the `Decoder`'s logits of the whole sequence at once."""
+    logits, _ = Decoder(CONFIG).apply({"params": params}, jnp.asarray([ids]))
+    return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+
+
+def test_echo_with_max_tokens_0_scores_every_prompt_token_of_a_batch_of_prompts(server, params):
+    """What lm-evaluation-harness sends for log-likelihoods: token-id prompts in a list, echo, logprobs 1."""
+    prompts = [TOKENIZER.encode(p) for p in PROMPTS[:3]]
+    body = {"model": NAME, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    answer = server.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"] == {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0,
+                               "total_tokens": sum(map(len, prompts))}
+    for ids, choice in zip(prompts, answer["choices"]):
+        logprobs, want = choice["logprobs"], direct_logprobs(params, ids)
+        assert choice["text"] == TOKENIZER.decode(ids) and choice["finish_reason"] == "length"
+        assert logprobs["tokens"] == [TOKENIZER.decode([i], skip_special_tokens=False) for i in ids]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        np.testing.assert_allclose(logprobs["token_logprobs"][1:], want[np.arange(len(ids) - 1), ids[1:]],
+                                   atol=2e-5, rtol=0)
+        for row, top in zip(want, logprobs["top_logprobs"][1:]):
+            best = int(np.argmax(row))
+            assert top == {TOKENIZER.decode([best], skip_special_tokens=False): pytest.approx(row[best], abs=2e-5)}
+        assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(len(ids))]
+
+
+def test_generated_logprobs_streamed_and_not_and_a_chats_top_logprobs(server, params):
+    client, prompt = server.client(), PROMPTS[0]
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=3,
+                                      echo=True)
+    ids = TOKENIZER.encode(prompt)
+    tokens, finish_reason = expected(params, ids, 12)
+    made = _greedy_alone(params, tuple(ids))[:12]
+    got = whole.choices[0].logprobs
+    assert whole.choices[0].text == TOKENIZER.decode(ids) + tokens
+    assert len(got.tokens) == len(ids) + whole.usage.completion_tokens - (finish_reason == "stop")
+    want = direct_logprobs(params, ids + made)
+    np.testing.assert_allclose(got.token_logprobs[1:], want[np.arange(len(got.tokens) - 1),
+                                                            (ids + made)[1:len(got.tokens)]], atol=2e-5, rtol=0)
+    assert all(len(top) <= 3 for top in got.top_logprobs[1:])
+    pieces = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=3,
+                                            echo=True, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == whole.choices[0].text
+    assert sum((p.choices[0].logprobs.token_logprobs for p in pieces if p.choices[0].logprobs), []) \
+        == got.token_logprobs
+    assert sum((p.choices[0].logprobs.text_offset for p in pieces if p.choices[0].logprobs), []) == got.text_offset
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUESTIONS[1]}],
+                                          max_completion_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+
+
+def test_n_choices_are_the_seeded_single_requests_and_prompts_keep_their_order(server):
+    client = server.client()
+
+    def single(prompt, seed):
+        return client.completions.create(model=NAME, prompt=prompt, temperature=1.5, max_tokens=10,
+                                         seed=seed).choices[0].text
+
+    many = client.completions.create(model=NAME, prompt=[COUNT_PROMPT, PROMPTS[1]], n=3, temperature=1.5,
+                                     max_tokens=10, seed=40)
+    assert [c.index for c in many.choices] == list(range(6))
+    want = [single(prompt, 40 + i) for prompt in (COUNT_PROMPT, PROMPTS[1]) for i in range(3)]
+    assert [c.text for c in many.choices] == want and len(set(want[:3])) > 1
+    stream = client.completions.create(model=NAME, prompt=[COUNT_PROMPT, PROMPTS[1]], n=3, temperature=1.5,
+                                       max_tokens=10, seed=40, stream=True, stream_options={"include_usage": True})
+    texts, finished, usage = [""] * 6, [None] * 6, None
+    for piece in stream:
+        usage = piece.usage or usage
+        for choice in piece.choices:
+            texts[choice.index] += choice.text
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert texts == want and finished == [c.finish_reason for c in many.choices]
+    assert usage.completion_tokens == many.usage.completion_tokens and usage.prompt_tokens == many.usage.prompt_tokens
+
+
 @pytest.mark.parametrize("request_kwargs, status, message", [
     (dict(content=b"{not json"), 400, "the request body is not valid JSON"),
     (dict(json=[1, 2]), 400, "the request body must be a JSON object"),
@@ -199,10 +279,17 @@ def test_a_seed_reproduces_a_sampled_completion(server):
     (dict(json={"model": NAME, "prompt": ""}), 400, "prompt is empty"),
     (dict(json={"model": NAME, "prompt": "Keys", "max_tokens": 94}), 400,
      "the prompt is 3 tokens: with max_tokens 94 that makes 97, past the server's max_seq_len 96"),
-    (dict(json={"model": NAME, "prompt": "Keys", "n": 2}), 400, "n must be 1"),
-    (dict(json={"model": NAME, "prompt": "Keys", "logprobs": 3}), 400, "logprobs is not supported"),
+    (dict(json={"model": NAME, "prompt": "Keys", "n": 17}), 400, "n must be an integer in [1, 16] (got 17)"),
+    (dict(json={"model": NAME, "prompt": ["Keys"] * 9, "n": 9}), 400,
+     "9 prompts of n 9 choices make 81, more than the 80 this server takes in one request"),
+    (dict(json={"model": NAME, "prompt": "Keys", "logprobs": 21}), 400,
+     "logprobs must be an integer in [0, 20] (got 21)"),
+    (dict(json={"model": NAME, "prompt": "Keys", "max_tokens": 0}), 400,
+     "max_tokens must be a positive integer (0 only with echo: true) (got 0)"),
     (dict(json={"model": NAME, "prompt": "Keys", "stop": ["a", "b", "c", "d", "e"]}), 400, "stop must be"),
-    (dict(json={"model": NAME, "prompt": ["Keys", "Why"]}), 400, "prompt holds 2 prompts"),
+    (dict(json={"model": NAME, "prompt": ["Keys", 5]}), 400,
+     "prompt must be a string, a list of token ids, or a list of those (got 5 at prompt[1])"),
+    (dict(json={"model": NAME, "prompt": ["Keys", []]}), 400, "prompt[1] is empty"),
     (dict(json={"model": NAME, "prompt": [5, 9999]}), 400, "token id 9999, outside the model's vocabulary"),
     (dict(json={"model": NAME, "prompt": "Keys", "top_k": 9999}), 400,  # (the engine's check, answered as a 400)
      f"top_k must be None or an int in [1, vocab_size={CONFIG.vocab_size}] (got 9999)"),

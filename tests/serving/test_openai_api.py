@@ -94,16 +94,22 @@ def test_a_stop_string_of_250000_characters_costs_the_characters_of_the_text_not
     assert 0 < CountedStr.reads < 8 * len(TEXT)
 
 
-def test_a_job_reads_the_defaults_and_refuses_a_second_choice():
+def test_a_job_reads_the_defaults_and_its_choices():
     job = read_job({"model": "m", "prompt": "Keys"}, chat=False, tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
     o = job.options
     assert (o.max_new_tokens, o.temperature, o.top_p, o.top_k, job.stop, job.stream) == (16, 1.0, 1.0, None, (), False)
     chat = read_job({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
                     chat=True, tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
-    assert chat.options.max_new_tokens == 96 - len(chat.prompt_ids)  # a chat runs to the end of the context
-    with pytest.raises(ApiError, match="n must be 1"):
-        read_job({"model": "m", "prompt": "Keys", "n": 3}, chat=False, tokenizer=TOKENIZER, model_name="m",
-                 max_seq_len=96)
+    assert chat.options.max_new_tokens == 96 - len(chat.prompts[0])  # a chat runs to the end of the context
+    job = read_job({"model": "m", "prompt": ["Keys", [5, 6]], "n": 3, "seed": 7}, chat=False, tokenizer=TOKENIZER,
+                   model_name="m", max_seq_len=96)
+    assert job.choices == 6 and [job.prompt_of(c) for c in (0, 2, 3)] == [TOKENIZER.encode("Keys")] * 2 + [[5, 6]]
+    keys = [jax.random.key_data(job.choice_options(c).key) for c in range(6)]
+    for c, key in enumerate(keys):  # choice i of each prompt: seed + i
+        np.testing.assert_array_equal(key, jax.random.key_data(jax.random.key(7 + c % 3)))
+    with pytest.raises(ApiError, match=r"top_logprobs goes with logprobs: true"):
+        read_job({"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, chat=True,
+                 tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
 
 
 def test_a_seed_becomes_the_key_and_the_sampling_settings_pass_as_sent():
