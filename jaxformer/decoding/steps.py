@@ -129,16 +129,22 @@ def pick(request: DecodeRequest, i, logits: jax.Array, done: jax.Array) -> tuple
     return token, done | stops(token, request.eos_id)
 
 
-def pick_rows(sampling: Sampling, keys: jax.Array, made: jax.Array, logits: jax.Array) -> jax.Array:
+def pick_rows(sampling: Sampling, keys: jax.Array, made: jax.Array, logits: jax.Array,
+              allowed: jax.Array | None = None) -> jax.Array:
     """`[batch]`: token `made[r]` of each row r, drawn from `logits` `[batch, vocab]` with
     `fold_in(keys[r], made[r])`, its own key: a row's draws do not depend on the rows beside it
-    (a server's requests, each with its key); `NO_TOKEN` where not finite."""
-    return picked(sampling, logits, jax.vmap(jax.random.fold_in)(keys, made))
+    (a server's requests, each with its key); `NO_TOKEN` where not finite. `allowed` (bool
+    `[batch, vocab]`, None: every id) limits each row to its ids (a grammar's mask)."""
+    return picked(sampling, logits, jax.vmap(jax.random.fold_in)(keys, made), allowed)
 
 
-def picked(sampling: Sampling, logits: jax.Array, key: jax.Array) -> jax.Array:
-    """`sampling.pick(logits, key)`, `NO_TOKEN` in the rows whose logits are not finite."""
-    return jnp.where(finite_logits(logits), sampling.pick(logits, key), NO_TOKEN)
+def picked(sampling: Sampling, logits: jax.Array, key: jax.Array, allowed: jax.Array | None = None) -> jax.Array:
+    """`sampling.pick(logits, key)` among the `allowed` ids (None: all), `NO_TOKEN` in the rows
+    whose logits are not finite (the model's own: the mask's -inf is not a fault)."""
+    finite = finite_logits(logits)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
+    return jnp.where(finite, sampling.pick(logits, key), NO_TOKEN)
 
 
 def first_token(model: Decodable, params, request: DecodeRequest, mesh=None, extra_capacity: int = 0):

@@ -204,11 +204,13 @@ class Run:
         self._runs, self._abort = runs, None
         self.prompt = job.prompt_of(choice)
         loop = asyncio.get_running_loop()
+        constraint = None if job.constraint is None else job.constraint(engine.vocab_size)  # (a row's own)
         try:
             self.handle = engine.submit(self.prompt, job.choice_options(choice),
                                         listener=lambda event: loop.call_soon_threadsafe(self._events.put_nowait,
                                                                                          event),
-                                        logprobs=job.logprobs, prompt_logprobs=job.echo and job.logprobs is not None)
+                                        logprobs=job.logprobs, prompt_logprobs=job.echo and job.logprobs is not None,
+                                        constraint=constraint)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", kind="rate_limit_error", code="queue_full") from None
         except EngineClosed as e:
@@ -280,8 +282,8 @@ class Run:
                     self.finish_reason = "stop"
                     yield piece, scored
                     return
-                if event.finish_reason == "stop":
-                    self.completion_tokens += 1  # the stop id: made, not shown
+                if event.finish_reason == "stop" and not event.tokens:
+                    self.completion_tokens += 1  # the stop id: made, not shown (a grammar's end brings a token)
                 self.finish_reason, self.error, self.aborted = event.finish_reason, event.error, event is self._abort
                 piece += self.text.finish()
                 if self.text.stopped:  # a stop string in the text's last characters

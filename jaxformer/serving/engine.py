@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -87,8 +88,8 @@ class Handle:
     `cancel()`, which frees its slot at the engine's next turn."""
 
     def __init__(self, prompt: list[int], max_tokens: int, sampling: Sampling, key: np.ndarray, listener,
-                 logprobs: int | None = None, prompt_logprobs: bool = False):
-        self.prompt, self.max_tokens = prompt, max_tokens
+                 logprobs: int | None = None, prompt_logprobs: bool = False, constraint=None):
+        self.prompt, self.max_tokens, self.constraint = prompt, max_tokens, constraint
         self.sampling, self.key = sampling, key  # its row's: a one-row `Sampling`, its key's data
         self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
         self.scored: list[TokenLogprob | None] = [None]  # the prompt's logprobs so far (`prompt_logprobs`)
@@ -232,8 +233,8 @@ class Engine:
 
             return jax.lax.switch(wanted, (lambda: blank, lambda: chosen(False), lambda: chosen(True)))
 
-        def pick(sampling, keys, made, logits, wanted):  # keys: the rows' key data [rows, ...]; made [rows]
-            token = pick_rows(sampling, jax.random.wrap_key_data(keys), made, logits)
+        def pick(sampling, keys, made, allowed, logits, wanted):  # keys: the rows' key data [rows, ...]; made [rows]
+            token = pick_rows(sampling, jax.random.wrap_key_data(keys), made, logits, allowed)
             return token, scores(logits, sampling.temperature, token, wanted)
 
         def piece(params, tokens, cache, real, targets, temperature, wanted):
@@ -242,7 +243,7 @@ class Engine:
             last = jax.lax.dynamic_index_in_dim(logits, real - 1, axis=1, keepdims=False)  # [1, vocab]
             return last, scores(logits, temperature, targets, wanted), cache
 
-        def step(params, cache, span, tokens, active, sampling, keys, made, wanted):  # [rows] each
+        def step(params, cache, span, tokens, active, sampling, keys, made, allowed, wanted):  # [rows] each
             # The first `rows` of the batch decode (requests take the lowest free rows, so the
             # busy ones are there); a free row among them decodes too, from position 0, where it
             # overwrites nothing anyone reads: `insert` replaces the whole row when a request takes it.
@@ -256,13 +257,14 @@ class Engine:
             if rows < cache.batch_size:  # (a copy of those rows in and out: less than decoding them all)
                 head = jax.tree.map(lambda leaf, part: jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=0),
                                     cache, head)
-            return pick(sampling, keys, made, logits[:, 0], wanted), head
+            return pick(sampling, keys, made, allowed, logits[:, 0], wanted), head
 
         self._piece = jax.jit(piece, donate_argnums=2)
         self._pick = jax.jit(pick)
         self._step = jax.jit(step, donate_argnums=1, static_argnums=2)
         self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one), donate_argnums=0)
         self._empty_row = jax.jit(lambda: model.init_cache(1, capacity))
+        self._every_id = functools.cache(lambda rows: jnp.ones((rows, self.vocab_size), bool))
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> None:
         """Runs every program the engine uses once, so that no request waits for a compile.
@@ -297,20 +299,25 @@ class Engine:
             self._cache = self._insert(self._cache, np.int32(0), cache)
             ran("row insert", self._cache)
 
-    def _rows(self, handles: list[Handle | None]) -> tuple[Sampling, np.ndarray, np.ndarray]:
-        """`(sampling, keys, made)`, a row of each per handle: its request's `Sampling` and key's
-        data, and the tokens it has made (the index of the one drawn next); a free row (None) is
-        greedy."""
+    def _rows(self, handles: list[Handle | None]) -> tuple:
+        """`(sampling, keys, made, allowed)`, a row of each per handle: its request's `Sampling`
+        and key's data, the tokens it has made (the index of the one drawn next), and the ids
+        its constraint allows next; a free row (None) is greedy and free."""
         rows = [self._free_row + (0,) if h is None else (h.sampling, h.key, h.made) for h in handles]
         samplings, keys, made = zip(*rows)
         sampling = jax.tree.map(lambda *columns: np.concatenate(columns), *samplings)
-        return sampling, np.stack(keys), np.asarray(made, np.int32)
+        if all(h is None or h.constraint is None for h in handles):
+            allowed = self._every_id(len(handles))  # (kept on the device: nothing to send)
+        else:
+            allowed = np.stack([np.ones(self.vocab_size, bool) if h is None or h.constraint is None
+                                else h.constraint.allowed() for h in handles])
+        return sampling, np.stack(keys), np.asarray(made, np.int32), allowed
 
     # The requests' side: any thread.
 
     def submit(self, prompt: Sequence[int], options: DecodeOptions, *,
                listener: Callable[[Event], None] | None = None, logprobs: int | None = None,
-               prompt_logprobs: bool = False) -> Handle:
+               prompt_logprobs: bool = False, constraint=None) -> Handle:
         """Queues a request: `prompt`'s ids continued by up to `options.max_new_tokens` tokens.
 
         Args:
@@ -322,6 +329,8 @@ class Engine:
           logprobs: None, or each token's logprob with its `logprobs` (0 .. `MAX_LOGPROBS`)
             likeliest alternatives (`Event.logprobs`).
           prompt_logprobs: the same for the prompt's tokens (`Event.prompt_logprobs`); needs `logprobs`.
+          constraint: a `constrained.Constraint` (its `allowed` ids are the only ones picked;
+            the request stops when it `is_finished`), or None. Logprobs stay the model's own.
 
         Raises:
           ValueError: a bad argument, naming it and its limit (ids past the vocabulary, a prompt
@@ -342,7 +351,7 @@ class Engine:
         check_served(options)
         sampling = options.sampling(1, self.vocab_size)  # (`Sampling.create` checks the settings)
         handle = Handle(prompt, max_tokens, sampling, self._key_data(options.key, sampling), listener, logprobs,
-                        bool(prompt_logprobs))
+                        bool(prompt_logprobs), constraint)
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down")
@@ -516,6 +525,10 @@ class Engine:
             event = Event(finish_reason="error", error=f"new token {handle.made - 1}: {NonFiniteLogitsError.CAUSE}")
         elif token in self.stop_ids:
             event = Event(finish_reason="stop")
+        elif handle.constraint is not None and (failed := self._follow(handle.constraint, token)):
+            event = Event(finish_reason="error", error=failed)
+        elif handle.constraint is not None and handle.constraint.is_finished():  # the grammar ends here
+            event = Event((token,), finish_reason="stop", logprobs=logprobs)
         elif handle.made == handle.max_tokens:
             event = Event((token,), finish_reason="length", logprobs=logprobs)
         else:
@@ -527,6 +540,15 @@ class Engine:
             handle._send(event)
         except Exception as e:  # noqa: BLE001 - a listener that fails ends its own request only
             self._finish(row, Event(finish_reason="error", error=f"delivering a token failed: {type(e).__name__}: {e}"))
+
+    @staticmethod
+    def _follow(constraint, token: int) -> str | None:
+        """Moves `constraint` past `token`; what went wrong, if it could not."""
+        try:
+            constraint.advance(token)
+        except (ValueError, RuntimeError) as e:  # (a grammar past its library's limits: this request's fault)
+            return f"response_format: {e}"
+        return None
 
     def _finish(self, row: int, event: Event) -> None:
         """Frees row `row` and sends its request's last event."""

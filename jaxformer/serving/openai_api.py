@@ -17,10 +17,12 @@ import reprlib
 import secrets
 import time
 import uuid
+from typing import Callable
 
 import jax
 
 from jaxformer.decoding.request import DecodeOptions
+from jaxformer.serving.constrained import Constraint, read_response_format
 from jaxformer.serving.engine import MAX_LOGPROBS, TokenLogprob
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream
@@ -33,7 +35,7 @@ MAX_N = 16  # choices a prompt may ask for
 # Fields clients may send with their default values, but whose other values this server does not do.
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
                "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
-               "functions": (None, []), "response_format": (None, {"type": "text"})}
+               "functions": (None, [])}
 
 
 class ApiError(Exception):
@@ -72,6 +74,7 @@ class Job:
       stream: answer with server-sent events; include_usage: a last chunk with `usage`.
       logprobs: None, or each token's logprob with this many likeliest alternatives.
       echo: the text begins with the prompt (a completion's), and its logprobs with the prompt's.
+      constraint: `response_format`'s, a `Constraint` for a model of `vocab_size` ids a choice; None.
     """
 
     chat: bool
@@ -84,6 +87,7 @@ class Job:
     include_usage: bool
     logprobs: int | None = None
     echo: bool = False
+    constraint: Callable[[int], Constraint] | None = None
 
     @property
     def choices(self) -> int:
@@ -232,8 +236,12 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq
     include_usage = _field(options, "include_usage", (bool,), "true or false", False)
     options = DecodeOptions(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             key=jax.random.key(seed))
+    try:
+        constraint = read_response_format(body.get("response_format"), tokenizer)
+    except ValueError as e:
+        raise invalid(str(e), "response_format") from None
     return Job(chat=chat, prompts=tuple(prompts), n=n, options=options, seed=seed, stop=_stops(body), stream=stream,
-               include_usage=include_usage, logprobs=logprobs, echo=echo)
+               include_usage=include_usage, logprobs=logprobs, echo=echo, constraint=constraint)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -3,6 +3,7 @@ model trained here, and talked to with the official `openai` client (raw HTTP wh
 would not send such a request)."""
 
 import concurrent.futures
+import json
 import signal
 import threading
 import time
@@ -267,6 +268,19 @@ def test_n_choices_are_the_seeded_single_requests_and_prompts_keep_their_order(s
             finished[choice.index] = choice.finish_reason or finished[choice.index]
     assert texts == want and finished == [c.finish_reason for c in many.choices]
     assert usage.completion_tokens == many.usage.completion_tokens and usage.prompt_tokens == many.usage.prompt_tokens
+
+
+def test_response_format_json_schema_through_the_server(server):
+    pytest.importorskip("llguidance", reason="the json extra (llguidance) is not installed")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    answer = server.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": QUESTIONS[0]}], temperature=0, max_completion_tokens=20,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}})
+    assert json.loads(answer.choices[0].message.content) in ({"ok": True}, {"ok": False})
+    assert answer.choices[0].finish_reason == "stop"
+    refused = server.post("/v1/completions", json={"model": NAME, "prompt": "Keys", "response_format": {"type": "xml"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
 
 
 @pytest.mark.parametrize("request_kwargs, status, message", [
