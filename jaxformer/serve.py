@@ -57,6 +57,9 @@ def parse_args(argv=None):
                    help="prompt tokens prefilled per step of the batch, a power of two: a long prompt "
                         "delays the running streams by one chunk at a time")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024, metavar="MB",
+                   help="memory for prefilled prompts, which later prompts that begin the same way copy "
+                        "(each costs one row of the cache; least recently used out first); 0: off")
     p.add_argument("--dtype", default="float32", help=f"compute and weight dtype, one of {', '.join(DTYPES)}")
     p.add_argument("--api-key", default=os.environ.get("JAXFORMER_API_KEY"),
                    help="a key every /v1 request must send as 'Authorization: Bearer KEY' "
@@ -73,6 +76,7 @@ def parse_args(argv=None):
         for flag in ("max_batch", "max_body_bytes", "prefill_chunk"):
             as_int(getattr(args, flag), "--" + flag.replace("_", "-"), minimum=1)
         as_int(args.max_queue, "--max-queue", minimum=0)
+        as_int(args.prefix_cache_mb, "--prefix-cache-mb", minimum=0)
         as_float(args.body_timeout, "--body-timeout", above=0)
         if args.prefill_chunk & (args.prefill_chunk - 1):
             raise ValueError(f"--prefill-chunk must be a power of two (got {args.prefill_chunk})")
@@ -150,7 +154,8 @@ def load(args):
     config, params = load_hf(args.checkpoint, max_seq_len=max_seq_len, dtype=DTYPES[args.dtype])
     check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
     engine = Engine(Decoder(config), params, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-                    max_queue=args.max_queue, stop_ids=tokenizer.stop_ids)
+                    max_queue=args.max_queue, stop_ids=tokenizer.stop_ids,
+                    prefix_cache_bytes=args.prefix_cache_mb << 20)
     return engine, tokenizer
 
 

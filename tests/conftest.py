@@ -3,6 +3,7 @@ command line run in this process."""
 
 import contextlib
 import functools
+import importlib.metadata
 import io
 import logging
 import os
@@ -35,7 +36,11 @@ jax.config.update("jax_disable_most_optimizations", _NO_OPTIMISATIONS)
 # emitters (eager operations about 2x). XLA reads the flag when the backend starts; set it
 # in XLA_FLAGS yourself to choose otherwise, as JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns the
 # passes back on for a whole run.
-if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+# (Not where a GPU or TPU plugin is installed: an XLA that does not know the flag aborts as the
+# backend starts, and the flag matters on a CPU only.)
+if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "") and not any(
+        dist.metadata["Name"].lower().replace("_", "-").startswith(("jax-cuda", "jax-rocm", "libtpu"))
+        for dist in importlib.metadata.distributions()):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false").strip()
 # The demos keep compiled programs on disk; tests keep theirs out of the user's cache.
 _OWN_CACHE_DIR = None  # made by this process (not inherited from the pytest that started it): removed at the end

@@ -116,8 +116,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
                 raise ApiError(503, run.error, kind="server_error")
             if run.error is not None:
                 raise ApiError(500, run.error, kind="server_error")
-        return JSONResponse(response(job, rid, model_name, choices, prompt_tokens(job),
-                                     sum(run.completion_tokens for run in started)))
+        return JSONResponse(response(job, rid, model_name, choices, counted(job, started)))
 
     def abort(reason: str) -> int:
         """Ends every request being answered with `reason`; returns how many there were."""
@@ -186,9 +185,12 @@ async def read_body(request: Request, limit: int, timeout_s: float):
             from None
 
 
-def prompt_tokens(job: Job) -> int:
-    """The prompt tokens a request's usage counts: each prompt's once, however many its choices."""
-    return sum(len(ids) for ids in job.prompts)
+def counted(job: Job, runs: list["Run"]) -> tuple[int, int, int]:
+    """A request's usage, `(prompt, completion, cached)` tokens: each prompt counted once however
+    many its choices, its cached tokens those of its first choice (the others copy its prefill)."""
+    first = runs[::job.n]
+    return (sum(len(ids) for ids in job.prompts), sum(run.completion_tokens for run in runs),
+            sum(run.handle.cached for run in first))
 
 
 class Run:
@@ -339,7 +341,7 @@ async def sse(job: Job, runs: list[Run], rid: str, model: str):
             yield event(chunk(job, rid, model, index, text, logprobs=run.logprobs(scored, offsets[index])))
             offsets[index] += len(text)
         if job.include_usage:
-            yield event(usage_chunk(job, rid, model, prompt_tokens(job), sum(run.completion_tokens for run in runs)))
+            yield event(usage_chunk(job, rid, model, counted(job, runs)))
         yield "data: [DONE]\n\n"
     finally:
         for task in tasks:

@@ -42,6 +42,7 @@ from jaxformer.decodable import Decodable
 from jaxformer.decoding.request import DecodeOptions
 from jaxformer.decoding.sampling import Sampling, log_probabilities
 from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError, pick_rows, prefill_piece, step_fn
+from jaxformer.serving.prefixes import PrefixCache, restored, shared_start
 from jaxformer.validation import as_int, python_int
 
 # `DecodeOptions` the engine does not take: its stop ids are the engine's, and a request is one
@@ -93,6 +94,7 @@ class Handle:
         self.sampling, self.key = sampling, key  # its row's: a one-row `Sampling`, its key's data
         self.logprobs, self.prompt_logprobs = logprobs, prompt_logprobs
         self.scored: list[TokenLogprob | None] = [None]  # the prompt's logprobs so far (`prompt_logprobs`)
+        self.cached = 0  # prompt tokens copied from the prefix cache rather than prefilled
         self.made = 0  # tokens made so far, the stopping one included
         self.cancelled = threading.Event()
         self._queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -174,10 +176,13 @@ class Engine:
       prefill_chunk: the most prompt tokens prefilled in one turn of the loop, a power of two.
       max_queue: requests that may wait for a slot; one more raises `QueueFull`.
       stop_ids: ids that end a request (the tokenizer's EOS ids).
+      prefix_cache_bytes: memory for prompts' prefilled caches (`prefixes.PrefixCache`), which
+        later prompts that begin the same way copy; 0: no prefix cache.
     """
 
     def __init__(self, model: Decodable, params, *, max_batch: int = 8, capacity: int | None = None,
-                 prefill_chunk: int = 64, max_queue: int = 64, stop_ids: Sequence[int] = ()):
+                 prefill_chunk: int = 64, max_queue: int = 64, stop_ids: Sequence[int] = (),
+                 prefix_cache_bytes: int = 0):
         spec = model.decoding_spec()
         if not spec.supports_speculative:  # (a prompt prefilled in pieces, into the cache its steps read)
             raise ValueError("the engine serves a model that continues its prompt (DecodingSpec.supports_speculative, "
@@ -202,6 +207,10 @@ class Engine:
         self._free_row = (Sampling.create(1, spec.vocab_size), np.asarray(jax.random.key_data(jax.random.key(0))))
         self._compile()
         self._cache = model.init_cache(self.max_batch, self.capacity)
+        self._prefixes = PrefixCache(as_int(prefix_cache_bytes, "prefix_cache_bytes", minimum=0))
+        self._ring = min(self._cache.ring_slots, default=None)  # (an entry with rings is reused while whole)
+        # Prompts started, those that began from a cached prefix, the tokens copied so and those prefilled.
+        self._prefill_counts = collections.Counter(prompts=0, prefix_hits=0, cached_tokens=0, prefilled_tokens=0)
         self._slots: list[_Slot | None] = [None] * self.max_batch
         self._waiting: collections.deque[Handle] = collections.deque()
         self._finished: collections.Counter[str] = collections.Counter()  # requests ended, by finish_reason
@@ -391,10 +400,12 @@ class Engine:
         return data
 
     def load(self) -> dict:
-        """`{"running": requests holding a row, "waiting": queued for one, "finished": {reason: count}}`."""
+        """`{"running": requests holding a row, "waiting": queued for one, "finished": {reason: count},
+        "prefill": {prompts, prefix_hits, cached_tokens, prefilled_tokens}, "prefix_cache": {entries, bytes}}`."""
         with self._lock:
             return {"running": self.max_batch - self._free_slots(), "waiting": len(self._waiting),
-                    "finished": dict(self._finished)}
+                    "finished": dict(self._finished), "prefill": dict(self._prefill_counts),
+                    "prefix_cache": {"entries": len(self._prefixes), "bytes": self._prefixes.nbytes}}
 
     def _free_slots(self) -> int:
         return sum(slot is None for slot in self._slots)
@@ -464,7 +475,9 @@ class Engine:
         picks its first token and puts its row into the batch. Returns the tokens prefilled."""
         prompt = slot.handle.prompt
         if slot.cache is None:
-            slot.cache = self._empty_row()
+            if self._awaits_prefix(slot):
+                return 0
+            self._start(slot)
         handle, used = slot.handle, 0
         wanted = handle.wanted if handle.prompt_logprobs else 0
         for n, real in pieces(len(prompt) - slot.prefilled, self.prefill_chunk, self.capacity - slot.prefilled):
@@ -483,7 +496,12 @@ class Engine:
                                   for i, token in enumerate(following)]
             slot.prefilled += real
             used += n
+            with self._lock:
+                self._prefill_counts["prefilled_tokens"] += real
         if slot.prefilled == len(prompt):
+            if self._prefixes.max_bytes:
+                self._prefixes.add(prompt, slot.cache, *((handle.scored, float(handle.sampling.temperature[0]),
+                                                          handle.logprobs) if handle.prompt_logprobs else ()))
             if handle.prompt_logprobs:
                 handle._send(Event(prompt_logprobs=tuple(handle.scored)))
             if handle.max_tokens == 0:  # scoring alone: nothing is made
@@ -495,6 +513,41 @@ class Engine:
             slot.cache = None
             self._deliver(row, int(np.asarray(token)[0]), *(np.asarray(part)[0] for part in scored))
         return used
+
+    def _start(self, slot: _Slot) -> None:
+        """Gives `slot` its one-row cache: a copy of the cached prefix its prompt begins with (the
+        positions `slot.prefilled` counts from), else an empty one."""
+        handle = slot.handle
+        entry, used = self._prefixes.longest(handle.prompt, self._ring) if self._prefixes.max_bytes else (None, 0)
+        if entry is not None and handle.prompt_logprobs:
+            # A scoring request takes the entry's logprobs too: tokens 1 .. used - 1 of them, as token
+            # `used` may differ from the entry's, and position used - 1 (prefilled again) scores it.
+            used -= 1
+            top = entry.top if entry.scored is not None else -1
+            if entry.scored is None or top < handle.logprobs or entry.temperature != handle.sampling.temperature[0]:
+                entry, used = None, 0
+            else:
+                handle.scored = [None] + [dataclasses.replace(r, top=r.top[:handle.logprobs])
+                                          for r in entry.scored[1:used + 1]]
+        if entry is None or used < 1:
+            slot.cache = self._empty_row()
+        else:
+            slot.cache, slot.prefilled, handle.cached = restored(entry, used), used, used
+        with self._lock:
+            self._prefill_counts["prompts"] += 1
+            self._prefill_counts["prefix_hits"] += handle.cached > 0
+            self._prefill_counts["cached_tokens"] += handle.cached
+
+    def _awaits_prefix(self, slot: _Slot) -> bool:
+        """Whether `slot`'s prompt should wait for an earlier one still prefilling, which shares
+        more of its start than the prefix cache holds: its entry will hold those positions (the
+        `n` choices of a prompt, one context scored with several endings, arriving together)."""
+        if not self._prefixes.max_bytes:
+            return False
+        prompt = np.asarray(slot.handle.prompt)
+        _, cached = self._prefixes.longest(slot.handle.prompt, self._ring)
+        return any(shared_start(np.asarray(other.handle.prompt), prompt) > cached for other in self._slots
+                   if other is not None and other.order < slot.order and other.prefilled < len(other.handle.prompt))
 
     def _batch_inputs(self) -> tuple:
         """The step's inputs for the first rows, enough to hold every running one (a count of

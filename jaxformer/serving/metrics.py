@@ -96,6 +96,21 @@ class ServerMetrics:
                   f"# TYPE {p}_running_requests gauge", f"{p}_running_requests {load['running']}",
                   f"# HELP {p}_waiting_requests Requests queued for a row.",
                   f"# TYPE {p}_waiting_requests gauge", f"{p}_waiting_requests {load['waiting']}"]
+        prefill = load["prefill"]
+
+        def figure(name: str, kind: str, about: str, value) -> list[str]:
+            return [f"# HELP {p}_{name} {about}", f"# TYPE {p}_{name} {kind}", f"{p}_{name} {value}"]
+
+        lines += [*figure("prefix_cache_queries_total", "counter", "Prompts started (each looked up).",
+                          prefill["prompts"]),
+                  *figure("prefix_cache_hits_total", "counter", "Prompts that began from a cached prefix.",
+                          prefill["prefix_hits"]),
+                  *figure("prefix_cache_cached_tokens_total", "counter", "Prompt tokens copied from the prefix cache.",
+                          prefill["cached_tokens"]),
+                  *figure("prefill_tokens_total", "counter", "Prompt tokens the model ran (not copied).",
+                          prefill["prefilled_tokens"]),
+                  *figure("prefix_cache_bytes", "gauge", "Memory the prefix cache's entries hold.",
+                          load["prefix_cache"]["bytes"])]
         return "\n".join(lines) + "\n"
 
 

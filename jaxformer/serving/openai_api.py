@@ -430,9 +430,11 @@ def completion_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """The `usage` object; `cached_tokens`: prompt tokens copied from the prefix cache, not prefilled."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,16 +446,14 @@ class Choice:
     logprobs: dict | None = None
 
 
-def response(job: Job, rid: str, model: str, choices: list[Choice], prompt_tokens: int, completion_tokens: int
-             ) -> dict:
+def response(job: Job, rid: str, model: str, choices: list[Choice], tokens: tuple[int, int, int]) -> dict:
     """The whole answer of a request that did not stream."""
     def body(index: int, choice: Choice) -> dict:
         said = {"message": {"role": "assistant", "content": choice.text}} if job.chat else {"text": choice.text}
         return {"index": index, **said, "logprobs": choice.logprobs, "finish_reason": choice.finish_reason}
 
     return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [body(i, choice) for i, choice in enumerate(choices)],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "model": model, "choices": [body(i, choice) for i, choice in enumerate(choices)], "usage": usage(*tokens)}
 
 
 def chunk(job: Job, rid: str, model: str, index: int, text: str | None, finish_reason: str | None = None, *,
@@ -470,8 +470,9 @@ def chunk(job: Job, rid: str, model: str, index: int, text: str | None, finish_r
     return {**body, "usage": None} if job.include_usage else body
 
 
-def usage_chunk(job: Job, rid: str, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    """The last chunk `stream_options.include_usage` asks for: no choices, the usage."""
+def usage_chunk(job: Job, rid: str, model: str, tokens: tuple[int, int, int]) -> dict:
+    """The last chunk `stream_options.include_usage` asks for: no choices, the usage (`tokens`:
+    `usage`'s arguments)."""
     return {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(*tokens)}

@@ -111,6 +111,31 @@ def test_metrics_count_a_request_its_tokens_and_its_latencies(server):
     assert after[("jaxformer_running_requests", ())] == 0 and after[("jaxformer_waiting_requests", ())] == 0
 
 
+def test_a_conversations_earlier_turns_come_from_the_prefix_cache(server, params):
+    """The second turn copies the first's prompt: the same greedy answer, fewer tokens prefilled
+    (/metrics), the copied ones in usage.prompt_tokens_details.cached_tokens."""
+    from test_server_metrics import samples
+
+    def scrape() -> dict:
+        return samples(httpx.get(server.url + "/metrics", timeout=10).text)
+
+    client = server.client()
+    first = [{"role": "user", "content": QUESTIONS[2]}]
+    one = client.chat.completions.create(model=NAME, messages=first, max_completion_tokens=30, temperature=0)
+    second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                      {"role": "user", "content": QUESTIONS[0]}]
+    before = scrape()
+    two = client.chat.completions.create(model=NAME, messages=second, max_completion_tokens=20, temperature=0)
+    grew = {key: value - before.get(key, 0) for key, value in scrape().items()}
+    prompt_ids = TOKENIZER.encode(render_chat(TOKENIZER, second), add_special_tokens=False)
+    assert (two.choices[0].message.content, two.choices[0].finish_reason) == expected(params, prompt_ids, 20)
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert cached >= one.usage.prompt_tokens  # (and more, where the answer's tokens begin the second turn too)
+    assert grew[("jaxformer_prefix_cache_hits_total", ())] == 1
+    assert grew[("jaxformer_prefix_cache_cached_tokens_total", ())] == cached
+    assert grew[("jaxformer_prefill_tokens_total", ())] == len(prompt_ids) - cached
+
+
 def test_tokenize_and_detokenize_round_trip_a_prompt(server):
     tokens = server.post("/tokenize", json={"prompt": PROMPTS[0]}).json()
     assert tokens["tokens"] == TOKENIZER.encode(PROMPTS[0]) and tokens["count"] == len(tokens["tokens"])
@@ -203,8 +228,8 @@ def test_echo_with_max_tokens_0_scores_every_prompt_token_of_a_batch_of_prompts(
     body = {"model": NAME, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
     answer = server.post("/v1/completions", json=body).json()
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
-    assert answer["usage"] == {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0,
-                               "total_tokens": sum(map(len, prompts))}
+    assert {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens")} == {
+        "prompt_tokens": sum(map(len, prompts)), "completion_tokens": 0}
     for ids, choice in zip(prompts, answer["choices"]):
         logprobs, want = choice["logprobs"], direct_logprobs(params, ids)
         assert choice["text"] == TOKENIZER.decode(ids) and choice["finish_reason"] == "length"

@@ -31,7 +31,9 @@ def test_the_page_holds_requests_tokens_rows_and_latencies():
     m.tokens(completion=3)
     m.first_token(0.02)
     m.per_token(0.3, count=3)  # three tokens 0.1 s apart
-    page = samples(m.text({"running": 2, "waiting": 5, "finished": {}}))
+    load = {"running": 2, "waiting": 5, "finished": {}, "prefix_cache": {"entries": 2, "bytes": 4096},
+            "prefill": {"prompts": 4, "prefix_hits": 3, "cached_tokens": 40, "prefilled_tokens": 12}}
+    page = samples(m.text(load))
     assert page[("jaxformer_requests_total", (("route", "/v1/completions"), ("status", "200")))] == 2
     assert page[("jaxformer_requests_total", (("route", "/v1/completions"), ("status", "400")))] == 1
     assert page[("jaxformer_requests_total", (("route", "other"), ("status", "404")))] == 1
@@ -44,3 +46,6 @@ def test_the_page_holds_requests_tokens_rows_and_latencies():
     assert page[("jaxformer_time_per_output_token_seconds_count", ())] == 3
     assert page[("jaxformer_time_per_output_token_seconds_sum", ())] == pytest.approx(0.3)
     assert page[("jaxformer_time_per_output_token_seconds_bucket", (("le", "0.1"),))] == 3
+    assert page[("jaxformer_prefix_cache_queries_total", ())] == 4 and page[("jaxformer_prefix_cache_hits_total", ())] == 3
+    assert page[("jaxformer_prefix_cache_cached_tokens_total", ())] == 40
+    assert page[("jaxformer_prefill_tokens_total", ())] == 12 and page[("jaxformer_prefix_cache_bytes", ())] == 4096
