@@ -28,6 +28,7 @@ from jaxformer.serving.metrics import CountRequests, ServerMetrics
 from jaxformer.serving.openai_api import (ApiError, Choice, Job, StopText, chat_logprobs, chunk, completion_id,
                                           completion_logprobs, error_body, read_detokenize, read_job, read_tokenize,
                                           response, shown, usage_chunk)
+from jaxformer.serving.tools import parse_tool_calls
 from jaxformer.text.tokenizer import Tokenizer
 
 LOG = logging.getLogger("jaxformer.serve")
@@ -251,7 +252,14 @@ class Run:
         async for text, pairs in self.pieces(watch):
             texts.append(text)
             scored += pairs
+        if self.job.tools:
+            return self.called("".join(texts), self.logprobs(scored))
         return Choice("".join(texts), self.finish_reason, self.logprobs(scored))
+
+    def called(self, text: str, logprobs: dict | None = None) -> Choice:
+        """The answer `text` with the tool calls read from it (finish_reason "tool_calls" if any)."""
+        content, calls = parse_tool_calls(text)
+        return Choice(content, "tool_calls" if calls else self.finish_reason, logprobs, tuple(calls))
 
     async def pieces(self, watch: Request | None = None):
         """`(text, scored)` as they come, until the job ends: the text added and the `(token,
@@ -328,6 +336,7 @@ async def sse(job: Job, runs: list[Run], rid: str, model: str):
             for index in range(len(runs)):
                 yield event(chunk(job, rid, model, index, None, first=True))
         offsets, open_choices = [0] * len(runs), len(runs)  # (a completion's logprobs count characters of its text)
+        held = [""] * len(runs)  # with tools, a choice's text until its end: its calls are read from the whole
         while open_choices:
             index, text, scored = await pieces.get()
             run = runs[index]
@@ -336,9 +345,21 @@ async def sse(job: Job, runs: list[Run], rid: str, model: str):
                 if run.error is not None:
                     yield event(error_body(run.error, "server_error"))
                     return
-                yield event(chunk(job, rid, model, index, None if job.chat else "", run.finish_reason))
+                finish_reason = run.finish_reason
+                if job.tools:
+                    answer = run.called(held[index])
+                    if answer.text:
+                        yield event(chunk(job, rid, model, index, answer.text))
+                    if answer.tool_calls:
+                        yield event(chunk(job, rid, model, index, None, tool_calls=answer.tool_calls))
+                    finish_reason = answer.finish_reason
+                yield event(chunk(job, rid, model, index, None if job.chat else "", finish_reason))
                 continue
-            yield event(chunk(job, rid, model, index, text, logprobs=run.logprobs(scored, offsets[index])))
+            if job.tools:
+                held[index] += text
+                text = ""
+            if text or scored:
+                yield event(chunk(job, rid, model, index, text, logprobs=run.logprobs(scored, offsets[index])))
             offsets[index] += len(text)
         if job.include_usage:
             yield event(usage_chunk(job, rid, model, counted(job, runs)))

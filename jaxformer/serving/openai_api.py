@@ -24,7 +24,8 @@ import jax
 from jaxformer.decoding.request import DecodeOptions
 from jaxformer.serving.constrained import Constraint, read_response_format
 from jaxformer.serving.engine import MAX_LOGPROBS, TokenLogprob
-from jaxformer.text.chat import render_chat
+from jaxformer.serving.tools import check_tools
+from jaxformer.text.chat import render_chat, takes_tools
 from jaxformer.text.streaming import TextStream
 from jaxformer.text.tokenizer import Tokenizer
 from jaxformer.validation import SEED_LIMIT
@@ -34,8 +35,7 @@ MAX_STOP_STRINGS = 4
 MAX_N = 16  # choices a prompt may ask for
 # Fields clients may send with their default values, but whose other values this server does not do.
 UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-               "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
-               "functions": (None, [])}
+               "frequency_penalty": (None, 0, 0.0), "functions": (None, [])}
 
 
 class ApiError(Exception):
@@ -75,6 +75,7 @@ class Job:
       logprobs: None, or each token's logprob with this many likeliest alternatives.
       echo: the text begins with the prompt (a completion's), and its logprobs with the prompt's.
       constraint: `response_format`'s, a `Constraint` for a model of `vocab_size` ids a choice; None.
+      tools: the answer's tool calls are read back from its text (`tools.parse_tool_calls`).
     """
 
     chat: bool
@@ -88,6 +89,7 @@ class Job:
     logprobs: int | None = None
     echo: bool = False
     constraint: Callable[[int], Constraint] | None = None
+    tools: bool = False
 
     @property
     def choices(self) -> int:
@@ -167,6 +169,7 @@ def _prompts(body: dict, tokenizer: Tokenizer) -> list[list[int]]:
 
 
 def _chat_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
+    """A chat's prompt: its messages (and `tools`, checked by `_read_tools`) through the template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
@@ -175,12 +178,37 @@ def _chat_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise invalid(f"{where} must be an object with a string role", where)
-        rendered.append({"role": message["role"], "content": _text_content(message.get("content"), where)})
+        calls = message.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise invalid(f"{where}.tool_calls must be a list of calls", where)
+        # An assistant's turn that only called tools has no content; a tool's answer names its call.
+        content = "" if calls and message.get("content") is None else _text_content(message.get("content"), where)
+        extra = {key: message[key] for key in ("tool_calls", "tool_call_id", "name") if message.get(key) is not None}
+        rendered.append({"role": message["role"], "content": content, **extra})
     try:
-        text = render_chat(tokenizer, rendered)
+        text = render_chat(tokenizer, rendered, tools=body.get("tools"))
     except ValueError as e:
         raise invalid(f"messages: {e}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)  # (the template writes its own BOS)
+
+
+def _read_tools(body: dict, chat: bool, tokenizer: Tokenizer) -> bool:
+    """Whether the answer's tool calls are read back (`tools.check_tools`); refuses tools the
+    request or the model cannot take."""
+    if body.get("tools") is None:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return False
+    if not chat:
+        raise invalid("tools are for /v1/chat/completions", "tools")
+    try:
+        calls = check_tools(body["tools"], body.get("tool_choice"))
+    except ValueError as e:
+        raise invalid(*e.args) from None
+    if not takes_tools(tokenizer):
+        raise invalid("tools: this model's chat template does not render tools, so it cannot be told of them",
+                      "tools")
+    return calls
 
 
 def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq_len: int,
@@ -199,6 +227,7 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq
         if name in body and not any(body[name] == d and type(body[name]) is type(d) for d in defaults):
             raise invalid(f"{name} is not supported by this server", name)
     n = _number(body, "n", 1, low=1, high=MAX_N, integer=True)
+    tools = _read_tools(body, chat, tokenizer)
     logprobs, echo = _logprobs(body, chat), False if chat else _field(body, "echo", (bool,), "true or false", False)
     try:
         prompts = [_chat_ids(body, tokenizer)] if chat else _prompts(body, tokenizer)
@@ -241,7 +270,7 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq
     except ValueError as e:
         raise invalid(str(e), "response_format") from None
     return Job(chat=chat, prompts=tuple(prompts), n=n, options=options, seed=seed, stop=_stops(body), stream=stream,
-               include_usage=include_usage, logprobs=logprobs, echo=echo, constraint=constraint)
+               include_usage=include_usage, logprobs=logprobs, echo=echo, constraint=constraint, tools=tools)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -439,17 +468,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """One choice's whole answer: its text, why it ended, its `logprobs` body (None if not asked)."""
+    """One choice's whole answer: its text, why it ended, its `logprobs` body (None if not asked),
+    and the tool calls read from it (its text then what is left: `tools.parse_tool_calls`)."""
 
-    text: str
+    text: str | None
     finish_reason: str
     logprobs: dict | None = None
+    tool_calls: tuple[dict, ...] = ()
 
 
 def response(job: Job, rid: str, model: str, choices: list[Choice], tokens: tuple[int, int, int]) -> dict:
     """The whole answer of a request that did not stream."""
     def body(index: int, choice: Choice) -> dict:
-        said = {"message": {"role": "assistant", "content": choice.text}} if job.chat else {"text": choice.text}
+        calls = {"tool_calls": list(choice.tool_calls)} if choice.tool_calls else {}
+        message = {"role": "assistant", "content": choice.text, **calls}
+        said = {"message": message} if job.chat else {"text": choice.text}
         return {"index": index, **said, "logprobs": choice.logprobs, "finish_reason": choice.finish_reason}
 
     return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
@@ -457,10 +490,13 @@ def response(job: Job, rid: str, model: str, choices: list[Choice], tokens: tupl
 
 
 def chunk(job: Job, rid: str, model: str, index: int, text: str | None, finish_reason: str | None = None, *,
-          first: bool = False, logprobs: dict | None = None) -> dict:
-    """One streamed piece of choice `index`: `text` added (a chat's first chunk also names the role)."""
+          first: bool = False, logprobs: dict | None = None, tool_calls: tuple[dict, ...] = ()) -> dict:
+    """One streamed piece of choice `index`: `text` added (a chat's first chunk also names the role;
+    `tool_calls`, a chat's calls, each with its `index`)."""
     if job.chat:
         delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         choice = {"index": index, "delta": delta}
     else:
         choice = {"index": index, "text": text or ""}

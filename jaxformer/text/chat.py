@@ -12,6 +12,7 @@ import json
 from datetime import datetime
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 
 from jaxformer.text.sandbox import (MAX_TEMPLATE_CHARS, RENDER_SECONDS, BoundedEnvironment, TemplateLimitError,
@@ -39,8 +40,20 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+def takes_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads `tools` (renders function definitions), as
+    the templates of tool-calling checkpoints do."""
+    if tokenizer.chat_template is None or len(tokenizer.chat_template) > MAX_TEMPLATE_CHARS:
+        return False
+    try:
+        parsed = jinja2.Environment(extensions=[loopcontrols]).parse(tokenizer.chat_template)
+    except jinja2.TemplateSyntaxError:
+        return False
+    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool = True, *,
-                time_limit: float = RENDER_SECONDS) -> str:
+                time_limit: float = RENDER_SECONDS, tools: list[dict] | None = None) -> str:
     """The prompt text of a conversation, by the tokenizer's chat template.
 
     Encode it with `add_special_tokens=False`: the template writes its own BOS.
@@ -51,6 +64,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
       add_generation_prompt: end with the header of the assistant's turn, so that the
         model answers rather than continues the user's message.
       time_limit: seconds of wall time the rendering may take.
+      tools: function definitions for the template to render (`takes_tools`), or None.
 
     Raises:
       ValueError: one line: no chat template, or the template refuses the conversation,
@@ -67,7 +81,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
         compiled = _compile(template)
         with bounds(time_limit):
             return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   **tokenizer.special_tokens)
+                                   **({} if tools is None else {"tools": tools}), **tokenizer.special_tokens)
     except TemplateLimitError as e:
         raise ValueError(f"the chat template {e}") from None
     except jinja2.TemplateSyntaxError as e:

@@ -46,6 +46,7 @@ def test_the_page_holds_requests_tokens_rows_and_latencies():
     assert page[("jaxformer_time_per_output_token_seconds_count", ())] == 3
     assert page[("jaxformer_time_per_output_token_seconds_sum", ())] == pytest.approx(0.3)
     assert page[("jaxformer_time_per_output_token_seconds_bucket", (("le", "0.1"),))] == 3
-    assert page[("jaxformer_prefix_cache_queries_total", ())] == 4 and page[("jaxformer_prefix_cache_hits_total", ())] == 3
+    assert page[("jaxformer_prefix_cache_queries_total", ())] == 4
+    assert page[("jaxformer_prefix_cache_hits_total", ())] == 3
     assert page[("jaxformer_prefix_cache_cached_tokens_total", ())] == 40
     assert page[("jaxformer_prefill_tokens_total", ())] == 12 and page[("jaxformer_prefix_cache_bytes", ())] == 4096
