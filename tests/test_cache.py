@@ -151,6 +151,9 @@ def test_evict_clears_one_row_and_insert_checks_its_inputs():
         for row in (3, -1):
             bad = jax.jit(operation)(cache, jnp.int32(row))
             assert all(np.isnan(leaf).all() for leaf in jax.tree.leaves(bad.layers))
+    unguarded = jax.jit(lambda c, r: c.insert(r, one_row, guard=False))(cache, jnp.int32(1))  # (an engine's own row)
+    for got, want in zip(jax.tree.leaves(unguarded), jax.tree.leaves(cache.insert(1, one_row))):
+        np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match=r"KVCache.evict: row .*batch_size - 1=2"):
         cache.evict(3)
     with pytest.raises(ValueError, match="KVCache.insert: other must be a one-row cache"):
@@ -315,3 +318,23 @@ def test_a_ring_too_short_for_the_window_or_of_another_layout_is_refused():
         model.apply({"params": params}, jnp.zeros((1, 1), jnp.int32), unringed_full)
     with pytest.raises(ValueError, match=r"slots must be an int in \[1, capacity=40\] \(got 41\)"):
         KVCache.zeros(1, 40, slots=(4, 41, 4), **kv)
+
+
+@pytest.mark.parametrize("layer_types, scan", [(None, False), (("sliding", "full", "sliding"), False),
+                                               (None, True), (("sliding", "full", "sliding"), True)],
+                         ids=["full", "rings", "stacked", "split-stacks"])
+def test_with_steps_of_copies_back_what_a_step_of_the_first_rows_wrote(layer_types, scan):
+    """A step of the first 2 of 4 rows, its slots copied back, equals its rows copied back whole."""
+    config = CONFIG.replace(layer_types=layer_types, sliding_window=4 if layer_types else None, scan_layers=scan)
+    model = Decoder(config)
+    params = random_params(config, 5)
+    prompt = jax.random.randint(jax.random.key(1), (4, 9), 0, config.vocab_size)  # 9 positions: the rings wrap
+    _, cache = model.apply({"params": params}, prompt, model.init_cache(4, 16))
+    cache = cache.replace(pos=jnp.asarray([9, 7, 9, 9], jnp.int32))
+    head = jax.tree.map(lambda leaf: leaf[:2], cache)
+    _, stepped = model.apply({"params": params}, jnp.asarray([[3], [5]]), head)
+    whole = jax.tree.map(lambda leaf, part: jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=0), cache,
+                         stepped)
+    slots = jax.jit(lambda c, h, w: c.with_steps_of(h, w))(cache, stepped, head.pos)
+    chex.assert_trees_all_equal(slots, whole)
+    np.testing.assert_array_equal(slots.pos, [10, 8, 9, 9])

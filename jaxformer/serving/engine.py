@@ -8,10 +8,11 @@ Every turn of the engine's loop (docs/serving.md, "The engine's turn"):
      `prefill_chunk` tokens this turn (a long prompt takes several turns, so the streams
      already running wait for one chunk, not for the whole prompt); a prompt done
      samples its first token and its row is copied into the batch (`KVCache.insert`);
-  3. one jitted step decodes a token for each of the first rows, as few (2, 4, ..., max_batch)
-     as hold the running requests (a free row's token among them is thrown away), its
-     attention reading the cache's first slots only, the span that holds the longest of them
-     (`cache.spans`: 256, 512, ..., capacity), so a step costs what the rows hold.
+  3. one jitted step decodes a token for each of the first rows, as few (1, 2, 4, ..., max_batch)
+     as hold the running requests (a free row's token among them is thrown away; the slot each
+     row wrote is copied back into the batch, `KVCache.with_steps_of`), its attention reading
+     the cache's first slots only, the span that holds the longest of them (`cache.spans`: 256,
+     512, ..., capacity), so a step costs what the rows hold.
 
 Shapes stay static: the step sees one of those row counts and spans, and a prefill piece is a power of
 two up to `prefill_chunk` tokens (a prompt of 100 with chunks of 64 goes in as 64 and 36
@@ -198,10 +199,8 @@ class Engine:
         self.stop_ids = frozenset(int(i) for i in stop_ids)
         for i in self.stop_ids:
             as_int(i, "stop_ids", minimum=0, maximum=spec.vocab_size - 1, maximum_name="vocab_size - 1")
-        # The step decodes the first 2, 4, 8, ... rows, as few as hold the running requests. (Not
-        # 1 row: XLA:CPU writes a one-row slice back into the batch far slower than two, 23 ms
-        # against 10 for a step of the 22.8 M-parameter model of docs/serving.md.)
-        self._row_counts = sorted({1 << bit for bit in range(1, self.max_batch.bit_length())
+        # The step decodes the first 1, 2, 4, ... rows, as few as hold the running requests.
+        self._row_counts = sorted({1 << bit for bit in range(self.max_batch.bit_length())
                                    if 1 << bit < self.max_batch} | {self.max_batch})
         # A free row decodes greedily (the step skips the sort when no row samples), with an unused key.
         self._free_row = (Sampling.create(1, spec.vocab_size), np.asarray(jax.random.key_data(jax.random.key(0))))
@@ -259,19 +258,20 @@ class Engine:
             # Attention reads slots 0 .. span - 1 (static), which hold every running row's positions.
             rows = tokens.shape[0]
             head = cache if rows == cache.batch_size else jax.tree.map(lambda leaf: leaf[:rows], cache)
-            head = head.replace(pos=jnp.where(active, head.pos, 0), span=span)
+            written = jnp.where(active, head.pos, 0)  # [rows]: the position each row writes
+            head = head.replace(pos=written, span=span)
             # (Context None: a model that continues its prompt reads the cache alone, as in `prefill_piece`.)
             logits, head = step_fn(model, params, None)(tokens[:, None], head)  # [rows, 1, vocab]
             head = head.replace(span=None)  # (the batch's cache keeps one layout between steps)
-            if rows < cache.batch_size:  # (a copy of those rows in and out: less than decoding them all)
-                head = jax.tree.map(lambda leaf, part: jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=0),
-                                    cache, head)
+            if rows < cache.batch_size:  # (the slot each row wrote goes back, not the rows' whole caches)
+                head = cache.with_steps_of(head, written)
             return pick(sampling, keys, made, allowed, logits[:, 0], wanted), head
 
         self._piece = jax.jit(piece, donate_argnums=2)
         self._pick = jax.jit(pick)
         self._step = jax.jit(step, donate_argnums=1, static_argnums=2)
-        self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one), donate_argnums=0)
+        # (`row` is the engine's own index, in range: no guard, whose pass over the cache costs a step.)
+        self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one, guard=False), donate_argnums=0)
         self._empty_row = jax.jit(lambda: model.init_cache(1, capacity))
         self._every_id = functools.cache(lambda rows: jnp.ones((rows, self.vocab_size), bool))
 
