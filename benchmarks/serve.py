@@ -21,6 +21,7 @@ up (a workload of another seed, at the most clients), driven, then stopped with 
                             uvicorn); otherwise the output says why. It refuses a body
                             field it does not know (422), so none (`top_k`) is sent; it
                             ignores `stream_options` but ends each stream with usage
+  engine, no prefix cache   with `--shared-prefix`: the engine with `--prefix-cache-mb 0`
 
 The workload, the same for every server and number of clients: `--requests` requests
 whose prompts are drawn (numpy seed `--seed`) from `--prompt-lengths` tokens of the
@@ -39,7 +40,10 @@ chunk, or hold back a token that ends inside a UTF-8 character), p50 and p95 ove
 requests. The ratios are of figures measured in this run, at the most clients
 (`max(--clients)`): engine / one-at-a-time throughput, engine / transformers serve
 throughput, and the engine's TTFT p50 there over its TTFT p50 at 1 client (an idle
-server: one request at a time).
+server: one request at a time). With `--shared-prefix N`, every prompt (of the warm-up
+too, as a running server has seen its system prompt before) begins with the same text of N
+tokens, and the prefix cache's gain is the engine's throughput over the same engine's
+without it, and the TTFT p50 without it over the TTFT p50 with it.
 
 The machine is measured too: "other CPU" is the share of its CPU time (all cores) that
 neither the server nor this process used during a load (other processes; a virtual
@@ -55,7 +59,8 @@ clients: `server`, `clients`, `requests`, `prompt_tokens` and `completion_tokens
 the streams' `usage`), `chunks` (with text), `wall_s`, `tokens_per_s`, `ttft_ms` and
 `itl_ms` each as `{p50, p95}`, `other_cpu_pct`), `ratios`
 (`engine_vs_one_at_a_time`, `engine_vs_transformers`, `engine_ttft_most_vs_one_client`,
-each null where a figure is missing, and `clients`: the number they were taken at).
+`prefix_cache_throughput`, `prefix_cache_ttft`, each null where a figure is missing, and
+`clients`: the number they were taken at).
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ from jaxformer.convert import save_hf
 from jaxformer.text import Tokenizer, save_tokenizer, train_bpe
 
 ENGINE, ONE_AT_A_TIME, TRANSFORMERS = "jaxformer engine", "jaxformer one-at-a-time", "transformers serve"
+NO_PREFIX_CACHE = "engine, no prefix cache"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # Nothing leaves the machine: no update check of the transformers CLI, no Hub look-ups.
@@ -114,12 +120,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds a request may wait for the server's next bytes (the openai client's timeout)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server has to answer /health")
     p.add_argument("--no-transformers", action="store_true", help="skip transformers serve")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="every prompt begins with the same text of this many tokens (a system prompt); the "
+                        "engine is then measured without its prefix cache too")
     p.add_argument("--out", default="serve.json")
     args = p.parse_args(argv)
     if args.requests < max(args.clients):
         p.error(f"--requests {args.requests} is fewer than the most clients, {max(args.clients)}")
-    if max(args.prompt_lengths) + max(args.new_tokens) > args.max_seq_len:
-        p.error("the longest prompt plus the most new tokens must fit in --max-seq-len")
+    if args.shared_prefix + max(args.prompt_lengths) + max(args.new_tokens) > args.max_seq_len:
+        p.error("the shared prefix, the longest prompt and the most new tokens must fit in --max-seq-len")
     return args
 
 
@@ -286,9 +295,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def jaxformer_command(folder: str, port: int, max_batch: int, args) -> list[str]:
+def jaxformer_command(folder: str, port: int, max_batch: int, args, *extra: str) -> list[str]:
     command = [sys.executable, "-m", "jaxformer.serve", "--checkpoint", folder, "--port", str(port),
-               "--host", "127.0.0.1", "--max-batch", str(max_batch), "--max-seq-len", str(args.max_seq_len)]
+               "--host", "127.0.0.1", "--max-batch", str(max_batch), "--max-seq-len", str(args.max_seq_len), *extra]
     return command + (["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else [])
 
 
@@ -404,7 +413,10 @@ def ratios(rows: list[dict], clients: int) -> dict:
             "engine_vs_one_at_a_time": _ratio(engine, _figure(rows, ONE_AT_A_TIME, clients, "tokens_per_s")),
             "engine_vs_transformers": _ratio(engine, _figure(rows, TRANSFORMERS, clients, "tokens_per_s")),
             "engine_ttft_most_vs_one_client": _ratio(_figure(rows, ENGINE, clients, "ttft_ms", "p50"),
-                                                     _figure(rows, ENGINE, 1, "ttft_ms", "p50"))}
+                                                     _figure(rows, ENGINE, 1, "ttft_ms", "p50")),
+            "prefix_cache_throughput": _ratio(engine, _figure(rows, NO_PREFIX_CACHE, clients, "tokens_per_s")),
+            "prefix_cache_ttft": _ratio(_figure(rows, NO_PREFIX_CACHE, clients, "ttft_ms", "p50"),
+                                        _figure(rows, ENGINE, clients, "ttft_ms", "p50"))}
 
 
 def print_ratios(r: dict) -> None:
@@ -413,6 +425,9 @@ def print_ratios(r: dict) -> None:
     print(f"\nat {r['clients']} clients: engine / one-at-a-time throughput {show(r['engine_vs_one_at_a_time'])}, "
           f"engine / transformers serve throughput {show(r['engine_vs_transformers'])}, "
           f"engine TTFT p50 / its TTFT p50 at 1 client {show(r['engine_ttft_most_vs_one_client'])}")
+    if r["prefix_cache_throughput"] is not None:
+        print(f"the prefix cache: throughput {show(r['prefix_cache_throughput'])}, TTFT p50 "
+              f"{show(r['prefix_cache_ttft'])} shorter than without it")
 
 
 def machine() -> dict:
@@ -438,13 +453,19 @@ def bench(args, work: Path) -> dict:
     """The checkpoint written into `work`, each server measured on it in turn, the report."""
     folder = str(work / "serve-bench-model")
     tokenizer, words, model = make_checkpoint(folder, args)
-    workloads = {name: make_workload(tokenizer, words, args.requests, args.prompt_lengths, args.new_tokens, seed)
+    shared = make_workload(tokenizer, words, 1, [args.shared_prefix], [1], args.seed + 2)[0][0] \
+        if args.shared_prefix else ""
+    workloads = {name: [(shared + prompt, n) for prompt, n in
+                        make_workload(tokenizer, words, args.requests, args.prompt_lengths, args.new_tokens, seed)]
                  for name, seed in (("measured", args.seed), ("warm-up", args.seed + 1))}
     print(f"serve benchmark: {model['params'] / 1e6:.1f} M params, vocab {model['vocab_size']}, {args.requests} "
           f"requests per load (prompts {args.prompt_lengths} tokens, max_tokens {args.new_tokens}), "
           f"/v1/{args.endpoint}, {os.cpu_count()} CPU cores", flush=True)
     plans = [(ENGINE, lambda port: jaxformer_command(folder, port, args.max_batch, args)),
              (ONE_AT_A_TIME, lambda port: jaxformer_command(folder, port, 1, args))]
+    if args.shared_prefix:
+        plans.insert(1, (NO_PREFIX_CACHE, lambda port: jaxformer_command(folder, port, args.max_batch, args,
+                                                                       "--prefix-cache-mb", "0")))
     problem = "--no-transformers" if args.no_transformers else transformers_serve_problem()
     servers, rows = [], []
     if problem is None:

@@ -119,6 +119,10 @@ def test_commands_follow_the_contract():
         serve.parse_args(TINY + ["--requests", "1"])  # fewer requests than clients
     with pytest.raises(SystemExit):
         serve.parse_args(TINY + ["--new-tokens", "60"])  # past --max-seq-len
+    with pytest.raises(SystemExit):
+        serve.parse_args(TINY + ["--shared-prefix", "40"])  # the shared prefix too
+    shared = serve.jaxformer_command("/ckpt", 8003, 16, args, "--prefix-cache-mb", "0")
+    assert shared[-4:-2] == ["--prefix-cache-mb", "0"]
 
 
 def test_ratios_of_the_run():
@@ -129,7 +133,10 @@ def test_ratios_of_the_run():
     rows = [row(serve.ENGINE, 1, 100.0, 20.0), row(serve.ENGINE, 16, 800.0, 50.0),
             row(serve.ONE_AT_A_TIME, 16, 100.0, 900.0), row(serve.TRANSFORMERS, 16, 400.0, 60.0)]
     assert serve.ratios(rows, 16) == {"clients": 16, "engine_vs_one_at_a_time": 8.0,
-                                      "engine_vs_transformers": 2.0, "engine_ttft_most_vs_one_client": 2.5}
+                                      "engine_vs_transformers": 2.0, "engine_ttft_most_vs_one_client": 2.5,
+                                      "prefix_cache_throughput": None, "prefix_cache_ttft": None}
+    cached = serve.ratios(rows + [row(serve.NO_PREFIX_CACHE, 16, 500.0, 150.0)], 16)
+    assert (cached["prefix_cache_throughput"], cached["prefix_cache_ttft"]) == (1.6, 3.0)
     missing = serve.ratios(rows[:2], 16)  # transformers serve skipped: no ratio to it
     assert missing["engine_vs_transformers"] is None and missing["engine_vs_one_at_a_time"] is None
 
