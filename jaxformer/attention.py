@@ -133,11 +133,15 @@ class GQASelfAttention(nn.Module):
         if c.qk_norm:  # each head's q and k normalised over its channels: bounded scores (Qwen3, Gemma 3)
             q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="k_norm")(k)
+        scores = dict(scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5,
+                      softcap=c.attn_logit_softcap)
+        if isinstance(cache, tuple):  # groups of rows (`Decoder`'s tuple of tokens), laid out in one row of x
+            out, cache = self.grouped(q, k, v, cos, sin, masks, cache, layer, is_sliding, scores)
+            (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))
+            return y, cache
         # Rotate q and k (never v) before caching: a cached key keeps its position.
         q = apply_rope(q, cos, sin, c.rope_pairing)
         k = apply_rope(k, cos, sin, c.rope_pairing)
-        scores = dict(scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5,
-                      softcap=c.attn_logit_softcap)
 
         def attend(keys, values, kind=None):  # -> (out [batch, T, n_head, head_dim], weights)
             # `keys` read as a layer of `kind` reads them (a cache of two stacks names the kind of
@@ -154,6 +158,34 @@ class GQASelfAttention(nn.Module):
             self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
         (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # concat heads, then W_O: [batch, T, d_model]
         return y, cache
+
+
+    @nn.nowrap
+    def grouped(self, q, k, v, cos, sin, masks, caches, layer, is_sliding, scores):
+        """Attention of each group of rows in its own cache: q, k, v `[1, N, heads, head_dim]` hold
+        the groups' tokens one after the other (group g's `[batch_g, T_g]` as `cos[g]`'s first
+        axes say), each rotated by its positions and attending within its cache. Returns `(out
+        [1, N, n_head, head_dim], the caches written)`."""
+        outs, written, start = [], [], 0
+        for group_cos, group_sin, group_masks, cache in zip(cos, sin, masks, caches):
+            rows, T = group_cos.shape[:2]
+
+            def take(a):  # this group's tokens, [rows, T, heads, head_dim]
+                return a[0, start:start + rows * T].reshape(rows, T, *a.shape[2:])
+
+            group_q = apply_rope(take(q), group_cos, group_sin, self.config.rope_pairing)
+            group_k = apply_rope(take(k), group_cos, group_sin, self.config.rope_pairing)
+
+            def attend(keys, values, kind=None, group_q=group_q, group_masks=group_masks):
+                mask = group_masks[kind] if kind else of_type(group_masks, is_sliding)
+                return dot_product_attention(group_q, keys, values, mask, **scores)
+
+            (out, _), view = cache.layer(layer).attend(attend, group_k, take(v), cache.pos, cache.stop,
+                                                       cache.read_slots)
+            written.append(cache.with_layer(layer, view))
+            outs.append(out.reshape(1, rows * T, *out.shape[2:]))
+            start += rows * T
+        return jnp.concatenate(outs, axis=1), tuple(written)
 
 
 class MultiHeadAttention(nn.Module):

@@ -65,11 +65,17 @@ class Block(nn.Module):
         x, cache = carry
         c = self.config
         is_sliding, index = layer
-        if self.attention_type is not None:
-            views = {self.attention_type: views[self.attention_type]}
-        # One scanned body serves both types: its layer's flag picks the angles (and the attention, the mask).
-        cos, sin = of_type({kind: view[:2] for kind, view in views.items()}, is_sliding)
-        masks = {kind: view[2] for kind, view in views.items()}
+
+        def angles_and_masks(views: dict):
+            if self.attention_type is not None:
+                views = {self.attention_type: views[self.attention_type]}
+            # One scanned body serves both types: its layer's flag picks the angles (and the attention, the mask).
+            return (*of_type({kind: view[:2] for kind, view in views.items()}, is_sliding),
+                    {kind: view[2] for kind, view in views.items()})
+
+        # (Groups of rows in one call, `Decoder`'s tuple of tokens: each group its own angles and masks.)
+        cos, sin, masks = (zip(*map(angles_and_masks, views)) if isinstance(views, tuple)
+                           else angles_and_masks(views))
         h, cache = GQASelfAttention(c, name="attn")(norm(c, "attn_norm")(x), cos, sin, masks, cache, index, is_sliding)
         if c.post_norms:  # Gemma 2's sandwich: the sublayer's output is normalised before the sum
             h = norm(c, "attn_post_norm")(h)
@@ -128,6 +134,23 @@ def attention_views(config: DecoderConfig, position: jax.Array, key_positions: d
     return views
 
 
+def cached_views(config: DecoderConfig, T: int, cache: KVCache, slots: tuple[int, ...]) -> dict:
+    """`attention_views` of a call of T tokens per row after what `cache` holds (each layer's
+    `slots`). Row b's query t sits at position pos[b] + t. A full layer's slot s holds position
+    s (later slots: the future, unwritten, or padding), and only its first `read_slots` are
+    read (every row's positions lie below: `KVCache.span`); a ring's, what `ring_positions`
+    says, followed by this call's own keys."""
+    pos = cache.pos  # [batch]
+    position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
+    keys = {}
+    for kind, n_slots in zip(config.attention_types, slots):
+        if n_slots < cache.capacity:
+            keys[kind] = jnp.concatenate([ring_positions(pos, n_slots), position], axis=1)  # [batch, R+T]
+        else:
+            keys[kind] = jnp.arange(cache.read_slots)  # [S]: the mask's width is the slots read
+    return attention_views(config, position, keys)  # [batch, T, ...]
+
+
 def cache_slots(config: DecoderConfig, cache: KVCache) -> tuple[int, ...]:
     """The slots each layer of `config` keeps in `cache`: the capacity, or for a sliding layer
     the cache's ring size if it has rings (a `ValueError` if that is shorter than the window,
@@ -157,53 +180,56 @@ class Decoder(nn.Module):
     config: DecoderConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, cache: KVCache | None = None, hidden: bool = False):
+    def __call__(self, tokens: jax.Array | tuple, cache: KVCache | tuple | None = None, hidden: bool = False):
         """The logits of `tokens`, after the cached ones where a cache is given.
 
         Args:
-          tokens: int `[batch, T]`, ids in `[0, vocab_size)`.
+          tokens: int `[batch, T]`, ids in `[0, vocab_size)`; or a tuple of such groups, each
+            with its own cache (`cache` a tuple too): several calls in one, whose layers but
+            attention run on all their tokens at once (a serving engine's one-token step of
+            its batch and a prompt's next piece: one read of the weights, and the piece's
+            larger matrix products carry the step's).
           cache: a `KVCache` from `KVCache.create(config, batch)`, or None.
           hidden: give the final normalised stream `[batch, T, d_model]` in place of the
             logits; `output_head(params).logits` of it are the logits.
 
         Returns:
           `(logits [batch, T, vocab_size] in config.dtype, cache)`, the cache None if none was given;
-          with `hidden`, `[batch, T, d_model]` in place of the logits.
+          with `hidden`, `[batch, T, d_model]` in place of the logits. For groups, a tuple of
+          each (logits, cache) instead.
 
         Raises:
           ValueError: bad `tokens` (under `jit` too), positions past `max_seq_len` or a row's cache.
         """
         c = self.config
-        check_step_inputs(tokens, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)
-        if cache is not None:
-            slots = cache_slots(c, cache)
-            want = cache.layout_shapes(tokens.shape[0], slots, c.n_kv_head, c.head_dim, c.scan_layers)
-            check_cache_step(tokens, cache, want, c.scan_layers)
-        T = tokens.shape[1]
+        grouped = isinstance(tokens, tuple)
+        if grouped and (not isinstance(cache, tuple) or len(cache) != len(tokens) or None in cache or hidden):
+            raise ValueError("groups of tokens (a tuple) go with a tuple of as many caches, and give logits")
+        groups, caches = (tokens, cache) if grouped else ((tokens,), (cache,))
+        slots = []
+        for group, group_cache in zip(groups, caches):
+            check_step_inputs(group, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)
+            if group_cache is not None:
+                slots.append(cache_slots(c, group_cache))
+                want = group_cache.layout_shapes(group.shape[0], slots[-1], c.n_kv_head, c.head_dim, c.scan_layers)
+                check_cache_step(group, group_cache, want, c.scan_layers)
 
         init = nn.initializers.normal(0.02)
         embed = param(self, "embed", init, (c.vocab_size, c.d_model), (VOCAB, EMBED), c.param_dtype)
-        x = lookup(embed, tokens).astype(c.dtype)  # [batch, T, d_model]
+        # [batch, T, d_model]; groups flattened into one row of all their tokens, [1, sum of batch * T, d_model]
+        x = jnp.concatenate([lookup(embed, group).reshape(1, -1, c.d_model) for group in groups], axis=1) \
+            if grouped else lookup(embed, tokens)
+        x = x.astype(c.dtype)
         if c.embed_scale:  # Gemma: embeddings of std ~1/sqrt(d) brought to the stream's scale, in its dtype
             x = x * jnp.asarray(math.sqrt(c.d_model), c.dtype)
 
         if cache is None:
+            T = tokens.shape[1]
             keys = {kind: jnp.arange(T) for kind in c.attention_types}  # [T]
             views = attention_views(c, jnp.arange(T), keys)  # cos, sin [T, head_dim/2]; mask [T, T]
         else:
-            # Row b's query t sits at position pos[b] + t. A full layer's slot s holds position
-            # s (later slots: the future, unwritten, or padding), and only its first `read_slots`
-            # are read (every row's positions lie below: `KVCache.span`); a ring's, what
-            # `ring_positions` says, followed by this call's own keys.
-            pos = cache.pos  # [batch]
-            position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
-            keys = {}
-            for kind, n_slots in zip(c.attention_types, slots):
-                if n_slots < cache.capacity:
-                    keys[kind] = jnp.concatenate([ring_positions(pos, n_slots), position], axis=1)  # [batch, R+T]
-                else:
-                    keys[kind] = jnp.arange(cache.read_slots)  # [S]: the mask's width is the slots read
-            views = attention_views(c, position, keys)  # [batch, T, ...]
+            views = tuple(cached_views(c, group.shape[1], *rest) for group, *rest in zip(groups, caches, slots))
+            views = views if grouped else views[0]
 
         if c.scan_layers:
             sliding = jnp.asarray([kind == "sliding" for kind in c.attention_types])  # [n_layer]
@@ -214,15 +240,20 @@ class Decoder(nn.Module):
             for i, kind in enumerate(c.attention_types):
                 (x, written), _ = block_type(c)(c, kind, name=f"block_{i}")((x, written), views, (None, i))
         x = norm(c, "final_norm")(x)
-
         weight = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),
                                                       (EMBED, VOCAB), c.param_dtype)
+        head = OutputHead(weight, c.tie_embeddings, c.final_logit_softcap)
+        if grouped:  # each group's logits, from its tokens' places in the one row
+            logits = head.logits(x)[0]  # [sum of batch * T, vocab]
+            parts = jnp.split(logits, np.cumsum([group.size for group in groups])[:-1])
+            return tuple(zip(*(group_cache.commit(view.layers, part.reshape(*group.shape, -1), group.shape[1])
+                               for group, group_cache, view, part in zip(groups, caches, written, parts))))
         # The head's parameter exists whatever is returned: `hidden` changes the output, never the tree.
         # [batch, T, vocab] logits, or with `hidden` the stream [batch, T, d_model] they are made from
-        out = x if hidden else OutputHead(weight, c.tie_embeddings, c.final_logit_softcap).logits(x)
+        out = x if hidden else head.logits(x)
         if cache is None:
             return out, None
-        return cache.commit(written.layers, out, T)
+        return cache.commit(written.layers, out, tokens.shape[1])
 
     @nn.nowrap
     def output_head(self, params) -> OutputHead:

@@ -109,6 +109,7 @@ FULL_TIER = {
     "tests/benchmarks/": "the benchmarks run small, end to end",
     "tests/serving/test_app.py": "the server started, with concurrent clients",
     "tests/serving/test_tools.py::test_a_model_that_calls_a_tool": "a model trained to call a tool, served",
+    "tests/serving/test_lm_eval.py": "lm-eval against the server started, and against transformers",
     "tests/faults/test_hostile_server.py": "servers started, signalled and loaded",
     "tests/faults/test_runs.py": "runs started, raced and interrupted",
     "tests/faults/test_interrupts.py": "commands interrupted by signals",

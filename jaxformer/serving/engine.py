@@ -208,8 +208,10 @@ class Engine:
         self._cache = model.init_cache(self.max_batch, self.capacity)
         self._prefixes = PrefixCache(as_int(prefix_cache_bytes, "prefix_cache_bytes", minimum=0))
         self._ring = min(self._cache.ring_slots, default=None)  # (an entry with rings is reused while whole)
-        # Prompts started, those that began from a cached prefix, the tokens copied so and those prefilled.
-        self._prefill_counts = collections.Counter(prompts=0, prefix_hits=0, cached_tokens=0, prefilled_tokens=0)
+        # Prompts started, those that began from a cached prefix, the tokens copied so and those prefilled,
+        # and the pieces prefilled in the same call as a decode step.
+        self._prefill_counts = collections.Counter(prompts=0, prefix_hits=0, cached_tokens=0, prefilled_tokens=0,
+                                                   pieces_with_decode=0)
         self._slots: list[_Slot | None] = [None] * self.max_batch
         self._waiting: collections.deque[Handle] = collections.deque()
         self._finished: collections.Counter[str] = collections.Counter()  # requests ended, by finish_reason
@@ -245,31 +247,51 @@ class Engine:
             token = pick_rows(sampling, jax.random.wrap_key_data(keys), made, logits, allowed)
             return token, scores(logits, sampling.temperature, token, wanted)
 
-        def piece(params, tokens, cache, real, targets, temperature, wanted):
+        def piece_out(logits, real, targets, temperature, wanted):
             # `targets` [1, n]: the prompt's token after each of the piece's positions, which its logits score.
-            logits, cache = prefill_piece(model, params, tokens, cache, real)  # [1, n, vocab]
             last = jax.lax.dynamic_index_in_dim(logits, real - 1, axis=1, keepdims=False)  # [1, vocab]
-            return last, scores(logits, temperature, targets, wanted), cache
+            return last, scores(logits, temperature, targets, wanted)
 
-        def step(params, cache, span, tokens, active, sampling, keys, made, allowed, wanted):  # [rows] each
-            # The first `rows` of the batch decode (requests take the lowest free rows, so the
-            # busy ones are there); a free row among them decodes too, from position 0, where it
-            # overwrites nothing anyone reads: `insert` replaces the whole row when a request takes it.
-            # Attention reads slots 0 .. span - 1 (static), which hold every running row's positions.
-            rows = tokens.shape[0]
+        def piece(params, tokens, cache, real, targets, temperature, wanted):
+            logits, cache = prefill_piece(model, params, tokens, cache, real)  # [1, n, vocab]
+            return *piece_out(logits, real, targets, temperature, wanted), cache
+
+        # The first `rows` of the batch decode (requests take the lowest free rows, so the busy
+        # ones are there); a free row among them decodes too, from position 0, where it
+        # overwrites nothing anyone reads: `insert` replaces the whole row when a request takes it.
+        # Attention reads slots 0 .. span - 1 (static), which hold every running row's positions.
+        def head_of(cache, span, active):
+            rows = active.shape[0]
             head = cache if rows == cache.batch_size else jax.tree.map(lambda leaf: leaf[:rows], cache)
             written = jnp.where(active, head.pos, 0)  # [rows]: the position each row writes
-            head = head.replace(pos=written, span=span)
+            return head.replace(pos=written, span=span), written
+
+        def back(cache, head, written):
+            head = head.replace(span=None)  # (the batch's cache keeps one layout between steps)
+            # (Of fewer rows, the slot each row wrote goes back, not the rows' whole caches.)
+            return head if head.batch_size == cache.batch_size else cache.with_steps_of(head, written)
+
+        def step(params, cache, span, tokens, active, sampling, keys, made, allowed, wanted):  # [rows] each
+            head, written = head_of(cache, span, active)
             # (Context None: a model that continues its prompt reads the cache alone, as in `prefill_piece`.)
             logits, head = step_fn(model, params, None)(tokens[:, None], head)  # [rows, 1, vocab]
-            head = head.replace(span=None)  # (the batch's cache keeps one layout between steps)
-            if rows < cache.batch_size:  # (the slot each row wrote goes back, not the rows' whole caches)
-                head = cache.with_steps_of(head, written)
-            return pick(sampling, keys, made, allowed, logits[:, 0], wanted), head
+            return pick(sampling, keys, made, allowed, logits[:, 0], wanted), back(cache, head, written)
+
+        def fused(params, cache, span, tokens, active, sampling, keys, made, allowed, wanted,
+                  piece_tokens, row, real, targets, temperature, piece_wanted):
+            # `step` and a prompt's `piece` in one call of the model: two groups of rows, each in its cache.
+            head, written = head_of(cache, span, active)
+            end = row.pos + real  # (as `prefill_piece`: the padding stays out of the rings, and is overwritten)
+            (logits, piece_logits), (head, row) = step_fn(model, params, None)(
+                (tokens[:, None], piece_tokens), (head, row.replace(stop=end)))
+            stepped = pick(sampling, keys, made, allowed, logits[:, 0], wanted), back(cache, head, written)
+            return stepped, (*piece_out(piece_logits, real, targets, temperature, piece_wanted),
+                             row.replace(pos=end, stop=None))
 
         self._piece = jax.jit(piece, donate_argnums=2)
         self._pick = jax.jit(pick)
         self._step = jax.jit(step, donate_argnums=1, static_argnums=2)
+        self._fused = jax.jit(fused, donate_argnums=(1, 11), static_argnums=2)
         # (`row` is the engine's own index, in range: no guard, whose pass over the cache costs a step.)
         self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one, guard=False), donate_argnums=0)
         self._empty_row = jax.jit(lambda: model.init_cache(1, capacity))
@@ -284,7 +306,8 @@ class Engine:
         """
         sizes = [1 << bit for bit in range(self.prefill_chunk.bit_length()) if 1 << bit <= self.capacity]
         steps = [(rows, span) for rows in self._row_counts for span in spans(self.capacity)]
-        total, done = len(sizes) + 1 + len(steps) + 1, 0
+        rides = steps if self.prefill_chunk <= self.capacity else []  # (a whole chunk rides with a step)
+        total, done = len(sizes) + 1 + len(steps) + len(rides) + 1, 0
 
         def ran(what: str, value):
             nonlocal done
@@ -305,6 +328,14 @@ class Engine:
                 _, self._cache = self._step(self.params, self._cache, span, np.zeros(rows, np.int32),
                                             np.zeros(rows, bool), *self._rows([None] * rows), np.int32(0))
                 ran(f"decode step of {rows} rows reading {span} slots", self._cache)
+            n = self.prefill_chunk
+            for rows, span in rides:
+                (_, self._cache), (_, _, cache) = self._fused(
+                    self.params, self._cache, span, np.zeros(rows, np.int32), np.zeros(rows, bool),
+                    *self._rows([None] * rows), np.int32(0), np.zeros((1, n), np.int32),
+                    cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n), np.zeros((1, n), np.int32),
+                    np.ones(1, np.float32), np.int32(0))
+                ran(f"decode step of {rows} rows with a prefill of {n} reading {span} slots", self._cache)
             self._cache = self._insert(self._cache, np.int32(0), cache)
             ran("row insert", self._cache)
 
@@ -401,7 +432,8 @@ class Engine:
 
     def load(self) -> dict:
         """`{"running": requests holding a row, "waiting": queued for one, "finished": {reason: count},
-        "prefill": {prompts, prefix_hits, cached_tokens, prefilled_tokens}, "prefix_cache": {entries, bytes}}`."""
+        "prefill": {prompts, prefix_hits, cached_tokens, prefilled_tokens, pieces_with_decode},
+        "prefix_cache": {entries, bytes}}`."""
         with self._lock:
             return {"running": self.max_batch - self._free_slots(), "waiting": len(self._waiting),
                     "finished": dict(self._finished), "prefill": dict(self._prefill_counts),
@@ -443,8 +475,11 @@ class Engine:
                 self._slots[row] = _Slot(self._waiting.popleft(), next(self._admitted))
 
     def _turn(self) -> None:
-        """Prefills up to `prefill_chunk` prompt tokens, then decodes one token for every running row."""
+        """Prefills up to `prefill_chunk` prompt tokens, then decodes one token for every running
+        row; where rows are running and the first prompt waiting has a whole chunk to go, that
+        chunk rides with the decode step, one call of the model for both (`_ride`)."""
         budget = self.prefill_chunk
+        running = self._running()
         prefilling = [row for row, slot in enumerate(self._slots)
                       if slot is not None and slot.prefilled < len(slot.handle.prompt)]
         for row in sorted(prefilling, key=lambda row: self._slots[row].order):
@@ -452,67 +487,113 @@ class Engine:
             if budget == 0:
                 break
             try:
-                budget -= self._prefill(row, slot, budget)
+                if slot.cache is None:
+                    if self._awaits_prefix(slot):
+                        continue
+                    self._start(slot)
+                planned = pieces(len(slot.handle.prompt) - slot.prefilled, self.prefill_chunk,
+                                 self.capacity - slot.prefilled)
+                if running and budget == self.prefill_chunk == planned[0][0]:
+                    self._ride(running, row, slot, *planned[0])
+                    return
+                budget -= self._prefill(row, slot, budget, planned)
             except Exception as e:  # noqa: BLE001 - this request fails, the others go on
                 self._finish(row, Event(finish_reason="error", error=f"prefill failed: {type(e).__name__}: {e}"))
-        running = [row for row, slot in enumerate(self._slots)
-                   if slot is not None and slot.prefilled == len(slot.handle.prompt)]
+        running = self._running()  # (with the prompts done just now)
         if not running:
             return
         try:
             (tokens, scored), self._cache = self._step(self.params, self._cache, *self._batch_inputs())
-            tokens, scored = np.asarray(tokens), jax.tree.map(np.asarray, scored)  # the step's one read back
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: its requests fail, the engine goes on
-            self._cache = self.model.init_cache(self.max_batch, self.capacity)
-            for row in running:
-                self._finish(row, Event(finish_reason="error", error=f"decode step failed: {type(e).__name__}: {e}"))
+            self._lost(running, e)
             return
+        self._decoded(running, tokens, scored)
+
+    def _running(self) -> list[int]:
+        """The rows whose prompts are in the batch: each decodes a token this turn."""
+        return [row for row, slot in enumerate(self._slots)
+                if slot is not None and slot.prefilled == len(slot.handle.prompt)]
+
+    def _decoded(self, running: list[int], tokens, scored) -> None:
+        """Hands each running row its token from a step (read back to the host here: the step's one wait)."""
+        tokens, scored = np.asarray(tokens), jax.tree.map(np.asarray, scored)
         for row in running:
             self._deliver(row, int(tokens[row]), *(part[row] for part in scored))
 
-    def _prefill(self, row: int, slot: _Slot, budget: int) -> int:
-        """Prefills the next pieces of `slot`'s prompt that fit `budget` tokens; at the prompt's end,
-        picks its first token and puts its row into the batch. Returns the tokens prefilled."""
-        prompt = slot.handle.prompt
-        if slot.cache is None:
-            if self._awaits_prefix(slot):
-                return 0
-            self._start(slot)
+    def _lost(self, running: list[int], e: Exception) -> None:
+        """A step failed: the batch's state is lost, its requests fail, the engine goes on."""
+        self._cache = self.model.init_cache(self.max_batch, self.capacity)
+        for row in running:
+            self._finish(row, Event(finish_reason="error", error=f"decode step failed: {type(e).__name__}: {e}"))
+
+    def _ride(self, running: list[int], row: int, slot: _Slot, n: int, real: int) -> None:
+        """The decode step and `slot`'s next piece, `n` tokens (`real` of them the prompt's), in one call."""
+        tokens, targets, following = self._piece_inputs(slot, n, real)
+        handle = slot.handle
+        try:
+            ((picked, scored), self._cache), (logits, piece_scored, slot.cache) = self._fused(
+                self.params, self._cache, *self._batch_inputs(), tokens, slot.cache, np.int32(real), targets,
+                handle.sampling.temperature, np.int32(handle.wanted if handle.prompt_logprobs else 0))
+        except Exception as e:  # noqa: BLE001 - both fail: the batch's requests and this prompt's
+            self._lost(running, e)
+            self._finish(row, Event(finish_reason="error", error=f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        with self._lock:
+            self._prefill_counts["pieces_with_decode"] += 1
+        self._decoded(running, picked, scored)
+        self._took(row, slot, real, following, logits, piece_scored)
+
+    def _piece_inputs(self, slot: _Slot, n: int, real: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """`(tokens, targets, following)` of `slot`'s next piece: `[1, n]` the prompt's next `real`
+        ids, then padding; `[1, n]` the ids each of those positions predicts; and those as a list."""
+        prompt, start = slot.handle.prompt, slot.prefilled
+        tokens = np.zeros((2, n), np.int32)
+        tokens[0, :real] = prompt[start:start + real]
+        following = prompt[start + 1:start + 1 + real]
+        tokens[1, :len(following)] = following
+        return tokens[:1], tokens[1:], following
+
+    def _prefill(self, row: int, slot: _Slot, budget: int, planned: list[tuple[int, int]]) -> int:
+        """Prefills the `planned` pieces of `slot`'s prompt that fit `budget` tokens, alone. Returns
+        the tokens prefilled."""
         handle, used = slot.handle, 0
-        wanted = handle.wanted if handle.prompt_logprobs else 0
-        for n, real in pieces(len(prompt) - slot.prefilled, self.prefill_chunk, self.capacity - slot.prefilled):
+        for n, real in planned:
             if n > budget - used:
                 break
-            start = slot.prefilled
-            tokens = np.zeros((2, n), np.int32)  # [1, n] each: the prompt's next `real` ids, then padding,
-            tokens[0, :real] = prompt[start:start + real]  # and the ids each of those positions predicts
-            following = prompt[start + 1:start + 1 + real]
-            tokens[1, :len(following)] = following
-            logits, scored, slot.cache = self._piece(self.params, tokens[:1], slot.cache, np.int32(real),
-                                                     tokens[1:], handle.sampling.temperature, np.int32(wanted))
-            if wanted:
-                scored = jax.tree.map(lambda part: np.asarray(part)[0], scored)
-                handle.scored += [handle.logprob(token, *(part[i] for part in scored))
-                                  for i, token in enumerate(following)]
-            slot.prefilled += real
+            tokens, targets, following = self._piece_inputs(slot, n, real)
+            logits, scored, slot.cache = self._piece(self.params, tokens, slot.cache, np.int32(real), targets,
+                                                     handle.sampling.temperature,
+                                                     np.int32(handle.wanted if handle.prompt_logprobs else 0))
             used += n
-            with self._lock:
-                self._prefill_counts["prefilled_tokens"] += real
-        if slot.prefilled == len(prompt):
-            if self._prefixes.max_bytes:
-                self._prefixes.add(prompt, slot.cache, *((handle.scored, float(handle.sampling.temperature[0]),
-                                                          handle.logprobs) if handle.prompt_logprobs else ()))
-            if handle.prompt_logprobs:
-                handle._send(Event(prompt_logprobs=tuple(handle.scored)))
-            if handle.max_tokens == 0:  # scoring alone: nothing is made
-                slot.cache = None
-                self._finish(row, Event(finish_reason="length"))
-                return used
-            token, scored = self._pick(*self._rows([handle]), logits, np.int32(handle.wanted))  # [1] each
-            self._cache = self._insert(self._cache, np.int32(row), slot.cache)
-            slot.cache = None
-            self._deliver(row, int(np.asarray(token)[0]), *(np.asarray(part)[0] for part in scored))
+            self._took(row, slot, real, following, logits, scored)
         return used
+
+    def _took(self, row: int, slot: _Slot, real: int, following: list[int], logits, scored) -> None:
+        """After a piece of `slot`'s prompt (its last logits, and the logprobs it `scored` if asked):
+        its positions counted, and at the prompt's end its first token picked and its row put
+        into the batch (or, scoring alone, the request done)."""
+        handle, prompt = slot.handle, slot.handle.prompt
+        if handle.prompt_logprobs:
+            scored = jax.tree.map(lambda part: np.asarray(part)[0], scored)
+            handle.scored += [handle.logprob(token, *(part[i] for part in scored)) for i, token in enumerate(following)]
+        slot.prefilled += real
+        with self._lock:
+            self._prefill_counts["prefilled_tokens"] += real
+        if slot.prefilled < len(prompt):
+            return
+        if self._prefixes.max_bytes:
+            self._prefixes.add(prompt, slot.cache, *((handle.scored, float(handle.sampling.temperature[0]),
+                                                      handle.logprobs) if handle.prompt_logprobs else ()))
+        if handle.prompt_logprobs:
+            handle._send(Event(prompt_logprobs=tuple(handle.scored)))
+        if handle.max_tokens == 0:  # scoring alone: nothing is made
+            slot.cache = None
+            self._finish(row, Event(finish_reason="length"))
+            return
+        token, scored = self._pick(*self._rows([handle]), logits, np.int32(handle.wanted))  # [1] each
+        self._cache = self._insert(self._cache, np.int32(row), slot.cache)
+        slot.cache = None
+        self._deliver(row, int(np.asarray(token)[0]), *(np.asarray(part)[0] for part in scored))
 
     def _start(self, slot: _Slot) -> None:
         """Gives `slot` its one-row cache: a copy of the cached prefix its prompt begins with (the

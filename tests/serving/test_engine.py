@@ -65,10 +65,12 @@ def test_pieces_are_chunks_then_the_rest_padded_unless_the_cache_is_too_short():
 def test_sixteen_requests_of_different_lengths_get_what_each_gets_alone(engine, params):
     ids = [TOKENIZER.encode(p) for p in PROMPTS] * 2  # 16 requests on 4 rows
     max_tokens = [12 + 5 * (i % 7) for i in range(len(ids))]
+    rode = engine.load()["prefill"]["pieces_with_decode"]
     with count_compiles() as compiles:
         handles = [engine.submit(row, options(n)) for row, n in zip(ids, max_tokens)]
         results = [h.result() for h in handles]
     assert not compiles, "requests coming and going recompiled the engine's programs"
+    assert engine.load()["prefill"]["pieces_with_decode"] > rode  # whole chunks rode with decode steps
     assert len(ids) == 16 and len({len(row) for row in ids}) >= 6
     for row, n, (tokens, finish_reason, error) in zip(ids, max_tokens, results):
         want = alone(params, row, max(max_tokens))[:n]  # (greedy: the first n of a longer run; one compile a prompt)

@@ -59,8 +59,8 @@ def test_a_prompt_beginning_as_a_cached_one_prefills_only_the_rest_and_decodes_t
         engine.close()
     assert tokens == alone(model, params, second, 16)
     assert handle.cached == len(first)  # the whole earlier prompt (longer than the window: an entry used whole)
-    assert counts == {"prompts": 2, "prefix_hits": 1, "cached_tokens": len(first),
-                      "prefilled_tokens": len(first) + len(second) - len(first)}
+    assert {key: counts[key] for key in ("prompts", "prefix_hits", "cached_tokens", "prefilled_tokens")} == {
+        "prompts": 2, "prefix_hits": 1, "cached_tokens": len(first), "prefilled_tokens": len(second)}
 
 
 def test_a_ring_that_has_moved_past_the_shared_start_is_not_reused(params):
