@@ -324,3 +324,31 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     assert 0 < error < 0.02 * float(jnp.abs(want).max())  # bf16 really ran, and stayed close
     bf16_params = init_params(config.replace(param_dtype="bfloat16"))
     assert {x.dtype for x in jax.tree.leaves(bf16_params)} == {jnp.dtype(jnp.bfloat16)}
+
+
+GROUPS = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32)
+
+
+@pytest.mark.parametrize("config", [
+    GROUPS, GROUPS.replace(layer_types=("sliding", "full", "sliding"), sliding_window=4),
+    GROUPS.replace(scan_layers=True), GROUPS.replace(scan_layers=True, layer_types=("sliding", "full", "sliding"),
+                                                     sliding_window=4),
+    GROUPS.replace(qk_norm=True, qkv_bias=True, tie_embeddings=False)],
+    ids=["full", "rings", "scanned", "scanned-rings", "qk-norm-untied"])
+def test_groups_of_rows_in_one_call_equal_their_calls_apart(config):
+    """A batch's one-token step and a prompt's 8-token piece, each in its own cache, as one call
+    (the dense layers on all 11 tokens at once) give each group's logits and cache as apart."""
+    model, params = Decoder(config), random_params(config, 1)
+    batch, row = model.init_cache(3, 32), model.init_cache(1, 32)
+    _, batch = model.apply({"params": params}, jax.random.randint(jax.random.key(0), (3, 9), 0, 64), batch)
+    _, row = model.apply({"params": params}, jax.random.randint(jax.random.key(1), (1, 5), 0, 64), row)
+    step, piece = jnp.asarray([[3], [4], [5]]), jax.random.randint(jax.random.key(2), (1, 8), 0, 64)
+    apart = [model.apply({"params": params}, step, batch), model.apply({"params": params}, piece, row)]
+    (step_logits, piece_logits), (batch, row) = jax.jit(
+        lambda params, a, b, c, d: model.apply({"params": params}, (a, b), (c, d)))(params, step, piece, batch, row)
+    chex.assert_shape([step_logits, piece_logits], [(3, 1, 64), (1, 8, 64)])
+    chex.assert_trees_all_close((step_logits, batch), apart[0], atol=1e-6, rtol=1e-6)
+    chex.assert_trees_all_close((piece_logits, row), apart[1], atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(row.pos, [13])
+    with pytest.raises(ValueError, match="groups of tokens"):
+        model.apply({"params": params}, (step, piece), batch)

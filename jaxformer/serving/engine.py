@@ -8,6 +8,9 @@ Every turn of the engine's loop (docs/serving.md, "The engine's turn"):
      `prefill_chunk` tokens this turn (a long prompt takes several turns, so the streams
      already running wait for one chunk, not for the whole prompt); a prompt done
      samples its first token and its row is copied into the batch (`KVCache.insert`);
+     a whole chunk of the first prompt waiting, while rows are running, rides with step 3:
+     one call of the model for both (the `Decoder`'s groups of rows), so the chunk's matrix
+     products carry the step's and the weights are read once;
   3. one jitted step decodes a token for each of the first rows, as few (1, 2, 4, ..., max_batch)
      as hold the running requests (a free row's token among them is thrown away; the slot each
      row wrote is copied back into the batch, `KVCache.with_steps_of`), its attention reading
