@@ -267,11 +267,14 @@ def _descriptor_captured(fd: int, name: str):
 
 
 def _stream_handlers() -> list[logging.StreamHandler]:
-    """Every `logging.StreamHandler` of every logger (the root one too)."""
+    """Every `logging.StreamHandler` of every logger (the root one too) whose stream is its own:
+    not a file's, nor one whose `stream` is a property that reads `sys.stderr` each time
+    (logging's last-resort kind, which dill's logger holds: it follows the capture by itself)."""
     loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
                                        if isinstance(logger, logging.Logger))]
     return [h for logger in loggers for h in logger.handlers
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+            and not isinstance(getattr(type(h), "stream", None), property)]
 
 
 @contextlib.contextmanager
