@@ -110,6 +110,12 @@ FULL_TIER = {
     "tests/serving/test_app.py": "the server started, with concurrent clients",
     "tests/serving/test_tools.py::test_a_model_that_calls_a_tool": "a model trained to call a tool, served",
     "tests/serving/test_lm_eval.py": "lm-eval against the server started, and against transformers",
+    # (The fast tier keeps one plain and one scanned-with-rings layout of these; the others here.)
+    "tests/test_decoder.py::test_groups_of_rows_in_one_call_equal_their_calls_apart[rings]": "more layouts",
+    "tests/test_decoder.py::test_groups_of_rows_in_one_call_equal_their_calls_apart[scanned]": "more layouts",
+    "tests/test_decoder.py::test_groups_of_rows_in_one_call_equal_their_calls_apart[qk-norm": "more layouts",
+    "tests/test_cache.py::test_with_steps_of_copies_back_what_a_step_of_the_first_rows_wrote[rings]": "more layouts",
+    "tests/test_cache.py::test_with_steps_of_copies_back_what_a_step_of_the_first_rows_wrote[stacked]": "more layouts",
     "tests/faults/test_hostile_server.py": "servers started, signalled and loaded",
     "tests/faults/test_runs.py": "runs started, raced and interrupted",
     "tests/faults/test_interrupts.py": "commands interrupted by signals",
