@@ -228,7 +228,9 @@ def read_job(body, *, chat: bool, tokenizer: Tokenizer, model_name: str, max_seq
             raise invalid(f"{name} is not supported by this server", name)
     n = _number(body, "n", 1, low=1, high=MAX_N, integer=True)
     tools = _read_tools(body, chat, tokenizer)
-    logprobs, echo = _logprobs(body, chat), False if chat else _field(body, "echo", (bool,), "true or false", False)
+    logprobs, echo = _logprobs(body, chat), _field(body, "echo", (bool,), "true or false", False)
+    if echo and chat:  # (a chat has no prompt text to give back; read silently, it would be ignored)
+        raise invalid("echo is for /v1/completions", "echo")
     try:
         prompts = [_chat_ids(body, tokenizer)] if chat else _prompts(body, tokenizer)
     except ValueError as e:  # the tokenizer could not spell the text

@@ -107,6 +107,9 @@ def test_a_job_reads_the_defaults_and_its_choices():
     keys = [jax.random.key_data(job.choice_options(c).key) for c in range(6)]
     for c, key in enumerate(keys):  # choice i of each prompt: seed + i
         np.testing.assert_array_equal(key, jax.random.key_data(jax.random.key(7 + c % 3)))
+    with pytest.raises(ApiError, match=r"echo is for /v1/completions"):
+        read_job({"model": "m", "messages": [{"role": "user", "content": "hi"}], "echo": True}, chat=True,
+                 tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
     with pytest.raises(ApiError, match=r"top_logprobs goes with logprobs: true"):
         read_job({"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, chat=True,
                  tokenizer=TOKENIZER, model_name="m", max_seq_len=96)
