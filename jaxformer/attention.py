@@ -18,7 +18,9 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from jaxformer.blockwise import blockwise_attention, visible
 from jaxformer.cache import LayerKV
 from jaxformer.dropout import Dropout
 from jaxformer.lora import project
@@ -75,6 +77,52 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     return combine_values(weights, v), weights
 
 
+# A window longer than any context: a full layer's (every earlier position is in it).
+FULL_WINDOW = 2 ** 30
+# `attention="auto"` attends in blocks from this many scores per head ([T, S]) on: 1024 x 1024.
+BLOCKS_FROM = 2 ** 20
+
+
+@struct.dataclass
+class Visibility:
+    """Which keys each query reads, by position (`blockwise.visible`): key s is visible to
+    query t iff `0 <= key[s] <= query[t]` and `key[s] > query[t] - window`.
+
+    Attributes:
+      query: int `[T]` or `[batch, T]`, each query's position.
+      key: int `[S]` or `[batch, S]`, each key's position (negative: an empty slot).
+      window: int32 `[]`, a sliding layer's window, `FULL_WINDOW` for a full layer (an array,
+        so that one scanned body serves both types).
+    """
+
+    query: jax.Array
+    key: jax.Array
+    window: jax.Array
+
+    def mask(self) -> jax.Array:
+        """bool `[T, S]` or `[batch, T, S]`, True where query t reads key s."""
+        return visible(self.query, self.key, self.window)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: Visibility, *, kind: str = "auto",
+           scale: float | None = None, softcap: float | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """Attention of `q [batch, T, n_head, head_dim]` over `k, v [batch, S, n_kv, head_dim]`
+    where `seen` says: `(out [batch, T, n_head, head_dim], weights [batch, n_head, T, S] or None)`.
+
+    `kind` "dense" builds every score (`dot_product_attention`, and gives the weights);
+    "blocks" walks key blocks with an online softmax (`blockwise_attention`, memory linear in
+    T; no weights); "auto" is "dense" below `BLOCKS_FROM` scores per head, else "blocks".
+    `scale` and `softcap` as `attention_weights` takes them.
+    """
+    batch, T = q.shape[:2]
+    S = k.shape[1]
+    if kind == "dense" or (kind == "auto" and T * S < BLOCKS_FROM):
+        return dot_product_attention(q, k, v, seen.mask(), scale=scale, softcap=softcap)
+    q_pos = jnp.broadcast_to(seen.query, (batch, T))
+    k_pos = jnp.broadcast_to(seen.key, (batch, S))
+    return blockwise_attention(q, k, v, q_pos, k_pos, seen.window, scale=scale, softcap=softcap), None
+
+
 def of_type(by_type: dict, is_sliding):
     """A layer's entry of `by_type` (`{attention type: pytree}`): the only one, or in a scan over
     both types the sliding one where the traced `is_sliding` is set, else the full one (the two
@@ -98,18 +146,19 @@ class GQASelfAttention(nn.Module):
         Args:
           x: `[batch, T, d_model]` normalised residual stream.
           cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles.
-          masks: `{attention type: bool [T, S] or [batch, T, S]}`, True where a query reads a
-            key, for the types this layer may be (one, or both in a scan over both). S is T
-            without a cache, and with one the keys its layer's view gives (the first S slots,
-            the cache's span, or a ring's then this call's).
+          masks: `{attention type: Visibility}`, which keys each query reads (positions `[T]`
+            and `[S]`, or per row), for the types this layer may be (one, or both in a scan over
+            both). S is T without a cache, and with one the keys its layer's view gives (the
+            first S slots, the cache's span, or a ring's then this call's).
           cache: the model's `KVCache`, or None.
           layer: this layer's index in `cache` (traced in a scan).
           is_sliding: bool `[]` in a scan over both types: this layer's, which picks its mask.
 
         Returns:
           `(y [batch, T, d_model], cache)`, this call's K/V written into the layer's slots; the
-          weights are sown into 'intermediates' as `attention_weights` (unless the cache keeps
-          the two types in two stacks: their shapes differ).
+          weights are sown into 'intermediates' as `attention_weights` where they were made
+          (dense attention: `config.attention_impl` "dense", or "auto" on short sequences), unless the
+          cache keeps the two types in two stacks: their shapes differ.
         """
         c = self.config
         d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
@@ -143,16 +192,16 @@ class GQASelfAttention(nn.Module):
         q = apply_rope(q, cos, sin, c.rope_pairing)
         k = apply_rope(k, cos, sin, c.rope_pairing)
 
-        def attend(keys, values, kind=None):  # -> (out [batch, T, n_head, head_dim], weights)
+        def read(keys, values, kind=None):  # -> (out [batch, T, n_head, head_dim], weights or None)
             # `keys` read as a layer of `kind` reads them (a cache of two stacks names the kind of
             # each); None: this layer's own type, picked by its flag in a scan over both.
-            mask = masks[kind] if kind else of_type(masks, is_sliding)
-            return dot_product_attention(q, keys, values, mask, **scores)
+            seen = masks[kind] if kind else of_type(masks, is_sliding)
+            return attend(q, keys, values, seen, kind=c.attention_impl, **scores)
 
         if cache is None:
-            out, weights = attend(k, v)
+            out, weights = read(k, v)
         else:  # the layer's view writes this call's K/V and gives the keys it reads: [batch, S, n_kv, head_dim]
-            (out, weights), view = cache.layer(layer).attend(attend, k, v, cache.pos, cache.stop, cache.read_slots)
+            (out, weights), view = cache.layer(layer).attend(read, k, v, cache.pos, cache.stop, cache.read_slots)
             cache = cache.with_layer(layer, view)
         if weights is not None:  # (a cache of two stacks gives none)
             self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
@@ -176,11 +225,11 @@ class GQASelfAttention(nn.Module):
             group_q = apply_rope(take(q), group_cos, group_sin, self.config.rope_pairing)
             group_k = apply_rope(take(k), group_cos, group_sin, self.config.rope_pairing)
 
-            def attend(keys, values, kind=None, group_q=group_q, group_masks=group_masks):
-                mask = group_masks[kind] if kind else of_type(group_masks, is_sliding)
-                return dot_product_attention(group_q, keys, values, mask, **scores)
+            def read(keys, values, kind=None, group_q=group_q, group_masks=group_masks):
+                seen = group_masks[kind] if kind else of_type(group_masks, is_sliding)
+                return attend(group_q, keys, values, seen, kind=self.config.attention_impl, **scores)
 
-            (out, _), view = cache.layer(layer).attend(attend, group_k, take(v), cache.pos, cache.stop,
+            (out, _), view = cache.layer(layer).attend(read, group_k, take(v), cache.pos, cache.stop,
                                                        cache.read_slots)
             written.append(cache.with_layer(layer, view))
             outs.append(out.reshape(1, rows * T, *out.shape[2:]))

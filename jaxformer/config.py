@@ -17,6 +17,7 @@ ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 ATTENTION_TYPES = ("full", "sliding")  # a layer reads every earlier position, or the last `sliding_window`
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the compute dtypes a command takes by name
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's nonlinearity: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
+ATTENTION_IMPLS = ("auto", "dense", "blocks")  # jaxformer.attention.attend: every score at once, or key blocks
 
 
 def swiglu_hidden_dim(d_model: int) -> int:
@@ -262,6 +263,10 @@ class DecoderConfig(_ModelConfig):
         collection to its matrix's product (`jaxformer.lora`); None: no adapters.
       remat: each block's activations are recomputed in the backward pass instead of kept
         (`flax.linen.remat`): less memory for a little more compute; the same math.
+      attention_impl: how attention is computed (`jaxformer.attention.attend`): "dense" builds
+        every score (and gives the weights), "blocks" walks key blocks with an online softmax
+        (memory linear in the length; docs/long_context.md), "auto" the first on short
+        sequences and the second from 1024 x 1024 scores per head on.
     """
 
     vocab_size: int = 256
@@ -296,6 +301,7 @@ class DecoderConfig(_ModelConfig):
     hf_model_type: str | None = None
     lora: LoraConfig | None = None
     remat: bool = False
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         # Each field's kind first: the rules between fields below compare plain numbers.
@@ -311,6 +317,7 @@ class DecoderConfig(_ModelConfig):
                  "None with scan_layers=True: adapters are kept per block (block_{i})")
         _check(self, one_of, "rope_pairing", choices=ROPE_PAIRINGS)
         _check(self, one_of, "mlp_activation", choices=MLP_ACTIVATIONS)
+        _check(self, one_of, "attention_impl", choices=ATTENTION_IMPLS)
         _check(self, as_int, "sliding_window", minimum=1, optional=True)
         _check(self, as_float, "local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap",
                "final_logit_softcap", above=0, optional=True)

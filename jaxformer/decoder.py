@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.attention import GQASelfAttention, of_type
+from jaxformer.attention import FULL_WINDOW, GQASelfAttention, Visibility, of_type
 from jaxformer.cache import KVCache, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
@@ -57,7 +57,7 @@ class Block(nn.Module):
         Args:
           carry: `(x [batch, T, d_model], cache)`, the cache the model's `KVCache` (None without
             one), which the block writes its layer of.
-          views: `{attention type: (cos, sin, mask)}`, `GQASelfAttention`'s inputs for each
+          views: `{attention type: (cos, sin, seen)}`, `GQASelfAttention`'s inputs for each
             type of layer (`attention_views`), the same for every block.
           layer: `(is_sliding, index)`: in a scan over both types bool `[]` this layer's type
             (else None), and its index in the model (int32 `[]` in a scan).
@@ -103,7 +103,7 @@ def scanned_blocks(config: DecoderConfig):
 
 
 def attention_views(config: DecoderConfig, position: jax.Array, key_positions: dict) -> dict:
-    """`{attention type: (cos, sin, mask)}` for each type among `config.attention_types`.
+    """`{attention type: (cos, sin, seen)}` for each type among `config.attention_types`.
 
     Args:
       config: the model's config.
@@ -113,24 +113,21 @@ def attention_views(config: DecoderConfig, position: jax.Array, key_positions: d
 
     Returns:
       For each type, RoPE's `cos, sin` `[..., T, head_dim/2]` at the query positions (the
-      sliding layers' at `local_rope_theta` if set) and the bool mask `[..., T, S]`: a full
-      layer's query at p reads keys at positions `0 .. p`, a sliding layer's those in
-      `(p - sliding_window, p]`.
+      sliding layers' at `local_rope_theta` if set) and the `Visibility` (its mask `[..., T,
+      S]`): a full layer's query at p reads keys at positions `0 .. p`, a sliding layer's
+      those in `(p - sliding_window, p]`.
     """
     c = config
     full_rope = rope_cos_sin(position, rope_frequencies(position, c.head_dim, c.rope_theta, c.rope_scaling),
                              rope_attention_factor(c.rope_scaling))  # [..., T, head_dim/2] each
-    query = position[..., :, None]  # [..., T, 1]
     views = {}
     for kind in sorted(set(c.attention_types)):
-        key = key_positions[kind][..., None, :]  # [..., 1, S]
-        mask = (key >= 0) & (key <= query)  # [..., T, S]: causal
         if kind == "full":
-            views[kind] = (*full_rope, mask)
+            views[kind] = (*full_rope, Visibility(position, key_positions[kind], jnp.int32(FULL_WINDOW)))
             continue
         rope = full_rope if c.local_rope_theta is None else rope_cos_sin(
             position, rope_inv_freq(c.head_dim, c.local_rope_theta))
-        views[kind] = (*rope, mask & (key > query - c.sliding_window))
+        views[kind] = (*rope, Visibility(position, key_positions[kind], jnp.int32(c.sliding_window)))
     return views
 
 
@@ -226,7 +223,7 @@ class Decoder(nn.Module):
         if cache is None:
             T = tokens.shape[1]
             keys = {kind: jnp.arange(T) for kind in c.attention_types}  # [T]
-            views = attention_views(c, jnp.arange(T), keys)  # cos, sin [T, head_dim/2]; mask [T, T]
+            views = attention_views(c, jnp.arange(T), keys)  # cos, sin [T, head_dim/2]; keys seen [T, T]
         else:
             views = tuple(cached_views(c, group.shape[1], *rest) for group, *rest in zip(groups, caches, slots))
             views = views if grouped else views[0]

@@ -35,8 +35,18 @@ def product(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
       The product, in `x`'s dtype.
     """
     if min(jnp.finfo(x.dtype).bits, jnp.finfo(w.dtype).bits) >= 32:
-        return jnp.einsum(equation, x, w)  # float32 (or float64) throughout: autodiff's gradient
+        # float32 (or float64) throughout: autodiff's gradient, at the library's float32 precision
+        return jnp.einsum(equation, x, w, precision=precision_for(x.dtype))
     return _narrow(equation, x, w)
+
+
+def precision_for(dtype) -> jax.lax.Precision:
+    """The matmul precision the library asks for with operands of `dtype` (docs/precision.md):
+    `HIGHEST` for float32, so that float32 means float32 on every backend (left to the backend,
+    an NVIDIA GPU multiplies float32 matrices in TF32, a 10-bit mantissa, and a TPU in bfloat16
+    passes); `DEFAULT` for bfloat16 operands, whose products accumulate in float32 as asked for
+    with `preferred_element_type`."""
+    return jax.lax.Precision.HIGHEST if jnp.finfo(dtype).bits >= 32 else jax.lax.Precision.DEFAULT
 
 
 def _accumulated(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
