@@ -26,10 +26,11 @@ def output_logits(x: jax.Array, weight: jax.Array, tied: bool) -> jax.Array:
       tied: which of the two `weight` is.
 
     Returns:
-      `[..., vocab]` logits, in `x`'s dtype.
+      `[..., vocab]` logits in float32 (or wider, as `x`): from bfloat16 `x`, the float32 sums
+      of the bfloat16 products, unrounded (docs/precision.md).
     """
     rows = x.reshape(-1, x.shape[-1])  # [positions, d_model]
-    logits = product("td,vd->tv" if tied else "td,dv->tv", rows, weight.astype(x.dtype))
+    logits = product("td,vd->tv" if tied else "td,dv->tv", rows, weight.astype(x.dtype), wide=True)
     return logits.reshape(*x.shape[:-1], logits.shape[-1])
 
 
@@ -58,7 +59,7 @@ class OutputHead:
         return self.weight.shape[1 if self.tied else 0]
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """`[..., vocab]` logits of `x` `[..., d_model]`, in `x`'s dtype."""
+        """`[..., vocab]` logits of `x` `[..., d_model]`, in float32 (`output_logits`)."""
         logits = output_logits(x, self.weight, self.tied)
         if self.softcap is not None:  # Gemma 2: every logit within (-cap, cap)
             logits = jnp.tanh(logits / self.softcap) * self.softcap

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 
-def product(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def product(equation: str, x: jax.Array, w: jax.Array, wide: bool = False) -> jax.Array:
     """`einsum(equation, x, w)` in `x`'s dtype, accumulated in float32.
 
     Args:
@@ -30,14 +30,15 @@ def product(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
         two of the three terms: `"btd,df->btf"`.
       x: the input (activations); its first axis is not one the product sums over.
       w: the matrix.
+      wide: give the float32 sums as they are, not rounded to `x`'s dtype (the logits).
 
     Returns:
-      The product, in `x`'s dtype.
+      The product, in `x`'s dtype (float32 with `wide`, unless `x` is wider).
     """
     if min(jnp.finfo(x.dtype).bits, jnp.finfo(w.dtype).bits) >= 32:
         # float32 (or float64) throughout: autodiff's gradient, at the library's float32 precision
         return jnp.einsum(equation, x, w, precision=precision_for(x.dtype))
-    return _narrow(equation, x, w)
+    return _narrow(equation, wide, x, w)
 
 
 def precision_for(dtype) -> jax.lax.Precision:
@@ -49,30 +50,33 @@ def precision_for(dtype) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if jnp.finfo(dtype).bits >= 32 else jax.lax.Precision.DEFAULT
 
 
-def _accumulated(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`einsum(equation, x, w, preferred_element_type=float32)` in `x`'s dtype; one row as two."""
+def _accumulated(equation: str, x: jax.Array, w: jax.Array, wide: bool = False) -> jax.Array:
+    """`einsum(equation, x, w, preferred_element_type=float32)` in `x`'s dtype (float32 if
+    `wide`); one row as two."""
     x_spec, w_spec = equation.split("->")[0].split(",")
     summed = math.prod(n for axis, n in zip(w_spec, w.shape) if axis in x_spec)  # the contracted size
     one_row = x_spec[0] not in w_spec and x.size == summed  # every axis of x but the summed ones is 1
     y = jnp.einsum(equation, jnp.concatenate([x, jnp.zeros_like(x)]) if one_row else x, w,
                    preferred_element_type=jnp.float32)
-    return (y[:1] if one_row else y).astype(x.dtype)  # `y[:1]`: the row's, not the zero row's
+    return (y[:1] if one_row else y).astype(jnp.float32 if wide else x.dtype)  # `y[:1]`: the row's, not the zero row's
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _narrow(equation: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _accumulated(equation, x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _narrow(equation: str, wide: bool, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _accumulated(equation, x, w, wide)
 
 
-def _narrow_fwd(equation, x, w):
-    return _accumulated(equation, x, w), (x, w)
+def _narrow_fwd(equation, wide, x, w):
+    return _accumulated(equation, x, w, wide), (x, w)
 
 
-def _narrow_bwd(equation, residuals, dy):
+def _narrow_bwd(equation, wide, residuals, dy):
     """`y = x . w` summed over their shared axes: `dx = dy . w`, `dw = x . dy`, each over the
-    axes the other operand lacks."""
+    axes the other operand lacks (a float32 `dy` of a `wide` product rounded to `x`'s dtype
+    first, so that both products stay narrow)."""
     x, w = residuals
     (x_spec, w_spec), y_spec = equation.split("->")[0].split(","), equation.split("->")[1]
+    dy = dy.astype(x.dtype)
     dx = _accumulated(f"{y_spec},{w_spec}->{x_spec}", dy, w)
     dw = _accumulated(f"{x_spec},{y_spec}->{w_spec}", x, dy.astype(x.dtype))
     return dx.astype(x.dtype), dw.astype(w.dtype)

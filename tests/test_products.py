@@ -39,7 +39,7 @@ def test_float32_and_float64_are_einsum_with_autodiffs_gradient(equation, x_shap
         x, w, ky = operands(x_shape, w_shape, dtype)
         dy = jax.random.normal(ky, jnp.einsum(equation, x, w).shape, dtype)
         got, pull = jax.vjp(lambda x, w: product(equation, x, w), x, w)
-        want, pull_want = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), x, w)
+        want, pull_want = jax.vjp(lambda x, w: jnp.einsum(equation, x, w, precision="highest"), x, w)
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, want)
         for g, w_ in zip(pull(dy), pull_want(dy)):
@@ -57,6 +57,32 @@ def test_bfloat16_values_and_gradients_are_the_float64_products_rounded_once(equ
     within_one_rounding(y, x, w, equation)
     within_one_rounding(dx, dy, w, f"{y_spec},{w_spec}->{x_spec}")  # dL/dx = dy . w
     within_one_rounding(dw, x, dy, f"{x_spec},{y_spec}->{w_spec}")  # dL/dw = x . dy
+
+
+def test_float32_products_ask_for_the_highest_precision_bfloat16_ones_for_the_default():
+    """The library's precision, not the backend's default (TF32 on an NVIDIA GPU, bf16 passes
+    on a TPU): every float32 product of the forward and backward passes says HIGHEST."""
+    for dtype, want in (("float32", "HIGHEST"), ("bfloat16", "DEFAULT")):
+        x, w, _ = operands((2, 3, 64), (64, 48), dtype)
+        program = str(jax.make_jaxpr(jax.grad(lambda x, w: product("btd,df->btf", x, w).astype(jnp.float32).sum(),
+                                              argnums=(0, 1)))(x, w))
+        precisions = [line.split("precision=")[1].split(",")[0] for line in program.splitlines()
+                      if "dot_general" in line]
+        assert len(precisions) == 3 and all(want in p for p in precisions), (dtype, precisions)
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape", EQUATIONS)
+def test_a_wide_bfloat16_product_is_its_float32_sums_unrounded(equation, x_shape, w_shape):
+    """`wide=True` (the logits): float32, within float32 accumulation's error of the exact
+    product, no bf16 rounding (2^-8 of the value) on top; its gradients stay bfloat16."""
+    x, w, ky = operands(x_shape, w_shape, jnp.bfloat16)
+    y, pull = jax.vjp(jax.jit(lambda x, w: product(equation, x, w, wide=True)), x, w)
+    assert y.dtype == jnp.float32
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    error = np.abs(np.asarray(y, np.float64) - np.einsum(equation, x64, w64))
+    assert np.all(error <= 2.0**-20 * np.einsum(equation, np.abs(x64), np.abs(w64))), error.max()
+    dx, dw = pull(jax.random.normal(ky, y.shape))
+    assert dx.dtype == dw.dtype == jnp.bfloat16
 
 
 def test_one_row_is_the_product_of_that_row():
