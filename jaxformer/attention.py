@@ -13,6 +13,7 @@ Einsum letters, one meaning each in this file:
     c which projection of a packed Q/K/V (0 = Q, 1 = K, 2 = V)
 """
 
+import functools
 import math
 
 import flax.linen as nn
@@ -23,6 +24,9 @@ from flax import struct
 from jaxformer.blockwise import blockwise_attention, visible
 from jaxformer.cache import LayerKV
 from jaxformer.dropout import Dropout
+from jaxformer.kernels import mosaic_attention, triton_attention
+from jaxformer.kernels.decode_attention import decode_attention
+from jaxformer.kernels.decode_attention import supports as decoding_supports
 from jaxformer.lora import project
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope
@@ -110,17 +114,59 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: Visibility, *, kind: 
     where `seen` says: `(out [batch, T, n_head, head_dim], weights [batch, n_head, T, S] or None)`.
 
     `kind` "dense" builds every score (`dot_product_attention`, and gives the weights);
-    "blocks" walks key blocks with an online softmax (`blockwise_attention`, memory linear in
-    T; no weights); "auto" is "dense" below `BLOCKS_FROM` scores per head, else "blocks".
+    "blocks" walks key blocks with an online softmax (`in_blocks`: memory linear in T; no
+    weights); "auto" is "dense" below `BLOCKS_FROM` scores per head, else "blocks", and for a
+    decoding step over a cache whose slot s holds position s (`seen.key` one `[S]` for every
+    row) `decoding_step`: on a GPU or TPU a kernel that reads each row's visible slots only.
     `scale` and `softcap` as `attention_weights` takes them.
     """
     batch, T = q.shape[:2]
     S = k.shape[1]
+    if kind == "auto" and T == 1 and seen.key.ndim == 1:
+        return decoding_step(q, k, v, jnp.broadcast_to(seen.query, (batch, 1))[:, 0], seen.window, scale=scale,
+                             softcap=softcap), None
     if kind == "dense" or (kind == "auto" and T * S < BLOCKS_FROM):
         return dot_product_attention(q, k, v, seen.mask(), scale=scale, softcap=softcap)
     q_pos = jnp.broadcast_to(seen.query, (batch, T))
     k_pos = jnp.broadcast_to(seen.key, (batch, S))
-    return blockwise_attention(q, k, v, q_pos, k_pos, seen.window, scale=scale, softcap=softcap), None
+    return in_blocks(q, k, v, q_pos, k_pos, seen.window, scale=scale, softcap=softcap), None
+
+
+def in_blocks(q, k, v, q_pos, k_pos, window, *, scale=None, softcap=None) -> jax.Array:
+    """`blockwise_attention`'s algorithm on every backend (its arguments): the Pallas kernels
+    on a GPU (Triton) and a TPU (Mosaic), where they take the head's width and dtype, and the
+    `jnp` version elsewhere. The choice is made as the program is lowered for its platform, so
+    a program exported for "cuda" and "tpu" carries each one's kernel."""
+    head_dim, dtype = q.shape[-1], q.dtype
+    in_jnp = functools.partial(blockwise_attention, scale=scale, softcap=softcap)
+
+    def kernel(module):
+        return functools.partial(module.flash_attention, scale=scale, softcap=softcap) \
+            if module.supports(head_dim, dtype) else in_jnp
+
+    return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, window, cuda=kernel(triton_attention),
+                                      tpu=kernel(mosaic_attention), default=in_jnp)
+
+
+def decoding_step(q, k, v, q_pos, window, *, scale=None, softcap=None) -> jax.Array:
+    """One new token per row over a cache whose slot s holds position s: `[batch, 1, n_head,
+    head_dim]` from `q [batch, 1, n_head, head_dim]`, `k, v [batch, S, n_kv, head_dim]` and
+    `q_pos` int `[batch]` (slots `(q_pos - window, q_pos]` visible). On a GPU or TPU, the
+    ragged decoding kernel reads those slots alone; elsewhere the dense attention over all S."""
+    head_dim, dtype = q.shape[-1], q.dtype
+
+    def kernel(platform):
+        def run(q, k, v, q_pos, window):
+            return decode_attention(q[:, 0], k, v, q_pos, window, scale=scale, softcap=softcap,
+                                    platform=platform)[:, None]
+        return run if decoding_supports(head_dim, dtype, platform) else dense
+
+    def dense(q, k, v, q_pos, window):
+        seen = Visibility(q_pos[:, None], jnp.arange(k.shape[1]), window)
+        return dot_product_attention(q, k, v, seen.mask(), scale=scale, softcap=softcap)[0]
+
+    return jax.lax.platform_dependent(q, k, v, q_pos, window, cuda=kernel("triton"), tpu=kernel("mosaic"),
+                                      default=dense)
 
 
 def of_type(by_type: dict, is_sliding):

@@ -123,6 +123,9 @@ FULL_TIER = {
     "tests/faults/test_disks.py": "runs on disks that fill up",
     "tests/train/": "the demos end to end",
     "tests/training/test_processes.py": "runs of 2 processes on loopback",
+    "tests/test_export.py::test_every_program_exports": "every user path run, each program exported for cuda and tpu",
+    "tests/test_export.py::test_the_programs_exported_are_those_listed": "every user path run and exported",
+    "tests/test_export.py::test_each_entry_point_is_exported": "every user path run and exported",
 }
 
 

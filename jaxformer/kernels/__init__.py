@@ -1,0 +1,1 @@
+"""Attention as hand-written Pallas kernels, one module per accelerator backend."""
