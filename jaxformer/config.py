@@ -17,6 +17,7 @@ ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
 ATTENTION_TYPES = ("full", "sliding")  # a layer reads every earlier position, or the last `sliding_window`
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the compute dtypes a command takes by name
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's nonlinearity: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
+REMAT_POLICIES = ("dots_no_batch", "dots", "nothing")  # what a rematerialised block keeps (DecoderConfig.remat_policy)
 ATTENTION_IMPLS = ("auto", "dense", "blocks")  # jaxformer.attention.attend: every score at once, or key blocks
 
 
@@ -263,6 +264,10 @@ class DecoderConfig(_ModelConfig):
         collection to its matrix's product (`jaxformer.lora`); None: no adapters.
       remat: each block's activations are recomputed in the backward pass instead of kept
         (`flax.linen.remat`): less memory for a little more compute; the same math.
+      remat_policy: with `remat`, what a block keeps for the backward pass
+        (`jax.checkpoint_policies`): "dots_no_batch" the weight matrices' products (the
+        projections and the FFN's, recomputing the cheap element-wise work and attention),
+        "dots" every matrix product, "nothing" only the block's input.
       attention_impl: how attention is computed (`jaxformer.attention.attend`): "dense" builds
         every score (and gives the weights), "blocks" walks key blocks with an online softmax
         (memory linear in the length; docs/long_context.md), "auto" the first on short
@@ -301,6 +306,7 @@ class DecoderConfig(_ModelConfig):
     hf_model_type: str | None = None
     lora: LoraConfig | None = None
     remat: bool = False
+    remat_policy: str = "dots_no_batch"
     attention_impl: str = "auto"
 
     def __post_init__(self):
@@ -318,6 +324,7 @@ class DecoderConfig(_ModelConfig):
         _check(self, one_of, "rope_pairing", choices=ROPE_PAIRINGS)
         _check(self, one_of, "mlp_activation", choices=MLP_ACTIVATIONS)
         _check(self, one_of, "attention_impl", choices=ATTENTION_IMPLS)
+        _check(self, one_of, "remat_policy", choices=REMAT_POLICIES)
         _check(self, as_int, "sliding_window", minimum=1, optional=True)
         _check(self, as_float, "local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap",
                "final_logit_softcap", above=0, optional=True)

@@ -87,10 +87,16 @@ class Block(nn.Module):
         return (x, cache), None
 
 
+# `DecoderConfig.remat_policy` -> what a rematerialised block keeps for the backward pass.
+REMAT_POLICIES = {"dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "dots": jax.checkpoint_policies.dots_saveable,
+                  "nothing": jax.checkpoint_policies.nothing_saveable}
+
+
 def block_type(config: DecoderConfig) -> type[nn.Module]:
     """`Block`, or with `config.remat` a `Block` whose activations the backward pass
-    recomputes from its input rather than keeps (one block's at a time are alive)."""
-    return nn.remat(Block) if config.remat else Block
+    recomputes from its input rather than keeps, but for those `config.remat_policy` saves."""
+    return nn.remat(Block, policy=REMAT_POLICIES[config.remat_policy]) if config.remat else Block
 
 
 def scanned_blocks(config: DecoderConfig):
