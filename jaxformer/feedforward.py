@@ -1,5 +1,6 @@
 """Position-wise feed-forward networks: every position transformed on its own."""
 
+import functools
 import math
 
 import flax.linen as nn
@@ -12,9 +13,13 @@ from jaxformer.products import product
 from jaxformer.sharding import EMBED, MLP, compute_param
 
 
-@jax.custom_vjp
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """`(silu(x W_gate) * (x W_up)) W_down`, with a hand-written gradient (`_swiglu_bwd`).
+    """`(silu(x W_gate) * (x W_up)) W_down`.
+
+    On a CPU its gradient is the hand-written one (`written_swiglu`), which wins there; on a GPU
+    or TPU autodiff's (`gated(jax.nn.silu, ...)`): their compilers fold the transposes it
+    avoids into the matrix products, and a remat policy sees its products (a custom gradient's
+    are hidden from it).
 
     Args:
       x: `[batch, T, d_model]`.
@@ -24,6 +29,20 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     Returns:
       `[batch, T, d_model]`.
     """
+    return jax.lax.platform_dependent(x, w_gate, w_up, w_down, cpu=written_swiglu,
+                                      default=functools.partial(gated, jax.nn.silu))
+
+
+def gated(act, x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """`(act(x W_gate) * (x W_up)) W_down`, autodiff's gradient; shapes as `swiglu`."""
+    gate = product("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
+    up = product("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
+    return product("btf,fd->btd", act(gate) * up, w_down)  # [batch, T, d_model]
+
+
+@jax.custom_vjp
+def written_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """`swiglu` with a hand-written gradient (`_swiglu_bwd`)."""
     return _swiglu_fwd(x, w_gate, w_up, w_down)[0]
 
 
@@ -57,7 +76,7 @@ def _swiglu_bwd(residuals, dy):
     return dx, d_w_gate, d_w_up, d_w_down
 
 
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+written_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def gelu_tanh(z: jax.Array) -> jax.Array:
@@ -65,14 +84,7 @@ def gelu_tanh(z: jax.Array) -> jax.Array:
     return jax.nn.gelu(z, approximate=True)
 
 
-def geglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """`(gelu_tanh(x W_gate) * (x W_up)) W_down`; shapes as `swiglu`."""
-    gate = product("btd,df->btf", x, w_gate)  # [batch, T, ffn_dim]
-    up = product("btd,df->btf", x, w_up)  # [batch, T, ffn_dim]
-    return product("btf,fd->btd", gelu_tanh(gate) * up, w_down)  # [batch, T, d_model]
-
-
-GATED_FFNS = {"silu": swiglu, "gelu_tanh": geglu}  # `DecoderConfig.mlp_activation` -> its FFN
+GATED_FFNS = {"silu": swiglu, "gelu_tanh": functools.partial(gated, gelu_tanh)}  # `mlp_activation` -> its FFN
 GATES = {"silu": jax.nn.silu, "gelu_tanh": gelu_tanh}  # ... and its gate's nonlinearity
 
 

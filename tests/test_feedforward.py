@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxformer import DecoderConfig
-from jaxformer.feedforward import SwiGLU, swiglu
+from jaxformer.feedforward import SwiGLU, written_swiglu
 
 
 def plain_swiglu(x, w_gate, w_up, w_down):
@@ -32,7 +32,7 @@ def vjp_of(f, args, cotangent):
 
 def test_forward_is_the_formula_exactly():
     args, _ = inputs()
-    np.testing.assert_array_equal(swiglu(*args), plain_swiglu(*args))
+    np.testing.assert_array_equal(written_swiglu(*args), plain_swiglu(*args))
 
 
 def test_hand_written_gradient_matches_autodiff_in_float64():
@@ -41,7 +41,7 @@ def test_hand_written_gradient_matches_autodiff_in_float64():
     with jax.enable_x64(True):
         args, cotangent = inputs(jnp.float64)
         _, want = vjp_of(plain_swiglu, args, cotangent)
-        _, got = vjp_of(swiglu, args, cotangent)
+        _, got = vjp_of(written_swiglu, args, cotangent)
         for name, g, w in zip(("x", "w_gate", "w_up", "w_down"), got, want):
             assert g.shape == w.shape and g.dtype == w.dtype, name
             np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=name)
@@ -54,7 +54,7 @@ def test_gradient_of_a_loss_under_jit_in_float32():
         return lambda *a: jnp.sum(f(*a) * cotangent)
 
     want = jax.jit(jax.grad(loss(plain_swiglu), argnums=(0, 1, 2, 3)))(*args)
-    got = jax.jit(jax.grad(loss(swiglu), argnums=(0, 1, 2, 3)))(*args)
+    got = jax.jit(jax.grad(loss(written_swiglu), argnums=(0, 1, 2, 3)))(*args)
     for name, g, w in zip(("x", "w_gate", "w_up", "w_down"), got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
 
@@ -67,7 +67,7 @@ def test_a_wrong_gradient_would_fail():
         gate, up = x @ w_gate, x @ w_up
         dh = cotangent @ w_down.T
         slipped = jnp.einsum("btd,btf->df", x, dh * up * jax.nn.sigmoid(gate))
-        _, (_, right, _, _) = vjp_of(swiglu, (x, w_gate, w_up, w_down), cotangent)
+        _, (_, right, _, _) = vjp_of(written_swiglu, (x, w_gate, w_up, w_down), cotangent)
         assert not np.allclose(slipped, right, rtol=1e-12, atol=1e-12)
         assert np.abs(slipped - right).max() > 1e-3
 
