@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_shapes import attention_shapes
 
 from jaxformer.attention import FULL_WINDOW, dot_product_attention
 from jaxformer.kernels.mosaic_attention import flash_attention, supports
@@ -152,12 +153,7 @@ def test_lowers_for_tpu(dtype):
     """Compiled for a TPU (not interpreted), the forward and the gradient lower to Mosaic kernels:
     one TPU custom call for the forward, three for the gradient (the forward, dK/dV and dQ), at
     the default blocks of 128 with heads of 128 and a traced window."""
-    batch, T, S, n_head, n_kv, head_dim = 1, 256, 384, 4, 2, 128
-    args = (jax.ShapeDtypeStruct((batch, T, n_head, head_dim), dtype),
-            jax.ShapeDtypeStruct((batch, S, n_kv, head_dim), dtype),
-            jax.ShapeDtypeStruct((batch, S, n_kv, head_dim), dtype),
-            jax.ShapeDtypeStruct((batch, T), jnp.int32), jax.ShapeDtypeStruct((batch, S), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32))
+    args = attention_shapes(1, 256, 384, 4, 2, 128, dtype)
 
     def attend(q, k, v, q_pos, k_pos, window):
         return flash_attention(q, k, v, q_pos, k_pos, window, softcap=50.0)

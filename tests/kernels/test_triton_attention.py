@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_shapes import attention_shapes
 
 from jaxformer.attention import FULL_WINDOW, dot_product_attention
 from jaxformer.kernels.triton_attention import flash_attention, supports
@@ -131,12 +132,7 @@ def test_lowers_for_cuda(dtype):
     """Without a GPU, `jax.export` for CUDA lowers the kernels to Triton IR: the forward kernel
     for the output, and the forward, dQ and dK/dV kernels for a gradient (GQA with a group of 3,
     a softcap, T and S padded)."""
-    batch, T, S, n_head, n_kv, head_dim = 2, 40, 72, 6, 2, 32
-    args = (jax.ShapeDtypeStruct((batch, T, n_head, head_dim), dtype),
-            jax.ShapeDtypeStruct((batch, S, n_kv, head_dim), dtype),
-            jax.ShapeDtypeStruct((batch, S, n_kv, head_dim), dtype),
-            jax.ShapeDtypeStruct((batch, T), jnp.int32), jax.ShapeDtypeStruct((batch, S), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32))
+    args = attention_shapes(2, 40, 72, 6, 2, 32, dtype)
 
     def forward(q, k, v, q_pos, k_pos, window):
         return flash_attention(q, k, v, q_pos, k_pos, window, softcap=30.0)
