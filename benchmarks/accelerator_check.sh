@@ -33,15 +33,16 @@ step() {  # step NAME SECONDS COMMAND...: runs it, logs it, records how it went
 }
 
 python -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/summary.txt"
+backend=$(python -c "import jax; print(jax.default_backend())")
 step selfcheck 120 python -m jaxformer.selfcheck
 # The tests: 8 pytest-xdist workers share the one device (most of their time is compiling, on
-# the host's cores). JAX gives each process 75% of the device's memory up front by default;
+# the host's cores; on a CPU, one worker a core). JAX gives each process 75% of the device's memory up front by default;
 # off, each takes what it uses (with it on, a later worker backs off through dozens of failed
 # allocations and gets what is left). pytest-benchmark, where the image has it, only warns
 # under xdist: blocked (`-p no:` of a plugin that is absent is fine).
 # -v: each test's name and outcome as it ends, so a run cut short by its limit still says which failed.
 step tests 300 env XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -v -rf --tb=short -p no:cacheprovider \
-  -p no:benchmark -n 8 \
+  -p no:benchmark -n "$([ "$backend" = cpu ] && nproc || echo 8)" \
   tests/test_products.py tests/test_attention.py tests/test_decoder.py tests/test_feedforward.py tests/test_norms.py \
   tests/test_positions.py tests/test_losses.py tests/test_lora.py tests/test_blockwise.py tests/kernels tests/decoding
 # A worker that dies before its first test (XLA aborting as JAX starts, e.g. on a flag in
@@ -55,7 +56,6 @@ step train_reverse 300 python -m train.reverse --run-dir "$out/reverse"
 step checkpoint_1b 120 python -m benchmarks.llama_1b "$out/llama_1b"
 step decode_1b 300 python -m benchmarks.decode_1b "$out/llama_1b" --no-peer --batch 1 8 --prompt 32 --new 64 \
   --out "$out/decode_1b.json"
-backend=$(python -c "import jax; print(jax.default_backend())")
 timed=$([ "$backend" = cpu ] && echo 2048 || echo 8192)  # (an 8k step of dense attention takes minutes on a CPU)
 step long_context 180 python -m benchmarks.long_context --lengths 2048 8192 --time-up-to "$timed" \
   --out "$out/long_context.json"
