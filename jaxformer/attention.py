@@ -30,6 +30,7 @@ from jaxformer.kernels.decode_attention import supports as decoding_supports
 from jaxformer.lora import project
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope
+from jaxformer.products import precision_for
 from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_param, param
 
 
@@ -48,7 +49,8 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array, *, scale: flo
     q = q.reshape(batch, T, n_kv, n_head // n_kv, head_dim)  # [batch, T, n_kv, n_rep, head_dim]
     # Scale by 1/sqrt(d_k), d_k the per-head width: it keeps the scores' variance near 1
     # so the softmax does not saturate just because heads are wide.
-    scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btngk,bsnk->bngts", q, k, preferred_element_type=jnp.float32,
+                        precision=precision_for(q.dtype))
     scores = scores * (1 / math.sqrt(head_dim) if scale is None else scale)  # [batch, n_kv, n_rep, T, S] float32
     if softcap is not None:
         scores = jnp.tanh(scores / softcap) * softcap
@@ -68,7 +70,7 @@ def combine_values(weights: jax.Array, v: jax.Array) -> jax.Array:
     batch, n_head, T, S = weights.shape
     n_kv, head_dim = v.shape[2], v.shape[3]
     weights = weights.reshape(batch, n_kv, n_head // n_kv, T, S).astype(v.dtype)  # [batch, n_kv, n_rep, T, S]
-    out = jnp.einsum("bngts,bsnk->btngk", weights, v)  # [batch, T, n_kv, n_rep, head_dim]
+    out = jnp.einsum("bngts,bsnk->btngk", weights, v, precision=precision_for(v.dtype))  # [b, T, n_kv, n_rep, hd]
     return out.reshape(batch, T, n_head, head_dim)
 
 
@@ -309,7 +311,7 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, memory: jax.Array) -> LayerKV:
         """Cross-attention's K/V of `memory` `[batch, S, d_model]`, projected once per source."""
         dtype = self.config.dtype
-        kv = jnp.einsum("bsd,dchk->cbshk", memory, self.w_qkv[:, 1:].astype(dtype))
+        kv = jnp.einsum("bsd,dchk->cbshk", memory, self.w_qkv[:, 1:].astype(dtype), precision=precision_for(dtype))
         kv = kv + self.b_qkv[1:, None, None].astype(dtype)  # [2, batch, S, n_head, head_dim]
         return LayerKV(k=kv[0], v=kv[1])
 
@@ -332,10 +334,11 @@ class MultiHeadAttention(nn.Module):
         """
         dtype = self.config.dtype
         if memory is None and memory_kv is None:  # self-attention: one GEMM for Q, K and V
-            qkv = jnp.einsum("btd,dchk->cbthk", x, self.w_qkv.astype(dtype))
+            qkv = jnp.einsum("btd,dchk->cbthk", x, self.w_qkv.astype(dtype), precision=precision_for(dtype))
             q, k, v = qkv + self.b_qkv[:, None, None].astype(dtype)  # each [batch, T, n_head, head_dim]
         else:  # cross-attention: Q from the decoder, K and V from the encoder's output
-            q = jnp.einsum("btd,dhk->bthk", x, self.w_qkv[:, 0].astype(dtype)) + self.b_qkv[0].astype(dtype)
+            q = jnp.einsum("btd,dhk->bthk", x, self.w_qkv[:, 0].astype(dtype), precision=precision_for(dtype))
+            q = q + self.b_qkv[0].astype(dtype)
             memory_kv = self.project_kv(memory) if memory_kv is None else memory_kv
             k, v = memory_kv.k, memory_kv.v  # [batch, S, n_head, head_dim]
         if layer_cache is not None:
@@ -344,5 +347,6 @@ class MultiHeadAttention(nn.Module):
         weights = attention_weights(q, k, mask)  # [batch, n_head, T, S]
         self.sow("intermediates", "attention_weights", weights)
         out = combine_values(self.dropout(weights, deterministic=deterministic), v)  # [batch, T, n_head, head_dim]
-        y = jnp.einsum("bthk,hkd->btd", out, self.w_o.astype(dtype)) + self.b_o.astype(dtype)  # concat heads, W_O
+        y = jnp.einsum("bthk,hkd->btd", out, self.w_o.astype(dtype), precision=precision_for(dtype))  # concat, W_O
+        y = y + self.b_o.astype(dtype)
         return y, layer_cache

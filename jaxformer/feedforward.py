@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxformer.dropout import Dropout
 from jaxformer.lora import project
-from jaxformer.products import product
+from jaxformer.products import precision_for, product
 from jaxformer.sharding import EMBED, MLP, compute_param
 
 
@@ -131,7 +131,7 @@ class FeedForward(nn.Module):
         b1 = compute_param(self, "b1", nn.initializers.zeros, (c.ffn_dim,), (MLP,))
         w2 = compute_param(self, "w2", init, (c.ffn_dim, c.d_model), (MLP, EMBED))
         b2 = compute_param(self, "b2", nn.initializers.zeros, (c.d_model,), (EMBED,))
-        hidden = jax.nn.relu(jnp.einsum("btd,df->btf", x, w1) + b1)  # [batch, T, ffn_dim]
+        hidden = jax.nn.relu(jnp.einsum("btd,df->btf", x, w1, precision=precision_for(x.dtype)) + b1)  # [batch, T, ffn]
         hidden = Dropout(c.dropout)(hidden, deterministic=deterministic)
-        return jnp.einsum("btf,fd->btd", hidden, w2) + b2  # [batch, T, d_model]
+        return jnp.einsum("btf,fd->btd", hidden, w2, precision=precision_for(x.dtype)) + b2  # [batch, T, d_model]
 

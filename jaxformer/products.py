@@ -57,7 +57,7 @@ def _accumulated(equation: str, x: jax.Array, w: jax.Array, wide: bool = False) 
     summed = math.prod(n for axis, n in zip(w_spec, w.shape) if axis in x_spec)  # the contracted size
     one_row = x_spec[0] not in w_spec and x.size == summed  # every axis of x but the summed ones is 1
     y = jnp.einsum(equation, jnp.concatenate([x, jnp.zeros_like(x)]) if one_row else x, w,
-                   preferred_element_type=jnp.float32)
+                   preferred_element_type=jnp.float32, precision=precision_for(x.dtype))
     return (y[:1] if one_row else y).astype(jnp.float32 if wide else x.dtype)  # `y[:1]`: the row's, not the zero row's
 
 

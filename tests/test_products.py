@@ -64,11 +64,23 @@ def test_float32_products_ask_for_the_highest_precision_bfloat16_ones_for_the_de
     on a TPU): every float32 product of the forward and backward passes says HIGHEST."""
     for dtype, want in (("float32", "HIGHEST"), ("bfloat16", "DEFAULT")):
         x, w, _ = operands((2, 3, 64), (64, 48), dtype)
-        program = str(jax.make_jaxpr(jax.grad(lambda x, w: product("btd,df->btf", x, w).astype(jnp.float32).sum(),
-                                              argnums=(0, 1)))(x, w))
-        precisions = [line.split("precision=")[1].split(",")[0] for line in program.splitlines()
-                      if "dot_general" in line]
+        program = jax.make_jaxpr(jax.grad(lambda x, w: product("btd,df->btf", x, w).astype(jnp.float32).sum(),
+                                          argnums=(0, 1)))(x, w)
+        precisions = [str(eqn.params["precision"]) for eqn in _equations(program.jaxpr)
+                      if eqn.primitive.name == "dot_general"]
         assert len(precisions) == 3 and all(want in p for p in precisions), (dtype, precisions)
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the programs its equations hold (a jit's, a custom gradient's)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    yield from _equations(inner.jaxpr)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _equations(inner)
 
 
 @pytest.mark.parametrize("equation,x_shape,w_shape", EQUATIONS)

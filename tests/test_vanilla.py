@@ -360,7 +360,7 @@ def test_config_rules(changes, field):
 
 
 def test_bfloat16_compute_keeps_float32_master_weights():
-    """At the reference's init, bf16 logits stay within 2% of the largest float32 logit
+    """At the reference's init, bf16 compute's logits stay within 2% of the largest float32 logit
     (measured: 0.9%); LayerNorm statistics and the softmax stay float32 inside."""
     config = DEMO.replace(dtype="bfloat16")
     src, tgt_in = _src_tgt()
@@ -368,6 +368,6 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
     want = jit_apply(VanillaTransformer(DEMO), {"params": params}, src, tgt_in)
     got = jit_apply(VanillaTransformer(config), {"params": params}, src, tgt_in)
-    assert got.dtype == jnp.bfloat16
+    assert got.dtype == jnp.float32  # bf16 products, the head's float32 sums unrounded (docs/precision.md)
     error = float(jnp.abs(got.astype(jnp.float32) - want).max())
     assert 0 < error < 0.02 * float(jnp.abs(want).max())
