@@ -137,38 +137,49 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: Visibility, *, kind: 
 def in_blocks(q, k, v, q_pos, k_pos, window, *, scale=None, softcap=None) -> jax.Array:
     """`blockwise_attention`'s algorithm on every backend (its arguments): the Pallas kernels
     on a GPU (Triton) and a TPU (Mosaic), where they take the head's width and dtype, and the
-    `jnp` version elsewhere. The choice is made as the program is lowered for its platform, so
-    a program exported for "cuda" and "tpu" carries each one's kernel."""
-    head_dim, dtype = q.shape[-1], q.dtype
+    `jnp` version elsewhere (`block_paths`). The choice is made as the program is lowered for its
+    platform, so a program exported for "cuda" carries the Triton kernels."""
+    paths = block_paths(q.shape[-1], q.dtype, scale=scale, softcap=softcap)
+    return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, window, **paths)
+
+
+def block_paths(head_dim: int, dtype, *, scale=None, softcap=None) -> dict:
+    """`{"cuda": f, "tpu": f, "default": f}`, each `f(q, k, v, q_pos, k_pos, window)` attending in
+    blocks on that platform (a kernel, or the `jnp` version where the kernel does not take the head)."""
     in_jnp = functools.partial(blockwise_attention, scale=scale, softcap=softcap)
 
     def kernel(module):
         return functools.partial(module.flash_attention, scale=scale, softcap=softcap) \
             if module.supports(head_dim, dtype) else in_jnp
 
-    return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, window, cuda=kernel(triton_attention),
-                                      tpu=kernel(mosaic_attention), default=in_jnp)
+    return {"cuda": kernel(triton_attention), "tpu": kernel(mosaic_attention), "default": in_jnp}
 
 
 def decoding_step(q, k, v, q_pos, window, *, scale=None, softcap=None) -> jax.Array:
     """One new token per row over a cache whose slot s holds position s: `[batch, 1, n_head,
     head_dim]` from `q [batch, 1, n_head, head_dim]`, `k, v [batch, S, n_kv, head_dim]` and
     `q_pos` int `[batch]` (slots `(q_pos - window, q_pos]` visible). On a GPU or TPU, the
-    ragged decoding kernel reads those slots alone; elsewhere the dense attention over all S."""
-    head_dim, dtype = q.shape[-1], q.dtype
+    ragged decoding kernel reads those slots alone; elsewhere the dense attention over all S
+    (`decoding_paths`)."""
+    paths = decoding_paths(q.shape[-1], q.dtype, scale=scale, softcap=softcap)
+    return jax.lax.platform_dependent(q, k, v, q_pos, window, **paths)
 
-    def kernel(platform):
-        def run(q, k, v, q_pos, window):
-            return decode_attention(q[:, 0], k, v, q_pos, window, scale=scale, softcap=softcap,
-                                    platform=platform)[:, None]
-        return run if decoding_supports(head_dim, dtype, platform) else dense
+
+def decoding_paths(head_dim: int, dtype, *, scale=None, softcap=None) -> dict:
+    """`{"cuda": f, "tpu": f, "default": f}`, each `f(q, k, v, q_pos, window)` a `decoding_step` on
+    that platform (the kernel, or the dense attention where the kernel does not take the head)."""
 
     def dense(q, k, v, q_pos, window):
         seen = Visibility(q_pos[:, None], jnp.arange(k.shape[1]), window)
         return dot_product_attention(q, k, v, seen.mask(), scale=scale, softcap=softcap)[0]
 
-    return jax.lax.platform_dependent(q, k, v, q_pos, window, cuda=kernel("triton"), tpu=kernel("mosaic"),
-                                      default=dense)
+    def kernel(platform):
+        def run(q, k, v, q_pos, window):  # (the kernel takes one query per row: [batch, n_head, head_dim])
+            return decode_attention(q[:, 0], k, v, q_pos, window, scale=scale, softcap=softcap,
+                                    platform=platform)[:, None]
+        return run if decoding_supports(head_dim, dtype, platform) else dense
+
+    return {"cuda": kernel("triton"), "tpu": kernel("mosaic"), "default": dense}
 
 
 def of_type(by_type: dict, is_sliding):

@@ -1,9 +1,15 @@
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxformer.attention import dot_product_attention
+from jaxformer import attention
+from jaxformer.attention import FULL_WINDOW, block_paths, decoding_paths, dot_product_attention
+from jaxformer.kernels import mosaic_attention, triton_attention
+from jaxformer.kernels.decode_attention import decode_attention
 
 
 def _qkv(seed, batch=2, T=5, S=7, n_head=6, n_kv=2, head_dim=8):
@@ -53,3 +59,30 @@ def test_fully_masked_row_is_finite():
     mask = jnp.ones((5, 7), bool).at[2].set(False)
     out, weights = dot_product_attention(q, k, v, mask)
     assert bool(jnp.isfinite(out).all()) and bool(jnp.isfinite(weights).all())
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_each_platforms_paths_run_in_the_kernels_interpreter_equal_the_cpus(platform, monkeypatch):
+    """What the model calls on a GPU or TPU (`block_paths`, `decoding_paths`: the kernels, their
+    arguments laid out as the model passes them), run here in Pallas' interpreter, equals what it
+    calls on a CPU: values and gradients in blocks, and a decoding step over rows of different
+    lengths, full and sliding, soft-capped."""
+    for module in (triton_attention, mosaic_attention):
+        monkeypatch.setattr(module, "flash_attention", functools.partial(module.flash_attention, interpret=True))
+    monkeypatch.setattr(attention, "decode_attention", functools.partial(decode_attention, interpret=True))
+    q, k, v = _qkv(5, batch=2, T=40, S=40, n_head=4, n_kv=2, head_dim=128)
+    positions = jnp.tile(jnp.arange(40), (2, 1))
+    for window in (FULL_WINDOW, 9):
+        args = (positions, positions, jnp.int32(window))
+        paths = block_paths(128, q.dtype, softcap=30.0)
+        assert paths[platform] is not paths["default"]  # (a kernel takes heads of 128)
+        kernel, vjp_kernel = jax.vjp(lambda q, k, v: paths[platform](q, k, v, *args), q, k, v)
+        cpu, vjp_cpu = jax.vjp(lambda q, k, v: paths["default"](q, k, v, *args), q, k, v)
+        np.testing.assert_allclose(kernel, cpu, atol=2e-5)
+        for got, want in zip(vjp_kernel(kernel), vjp_cpu(kernel)):
+            np.testing.assert_allclose(got, want, atol=2e-5 * float(jnp.abs(want).max()))
+        one = q[:, :1].repeat(2, axis=0)  # 4 rows of one new token, at positions 0, 20, 39 and 7
+        cache_k, cache_v = k.repeat(2, axis=0), v.repeat(2, axis=0)
+        step = (one, cache_k, cache_v, jnp.array([0, 20, 39, 7]), jnp.int32(window))
+        paths = decoding_paths(128, q.dtype, softcap=30.0)
+        np.testing.assert_allclose(paths[platform](*step), paths["default"](*step), atol=2e-5)
