@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxformer.blockwise import blockwise_attention, visible
+from jaxformer.blockwise import blockwise_attention, in_blocks_for, visible
 from jaxformer.cache import LayerKV
 from jaxformer.dropout import Dropout
 from jaxformer.kernels import mosaic_attention, triton_attention
@@ -85,8 +85,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
 
 # A window longer than any context: a full layer's (every earlier position is in it).
 FULL_WINDOW = 2 ** 30
-# `attention="auto"` attends in blocks from this many scores per head ([T, S]) on: 1024 x 1024.
-BLOCKS_FROM = 2 ** 20
 
 
 @struct.dataclass
@@ -117,7 +115,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: Visibility, *, kind: 
 
     `kind` "dense" builds every score (`dot_product_attention`, and gives the weights);
     "blocks" walks key blocks with an online softmax (`in_blocks`: memory linear in T; no
-    weights); "auto" is "dense" below `BLOCKS_FROM` scores per head, else "blocks", and for a
+    weights); "auto" is "dense" below `blockwise.BLOCKS_FROM` scores per head, else "blocks", and for a
     decoding step over a cache whose slot s holds position s (`seen.key` one `[S]` for every
     row) `decoding_step`: on a GPU or TPU a kernel that reads each row's visible slots only.
     `scale` and `softcap` as `attention_weights` takes them.
@@ -127,7 +125,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: Visibility, *, kind: 
     if kind == "auto" and T == 1 and seen.key.ndim == 1:
         return decoding_step(q, k, v, jnp.broadcast_to(seen.query, (batch, 1))[:, 0], seen.window, scale=scale,
                              softcap=softcap), None
-    if kind == "dense" or (kind == "auto" and T * S < BLOCKS_FROM):
+    if not in_blocks_for(kind, T, S):
         return dot_product_attention(q, k, v, seen.mask(), scale=scale, softcap=softcap)
     q_pos = jnp.broadcast_to(seen.query, (batch, T))
     k_pos = jnp.broadcast_to(seen.key, (batch, S))

@@ -38,6 +38,16 @@ import jax.numpy as jnp
 from jaxformer.products import precision_for
 
 
+# `attention_impl="auto"` attends in blocks from this many scores per head ([T, S]) on: 1024 x 1024.
+BLOCKS_FROM = 2 ** 20
+BLOCK = 512  # queries and keys per block (`blockwise_attention`'s default)
+
+
+def in_blocks_for(attention_impl: str, T: int, S: int) -> bool:
+    """Whether `DecoderConfig.attention_impl` attends in blocks for T queries over S keys (or densely)."""
+    return attention_impl == "blocks" or (attention_impl == "auto" and T * S >= BLOCKS_FROM)
+
+
 def visible(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
     """bool `[..., T, S]`: key s is visible to query t (int positions `q_pos [..., T]` and
     `k_pos [..., S]`, negative for an empty slot; `window` int32 `[]`)."""
@@ -47,7 +57,7 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                         window: jax.Array, *, scale: float | None = None, softcap: float | None = None,
-                        block_q: int = 512, block_k: int = 512) -> jax.Array:
+                        block_q: int = BLOCK, block_k: int = BLOCK) -> jax.Array:
     """Attention of queries `q [batch, T, n_head, head_dim]` over keys `k` and values `v`
     `[batch, S, n_kv, head_dim]` (`n_head % n_kv == 0`), in blocks: `[batch, T, n_head, head_dim]`
     in `q`'s dtype.

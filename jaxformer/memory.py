@@ -13,6 +13,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxformer.blockwise import BLOCK, in_blocks_for
 from jaxformer.config import DecoderConfig
 
 # The files where Linux reports a cgroup's memory limit and use (v2, then v1): in a
@@ -31,17 +32,23 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
 
     The cache and the residual stream live throughout; each block's attention, its SwiGLU
     and the logits come in phases XLA frees one by one, so the peak is the largest phase on
-    top. The float32 scores `[batch, n_head, T, S]` dominate the attention (XLA on a CPU
-    keeps three such arrays). The parameters are not counted: the free memory excludes them.
+    top. The float32 scores `[batch, n_head, T, S]` dominate dense attention (XLA on a CPU
+    keeps three such arrays, and the bool mask `[batch, T, S]`); attention in blocks holds one
+    block's, `[batch, n_head, 512, 512]`, and the output it builds. The parameters are not
+    counted: the free memory excludes them.
     """
     c = config
     compute = jnp.dtype(c.dtype).itemsize
     rows = batch * prompt_len  # the positions every activation has
     cache = 2 * c.n_layer * batch * capacity * c.n_kv_head * c.head_dim * jnp.dtype(c.cache_storage_dtype).itemsize
     stream = 2 * rows * c.d_model * 4  # [batch, T, d_model]: the stream and its normalised copy
-    scores = batch * c.n_head * prompt_len * capacity  # elements of one block's [batch, n_head, T, S]
     weights_cast = compute if compute != 4 else 0  # the softmax's output in the compute dtype, for `@ V`
-    attention = (scores * (3 * 4 + weights_cast) + batch * prompt_len * capacity  # + the bool mask [batch, T, S]
+    if in_blocks_for(c.attention_impl, prompt_len, capacity):  # one block's scores, and the output in float32
+        scores = batch * c.n_head * min(prompt_len, BLOCK) * min(capacity, BLOCK) * (3 * 4 + weights_cast) \
+            + rows * c.n_head * c.head_dim * 4
+    else:  # every score, and the bool mask [batch, T, S]
+        scores = batch * c.n_head * prompt_len * capacity * (3 * 4 + weights_cast) + batch * prompt_len * capacity
+    attention = (scores
                  + 2 * rows * (c.n_head + 2 * c.n_kv_head) * c.head_dim * 4  # q, k, v and their rotations
                  + 2 * (capacity + rows) * (c.head_dim // 2) * 4)  # the RoPE tables, and the rows read from them
     swiglu = 3 * rows * c.ffn_dim * 4  # gate, up and their product [batch, T, ffn_dim]

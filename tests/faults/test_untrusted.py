@@ -381,8 +381,10 @@ def test_cli_decodes_with_a_checkpoint_declaring_huge_positions(huge_folder):
 # Memory: a prefill that cannot fit
 # ---------------------------------------------------------------------------------------
 
-PAST_MEMORY = 200_000  # tokens: the tiny model's prefill needs hundreds of GiB (the scores alone: 2 * T**2 * 4 bytes)
-REFUSED = (r"the prefill of a 200,000-token prompt \(1 row, a cache of [\d,]+ positions\) needs about [\d.,]+ [TG]iB "
+# Tokens: with dense attention the tiny model's prefill needs hundreds of GiB (the scores alone: 2 * T**2 * 4
+# bytes); in blocks (what "auto" picks at this length) a few hundred MiB.
+PAST_MEMORY = 200_000
+REFUSED = (r"the prefill of a 200,000-token prompt \(1 row, a cache of [\d,]+ positions\) needs about [\d.,]+ [MTG]iB "
            r"of memory, more than the [\d.,]+ [KMGT]iB free on ")
 
 
@@ -391,7 +393,7 @@ REFUSED = (r"the prefill of a 200,000-token prompt \(1 row, a cache of [\d,]+ po
     lambda model, params, prompt: next(stream(model, params, prompt, max_new_tokens=4)),
 ], ids=["generate", "stream"])
 def test_a_prefill_past_memory_is_refused_before_compiling(decode):
-    model, params = Decoder(TINY.replace(max_seq_len=HUGE)), init_params(TINY)
+    model, params = Decoder(TINY.replace(max_seq_len=HUGE, attention_impl="dense")), init_params(TINY)
     prompt = np.ones((1, PAST_MEMORY), np.int32)
     started = time.perf_counter()
     with count_compiles() as compiles, pytest.raises(ValueError, match=REFUSED):
@@ -443,7 +445,17 @@ def test_free_memory_of_accelerators_is_their_limit_less_their_use(monkeypatch):
     assert free_bytes() == (130 * 2**30, "2 GPU devices")
 
 
-def test_cli_refuses_a_prompt_past_memory_in_one_line_before_compiling(huge_folder, tmp_path):
+def test_a_prefill_in_blocks_needs_memory_linear_in_the_prompt():
+    """The same 200,000 tokens attending in blocks: about 1.5 KiB a token, not 2 * T * 4 bytes a token."""
+    config = TINY.replace(max_seq_len=HUGE)
+    blocks = [prefill_bytes(config, 1, T, T + 4) for T in (PAST_MEMORY // 2, PAST_MEMORY)]
+    assert blocks[1] < 2**30 and 1.9 < blocks[1] / blocks[0] < 2.1
+    assert prefill_bytes(config.replace(attention_impl="dense"), 1, PAST_MEMORY, PAST_MEMORY + 4) > 100 * 2**30
+
+
+def test_cli_refuses_a_prompt_past_memory_in_one_line_before_compiling(huge_folder, tmp_path, monkeypatch):
+    """The host said to have 64 MiB free: the 200,000-token prompt's prefill, in blocks, needs more."""
+    monkeypatch.setattr("jaxformer.memory.free_bytes", lambda: (64 * 2**20, "the host"))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("~" * PAST_MEMORY + "\n")
     before = snapshot(huge_folder)
