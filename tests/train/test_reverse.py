@@ -173,8 +173,9 @@ def test_resume_with_a_different_config_or_into_a_used_dir(runs, tmp_path, capsy
 
 def test_bfloat16_training_lowers_the_loss(tmp_path):
     run_dir = tmp_path / "bf16"
-    assert reverse.main([*TINY, "--steps", "150", "--log-every", "50", "--checkpoint-every", "150", "--warmup", "50",
+    assert reverse.main([*TINY, "--steps", "300", "--log-every", "50", "--checkpoint-every", "300", "--warmup", "50",
                          "--dtype", "bfloat16", "--run-dir", str(run_dir)]) == 0
     losses = [m["loss"] for m in read_metrics(run_dir / "metrics.jsonl")]
-    # Measured: 2.83 -> 2.64 in bf16, 2.81 -> 2.58 in float32 (the full demo in bf16: 100% exact).
-    assert len(losses) == 3 and losses[-1] < losses[0] - 0.1
+    # Measured in bf16, from step 50 to 300, seeds 0, 1, 2: 2.78 -> 2.63, 2.82 -> 2.51, 2.75 -> 2.37 (at step 150
+    # seed 0 had only reached 2.70: this tiny model's first steps depend on its draws; the full demo in bf16: 100%).
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1
