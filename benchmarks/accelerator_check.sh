@@ -41,7 +41,7 @@ step selfcheck 120 python -m jaxformer.selfcheck
 # allocations and gets what is left). pytest-benchmark, where the image has it, only warns
 # under xdist: blocked (`-p no:` of a plugin that is absent is fine).
 # -v: each test's name and outcome as it ends, so a run cut short by its limit still says which failed.
-step tests 300 env XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -v -rf --tb=short -p no:cacheprovider \
+step tests 420 env XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -v -rf --tb=short -p no:cacheprovider \
   -p no:benchmark -n "$([ "$backend" = cpu ] && nproc || echo 8)" \
   tests/test_products.py tests/test_attention.py tests/test_decoder.py tests/test_feedforward.py tests/test_norms.py \
   tests/test_positions.py tests/test_losses.py tests/test_lora.py tests/test_blockwise.py tests/kernels tests/decoding
