@@ -17,8 +17,11 @@
 # Each step's output is in OUT_DIR/<step>.log, one line per step in OUT_DIR/summary.txt, the
 # figures in OUT_DIR/decode_1b.json and OUT_DIR/long_context.json, and both in one
 # OUT_DIR/accelerator_check.json with the summary. The status is non-zero when any step failed.
+# ACCELERATOR_CHECK_STEPS="tests long_context" runs those steps alone (a device's time is short;
+# decode_1b needs checkpoint_1b's checkpoint).
 set -u
 out=${1:-accelerator_check}
+only=${ACCELERATOR_CHECK_STEPS:-}
 mkdir -p "$out"
 : > "$out/summary.txt"
 status=0
@@ -26,6 +29,7 @@ status=0
 step() {  # step NAME SECONDS COMMAND...: runs it, logs it, records how it went
   local name=$1 limit=$2 start=$SECONDS result
   shift 2
+  if [ -n "$only" ] && [[ " $only " != *" ${name%_collect} "* ]]; then return; fi  # (tests_collect: with tests)
   echo "== $name"
   if timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1; then result=ok; else result="failed (status $?)"; status=1; fi
   echo "$name: $result in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
@@ -48,7 +52,7 @@ step tests 420 env XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -v -rf -
 # A worker that dies before its first test (XLA aborting as JAX starts, e.g. on a flag in
 # XLA_FLAGS it does not know) leaves only "node down: Not properly terminated" in tests.log:
 # pytest's capture held its stderr. One file collected in this process, uncaptured, says why.
-if grep -q "node down" "$out/tests.log"; then
+if grep -qs "node down" "$out/tests.log"; then
   step tests_collect 60 env XLA_PYTHON_CLIENT_PREALLOCATE=false python -m pytest -q -p no:cacheprovider \
     -p no:benchmark -n 0 -s --collect-only tests/decoding/test_generation.py
 fi
