@@ -14,8 +14,10 @@
 #   long_context    a training step at T = 2k and 8k, attention in blocks (on a GPU or TPU the
 #                   Pallas kernels) against the dense jnp attention: XLA's temporary bytes and,
 #                   on a device (up to 2k on a CPU), the step times in the same run
+#   attention_paths attention alone, forward and gradient, dense, the jnp blocks and the platform's
+#                   kernel, at T = 2k and 8k (2k on a CPU): times in the same run
 # Each step's output is in OUT_DIR/<step>.log, one line per step in OUT_DIR/summary.txt, the
-# figures in OUT_DIR/decode_1b.json and OUT_DIR/long_context.json, and both in one
+# figures in OUT_DIR/decode_1b.json, long_context.json and attention_paths.json, and all in one
 # OUT_DIR/accelerator_check.json with the summary. The status is non-zero when any step failed.
 # ACCELERATOR_CHECK_STEPS="tests long_context" runs those steps alone (a device's time is short;
 # decode_1b needs checkpoint_1b's checkpoint).
@@ -63,12 +65,14 @@ step decode_1b 300 python -m benchmarks.decode_1b "$out/llama_1b" --no-peer --ba
 timed=$([ "$backend" = cpu ] && echo 2048 || echo 8192)  # (an 8k step of dense attention takes minutes on a CPU)
 step long_context 180 python -m benchmarks.long_context --lengths 2048 8192 --time-up-to "$timed" \
   --out "$out/long_context.json"
+step attention_paths 120 python -m benchmarks.attention_paths --lengths $([ "$backend" = cpu ] && echo 2048 || echo 2048 8192) \
+  --out "$out/attention_paths.json"
 rm -rf "$out/llama_1b" "$out/reverse/checkpoints"
 python - "$out" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 figures = {"summary": (out / "summary.txt").read_text().splitlines()}
-for name in ("decode_1b", "long_context"):
+for name in ("decode_1b", "long_context", "attention_paths"):
     path = out / f"{name}.json"
     figures[name] = json.loads(path.read_text()) if path.exists() else None  # (None: the step failed)
 (out / "accelerator_check.json").write_text(json.dumps(figures, indent=1))
