@@ -134,23 +134,31 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: Visibility, *, kind: 
 
 def in_blocks(q, k, v, q_pos, k_pos, window, *, scale=None, softcap=None) -> jax.Array:
     """`blockwise_attention`'s algorithm on every backend (its arguments): the Pallas kernels
-    on a GPU (Triton) and a TPU (Mosaic), where they take the head's width and dtype, and the
+    on a GPU (Triton, bfloat16) and a TPU (Mosaic), where they take the head's width and dtype, and the
     `jnp` version elsewhere (`block_paths`). The choice is made as the program is lowered for its
     platform, so a program exported for "cuda" carries the Triton kernels."""
     paths = block_paths(q.shape[-1], q.dtype, scale=scale, softcap=softcap)
     return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, window, **paths)
 
 
+# The dtypes each platform's kernel attends in blocks in. On a GPU, bfloat16 alone: float32 products
+# at HIGHEST precision (no TF32) run on the CUDA cores, and on an H200 the Triton kernels took
+# 9-14x the dense attention's time there against the `jnp` blocks' 1.3-2x; in bfloat16 0.3-0.6x
+# (`benchmarks/attention_paths.py`, docs/performance.md).
+KERNEL_DTYPES = {"cuda": (jnp.bfloat16,), "tpu": (jnp.float32, jnp.bfloat16)}
+
+
 def block_paths(head_dim: int, dtype, *, scale=None, softcap=None) -> dict:
     """`{"cuda": f, "tpu": f, "default": f}`, each `f(q, k, v, q_pos, k_pos, window)` attending in
-    blocks on that platform (a kernel, or the `jnp` version where the kernel does not take the head)."""
+    blocks on that platform (a kernel, or the `jnp` version where the kernel does not take the
+    head, or is slower in `dtype`: `KERNEL_DTYPES`)."""
     in_jnp = functools.partial(blockwise_attention, scale=scale, softcap=softcap)
 
-    def kernel(module):
-        return functools.partial(module.flash_attention, scale=scale, softcap=softcap) \
-            if module.supports(head_dim, dtype) else in_jnp
+    def kernel(platform, module):
+        takes = module.supports(head_dim, dtype) and jnp.dtype(dtype) in KERNEL_DTYPES[platform]
+        return functools.partial(module.flash_attention, scale=scale, softcap=softcap) if takes else in_jnp
 
-    return {"cuda": kernel(triton_attention), "tpu": kernel(mosaic_attention), "default": in_jnp}
+    return {"cuda": kernel("cuda", triton_attention), "tpu": kernel("tpu", mosaic_attention), "default": in_jnp}
 
 
 def decoding_step(q, k, v, q_pos, window, *, scale=None, softcap=None) -> jax.Array:
