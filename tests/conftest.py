@@ -3,6 +3,7 @@ command line run in this process."""
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import io
 import logging
@@ -117,6 +118,13 @@ FULL_TIER = {
     "tests/test_cache.py::test_with_steps_of_copies_back_what_a_step_of_the_first_rows_wrote[rings]": "more layouts",
     "tests/test_cache.py::test_with_steps_of_copies_back_what_a_step_of_the_first_rows_wrote[stacked]": "more layouts",
     "tests/faults/test_hostile_server.py": "servers started, signalled and loaded",
+    "tests/faults/test_inputs.py::test_cli_killed_": "commands killed mid-run, then resumed",
+    # (Peers at length: the fast tier keeps each family's logits against transformers, and LoRA's step
+    # against peft on Llama; whole greedy runs and the other families' LoRA steps here.)
+    "tests/families/test_families.py::test_greedy_tokens_equal_transformers": "greedy runs against transformers",
+    "tests/convert/test_hf_parity.py::test_greedy_generation_matches_token_for_token": "greedy runs, transformers",
+    "tests/test_lora.py::test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways[gemma]": "more families",
+    "tests/test_lora.py::test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways[phi3]": "more families",
     "tests/faults/test_runs.py": "runs started, raced and interrupted",
     "tests/faults/test_interrupts.py": "commands interrupted by signals",
     "tests/faults/test_hostile_finetune.py": "fine-tuning runs raced and refused",
@@ -147,7 +155,25 @@ def pytest_xdist_auto_num_workers(config):
 
 def memorised_params(config: DecoderConfig, ids: list[int], steps: int = 300, batch: int = 16, width: int = 33):
     """Parameters of `config` that have learned the text of `ids` by heart, so greedy decoding
-    continues a prompt with that text: real words, far from ties, not random bytes."""
+    continues a prompt with that text: real words, far from ties, not random bytes.
+
+    Trained once per run: the first process to train them (a pytest-xdist worker, or a
+    subprocess) leaves them in the run's cache directory, and the others read them back (the
+    training is deterministic, so they would get the same numbers; it takes tens of seconds)."""
+    key = hashlib.sha256(repr((config, list(map(int, ids)), steps, batch, width)).encode()).hexdigest()[:24]
+    path = os.path.join(os.environ["JAXFORMER_CACHE_DIR"], f"memorised-{key}.npz")
+    treedef = jax.tree.structure(init_params(config))
+    if os.path.exists(path):
+        with np.load(path) as saved:
+            return jax.tree.unflatten(treedef, [jnp.asarray(saved[f"leaf{i}"]) for i in range(treedef.num_leaves)])
+    params = _memorise(config, ids, steps, batch, width)
+    partial = f"{path}.{os.getpid()}.npz"
+    np.savez(partial, **{f"leaf{i}": np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(params))})
+    os.replace(partial, path)  # (whole or not at all: another process may be reading)
+    return params
+
+
+def _memorise(config: DecoderConfig, ids: list[int], steps: int, batch: int, width: int):
     model, optimizer = Decoder(config), optax.adam(1e-2)
     ids = jnp.asarray(ids)
 
