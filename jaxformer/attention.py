@@ -143,7 +143,7 @@ def in_blocks(q, k, v, q_pos, k_pos, window, *, scale=None, softcap=None) -> jax
 
 # The dtypes each platform's kernel attends in blocks in. On a GPU, bfloat16 alone: float32 products
 # at HIGHEST precision (no TF32) run on the CUDA cores, and on an H200 the Triton kernels took
-# 9-14x the dense attention's time there against the `jnp` blocks' 1.3-2x; in bfloat16 0.3-0.6x
+# 9-16x the dense attention's time there against the `jnp` blocks' 1.3-2x; in bfloat16 0.3-0.6x
 # (`benchmarks/attention_paths.py`, docs/performance.md).
 KERNEL_DTYPES = {"cuda": (jnp.bfloat16,), "tpu": (jnp.float32, jnp.bfloat16)}
 
