@@ -13,8 +13,10 @@ Einsum letters, one meaning each in this file:
     c which projection of a packed Q/K/V (0 = Q, 1 = K, 2 = V)
 """
 
+import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -29,8 +31,8 @@ from jaxformer.kernels.decode_attention import decode_attention
 from jaxformer.kernels.decode_attention import supports as decoding_supports
 from jaxformer.lora import project
 from jaxformer.norms import RMSNorm
-from jaxformer.positions import apply_rope
-from jaxformer.products import precision_for
+from jaxformer.positions import apply_rope, rope_attention_factor, rope_cos_sin, rope_frequencies
+from jaxformer.products import precision_for, product
 from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_param, param
 
 
@@ -199,34 +201,114 @@ def of_type(by_type: dict, is_sliding):
                         by_type["full"])
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """The "attention" mixer kind of a decoder layer: causal softmax attention of `n_head` query
+    heads over `n_kv_head` key/value heads (GQA), RoPE on q and k, a KV cache between calls.
+
+    What a layer of this kind may change from its neighbours (Gemma's sliding layers, their
+    local RoPE base) is here; what every layer shares (d_model, the norms' form, LoRA, the
+    compute dtype) stays on the model's `DecoderConfig`.
+
+    Attributes:
+      n_head, n_kv_head, head_dim: query heads, key/value heads, channels per head.
+      window: keys a query reads, itself included (a "sliding" layer); None: every earlier one.
+      rope_theta, rope_scaling: RoPE's base and `RopeScaling` (None: none) at this layer.
+      rope_pairing: which channels RoPE rotates together ("split_half" or "interleaved").
+      qk_norm: an RMSNorm over each head's channels of q and of k, before RoPE (Qwen3, Gemma 3).
+      qkv_bias: q, k and v carry a bias (Qwen2).
+      scale: the scores' scale; None: `head_dim ** -0.5`.
+      softcap: scores pass through `softcap * tanh(score / softcap)` (Gemma 2); None: not.
+    """
+
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    window: int | None
+    rope_theta: float
+    rope_scaling: "RopeScaling | None"  # noqa: F821 (jaxformer.config)
+    rope_pairing: str = "split_half"
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    scale: float | None = None
+    softcap: float | None = None
+
+    @property
+    def attention_type(self) -> str:
+        """"sliding" with a window, else "full": which slots a cache keeps for the layer (a ring, or all)."""
+        return "full" if self.window is None else "sliding"
+
+    def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """RoPE's `cos, sin` `[..., T, head_dim/2]` at `position` (int `[T]` or `[batch, T]`)."""
+        return rope_cos_sin(position, rope_frequencies(position, self.head_dim, self.rope_theta, self.rope_scaling),
+                            rope_attention_factor(self.rope_scaling))
+
+    def view(self, position: jax.Array, key_position: jax.Array, rope=None) -> tuple[jax.Array, jax.Array, Visibility]:
+        """What a layer of this spec reads in a call besides its input: RoPE's `cos, sin` at the
+        query positions (`rope(position)`, or `rope` where the caller has them), and the
+        `Visibility` of the keys at `key_position` (`[S]` or `[batch, S]`; negative: an empty
+        slot): a query at p reads the keys at `0 .. p`, or with a window those in `(p - window, p]`."""
+        cos, sin = self.rope(position) if rope is None else rope
+        window = FULL_WINDOW if self.window is None else self.window
+        return cos, sin, Visibility(position, key_position, jnp.int32(window))
+
+
+class Part(NamedTuple):
+    """One group of rows of a call, as a mixer reads it: `rows` rows of `T` tokens, their RoPE
+    angles `cos, sin` `[rows, T, head_dim/2]` (or `[T, ...]`), `masks` `{attention type:
+    Visibility}` (the types its layer may be) and the model's cache for them (a `KVCache`, or None).
+
+    A call is one part, whose tokens are `x`'s `[batch, T]`; a serving engine's step and a
+    prompt's piece in one call are two, laid out one after the other in one row of `x`, `[1,
+    sum of rows * T]`: every product but attention's runs on all their tokens at once."""
+
+    rows: int
+    T: int
+    cos: jax.Array
+    sin: jax.Array
+    masks: dict
+    cache: Any
+
+    def take(self, a: jax.Array, start: int, grouped: bool) -> jax.Array:
+        """This part's tokens of `a` (`[1, N, ...]` in a grouped call: from token `start`), `[rows, T, ...]`."""
+        return a[0, start:start + self.rows * self.T].reshape(self.rows, self.T, *a.shape[2:]) if grouped else a
+
+
 class GQASelfAttention(nn.Module):
-    """Causal self-attention of the decoder-only model: GQA with RoPE and a KV cache."""
+    """Causal self-attention of the decoder-only model: GQA with RoPE and a KV cache (a mixer of
+    kind `AttentionSpec`).
+
+    Attributes:
+      config: the model's `DecoderConfig` (d_model, the norms' form, LoRA, dtypes, `attention_impl`).
+      spec: this layer's `AttentionSpec` (in a scan over layers of several specs, the first: their
+        parameters have one shape).
+    """
 
     config: "DecoderConfig"  # noqa: F821 (jaxformer.config; a string to avoid a cycle)
+    spec: AttentionSpec
 
     @nn.compact
-    def __call__(self, x, cos, sin, masks, cache=None, layer=None, is_sliding=None):
+    def __call__(self, x, parts: tuple[Part, ...], layer=None, is_sliding=None):
         """Attends causally over `x` (and the cache), with GQA and RoPE.
 
         Args:
-          x: `[batch, T, d_model]` normalised residual stream.
-          cos, sin: `[T, head_dim // 2]` (or `[batch, T, head_dim // 2]`) RoPE angles.
-          masks: `{attention type: Visibility}`, which keys each query reads (positions `[T]`
-            and `[S]`, or per row), for the types this layer may be (one, or both in a scan over
-            both). S is T without a cache, and with one the keys its layer's view gives (the
-            first S slots, the cache's span, or a ring's then this call's).
-          cache: the model's `KVCache`, or None.
-          layer: this layer's index in `cache` (traced in a scan).
+          x: `[batch, T, d_model]` normalised residual stream (a grouped call's `[1, N, d_model]`).
+          parts: the call's `Part`s: one, or several groups of rows laid out in `x` one after
+            another, each with its own angles, masks and cache. A part's S keys are T without a
+            cache, and with one those its layer's view gives (the first S slots, the cache's span,
+            or a ring's then this call's).
+          layer: this layer's index in the caches (traced in a scan).
           is_sliding: bool `[]` in a scan over both types: this layer's, which picks its mask.
 
         Returns:
-          `(y [batch, T, d_model], cache)`, this call's K/V written into the layer's slots; the
-          weights are sown into 'intermediates' as `attention_weights` where they were made
-          (dense attention: `config.attention_impl` "dense", or "auto" on short sequences), unless the
-          cache keeps the two types in two stacks: their shapes differ.
+          `(y [batch, T, d_model], caches)`, each part's cache with this call's K/V written into
+          the layer's slots; the weights are sown into 'intermediates' as `attention_weights`
+          where they were made (dense attention: `config.attention_impl` "dense", or "auto" on
+          short sequences) in an ungrouped call, unless the cache keeps the two types in two
+          stacks: their shapes differ.
         """
-        c = self.config
-        d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
+        c, a = self.config, self.spec
+        d, H, K, D = c.d_model, a.n_head, a.n_kv_head, a.head_dim
         init = nn.initializers.normal(0.02)
         # The output projection adds into the residual stream once per block; 1/sqrt(2L)
         # keeps the stream's variance from growing with depth (GPT-2).
@@ -240,66 +322,43 @@ class GQASelfAttention(nn.Module):
         # (`project`: the einsums, plus an adapter's low-rank term where `config.lora` adds one.)
         q, k, v = project(self, x, ("wq", "btd,dhk->bthk", wq),  # [batch, T, n_head, head_dim]
                           ("wk", "btd,dnk->btnk", wk), ("wv", "btd,dnk->btnk", wv))  # [batch, T, n_kv, head_dim]
-        if c.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
+        if a.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
             q = q + compute_param(self, "bq", nn.initializers.zeros, (H, D), (HEADS, HEAD_DIM))
             k = k + compute_param(self, "bk", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
             v = v + compute_param(self, "bv", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
-        if c.qk_norm:  # each head's q and k normalised over its channels: bounded scores (Qwen3, Gemma 3)
+        if a.qk_norm:  # each head's q and k normalised over its channels: bounded scores (Qwen3, Gemma 3)
             q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="k_norm")(k)
-        scores = dict(scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5,
-                      softcap=c.attn_logit_softcap)
-        if isinstance(cache, tuple):  # groups of rows (`Decoder`'s tuple of tokens), laid out in one row of x
-            out, cache = self.grouped(q, k, v, cos, sin, masks, cache, layer, is_sliding, scores)
-            (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))
-            return y, cache
-        # Rotate q and k (never v) before caching: a cached key keeps its position.
-        q = apply_rope(q, cos, sin, c.rope_pairing)
-        k = apply_rope(k, cos, sin, c.rope_pairing)
-
-        def read(keys, values, kind=None):  # -> (out [batch, T, n_head, head_dim], weights or None)
-            # `keys` read as a layer of `kind` reads them (a cache of two stacks names the kind of
-            # each); None: this layer's own type, picked by its flag in a scan over both.
-            seen = masks[kind] if kind else of_type(masks, is_sliding)
-            return attend(q, keys, values, seen, kind=c.attention_impl, **scores)
-
-        if cache is None:
-            out, weights = read(k, v)
-        else:  # the layer's view writes this call's K/V and gives the keys it reads: [batch, S, n_kv, head_dim]
-            (out, weights), view = cache.layer(layer).attend(read, k, v, cache.pos, cache.stop, cache.read_slots)
-            cache = cache.with_layer(layer, view)
-        if weights is not None:  # (a cache of two stacks gives none)
-            self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
-        (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # concat heads, then W_O: [batch, T, d_model]
-        return y, cache
-
-
-    @nn.nowrap
-    def grouped(self, q, k, v, cos, sin, masks, caches, layer, is_sliding, scores):
-        """Attention of each group of rows in its own cache: q, k, v `[1, N, heads, head_dim]` hold
-        the groups' tokens one after the other (group g's `[batch_g, T_g]` as `cos[g]`'s first
-        axes say), each rotated by its positions and attending within its cache. Returns `(out
-        [1, N, n_head, head_dim], the caches written)`."""
+        scores = dict(scale=a.scale, softcap=a.softcap)
+        grouped = len(parts) > 1
         outs, written, start = [], [], 0
-        for group_cos, group_sin, group_masks, cache in zip(cos, sin, masks, caches):
-            rows, T = group_cos.shape[:2]
+        for part in parts:  # (one, unless groups of rows share the call: each attends in its own cache)
+            # Rotate q and k (never v) before caching: a cached key keeps its position.
+            part_q = apply_rope(part.take(q, start, grouped), part.cos, part.sin, a.rope_pairing)
+            part_k = apply_rope(part.take(k, start, grouped), part.cos, part.sin, a.rope_pairing)
 
-            def take(a):  # this group's tokens, [rows, T, heads, head_dim]
-                return a[0, start:start + rows * T].reshape(rows, T, *a.shape[2:])
+            def read(keys, values, kind=None, part_q=part_q, masks=part.masks):
+                # -> (out [rows, T, n_head, head_dim], weights or None). `keys` read as a layer of `kind`
+                # reads them (a cache of two stacks names the kind of each); None: this layer's own
+                # type, picked by its flag in a scan over both.
+                seen = masks[kind] if kind else of_type(masks, is_sliding)
+                return attend(part_q, keys, values, seen, kind=c.attention_impl, **scores)
 
-            group_q = apply_rope(take(q), group_cos, group_sin, self.config.rope_pairing)
-            group_k = apply_rope(take(k), group_cos, group_sin, self.config.rope_pairing)
-
-            def read(keys, values, kind=None, group_q=group_q, group_masks=group_masks):
-                seen = group_masks[kind] if kind else of_type(group_masks, is_sliding)
-                return attend(group_q, keys, values, seen, kind=self.config.attention_impl, **scores)
-
-            (out, _), view = cache.layer(layer).attend(read, group_k, take(v), cache.pos, cache.stop,
-                                                       cache.read_slots)
-            written.append(cache.with_layer(layer, view))
-            outs.append(out.reshape(1, rows * T, *out.shape[2:]))
-            start += rows * T
-        return jnp.concatenate(outs, axis=1), tuple(written)
+            cache = part.cache
+            if cache is None:
+                out, weights = read(part_k, part.take(v, start, grouped))
+            else:  # the layer's view writes this call's K/V and gives the keys it reads: [rows, S, n_kv, head_dim]
+                (out, weights), view = cache.layer(layer).attend(read, part_k, part.take(v, start, grouped),
+                                                                 cache.pos, cache.stop, cache.read_slots)
+                cache = cache.with_layer(layer, view)
+            if weights is not None and not grouped:  # (a cache of two stacks gives none)
+                self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)
+            outs.append(out.reshape(1, -1, *out.shape[2:]) if grouped else out)
+            written.append(cache)
+            start += part.rows * part.T
+        out = jnp.concatenate(outs, axis=1) if grouped else outs[0]  # [batch, T, n_head, head_dim]
+        (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # concat heads, then W_O: [batch, T, d_model]
+        return y, tuple(written)
 
 
 class MultiHeadAttention(nn.Module):
@@ -328,7 +387,7 @@ class MultiHeadAttention(nn.Module):
     def project_kv(self, memory: jax.Array) -> LayerKV:
         """Cross-attention's K/V of `memory` `[batch, S, d_model]`, projected once per source."""
         dtype = self.config.dtype
-        kv = jnp.einsum("bsd,dchk->cbshk", memory, self.w_qkv[:, 1:].astype(dtype), precision=precision_for(dtype))
+        kv = product("bsd,dchk->cbshk", memory, self.w_qkv[:, 1:].astype(dtype))
         kv = kv + self.b_qkv[1:, None, None].astype(dtype)  # [2, batch, S, n_head, head_dim]
         return LayerKV(k=kv[0], v=kv[1])
 
@@ -351,10 +410,10 @@ class MultiHeadAttention(nn.Module):
         """
         dtype = self.config.dtype
         if memory is None and memory_kv is None:  # self-attention: one GEMM for Q, K and V
-            qkv = jnp.einsum("btd,dchk->cbthk", x, self.w_qkv.astype(dtype), precision=precision_for(dtype))
+            qkv = product("btd,dchk->cbthk", x, self.w_qkv.astype(dtype))
             q, k, v = qkv + self.b_qkv[:, None, None].astype(dtype)  # each [batch, T, n_head, head_dim]
         else:  # cross-attention: Q from the decoder, K and V from the encoder's output
-            q = jnp.einsum("btd,dhk->bthk", x, self.w_qkv[:, 0].astype(dtype), precision=precision_for(dtype))
+            q = product("btd,dhk->bthk", x, self.w_qkv[:, 0].astype(dtype))
             q = q + self.b_qkv[0].astype(dtype)
             memory_kv = self.project_kv(memory) if memory_kv is None else memory_kv
             k, v = memory_kv.k, memory_kv.v  # [batch, S, n_head, head_dim]
@@ -364,6 +423,6 @@ class MultiHeadAttention(nn.Module):
         weights = attention_weights(q, k, mask)  # [batch, n_head, T, S]
         self.sow("intermediates", "attention_weights", weights)
         out = combine_values(self.dropout(weights, deterministic=deterministic), v)  # [batch, T, n_head, head_dim]
-        y = jnp.einsum("bthk,hkd->btd", out, self.w_o.astype(dtype), precision=precision_for(dtype))  # concat, W_O
+        y = product("bthk,hkd->btd", out, self.w_o.astype(dtype))  # concat heads, then W_O
         y = y + self.b_o.astype(dtype)
         return y, layer_cache

@@ -1,11 +1,13 @@
 """The modern decoder-only Transformer (Llama-style).
 
     x = embed(tokens)
-    for each block:  x = x + attn(rmsnorm(x))     # GQA + RoPE, causal, KV cache
-                     x = x + swiglu(rmsnorm(x))
+    for each layer:  x = x + attn(rmsnorm(x))     # the mixer: GQA + RoPE, causal, KV cache
+                     x = x + swiglu(rmsnorm(x))   # the feed-forward
     logits = rmsnorm(x) @ embed^T                 # tied output head (or its own matrix)
 
-Pre-norm keeps an identity path through the residual stream; no dropout, no biases.
+Each layer is built from its `LayerSpec` (`jaxformer.layers`: a mixer, a feed-forward and a
+norm placement, each of a kind). Pre-norm keeps an identity path through the residual
+stream; no dropout, no biases.
 """
 
 from __future__ import annotations
@@ -18,73 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.attention import FULL_WINDOW, GQASelfAttention, Visibility, of_type
 from jaxformer.cache import KVCache, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import OutputHead, lookup
-from jaxformer.feedforward import SwiGLU
+from jaxformer.layers import Block, LayerSpec, distinct, layer_specs, norm, view_key
 from jaxformer.memory import prefill_bytes
-from jaxformer.norms import RMSNorm
-from jaxformer.positions import rope_attention_factor, rope_cos_sin, rope_frequencies, rope_inv_freq
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_cache_step, check_step_inputs
-
-
-def norm(config: DecoderConfig, name: str) -> RMSNorm:
-    """The decoder's RMSNorm over `d_model` channels, named `name`."""
-    return RMSNorm(config.norm_eps, config.param_dtype, config.norm_plus_one, name=name)
-
-
-class Block(nn.Module):
-    """One pre-norm block, called as a scan body `(carry, *broadcast, scanned) -> (carry,
-    None)` so the same module runs once per layer (`block_{i}`) or scanned over stacked
-    parameters.
-
-    Attributes:
-      config: the model's `DecoderConfig`.
-      attention_type: this layer's entry of `config.attention_types`; None in a scan, where
-        the scanned `is_sliding` says it.
-    """
-
-    config: DecoderConfig
-    attention_type: str | None = None
-
-    @nn.compact
-    def __call__(self, carry, views, layer):
-        """`((x, cache), None)` after the block.
-
-        Args:
-          carry: `(x [batch, T, d_model], cache)`, the cache the model's `KVCache` (None without
-            one), which the block writes its layer of.
-          views: `{attention type: (cos, sin, seen)}`, `GQASelfAttention`'s inputs for each
-            type of layer (`attention_views`), the same for every block.
-          layer: `(is_sliding, index)`: in a scan over both types bool `[]` this layer's type
-            (else None), and its index in the model (int32 `[]` in a scan).
-        """
-        x, cache = carry
-        c = self.config
-        is_sliding, index = layer
-
-        def angles_and_masks(views: dict):
-            if self.attention_type is not None:
-                views = {self.attention_type: views[self.attention_type]}
-            # One scanned body serves both types: its layer's flag picks the angles (and the attention, the mask).
-            return (*of_type({kind: view[:2] for kind, view in views.items()}, is_sliding),
-                    {kind: view[2] for kind, view in views.items()})
-
-        # (Groups of rows in one call, `Decoder`'s tuple of tokens: each group its own angles and masks.)
-        cos, sin, masks = (zip(*map(angles_and_masks, views)) if isinstance(views, tuple)
-                           else angles_and_masks(views))
-        h, cache = GQASelfAttention(c, name="attn")(norm(c, "attn_norm")(x), cos, sin, masks, cache, index, is_sliding)
-        if c.post_norms:  # Gemma 2's sandwich: the sublayer's output is normalised before the sum
-            h = norm(c, "attn_post_norm")(h)
-        x = x + h  # [batch, T, d_model]
-        h = SwiGLU(c, name="mlp")(norm(c, "mlp_norm")(x))
-        if c.post_norms:
-            h = norm(c, "mlp_post_norm")(h)
-        x = x + h  # [batch, T, d_model]
-        return (x, cache), None
 
 
 # `DecoderConfig.remat_policy` -> what a rematerialised block keeps for the backward pass.
@@ -102,56 +45,41 @@ def block_type(config: DecoderConfig) -> type[nn.Module]:
 def scanned_blocks(config: DecoderConfig):
     """`Block` run `n_layer` times as one: parameters, their axis names and the sown
     intermediates gain a leading layer axis, each block its own init key; the cache rides
-    in the carry, and each block reads its own `(is_sliding, index)`."""
+    in the carry, and each block reads its own `(which, index)`."""
     return nn.scan(block_type(config), variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
                    split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
                    length=config.n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
 
 
-def attention_views(config: DecoderConfig, position: jax.Array, key_positions: dict) -> dict:
-    """`{attention type: (cos, sin, seen)}` for each type among `config.attention_types`.
-
-    Args:
-      config: the model's config.
-      position: int `[T]` or `[batch, T]`, each query's position.
-      key_positions: `{attention type: int [S] or [batch, S]}`, the position of each key a
-        layer of that type reads (negative: an empty slot).
-
-    Returns:
-      For each type, RoPE's `cos, sin` `[..., T, head_dim/2]` at the query positions (the
-      sliding layers' at `local_rope_theta` if set) and the `Visibility` (its mask `[..., T,
-      S]`): a full layer's query at p reads keys at positions `0 .. p`, a sliding layer's
-      those in `(p - sliding_window, p]`.
-    """
-    c = config
-    full_rope = rope_cos_sin(position, rope_frequencies(position, c.head_dim, c.rope_theta, c.rope_scaling),
-                             rope_attention_factor(c.rope_scaling))  # [..., T, head_dim/2] each
-    views = {}
-    for kind in sorted(set(c.attention_types)):
-        if kind == "full":
-            views[kind] = (*full_rope, Visibility(position, key_positions[kind], jnp.int32(FULL_WINDOW)))
-            continue
-        rope = full_rope if c.local_rope_theta is None else rope_cos_sin(
-            position, rope_inv_freq(c.head_dim, c.local_rope_theta))
-        views[kind] = (*rope, Visibility(position, key_positions[kind], jnp.int32(c.sliding_window)))
-    return views
+def views(specs: tuple[LayerSpec, ...], position: jax.Array, key_positions: dict) -> dict:
+    """`{view_key(mixer spec): its view}` for each distinct mixer among `specs` (`AttentionSpec.view`:
+    RoPE's `cos, sin` `[..., T, head_dim/2]` at the query positions, int `[T]` or `[batch, T]`, and
+    the `Visibility` of the keys), the keys at `key_positions[attention type]` (`[S]` or `[batch, S]`,
+    negative: an empty slot) for each attention type. Mixers that rotate alike share one RoPE."""
+    ropes, out = {}, {}
+    for mixer in sorted({s.mixer for s in specs}, key=view_key):
+        rotation = (mixer.head_dim, mixer.rope_theta, mixer.rope_scaling)
+        if rotation not in ropes:
+            ropes[rotation] = mixer.rope(position)
+        out[view_key(mixer)] = mixer.view(position, key_positions[mixer.attention_type], ropes[rotation])
+    return out
 
 
-def cached_views(config: DecoderConfig, T: int, cache: KVCache, slots: tuple[int, ...]) -> dict:
-    """`attention_views` of a call of T tokens per row after what `cache` holds (each layer's
-    `slots`). Row b's query t sits at position pos[b] + t. A full layer's slot s holds position
-    s (later slots: the future, unwritten, or padding), and only its first `read_slots` are
-    read (every row's positions lie below: `KVCache.span`); a ring's, what `ring_positions`
-    says, followed by this call's own keys."""
+def cached_views(specs: tuple[LayerSpec, ...], T: int, cache: KVCache, slots: tuple[int, ...]) -> dict:
+    """`views` of a call of T tokens per row after what `cache` holds (each layer's `slots`).
+    Row b's query t sits at position pos[b] + t. A full layer's slot s holds position s (later
+    slots: the future, unwritten, or padding), and only its first `read_slots` are read (every
+    row's positions lie below: `KVCache.span`); a ring's, what `ring_positions` says, followed
+    by this call's own keys."""
     pos = cache.pos  # [batch]
     position = pos[:, None] + jnp.arange(T)[None, :]  # [batch, T]
     keys = {}
-    for kind, n_slots in zip(config.attention_types, slots):
+    for spec, n_slots in zip(specs, slots):
         if n_slots < cache.capacity:
-            keys[kind] = jnp.concatenate([ring_positions(pos, n_slots), position], axis=1)  # [batch, R+T]
+            keys[spec.mixer.attention_type] = jnp.concatenate([ring_positions(pos, n_slots), position], axis=1)
         else:
-            keys[kind] = jnp.arange(cache.read_slots)  # [S]: the mask's width is the slots read
-    return attention_views(config, position, keys)  # [batch, T, ...]
+            keys[spec.mixer.attention_type] = jnp.arange(cache.read_slots)  # [S]: the mask's width is the slots read
+    return views(specs, position, keys)  # [batch, T, ...]
 
 
 def cache_slots(config: DecoderConfig, cache: KVCache) -> tuple[int, ...]:
@@ -209,7 +137,7 @@ class Decoder(nn.Module):
         if grouped and (not isinstance(cache, tuple) or len(cache) != len(tokens) or None in cache or hidden):
             raise ValueError("groups of tokens (a tuple) go with a tuple of as many caches, and give logits")
         groups, caches = (tokens, cache) if grouped else ((tokens,), (cache,))
-        slots = []
+        slots = []  # each cached group's slots per layer
         for group, group_cache in zip(groups, caches):
             check_step_inputs(group, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)
             if group_cache is not None:
@@ -226,22 +154,24 @@ class Decoder(nn.Module):
         if c.embed_scale:  # Gemma: embeddings of std ~1/sqrt(d) brought to the stream's scale, in its dtype
             x = x * jnp.asarray(math.sqrt(c.d_model), c.dtype)
 
+        specs = layer_specs(c)
         if cache is None:
             T = tokens.shape[1]
-            keys = {kind: jnp.arange(T) for kind in c.attention_types}  # [T]
-            views = attention_views(c, jnp.arange(T), keys)  # cos, sin [T, head_dim/2]; keys seen [T, T]
-        else:
-            views = tuple(cached_views(c, group.shape[1], *rest) for group, *rest in zip(groups, caches, slots))
-            views = views if grouped else views[0]
+            keys = {spec.mixer.attention_type: jnp.arange(T) for spec in specs}  # [T]
+            part_views = (views(specs, jnp.arange(T), keys),)  # cos, sin [T, head_dim/2]; keys seen [T, T]
+        else:  # each group of rows its own, at its positions in its cache
+            part_views = tuple(cached_views(specs, group.shape[1], group_cache, group_slots)
+                               for group, group_cache, group_slots in zip(groups, caches, slots))
 
         if c.scan_layers:
-            sliding = jnp.asarray([kind == "sliding" for kind in c.attention_types])  # [n_layer]
-            layer = (sliding if len(set(c.attention_types)) > 1 else None, jnp.arange(c.n_layer))
-            (x, written), _ = scanned_blocks(c)(c, name="blocks")((x, cache), views, layer)
+            kinds = distinct(specs)  # (the specs a scanned layer may be: full then sliding, one shape)
+            which = jnp.asarray([kinds.index(spec) == 1 for spec in specs]) if len(kinds) > 1 else None  # [n_layer]
+            (x, written), _ = scanned_blocks(c)(c, kinds, name="blocks")((x, caches), part_views,
+                                                                         (which, jnp.arange(c.n_layer)))
         else:
-            written = cache
-            for i, kind in enumerate(c.attention_types):
-                (x, written), _ = block_type(c)(c, kind, name=f"block_{i}")((x, written), views, (None, i))
+            written = caches
+            for i, spec in enumerate(specs):
+                (x, written), _ = block_type(c)(c, (spec,), name=f"block_{i}")((x, written), part_views, (None, i))
         x = norm(c, "final_norm")(x)
         weight = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),
                                                       (EMBED, VOCAB), c.param_dtype)
@@ -249,14 +179,14 @@ class Decoder(nn.Module):
         if grouped:  # each group's logits, from its tokens' places in the one row
             logits = head.logits(x)[0]  # [sum of batch * T, vocab]
             parts = jnp.split(logits, np.cumsum([group.size for group in groups])[:-1])
-            return tuple(zip(*(group_cache.commit(view.layers, part.reshape(*group.shape, -1), group.shape[1])
-                               for group, group_cache, view, part in zip(groups, caches, written, parts))))
+            return tuple(zip(*(group_cache.commit(each.layers, part.reshape(*group.shape, -1), group.shape[1])
+                               for group, group_cache, each, part in zip(groups, caches, written, parts))))
         # The head's parameter exists whatever is returned: `hidden` changes the output, never the tree.
         # [batch, T, vocab] logits, or with `hidden` the stream [batch, T, d_model] they are made from
         out = x if hidden else head.logits(x)
         if cache is None:
             return out, None
-        return cache.commit(written.layers, out, tokens.shape[1])
+        return cache.commit(written[0].layers, out, tokens.shape[1])
 
     @nn.nowrap
     def output_head(self, params) -> OutputHead:

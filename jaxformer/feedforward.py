@@ -1,15 +1,15 @@
 """Position-wise feed-forward networks: every position transformed on its own."""
 
+import dataclasses
 import functools
 import math
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jaxformer.dropout import Dropout
 from jaxformer.lora import project
-from jaxformer.products import precision_for, product
+from jaxformer.products import product
 from jaxformer.sharding import EMBED, MLP, compute_param
 
 
@@ -88,29 +88,46 @@ GATED_FFNS = {"silu": swiglu, "gelu_tanh": functools.partial(gated, gelu_tanh)} 
 GATES = {"silu": jax.nn.silu, "gelu_tanh": gelu_tanh}  # ... and its gate's nonlinearity
 
 
-class SwiGLU(nn.Module):
-    """`W_down (act(x W_gate) * (x W_up))`: a gated FFN with three matrices, `act` silu
-    (SwiGLU) or tanh-GELU (GeGLU) as `config.mlp_activation` says.
+@dataclasses.dataclass(frozen=True)
+class GatedMLPSpec:
+    """The "gated MLP" feed-forward kind of a decoder layer: `W_down (act(x W_gate) * (x W_up))`.
 
     Attributes:
-      config: a `DecoderConfig` (`d_model`, `ffn_dim`, `n_layer`, `mlp_activation`, `dtype`).
+      width: the hidden width (`ffn_dim`).
+      activation: the gate's nonlinearity, a key of `GATES`: "silu" (SwiGLU, Llama) or
+        "gelu_tanh" (GeGLU, Gemma).
+    """
+
+    width: int
+    activation: str = "silu"
+
+
+class GatedMLP(nn.Module):
+    """`W_down (act(x W_gate) * (x W_up))`: a gated FFN with three matrices (a feed-forward of
+    kind `GatedMLPSpec`).
+
+    Attributes:
+      config: the model's `DecoderConfig` (`d_model`, `n_layer`, LoRA, dtypes).
+      spec: this layer's `GatedMLPSpec`; None: the config's (`ffn_dim`, `mlp_activation`).
     """
 
     config: "DecoderConfig"  # noqa: F821
+    spec: GatedMLPSpec | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
+        spec = self.spec or GatedMLPSpec(c.ffn_dim, c.mlp_activation)
         init = nn.initializers.normal(0.02)
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))  # see GQASelfAttention
-        w_gate = compute_param(self, "w_gate", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
-        w_up = compute_param(self, "w_up", init, (c.d_model, c.ffn_dim), (EMBED, MLP))
-        w_down = compute_param(self, "w_down", residual_init, (c.ffn_dim, c.d_model), (MLP, EMBED))
+        w_gate = compute_param(self, "w_gate", init, (c.d_model, spec.width), (EMBED, MLP))
+        w_up = compute_param(self, "w_up", init, (c.d_model, spec.width), (EMBED, MLP))
+        w_down = compute_param(self, "w_down", residual_init, (spec.width, c.d_model), (MLP, EMBED))
         if c.lora is None or not c.lora.matrices & {"w_gate", "w_up", "w_down"}:
-            return GATED_FFNS[c.mlp_activation](x, w_gate, w_up, w_down)  # [batch, T, d_model]
+            return GATED_FFNS[spec.activation](x, w_gate, w_up, w_down)  # [batch, T, d_model]
         # With adapters, each product is `project`'s (the FFNs above take bare matrices).
         gate, up = project(self, x, ("w_gate", "btd,df->btf", w_gate), ("w_up", "btd,df->btf", w_up))  # [b, T, ffn]
-        (y,) = project(self, GATES[c.mlp_activation](gate) * up, ("w_down", "btf,fd->btd", w_down))
+        (y,) = project(self, GATES[spec.activation](gate) * up, ("w_down", "btf,fd->btd", w_down))
         return y  # [batch, T, d_model]
 
 
@@ -131,7 +148,7 @@ class FeedForward(nn.Module):
         b1 = compute_param(self, "b1", nn.initializers.zeros, (c.ffn_dim,), (MLP,))
         w2 = compute_param(self, "w2", init, (c.ffn_dim, c.d_model), (MLP, EMBED))
         b2 = compute_param(self, "b2", nn.initializers.zeros, (c.d_model,), (EMBED,))
-        hidden = jax.nn.relu(jnp.einsum("btd,df->btf", x, w1, precision=precision_for(x.dtype)) + b1)  # [batch, T, ffn]
+        hidden = jax.nn.relu(product("btd,df->btf", x, w1) + b1)  # [batch, T, ffn]
         hidden = Dropout(c.dropout)(hidden, deterministic=deterministic)
-        return jnp.einsum("btf,fd->btd", hidden, w2, precision=precision_for(x.dtype)) + b2  # [batch, T, d_model]
+        return product("btf,fd->btd", hidden, w2) + b2  # [batch, T, d_model]
 

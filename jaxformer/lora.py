@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxformer.config import FUSED_ADAPTERS, LoraConfig
 from jaxformer.dropout import keep_mask
-from jaxformer.products import precision_for, product
+from jaxformer.products import product
 
 PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
          "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "w_gate_up": "mlp"}  # adapter -> its module in a block
@@ -100,16 +100,14 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
             keep = keep_mask(module.make_rng("dropout"), lora.dropout, x.shape)
             x_in = jnp.where(keep, x / (1 - lora.dropout), 0).astype(x.dtype)
         a = ab["a"].reshape(lora.rank, *w.shape[:n_in]).astype(x.dtype)  # [r, in...]
-        low = jnp.einsum(f"{x_spec},r{w_spec[:n_in]}->{rows}r", x_in, a,  # [rows..., r]; r: a letter no equation uses
-                         precision=precision_for(x.dtype))
+        low = product(f"{x_spec},r{w_spec[:n_in]}->{rows}r", x_in, a)  # [rows..., r]; r: a letter no equation uses
         start = 0
         for i in members:  # each matrix's columns of b, in turn
             _, equation, w = products[i]
             (_, w_spec), out_spec = equation.split("->")[0].split(","), equation.split("->")[1]
             width = math.prod(w.shape[n_in:])
             b = ab["b"][:, start:start + width].reshape(lora.rank, *w.shape[n_in:]).astype(x.dtype)  # [r, out...]
-            outs[i] = outs[i] + lora.scale * jnp.einsum(f"{rows}r,r{w_spec[n_in:]}->{out_spec}", low, b,
-                                                        precision=precision_for(x.dtype))
+            outs[i] = outs[i] + lora.scale * product(f"{rows}r,r{w_spec[n_in:]}->{out_spec}", low, b)
             start += width
     return outs
 

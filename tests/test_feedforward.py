@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxformer import DecoderConfig
-from jaxformer.feedforward import SwiGLU, written_swiglu
+from jaxformer.feedforward import GatedMLP, written_swiglu
 
 
 def plain_swiglu(x, w_gate, w_up, w_down):
@@ -76,7 +76,7 @@ def test_a_wrong_gradient_would_fail():
 def test_module_gradients_keep_parameter_dtypes(dtype):
     config = DecoderConfig(vocab_size=11, n_layer=2, n_head=2, n_kv_head=1, d_model=16, d_ff=40,
                            max_seq_len=8, dtype=dtype)
-    module = SwiGLU(config)
+    module = GatedMLP(config)
     x = jax.random.normal(jax.random.key(1), (2, 5, 16)).astype(dtype)
     params = module.init(jax.random.key(0), x)["params"]
     assert {k: v.shape for k, v in params.items()} == {"w_gate": (16, 40), "w_up": (16, 40), "w_down": (40, 16)}

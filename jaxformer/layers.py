@@ -1,0 +1,152 @@
+"""A decoder layer: a mixer, a feed-forward and a norm placement, each of a kind.
+
+    x = x + post(mixer(norm(x)))      # post: nothing ("pre"), or an RMSNorm ("sandwich": Gemma 2 and 3)
+    x = x + post(ffn(norm(x)))
+
+A kind is a spec, a frozen dataclass of what may vary from layer to layer (a window, a RoPE
+base, a width), and the module it builds, with its parameters' names, shapes and sharding axes:
+
+    mixers          AttentionSpec -> GQASelfAttention    (jaxformer.attention)
+    feed-forwards   GatedMLPSpec  -> GatedMLP            (jaxformer.feedforward)
+
+A mixer's spec also says what a layer reads in a call besides its input (`spec.view`: RoPE's
+angles and which keys each query sees) and which slots it keeps per row between calls
+(`attention_type`: all of them, or a ring). `layer_specs(config)` gives each layer's
+`LayerSpec`; the model builds layer i from `specs[i]`, and what every layer shares (d_model,
+the norms' form, LoRA, dtypes) stays on the `DecoderConfig`. docs/architecture.md, "Layer
+kinds", says how a new kind joins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer.attention import AttentionSpec, GQASelfAttention, Part
+from jaxformer.config import DecoderConfig
+from jaxformer.feedforward import GatedMLP, GatedMLPSpec
+from jaxformer.norms import RMSNorm
+
+NORM_PLACEMENTS = ("pre", "sandwich")  # a norm before each sublayer; or before and after it (its output's)
+
+MIXERS = {AttentionSpec: GQASelfAttention}  # a mixer spec's type -> the module it builds
+FEED_FORWARDS = {GatedMLPSpec: GatedMLP}  # a feed-forward spec's type -> the module it builds
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer.
+
+    Attributes:
+      mixer: how positions exchange information (a key of `MIXERS`' types: `AttentionSpec`).
+      ffn: the position-wise feed-forward (`GatedMLPSpec`).
+      norms: where the RMSNorms sit, one of `NORM_PLACEMENTS`.
+    """
+
+    mixer: AttentionSpec
+    ffn: GatedMLPSpec
+    norms: str = "pre"
+
+    def __post_init__(self):
+        if type(self.mixer) not in MIXERS:
+            raise ValueError(f"LayerSpec.mixer: one of {[t.__name__ for t in MIXERS]}, got {type(self.mixer).__name__}")
+        if type(self.ffn) not in FEED_FORWARDS:
+            raise ValueError(f"LayerSpec.ffn: one of {[t.__name__ for t in FEED_FORWARDS]}, "
+                             f"got {type(self.ffn).__name__}")
+        if self.norms not in NORM_PLACEMENTS:
+            raise ValueError(f"LayerSpec.norms: one of {NORM_PLACEMENTS}, got {self.norms!r}")
+
+
+def layer_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
+    """Each layer's `LayerSpec` as `config` states it: an attention layer whose window and RoPE
+    follow its `attention_types` entry (a sliding layer's base is `local_rope_theta` where set,
+    unscaled), and a gated MLP."""
+    c = config
+    ffn = GatedMLPSpec(c.ffn_dim, c.mlp_activation)
+    shared = dict(n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim, rope_pairing=c.rope_pairing,
+                  qk_norm=c.qk_norm, qkv_bias=c.qkv_bias, softcap=c.attn_logit_softcap,
+                  scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar ** -0.5)
+    full = AttentionSpec(window=None, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, **shared)
+    sliding = full if c.sliding_window is None else AttentionSpec(
+        window=c.sliding_window, **shared, **(dict(rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
+                                              if c.local_rope_theta is None else
+                                              dict(rope_theta=c.local_rope_theta, rope_scaling=None)))
+    norms = "sandwich" if c.post_norms else "pre"
+    return tuple(LayerSpec(full if kind == "full" else sliding, ffn, norms) for kind in c.attention_types)
+
+
+def distinct(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
+    """The different specs among `specs`, full layers' first (the order a scan's flag indexes)."""
+    return tuple(sorted(set(specs), key=lambda s: (s.mixer.attention_type, specs.index(s))))
+
+
+def view_key(mixer) -> str:
+    """A mixer spec's key among a call's views: its attention type, then its text, so that the
+    views, a dict, flatten in one order in every program, full layers' first (specs themselves
+    do not sort: a window may be None)."""
+    return f"{mixer.attention_type} {mixer!r}"
+
+
+def pick(values: tuple, which):
+    """The only entry of `values`, or of two (a scan over full and sliding layers, `distinct`'s
+    order) the second where the traced bool `which` is set, else the first (the two the same shape)."""
+    if len(values) == 1:
+        return values[0]
+    return jax.tree.map(lambda first, second: jnp.where(which, second, first), *values)
+
+
+def norm(config: DecoderConfig, name: str) -> RMSNorm:
+    """The decoder's RMSNorm over `d_model` channels, named `name`."""
+    return RMSNorm(config.norm_eps, config.param_dtype, config.norm_plus_one, name=name)
+
+
+class Block(nn.Module):
+    """One layer, called as a scan body `(carry, views, layer) -> (carry, None)` so the same
+    module runs once per layer (`block_{i}`) or scanned over stacked parameters.
+
+    Attributes:
+      config: the model's `DecoderConfig`.
+      specs: the specs this block may be: its layer's; in a scan over layers of several specs,
+        each of them (`distinct`: their parameters share shapes, and the scanned flag picks).
+    """
+
+    config: DecoderConfig
+    specs: tuple[LayerSpec, ...]
+
+    @nn.compact
+    def __call__(self, carry, views, layer):
+        """`((x, caches), None)` after the layer.
+
+        Args:
+          carry: `(x [batch, T, d_model], caches)`, a tuple of the call's caches (None without
+            one; several for groups of rows in one call: `Part`), each of which the layer writes.
+          views: `({view_key(mixer spec): (cos, sin, seen)}, ...)`, one dict per part, every distinct
+            mixer's view of the part's tokens (`Decoder.views`), the same for every layer.
+          layer: `(which, index)`: in a scan over two specs bool `[]`, whether this layer is the
+            second of `specs` (else None), and its index in the model (int32 `[]` in a scan).
+        """
+        x, caches = carry
+        c = self.config
+        which, index = layer
+        spec = self.specs[0]
+
+        def part(part_views: dict, cache) -> Part:
+            mine = [part_views[view_key(s.mixer)] for s in self.specs]  # (cos, sin, seen) of each spec
+            cos, sin = pick(tuple(view[:2] for view in mine), which)
+            rows_T = cos.shape[:2] if cos.ndim == 3 else (x.shape[0], cos.shape[0])
+            masks = {s.mixer.attention_type: view[2] for s, view in zip(self.specs, mine)}
+            return Part(*rows_T, cos, sin, masks, cache)
+
+        mixer = MIXERS[type(spec.mixer)](c, spec.mixer, name="attn")
+        h, caches = mixer(norm(c, "attn_norm")(x), tuple(map(part, views, caches)), index, which)
+        if spec.norms == "sandwich":  # Gemma 2's: the sublayer's output is normalised before the sum
+            h = norm(c, "attn_post_norm")(h)
+        x = x + h  # [batch, T, d_model]
+        h = FEED_FORWARDS[type(spec.ffn)](c, spec.ffn, name="mlp")(norm(c, "mlp_norm")(x))
+        if spec.norms == "sandwich":
+            h = norm(c, "mlp_post_norm")(h)
+        x = x + h  # [batch, T, d_model]
+        return (x, caches), None
