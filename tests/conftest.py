@@ -411,6 +411,33 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
     return x @ (p["embed"].T if config.tie_embeddings else p["lm_head"])
 
 
+def greedy_tokens_compared(got, want, logits, bound: float) -> int:
+    """Asserts that greedy tokens `got` equal `want` (`[rows, new]`, the new tokens alone) wherever
+    the choice is no near-tie, and returns how many tokens were compared.
+
+    `logits` (`[rows, new, vocab]`) are the reference logits each token of `want` was picked
+    from (as float as the caller has them), `bound` how far apart two float32 runs' logits may
+    be: token t of a row is compared while the top two of its logits are more than `bound`
+    apart (otherwise the other run may rightly pick the runner-up), and the row no further after
+    its first near-tie: the tokens after it are continuations of the one picked there. The caller
+    asserts that the count is large enough for the comparison to mean something."""
+    got, want, logits = np.asarray(got), np.asarray(want), np.asarray(logits, np.float64)
+    assert got.shape == want.shape == logits.shape[:2], (got.shape, want.shape, logits.shape)
+    top = np.sort(logits, axis=-1)[..., -2:]
+    clear = top[..., 1] - top[..., 0] > bound  # [rows, new]
+    compared = 0
+    for row in range(want.shape[0]):
+        for t in range(want.shape[1]):
+            if not clear[row, t]:
+                break
+            assert got[row, t] == want[row, t], \
+                f"row {row}, new token {t}: {got[row, t]} against {want[row, t]}, whose logit leads by " \
+                f"{top[row, t, 1] - top[row, t, 0]:.3g} > {bound:.3g}; got {got[row].tolist()}, " \
+                f"want {want[row].tolist()}"
+            compared += 1
+    return compared
+
+
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("method", "mutable", "deterministic", "hidden"))
 def jit_apply(model, variables, *args, **kwargs):
     """`model.apply(variables, *args, **kwargs)`, jitted: a reference computation for any
