@@ -411,6 +411,46 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
     return x @ (p["embed"].T if config.tie_embeddings else p["lm_head"])
 
 
+# The error model of two float32 programs that compute the same sums in other orders (programs
+# of other shapes: other kernels, other fusions, a GPU's GEMMs picked per shape): a float32 sum's
+# rounding is within n * eps32 * sum |terms| whatever the order of its n terms, and one order's
+# rounding is of the size of another's. Each program's error is taken as within REORDERED times
+# the error measured for one of them against the same program in float64 (whose own rounding is
+# 2^29 times smaller), on the backend that runs them, so the two differ by at most
+# 2 * REORDERED times that measurement.
+REORDERED = 4
+
+
+def in_float64(fn, *args):
+    """`fn(*args)` under x64 with every float array of `args` (parameters, caches) in float64: the
+    float64 twin of a float32 program, `fn` building its model with `float64_config`."""
+    with jax.enable_x64(True):
+        wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)
+                            else a, args)
+        return jax.tree.map(np.asarray, fn(*wide))
+
+
+def float64_config(config: DecoderConfig) -> DecoderConfig:
+    return config.replace(dtype=jnp.float64, param_dtype=jnp.float64)
+
+
+def assert_reordered_equal(got, want, want64) -> None:
+    """`got` and `want` (pytrees of two float32 programs' results that sum alike in other orders)
+    are equal bitwise on a CPU, where XLA sums those shapes in one order, and elsewhere within
+    `2 * REORDERED * max |want - want64|` per array, `want64` being `want`'s program in float64."""
+    for g, w, x in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(want64), strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        if not np.issubdtype(w.dtype, np.floating):
+            np.testing.assert_array_equal(g, w)
+            continue
+        bound = 2 * REORDERED * float(np.abs(w.astype(np.float64) - x).max())
+        assert bound <= 1e-4 * max(float(np.abs(x).max()), 1.0), bound  # float32's rounding, not another result
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=0, atol=bound)
+
+
 def greedy_tokens_compared(got, want, logits, bound: float) -> int:
     """Asserts that greedy tokens `got` equal `want` (`[rows, new]`, the new tokens alone) wherever
     the choice is no near-tie, and returns how many tokens were compared.

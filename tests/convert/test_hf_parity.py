@@ -131,7 +131,7 @@ def test_greedy_generation_matches_token_for_token(peer, hf_greedy):
     assert len(np.unique(want[:, PROMPT_LEN:])) > 10  # a varied continuation, not one repeated token
     np.testing.assert_array_equal(got[:, :PROMPT_LEN], prompt)
     compared = greedy_tokens_compared(got[:, PROMPT_LEN:], want[:, PROMPT_LEN:], logits, bound=2 * TOLERANCE)
-    assert compared >= want[:, PROMPT_LEN:].size // 2  # (sharp logits: near-ties are rare; measured, none)
+    assert compared >= want[:, PROMPT_LEN:].size // 2  # (sharp logits: near-ties are rare)
 
 
 def test_cached_decoding_logits_match_at_every_step(peer, hf_greedy):
