@@ -359,11 +359,14 @@ def small():
     return SMALL, Decoder(SMALL), init_params(SMALL)
 
 
-def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list | None = None) -> np.ndarray:
+def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list | None = None,
+                         score_sizes: list | None = None) -> np.ndarray:
     """An independent float64 forward of the decoder, written the slow, obvious way:
     RoPE as multiplication by complex exponentials, attention one query head at a time
     with its kv head picked by index, a causal mask of -inf. A list passed as `attention`
-    receives each layer's weights `[B, n_head, T, T]`."""
+    receives each layer's weights `[B, n_head, T, T]`; one passed as `score_sizes` each
+    layer's `[B, n_head, T]`: the largest `sum_d |q_d k_d| / sqrt(D)` of a query's visible
+    scores (the magnitudes a float32 score sums, which its rounding scales with)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     tokens = np.asarray(tokens)
     B, T = tokens.shape
@@ -393,9 +396,11 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
         q = rope((h @ b["attn"]["wq"].reshape(d, H * D) + bias["bq"]).reshape(B, T, H, D))
         k = rope((h @ b["attn"]["wk"].reshape(d, K * D) + bias["bk"]).reshape(B, T, K, D))
         v = (h @ b["attn"]["wv"].reshape(d, K * D) + bias["bv"]).reshape(B, T, K, D)
-        heads, weights = [], []
+        heads, weights, sizes = [], [], []
         for j in range(H):
             kv = j // (H // K)
+            sizes.append(np.where(causal, np.einsum("btd,bsd->bts", np.abs(q[:, :, j]), np.abs(k[:, :, kv])), 0)
+                         .max(-1) / np.sqrt(D))
             s = np.einsum("btd,bsd->bts", q[:, :, j], k[:, :, kv]) / np.sqrt(D)
             s = np.where(causal, s, -np.inf)
             w = np.exp(s - s.max(-1, keepdims=True))
@@ -403,6 +408,8 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
             heads.append(weights[-1] @ v[:, :, kv])
         if attention is not None:
             attention.append(np.stack(weights, 1))
+        if score_sizes is not None:
+            score_sizes.append(np.stack(sizes, 1))
         x = x + np.concatenate(heads, -1) @ b["attn"]["wo"].reshape(H * D, d)
         h = rms(x, b["mlp_norm"]["weight"])
         gate = h @ b["mlp"]["w_gate"]
