@@ -27,9 +27,9 @@ def write_rows(array: jax.Array, new: jax.Array, pos: jax.Array, *, axis: int, l
     `dynamic_update_slice` per row, vectorised, which XLA makes one in-place scatter."""
     def one_row(row, new_row, start):  # row [..., capacity, ...] (the batch axis taken off)
         index = [jnp.zeros((), jnp.int32)] * row.ndim
-        index[axis - 1] = start
+        index[axis - 1] = jnp.asarray(start, jnp.int32)  # (int32 alike, with 64-bit integers enabled too)
         if layer is not None:
-            index[0] = layer
+            index[0] = jnp.asarray(layer, jnp.int32)
         return jax.lax.dynamic_update_slice(row, new_row.astype(row.dtype), index)
 
     return jax.vmap(one_row)(array, new, pos)

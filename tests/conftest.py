@@ -359,11 +359,14 @@ def small():
     return SMALL, Decoder(SMALL), init_params(SMALL)
 
 
-def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list | None = None) -> np.ndarray:
+def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list | None = None,
+                         score_sizes: list | None = None) -> np.ndarray:
     """An independent float64 forward of the decoder, written the slow, obvious way:
     RoPE as multiplication by complex exponentials, attention one query head at a time
     with its kv head picked by index, a causal mask of -inf. A list passed as `attention`
-    receives each layer's weights `[B, n_head, T, T]`."""
+    receives each layer's weights `[B, n_head, T, T]`; one passed as `score_sizes` each
+    layer's `[B, n_head, T]`: the largest `sum_d |q_d k_d| / sqrt(D)` of a query's visible
+    scores (the magnitudes a float32 score sums, which its rounding scales with)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     tokens = np.asarray(tokens)
     B, T = tokens.shape
@@ -393,9 +396,11 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
         q = rope((h @ b["attn"]["wq"].reshape(d, H * D) + bias["bq"]).reshape(B, T, H, D))
         k = rope((h @ b["attn"]["wk"].reshape(d, K * D) + bias["bk"]).reshape(B, T, K, D))
         v = (h @ b["attn"]["wv"].reshape(d, K * D) + bias["bv"]).reshape(B, T, K, D)
-        heads, weights = [], []
+        heads, weights, sizes = [], [], []
         for j in range(H):
             kv = j // (H // K)
+            sizes.append(np.where(causal, np.einsum("btd,bsd->bts", np.abs(q[:, :, j]), np.abs(k[:, :, kv])), 0)
+                         .max(-1) / np.sqrt(D))
             s = np.einsum("btd,bsd->bts", q[:, :, j], k[:, :, kv]) / np.sqrt(D)
             s = np.where(causal, s, -np.inf)
             w = np.exp(s - s.max(-1, keepdims=True))
@@ -403,12 +408,81 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
             heads.append(weights[-1] @ v[:, :, kv])
         if attention is not None:
             attention.append(np.stack(weights, 1))
+        if score_sizes is not None:
+            score_sizes.append(np.stack(sizes, 1))
         x = x + np.concatenate(heads, -1) @ b["attn"]["wo"].reshape(H * D, d)
         h = rms(x, b["mlp_norm"]["weight"])
         gate = h @ b["mlp"]["w_gate"]
         x = x + (gate / (1 + np.exp(-gate)) * (h @ b["mlp"]["w_up"])) @ b["mlp"]["w_down"]
     x = rms(x, p["final_norm"]["weight"])
     return x @ (p["embed"].T if config.tie_embeddings else p["lm_head"])
+
+
+# The error model of two float32 programs that compute the same sums in other orders (programs
+# of other shapes: other kernels, other fusions, a GPU's GEMMs picked per shape): a float32 sum's
+# rounding is within n * eps32 * sum |terms| whatever the order of its n terms, and one order's
+# rounding is of the size of another's. Each program's error is taken as within REORDERED times
+# the error measured for one of them against the same program in float64 (whose own rounding is
+# 2^29 times smaller), on the backend that runs them, so the two differ by at most
+# 2 * REORDERED times that measurement.
+REORDERED = 4
+
+
+def in_float64(fn, *args):
+    """`fn(*args)` under x64 with every float array of `args` (parameters, caches) in float64: the
+    float64 twin of a float32 program, `fn` building its model with `float64_config`."""
+    with jax.enable_x64(True):
+        wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64) if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating)
+                            else a, args)
+        return jax.tree.map(np.asarray, fn(*wide))
+
+
+def float64_config(config: DecoderConfig) -> DecoderConfig:
+    return config.replace(dtype=jnp.float64, param_dtype=jnp.float64)
+
+
+def assert_reordered_equal(got, want, want64) -> None:
+    """`got` and `want` (pytrees of two float32 programs' results that sum alike in other orders)
+    are equal bitwise on a CPU, where XLA sums those shapes in one order, and elsewhere within
+    `2 * REORDERED * max |want - want64|` per array, `want64` being `want`'s program in float64."""
+    for g, w, x in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(want64), strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        if not np.issubdtype(w.dtype, np.floating):
+            np.testing.assert_array_equal(g, w)
+            continue
+        bound = 2 * REORDERED * float(np.abs(w.astype(np.float64) - x).max())
+        assert bound <= 1e-4 * max(float(np.abs(x).max()), 1.0), bound  # float32's rounding, not another result
+        if jax.default_backend() == "cpu":
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=0, atol=bound)
+
+
+def greedy_tokens_compared(got, want, logits, bound: float) -> int:
+    """Asserts that greedy tokens `got` equal `want` (`[rows, new]`, the new tokens alone) wherever
+    the choice is no near-tie, and returns how many tokens were compared.
+
+    `logits` (`[rows, new, vocab]`) are the reference logits each token of `want` was picked
+    from (as float as the caller has them), `bound` how far apart two float32 runs' logits may
+    be: token t of a row is compared while the top two of its logits are more than `bound`
+    apart (otherwise the other run may rightly pick the runner-up), and the row no further after
+    its first near-tie: the tokens after it are continuations of the one picked there. The caller
+    asserts that the count is large enough for the comparison to mean something."""
+    got, want, logits = np.asarray(got), np.asarray(want), np.asarray(logits, np.float64)
+    assert got.shape == want.shape == logits.shape[:2], (got.shape, want.shape, logits.shape)
+    top = np.sort(logits, axis=-1)[..., -2:]
+    clear = top[..., 1] - top[..., 0] > bound  # [rows, new]
+    compared = 0
+    for row in range(want.shape[0]):
+        for t in range(want.shape[1]):
+            if not clear[row, t]:
+                break
+            assert got[row, t] == want[row, t], \
+                f"row {row}, new token {t}: {got[row, t]} against {want[row, t]}, whose logit leads by " \
+                f"{top[row, t, 1] - top[row, t, 0]:.3g} > {bound:.3g}; got {got[row].tolist()}, " \
+                f"want {want[row].tolist()}"
+            compared += 1
+    return compared
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("method", "mutable", "deterministic", "hidden"))

@@ -31,13 +31,19 @@ from pathlib import Path
 import jax
 
 PLATFORMS = ("cuda", "tpu")
-# Triton's custom call has no compatibility guarantee across jaxlib versions, so export refuses
-# it unless told: these programs are lowered to be checked, not kept.
-DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 REAL_JIT = jax.jit
 RECORDS: list[dict] = []  # one per export, in the order they ran
 _lock = threading.Lock()  # (the serving engine calls its programs on a thread of its own)
 _called: dict[int, dict] = {}  # the records called in the path running now, by id
+
+
+def disabled_checks() -> list:
+    """The checks an export for "cuda" disables, as docs/long_context.md says ("Exporting a
+    program"): Triton's custom call has no compatibility guarantee across jaxlib versions, so
+    export refuses it unless told; these programs are lowered to be checked, not kept.
+    (Read when exporting: `jaxformer` is imported only after `jax.jit` is replaced.)"""
+    from jaxformer.kernels import CUDA_CUSTOM_CALL_TARGETS
+    return [jax.export.DisabledSafetyCheck.custom_call(target) for target in CUDA_CUSTOM_CALL_TARGETS]
 
 
 def program_name(fun) -> str:
@@ -144,7 +150,7 @@ class ExportingJit:
                 for platform in PLATFORMS:  # (one at a time: a program lowers each platform's branch alone)
                     try:
                         exported = jax.export.export(self.jitted, platforms=[platform],
-                                                     disabled_checks=DISABLED_CHECKS)(*args, **kwargs)
+                                                     disabled_checks=disabled_checks())(*args, **kwargs)
                         record["platforms"] += list(exported.platforms)
                     except Exception as error:  # noqa: BLE001 (each failure is recorded, and the paths go on)
                         why = "".join(traceback.format_exception_only(error)).strip()[-2000:]

@@ -140,7 +140,15 @@ def _train_step_temp_bytes(attention_impl: str, T: int) -> int:
 def test_memory_grows_linearly_in_blocks_and_as_the_square_dense():
     dense = [_train_step_temp_bytes("dense", T) for T in (1024, 2048)]
     blocks = [_train_step_temp_bytes("blocks", T) for T in (2048, 4096, 8192)]
-    assert dense[1] / dense[0] > 3.5  # the scores [8, T, T]: fourfold per doubling
+    # The claim: dense attention's gradient keeps at least one float32 score matrix [8, T, T] (its
+    # softmax's backward reads the probabilities), so its temporaries are a T^2 + b T + c with
+    # a T^2 at least that matrix's bytes. How many more copies XLA keeps, and so the ratio per
+    # doubling (3.9x on a CPU, 3.3x on a GPU, whose fusions keep fewer), is the compiler's buffer
+    # assignment; what the claim implies on any backend is the part that is not linear:
+    # temp(2T) - 2 temp(T) = 2 a T^2 - c, at least one score matrix at T (c, the buffers of a
+    # size fixed in T, far below one: the weights' gradients, about 3.5 MiB here, against 32 MiB).
+    scores = 8 * 1024 * 1024 * 4
+    assert dense[1] - 2 * dense[0] > scores
     # Twofold once the activations [T, d] outweigh the blocks' scores [8, 512, 512] (a constant).
     assert blocks[2] / blocks[1] < 2.1
     assert blocks[0] < dense[1] / 4

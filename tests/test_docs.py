@@ -140,15 +140,46 @@ def test_markers_are_well_formed():
     assert not problems, problems
 
 
+def heading_anchors(page: str) -> set[str]:
+    """The `#fragment`s GitHub gives the headings of markdown `page`: the heading's text as
+    rendered (code spans' backticks, links' targets and HTML tags gone), lowercased, every
+    character but letters, digits, spaces, `-` and `_` dropped, spaces turned to `-`; a
+    repeated anchor is suffixed `-1`, `-2`, ... in order. Lines in code blocks are no headings."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for line in FENCE.sub("", page).splitlines():
+        heading = re.match(r"#{1,6}[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$", line)
+        if heading is None:
+            continue
+        text = re.sub(r"<[^>]+>", "", re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)))
+        slug = re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+def test_heading_anchors_are_githubs():
+    page = ("# Fine-tuning a checkpoint: `jaxformer-finetune`\n## Notes\n```bash\n# Notes\n```\n"
+            "## Notes\n### See [the model](docs/x.md) & *more*, 2.0_b\n## Notes\n")
+    assert heading_anchors(page) == {"fine-tuning-a-checkpoint-jaxformer-finetune", "notes", "notes-1", "notes-2",
+                                     "see-the-model--more-20_b"}
+
+
 def test_links_resolve():
-    """Relative links between the pages (and to files of the repository) point at something."""
+    """Relative links between the pages (and to files of the repository) point at something,
+    and a link's `#fragment` at a heading of the page it names (or of its own page)."""
     missing = []
     for path in DOC_FILES:
         for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
-            if not (path.parent / target.split("#")[0]).exists():
+            file, _, fragment = target.partition("#")
+            page = path.parent / file if file else path
+            if not page.exists():
                 missing.append(f"{path.name} -> {target}")
+            elif fragment and page.suffix == ".md" and fragment not in heading_anchors(page.read_text()):
+                missing.append(f"{path.name} -> {target} (no such heading)")
     assert not missing, missing
 
 

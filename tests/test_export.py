@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from export_programs import DISABLED_CHECKS, RECORDS, ExportingJit, exporting_jit, program_name
+from export_programs import RECORDS, ExportingJit, exporting_jit, program_name
 
 from jaxformer import Decoder, DecoderConfig, KVCache, chunked_cross_entropy
+from jaxformer.kernels import CUDA_CUSTOM_CALL_TARGETS
 
 HERE = Path(__file__).parent
 PLATFORMS = ["cuda", "tpu"]
@@ -193,7 +194,9 @@ def test_only_the_library_and_the_demos_programs_are_wrapped():
     assert isinstance(scope["program"], ExportingJit) and scope["program"].static_names == {"n"}
 
 
-KERNEL_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+KERNEL_CALLS = {"cuda": CUDA_CUSTOM_CALL_TARGETS[0], "tpu": "tpu_custom_call"}
+# docs/long_context.md's way ("Exporting a program"): Triton's custom call let through by name.
+DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(target) for target in CUDA_CUSTOM_CALL_TARGETS]
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -223,3 +226,28 @@ def test_the_kernels_are_in_the_programs_exported(platform):
     assert train.count(KERNEL_CALLS[platform]) == 2 * 3  # each layer's forward, dQ and dK/dV kernels
     assert decode.count(KERNEL_CALLS[platform]) >= 1  # (the layers call one jitted kernel function)
     assert KERNEL_CALLS["tpu" if platform == "cuda" else "cuda"] not in train + decode
+
+
+def test_a_cached_decoding_step_exports_for_cuda_as_the_docs_say():
+    """The public `Decoder`'s cached one-token step, exported for "cuda" exactly as
+    docs/long_context.md shows: plain, it is refused for its Triton decoding kernel (so the
+    argument is needed); with `disabled_checks` naming `CUDA_CUSTOM_CALL_TARGETS` it exports,
+    and every target it names is one the program calls (the list is not stale)."""
+    config = DecoderConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=128, max_seq_len=512)
+    model = Decoder(config)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    cache = jax.eval_shape(lambda: model.init_cache(4, 512))
+
+    def step(params, tokens, cache):
+        return model.apply({"params": params}, tokens, cache)
+
+    args = (params, jax.ShapeDtypeStruct((4, 1), jnp.int32), cache)
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility guarantees"):
+        jax.export.export(jax.jit(step), platforms=["cuda"])(*args)
+    exported = jax.export.export(
+        jax.jit(step), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target) for target in CUDA_CUSTOM_CALL_TARGETS],
+    )(*args)
+    assert exported.platforms == ("cuda",)
+    assert all(f"@{target}(" in exported.mlir_module() for target in CUDA_CUSTOM_CALL_TARGETS)
+    assert jax.export.export(jax.jit(step), platforms=["tpu"])(*args).platforms == ("tpu",)  # (nothing to disable)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, import_peer, jit_apply, random_params
+from conftest import SMALL, greedy_tokens_compared, import_peer, jit_apply, random_params
 
 from tests.families.shipped import scaled_up
 
@@ -120,11 +120,18 @@ def test_rope_frequencies_equal_transformers(rope, head_dim):
 
 
 def test_greedy_generation_matches_token_for_token(peer, hf_greedy):
+    """Token for token wherever transformers' choice is no near-tie. The error model: every
+    step's float32 logits are within TOLERANCE of transformers' own step's (the test below holds
+    them there; `generate` runs the same steps in one program, rounded alike), so the two
+    argmaxes can differ only where transformers' top two are within 2 * TOLERANCE: a choice
+    that close is not compared, nor the row's tokens after it."""
     _, config, params = peer
-    prompt, want, _ = hf_greedy
+    prompt, want, logits = hf_greedy
     got = generate(Decoder(config), params, jnp.asarray(prompt), max_new_tokens=NEW_TOKENS)
     assert len(np.unique(want[:, PROMPT_LEN:])) > 10  # a varied continuation, not one repeated token
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[:, :PROMPT_LEN], prompt)
+    compared = greedy_tokens_compared(got[:, PROMPT_LEN:], want[:, PROMPT_LEN:], logits, bound=2 * TOLERANCE)
+    assert compared >= want[:, PROMPT_LEN:].size // 2  # (sharp logits: near-ties are rare)
 
 
 def test_cached_decoding_logits_match_at_every_step(peer, hf_greedy):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_peer, jit_apply
+from conftest import greedy_tokens_compared, import_peer, jit_apply
 from shipped import scaled_up, tiny
 
 from jaxformer import Decoder, KVCache, generate
@@ -139,10 +139,16 @@ def test_greedy_tokens_equal_transformers(family, hf_greedy):
     """40 tokens (LongRoPE: as many as its trained context holds, then a clear refusal:
     past it transformers recomputes every cached position, which a cache cannot)."""
     _, _, config, params, _ = family
-    prompt, want, _ = hf_greedy
+    prompt, want, logits = hf_greedy
     got = generate(Decoder(config), params, jnp.asarray(prompt), max_new_tokens=want.shape[1] - PROMPT_LEN)
     assert len(np.unique(want[:, PROMPT_LEN:])) > min(5, want.shape[1] - PROMPT_LEN)  # a varied continuation
-    np.testing.assert_array_equal(got, want)
+    # Token for token wherever transformers' choice is no near-tie: every step's float32 logits are
+    # within TOLERANCE of transformers' step's (the next test holds them there; `generate` runs the
+    # same steps in one program, rounded alike), so the argmaxes can differ only where transformers'
+    # top two are within 2 * TOLERANCE; a choice that close is not compared, nor the row's tokens after it.
+    np.testing.assert_array_equal(got[:, :PROMPT_LEN], prompt)
+    compared = greedy_tokens_compared(got[:, PROMPT_LEN:], want[:, PROMPT_LEN:], logits, bound=2 * TOLERANCE)
+    assert compared >= want[:, PROMPT_LEN:].size // 2  # (weights far from ties: near-ties are rare)
     if _longrope(config):
         with pytest.raises(ValueError, match="past rope_scaling.original_max_position_embeddings=16"):
             generate(Decoder(config), params, jnp.asarray(prompt), max_new_tokens=NEW_TOKENS)
