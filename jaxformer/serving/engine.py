@@ -20,11 +20,14 @@ Every turn of the engine's loop (docs/serving.md, "The engine's turn"):
 Shapes stay static: the step sees one of those row counts and spans, and a prefill piece is a power of
 two up to `prefill_chunk` tokens (a prompt of 100 with chunks of 64 goes in as 64 and 36
 padded to 64: each call reads every weight once, so fewer calls are cheaper than no
-padding), so `warmup` compiles every program the engine will run. The rows' sampling settings
-are one `Sampling` and their keys one array: a new request changes values, not shapes. Row r's
-token i is drawn with `fold_in(key, i)`, its request's key (`steps.pick_rows`), so a request's
-draws do not depend on who shares its batch. The model's calls and the token's pick are the
-decoding library's (`steps.prefill_piece`, `steps.step_fn`, `steps.pick_rows`).
+padding), so `warmup` compiles every program the engine will run: `Engine._calls` lists each
+program at each shape serving calls it at, and `warmup` runs that list. The programs take named
+inputs (`Rows`, `Picking`, `Piece`, the caches by name) and return named outputs. The rows'
+sampling settings are one `Sampling` and their keys one array: a new request changes values,
+not shapes. Row r's token i is drawn with `fold_in(key, i)`, its request's key
+(`steps.pick_rows`), so a request's draws do not depend on who shares its batch. The model's
+calls and the token's pick are the decoding library's (`steps.prefill_piece`, `steps.step_fn`,
+`steps.pick_rows`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import itertools
 import queue
 import threading
@@ -40,6 +44,7 @@ from typing import Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from jaxformer.cache import span_for, spans
 from jaxformer.decodable import Decodable
@@ -147,6 +152,49 @@ class _Slot:
     token: int = 0  # its last token, the next step's input
 
 
+# The programs' inputs, by name. A cache is not among them: each program takes its caches as
+# arguments of their own, `cache` (the batch's) and `row` (a prompt's one-row cache), donated
+# and given back under those names; what these structures hold is only read.
+
+
+@struct.dataclass
+class Picking:
+    """What picks and scores the next token of each of `rows` rows (`steps.pick_rows`): the same
+    for the step's rows and for a prompt's first token. A new request changes its values, not
+    its shapes."""
+
+    sampling: Sampling  # the rows' settings, a row each (a free row greedy)
+    keys: jax.Array  # [rows, ...] uint32: each row's request key's data (a free row's unused)
+    made: jax.Array  # [rows] int32: tokens each row has made, the index of the one drawn now
+    allowed: jax.Array  # [rows, vocab] bool: the ids each row's constraint allows (all, without one)
+    wanted: jax.Array  # [] int32: what is scored (`Handle.wanted`, the most of the rows'): 0 nothing
+
+
+@struct.dataclass
+class Rows:
+    """The decode step's inputs: the first `rows` rows of the batch, as few as hold every
+    running request (a count of `Engine._row_counts`), a free row among them decoding too."""
+
+    tokens: jax.Array  # [rows] int32: each row's last token, the one the step reads
+    active: jax.Array  # [rows] bool: whether a request runs in the row
+    picking: Picking  # how each row's next token is picked
+    # Slots attention reads, 0 .. span - 1 (one of `cache.spans`): static, as its shapes
+    # follow it, so each span is a program of its own.
+    span: int = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class Piece:
+    """A piece of a prompt (`pieces`), run into its row's cache: `n` tokens, a power of two,
+    the first `real` of them the prompt's and the rest padding."""
+
+    tokens: jax.Array  # [1, n] int32: the prompt's next `real` ids, then padding
+    real: jax.Array  # [] int32: how many of `tokens` are the prompt's (1 .. n)
+    targets: jax.Array  # [1, n] int32: the prompt's id after each position, which its logits score
+    temperature: jax.Array  # [1] float32: the request's, which its logprobs are taken after
+    wanted: jax.Array  # [] int32: what is scored (`Handle.wanted` if it asked for the prompt's; else 0)
+
+
 def pieces(n_tokens: int, chunk: int, room: int) -> list[tuple[int, int]]:
     """The prefill's pieces for `n_tokens` as `(size, real)`: chunks of `chunk` (a power of two),
     then the rest as one piece padded up to a power of two, `real` of its tokens the prompt's
@@ -224,7 +272,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="jaxformer-engine", daemon=True)
         self._thread.start()
 
-    # The compiled programs, made once: every call reuses them (`warmup` compiles them all).
+    # The compiled programs, made once: every call reuses them (`warmup` runs each at every shape).
 
     def _compile(self) -> None:
         model, capacity = self.model, self.capacity
@@ -246,106 +294,127 @@ class Engine:
 
             return jax.lax.switch(wanted, (lambda: blank, lambda: chosen(False), lambda: chosen(True)))
 
-        def pick(sampling, keys, made, allowed, logits, wanted):  # keys: the rows' key data [rows, ...]; made [rows]
-            token = pick_rows(sampling, jax.random.wrap_key_data(keys), made, logits, allowed)
-            return token, scores(logits, sampling.temperature, token, wanted)
+        def pick(picking, last_logits):  # last_logits [rows, vocab]: each row's, at its last position
+            token = pick_rows(picking.sampling, jax.random.wrap_key_data(picking.keys), picking.made, last_logits,
+                              picking.allowed)
+            return {"token": token, "scores": scores(last_logits, picking.sampling.temperature, token, picking.wanted)}
 
-        def piece_out(logits, real, targets, temperature, wanted):
-            # `targets` [1, n]: the prompt's token after each of the piece's positions, which its logits score.
-            last = jax.lax.dynamic_index_in_dim(logits, real - 1, axis=1, keepdims=False)  # [1, vocab]
-            return last, scores(logits, temperature, targets, wanted)
+        def piece_out(logits, piece):  # logits [1, n, vocab]
+            last = jax.lax.dynamic_index_in_dim(logits, piece.real - 1, axis=1, keepdims=False)  # [1, vocab]
+            return {"last_logits": last, "piece_scores": scores(logits, piece.temperature, piece.targets, piece.wanted)}
 
-        def piece(params, tokens, cache, real, targets, temperature, wanted):
-            logits, cache = prefill_piece(model, params, tokens, cache, real)  # [1, n, vocab]
-            return *piece_out(logits, real, targets, temperature, wanted), cache
+        def piece(params, row, piece):
+            logits, row = prefill_piece(model, params, piece.tokens, row, piece.real)
+            return {**piece_out(logits, piece), "row": row}
 
         # The first `rows` of the batch decode (requests take the lowest free rows, so the busy
         # ones are there); a free row among them decodes too, from position 0, where it
         # overwrites nothing anyone reads: `insert` replaces the whole row when a request takes it.
         # Attention reads slots 0 .. span - 1 (static), which hold every running row's positions.
-        def head_of(cache, span, active):
-            rows = active.shape[0]
-            head = cache if rows == cache.batch_size else jax.tree.map(lambda leaf: leaf[:rows], cache)
-            written = jnp.where(active, head.pos, 0)  # [rows]: the position each row writes
-            return head.replace(pos=written, span=span), written
+        def head_of(cache, rows):
+            n = rows.active.shape[0]
+            head = cache if n == cache.batch_size else jax.tree.map(lambda leaf: leaf[:n], cache)
+            written = jnp.where(rows.active, head.pos, 0)  # [rows]: the position each row writes
+            return head.replace(pos=written, span=rows.span), written
 
         def back(cache, head, written):
             head = head.replace(span=None)  # (the batch's cache keeps one layout between steps)
             # (Of fewer rows, the slot each row wrote goes back, not the rows' whole caches.)
             return head if head.batch_size == cache.batch_size else cache.with_steps_of(head, written)
 
-        def step(params, cache, span, tokens, active, sampling, keys, made, allowed, wanted):  # [rows] each
-            head, written = head_of(cache, span, active)
+        def step(params, cache, rows):
+            head, written = head_of(cache, rows)
             # (Context None: a model that continues its prompt reads the cache alone, as in `prefill_piece`.)
-            logits, head = step_fn(model, params, None)(tokens[:, None], head)  # [rows, 1, vocab]
-            return pick(sampling, keys, made, allowed, logits[:, 0], wanted), back(cache, head, written)
+            logits, head = step_fn(model, params, None)(rows.tokens[:, None], head)  # [rows, 1, vocab]
+            return {**pick(rows.picking, logits[:, 0]), "cache": back(cache, head, written)}
 
-        def fused(params, cache, span, tokens, active, sampling, keys, made, allowed, wanted,
-                  piece_tokens, row, real, targets, temperature, piece_wanted):
+        def fused(params, cache, rows, row, piece):
             # `step` and a prompt's `piece` in one call of the model: two groups of rows, each in its cache.
-            head, written = head_of(cache, span, active)
-            end = row.pos + real  # (as `prefill_piece`: the padding stays out of the rings, and is overwritten)
+            head, written = head_of(cache, rows)
+            end = row.pos + piece.real  # (as `prefill_piece`: the padding stays out of the rings, and is overwritten)
             (logits, piece_logits), (head, row) = step_fn(model, params, None)(
-                (tokens[:, None], piece_tokens), (head, row.replace(stop=end)))
-            stepped = pick(sampling, keys, made, allowed, logits[:, 0], wanted), back(cache, head, written)
-            return stepped, (*piece_out(piece_logits, real, targets, temperature, piece_wanted),
-                             row.replace(pos=end, stop=None))
+                (rows.tokens[:, None], piece.tokens), (head, row.replace(stop=end)))
+            return {**pick(rows.picking, logits[:, 0]), "cache": back(cache, head, written),
+                    **piece_out(piece_logits, piece), "row": row.replace(pos=end, stop=None)}
 
-        self._piece = jax.jit(piece, donate_argnums=2)
-        self._pick = jax.jit(pick)
-        self._step = jax.jit(step, donate_argnums=1, static_argnums=2)
-        self._fused = jax.jit(fused, donate_argnums=(1, 11), static_argnums=2)
-        # (`row` is the engine's own index, in range: no guard, whose pass over the cache costs a step.)
-        self._insert = jax.jit(lambda cache, row, one: cache.insert(row, one, guard=False), donate_argnums=0)
-        self._empty_row = jax.jit(lambda: model.init_cache(1, capacity))
+        # Every program the engine runs, by name. Each takes its inputs by name and returns a
+        # dict of its outputs; a cache it writes comes back under the name it went in by (`cache`,
+        # `row`) and is donated, the engine keeping only what comes back (the row an insert
+        # reads is not: the prefix cache may hold it). `warmup` runs each at every shape `_calls`
+        # lists, and a test checks that the list names every program here.
+        self._programs = {
+            "empty_row": jax.jit(lambda: {"row": model.init_cache(1, capacity)}),
+            "piece": jax.jit(piece, donate_argnames="row"),
+            "pick": jax.jit(pick),
+            "step": jax.jit(step, donate_argnames="cache"),
+            "fused": jax.jit(fused, donate_argnames=("cache", "row")),
+            # (`index` is the engine's own row, in range: no guard, whose pass over the cache costs a step.)
+            "insert": jax.jit(lambda cache, index, row: {"cache": cache.insert(index, row, guard=False)},
+                              donate_argnames="cache"),
+        }
         self._every_id = functools.cache(lambda rows: jnp.ones((rows, self.vocab_size), bool))
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> None:
-        """Runs every program the engine uses once, so that no request waits for a compile.
+        """Runs every call of `_calls` once, so that no request waits for a compile.
+
+        A call's inputs that `_calls` leaves out are the engine's (its parameters, the batch's
+        cache) or what the calls before it gave back (a prompt's `row`, its `last_logits`), by
+        name; the batch's cache the last call gives back is the engine's again.
 
         Args:
-          progress: called after each program with `(done, total, what it was)`: compiling
+          progress: called after each call with `(done, total, what it was)`: compiling
             for a long context takes minutes, and a command says how far it has come.
         """
+        calls = self._calls()
+        with self._lock:
+            held = {"params": self.params, "cache": self._cache}
+            for done, (name, what, inputs) in enumerate(calls, 1):
+                program = self._programs[name]
+                taken = {arg: held[arg] for arg in inspect.signature(program).parameters if arg not in inputs}
+                if "row" in taken:  # (each call writes the row from position 0, so every piece fits in it)
+                    taken["row"] = taken["row"].replace(pos=jnp.zeros_like(taken["row"].pos))
+                held.update(jax.block_until_ready(program(**taken, **inputs)))
+                if progress is not None:
+                    progress(done, len(calls), what)
+            self._cache = held["cache"]
+
+    def _calls(self) -> list[tuple[str, str, dict]]:
+        """Every call serving makes, one per shape, as `(program, what, inputs)`: the empty
+        cache a prompt starts in; a piece of each size `pieces` cuts (1, 2, 4, ..., up to
+        `prefill_chunk`); the pick of a prompt's first token; a step of each row count and
+        span; a whole chunk riding with each of those steps; a row's insert into the batch.
+        `warmup` runs them (filling in the inputs left out here), and tests check that they
+        name every program of `_programs` and that serving compiles nothing more."""
         sizes = [1 << bit for bit in range(self.prefill_chunk.bit_length()) if 1 << bit <= self.capacity]
         steps = [(rows, span) for rows in self._row_counts for span in spans(self.capacity)]
-        rides = steps if self.prefill_chunk <= self.capacity else []  # (a whole chunk rides with a step)
-        total, done = len(sizes) + 1 + len(steps) + len(rides) + 1, 0
+        n = self.prefill_chunk
+        rides = steps if n <= self.capacity else []  # (a whole chunk rides with a step)
+        return ([("empty_row", "a prompt's empty cache", {})]
+                + [("piece", f"prefill of {size} token{'s' * (size > 1)}", {"piece": self._blank_piece(size)})
+                   for size in sizes]
+                + [("pick", "sampling", {"picking": self._picking([None])})]
+                + [("step", f"decode step of {rows} rows reading {span} slots", {"rows": self._free_rows(rows, span)})
+                   for rows, span in steps]
+                + [("fused", f"decode step of {rows} rows with a prefill of {n} reading {span} slots",
+                    {"rows": self._free_rows(rows, span), "piece": self._blank_piece(n)}) for rows, span in rides]
+                + [("insert", "row insert", {"index": np.int32(0)})])
 
-        def ran(what: str, value):
-            nonlocal done
-            jax.block_until_ready(value)
-            done += 1
-            if progress is not None:
-                progress(done, total, what)
+    @staticmethod
+    def _blank_piece(n: int) -> Piece:
+        """A piece of `n` tokens, all real, that scores nothing: a piece's shapes, for `warmup`."""
+        zeros = np.zeros((1, n), np.int32)
+        return Piece(tokens=zeros, real=np.int32(n), targets=zeros, temperature=np.ones(1, np.float32),
+                     wanted=np.int32(0))
 
-        with self._lock:
-            cache = self._empty_row()
-            for n in sizes:
-                logits, _, cache = self._piece(self.params, np.zeros((1, n), np.int32),
-                                               cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n),
-                                               np.zeros((1, n), np.int32), np.ones(1, np.float32), np.int32(0))
-                ran(f"prefill of {n} token{'s' * (n > 1)}", logits)
-            ran("sampling", self._pick(*self._rows([None]), logits, np.int32(0)))
-            for rows, span in steps:
-                _, self._cache = self._step(self.params, self._cache, span, np.zeros(rows, np.int32),
-                                            np.zeros(rows, bool), *self._rows([None] * rows), np.int32(0))
-                ran(f"decode step of {rows} rows reading {span} slots", self._cache)
-            n = self.prefill_chunk
-            for rows, span in rides:
-                (_, self._cache), (_, _, cache) = self._fused(
-                    self.params, self._cache, span, np.zeros(rows, np.int32), np.zeros(rows, bool),
-                    *self._rows([None] * rows), np.int32(0), np.zeros((1, n), np.int32),
-                    cache.replace(pos=jnp.zeros((1,), jnp.int32)), np.int32(n), np.zeros((1, n), np.int32),
-                    np.ones(1, np.float32), np.int32(0))
-                ran(f"decode step of {rows} rows with a prefill of {n} reading {span} slots", self._cache)
-            self._cache = self._insert(self._cache, np.int32(0), cache)
-            ran("row insert", self._cache)
+    def _free_rows(self, rows: int, span: int) -> Rows:
+        """The step's inputs for `rows` free rows reading `span` slots: its shapes, for `warmup`."""
+        return Rows(tokens=np.zeros(rows, np.int32), active=np.zeros(rows, bool), picking=self._picking([None] * rows),
+                    span=span)
 
-    def _rows(self, handles: list[Handle | None]) -> tuple:
-        """`(sampling, keys, made, allowed)`, a row of each per handle: its request's `Sampling`
-        and key's data, the tokens it has made (the index of the one drawn next), and the ids
-        its constraint allows next; a free row (None) is greedy and free."""
+    def _picking(self, handles: list[Handle | None]) -> Picking:
+        """A `Picking` of a row per handle: its request's `Sampling` and key's data, the tokens
+        it has made (the index of the one drawn next), and the ids its constraint allows next;
+        a free row (None) is greedy and free. What is scored is the most any of them wants."""
         rows = [self._free_row + (0,) if h is None else (h.sampling, h.key, h.made) for h in handles]
         samplings, keys, made = zip(*rows)
         sampling = jax.tree.map(lambda *columns: np.concatenate(columns), *samplings)
@@ -354,7 +423,9 @@ class Engine:
         else:
             allowed = np.stack([np.ones(self.vocab_size, bool) if h is None or h.constraint is None
                                 else h.constraint.allowed() for h in handles])
-        return sampling, np.stack(keys), np.asarray(made, np.int32), allowed
+        wanted = max((h.wanted for h in handles if h is not None), default=0)
+        return Picking(sampling=sampling, keys=np.stack(keys), made=np.asarray(made, np.int32), allowed=allowed,
+                       wanted=np.int32(wanted))
 
     # The requests' side: any thread.
 
@@ -506,11 +577,12 @@ class Engine:
         if not running:
             return
         try:
-            (tokens, scored), self._cache = self._step(self.params, self._cache, *self._batch_inputs())
+            out = self._programs["step"](params=self.params, cache=self._cache, rows=self._batch_inputs())
         except Exception as e:  # noqa: BLE001 - the batch's state is lost: its requests fail, the engine goes on
             self._lost(running, e)
             return
-        self._decoded(running, tokens, scored)
+        self._cache = out["cache"]
+        self._decoded(running, out["token"], out["scores"])
 
     def _running(self) -> list[int]:
         """The rows whose prompts are in the batch: each decodes a token this turn."""
@@ -531,44 +603,44 @@ class Engine:
 
     def _ride(self, running: list[int], row: int, slot: _Slot, n: int, real: int) -> None:
         """The decode step and `slot`'s next piece, `n` tokens (`real` of them the prompt's), in one call."""
-        tokens, targets, following = self._piece_inputs(slot, n, real)
-        handle = slot.handle
+        piece, following = self._piece_inputs(slot, n, real)
         try:
-            ((picked, scored), self._cache), (logits, piece_scored, slot.cache) = self._fused(
-                self.params, self._cache, *self._batch_inputs(), tokens, slot.cache, np.int32(real), targets,
-                handle.sampling.temperature, np.int32(handle.wanted if handle.prompt_logprobs else 0))
+            out = self._programs["fused"](params=self.params, cache=self._cache, rows=self._batch_inputs(),
+                                          row=slot.cache, piece=piece)
         except Exception as e:  # noqa: BLE001 - both fail: the batch's requests and this prompt's
             self._lost(running, e)
             self._finish(row, Event(finish_reason="error", error=f"prefill failed: {type(e).__name__}: {e}"))
             return
+        self._cache, slot.cache = out["cache"], out["row"]
         with self._lock:
             self._prefill_counts["pieces_with_decode"] += 1
-        self._decoded(running, picked, scored)
-        self._took(row, slot, real, following, logits, piece_scored)
+        self._decoded(running, out["token"], out["scores"])
+        self._took(row, slot, real, following, out["last_logits"], out["piece_scores"])
 
-    def _piece_inputs(self, slot: _Slot, n: int, real: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-        """`(tokens, targets, following)` of `slot`'s next piece: `[1, n]` the prompt's next `real`
-        ids, then padding; `[1, n]` the ids each of those positions predicts; and those as a list."""
-        prompt, start = slot.handle.prompt, slot.prefilled
+    def _piece_inputs(self, slot: _Slot, n: int, real: int) -> tuple[Piece, list[int]]:
+        """`slot`'s next `Piece`, `n` tokens of which `real` the prompt's, and the ids its
+        positions predict (its `targets`) as a list."""
+        handle, start = slot.handle, slot.prefilled
         tokens = np.zeros((2, n), np.int32)
-        tokens[0, :real] = prompt[start:start + real]
-        following = prompt[start + 1:start + 1 + real]
+        tokens[0, :real] = handle.prompt[start:start + real]
+        following = handle.prompt[start + 1:start + 1 + real]
         tokens[1, :len(following)] = following
-        return tokens[:1], tokens[1:], following
+        return Piece(tokens=tokens[:1], real=np.int32(real), targets=tokens[1:],
+                     temperature=handle.sampling.temperature,
+                     wanted=np.int32(handle.wanted if handle.prompt_logprobs else 0)), following
 
     def _prefill(self, row: int, slot: _Slot, budget: int, planned: list[tuple[int, int]]) -> int:
         """Prefills the `planned` pieces of `slot`'s prompt that fit `budget` tokens, alone. Returns
         the tokens prefilled."""
-        handle, used = slot.handle, 0
+        used = 0
         for n, real in planned:
             if n > budget - used:
                 break
-            tokens, targets, following = self._piece_inputs(slot, n, real)
-            logits, scored, slot.cache = self._piece(self.params, tokens, slot.cache, np.int32(real), targets,
-                                                     handle.sampling.temperature,
-                                                     np.int32(handle.wanted if handle.prompt_logprobs else 0))
+            piece, following = self._piece_inputs(slot, n, real)
+            out = self._programs["piece"](params=self.params, row=slot.cache, piece=piece)
+            slot.cache = out["row"]
             used += n
-            self._took(row, slot, real, following, logits, scored)
+            self._took(row, slot, real, following, out["last_logits"], out["piece_scores"])
         return used
 
     def _took(self, row: int, slot: _Slot, real: int, following: list[int], logits, scored) -> None:
@@ -593,10 +665,10 @@ class Engine:
             slot.cache = None
             self._finish(row, Event(finish_reason="length"))
             return
-        token, scored = self._pick(*self._rows([handle]), logits, np.int32(handle.wanted))  # [1] each
-        self._cache = self._insert(self._cache, np.int32(row), slot.cache)
+        picked = self._programs["pick"](picking=self._picking([handle]), last_logits=logits)  # [1] each
+        self._cache = self._programs["insert"](cache=self._cache, index=np.int32(row), row=slot.cache)["cache"]
         slot.cache = None
-        self._deliver(row, int(np.asarray(token)[0]), *(np.asarray(part)[0] for part in scored))
+        self._deliver(row, int(np.asarray(picked["token"])[0]), *(np.asarray(part)[0] for part in picked["scores"]))
 
     def _start(self, slot: _Slot) -> None:
         """Gives `slot` its one-row cache: a copy of the cached prefix its prompt begins with (the
@@ -614,7 +686,7 @@ class Engine:
                 handle.scored = [None] + [dataclasses.replace(r, top=r.top[:handle.logprobs])
                                           for r in entry.scored[1:used + 1]]
         if entry is None or used < 1:
-            slot.cache = self._empty_row()
+            slot.cache = self._programs["empty_row"]()["row"]
         else:
             slot.cache, slot.prefilled, handle.cached = restored(entry, used), used, used
         with self._lock:
@@ -633,9 +705,9 @@ class Engine:
         return any(shared_start(np.asarray(other.handle.prompt), prompt) > cached for other in self._slots
                    if other is not None and other.order < slot.order and other.prefilled < len(other.handle.prompt))
 
-    def _batch_inputs(self) -> tuple:
-        """The step's inputs for the first rows, enough to hold every running one (a count of
-        `_row_counts`): the span it reads, each row's last token, whether it runs, and `_rows`."""
+    def _batch_inputs(self) -> Rows:
+        """The step's `Rows`: the first rows, enough to hold every running one (a count of
+        `_row_counts`), and the span that holds the longest of them."""
         running = [slot if slot is not None and slot.prefilled == len(slot.handle.prompt) else None
                    for slot in self._slots]
         last = max(row for row, slot in enumerate(running) if slot is not None)
@@ -644,11 +716,9 @@ class Engine:
         # writes at slot len(prompt) + made - 1: the span must hold len(prompt) + made slots.
         span = span_for(max(len(slot.handle.prompt) + slot.handle.made for slot in running if slot is not None),
                         self.capacity)
-        tokens = np.asarray([0 if slot is None else slot.token for slot in running], np.int32)
-        active = np.asarray([slot is not None for slot in running])
-        wanted = max(slot.handle.wanted for slot in running if slot is not None)
-        return (span, tokens, active, *self._rows([None if slot is None else slot.handle for slot in running]),
-                np.int32(wanted))
+        return Rows(tokens=np.asarray([0 if slot is None else slot.token for slot in running], np.int32),
+                    active=np.asarray([slot is not None for slot in running]),
+                    picking=self._picking([None if slot is None else slot.handle for slot in running]), span=span)
 
     def _deliver(self, row: int, token: int, *scored) -> None:
         """Hands row `row`'s new token to its request (with its logprob, top ids and top logprobs

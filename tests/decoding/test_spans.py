@@ -111,7 +111,7 @@ def test_the_engine_decodes_across_spans_as_generate_with_a_program_per_span(gre
     # Every span of 1024 read, by 2 rows (and by 1 where one request ran on alone): at most a
     # compile per row count and span, no more.
     assert engine._row_counts == [1, 2] and len(spans(1024)) == 3
-    assert len(spans(1024)) <= engine._step._cache_size() <= 2 * len(spans(1024))
+    assert len(spans(1024)) <= engine._programs["step"]._cache_size() <= 2 * len(spans(1024))
 
 
 @pytest.mark.parametrize("layer_types, scan", [(None, False), (None, True), (("sliding", "full"), False),

@@ -1,6 +1,7 @@
 """The continuous-batching engine: each request's tokens are what it would get decoded alone,
 while requests come and go; nothing recompiles after `warmup`; faults stay with their request."""
 
+import collections
 import threading
 
 import jax
@@ -78,6 +79,26 @@ def test_sixteen_requests_of_different_lengths_get_what_each_gets_alone(engine, 
         assert tokens == want
         assert finish_reason == ("length" if len(want) == n else "stop")
     assert {r[1] for r in results} == {"stop", "length"}
+
+
+def test_warmup_runs_each_program_at_each_shape_it_lists_and_those_name_every_program(params):
+    """`Engine._calls`, which `warmup` runs, names every program of `_programs`: a program
+    added without its calls fails here. Each call is a shape of its own: after `warmup` a
+    program has compiled once per call of it, no more (that serving compiles nothing past
+    them, the test of sixteen requests counts)."""
+    engine = Engine(MODEL, params, max_batch=3, prefill_chunk=4)  # rows 1, 2, 3; pieces of 1, 2, 4
+    try:
+        calls = engine._calls()
+        assert {name for name, _, _ in calls} == set(engine._programs)
+        said = []
+        engine.warmup(lambda done, total, what: said.append((done, total, what)))
+        assert said == [(done, len(calls), what) for done, (_, what, _) in enumerate(calls, 1)]
+        per_program = collections.Counter(name for name, _, _ in calls)
+        assert per_program == {"empty_row": 1, "piece": 3, "pick": 1, "step": 3, "fused": 3, "insert": 1}
+        assert {name: program._cache_size() for name, program in engine._programs.items()} == per_program
+        assert engine.submit([1, 2, 3], options(2)).result()[1] in ("stop", "length")  # (the warmed engine serves)
+    finally:
+        engine.close()
 
 
 def test_sliding_window_layers_prefilled_in_padded_pieces_decode_as_alone():
