@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 import jax
@@ -245,7 +246,8 @@ def _close_unstarted_coroutines() -> None:
     until the process exits, and Python then prints a RuntimeWarning that it was never
     awaited, after the command's last line. Closing one that never started runs none of it."""
     for obj in gc.get_objects():
-        if (inspect.iscoroutine(obj) and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED
+        # (`type`, not `isinstance`: an object's `__class__` may be a property that warns, as torch's do.)
+        if (type(obj) is types.CoroutineType and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED
                 and _from_background(obj.cr_code.co_filename, None)):
             obj.close()
 
