@@ -103,10 +103,11 @@ def check_report(run_dir: Path, snapshots: list[dict] | None = None) -> Page:
     results_path = run_dir / "eval.json"
     if results_path.exists():
         results = json.loads(results_path.read_text())
+        labels = results.pop("labels", {})
         for key, value in results.items():
             if isinstance(value, float):
                 assert f"eval/{key}" in sources, key
-            if key.endswith("per_length"):
+            if labels.get(key, {}).get("kind") == "per_length" or (not labels and isinstance(value, dict)):
                 assert {f"eval/{key}/{length}/{w}" for length in value for w in ("rate", "n")} <= sources
     # Nothing to fetch: every link is inside the page (#...) or the data itself (data:...).
     assert all(link.startswith(("data:", "#")) for link in page.links), [

@@ -4,6 +4,7 @@
 Each demo module is a `jaxformer.training.runs.Demo`: a `Settings` dataclass whose defaults
 are its command line's, `build(settings)` returning the model, parameters, optimizer and
 batches ready for the library trainer (`jaxformer.training.runs`), a `snapshotter` for the
-report page, and `main(argv)`. `train.tasks` holds their data, `train.attention_maps` what
-they draw in the terminal; `jaxformer-report` rebuilds a run's page.
+report page, the labels of its results (`RESULT_LABELS`), and `main(argv)`. `train.tasks`
+holds their data, `train.attention_maps` what they draw in the terminal; `jaxformer-report`
+rebuilds a run's page.
 """

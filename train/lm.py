@@ -17,7 +17,6 @@ gradient clipping at 1.0, as one optax chain.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -37,8 +36,8 @@ from jaxformer.decoding.sampling import check_temperature, check_top_k, check_to
 from jaxformer.text import Tokenizer, save_tokenizer
 from jaxformer.text.streaming import REPLACEMENT
 from jaxformer.validation import as_float, as_int, one_of, require
-from jaxformer.training import runs
-from jaxformer.training.report_page import attention_group, token_labels
+from jaxformer.training import exports, flags, run_start, runs
+from jaxformer.training.report_page import attention_group, result_label, token_labels
 from train.tasks import (BPE_MIN_VOCAB, COPY_LEN, COPY_SYMBOLS, IGNORE, TEXT_TOKENIZERS, TextCorpus, copy_batch,
                          copy_prompts, copy_tokenizer, encode_prompt)
 
@@ -51,6 +50,14 @@ EXAMPLE_PROMPT_TOKENS = 8  # of the text: the export's example prompt when there
 EXAMPLES = 4  # decoded copy-task examples kept in eval.json
 SNAPSHOT_PROMPTS = 2  # copy-task patterns decoded at each checkpoint, for the report page
 MAP_TOKENS = 48  # of the validation text: the text task's attention example
+# How the report page shows eval.json's results (those of the run's task), in its order.
+RESULT_LABELS = {
+    "token_accuracy": result_label("token accuracy", "rate"),
+    "exact_match": result_label("exact match", "rate"),
+    "validation_loss": result_label("validation loss"),
+    "examples": result_label("Decoded examples", "examples"),
+    "sample": result_label("Sampled continuation", "text"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,12 +121,12 @@ class Settings:
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("data",)  # what no output may be, hold or lie inside
 
     def __post_init__(self):
-        runs.check(self, one_of, "task", choices=TASKS)
-        runs.check_shared_settings(self)
-        runs.check(self, as_int, "eval_size", "seq_len", "sample_tokens", minimum=1)
-        runs.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
-        runs.check(self, as_float, "lr", "clip", above=0)
-        runs.check(self, as_float, "weight_decay", at_least=0)
+        flags.check(self, one_of, "task", choices=TASKS)
+        flags.check_shared_settings(self)
+        flags.check(self, as_int, "eval_size", "seq_len", "sample_tokens", minimum=1)
+        flags.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
+        flags.check(self, as_float, "lr", "clip", above=0)
+        flags.check(self, as_float, "weight_decay", at_least=0)
         # The sampling knobs by generate's own rules, checked now rather than after training.
         check_temperature(self.temperature, name="--temperature")
         check_top_k(self.top_k, None, name="--top-k")  # the vocabulary is known once the data is read
@@ -132,7 +139,7 @@ class Settings:
     def _check_tokenizer(self) -> None:
         """`tokenizer` and `vocab_size` for the task, their defaults filled in, so that a
         run's record holds what it used however the flags spelled it."""
-        runs.check(self, one_of, "tokenizer", choices=TEXT_TOKENIZERS, optional=True)
+        flags.check(self, one_of, "tokenizer", choices=TEXT_TOKENIZERS, optional=True)
         require(self.task == "text" or self.tokenizer is None, "--tokenizer",
                 f"left out with --task {self.task}, whose vocabulary is its own ({COPY_SYMBOLS} symbols, BOS and SEP)",
                 self.tokenizer)
@@ -145,7 +152,7 @@ class Settings:
             if self.vocab_size is None:
                 object.__setattr__(self, "vocab_size", DEFAULT_BPE_VOCAB)
             # The 256 bytes and <|endoftext|>, at least.
-            runs.check(self, as_int, "vocab_size", minimum=BPE_MIN_VOCAB)
+            flags.check(self, as_int, "vocab_size", minimum=BPE_MIN_VOCAB)
 
     @property
     def run_name(self) -> str:
@@ -153,9 +160,9 @@ class Settings:
         return f"lm-{self.task}"
 
 
-def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
+def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
     defaults = Settings()
-    p = runs.make_parser(PROG, __doc__, defaults)
+    p = flags.make_parser(PROG, __doc__, defaults)
     p.add_argument("--task", choices=TASKS, default=defaults.task,
                    help="copy: the synthetic copy task; text: a language model of --data")
     p.add_argument("--data", metavar="FILE", help="UTF-8 text file, needed by --task text")
@@ -184,9 +191,9 @@ def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="--task text: sample among the k likeliest")
     p.add_argument("--top-p", type=float, default=defaults.top_p,
                    help="--task text: nucleus sampling, in (0, 1] (default: off, every token of the top k)")
-    runs.add_run_flags(p, "lm-<task>", checkpoint_every=200, log_every=50)
-    runs.add_export_flag(p)
-    return runs.parse(p, argv, Settings)
+    flags.add_run_flags(p, "lm-<task>", checkpoint_every=200, log_every=50)
+    flags.add_export_flag(p)
+    return flags.parse(p, argv, Settings)
 
 
 def training_length(settings: Settings) -> int:
@@ -382,7 +389,7 @@ def example_prompt(tokenizer: Tokenizer, ids) -> str:
 
 def report(settings: Settings, trained: runs.Trained, evaluation: dict, run_dir) -> None:
     """Prints the evaluation and writes the run's results to `run_dir/eval.json`."""
-    results = {"steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds}
+    results = {}
     if settings.task == "copy":
         print(f"\nKV-cached greedy decoding on {settings.eval_size} unseen patterns:")
         print(f"  token accuracy {evaluation['token_accuracy']:.2%}   exact match {evaluation['exact_match']:.2%}   "
@@ -395,13 +402,13 @@ def report(settings: Settings, trained: runs.Trained, evaluation: dict, run_dir)
         print(f"\ntrain loss {trained.last['loss']:.4f}   validation loss {val:.4f} (ppl {math.exp(val):.2f})")
         print("-" * 60 + "\n" + evaluation["sample"] + "\n" + "-" * 60)
         results.update(validation_loss=val, sample=evaluation["sample"])
-    runs.write_results(run_dir, results, trained)
+    runs.write_results(run_dir, trained, results, RESULT_LABELS)
 
 
 def export(setup: runs.Setup, settings: Settings, trained: runs.Trained, evaluation: dict,
-           run: runs.RunOptions) -> None:
+           run: flags.RunOptions) -> None:
     """Writes the trained model and its tokenizer to `run.export` as a Hugging Face
-    folder, as one transaction (`runs.write_export`): a previous export there is
+    folder, as one transaction (`exports.write_export`): a previous export there is
     replaced whole, or stays whole. Then prints a command that decodes it.
 
     Exits with one line (status 1) when the folder cannot be written; the run directory
@@ -415,19 +422,13 @@ def export(setup: runs.Setup, settings: Settings, trained: runs.Trained, evaluat
         save_tokenizer(tokenizer, str(folder))
 
     try:
-        runs.write_export(path, write)
+        exports.write_export(path, write)
     except OSError as e:
         fail(PROG, f"cannot write --export {path}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
                    f"export it with the same flags and --resume --run-dir {run.run_dir} --export {path}", FAILED)
     new_tokens = COPY_LEN if settings.task == "copy" else settings.sample_tokens
     print(f"\nexported to {path}: python -m jaxformer.text.generate --checkpoint {shlex.quote(str(path))} "
           f"--prompt {shlex.quote(evaluation['prompt'])} --max-new-tokens {new_tokens}")
-
-
-def random_bits():
-    """The context the command line builds, trains and evaluates in: JAX's default
-    random-bit layout (the model has no dropout, so its cost does not matter here)."""
-    return contextlib.nullcontext()
 
 
 def main(argv=None) -> int:
@@ -437,15 +438,14 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     settings, run = parse_args(argv)
     runs.start_process(PROG)
-    with random_bits():
-        setup = runs.build_or_fail(PROG, build, settings)
-        with runs.start(PROG, setup, settings, run, shape_trace(setup, settings)) as begun:
-            describe(setup, settings)
-            trained = runs.train(setup, settings, run, begun, snapshotter(setup, settings))
-            evaluation = evaluate(setup, settings, trained)
-            report(settings, trained, evaluation, run.run_dir)
-            if run.export is not None:
-                export(setup, settings, trained, evaluation, run)
+    setup = runs.build_or_fail(PROG, build, settings)
+    with run_start.start(PROG, setup, settings, run, shape_trace(setup, settings)) as begun:
+        describe(setup, settings)
+        trained = runs.train(setup, settings, run, begun, snapshotter(setup, settings))
+        evaluation = evaluate(setup, settings, trained)
+        report(settings, trained, evaluation, run.run_dir)
+        if run.export is not None:
+            export(setup, settings, trained, evaluation, run)
     return 0
 
 

@@ -19,7 +19,6 @@ and figures of one run and the machine it ran on.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -36,9 +35,9 @@ from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule
 from jaxformer.training import average_last, averaged
 from jaxformer.validation import as_float, as_int
-from jaxformer.training import runs
+from jaxformer.training import flags, run_start, runs
 from train.attention_maps import ascii_attention, save_attention_grid
-from jaxformer.training.report_page import attention_group
+from jaxformer.training.report_page import attention_group, result_label
 from jaxformer.training.runtime import is_primary
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
@@ -55,6 +54,14 @@ STEPS_PER_CALL = 50
 # The paper's checkpoint averaging: the model evaluated is the mean of the parameters after
 # the last AVERAGED updates AVERAGE_EVERY apart (closer together in a run too short for that).
 AVERAGED, AVERAGE_EVERY = 5, 50
+# How the report page shows eval.json's results, in its order.
+RESULT_LABELS = {
+    "exact_match": result_label("exact match, trained lengths", "rate"),
+    "probe_exact_match": result_label("exact match, unseen longer lengths (probe)", "rate"),
+    "per_length": result_label("Exact match per length: trained lengths", "per_length"),
+    "probe_per_length": result_label("Exact match per length: unseen longer lengths (probe)", "per_length"),
+    "examples": result_label("Decoded examples", "examples"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +106,9 @@ class Settings:
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ()  # it reads no file: its data is drawn
 
     def __post_init__(self):
-        runs.check_shared_settings(self)
-        runs.check(self, as_int, "warmup", "eval_size", minimum=1)
-        runs.check(self, as_float, "label_smoothing", at_least=0, below=1)
+        flags.check_shared_settings(self)
+        flags.check(self, as_int, "warmup", "eval_size", minimum=1)
+        flags.check(self, as_float, "label_smoothing", at_least=0, below=1)
 
     @property
     def run_name(self) -> str:
@@ -109,9 +116,9 @@ class Settings:
         return "reverse"
 
 
-def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
+def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
     defaults = Settings()
-    p = runs.make_parser(PROG, __doc__, defaults)
+    p = flags.make_parser(PROG, __doc__, defaults)
     p.add_argument("--n-layer", type=int, default=defaults.n_layer, help="encoder layers (and as many decoder layers)")
     p.add_argument("--d-model", type=int, default=defaults.d_model, help="model width")
     p.add_argument("--d-ff", type=int, default=defaults.d_ff, help="feed-forward hidden width")
@@ -122,8 +129,8 @@ def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
     p.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing, help="in [0, 1)")
     p.add_argument("--eval-size", type=int, default=defaults.eval_size,
                    help="fresh sequences decoded for each evaluation set")
-    runs.add_run_flags(p, "reverse", checkpoint_every=500, log_every=100)
-    return runs.parse(p, argv, Settings)
+    flags.add_run_flags(p, "reverse", checkpoint_every=500, log_every=100)
+    return flags.parse(p, argv, Settings)
 
 
 def model_config(settings: Settings) -> VanillaConfig:
@@ -139,9 +146,7 @@ def build(settings: Settings = Settings()) -> runs.Setup:
 
     Adam (0.9, 0.98, 1e-9) on the Noam schedule, label smoothing, dropout, and the mean of
     the parameters after the last 5 updates 50 apart evaluated (`average_last`); batches of
-    `settings.batch_size` sequences of 5 to 10 symbols. The command line builds and
-    trains under `random_bits()`: do the same to get its parameters and dropout
-    masks.
+    `settings.batch_size` sequences of 5 to 10 symbols.
 
     Args:
       settings: the recipe; `Settings()` is the command line's default.
@@ -348,20 +353,11 @@ def report(settings: Settings, trained: runs.Trained, evaluation: dict, run_dir:
     print(f"\n  decoder step k should be reading source position {MAP_LENGTH + 1}-k -> anti-diagonal")
     print(f"  every layer and head: {run_dir / 'cross_attention.png'}")
 
-    runs.write_results(run_dir, {
-        "steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds,
+    runs.write_results(run_dir, trained, {
         "exact_match": seen["exact_match"], "per_length": seen["per_length"],
         "probe_exact_match": probe["exact_match"], "probe_per_length": probe["per_length"],
         "examples": [{"label": label, **example} for label, results in (("trained length", seen), ("probe", probe))
-                     for example in results["examples"]]}, trained)
-
-
-def random_bits():
-    """The context the command line builds, trains and evaluates in: JAX's default, the
-    partitionable threefry layout, whose bits a sharded array draws where it lies (the classic
-    layout, two numbers a hash block where this one gets one, was cheaper on a CPU, but a
-    dropout mask sharded over devices would be drawn whole on each)."""
-    return contextlib.nullcontext()
+                     for example in results["examples"]]}, RESULT_LABELS)
 
 
 def main(argv=None) -> int:
@@ -371,17 +367,16 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     settings, run = parse_args(argv)
     runs.start_process(PROG)
-    with random_bits():
-        setup = runs.build_or_fail(PROG, build, settings)
-        trace = shape_trace(setup.model, setup.params)
-        with runs.start(PROG, setup, settings, run, trace) as begun:
-            describe(setup, trace)
-            print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
-                  f"batch {settings.batch_size}, run dir {run.run_dir}\n")
-            snapshot = snapshotter(setup, settings)
-            trained = runs.train(setup, settings, run, begun, snapshot)
-            evaluation = evaluate(setup, settings, trained, run.run_dir, snapshot)
-            report(settings, trained, evaluation, run.run_dir)
+    setup = runs.build_or_fail(PROG, build, settings)
+    trace = shape_trace(setup.model, setup.params)
+    with run_start.start(PROG, setup, settings, run, trace) as begun:
+        describe(setup, trace)
+        print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
+              f"batch {settings.batch_size}, run dir {run.run_dir}\n")
+        snapshot = snapshotter(setup, settings)
+        trained = runs.train(setup, settings, run, begun, snapshot)
+        evaluation = evaluate(setup, settings, trained, run.run_dir, snapshot)
+        report(settings, trained, evaluation, run.run_dir)
     return 0
 
 

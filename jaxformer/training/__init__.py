@@ -13,7 +13,7 @@ resuming and the device mesh: docs/training.md and docs/sharding.md.
 
 from jaxformer.training.averaging import average_last, averaged
 from jaxformer.training.checkpoints import CHECKPOINT_DIR, UNRESTORABLE_DIR, Checkpointer, Restored
-from jaxformer.training.loop import Diverged, train_loop
+from jaxformer.training.loop import Diverged, resume_from, train_loop
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog, read_metrics
 from jaxformer.training.placement import shard_batches, shard_state
 from jaxformer.training.progress import ProgressBar
@@ -47,6 +47,7 @@ __all__ = [
     "make_train_steps",
     "read_metrics",
     "read_run_config",
+    "resume_from",
     "save_run_config",
     "shard_batches",
     "shard_state",

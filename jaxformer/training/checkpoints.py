@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import errno
 import gc
+import inspect
 import logging
 import os
 import re
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 import jax
@@ -205,6 +207,7 @@ class Checkpointer:
                 thread.join(timeout=60)
         with _quiet("asyncio"):
             gc.collect()
+        _close_unstarted_coroutines()
         self._remove_unfinished()  # again: a save still running at the failure may have begun one since
 
     def _remove_unfinished(self) -> None:
@@ -235,6 +238,18 @@ def committed_steps(run_dir) -> list[int]:
     folder names, without opening orbax)."""
     checkpoints = Path(run_dir) / CHECKPOINT_DIR
     return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) if checkpoints.is_dir() else []
+
+
+def _close_unstarted_coroutines() -> None:
+    """Closes the coroutines of orbax and tensorstore that a failed save made but never ran:
+    a commit whose thread was cancelled before it started holds its coroutine, unawaited,
+    until the process exits, and Python then prints a RuntimeWarning that it was never
+    awaited, after the command's last line. Closing one that never started runs none of it."""
+    for obj in gc.get_objects():
+        # (`type`, not `isinstance`: an object's `__class__` may be a property that warns, as torch's do.)
+        if (type(obj) is types.CoroutineType and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED
+                and _from_background(obj.cr_code.co_filename, None)):
+            obj.close()
 
 
 def _processes() -> ocp.options.MultiprocessingOptions:

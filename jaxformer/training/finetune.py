@@ -17,7 +17,6 @@ clipping, as one optax chain; with LoRA only the adapters are trained and held b
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -46,10 +45,10 @@ from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
 from jaxformer.text.tokenizer import check_fits_model
 from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, why_not_finite
-from jaxformer.training import runs
+from jaxformer.training import exports, failures, flags, run_start, runs
 from jaxformer.training.runtime import is_primary
 from jaxformer.training.report_page import token_labels
-from jaxformer.training.report_page import attention_group
+from jaxformer.training.report_page import attention_group, result_label
 
 PROG = "jaxformer-finetune"
 MODEL_CONFIG = DecoderConfig
@@ -57,6 +56,11 @@ ALL_TARGETS = "all"  # --lora-targets: every projection LoRA can adapt
 ADAPTER_DIR = "adapter"  # in the run directory: the adapters in peft's format
 MAP_TOKENS = 32  # of the first held-out row: the report page's attention example
 SAMPLE_TOKENS = 32  # greedy tokens after the example's start, for the report page
+# How the report page shows eval.json's results, in its order.
+RESULT_LABELS = {"validation_loss_before": result_label("held-out loss before fine-tuning"),
+                 "validation_perplexity_before": result_label("held-out perplexity before fine-tuning"),
+                 "validation_loss": result_label("held-out loss after fine-tuning"),
+                 "validation_perplexity": result_label("held-out perplexity after fine-tuning")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,12 +112,12 @@ class Settings:
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data")
 
     def __post_init__(self):
-        runs.check_shared_settings(self)
-        runs.check(self, as_int, "seq_len", "lora_rank", minimum=1)
-        runs.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
-        runs.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
-        runs.check(self, as_float, "weight_decay", at_least=0)
-        runs.check(self, as_float, "lora_dropout", at_least=0, below=1)
+        flags.check_shared_settings(self)
+        flags.check(self, as_int, "seq_len", "lora_rank", minimum=1)
+        flags.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
+        flags.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
+        flags.check(self, as_float, "weight_decay", at_least=0)
+        flags.check(self, as_float, "lora_dropout", at_least=0, below=1)
         require(self.base_dtype in DTYPES, "--base-dtype", f"one of {', '.join(DTYPES)}", self.base_dtype)
         require(not self.full or self.base_dtype == "float32", "--base-dtype",
                 "float32 with --full, which trains (and so keeps in float32) every parameter", self.base_dtype)
@@ -141,9 +145,9 @@ class Settings:
         return "finetune-full" if self.full else "finetune-lora"
 
 
-def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
+def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
     defaults = Settings()
-    p = runs.make_parser(PROG, __doc__, defaults)
+    p = flags.make_parser(PROG, __doc__, defaults)
     p.add_argument("--checkpoint", metavar="DIR", required=True, help="the Hugging Face checkpoint folder to adapt")
     p.add_argument("--data", metavar="FILE", required=True,
                    help="a .jsonl file of messages or prompt/completion records, or a UTF-8 text file")
@@ -165,11 +169,11 @@ def parse_args(argv=None) -> tuple[Settings, runs.RunOptions]:
     p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per row")
     p.add_argument("--remat", action="store_true",
                    help="recompute each block's activations in the backward pass (less memory, more compute)")
-    runs.add_run_flags(p, "finetune-<lora|full>", checkpoint_every=100, log_every=10)
-    runs.add_export_flag(p, "--merge", help="after training, write the fine-tuned model (adapters merged in) and its "
+    flags.add_run_flags(p, "finetune-<lora|full>", checkpoint_every=100, log_every=10)
+    flags.add_export_flag(p, "--merge", help="after training, write the fine-tuned model (adapters merged in) and its "
                         "tokenizer as a checkpoint folder that transformers and python -m jaxformer.text.generate "
                         "open; with --resume, a finished run is written without training")
-    return runs.parse(p, argv, Settings)
+    return flags.parse(p, argv, Settings)
 
 
 def base_of(setup: runs.Setup) -> dict:
@@ -196,7 +200,7 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     Args:
       settings: the recipe.
       mesh: `"data=N,model=M"` to place the frozen base on (the trained parameters are placed
-        by `runs.place`), or None for one device.
+        by `jaxformer.training.placement.place`), or None for one device.
       fsdp: with `mesh`, split the base over `data` too.
 
     Raises:
@@ -369,7 +373,7 @@ def snapshotter(setup: runs.Setup, settings: Settings):
     return snapshot
 
 
-def write_outputs(setup: runs.Setup, settings: Settings, trained: runs.Trained, run: runs.RunOptions) -> None:
+def write_outputs(setup: runs.Setup, settings: Settings, trained: runs.Trained, run: flags.RunOptions) -> None:
     """The adapters into RUN_DIR/adapter (LoRA), and with `--merge` the fine-tuned
     checkpoint, each folder written whole or not at all."""
     config = setup.model.config
@@ -393,17 +397,12 @@ def write_outputs(setup: runs.Setup, settings: Settings, trained: runs.Trained, 
         save_tokenizer(tokenizer, str(folder))
 
     try:
-        runs.write_export(merge_dir, write)
+        exports.write_export(merge_dir, write)
     except OSError as e:
         fail(PROG, f"cannot write --merge {merge_dir}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
                    f"write it with the same flags and --resume --run-dir {run.run_dir} --merge {merge_dir}", FAILED)
     print(f"fine-tuned checkpoint: {merge_dir}: python -m jaxformer.text.generate --checkpoint "
           f"{shlex.quote(str(merge_dir))} --prompt ...")
-
-
-def random_bits():
-    """The context the command line builds, trains and evaluates in: JAX's default bits."""
-    return contextlib.nullcontext()
 
 
 def describe(setup: runs.Setup, settings: Settings) -> None:
@@ -428,20 +427,19 @@ def _main(argv) -> int:
     settings, run = parse_args(argv)
     runs.start_process(PROG)
     setup = runs.build_or_fail(PROG, functools.partial(build, mesh=run.mesh, fsdp=run.fsdp), settings)
-    with runs.start(PROG, setup, settings, run) as begun:
+    with run_start.start(PROG, setup, settings, run) as begun:
         describe(setup, settings)
-        with runs.failing_as(begun):
+        with failures.failing_as(begun):
             before, perplexity_before = held_out(setup, setup.params, settings.batch_size, "before training")
         print(f"held-out loss before: {before:.4f} (perplexity {perplexity_before:.3f})")
         trained = runs.train(setup, settings, run, begun, snapshotter(setup, settings))
-        with runs.failing_as(begun):
+        with failures.failing_as(begun):
             after, perplexity = held_out(setup, trained.params, settings.batch_size, "after training")
         print(f"held-out loss after:  {after:.4f} (perplexity {perplexity:.3f})")
-        results = {"steps": trained.steps, "final_loss": trained.last["loss"], "train_seconds": trained.seconds,
-                   "validation_loss_before": before, "validation_loss": after,
-                   "validation_perplexity_before": perplexity_before, "validation_perplexity": perplexity}
-        runs.write_results(run.run_dir, results, trained)
-        with runs.failing_as(begun):
+        results = {"validation_loss_before": before, "validation_perplexity_before": perplexity_before,
+                   "validation_loss": after, "validation_perplexity": perplexity}
+        runs.write_results(run.run_dir, trained, results, RESULT_LABELS)
+        with failures.failing_as(begun):
             write_outputs(setup, settings, trained, run)
     return 0
 

@@ -68,7 +68,7 @@ def _updates_in_call(step: int, num_steps: int, log_every: int, checkpoint_every
 
 def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *, seed: int, num_steps: int,
                run_dir, checkpoint_every: int, log_every: int, lr_schedule: Callable | None = None,
-               resume: bool | Restored = False, progress: bool = True,
+               resume: Restored | None = None, progress: bool = True,
                on_checkpoint: Callable[[TrainState], None] | None = None,
                train_steps: tuple[int, Callable] | None = None) -> TrainState:
     """Runs updates `state.step .. num_steps - 1`, logging and checkpointing into `run_dir`.
@@ -80,7 +80,7 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
     docs/training.md, "How a run ends".
 
     Args:
-      state: the initial state (with `resume`, the structure the checkpoint restores onto).
+      state: the initial state (with `resume`, replaced by the restored one).
       train_step: from `make_train_step`.
       make_batch: `make_batch(data_key) -> batch`, the same shapes every step.
       seed: the run's seed.
@@ -88,8 +88,8 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
       run_dir: the run directory.
       checkpoint_every, log_every: updates between checkpoints, and between metrics lines.
       lr_schedule: optional `step -> learning rate`, logged as `lr` (the line's last update's).
-      resume: False for a new run; True to continue the one in `run_dir`; or the `Restored`
-        the caller already got from `Checkpointer(run_dir, read_only=True).restore_newest`.
+      resume: None for a new run; to continue the one in `run_dir`, the `Restored` that
+        `resume_from(run_dir, state, num_steps)` gives.
       progress: show a `ProgressBar` on stderr.
       on_checkpoint: called with the state after each checkpoint is started.
       train_steps: `(n, make_train_steps(..., count=n))`: `n` updates in one call wherever
@@ -101,7 +101,8 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
 
     Raises:
       ValueError: a non-positive count; checkpoints in `run_dir` without `resume`; with
-        `resume`, none that restores or one past `num_steps`; another process holds `run_dir`.
+        `resume`, a step past `num_steps`; another process holds `run_dir`.
+      TypeError: `resume` is neither None nor a `Restored`.
       Diverged: a loss, or the parameters after an update, were NaN or inf.
       KeyboardInterrupt: Ctrl-C, between updates; a save is never cut short.
       OSError: naming the file the run directory could not take (a full disk).
@@ -110,10 +111,13 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
         as_int(value, f"train_loop {name}", minimum=1)
         for name, value in (("num_steps", num_steps), ("checkpoint_every", checkpoint_every), ("log_every", log_every)))
     run_dir = Path(run_dir)
-    if resume is False:
+    if resume is None:
         run_dir.mkdir(parents=True, exist_ok=True)
-    elif not run_dir.is_dir():
-        raise ValueError(f"run directory {run_dir} does not exist: it holds no checkpoint to resume from")
+    elif not isinstance(resume, Restored):
+        raise TypeError(f"train_loop resume must be None or the Restored of resume_from(run_dir, state, num_steps) "
+                        f"(got {type(resume).__name__})")
+    else:
+        check_steps(resume.step, num_steps, run_dir)
     with lock_run_dir(run_dir):
         return _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_every, log_every,
                       lr_schedule, resume, progress, on_checkpoint, train_steps or (1, None))
@@ -122,13 +126,7 @@ def train_loop(state: TrainState, train_step: Callable, make_batch: Callable, *,
 def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_every, log_every, lr_schedule,
            resume, progress, on_checkpoint, train_steps) -> TrainState:
     """`train_loop` with its arguments checked and the run directory locked."""
-    if resume is True:
-        with Checkpointer(run_dir, read_only=True) as saved:
-            resume = saved.restore_newest(state)
-    if resume:
-        if resume.step > num_steps:
-            raise ValueError(f"num_steps {num_steps} is below the step the run in {run_dir} has reached "
-                             f"({resume.step})")
+    if resume is not None:
         state = resume.state
     else:  # read by process 0 alone: the others may find the folder it is about to make
         on_primary(lambda: _check_new(run_dir))
@@ -136,7 +134,7 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
     # Every check is done: from here on the run directory is written: the metrics by process
     # 0, the checkpoints by every process (each its own blocks).
     checkpointer = Checkpointer(run_dir)
-    for step, why in resume.unrestorable if resume else ():
+    for step, why in resume.unrestorable if resume is not None else ():
         print(f"checkpoint {step} does not restore ({why}): moved to {checkpointer.set_aside(step)}",
               file=sys.stderr)
     primary = is_primary()
@@ -198,12 +196,43 @@ def _train(state, train_step, make_batch, seed, num_steps, run_dir, checkpoint_e
     return state
 
 
+def resume_from(run_dir, state: TrainState, num_steps: int, steps_name: str = "num_steps") -> Restored:
+    """The checkpoint a resumed run continues from: the newest in `run_dir` that restores
+    (`Checkpointer.restore_newest`), laid out like `state`, at most `num_steps`. Pass it to
+    `train_loop(..., resume=...)`. Reads only: nothing in `run_dir` is written.
+
+    Args:
+      run_dir: the run directory.
+      state: the initial state, whose structure, shapes and shardings it restores onto.
+      num_steps: the update count the resumed run stops at.
+      steps_name: how the message names `num_steps` (a command: its flag, "--steps").
+
+    Raises:
+      ValueError: in one line naming `run_dir`: no such directory, no checkpoint that
+        restores, or one past `num_steps`.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} does not exist: it holds no checkpoint to resume from")
+    with Checkpointer(run_dir, read_only=True) as saved:
+        restored = saved.restore_newest(state)
+    check_steps(restored.step, num_steps, run_dir, steps_name)
+    return restored
+
+
+def check_steps(step: int, num_steps: int, run_dir, steps_name: str = "num_steps") -> None:
+    """Raises ValueError unless a run that has reached `step` may go on to `num_steps`."""
+    if step > num_steps:
+        raise ValueError(f"{steps_name} {num_steps} is below step {step}, which the run in {run_dir} has reached: "
+                         f"pass {steps_name} {step} or more")
+
+
 def _check_new(run_dir: Path) -> None:
     """Raises unless `run_dir` holds no committed checkpoint."""
     steps = committed_steps(run_dir)
     if steps:
-        raise ValueError(f"{run_dir / CHECKPOINT_DIR} already holds step {steps[-1]}; pass resume=True to continue "
-                         "that run or choose a new run_dir")
+        raise ValueError(f"{run_dir / CHECKPOINT_DIR} already holds step {steps[-1]}; pass resume=resume_from(...) "
+                         "to continue that run or choose a new run_dir")
 
 
 def _stop_if_nonfinite(nonfinite: tuple[jax.Array, jax.Array], checkpointer: Checkpointer) -> None:

@@ -1,12 +1,19 @@
-"""A training run on a device mesh: the state placed by the sharding rules, batches split over `data`."""
+"""A training run on a device mesh: the state placed by the sharding rules, batches split
+over `data`. `shard_state` and `shard_batches` place what a caller of `train_loop` made;
+`place` is the placement of a command that trains (`jaxformer.training.runs.Setup`), which
+makes its state where it will live and checks the mesh against the model and the batch
+before anything is allocated.
+"""
 
 from __future__ import annotations
 
 from typing import Callable
 
+import jax
 from jax.sharding import Mesh
 
-from jaxformer.sharding import batch_sharding, put, tree_shardings
+from jaxformer.sharding import (DATA, batch_sharding, check_mesh_fits, make_mesh, param_axes, parse_mesh, put,
+                                tree_shardings)
 from jaxformer.training.state import TrainState
 
 
@@ -39,3 +46,34 @@ def shard_batches(make_batch: Callable, mesh: Mesh) -> Callable:
     """
     rows = batch_sharding(mesh)
     return lambda data_key: put(make_batch(data_key), rows)
+
+
+def place(setup, batch_size: int, mesh: str | None, fsdp: bool):
+    """A command's initial train state and batches, on `mesh` or on one device.
+
+    Args:
+      setup: the command's `jaxformer.training.runs.Setup`.
+      batch_size: rows per batch, which the mesh's `data` axis must divide.
+      mesh: `"data=N,model=M"` (`--mesh`), or None for one device.
+      fsdp: with `mesh`, split parameters and optimizer state over `data` too.
+
+    Returns:
+      `(state, make_batch, state_sharding)`; the sharding is None on one device.
+
+    Raises:
+      ValueError: a mesh that does not fit the devices, the model's heads or the batch.
+    """
+    if mesh is None:
+        return TrainState.create(setup.params, setup.optimizer), setup.make_batch, None
+    mesh = make_mesh(**parse_mesh(mesh))
+    check_mesh_fits(setup.model.config, mesh)
+    if batch_size % mesh.shape[DATA]:
+        raise ValueError(f"--batch-size {batch_size} is not divisible by the mesh's data axis ({mesh.shape[DATA]})")
+    axes = param_axes(setup.model) if setup.param_axes is None else setup.param_axes
+    shapes = jax.eval_shape(lambda p: TrainState.create(p, setup.optimizer), setup.params)
+    state_sharding = tree_shardings(shapes, axes, mesh, "fsdp" if fsdp else "dp")
+    # The parameters go to their blocks; the state (Adam's two moments, twice their size) is
+    # born there: nothing of it is made whole on one device and moved.
+    params = put(setup.params, state_sharding.params)
+    return TrainState.create(params, setup.optimizer, state_sharding), shard_batches(setup.make_batch, mesh), \
+        state_sharding

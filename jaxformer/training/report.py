@@ -122,8 +122,7 @@ def _main(argv) -> int:
         check_writable(run_dir, f"the report page is written there ({REPORT_FILE})")
         check_run_files(run_dir)
         made_by, settings = demo_of(run_dir)
-        with made_by.random_bits():  # as the run was built and trained
-            added = snapshot_checkpoints(run_dir, made_by, settings)
+        added = snapshot_checkpoints(run_dir, made_by, settings)
         if added:
             print(f"snapshots of checkpoints {', '.join(str(s['step']) for s in added)} added to the page")
         print(f"report: {write_report(run_dir, computed=added)}")

@@ -9,7 +9,8 @@ files the run records.
       metrics.jsonl     loss, learning rate and steps/s every `log_every` updates
       snapshots.jsonl   at step 0 and every checkpoint: attention maps of one example,
                         every layer and head, and samples; `record_snapshot`
-      eval.json         the final evaluation (exact match overall and per length, examples)
+      eval.json         the final evaluation: the command's results, and under "labels"
+                        how each is shown (`result_label`); `write_results`
 
 `write_report(run_dir)` reads these and writes `report.html` atomically: SVG curves, tables,
 the attention maps as inline PNG images with their tokens on the axes, and a step slider
@@ -51,20 +52,11 @@ _VIRIDIS = np.array([[68, 1, 84], [72, 24, 106], [71, 45, 123], [66, 64, 134], [
 # neutral grey, which viridis never passes through.
 _NONFINITE_RGB = np.array([190, 190, 190], np.uint8)
 
-# eval.json's scalars: their label on the page, and whether they are a rate (shown as %).
-_RESULTS = {
-    "steps": ("updates trained", False),
-    "final_loss": ("final training loss", False),
-    "train_seconds": ("training time, compilation included (s)", False),
-    "exact_match": ("exact match, trained lengths", True),
-    "token_accuracy": ("token accuracy", True),
-    "probe_exact_match": ("exact match, unseen longer lengths (probe)", True),
-    "validation_loss_before": ("held-out loss before fine-tuning", False),
-    "validation_perplexity_before": ("held-out perplexity before fine-tuning", False),
-    "validation_loss": ("validation loss", False),
-    "validation_perplexity": ("validation perplexity", False),
-}
-_PER_LENGTH = {"per_length": "trained lengths", "probe_per_length": "unseen longer lengths (probe)"}
+# How the page shows a result of eval.json, by its label's kind: a number; a rate (shown as
+# %); a table `{length: [rate, count]}`; decoded examples, `[{"label", "input", "target",
+# "output"}, ...]` of tokens; a text.
+RESULT_KINDS = ("number", "rate", "per_length", "examples", "text")
+LABELS = "labels"  # eval.json's key of the labels, beside the results
 
 
 # ------------------------------------------------------------------ the run's records
@@ -92,6 +84,30 @@ def record_session(run_dir, program: str, settings: dict, params: int, shape_tra
     about = {"program": program, "settings": settings, "params": int(params),
              "shape_trace": [[str(a), str(b), str(c)] for a, b, c in shape_trace], "sessions": sessions}
     write_text_atomically(path, json.dumps(about, indent=2) + "\n")
+
+
+def result_label(label: str, kind: str = "number") -> dict:
+    """How the page shows one result of eval.json: under `label` (a table's or section's
+    title, for the kinds that are one), as `kind`, one of `RESULT_KINDS`. A command
+    declares one for each of its results (`jaxformer.training.runs.write_results`)."""
+    if kind not in RESULT_KINDS:
+        raise ValueError(f"result kind must be one of {', '.join(RESULT_KINDS)} (got {kind!r})")
+    return {"label": label, "kind": kind}
+
+
+def write_results(run_dir, results: dict, labels: dict[str, dict]) -> None:
+    """Writes `results` to `eval.json` (atomically), with each one's label (`result_label`)
+    under "labels", in the order the page shows them.
+
+    Raises:
+      ValueError: a result without its label.
+      OSError: naming the file, when it cannot be written.
+    """
+    missing = [key for key in results if key not in labels]
+    if missing:
+        raise ValueError(f"results {', '.join(missing)} have no label to show them by (result_label)")
+    record = {**results, LABELS: {key: labels[key] for key in results}}
+    write_text_atomically(Path(run_dir) / RESULTS_FILE, json.dumps(record, indent=2) + "\n")
 
 
 def attention_group(name: str, layer: int, weights, rows, cols, note: str = "") -> dict:
@@ -401,25 +417,42 @@ def _evaluation_section(results) -> str:
     parts = ['<section id="evaluation"><h2>Evaluation</h2>']
     if results is None:
         return parts[0] + "<p>Not evaluated yet: the evaluation runs when training ends.</p></section>"
-    rows = [(label, _number(results[key], f"eval/{key}", percent)) for key, (label, percent) in _RESULTS.items()
-            if key in results]
-    parts.append(_table(["", ""], rows))
-    for key, label in _PER_LENGTH.items():
-        if key in results:
-            lengths = sorted(results[key], key=int)
-            parts.append(f"<h3>Exact match per length: {label}</h3>" + _table(
-                ["length", "exact match", "sequences"],
-                [(length, _number(results[key][length][0], f"eval/{key}/{length}/rate", percent=True),
-                  _number(results[key][length][1], f"eval/{key}/{length}/n")) for length in lengths]))
-    if results.get("examples"):
-        parts.append("<h3>Decoded examples</h3><p>Tokens that differ from the target are "
-                     '<span class="wrong">marked</span>.</p>' + _table(
-                         ["", "input", "target", "decoded"],
-                         [(html.escape(e["label"]), _tokens(e["input"]), _tokens(e["target"]),
-                           _tokens(e["output"], e["target"])) for e in results["examples"]]))
-    if "sample" in results:
-        parts.append(f'<h3>Sampled continuation</h3><pre class="sample">{html.escape(results["sample"])}</pre>')
+    labels = _labels(results)
+    scalars = [(html.escape(shown["label"]), _number(results[key], f"eval/{key}", shown["kind"] == "rate"))
+               for key, shown in labels.items() if shown["kind"] in ("number", "rate")]
+    parts.append(_table(["", ""], scalars))
+    for key, shown in labels.items():
+        value, title = results[key], html.escape(shown["label"])
+        if shown["kind"] == "per_length":
+            lengths = sorted(value, key=int)
+            parts.append(f"<h3>{title}</h3>" + _table(
+                ["length", "rate", "sequences"],
+                [(length, _number(value[length][0], f"eval/{key}/{length}/rate", percent=True),
+                  _number(value[length][1], f"eval/{key}/{length}/n")) for length in lengths]))
+        elif shown["kind"] == "examples" and value:
+            parts.append(f'<h3>{title}</h3><p>Tokens that differ from the target are <span class="wrong">marked'
+                         "</span>.</p>" + _table(
+                             ["", "input", "target", "output"],
+                             [(html.escape(e["label"]), _tokens(e["input"]), _tokens(e["target"]),
+                               _tokens(e["output"], e["target"])) for e in value]))
+        elif shown["kind"] == "text":
+            parts.append(f'<h3>{title}</h3><pre class="sample">{html.escape(value)}</pre>')
     return "\n".join(parts) + "</section>"
+
+
+def _labels(results: dict) -> dict[str, dict]:
+    """Each result's label (`result_label`), as eval.json records them. A run written
+    before eval.json held labels is shown by its keys, each as its value's shape gives:
+    a number, a per-length table, examples or a text."""
+    if LABELS in results:
+        labels = results[LABELS]
+        for key, shown in labels.items():
+            if key not in results or shown["kind"] not in RESULT_KINDS or not isinstance(shown["label"], str):
+                raise ValueError(f"the label of {key!r} is not one this library writes")
+        return labels
+    kinds = ((key, "number" if isinstance(value, (int, float)) else "per_length" if isinstance(value, dict)
+              else "examples" if isinstance(value, list) else "text") for key, value in results.items())
+    return {key: result_label(key, kind) for key, kind in kinds}
 
 
 def _tokens(tokens, target=None) -> str:

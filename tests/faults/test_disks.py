@@ -1,7 +1,8 @@
 """The fault matrix, disks: full, read-only, and the permissions of what is written.
 
 A disk that fills up during a run, or before it starts, ends the command in one line
-naming the path (status 1), with nothing torn left behind: every line of the run's
+naming the path (status 1), that line the last the command prints (nothing of orbax's
+failed save after it), with nothing torn left behind: every line of the run's
 JSON-lines files whole, no temporary file or half-written checkpoint, a new run that
 had saved nothing undone, and the checkpoints before kept, from which `--resume`
 continues bitwise once there is room again. A read-only run directory is refused in one
@@ -16,11 +17,13 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import threading
 
 import pytest
-from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_losses, run_in_process, saving_now,
-                     shared_finished_run, small_disk, snapshot)
+from harness import (CLI_TINY, REPO, committed_steps, fill, last_logged_step, logged_losses, run_in_process,
+                     saving_now, shared_finished_run, small_disk, snapshot)
+from tiny_llama import checkpoint_and_text
 
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
 from jaxformer.training import MetricsLog
@@ -29,6 +32,8 @@ from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
 FULL = "No space left on device"
+LORA = ["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "16", "--lora-rank", "4", "--log-every", "2",
+        "--checkpoint-every", "2"]
 
 
 def remount_read_only(disk) -> None:
@@ -175,3 +180,65 @@ def test_atomic_writes_take_the_umask_and_keep_a_replaced_files_mode(tmp_path):
     assert mode(tmp_path / "new.json") == mode(tmp_path / "new.jsonl") == 0o640
     assert mode(tmp_path / "folder") == 0o750
     assert mode(tmp_path / "shared.json") == 0o604 and (tmp_path / "shared.json").read_text() == "[]"
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """`checkpoint/` (tiny_llama's) and `text.txt`, on the ordinary disk."""
+    return checkpoint_and_text(tmp_path_factory.mktemp("tiny-llama"), "Keys and values are cached. " * 60)
+
+
+def finetune_process(root, run_dir, *python) -> subprocess.CompletedProcess:
+    """A LoRA `jaxformer-finetune` of `root`'s checkpoint and text into `run_dir`, a process of
+    its own (what it prints as the interpreter exits is under test), run by `python`
+    (default: `-m jaxformer.training.finetune`)."""
+    return subprocess.run([sys.executable, *(python or ("-m", "jaxformer.training.finetune")), "--checkpoint",
+                           str(root / "checkpoint"), "--data", str(root / "text.txt"), "--run-dir", str(run_dir),
+                           *LORA], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def assert_ends_on_the_full_disk(done, run_dir) -> None:
+    """Status 1, and the last line says the disk under `run_dir` is full."""
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"jaxformer-finetune: error: cannot write {re.escape(str(run_dir))}\S*: {FULL}; .*",
+                        last), last
+
+
+def test_a_lora_run_whose_disk_fills_up_ends_on_its_one_line(tiny_checkpoint, tmp_path):
+    """A 5 MB disk with 300 KB free: the first checkpoint does not fit."""
+    with small_disk(tmp_path / "disk", "5m") as disk:
+        fill(disk, leave=300_000)
+        run_dir = disk / "run"
+        done = finetune_process(tiny_checkpoint, run_dir)
+        assert not run_dir.exists()  # a new run that kept nothing is undone
+    assert_ends_on_the_full_disk(done, run_dir)
+
+
+# A save that fails on a full disk with one of orbax's commits made but never started (its
+# thread cancelled first): the commit's coroutine, unawaited, is held until the process exits.
+SAVE_FAILS_WITH_A_COMMIT_NEVER_STARTED = """
+import sys
+from jaxformer.command_line import exit_process
+from jaxformer.training import checkpoints, finetune
+
+orbax = {}
+exec(compile("async def commit():\\n    pass\\n", "orbax/checkpoint/_src/futures/future.py", "exec"), orbax)
+held = []
+
+def save(self, step, args):
+    held.append(orbax["commit"]())
+    raise RuntimeError("writing the array: [os_error_code='28'] No space left on device")
+
+checkpoints.ocp.CheckpointManager.save = save
+exit_process(finetune.main(sys.argv[1:]))
+"""
+
+
+def test_a_commit_a_failed_save_never_started_says_nothing_after_the_error(tiny_checkpoint, tmp_path):
+    """The logic of the full disk above, on any disk: the failed save's unstarted commit is
+    closed, not left to Python's warning that it was never awaited, printed at exit after
+    the command's last line."""
+    run_dir = tmp_path / "run"
+    done = finetune_process(tiny_checkpoint, run_dir, "-c", SAVE_FAILS_WITH_A_COMMIT_NEVER_STARTED)
+    assert_ends_on_the_full_disk(done, run_dir)

@@ -4,7 +4,8 @@ that stops being finite, and damaged run files.
 - Two processes on one run: while a run trains, a `--resume` of its directory is refused
   in one line (its lock), and `jaxformer-report` (a reader, which takes no lock) builds the
   page of the run as far as it has got; a `--resume` that starts while a report is being
-  built is not refused. Ctrl-C then ends the run
+  built is not refused, nor one of a run stopped by SIGTERM mid-checkpoint while another
+  process builds its page again and again, which ends as the run never interrupted ends. Ctrl-C then ends the run
   with status 130 and one line saying what it kept; the lock dies with the process, and
   `--resume` continues from the kept checkpoint to bitwise the losses the run had logged.
 - A loss that turns NaN (`--lr 1e6`, a learning rate far too high) stops the run at
@@ -18,13 +19,16 @@ import json
 import math
 import shutil
 import signal
+import subprocess
+import sys
+import threading
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import (CLI_TINY, committed_steps, last_logged_step, logged_losses, run_in_process, saving_now,
-                     shared_finished_run, snapshot, start_cli, wait_until)
+from harness import (CLI_TINY, REPO, committed_steps, last_logged_step, logged_losses, mid_checkpoint, run_in_process,
+                     saving_now, shared_finished_run, snapshot, start_cli, wait_until)
 
 from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
 from jaxformer.training import report
@@ -88,6 +92,42 @@ def test_a_resume_that_starts_while_a_report_is_built_is_not_refused(finished_ru
     monkeypatch.setattr(report, "write_report", resume_meanwhile)
     assert report.main([str(run_dir)]) == 0
     assert resumed == [0] and committed_steps(run_dir)[-1] == 15
+
+
+def test_a_resume_while_reports_are_built_over_and_over_ends_as_the_uninterrupted_run(tmp_path):
+    """SIGTERM while a checkpoint is written; then `--resume`, while another process runs
+    `jaxformer-report` on the run over and over: the resume is not refused, and ends with
+    the losses and results of the same run never interrupted. (The killed run and the
+    reports are processes of their own; the resume and the uninterrupted run run in this one.)"""
+    argv = [*CLI_TINY, "--steps", "12", "--log-every", "1", "--checkpoint-every", "1"]
+    straight, run_dir = tmp_path / "straight", tmp_path / "run"
+    assert run_in_process("reverse", [*argv, "--run-dir", str(straight)]).returncode == 0
+    process = start_cli("reverse", [*argv, "--run-dir", str(run_dir)])
+    wait_until(process, lambda: mid_checkpoint(run_dir))
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=300) == -signal.SIGTERM and saving_now(run_dir)  # cut short mid-save
+    reports, resumed = [], threading.Event()
+
+    def report_over_and_over():
+        while not resumed.is_set():
+            reports.append(subprocess.run([sys.executable, "-m", "jaxformer.training.report", str(run_dir)],
+                                          capture_output=True, text=True, cwd=REPO, timeout=300))
+
+    reporting = threading.Thread(target=report_over_and_over)
+    reporting.start()
+    try:
+        done = run_in_process("reverse", ["--resume", *argv, "--run-dir", str(run_dir)])
+    finally:
+        resumed.set()
+        reporting.join()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert logged_losses(run_dir) == logged_losses(straight)  # floats compared exactly
+
+    def results(run):
+        return {k: v for k, v in json.loads((run / "eval.json").read_text()).items() if k != "train_seconds"}
+
+    assert results(run_dir) == results(straight)
+    assert reports and all(r.returncode == 0 for r in reports), [r.stderr[-1000:] for r in reports if r.returncode]
 
 
 def test_ctrl_c_ends_a_run_with_130_and_one_line_saying_what_it_kept(interrupted):

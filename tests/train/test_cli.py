@@ -1,4 +1,5 @@
-"""`jaxformer.training.runs`, the library trainer the demos share: help texts, settings, builds and run records."""
+"""The library trainer the demos share (`jaxformer.training.runs`, `flags`, `run_start`): help texts, settings,
+builds and run records."""
 
 import dataclasses
 import re
@@ -6,7 +7,7 @@ import re
 import jax
 import pytest
 
-from jaxformer.training import report, runs
+from jaxformer.training import flags, report, run_start, runs
 from train import lm, reverse
 
 TINY = {reverse: dict(n_layer=1, d_model=32, d_ff=32, n_head=2, batch_size=4),
@@ -22,7 +23,7 @@ def test_every_kind_of_run_is_made_by_a_demo(program):
     demo = report.demo(program)
     for name in runs.Demo.__annotations__:
         assert hasattr(demo, name), name
-    for name in ("build", "snapshotter", "random_bits", "main"):
+    for name in ("build", "snapshotter", "main"):
         assert callable(getattr(demo, name)), name
     assert dataclasses.is_dataclass(demo.MODEL_CONFIG) and dataclasses.is_dataclass(demo.Settings)
     assert demo.PROG == program and (demo in TINY or demo.__name__.startswith("jaxformer."))
@@ -53,7 +54,7 @@ def test_help_shows_every_default_once(demo, capsys):
         default = field.default
         if default is None or isinstance(default, bool) or default == "":
             continue  # the help says in words what happens without the flag
-        assert entries[runs.flag(field.name)].count(f"default: {default}") == 1, entries[runs.flag(field.name)]
+        assert entries[flags.flag(field.name)].count(f"default: {default}") == 1, entries[flags.flag(field.name)]
     assert "default: runs/" in entries["--run-dir"] and "default: one device" in entries["--mesh"]
 
 
@@ -76,6 +77,6 @@ def test_build_gives_one_shape_of_setup_and_record(demo):
     assert loss.shape == () and aux == {}
     assert setup.tokens_per_step == batch[TARGETS[demo]].size
     assert isinstance(setup.model.config, demo.MODEL_CONFIG)
-    record = runs.run_record(setup.model.config, settings)
+    record = run_start.run_record(setup.model.config, settings)
     assert set(record) == {"model", *demo.Settings.RESUME_FIELDS}
-    assert record["model"]["d_model"] == 32 and not set(runs.DTYPE_FIELDS) & set(record["model"])
+    assert record["model"]["d_model"] == 32 and not set(run_start.DTYPE_FIELDS) & set(record["model"])

@@ -28,7 +28,8 @@ from conftest import import_peer
 from jaxformer import Decoder, generate
 from jaxformer.text import generate as generate_cli
 from jaxformer.training import Checkpointer, TrainState
-from jaxformer.training.runs import EXPORT_FILES, TOKENIZER_FILE
+from jaxformer.text.tokenizer import TOKENIZER_FILE
+from jaxformer.training.exports import EXPORT_FILES
 from train import lm
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",

@@ -8,7 +8,8 @@ import optax
 import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import TrainState, average_last, averaged, make_train_step, step_keys, train_loop
+from jaxformer.training import (TrainState, average_last, averaged, make_train_step, resume_from, step_keys,
+                                train_loop)
 
 
 def test_the_average_is_the_mean_of_the_parameters_after_the_chosen_updates():
@@ -35,7 +36,8 @@ def test_a_resumed_run_averages_what_the_uninterrupted_one_does(tmp_path):
     common = dict(seed=2, num_steps=12, checkpoint_every=3, log_every=3, progress=False)
     a = train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "a", **common)
     train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "b", **{**common, "num_steps": 9})
-    b = train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "b", resume=True, **common)
+    b = train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "b",
+                   resume=resume_from(tmp_path / "b", init_state(optimizer), 12), **common)
     for x, y in zip(jax.tree.leaves(averaged(a.opt_state, a.params)), jax.tree.leaves(averaged(b.opt_state, b.params))):
         np.testing.assert_array_equal(x, y)
 
@@ -59,7 +61,7 @@ def test_a_run_resumed_with_other_steps_trains_bitwise_and_keeps_its_points(tmp_
     train_loop(init_state(average_last(optax.adam(LR), 4, 2, 12)), step12, make_batch, run_dir=tmp_path / "b",
                num_steps=6, **common)
     b = train_loop(init_state(opt8), make_train_step(loss_fn, opt8), make_batch, run_dir=tmp_path / "b",
-                   resume=True, num_steps=8, **common)
+                   resume=resume_from(tmp_path / "b", init_state(opt8), 8), num_steps=8, **common)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
     assert int(b.opt_state.kept) == 2

@@ -10,7 +10,7 @@ import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
 from jaxformer.training import (UNRESTORABLE_DIR, Checkpointer, Diverged, TrainState, make_train_step,
-                                make_train_steps, read_metrics, train_loop)
+                                make_train_steps, read_metrics, resume_from, train_loop)
 
 
 class Crash(Exception):
@@ -43,7 +43,8 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
         train_loop(init_state(optimizer), train_step, crash_after(12), run_dir=tmp_path / "b", **common)
     assert Checkpointer(tmp_path / "b").latest_step() == 10
     assert read_metrics(tmp_path / "b" / "metrics.jsonl")[-1]["step"] == 12
-    b = train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=True, **common)
+    restored = resume_from(tmp_path / "b", init_state(optimizer), 20)
+    b = train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=restored, **common)
 
     assert int(a.step) == int(b.step) == 20
     for x, y in zip(jax.tree.leaves((a.params, a.opt_state)), jax.tree.leaves((b.params, b.opt_state))):
@@ -61,7 +62,7 @@ def test_train_loop_refuses_to_overwrite_a_run(tmp_path):
     train_step = make_train_step(loss_fn, optimizer)
     kwargs = dict(seed=0, num_steps=2, run_dir=tmp_path, checkpoint_every=2, log_every=1, progress=False)
     train_loop(init_state(optimizer), train_step, make_batch, **kwargs)
-    with pytest.raises(ValueError, match="resume=True"):
+    with pytest.raises(ValueError, match=r"pass resume=resume_from\(\.\.\.\) to continue that run"):
         train_loop(init_state(optimizer), train_step, make_batch, **kwargs)
 
 
@@ -90,11 +91,17 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     (tmp_path / "b" / "checkpoints" / "20" / "default" / "_METADATA").write_text("{garbled")
 
-    with pytest.raises(ValueError, match="num_steps 12 is below the step .* has reached \\(15\\)"):
-        train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=True,
+    with pytest.raises(ValueError, match="num_steps 12 is below step 15, which the run in .* has reached: pass "
+                                         "num_steps 15 or more"):
+        resume_from(tmp_path / "b", init_state(optimizer), 12)
+    restored = resume_from(tmp_path / "b", init_state(optimizer), 20)
+    with pytest.raises(ValueError, match="num_steps 12 is below step 15"):
+        train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=restored,
                    **{**common, "num_steps": 12})
+    with pytest.raises(TypeError, match="train_loop resume must be None or the Restored of resume_from"):
+        train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=True, **common)
     capsys.readouterr()
-    b = train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=True, **common)
+    b = train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "b", resume=restored, **common)
     err = capsys.readouterr().err
     assert err.startswith("checkpoint 20 does not restore (JSONDecodeError: ") and err.count("\n") == 1, err
     assert (tmp_path / "b" / UNRESTORABLE_DIR / "20" / "default" / "_METADATA").read_text() == "{garbled"
@@ -105,7 +112,7 @@ def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, capsys):
         (r["step"], r["loss"]) for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
 
     with pytest.raises(ValueError, match="holds no checkpoint to resume from"):
-        train_loop(init_state(optimizer), train_step, make_batch, run_dir=tmp_path / "c", resume=True, **common)
+        resume_from(tmp_path / "c", init_state(optimizer), 20)
     assert not (tmp_path / "c").exists()
 
 
@@ -146,7 +153,8 @@ def test_a_run_of_scanned_updates_resumes_bitwise(tmp_path):
     common = dict(seed=1, num_steps=24, checkpoint_every=12, log_every=4, progress=False, train_steps=many)
     a = train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "a", **common)
     train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "b", **{**common, "num_steps": 12})
-    b = train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "b", resume=True, **common)
+    b = train_loop(init_state(optimizer), step, make_batch, run_dir=tmp_path / "b",
+                   resume=resume_from(tmp_path / "b", init_state(optimizer), 24), **common)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
 

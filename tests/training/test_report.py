@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from jaxformer.training import save_run_config
-from jaxformer.training import report, runs
+from jaxformer.training import report
+from jaxformer.training.run_start import run_record
 from jaxformer.training.report_page import ABOUT_FILE
 
 TINY = dict(n_layer=1, d_model=32, n_head=2, batch_size=4, seed=3)
@@ -19,7 +20,7 @@ def test_a_run_older_than_about_json_is_told_by_its_model(program, tmp_path):
     fields = {f.name for f in dataclasses.fields(demo.Settings)}
     settings = demo.Settings(**{k: v for k, v in TINY.items() if k in fields})
     setup = demo.build(settings)
-    save_run_config(tmp_path, runs.run_record(setup.model.config, settings))
+    save_run_config(tmp_path, run_record(setup.model.config, settings))
     assert not (tmp_path / ABOUT_FILE).exists()
     assert report.demo_of(tmp_path) == (demo, settings)
 

@@ -9,7 +9,18 @@ from report_page import Page, check_report, decode_png
 
 from jaxformer.training import MetricsLog
 from jaxformer.training.report_page import (REPORT_FILE, attention_group, colormap, drop_snapshots_after, png_bytes,
-                               read_snapshots, record_session, record_snapshot, write_report)
+                                            read_snapshots, record_session, record_snapshot, result_label,
+                                            write_report, write_results)
+
+RESULTS = {"steps": 6, "final_loss": 0.5772156, "exact_match": 0.98765, "probe_exact_match": 0.0123,
+           "per_length": {"5": [1.0, 3], "6": [0.9375, 16]},
+           "examples": [{"label": "seen", "input": ["1", "2"], "target": ["2", "1", "EOS"],
+                         "output": ["2", "2", "EOS"]}],
+           "sample": "a <sampled> text"}
+LABELS = {"steps": result_label("updates trained"), "final_loss": result_label("final training loss"),
+          "exact_match": result_label("exact match", "rate"), "probe_exact_match": result_label("probe match", "rate"),
+          "per_length": result_label("Match per length", "per_length"),
+          "examples": result_label("Decoded", "examples"), "sample": result_label("A sample", "text")}
 
 
 def make_run(run_dir, *, evaluated=True):
@@ -30,11 +41,7 @@ def make_run(run_dir, *, evaluated=True):
         record_snapshot(run_dir, step, [attention_group("self-attention", 0, heads, tokens, tokens, note="look")],
                         [{"label": "pattern", "output": ["a", "b"], "target": ["a", "c"]}])
     if evaluated:
-        (run_dir / "eval.json").write_text(json.dumps({
-            "steps": 6, "final_loss": 0.5772156, "exact_match": 0.98765, "probe_exact_match": 0.0123,
-            "per_length": {"5": [1.0, 3], "6": [0.9375, 16]},
-            "examples": [{"label": "seen", "input": ["1", "2"], "target": ["2", "1", "EOS"],
-                          "output": ["2", "2", "EOS"]}]}))
+        write_results(run_dir, RESULTS, LABELS)
     return run_dir
 
 
@@ -48,6 +55,32 @@ def test_every_figure_and_map_is_the_recorded_one(tmp_path):
     assert "12,345" in text and "98.8 %" in text and "from step 4 on other (cpu)" in text
     assert '<span class="tok wrong">2</span>' in text  # the example's wrong token is marked, the right ones not
     assert '<span class="tok">EOS</span>' in text
+
+
+def test_the_results_are_shown_by_the_labels_the_run_recorded(tmp_path):
+    """Each result under its recorded label, a rate as %, each table and section titled by
+    its own; a result without a label is refused, and one of another kind too."""
+    run_dir = make_run(tmp_path / "run")
+    text = write_report(run_dir).read_text()
+    assert json.loads((run_dir / "eval.json").read_text())["labels"] == LABELS
+    assert "<td>exact match</td>" in text and "98.8 %" in text and "<td>probe match</td>" in text
+    assert "<h3>Match per length</h3>" in text and "<h3>Decoded</h3>" in text
+    assert '<h3>A sample</h3><pre class="sample">a &lt;sampled&gt; text</pre>' in text
+    with pytest.raises(ValueError, match="results sample have no label to show them by"):
+        write_results(run_dir, RESULTS, {k: v for k, v in LABELS.items() if k != "sample"})
+    with pytest.raises(ValueError, match="result kind must be one of number, rate, per_length, examples, text"):
+        result_label("exact match", "percent")
+
+
+def test_a_run_whose_eval_json_holds_no_labels_is_shown_by_its_keys(tmp_path):
+    """A run written before eval.json held labels: each result under its key, as its
+    value's shape gives (a number, a per-length table, examples, a text)."""
+    run_dir = make_run(tmp_path / "run", evaluated=False)
+    (run_dir / "eval.json").write_text(json.dumps(RESULTS))
+    text = write_report(run_dir).read_text()
+    assert "<td>exact_match</td>" in text and "0.9877" in text and "<h3>per_length</h3>" in text
+    assert "<h3>examples</h3>" in text and "<h3>sample</h3>" in text
+    check_report(run_dir)
 
 
 def test_the_checks_catch_a_wrong_figure_or_image(tmp_path):
