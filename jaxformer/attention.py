@@ -33,7 +33,7 @@ from jaxformer.lora import project
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope, rope_attention_factor, rope_cos_sin, rope_frequencies
 from jaxformer.products import precision_for, product
-from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, compute_param, param
+from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, Weight, compute_param, param
 
 
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array, *, scale: float | None = None,
@@ -233,6 +233,20 @@ class AttentionSpec:
     scale: float | None = None
     softcap: float | None = None
 
+    def weights(self, d_model: int) -> dict[str, "Weight"]:
+        """The matrices and biases a layer of this spec holds, by name: what `GQASelfAttention`
+        declares, and what a checkpoint family's table and the sharding rules read."""
+        H, K, D = self.n_head, self.n_kv_head, self.head_dim
+        weights = {"wq": Weight((d_model, H, D), (EMBED, HEADS, HEAD_DIM)),
+                   "wk": Weight((d_model, K, D), (EMBED, KV_HEADS, HEAD_DIM)),
+                   "wv": Weight((d_model, K, D), (EMBED, KV_HEADS, HEAD_DIM)),
+                   "wo": Weight((H, D, d_model), (HEADS, HEAD_DIM, EMBED), inputs=2)}  # o reads heads x channels
+        if self.qkv_bias:
+            weights.update(bq=Weight((H, D), (HEADS, HEAD_DIM), inputs=0),
+                           bk=Weight((K, D), (KV_HEADS, HEAD_DIM), inputs=0),
+                           bv=Weight((K, D), (KV_HEADS, HEAD_DIM), inputs=0))
+        return weights
+
     @property
     def attention_type(self) -> str:
         """"sliding" with a window, else "full": which slots a cache keeps for the layer (a ring, or all)."""
@@ -308,24 +322,23 @@ class GQASelfAttention(nn.Module):
           stacks: their shapes differ.
         """
         c, a = self.config, self.spec
-        d, H, K, D = c.d_model, a.n_head, a.n_kv_head, a.head_dim
+        weights = a.weights(c.d_model)
         init = nn.initializers.normal(0.02)
         # The output projection adds into the residual stream once per block; 1/sqrt(2L)
         # keeps the stream's variance from growing with depth (GPT-2).
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
 
-        wq = compute_param(self, "wq", init, (d, H, D), (EMBED, HEADS, HEAD_DIM))
-        wk = compute_param(self, "wk", init, (d, K, D), (EMBED, KV_HEADS, HEAD_DIM))
-        wv = compute_param(self, "wv", init, (d, K, D), (EMBED, KV_HEADS, HEAD_DIM))
-        wo = compute_param(self, "wo", residual_init, (H, D, d), (HEADS, HEAD_DIM, EMBED))
+        def weight(name, initializer=init):
+            return compute_param(self, name, initializer, *weights[name][:2])
+
+        wq, wk, wv, wo = weight("wq"), weight("wk"), weight("wv"), weight("wo", residual_init)
 
         # (`project`: the einsums, plus an adapter's low-rank term where `config.lora` adds one.)
         q, k, v = project(self, x, ("wq", "btd,dhk->bthk", wq),  # [batch, T, n_head, head_dim]
                           ("wk", "btd,dnk->btnk", wk), ("wv", "btd,dnk->btnk", wv))  # [batch, T, n_kv, head_dim]
         if a.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
-            q = q + compute_param(self, "bq", nn.initializers.zeros, (H, D), (HEADS, HEAD_DIM))
-            k = k + compute_param(self, "bk", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
-            v = v + compute_param(self, "bv", nn.initializers.zeros, (K, D), (KV_HEADS, HEAD_DIM))
+            zeros = nn.initializers.zeros
+            q, k, v = q + weight("bq", zeros), k + weight("bk", zeros), v + weight("bv", zeros)
         if a.qk_norm:  # each head's q and k normalised over its channels: bounded scores (Qwen3, Gemma 3)
             q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="k_norm")(k)

@@ -10,7 +10,7 @@ import jax
 from jaxformer.dropout import Dropout
 from jaxformer.lora import project
 from jaxformer.products import product
-from jaxformer.sharding import EMBED, MLP, compute_param
+from jaxformer.sharding import EMBED, MLP, Weight, compute_param
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -101,6 +101,12 @@ class GatedMLPSpec:
     width: int
     activation: str = "silu"
 
+    def weights(self, d_model: int) -> dict[str, Weight]:
+        """The three matrices, by name (as `AttentionSpec.weights`)."""
+        return {"w_gate": Weight((d_model, self.width), (EMBED, MLP)),
+                "w_up": Weight((d_model, self.width), (EMBED, MLP)),
+                "w_down": Weight((self.width, d_model), (MLP, EMBED))}
+
 
 class GatedMLP(nn.Module):
     """`W_down (act(x W_gate) * (x W_up))`: a gated FFN with three matrices (a feed-forward of
@@ -120,9 +126,9 @@ class GatedMLP(nn.Module):
         spec = self.spec or GatedMLPSpec(c.ffn_dim, c.mlp_activation)
         init = nn.initializers.normal(0.02)
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))  # see GQASelfAttention
-        w_gate = compute_param(self, "w_gate", init, (c.d_model, spec.width), (EMBED, MLP))
-        w_up = compute_param(self, "w_up", init, (c.d_model, spec.width), (EMBED, MLP))
-        w_down = compute_param(self, "w_down", residual_init, (spec.width, c.d_model), (MLP, EMBED))
+        weights = spec.weights(c.d_model)
+        w_gate, w_up = (compute_param(self, name, init, *weights[name][:2]) for name in ("w_gate", "w_up"))
+        w_down = compute_param(self, "w_down", residual_init, *weights["w_down"][:2])
         if c.lora is None or not c.lora.matrices & {"w_gate", "w_up", "w_down"}:
             return GATED_FFNS[spec.activation](x, w_gate, w_up, w_down)  # [batch, T, d_model]
         # With adapters, each product is `project`'s (the FFNs above take bare matrices).

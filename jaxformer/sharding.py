@@ -7,7 +7,7 @@ strategies and the rules are described in docs/sharding.md.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -84,6 +84,15 @@ def param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...], 
     if module.is_mutable_collection(AXES_COLLECTION):
         module.variable(AXES_COLLECTION, name, LogicalAxes, tuple(axes))
     return module.param(name, init, shape, dtype)
+
+
+class Weight(NamedTuple):
+    """A layer kind's parameter: its shape, the logical axis of each dimension (`EMBED`, ...)
+    and how many leading dimensions are its input (a matrix's rows; 0 for a bias)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    inputs: int = 1
 
 
 def compute_param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...],

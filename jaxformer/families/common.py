@@ -13,7 +13,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxformer.attention import AttentionSpec
 from jaxformer.config import ROPE_SCALINGS, DecoderConfig, RopeScaling
+from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.validation import finite_float, python_int
 
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
@@ -264,28 +266,42 @@ def outer_tensors(c: DecoderConfig) -> list[Tensor]:
     return table
 
 
-def attention_tensors(c: DecoderConfig, prefix: str, block: str) -> list[Tensor]:
-    """`{prefix}self_attn.{q,k,v,o}_proj.weight` as `{block}/attn/w{q,k,v,o}`."""
-    d, H, K, D = c.d_model, c.n_head, c.n_kv_head, c.head_dim
-    attn = prefix + "self_attn."
-    return [linear(attn + "q_proj.weight", (block, "attn", "wq"), (d, H, D), H * D, d),
-            linear(attn + "k_proj.weight", (block, "attn", "wk"), (d, K, D), K * D, d),
-            linear(attn + "v_proj.weight", (block, "attn", "wv"), (d, K, D), K * D, d),
-            linear(attn + "o_proj.weight", (block, "attn", "wo"), (H, D, d), d, H * D)]
+# Each kind's parameters by their checkpoint names (after `model.layers.{i}.`).
+HF_ATTENTION = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj"}
+HF_MLP = {"w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
 
 
-def qk_norm_tensors(c: DecoderConfig, prefix: str, block: str) -> list[Tensor]:
-    """`{prefix}self_attn.{q,k}_norm.weight`, over a head's channels (Qwen3, Gemma 3)."""
-    return [vector(f"{prefix}self_attn.{x}_norm.weight", (block, "attn", f"{x}_norm", "weight"), c.head_dim)
-            for x in ("q", "k")]
+def kind_tensors(weights: dict, names: dict, prefix: str, path: tuple[str, ...]) -> list[Tensor]:
+    """A layer kind's matrices (`spec.weights(d_model)`, those `names` lists) as torch `Linear`
+    weights `{prefix}{name}.weight` `[out, in]`, at `path + (name,)` in the parameter tree."""
+    def linear_of(name: str) -> Tensor:
+        shape, _, inputs = weights[name]
+        return linear(f"{prefix}{names[name]}.weight", (*path, name), shape, math.prod(shape[inputs:]),
+                      math.prod(shape[:inputs]))
+
+    return [linear_of(name) for name in names]
 
 
-def mlp_tensors(c: DecoderConfig, prefix: str, block: str) -> list[Tensor]:
-    """`{prefix}mlp.{gate,up,down}_proj.weight` as `{block}/mlp/w_{gate,up,down}`."""
-    d, F = c.d_model, c.ffn_dim
-    return [linear(prefix + "mlp.gate_proj.weight", (block, "mlp", "w_gate"), (d, F), F, d),
-            linear(prefix + "mlp.up_proj.weight", (block, "mlp", "w_up"), (d, F), F, d),
-            linear(prefix + "mlp.down_proj.weight", (block, "mlp", "w_down"), (F, d), d, F)]
+def attention_tensors(d_model: int, spec: AttentionSpec, prefix: str, block: str) -> list[Tensor]:
+    """An attention layer's `{prefix}self_attn.{q,k,v,o}_proj.weight` as `{block}/attn/w{q,k,v,o}`."""
+    return kind_tensors(spec.weights(d_model), HF_ATTENTION, prefix, (block, "attn"))
+
+
+def attention_extras(d_model: int, spec: AttentionSpec, prefix: str, block: str) -> list[Tensor]:
+    """What the spec adds to the four projections: q/k/v biases (`{prefix}self_attn.{q,k,v}_proj.bias`,
+    Qwen2), then RMSNorms over each head's channels of q and k (`self_attn.{q,k}_norm.weight`: Qwen3, Gemma 3)."""
+    weights = spec.weights(d_model)
+    table = [Tensor(f"{prefix}self_attn.{x}_proj.bias", (math.prod(weights[f"b{x}"].shape),), (block, "attn", f"b{x}"),
+                    weights[f"b{x}"].shape) for x in "qkv" if f"b{x}" in weights]
+    if spec.qk_norm:
+        table += [vector(f"{prefix}self_attn.{x}_norm.weight", (block, "attn", f"{x}_norm", "weight"), spec.head_dim)
+                  for x in "qk"]
+    return table
+
+
+def mlp_tensors(d_model: int, spec: GatedMLPSpec, prefix: str, block: str) -> list[Tensor]:
+    """A gated MLP's `{prefix}mlp.{gate,up,down}_proj.weight` as `{block}/mlp/w_{gate,up,down}`."""
+    return kind_tensors(spec.weights(d_model), HF_MLP, prefix, (block, "mlp"))
 
 
 def norm_tensor(c: DecoderConfig, hf_key: str, block: str, name: str) -> Tensor:

@@ -10,9 +10,10 @@ norms, and slides five layers of six, rotating them at its local base frequency.
 from __future__ import annotations
 
 from jaxformer.config import DecoderConfig
-from jaxformer.families.common import (ANY, Family, attention_tensors, decoder_fields, fail, field, flag,
-                                       hf_layer_types, layer_types, mlp_tensors, norm_tensor, positive_int,
-                                       qk_norm_tensors, refuse_sliding, rope, rope_parameters, single_rope)
+from jaxformer.layers import layer_specs
+from jaxformer.families.common import (ANY, Family, attention_extras, attention_tensors, decoder_fields, fail, field,
+                                       flag, hf_layer_types, layer_types, mlp_tensors, norm_tensor, positive_int,
+                                       refuse_sliding, rope, rope_parameters, single_rope)
 from jaxformer.families.llama import llama_layer
 from jaxformer.validation import finite_float
 
@@ -131,17 +132,15 @@ def write_gemma3(config: DecoderConfig) -> dict:
 
 
 def gemma2_layer(c: DecoderConfig, i: int) -> list:
-    """Layer i with its four norms: before and after attention, before and after the MLP."""
-    hf, block = f"model.layers.{i}.", f"block_{i}"
-    return [norm_tensor(c, hf + "input_layernorm.weight", block, "attn_norm"), *attention_tensors(c, hf, block),
+    """Layer i with its four norms: before and after attention, before and after the MLP (and Gemma 3's q/k norms)."""
+    hf, block, spec = f"model.layers.{i}.", f"block_{i}", layer_specs(c)[i]
+    return [norm_tensor(c, hf + "input_layernorm.weight", block, "attn_norm"),
+            *attention_tensors(c.d_model, spec.mixer, hf, block),
             norm_tensor(c, hf + "post_attention_layernorm.weight", block, "attn_post_norm"),
             norm_tensor(c, hf + "pre_feedforward_layernorm.weight", block, "mlp_norm"),
-            *mlp_tensors(c, hf, block),
-            norm_tensor(c, hf + "post_feedforward_layernorm.weight", block, "mlp_post_norm")]
-
-
-def gemma3_layer(c: DecoderConfig, i: int) -> list:
-    return gemma2_layer(c, i) + qk_norm_tensors(c, f"model.layers.{i}.", f"block_{i}")
+            *mlp_tensors(c.d_model, spec.ffn, hf, block),
+            norm_tensor(c, hf + "post_feedforward_layernorm.weight", block, "mlp_post_norm"),
+            *attention_extras(c.d_model, spec.mixer, hf, block)]
 
 
 GEMMA2_FEATURES = {**GEMMA_FEATURES, "post_norms": (True,), "query_pre_attn_scalar": ANY, "sliding_window": ANY,
@@ -149,5 +148,5 @@ GEMMA2_FEATURES = {**GEMMA_FEATURES, "post_norms": (True,), "query_pre_attn_scal
 GEMMA = Family("gemma", "GemmaForCausalLM", read_gemma, write_gemma, llama_layer, GEMMA_FEATURES)
 GEMMA2 = Family("gemma2", "Gemma2ForCausalLM", read_gemma2, write_gemma2, gemma2_layer,
                 {**GEMMA2_FEATURES, "attn_logit_softcap": ANY})
-GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", read_gemma3, write_gemma3, gemma3_layer,
+GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", read_gemma3, write_gemma3, gemma2_layer,
                 {**GEMMA2_FEATURES, "qk_norm": (True,), "local_rope_theta": ANY})

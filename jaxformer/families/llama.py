@@ -5,7 +5,8 @@ window on every layer, Qwen2 biases on q, k and v and a window from layer
 from __future__ import annotations
 
 from jaxformer.config import DecoderConfig
-from jaxformer.families.common import (ANY, Family, Tensor, attention_tensors, decoder_fields, fail, flag,
+from jaxformer.layers import layer_specs
+from jaxformer.families.common import (ANY, Family, attention_extras, attention_tensors, decoder_fields, fail, flag,
                                        hf_layer_types, layer_types, mlp_tensors, norm_tensor, positive_int, refuse_set,
                                        refuse_sliding, rope_parameters, single_rope)
 
@@ -71,14 +72,12 @@ def write_qwen_window(config: DecoderConfig) -> dict:
 
 
 def llama_layer(c: DecoderConfig, i: int) -> list:
-    """Layer i: pre-attention and pre-MLP norms, q/k/v/o, gate/up/down (and Qwen2's biases)."""
-    hf, block = f"model.layers.{i}.", f"block_{i}"
-    table = [norm_tensor(c, hf + "input_layernorm.weight", block, "attn_norm"), *attention_tensors(c, hf, block),
-             norm_tensor(c, hf + "post_attention_layernorm.weight", block, "mlp_norm"), *mlp_tensors(c, hf, block)]
-    if c.qkv_bias:
-        table += [Tensor(hf + f"self_attn.{x}_proj.bias", (n * c.head_dim,), (block, "attn", f"b{x}"), (n, c.head_dim))
-                  for x, n in (("q", c.n_head), ("k", c.n_kv_head), ("v", c.n_kv_head))]
-    return table
+    """Layer i: pre-attention and pre-MLP norms, q/k/v/o, gate/up/down (and Qwen2's biases, Qwen3's q/k norms)."""
+    hf, block, spec = f"model.layers.{i}.", f"block_{i}", layer_specs(c)[i]
+    return [norm_tensor(c, hf + "input_layernorm.weight", block, "attn_norm"),
+            *attention_tensors(c.d_model, spec.mixer, hf, block),
+            norm_tensor(c, hf + "post_attention_layernorm.weight", block, "mlp_norm"),
+            *mlp_tensors(c.d_model, spec.ffn, hf, block), *attention_extras(c.d_model, spec.mixer, hf, block)]
 
 
 def read_plain_llama(hf: dict, max_seq_len: int | None) -> dict:

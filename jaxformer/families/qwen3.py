@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from jaxformer.config import DecoderConfig
-from jaxformer.families.common import ANY, Family, qk_norm_tensors
+from jaxformer.families.common import ANY, Family
 from jaxformer.families.llama import llama_layer, qwen_window, read_llama, write_qwen_window, write_rope
 
 
@@ -17,9 +17,5 @@ def write_qwen3(config: DecoderConfig) -> dict:
     return {**write_rope(config), "attention_bias": False, **write_qwen_window(config)}
 
 
-def qwen3_layer(c: DecoderConfig, i: int) -> list:
-    return llama_layer(c, i) + qk_norm_tensors(c, f"model.layers.{i}.", f"block_{i}")
-
-
-QWEN3 = Family("qwen3", "Qwen3ForCausalLM", read_qwen3, write_qwen3, qwen3_layer,
+QWEN3 = Family("qwen3", "Qwen3ForCausalLM", read_qwen3, write_qwen3, llama_layer,
                {"qk_norm": (True,), "sliding_window": ANY})
