@@ -247,6 +247,10 @@ class AttentionSpec:
                            bv=Weight((K, D), (KV_HEADS, HEAD_DIM), inputs=0))
         return weights
 
+    def build(self, config, name: str) -> "GQASelfAttention":
+        """The module of a layer of this spec, named `name` in its block."""
+        return GQASelfAttention(config, self, name=name)
+
     @property
     def attention_type(self) -> str:
         """"sliding" with a window, else "full": which slots a cache keeps for the layer (a ring, or all)."""

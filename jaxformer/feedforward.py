@@ -101,6 +101,10 @@ class GatedMLPSpec:
     width: int
     activation: str = "silu"
 
+    def build(self, config, name: str) -> "GatedMLP":
+        """The module of a layer of this spec, named `name` in its block."""
+        return GatedMLP(config, self, name=name)
+
     def weights(self, d_model: int) -> dict[str, Weight]:
         """The three matrices, by name (as `AttentionSpec.weights`)."""
         return {"w_gate": Weight((d_model, self.width), (EMBED, MLP)),

@@ -4,7 +4,8 @@
     x = x + post(ffn(norm(x)))
 
 A kind is a spec, a frozen dataclass of what may vary from layer to layer (a window, a RoPE
-base, a width), and the module it builds, with its parameters' names, shapes and sharding axes:
+base, a width), and the module it builds (`spec.build(config, name)`), with its parameters'
+names, shapes and sharding axes (`spec.weights(d_model)`):
 
     mixers          AttentionSpec -> GQASelfAttention    (jaxformer.attention)
     feed-forwards   GatedMLPSpec  -> GatedMLP            (jaxformer.feedforward)
@@ -25,15 +26,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.attention import AttentionSpec, GQASelfAttention, Part
+from jaxformer.attention import AttentionSpec, Part
 from jaxformer.config import DecoderConfig
-from jaxformer.feedforward import GatedMLP, GatedMLPSpec
+from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.norms import RMSNorm
 
 NORM_PLACEMENTS = ("pre", "sandwich")  # a norm before each sublayer; or before and after it (its output's)
-
-MIXERS = {AttentionSpec: GQASelfAttention}  # a mixer spec's type -> the module it builds
-FEED_FORWARDS = {GatedMLPSpec: GatedMLP}  # a feed-forward spec's type -> the module it builds
+MIXERS = (AttentionSpec,)  # the kinds of mixer a layer may have
+FEED_FORWARDS = (GatedMLPSpec,)  # ... and of feed-forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,8 @@ class LayerSpec:
     """One decoder layer.
 
     Attributes:
-      mixer: how positions exchange information (a key of `MIXERS`' types: `AttentionSpec`).
-      ffn: the position-wise feed-forward (`GatedMLPSpec`).
+      mixer: how positions exchange information, one of `MIXERS` (`AttentionSpec`).
+      ffn: the position-wise feed-forward, one of `FEED_FORWARDS` (`GatedMLPSpec`).
       norms: where the RMSNorms sit, one of `NORM_PLACEMENTS`.
     """
 
@@ -51,9 +51,9 @@ class LayerSpec:
     norms: str = "pre"
 
     def __post_init__(self):
-        if type(self.mixer) not in MIXERS:
+        if not isinstance(self.mixer, MIXERS):
             raise ValueError(f"LayerSpec.mixer: one of {[t.__name__ for t in MIXERS]}, got {type(self.mixer).__name__}")
-        if type(self.ffn) not in FEED_FORWARDS:
+        if not isinstance(self.ffn, FEED_FORWARDS):
             raise ValueError(f"LayerSpec.ffn: one of {[t.__name__ for t in FEED_FORWARDS]}, "
                              f"got {type(self.ffn).__name__}")
         if self.norms not in NORM_PLACEMENTS:
@@ -140,12 +140,11 @@ class Block(nn.Module):
             masks = {s.mixer.attention_type: view[2] for s, view in zip(self.specs, mine)}
             return Part(*rows_T, cos, sin, masks, cache)
 
-        mixer = MIXERS[type(spec.mixer)](c, spec.mixer, name="attn")
-        h, caches = mixer(norm(c, "attn_norm")(x), tuple(map(part, views, caches)), index, which)
+        h, caches = spec.mixer.build(c, "attn")(norm(c, "attn_norm")(x), tuple(map(part, views, caches)), index, which)
         if spec.norms == "sandwich":  # Gemma 2's: the sublayer's output is normalised before the sum
             h = norm(c, "attn_post_norm")(h)
         x = x + h  # [batch, T, d_model]
-        h = FEED_FORWARDS[type(spec.ffn)](c, spec.ffn, name="mlp")(norm(c, "mlp_norm")(x))
+        h = spec.ffn.build(c, "mlp")(norm(c, "mlp_norm")(x))
         if spec.norms == "sandwich":
             h = norm(c, "mlp_post_norm")(h)
         x = x + h  # [batch, T, d_model]
