@@ -39,7 +39,7 @@ from jaxformer.validation import as_float, as_int
 from jaxformer.training import runs
 from train.attention_maps import ascii_attention, save_attention_grid
 from jaxformer.training.report_page import attention_group
-from jaxformer.training.runtime import is_primary
+from jaxformer.runtime import is_primary
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 PROG = "python -m train.reverse"

@@ -34,13 +34,12 @@ from jaxformer.files import check_apart, write_folder_atomically, write_text_ato
 from jaxformer.sharding import DATA, check_mesh_fits, make_mesh, param_axes, parse_mesh, put, to_host, tree_shardings
 from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                       TOKENIZER_FILE)
-from jaxformer.training import (CONFIG_FILE, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock,
-                                TrainState, check_run_dir, check_seed, enable_compilation_cache,
-                                initialize_distributed, lock_run_dir, make_train_step, make_train_steps, read_metrics,
+from jaxformer.runtime import agree, barrier, enable_compilation_cache, initialize_distributed, is_primary, on_primary
+from jaxformer.training import (CONFIG_FILE, METRICS_FILE, Checkpointer, Diverged, Restored, RunLock, TrainState,
+                                check_run_dir, lock_run_dir, make_train_step, make_train_steps, read_metrics,
                                 save_run_config, shard_batches, train_loop)
 from jaxformer.training.checkpoints import committed_steps
-from jaxformer.training.runtime import agree, barrier, is_primary, on_primary
-from jaxformer.validation import NotFinite, as_int, check_fields, one_of
+from jaxformer.validation import NotFinite, as_int, check_fields, check_seed, one_of
 from jaxformer.training.report_page import (REPORT_FILE, RESULTS_FILE, check_run_files, drop_snapshots_after,
                                record_session, record_snapshot, write_report)
 
@@ -144,8 +143,8 @@ def add_export_flag(parser: argparse.ArgumentParser, flag: str = "--export", hel
     parser.set_defaults(export_flag=flag)
     parser.add_argument(flag, dest="export", type=Path, default=None, metavar="DIR",
                         help=help or "after training and evaluation, write the model and its tokenizer as a "
-                             "Hugging Face folder (transformers' AutoModelForCausalLM and AutoTokenizer and python -m "
-                             "jaxformer.text.generate read it); with --resume, a finished run is exported "
+                             "Hugging Face folder (transformers' AutoModelForCausalLM and AutoTokenizer and "
+                             "jaxformer-generate read it); with --resume, a finished run is exported "
                              "without training")
 
 
@@ -302,7 +301,7 @@ class Setup:
 
 class Demo(Protocol):
     """What a module that trains provides (`train.reverse`, `train.lm`,
-    `jaxformer.training.finetune`), so that what serves every kind of run (this module,
+    `jaxformer.commands.finetune`), so that what serves every kind of run (this module,
     `jaxformer-report`) treats them alike, never by asking which one it holds.
 
     Attributes:

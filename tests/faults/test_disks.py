@@ -24,7 +24,7 @@ from harness import (CLI_TINY, committed_steps, fill, last_logged_step, logged_l
 
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
 from jaxformer.training import MetricsLog
-from jaxformer.training import report
+from jaxformer.commands import report
 from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]

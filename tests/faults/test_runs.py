@@ -27,7 +27,7 @@ from harness import (CLI_TINY, committed_steps, last_logged_step, logged_losses,
                      shared_finished_run, snapshot, start_cli, wait_until)
 
 from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
-from jaxformer.training import report
+from jaxformer.commands import report
 from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]

@@ -56,7 +56,7 @@ from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoding import DecodeRequest, start
 from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
 from jaxformer.text import chat, render_chat, save_tokenizer, train_bpe
-from jaxformer.text import generate as cli
+from jaxformer.commands import generate as cli
 from jaxformer.text.sandbox import MAX_BUILT, MAX_INT_BITS, MAX_SIZE, MAX_TEMPLATE_CHARS
 
 CORPUS = "\n".join(["The cat sat on the mat, and the dog sat on the log.",
@@ -98,7 +98,7 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
 
 
 def run_command(argv: list[str]) -> tuple[int, str, list[str]]:
-    """`python -m jaxformer.text.generate argv` in this process: `(exit status, stdout, stderr lines)`."""
+    """`jaxformer-generate argv` in this process: `(exit status, stdout, stderr lines)`."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err):
         try:

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from jaxformer.training import save_run_config
-from jaxformer.training import report, runs
+from jaxformer.commands import report
+from jaxformer.training import runs
 from jaxformer.training.report_page import ABOUT_FILE
 
 TINY = dict(n_layer=1, d_model=32, n_head=2, batch_size=4, seed=3)

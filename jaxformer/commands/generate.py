@@ -1,8 +1,8 @@
-"""`python -m jaxformer.text.generate`: a Hugging Face checkpoint folder in, text out.
+"""`jaxformer-generate`: a Hugging Face checkpoint folder in, text out.
 
-  python -m jaxformer.text.generate --checkpoint DIR --prompt "The capital of France is"
-  python -m jaxformer.text.generate --checkpoint DIR --prompts-file prompts.txt --json
-  echo "Tell me a story" | python -m jaxformer.text.generate --checkpoint DIR --chat --stream
+  jaxformer-generate --checkpoint DIR --prompt "The capital of France is"
+  jaxformer-generate --checkpoint DIR --prompts-file prompts.txt --json
+  echo "Tell me a story" | jaxformer-generate --checkpoint DIR --chat --stream
 
 docs/text.md describes the flags, where prompts come from, how they are batched, and
 what goes to stdout and stderr.
@@ -30,13 +30,13 @@ from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
 from jaxformer.convert.peft import load_peft
 from jaxformer.lora import merge
+from jaxformer.runtime import enable_compilation_cache
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, check_fits_model, load_tokenizer
-from jaxformer.training import check_seed, enable_compilation_cache
-from jaxformer.validation import as_int
+from jaxformer.validation import as_int, check_seed
 
-PROG = "python -m jaxformer.text.generate"
+PROG = "jaxformer-generate"
 # The events in which JAX reports the time it spends tracing, lowering and compiling.
 # The command's defaults where they differ from the library's (which has none for max_new_tokens).
 CLI_DEFAULTS = {"max_new_tokens": 128}
