@@ -40,7 +40,7 @@ step() {  # step NAME SECONDS COMMAND...: runs it, logs it, records how it went
 
 python -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$out/summary.txt"
 backend=$(python -c "import jax; print(jax.default_backend())")
-step selfcheck 120 python -m jaxformer.selfcheck
+step selfcheck 120 python -m jaxformer.commands.selfcheck
 # The tests: 8 pytest-xdist workers share the one device (most of their time is compiling, on
 # the host's cores; on a CPU, one worker a core). JAX gives each process 75% of the device's memory up front by default;
 # off, each takes what it uses (with it on, a later worker backs off through dozens of failed

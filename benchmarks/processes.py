@@ -4,7 +4,7 @@ the same mesh and global batch, in one session.
 
     python -m benchmarks.processes [--steps 60] [--log-every 10] [--batch-size 64] [--out FILE.json]
 
-Each layout runs the same command (`jaxformer.training.runtime.local_environments` names the
+Each layout runs the same command (`jaxformer.runtime.local_environments` names the
 processes). A step's time is the median, over the metrics lines after the first (whose
 interval includes compilation), of `1 / steps_per_sec`; the final losses are printed beside
 it, as the two layouts train the same model on the same batches.
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxformer.training.runtime import local_environments
+from jaxformer.runtime import local_environments
 
 LAYOUTS = ((1, 8), (2, 4))  # (processes, devices each)
 MESHES = (("DP", ["--mesh", "data=8"]), ("FSDP x TP", ["--mesh", "data=4,model=2", "--fsdp"]))

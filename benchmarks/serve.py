@@ -13,7 +13,7 @@ writes; both go into one Hugging Face folder (`jaxformer.convert.save_hf`,
 as a subprocess on a free loopback port, waited for (`GET /health` answers 200), warmed
 up (a workload of another seed, at the most clients), driven, then stopped with SIGTERM:
 
-  jaxformer engine          `python -m jaxformer.serve --max-batch 16` (`--max-batch`)
+  jaxformer engine          `jaxformer-serve --max-batch 16` (`--max-batch`)
   jaxformer one-at-a-time   the same with `--max-batch 1`: one request at a time
   transformers serve        `transformers serve --continuous-batching --device cpu`, the
                             folder its FORCE_MODEL (which requests must name: the path),
@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--max-seq-len", type=int, default=256, help="the model's and the servers' longest sequence")
     p.add_argument("--max-batch", type=int, default=16, help="the engine's --max-batch")
-    p.add_argument("--prefill-chunk", type=int, help="passed on to jaxformer.serve (default: its own)")
+    p.add_argument("--prefill-chunk", type=int, help="passed on to jaxformer-serve (default: its own)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--requests", type=int, default=32, help="requests per number of clients (at least max(--clients))")
     p.add_argument("--prompt-lengths", type=int, nargs="+", default=[8, 32, 64, 120], help="prompt tokens drawn from")
@@ -296,7 +296,7 @@ def free_port() -> int:
 
 
 def jaxformer_command(folder: str, port: int, max_batch: int, args, *extra: str) -> list[str]:
-    command = [sys.executable, "-m", "jaxformer.serve", "--checkpoint", folder, "--port", str(port),
+    command = [sys.executable, "-m", "jaxformer.commands.serve", "--checkpoint", folder, "--port", str(port),
                "--host", "127.0.0.1", "--max-batch", str(max_batch), "--max-seq-len", str(args.max_seq_len), *extra]
     return command + (["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else [])
 

@@ -1,4 +1,4 @@
-"""How long `GET /health` takes while one hostile request runs on `python -m jaxformer.serve`,
+"""How long `GET /health` takes while one hostile request runs on `jaxformer-serve`,
 against the same server idle: one request must not hold up the event loop that answers all.
 
     python -m benchmarks.serve_health [--rounds 5] [--polls 200] [--out serve_health.json]

@@ -42,7 +42,7 @@ def leave_at_once_on_failure(linger: float = 0.0) -> None:
     """From now on a failing command (`fail`, a non-zero `exit_process`, an uncaught
     exception after its traceback) ends its process without the interpreter's teardown,
     its output flushed: for a process of a run of several
-    (`jaxformer.training.runtime.initialize_distributed`), whose teardown would wait for the
+    (`jaxformer.runtime.initialize_distributed`), whose teardown would wait for the
     others to finish while they wait for it in their next collective. Its end is what tells
     them: they stop within JAX's heartbeat timeout.
 

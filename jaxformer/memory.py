@@ -59,19 +59,47 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
 def free_bytes() -> tuple[int, str] | None:
     """`(bytes, where)` free for new arrays on the default backend, None if unknown: on an
     accelerator, `bytes_limit - bytes_in_use` summed over the local devices; on a CPU, the
-    host's `MemAvailable` (or a cgroup's limit, if less), else its physical memory."""
+    host's `MemAvailable` (or a cgroup's limit, if less), else its physical memory, or what
+    the process's address-space limit (`ulimit -v`) leaves it, if that is less."""
     devices = jax.local_devices()
     stats = [device.memory_stats() for device in devices]
     if all(s and "bytes_limit" in s for s in stats):
         free = sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         return free, f"{len(devices)} {devices[0].platform.upper()} device{'s' * (len(devices) > 1)}"
     known = [n for n in (_meminfo_available(), _cgroup_free()) if n is not None]
-    if known:
-        return min(known), "the host"
+    host = (min(known), "the host") if known else _physical_memory()
+    # An allocation past the limit fails however much the host has free (XLA: RESOURCE_EXHAUSTED).
+    left = _address_space_left()
+    if left is not None and (host is None or left[0] < host[0]):
+        return left[0], f"the host within this process's address-space limit (ulimit -v: {format_bytes(left[1])})"
+    return host
+
+
+def _physical_memory() -> tuple[int, str] | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host (all of its memory)"
     except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
         return None
+
+
+def _address_space_left() -> tuple[int, int] | None:
+    """`(bytes left, limit)` of this process's address-space limit (`RLIMIT_AS`, `ulimit -v`):
+    the limit less the address space it has mapped (`VmSize`, what the limit counts); None
+    without a limit, or where either cannot be read (not Linux)."""
+    try:
+        import resource  # (Unix only)
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, AttributeError, ValueError, OSError):
+        return None
+    if limit == resource.RLIM_INFINITY:
+        return None
+    text = _read("/proc/self/status")
+    try:
+        mapped = int(text.split(b"VmSize:", 1)[1].split()[0]) * 1024  # the file counts kB
+    except (AttributeError, IndexError, ValueError):
+        return None
+    return max(limit - mapped, 0), limit
 
 
 def _read(path: str) -> bytes | None:

@@ -136,6 +136,11 @@ def as_int(value, name: str, *, minimum: int | None = None, maximum: int | None 
     return result
 
 
+def check_seed(seed, name: str = "seed") -> int:
+    """`seed` as a Python int in `[0, 2**31)` (the key derivation takes an int32), or a ValueError naming `name`."""
+    return as_int(seed, name, minimum=0, maximum=SEED_LIMIT - 1)
+
+
 def as_float(value, name: str, *, above: float | None = None, at_least: float | None = None,
              below: float | None = None, maximum: float | None = None, optional: bool = False) -> float | None:
     """`value` as a finite Python float within the bounds given, or a `ValueError` naming `name`.

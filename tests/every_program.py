@@ -23,9 +23,9 @@ from jaxformer import Decoder, DecoderConfig  # noqa: E402
 from jaxformer.convert import load_hf, save_hf  # noqa: E402
 from jaxformer.decoding import DecodeOptions, Draft, generate, stream  # noqa: E402
 from jaxformer.serving.engine import Engine  # noqa: E402
-from jaxformer.text import generate as generate_command  # noqa: E402
-from jaxformer.text import perplexity, save_tokenizer  # noqa: E402
-from jaxformer.training import finetune  # noqa: E402
+from jaxformer.commands import finetune, perplexity  # noqa: E402
+from jaxformer.commands import generate as generate_command  # noqa: E402
+from jaxformer.text import save_tokenizer  # noqa: E402
 from train import lm, reverse  # noqa: E402
 
 TEXT = "Keys and values are cached, so each new token costs one step. " * 20

@@ -38,7 +38,7 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def generate(checkpoint: str, dtype: str, *extra: str) -> tuple[dict, float]:
-    done, peak = run_measured("jaxformer.text.generate", "--checkpoint", checkpoint, "--prompt", "The cat sat on",
+    done, peak = run_measured("jaxformer.commands.generate", "--checkpoint", checkpoint, "--prompt", "The cat sat on",
                               "--max-new-tokens", "8", "--max-seq-len", "256", "--dtype", dtype, "--json", *extra)
     return json.loads(done.stdout.splitlines()[-1]), peak
 
@@ -67,7 +67,7 @@ def test_a_lora_step_on_the_1b_shape_completes(checkpoint, tmp_path):
     step, this process was killed at 24 GB: every step program carried the weights as constants."""
     data = tmp_path / "text.txt"
     data.write_text(llama_1b.TEXT * 20)
-    done, peak = run_measured("jaxformer.training.finetune", "--checkpoint", checkpoint, "--data", str(data),
+    done, peak = run_measured("jaxformer.commands.finetune", "--checkpoint", checkpoint, "--data", str(data),
                               "--steps", "1", "--batch-size", "1", "--seq-len", "128", "--lora-rank", "8",
                               "--base-dtype", "bfloat16", "--dtype", "bfloat16", "--warmup", "1",
                               "--run-dir", str(tmp_path / "run"))

@@ -427,7 +427,7 @@ def export(setup: runs.Setup, settings: Settings, trained: runs.Trained, evaluat
         fail(PROG, f"cannot write --export {path}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
                    f"export it with the same flags and --resume --run-dir {run.run_dir} --export {path}", FAILED)
     new_tokens = COPY_LEN if settings.task == "copy" else settings.sample_tokens
-    print(f"\nexported to {path}: python -m jaxformer.text.generate --checkpoint {shlex.quote(str(path))} "
+    print(f"\nexported to {path}: jaxformer-generate --checkpoint {shlex.quote(str(path))} "
           f"--prompt {shlex.quote(evaluation['prompt'])} --max-new-tokens {new_tokens}")
 
 

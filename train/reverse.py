@@ -38,7 +38,7 @@ from jaxformer.validation import as_float, as_int
 from jaxformer.training import flags, run_start, runs
 from train.attention_maps import ascii_attention, save_attention_grid
 from jaxformer.training.report_page import attention_group, result_label
-from jaxformer.training.runtime import is_primary
+from jaxformer.runtime import is_primary
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 PROG = "python -m train.reverse"
@@ -182,8 +182,8 @@ def build(settings: Settings = Settings()) -> runs.Setup:
 
 def describe(setup: runs.Setup, trace) -> None:
     """The device, the parameter count, and the shape trace (`shape_trace`'s rows)."""
-    runs.print_device()
-    print(f"params: {runs.count_params(setup.params):,}   (the paper's base model: 65M)\n")
+    run_start.print_device()
+    print(f"params: {run_start.count_params(setup.params):,}   (the paper's base model: 65M)\n")
     print("shape trace (B=batch, S=src len, T=tgt len, d=d_model, h=heads)\n")
     for name, shape, note in trace:
         print(f"  {name:<44} {str(shape):<18} {note}")

@@ -19,8 +19,8 @@ from jaxformer.training.placement import shard_batches, shard_state
 from jaxformer.training.progress import ProgressBar
 from jaxformer.training.run_dir import (CONFIG_FILE, RunLock, check_run_config, check_run_dir, check_writable,
                                        lock_run_dir, read_run_config, save_run_config, start_run)
-from jaxformer.training.runtime import enable_compilation_cache, initialize_distributed
-from jaxformer.training.state import TrainState, check_seed, make_train_step, make_train_steps, step_keys
+from jaxformer.training.state import TrainState, make_train_step, make_train_steps, step_keys
+from jaxformer.validation import check_seed
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -40,8 +40,6 @@ __all__ = [
     "check_run_dir",
     "check_seed",
     "check_writable",
-    "enable_compilation_cache",
-    "initialize_distributed",
     "lock_run_dir",
     "make_train_step",
     "make_train_steps",

@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxformer.training.runtime import barrier, is_primary
+from jaxformer.runtime import barrier, is_primary
 from jaxformer.training.state import TrainState
 
 CHECKPOINT_DIR = "checkpoints"

@@ -14,7 +14,7 @@ from typing import Callable
 from jaxformer.files import write_folder_atomically
 from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                       TOKENIZER_FILE)
-from jaxformer.training.runtime import is_primary
+from jaxformer.runtime import is_primary
 
 # What an export writes (`jaxformer.convert.save_hf`, then `jaxformer.text.save_tokenizer`):
 # a folder that holds nothing else is a previous export, which the new one replaces whole.

@@ -116,8 +116,8 @@ def add_export_flag(parser: argparse.ArgumentParser, flag: str = "--export", hel
     parser.set_defaults(export_flag=flag)
     parser.add_argument(flag, dest="export", type=Path, default=None, metavar="DIR",
                         help=help or "after training and evaluation, write the model and its tokenizer as a "
-                             "Hugging Face folder (transformers' AutoModelForCausalLM and AutoTokenizer and python -m "
-                             "jaxformer.text.generate read it); with --resume, a finished run is exported "
+                             "Hugging Face folder (transformers' AutoModelForCausalLM and AutoTokenizer and "
+                             "jaxformer-generate read it); with --resume, a finished run is exported "
                              "without training")
 
 

@@ -15,7 +15,7 @@ from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restore
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog
 from jaxformer.training.progress import ProgressBar
 from jaxformer.training.run_dir import lock_run_dir
-from jaxformer.training.runtime import is_primary, on_primary
+from jaxformer.runtime import is_primary, on_primary
 from jaxformer.training.state import TrainState, step_keys
 from jaxformer.validation import as_int
 

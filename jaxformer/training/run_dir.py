@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jaxformer.files import read_json_object, write_text_atomically
 from jaxformer.training.checkpoints import CHECKPOINT_DIR
-from jaxformer.training.runtime import on_primary
+from jaxformer.runtime import on_primary
 
 CONFIG_FILE = "config.json"
 
@@ -60,7 +60,7 @@ def lock_run_dir(run_dir) -> RunLock:
     """The `RunLock` of an existing run directory, held until released or the process ends.
 
     In a run of several processes every one calls it at the same point: process 0 takes the
-    flock, and all of them go on or raise together (`jaxformer.training.runtime.on_primary`).
+    flock, and all of them go on or raise together (`jaxformer.runtime.on_primary`).
 
     Raises:
       ValueError: naming the directory, when another run holds its lock.

@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
+
 from jaxformer.command_line import fail, note_on_interrupt
 from jaxformer.files import write_text_atomically
 from jaxformer.text.tokenizer import TOKENIZER_FILE
@@ -26,8 +28,7 @@ from jaxformer.training.loop import resume_from
 from jaxformer.training.placement import place
 from jaxformer.training.report_page import check_run_files, record_session
 from jaxformer.training.run_dir import CONFIG_FILE, RunLock, check_run_dir, lock_run_dir, save_run_config
-from jaxformer.training.runs import count_params, device_name
-from jaxformer.training.runtime import agree, barrier, is_primary, on_primary
+from jaxformer.runtime import agree, barrier, is_primary, on_primary
 from jaxformer.training.state import TrainState
 
 # Config fields a run may change on resume: how it computes, not what it learns. Parameters
@@ -95,6 +96,21 @@ class Start:
 
     def __exit__(self, kind, error, traceback) -> None:
         self.abandon() if kind is not None else self.lock.release()
+
+
+def count_params(params) -> int:
+    """The number of scalars in a parameter tree."""
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def device_name() -> str:
+    """The device the run computes on, and the JAX version."""
+    return f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
+
+
+def print_device() -> None:
+    """One line: `device_name()`."""
+    print(f"device: {device_name()}")
 
 
 def start(prog: str, setup, settings, run: RunOptions, shape_trace=()) -> Start:

@@ -17,7 +17,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import optax
@@ -32,11 +32,10 @@ from jaxformer.training.metrics import METRICS_FILE, read_metrics
 from jaxformer.training.report_page import (REPORT_FILE, drop_snapshots_after, record_snapshot, result_label,
                                             write_report)
 from jaxformer.training.report_page import write_results as write_results_file
-from jaxformer.training.runtime import barrier, enable_compilation_cache, initialize_distributed, is_primary
+from jaxformer.training.run_start import Start
+from jaxformer.runtime import barrier, enable_compilation_cache, initialize_distributed, is_primary
 from jaxformer.training.state import TrainState, make_train_step, make_train_steps
 
-if TYPE_CHECKING:
-    from jaxformer.training.run_start import Start
 
 # The results every run has, from its training, and how the report page labels them.
 TRAINING_LABELS = {"steps": result_label("updates trained"), "final_loss": result_label("final training loss"),
@@ -100,7 +99,7 @@ class Setup:
 
 class Demo(Protocol):
     """What a module that trains provides (`train.reverse`, `train.lm`,
-    `jaxformer.training.finetune`), so that what serves every kind of run (this module,
+    `jaxformer.commands.finetune`), so that what serves every kind of run (this module,
     `jaxformer-report`) treats them alike, never by asking which one it holds.
 
     Attributes:
@@ -141,21 +140,6 @@ def init_params(model: nn.Module, seed: int):
       seed: the run's seed.
     """
     return jax.jit(model.init)(jax.random.key(seed), *model.init_inputs())["params"]
-
-
-def count_params(params) -> int:
-    """The number of scalars in a parameter tree."""
-    return sum(x.size for x in jax.tree.leaves(params))
-
-
-def device_name() -> str:
-    """The device the run computes on, and the JAX version."""
-    return f"{jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-
-
-def print_device() -> None:
-    """One line: `device_name()`."""
-    print(f"device: {device_name()}")
 
 
 @dataclasses.dataclass(frozen=True)

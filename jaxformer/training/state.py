@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from jaxformer.validation import SEED_LIMIT, as_int
+from jaxformer.validation import as_int, check_seed
 
 
 @struct.dataclass
@@ -107,11 +107,6 @@ def _update(loss_fn: Callable, optimizer: optax.GradientTransformation) -> Calla
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), {"loss": loss, **aux}
 
     return train_step
-
-
-def check_seed(seed, name: str = "seed") -> int:
-    """`seed` as a Python int in `[0, 2**31)` (the key derivation takes an int32), or a ValueError naming `name`."""
-    return as_int(seed, name, minimum=0, maximum=SEED_LIMIT - 1)
 
 
 def step_keys(seed: int, step: int) -> tuple[jax.Array, jax.Array]:

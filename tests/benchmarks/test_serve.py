@@ -110,7 +110,7 @@ def test_a_server_is_waited_for_and_stopped(tmp_path):
 def test_commands_follow_the_contract():
     args = serve.parse_args(TINY + ["--prefill-chunk", "16"])
     command = serve.jaxformer_command("/ckpt", 8001, 1, args)
-    assert command[1:3] == ["-m", "jaxformer.serve"]
+    assert command[1:3] == ["-m", "jaxformer.commands.serve"]
     assert " ".join(command[3:]) == ("--checkpoint /ckpt --port 8001 --host 127.0.0.1 --max-batch 1 "
                                      "--max-seq-len 64 --prefill-chunk 16")
     command = serve.transformers_command("/ckpt", 8002)

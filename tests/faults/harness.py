@@ -26,7 +26,7 @@ CLI_TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2"
 
 
 # The commands by short name: the demos in train/, the library's commands that train.
-LIBRARY_COMMANDS = {"report": "jaxformer.training.report", "finetune": "jaxformer.training.finetune"}
+LIBRARY_COMMANDS = {"report": "jaxformer.commands.report", "finetune": "jaxformer.commands.finetune"}
 
 
 def module_of(command: str) -> str:

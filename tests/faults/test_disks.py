@@ -27,7 +27,7 @@ from tiny_llama import checkpoint_and_text
 
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
 from jaxformer.training import MetricsLog
-from jaxformer.training import report
+from jaxformer.commands import report
 from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
@@ -191,8 +191,8 @@ def tiny_checkpoint(tmp_path_factory):
 def finetune_process(root, run_dir, *python) -> subprocess.CompletedProcess:
     """A LoRA `jaxformer-finetune` of `root`'s checkpoint and text into `run_dir`, a process of
     its own (what it prints as the interpreter exits is under test), run by `python`
-    (default: `-m jaxformer.training.finetune`)."""
-    return subprocess.run([sys.executable, *(python or ("-m", "jaxformer.training.finetune")), "--checkpoint",
+    (default: `-m jaxformer.commands.finetune`)."""
+    return subprocess.run([sys.executable, *(python or ("-m", "jaxformer.commands.finetune")), "--checkpoint",
                            str(root / "checkpoint"), "--data", str(root / "text.txt"), "--run-dir", str(run_dir),
                            *LORA], capture_output=True, text=True, cwd=REPO, timeout=300)
 

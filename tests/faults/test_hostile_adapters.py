@@ -1,5 +1,5 @@
-"""Hostile adapter folders: what `--adapter DIR` of `python -m jaxformer.text.generate` and
-`python -m jaxformer.text.perplexity` is given, and `jaxformer.convert.peft.load_peft` reads.
+"""Hostile adapter folders: what `--adapter DIR` of `jaxformer-generate` and
+`jaxformer-perplexity` is given, and `jaxformer.convert.peft.load_peft` reads.
 
 An adapter folder is someone else's file, like a checkpoint: each damage below is refused
 with one line naming the file (and the tensor), exit status 2, before the base's weights
@@ -26,7 +26,7 @@ from tiny_llama import CONFIG, checkpoint_and_text, params
 
 from jaxformer.convert.peft import load_peft, save_peft
 from jaxformer.lora import LoraConfig, init_lora, merge
-from jaxformer.text import generate, perplexity
+from jaxformer.commands import generate, perplexity
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
 STEM = "base_model.model.model.layers.0"

@@ -36,7 +36,7 @@ from tiny_llama import CONFIG, TOKENIZER, checkpoint_and_text, params, save_chec
 
 from jaxformer.losses import CHUNK_BYTES
 from jaxformer.memory import format_bytes
-from jaxformer.training import finetune
+from jaxformer.commands import finetune
 from train import lm
 
 FAST = ["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "16", "--lora-rank", "4",

@@ -1,4 +1,4 @@
-"""Hostile input to `python -m jaxformer.text.perplexity`: every flag and file is checked
+"""Hostile input to `jaxformer-perplexity`: every flag and file is checked
 before the weights are read (one line, status 2), and a perplexity that is not a number is
 an error naming its cause (status 1), never a result. A new flag adds a row to `FLAGS` or
 `FILES`; a new way for the figure to fail, one to `NOT_NUMBERS`. (Damaged `--adapter`
@@ -15,7 +15,7 @@ from conftest import run_main
 from tiny_llama import CONFIG, TOKENIZER, checkpoint_and_text, params, save_checkpoint
 
 from jaxformer import Decoder
-from jaxformer.text import perplexity
+from jaxformer.commands import perplexity
 from jaxformer.validation import NotFinite
 
 TEXT = "The cat sat on the mat, and the dog sat on the log. " * 8

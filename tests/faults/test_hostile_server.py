@@ -1,4 +1,4 @@
-"""Hostile clients of `python -m jaxformer.serve`, the real server on a free loopback port:
+"""Hostile clients of `jaxformer-serve`, the real server on a free loopback port:
 a client's mistake gets an OpenAI-shaped 4xx and never a 500, nothing a client sends puts a
 traceback in the log, one request cannot hold up the others, and a stop keeps its promise.
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "serving"))
 from server import KEY, NAME, Server  # noqa: E402
 from tiny import CONFIG, SLOW, save_folder  # noqa: E402
 
-from jaxformer.serve import PROG  # noqa: E402
+from jaxformer.commands.serve import PROG  # noqa: E402
 
 VOCAB = CONFIG.vocab_size
 BODY_TIMEOUT_S = 1
@@ -170,8 +170,8 @@ def test_the_compile_says_what_it_does_before_the_server_is_ready(server):
 
 
 def test_a_busy_port_is_refused_before_the_model_loads(server, folder):
-    done = subprocess.run([sys.executable, "-m", "jaxformer.serve", "--checkpoint", folder, "--port", str(server.port)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "jaxformer.commands.serve", "--checkpoint", folder, "--port",
+                           str(server.port)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"{PROG}: error: --host 127.0.0.1 --port {server.port}: cannot listen there: Address already in use"]
 

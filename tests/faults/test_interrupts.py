@@ -29,7 +29,7 @@ from jaxformer.convert import save_hf
 from jaxformer.text import save_tokenizer, train_bpe
 from jaxformer.training import TrainState, make_train_step, train_loop
 
-GENERATE = "python -m jaxformer.text.generate"
+GENERATE = "jaxformer-generate"
 LONG = ["--prompt", "the cat", "--max-new-tokens", "6000"]  # seconds of decoding for the tiny model
 
 
@@ -50,7 +50,7 @@ def checkpoint(tmp_path_factory) -> str:
 def start(argv: list[str], **popen) -> subprocess.Popen:
     """The generation command started as a user starts it, its output read by the test: a
     process of its own, as the signal, the pipe and the closed descriptor are a process's."""
-    return subprocess.Popen([sys.executable, "-m", "jaxformer.text.generate", *argv], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "jaxformer.commands.generate", *argv], cwd=REPO,
                             stdout=popen.pop("stdout", subprocess.PIPE), stderr=subprocess.PIPE, **popen)
 
 
@@ -133,7 +133,7 @@ def test_a_closed_standard_output_is_refused_in_one_line(checkpoint, argv):
     """`... >&-`: Python starts with `sys.stdout` None, where printing does nothing; the
     command says there is nowhere to write rather than printing nothing."""
     # The shell closes descriptor 1, then becomes the command.
-    process = subprocess.Popen(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "jaxformer.text.generate",
+    process = subprocess.Popen(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "-m", "jaxformer.commands.generate",
                                 "--checkpoint", checkpoint, "--prompt", "the cat", "--max-new-tokens", "4", *argv],
                                cwd=REPO, stderr=subprocess.PIPE)
     _, err = process.communicate(timeout=120)

@@ -39,7 +39,7 @@ from report_page import check_report, decode_png
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, stream
 from jaxformer.convert import save_hf
 from jaxformer.decoding import NO_TOKEN, Draft, NonFiniteLogitsError, PromptLookup
-from jaxformer.text import generate as cli
+from jaxformer.commands import generate as cli
 from jaxformer.text import save_tokenizer, train_bpe
 from jaxformer.training import Checkpointer, TrainState
 from jaxformer.training.report_page import (attention_group, colormap, read_snapshots, record_session, record_snapshot,
@@ -423,7 +423,7 @@ def test_colormap_draws_nonfinite_weights_grey():
 def test_train_report_rebuilds_a_run_that_diverged(tmp_path, capsys):
     """`jaxformer-report` on such a run, with a checkpoint whose parameters are all
     NaN and no snapshot: it snapshots it (every attention weight NaN) on the page."""
-    from jaxformer.training import report
+    from jaxformer.commands import report
     from train import reverse
 
     settings = reverse.Settings(steps=10, batch_size=4, n_layer=1, d_model=16, d_ff=16, n_head=2, eval_size=4)

@@ -31,7 +31,7 @@ from harness import (CLI_TINY, REPO, committed_steps, last_logged_step, logged_l
                      saving_now, shared_finished_run, snapshot, start_cli, wait_until)
 
 from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
-from jaxformer.training import report
+from jaxformer.commands import report
 from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]
@@ -110,7 +110,7 @@ def test_a_resume_while_reports_are_built_over_and_over_ends_as_the_uninterrupte
 
     def report_over_and_over():
         while not resumed.is_set():
-            reports.append(subprocess.run([sys.executable, "-m", "jaxformer.training.report", str(run_dir)],
+            reports.append(subprocess.run([sys.executable, "-m", "jaxformer.commands.report", str(run_dir)],
                                           capture_output=True, text=True, cwd=REPO, timeout=300))
 
     reporting = threading.Thread(target=report_over_and_over)

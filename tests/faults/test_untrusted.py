@@ -16,14 +16,17 @@ Sections:
     tables are rows of one another and their cache is bounded.
   Memory: a prefill that cannot fit is refused before anything compiles, by the API and
     by the command (naming the prompt length, what it needs and what is free); one that
-    fits decodes, and XLA's own count of its memory stays below the estimate.
+    fits decodes, and XLA's own count of its memory stays below the estimate. The command
+    under an address-space limit (`ulimit -v`, a process of its own) refuses a prompt past
+    the limit or past max_seq_len in one line; an allocation that fails all the same ends
+    it in one line too.
   Shards: an index entry outside the folder (absolute, `..`, a symlink) is refused, a
     stale extra shard changes nothing, a tensor missing from its shard is named; a
     Hugging Face cache snapshot (symlinks to its blobs) still loads.
 
 Everything runs on one tiny decoder (vocab 280, d_model 16, one layer) and its byte-level
 BPE tokenizer, written by jaxformer (no network, no torch); the commands run in-process
-through `main(argv)`.
+through `main(argv)`, but where a process's own limit is under test.
 """
 
 import concurrent.futures
@@ -36,6 +39,7 @@ import os
 import re
 import resource
 import shutil
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -46,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import count_compiles, init_params
-from harness import snapshot
+from harness import REPO, snapshot
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors.numpy import load_file, save_file
@@ -56,7 +60,7 @@ from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoding import DecodeRequest, start
 from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
 from jaxformer.text import chat, render_chat, save_tokenizer, train_bpe
-from jaxformer.text import generate as cli
+from jaxformer.commands import generate as cli
 from jaxformer.text.sandbox import MAX_BUILT, MAX_INT_BITS, MAX_SIZE, MAX_TEMPLATE_CHARS
 
 CORPUS = "\n".join(["The cat sat on the mat, and the dog sat on the log.",
@@ -98,7 +102,7 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
 
 
 def run_command(argv: list[str]) -> tuple[int, str, list[str]]:
-    """`python -m jaxformer.text.generate argv` in this process: `(exit status, stdout, stderr lines)`."""
+    """`jaxformer-generate argv` in this process: `(exit status, stdout, stderr lines)`."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
@@ -466,6 +470,58 @@ def test_cli_refuses_a_prompt_past_memory_in_one_line_before_compiling(huge_fold
     assert_refused(status, out, err, REFUSED + "the host$")
     assert compiles == [] and time.perf_counter() - started < 10 * FAST  # (tokenizing 200,000 characters included)
     assert snapshot(huge_folder) == before
+
+
+# The address-space limit (`ulimit -v`, in KiB) the command runs under, and a SwiGLU so wide that
+# a 60,000-token prompt's prefill needs more than it (3 * T * WIDE * 4 bytes, about 17 GiB), while
+# the weights stay a few MiB.
+ADDRESS_SPACE_KIB = 16_000_000
+WIDE = 25_000
+LONG_PROMPT = "~" * 60_000
+
+
+@pytest.fixture(scope="module")
+def wide_folder(tmp_path_factory) -> Path:
+    """The tiny model with a SwiGLU of width `WIDE` and a context of 10**12 positions."""
+    path = tmp_path_factory.mktemp("wide")
+    save_hf(TINY.replace(max_seq_len=HUGE, d_ff=WIDE), init_params(TINY.replace(d_ff=WIDE)), str(path),
+            bos_id=BPE.bos_id, eos_id=BPE.eos_id, pad_id=BPE.pad_id)
+    save_tokenizer(BPE, str(path))
+    return path
+
+
+@pytest.mark.parametrize("checkpoint, message", [
+    ("folder", r"prompt 1 \('~~~.*'\.\.\.\) is 6000\d tokens: with --max-new-tokens 128 that passes max_seq_len 64$"),
+    ("wide_folder", r"the prefill of a 60,00\d-token prompt \(1 row, a cache of [\d,]+ positions\) needs about "
+                    r"[\d.]+ GiB of memory, more than the [\d.]+ GiB free on the host( within this process's "
+                    r"address-space limit \(ulimit -v: [\d.]+ GiB\))?$"),
+])
+def test_cli_under_an_address_space_limit_refuses_a_long_prompt_in_one_line(checkpoint, message, request):
+    """`ulimit -v 16000000; jaxformer-generate` with a 60,000-token prompt on standard input, in
+    a process of its own: one line and exit 2, never a traceback, whether the prompt is past
+    max_seq_len or its prefill past the limit, which the line names (unless the host has even
+    less free: the host's memory is named then)."""
+    folder = request.getfixturevalue(checkpoint)
+    done = subprocess.run(["bash", "-c", f'ulimit -v {ADDRESS_SPACE_KIB} && exec "$@"', "bash", sys.executable, "-m",
+                           "jaxformer.commands.generate", "--checkpoint", str(folder)],
+                          input=LONG_PROMPT, capture_output=True, text=True, cwd=REPO, timeout=180)
+    err = done.stderr.splitlines()
+    assert done.returncode == 2 and done.stdout == "" and len(err) == 1, done.stderr[-3000:]
+    assert err[0].startswith(f"{cli.PROG}: error: ") and re.search(message, err[0]), err[0]
+
+
+def test_cli_ends_an_allocation_that_fails_all_the_same_in_one_line(folder, monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED past the estimate (its margin, work it does not count): one line
+    naming what is free, exit 1, no traceback."""
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 24079285768 bytes.")
+
+    monkeypatch.setattr(cli, "start", exhausted)
+    monkeypatch.setattr("jaxformer.commands.generate.free_bytes", lambda: (13 * 2**30, "the test's host"))
+    status, out, err = run_command(["--checkpoint", str(folder), "--prompt", "The cat", "--max-new-tokens", "4"])
+    assert status == 1 and out == "" and err == [
+        f"{cli.PROG}: error: out of memory: RESOURCE_EXHAUSTED: Out of memory allocating 24079285768 bytes (13.0 GiB "
+        "free on the test's host): a shorter prompt, fewer prompts at once or --dtype bfloat16 needs less"], err
 
 
 # ---------------------------------------------------------------------------------------

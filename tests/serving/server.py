@@ -1,4 +1,4 @@
-"""`python -m jaxformer.serve` started for real in a subprocess, on a free loopback port, as
+"""`jaxformer-serve` started for real in a subprocess, on a free loopback port, as
 the server tests talk to it: with the official `openai` client, or raw HTTP."""
 
 import os
@@ -16,7 +16,7 @@ NAME = "tiny-chat"
 
 
 class Server:
-    """`python -m jaxformer.serve` in a subprocess, on a free loopback port; its stderr in a file."""
+    """`jaxformer-serve` in a subprocess, on a free loopback port; its stderr in a file."""
 
     def __init__(self, folder: str, log_path: str, *flags: str):
         with socket.socket() as s:
@@ -26,7 +26,7 @@ class Server:
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "jaxformer.serve", "--checkpoint", folder, "--port", str(self.port),
+            [sys.executable, "-m", "jaxformer.commands.serve", "--checkpoint", folder, "--port", str(self.port),
              "--model-name", NAME, "--api-key", KEY, *flags],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         deadline = time.monotonic() + 180

@@ -1,4 +1,4 @@
-"""The server, started for real (`python -m jaxformer.serve` on a free loopback port) on a tiny
+"""The server, started for real (`jaxformer-serve` on a free loopback port) on a tiny
 model trained here, and talked to with the official `openai` client (raw HTTP where a client
 would not send such a request)."""
 

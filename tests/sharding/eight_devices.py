@@ -295,7 +295,7 @@ def test_train_finetune_on_a_mesh_resumes_on_another(tmp_path):
 
     from jaxformer.convert import save_hf
     from jaxformer.text import char_tokenizer, save_tokenizer
-    from jaxformer.training import finetune
+    from jaxformer.commands import finetune
 
     words = "the cat sat on a mat and dog log".split()
     tokenizer = char_tokenizer(sorted(set(" ".join(words))))

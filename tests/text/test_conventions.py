@@ -3,7 +3,7 @@ Llama 3 (a post-processor's BOS, three stop ids), Gemma (a BOS always, `<end_of_
 stop) and Qwen (no BOS, ChatML), each a tiny checkpoint of its family (tests/text/conventions.py).
 
 jaxformer's prompt ids, chat prompts and decoded text are `AutoTokenizer`'s;
-`python -m jaxformer.text.generate` decodes greedily as transformers' `generate` does and
+`jaxformer-generate` decodes greedily as transformers' `generate` does and
 stops at each of the folder's stop ids, prompt lookup gives the same tokens in fewer passes,
 and beam search is `jf.generate`'s.
 """
@@ -23,7 +23,7 @@ from conventions import (CONVENTIONS, GEMMA3, LLAMA3, QWEN, QWEN3_TEMPLATE, gree
 
 from jaxformer import Decoder, generate
 from jaxformer.convert import load_hf
-from jaxformer.text import generate as cli
+from jaxformer.commands import generate as cli
 from jaxformer.text import completion_text, load_tokenizer, render_chat
 
 torch = import_peer("torch")

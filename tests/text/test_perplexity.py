@@ -16,7 +16,8 @@ from jaxformer import Decoder, DecoderConfig
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.convert.peft import save_peft
 from jaxformer.lora import LoraConfig, init_lora, merge
-from jaxformer.text import Tokenizer, load_tokenizer, perplexity as command, save_tokenizer
+from jaxformer.commands import perplexity as command
+from jaxformer.text import Tokenizer, load_tokenizer, save_tokenizer
 from jaxformer.text.perplexity import perplexity, window_spans
 
 TEXT = CORPUS[:900]

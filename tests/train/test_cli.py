@@ -7,7 +7,8 @@ import re
 import jax
 import pytest
 
-from jaxformer.training import flags, report, run_start, runs
+from jaxformer.commands import report
+from jaxformer.training import flags, run_start, runs
 from train import lm, reverse
 
 TINY = {reverse: dict(n_layer=1, d_model=32, d_ff=32, n_head=2, batch_size=4),

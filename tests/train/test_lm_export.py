@@ -1,6 +1,6 @@
 """`python -m train.lm` speaks tokens a user can reuse: the run directory keeps its
 tokenizer, and `--export DIR` writes a folder that transformers, its `AutoTokenizer` and
-`python -m jaxformer.text.generate` read.
+`jaxformer-generate` read.
 
 One tiny run of each kind (BPE text, character text, the copy task) is trained once, in
 process, and shared. The exported model is checked against the trained parameters as the
@@ -26,7 +26,7 @@ import pytest
 from conftest import import_peer
 
 from jaxformer import Decoder, generate
-from jaxformer.text import generate as generate_cli
+from jaxformer.commands import generate as generate_cli
 from jaxformer.training import Checkpointer, TrainState
 from jaxformer.text.tokenizer import TOKENIZER_FILE
 from jaxformer.training.exports import EXPORT_FILES
@@ -73,7 +73,7 @@ class Run:
         return _TRAINED[self.run_dir]
 
     def hint(self) -> list[str]:
-        """The example command printed at the end, as argv (from "python")."""
+        """The example command printed at the end, as argv (from "jaxformer-generate")."""
         line = next(line for line in self.stdout.splitlines() if line.startswith(f"exported to {self.export}: "))
         return shlex.split(line.split(": ", 1)[1])
 
@@ -161,9 +161,9 @@ def test_export_writes_a_hugging_face_folder_and_says_how_to_decode_it(runs):
         run = runs(kind)
         assert sorted(p.name for p in run.export.iterdir()) == sorted(EXPORT_FILES)
         hint = run.hint()
-        assert hint[:5] == ["python", "-m", "jaxformer.text.generate", "--checkpoint", str(run.export)], hint
-        assert hint[5] == "--prompt" and hint[6].strip(), hint
-    assert runs("copy").hint()[6].startswith("<bos> ") and runs("copy").hint()[6].endswith(" <sep>")
+        assert hint[:3] == ["jaxformer-generate", "--checkpoint", str(run.export)], hint
+        assert hint[3] == "--prompt" and hint[4].strip(), hint
+    assert runs("copy").hint()[4].startswith("<bos> ") and runs("copy").hint()[4].endswith(" <sep>")
     special = json.loads((runs("bpe").export / "generation_config.json").read_text())
     assert special == {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 
@@ -185,8 +185,8 @@ def test_the_generation_cli_decodes_the_export(runs, kind):
     setup, params = run.trained()
     tokenizer, hint = setup.tokenizer, run.hint()
     out = io.StringIO()
-    assert generate_cli.main([*hint[3:-2], "--max-new-tokens", "8"], stdout=out) == 0
-    prompt_ids = tokenizer.encode(hint[6])
+    assert generate_cli.main([*hint[1:-2], "--max-new-tokens", "8"], stdout=out) == 0
+    prompt_ids = tokenizer.encode(hint[4])
     new = np.asarray(generate(Decoder(setup.model.config), params, jnp.asarray([prompt_ids]), max_new_tokens=8))
     new = new[0, len(prompt_ids):].tolist()
     stops = [i for i, token in enumerate(new) if token in tokenizer.stop_ids]

@@ -9,7 +9,7 @@ from conftest import run_main
 from report_page import Page, check_report, chromium, heatmap_colours_shown, render
 
 from jaxformer.training import read_metrics
-from jaxformer.training import report
+from jaxformer.commands import report
 from train import reverse
 from jaxformer.training.report_page import build_report, read_snapshots, record_snapshot
 

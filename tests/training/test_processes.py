@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "text"))
 from checkpoints import save_random_checkpoint  # noqa: E402
 
 from jaxformer.training import lock_run_dir  # noqa: E402
-from jaxformer.training.runtime import HEARTBEAT_SECONDS, local_environments  # noqa: E402
+from jaxformer.runtime import HEARTBEAT_SECONDS, local_environments  # noqa: E402
 
 ROOT = Path(__file__).parent.parent.parent
 LM = ["-m", "train.lm", "--steps", "6", "--warmup", "2", "--batch-size", "16", "--n-layer", "2", "--d-model", "64",
@@ -143,7 +143,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def test_lora_fine_tuning_over_two_processes_writes_one_adapter_and_one_merged_folder(checkpoint, tmp_path):
     torch, transformers = import_peer("torch"), import_peer("transformers")
-    finetune = ["-m", "jaxformer.training.finetune", "--checkpoint", str(checkpoint), "--data",
+    finetune = ["-m", "jaxformer.commands.finetune", "--checkpoint", str(checkpoint), "--data",
                 str(checkpoint.parent / "new.txt"), "--steps", "8", "--lr", "1e-2", "--log-every", "4",
                 "--checkpoint-every", "4", "--warmup", "2", "--batch-size", "4", "--seq-len", "32", "--lora-rank", "4",
                 *FSDP_TP]
@@ -162,7 +162,7 @@ def test_lora_fine_tuning_over_two_processes_writes_one_adapter_and_one_merged_f
 
 
 def test_full_fine_tuning_over_two_processes_has_the_losses_of_one(checkpoint, tmp_path):
-    finetune = ["-m", "jaxformer.training.finetune", "--checkpoint", str(checkpoint), "--data",
+    finetune = ["-m", "jaxformer.commands.finetune", "--checkpoint", str(checkpoint), "--data",
                 str(checkpoint.parent / "new.txt"), "--full", "--steps", "4", "--lr", "1e-3", "--log-every", "1",
                 "--checkpoint-every", "2", "--warmup", "2", "--batch-size", "4", "--seq-len", "32",
                 "--mesh", "data=2,model=4", "--fsdp"]

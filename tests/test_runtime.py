@@ -1,4 +1,4 @@
-"""`jaxformer.training.runtime`: joining other processes only when the environment names
+"""`jaxformer.runtime`: joining other processes only when the environment names
 them, the variables checked first, and what one process does for a run of several.
 (Real processes on loopback: tests/training/test_processes.py.)"""
 
@@ -7,9 +7,8 @@ import socket
 import jax
 import pytest
 
-from jaxformer.training import initialize_distributed
-from jaxformer.training.runtime import (HEARTBEAT_SECONDS, JOIN_SECONDS, LINGER_SECONDS, agree, distributed_settings,
-                                        is_primary, join_timeout, local_environments, on_primary)
+from jaxformer.runtime import (HEARTBEAT_SECONDS, JOIN_SECONDS, LINGER_SECONDS, agree, distributed_settings,
+                               initialize_distributed, is_primary, join_timeout, local_environments, on_primary)
 
 VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
              "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES", "JAXFORMER_JOIN_TIMEOUT")
@@ -68,7 +67,7 @@ def test_initialize_joins_with_bounded_timeouts_and_only_when_named(clean_enviro
     monkeypatch = clean_environment
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: calls.append(kwargs))
-    monkeypatch.setattr("jaxformer.training.runtime.leave_at_once_on_failure",
+    monkeypatch.setattr("jaxformer.runtime.leave_at_once_on_failure",
                         lambda linger: calls.append(("leave", linger)))
     assert initialize_distributed() is False and calls == []
     monkeypatch.setenv("SLURM_NTASKS", "4")

@@ -1,4 +1,4 @@
-"""The generation CLI: a checkpoint folder and text in, text out.
+"""`jaxformer-generate`: a checkpoint folder and text in, text out.
 
 Most tests use a folder jaxformer writes itself (`save_hf` + `save_tokenizer`); the
 parity test uses one transformers writes, and its `generate` + `decode` as the peer.
@@ -9,21 +9,25 @@ import io
 import json
 import os
 import shutil
+import sys
 
 import contextlib
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoints import CORPUS, save_tiny_llama, set_eos
 from conftest import import_peer, memorised_params
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
+from checkpoints import CORPUS, save_tiny_llama, set_eos
 
 from jaxformer import Decoder, DecoderConfig, generate
 from jaxformer.convert import save_hf
 from jaxformer.text import completion_text, load_tokenizer, save_tokenizer, train_bpe
-from jaxformer.text import generate as cli
+from jaxformer.commands import generate as cli
 
 # A small vocabulary: many Chinese characters stay spelled in two or three byte tokens.
 BPE = train_bpe([CORPUS], 280)

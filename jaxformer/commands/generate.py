@@ -1,8 +1,8 @@
-"""`python -m jaxformer.text.generate`: a Hugging Face checkpoint folder in, text out.
+"""`jaxformer-generate`: a Hugging Face checkpoint folder in, text out.
 
-  python -m jaxformer.text.generate --checkpoint DIR --prompt "The capital of France is"
-  python -m jaxformer.text.generate --checkpoint DIR --prompts-file prompts.txt --json
-  echo "Tell me a story" | python -m jaxformer.text.generate --checkpoint DIR --chat --stream
+  jaxformer-generate --checkpoint DIR --prompt "The capital of France is"
+  jaxformer-generate --checkpoint DIR --prompts-file prompts.txt --json
+  echo "Tell me a story" | jaxformer-generate --checkpoint DIR --chat --stream
 
 docs/text.md describes the flags, where prompts come from, how they are batched, and
 what goes to stdout and stderr.
@@ -30,13 +30,14 @@ from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
 from jaxformer.convert.peft import load_peft
 from jaxformer.lora import merge
+from jaxformer.memory import format_bytes, free_bytes
+from jaxformer.runtime import enable_compilation_cache
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, check_fits_model, load_tokenizer
-from jaxformer.training import check_seed, enable_compilation_cache
-from jaxformer.validation import as_int
+from jaxformer.validation import as_int, check_seed
 
-PROG = "python -m jaxformer.text.generate"
+PROG = "jaxformer-generate"
 # The events in which JAX reports the time it spends tracing, lowering and compiling.
 # The command's defaults where they differ from the library's (which has none for max_new_tokens).
 CLI_DEFAULTS = {"max_new_tokens": 128}
@@ -455,6 +456,24 @@ def lookup_line(args, stats: Stats) -> str:
             "per pass of the model after the prefill")
 
 
+@contextlib.contextmanager
+def out_of_memory_in_one_line() -> Iterator[None]:
+    """Ends the command in one line (status 1) when an allocation fails: XLA's
+    RESOURCE_EXHAUSTED or Python's MemoryError, naming what is free and where. `check_memory`
+    refuses a prefill its estimate says cannot fit; this is for the rest, the work it does
+    not count and the estimate's own margin."""
+    try:
+        yield
+    except (MemoryError, jax.errors.JaxRuntimeError) as e:
+        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" not in str(e):
+            raise  # a bug, not the size: its traceback is the report
+        what = str(e).partition("\n")[0].rstrip(".") or type(e).__name__
+        free = free_bytes()
+        room = "" if free is None else f" ({format_bytes(free[0])} free on {free[1]})"
+        fail(PROG, f"out of memory: {what}{room}: a shorter prompt, fewer prompts at once or --dtype bfloat16 "
+                   "needs less", FAILED)
+
+
 def main(argv=None, stdin=None, stdout=None) -> int:
     return run_command(PROG, lambda: _main(argv, stdin, stdout))
 
@@ -465,26 +484,27 @@ def _main(argv, stdin, stdout) -> int:
     if stdout is None:  # started with its standard output closed (`>&-`): Python gives None
         fail(PROG, "standard output is closed: there is nowhere to write the completions")
     cache_dir = enable_compilation_cache()
-    started = time.perf_counter()
-    try:
-        prompts = read_prompts(args, stdin)
-        tokenizer, ids, model, params = load(args, prompts)
-    except (OSError, ValueError) as e:
-        fail(PROG, str(e))
-    load_seconds, clock, stats = time.perf_counter() - started, Clock(), Stats()
-    failed = False
-    if args.stream:  # one prompt after another, each printed as it comes
-        for n, (prompt, row) in enumerate(zip(prompts, ids), 1):
-            printer = Printer(tokenizer, row, stdout)
-            [c] = decode(model, params, tokenizer, [prompt], [row], args, clock, stats, on_token=printer)
-            printer.close()
-            stop_at_error(n, c)
-    else:
-        for n, c in enumerate(decode(model, params, tokenizer, prompts, ids, args, clock, stats), 1):
-            print(json.dumps(c.as_json(), ensure_ascii=False) if args.json else c.text, file=stdout)
-            if not args.json:  # (--json reports it in the row, "finish_reason": "error", and goes on)
+    with out_of_memory_in_one_line():  # what the estimates before the work missed
+        started = time.perf_counter()
+        try:
+            prompts = read_prompts(args, stdin)
+            tokenizer, ids, model, params = load(args, prompts)
+        except (OSError, ValueError) as e:
+            fail(PROG, str(e))
+        load_seconds, clock, stats = time.perf_counter() - started, Clock(), Stats()
+        failed = False
+        if args.stream:  # one prompt after another, each printed as it comes
+            for n, (prompt, row) in enumerate(zip(prompts, ids), 1):
+                printer = Printer(tokenizer, row, stdout)
+                [c] = decode(model, params, tokenizer, [prompt], [row], args, clock, stats, on_token=printer)
+                printer.close()
                 stop_at_error(n, c)
-            failed |= c.finish_reason == "error"
+        else:
+            for n, c in enumerate(decode(model, params, tokenizer, prompts, ids, args, clock, stats), 1):
+                print(json.dumps(c.as_json(), ensure_ascii=False) if args.json else c.text, file=stdout)
+                if not args.json:  # (--json reports it in the row, "finish_reason": "error", and goes on)
+                    stop_at_error(n, c)
+                failed |= c.finish_reason == "error"
     report(args, model.config, params, stats, clock, load_seconds, len(prompts), cache_dir)
     return FAILED if failed else 0
 

@@ -1,10 +1,10 @@
-"""`python -m jaxformer.selfcheck`: the correctness checks a from-scratch Transformer needs, on this backend.
+"""`jaxformer-selfcheck`: the correctness checks a from-scratch Transformer needs, on this backend.
 
 These are the checks that catch the bugs a from-scratch Transformer really has:
 information leaking backwards, a cache that drifts from the full forward, RoPE that
 is not relative, kv heads grouped the wrong way, a norm that centres, an init that is
 not near uniform. Each prints its figure; the exit code is non-zero if any fails.
-The test suite runs the same checks (tests/test_selfcheck.py).
+The test suite runs the same checks (tests/commands/test_selfcheck.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""`python -m jaxformer.serve`: a checkpoint folder served over the OpenAI API, many requests
+"""`jaxformer-serve`: a checkpoint folder served over the OpenAI API, many requests
 decoded at once (continuous batching).
 
-  python -m jaxformer.serve --checkpoint DIR [--port 8000] [--max-batch 8] [--api-key KEY]
+  jaxformer-serve --checkpoint DIR [--port 8000] [--max-batch 8] [--api-key KEY]
 
 Any OpenAI client talks to it (`openai.OpenAI(base_url="http://127.0.0.1:8000/v1")`);
 docs/serving.md describes the endpoints, the fields, the engine and the figures. Needs the
@@ -27,12 +27,12 @@ from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
 from jaxformer.families import family_of
 from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
+from jaxformer.runtime import enable_compilation_cache
 from jaxformer.serving.engine import Engine
 from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
-from jaxformer.training import enable_compilation_cache
 from jaxformer.validation import as_float, as_int
 
-PROG = "python -m jaxformer.serve"
+PROG = "jaxformer-serve"
 # A chosen --max-seq-len is a multiple of this: every prefill chunk (a power of two up to
 # 256) then ends on it, and a length a person reads at a glance.
 LENGTH_STEP = 256

@@ -8,7 +8,7 @@ to your text or chat data, with LoRA (the default) or all its parameters (--full
 
 The last 10 % of the data is held out: its loss (and perplexity) is reported before and
 after training. A LoRA run writes its adapters to RUN_DIR/adapter in peft's format (peft's
-PeftModel.from_pretrained and --adapter of python -m jaxformer.text.generate open it);
+PeftModel.from_pretrained and --adapter of jaxformer-generate open it);
 --merge DIR writes the fine-tuned model, adapters merged in, as a checkpoint folder.
 
 AdamW (0.9, 0.999) with weight decay on matrices only, warm-up then cosine to 10 %, gradient
@@ -28,27 +28,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer import Decoder, DecoderConfig, chunked_cross_entropy, generate, warmup_cosine_schedule
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
-from jaxformer.config import DTYPES, LORA_TARGETS, LoraConfig
-from jaxformer.decodable import Decodable
+from jaxformer.config import DTYPES, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
-from jaxformer.families import family_of
-from jaxformer.decoder import sown_attention_weights
-from jaxformer.files import write_folder_atomically
-from jaxformer.losses import chunk_positions
 from jaxformer.convert.peft import adapter_sizes, all_targets, check_targets, save_peft
+from jaxformer.decodable import Decodable
+from jaxformer.decoder import Decoder, sown_attention_weights
+from jaxformer.decoding import generate
+from jaxformer.families import family_of
+from jaxformer.files import write_folder_atomically
 from jaxformer.lora import Adapted, init_lora, merge
+from jaxformer.losses import chunk_positions, chunked_cross_entropy
 from jaxformer.memory import check_fits, format_bytes
+from jaxformer.runtime import is_primary
+from jaxformer.schedules import warmup_cosine_schedule
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, to_host, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
 from jaxformer.text.tokenizer import check_fits_model
-from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, why_not_finite
 from jaxformer.training import exports, failures, flags, run_start, runs
-from jaxformer.training.runtime import is_primary
-from jaxformer.training.report_page import token_labels
-from jaxformer.training.report_page import attention_group, result_label
+from jaxformer.training.report_page import attention_group, result_label, token_labels
+from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, why_not_finite
 
 PROG = "jaxformer-finetune"
 MODEL_CONFIG = DecoderConfig
@@ -171,8 +171,8 @@ def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
                    help="recompute each block's activations in the backward pass (less memory, more compute)")
     flags.add_run_flags(p, "finetune-<lora|full>", checkpoint_every=100, log_every=10)
     flags.add_export_flag(p, "--merge", help="after training, write the fine-tuned model (adapters merged in) and its "
-                        "tokenizer as a checkpoint folder that transformers and python -m jaxformer.text.generate "
-                        "open; with --resume, a finished run is written without training")
+                        "tokenizer as a checkpoint folder that transformers and jaxformer-generate open; with "
+                        "--resume, a finished run is written without training")
     return flags.parse(p, argv, Settings)
 
 
@@ -382,7 +382,7 @@ def write_outputs(setup: runs.Setup, settings: Settings, trained: runs.Trained, 
         if is_primary():
             write_folder_atomically(folder, lambda tmp: save_peft(config, trained.params, config.lora, str(tmp),
                                                                   base_model=settings.checkpoint))
-        print(f"adapters (peft's format): {folder}: python -m jaxformer.text.generate --checkpoint "
+        print(f"adapters (peft's format): {folder}: jaxformer-generate --checkpoint "
               f"{shlex.quote(settings.checkpoint)} --adapter {shlex.quote(str(folder))} --prompt ...")
     merge_dir = run.export
     if merge_dir is None:
@@ -401,15 +401,15 @@ def write_outputs(setup: runs.Setup, settings: Settings, trained: runs.Trained, 
     except OSError as e:
         fail(PROG, f"cannot write --merge {merge_dir}: {e.strerror or e}; the trained run is kept in {run.run_dir}: "
                    f"write it with the same flags and --resume --run-dir {run.run_dir} --merge {merge_dir}", FAILED)
-    print(f"fine-tuned checkpoint: {merge_dir}: python -m jaxformer.text.generate --checkpoint "
+    print(f"fine-tuned checkpoint: {merge_dir}: jaxformer-generate --checkpoint "
           f"{shlex.quote(str(merge_dir))} --prompt ...")
 
 
 def describe(setup: runs.Setup, settings: Settings) -> None:
     """The device, the checkpoint, what is trained, and the data."""
     config, data = setup.model.config, setup.corpus
-    total, trained = runs.count_params(base_of(setup)), runs.count_params(setup.params)
-    runs.print_device()
+    total, trained = run_start.count_params(base_of(setup)), run_start.count_params(setup.params)
+    run_start.print_device()
     what = "every parameter" if config.lora is None else (
         f"LoRA r={config.lora.rank} alpha={config.lora.alpha:g} on {', '.join(config.lora.targets)}")
     print(f"checkpoint {settings.checkpoint} ({config.hf_model_type or 'llama'}): {config.n_layer} layers x "

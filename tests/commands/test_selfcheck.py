@@ -1,7 +1,7 @@
 import pytest
 from conftest import run_main
 
-from jaxformer import selfcheck
+from jaxformer.commands import selfcheck
 
 
 @pytest.mark.parametrize("check", selfcheck.CHECKS, ids=lambda c: c.__name__)
@@ -11,7 +11,7 @@ def test_reference_check_passes(check):
 
 
 def test_cli_prints_every_figure_and_exits_zero():
-    """`python -m jaxformer.selfcheck`, run in this process (its programs compiled once,
+    """`jaxformer-selfcheck`, run in this process (its programs compiled once,
     by the checks above)."""
     done = run_main(lambda argv: selfcheck.main(), [])
     assert done.returncode == 0, done.stdout + done.stderr

@@ -31,7 +31,7 @@ PROG = "jaxformer-report"
 # Every kind of run, by the program `about.json` records: the module that makes it (a
 # `runs.Demo`), imported when a run of it is read (the demos are in a checkout's `train/`).
 KINDS = {"python -m train.reverse": "train.reverse", "python -m train.lm": "train.lm",
-         "jaxformer-finetune": "jaxformer.training.finetune"}
+         "jaxformer-finetune": "jaxformer.commands.finetune"}
 OLDER_THAN_ABOUT = ("python -m train.reverse", "python -m train.lm")  # the kinds whose runs may lack about.json
 
 

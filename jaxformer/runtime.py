@@ -1,6 +1,6 @@
-"""Process-wide setup a training program does first: joining the other processes of a run
-(JAX's multi-controller runtime, `jax.distributed`), and keeping compiled programs on disk;
-then what processes of one run agree on: who writes the run's files, and whether a check passed.
+"""Process-wide setup a command does first: joining the other processes of a run (JAX's
+multi-controller runtime, `jax.distributed`), and keeping compiled programs on disk; then
+what processes of one run agree on: who writes the run's files, and whether a check passed.
 
 Every process of a run runs the same command. They compute together (each step is one
 program over every process's devices), but the run directory is written by one of them,

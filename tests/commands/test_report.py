@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from jaxformer.training import save_run_config
-from jaxformer.training import report
+from jaxformer.commands import report
 from jaxformer.training.run_start import run_record
 from jaxformer.training.report_page import ABOUT_FILE
 

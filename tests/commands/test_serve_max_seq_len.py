@@ -1,4 +1,4 @@
-"""`python -m jaxformer.serve` sizes its context from config.json and the free memory, before a weight is read."""
+"""`jaxformer-serve` sizes its context from config.json and the free memory, before a weight is read."""
 
 import math
 import types
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxformer import DecoderConfig
-from jaxformer import serve
+from jaxformer.commands import serve
 
 CONFIG = DecoderConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=65536)
 ARGS = dict(checkpoint="ckpt", max_batch=4, prefill_chunk=64)

@@ -1,4 +1,4 @@
-"""`python -m jaxformer.serve`'s flags: each bad one refused in one line, before anything loads.
+"""`jaxformer-serve`'s flags: each bad one refused in one line, before anything loads.
 (The server itself, started for real: tests/serving/test_app.py.)"""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 from conftest import run_main
 
-from jaxformer import serve
+from jaxformer.commands import serve
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -22,7 +22,7 @@ def test_bad_flags_are_refused_in_one_line(tmp_path, flags, message):
     result = run_main(serve.main, ["--checkpoint", str(tmp_path), *flags])
     assert result.returncode == 2
     [line] = result.stderr.splitlines()
-    assert line.startswith("python -m jaxformer.serve: error: ")
+    assert line.startswith("jaxformer-serve: error: ")
     assert re.search(message, line), line
 
 
@@ -30,4 +30,4 @@ def test_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
     result = run_main(serve.main, ["--checkpoint", str(tmp_path / "missing")])
     assert result.returncode == 2
     missing = tmp_path / "missing"
-    assert result.stderr == f"python -m jaxformer.serve: error: {missing}: no such checkpoint folder\n"
+    assert result.stderr == f"jaxformer-serve: error: {missing}: no such checkpoint folder\n"
