@@ -61,8 +61,8 @@ def main(argv=None) -> None:
         dense = None
         for name, f in paths().items():
             forward = jax.jit(f)
-            backward = jax.jit(jax.grad(lambda q, k, v, pos, f=f: jnp.sum(f(q, k, v, pos) * cotangent).astype(
-                jnp.float32), argnums=(0, 1, 2)))
+            backward = jax.jit(jax.grad(lambda q, k, v, pos, f=f, cotangent=cotangent: jnp.sum(
+                f(q, k, v, pos) * cotangent).astype(jnp.float32), argnums=(0, 1, 2)))
             row = {"T": T, "path": name, "forward_seconds": seconds(forward, (q, k, v, pos), args.repeats),
                    "gradient_seconds": seconds(backward, (q, k, v, pos), args.repeats)}
             dense = dense or row

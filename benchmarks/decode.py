@@ -141,7 +141,7 @@ def measure_bandwidth(mb: int = 512, reps: int = 5) -> float:
     best = float("inf")
     for kernel in kernels:
         kernel(x).block_until_ready()
-        best = min(best, *(_seconds(lambda: kernel(x)) for _ in range(reps)))
+        best = min(best, *(_seconds(lambda kernel=kernel: kernel(x)) for _ in range(reps)))
     return x.nbytes / best
 
 
@@ -293,7 +293,7 @@ def bench_scaling(model, params, contexts, reps: int) -> list[dict]:
             logits.block_until_ready()
             cached.append(time.perf_counter() - start)
         forward(params, tokens)
-        uncached = [_seconds(lambda: forward(params, tokens)) for _ in range(max(2, reps // 2))]
+        uncached = [_seconds(lambda tokens=tokens: forward(params, tokens)) for _ in range(max(2, reps // 2))]
         c, u = statistics.median(cached), statistics.median(uncached)
         rows.append({"context": context, "cached_ms": 1e3 * c, "uncached_ms": 1e3 * u, "speedup": u / c})
         print(f"  context {context:5d}: cached step {1e3 * c:8.2f} ms   uncached forward {1e3 * u:9.2f} ms   "

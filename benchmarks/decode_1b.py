@@ -49,7 +49,8 @@ def jaxformer_rows(folder: str, dtype: str, batches: list[int], prompt_len: int,
         start = time.perf_counter()
         out = generate(model, params, prompt, max_new_tokens=new).block_until_ready()
         compile_s = time.perf_counter() - start
-        took = seconds(lambda: generate(model, params, prompt, max_new_tokens=new).block_until_ready(), reps)
+        took = seconds(lambda prompt=prompt: generate(model, params, prompt, max_new_tokens=new).block_until_ready(),
+                       reps)
         rows.append({"impl": "jaxformer", "dtype": dtype, "batch": batch, "tokens_per_s": batch * new / took,
                      "first_call_s": compile_s, "floor_pct": 100 * (nbytes / bandwidth) / (took / new),
                      "tokens": np.asarray(out[:, prompt_len:]).tolist()})
@@ -65,7 +66,7 @@ def transformers_rows(folder: str, dtype: str, batches: list[int], prompt_len: i
     for batch in batches:
         prompt = torch.as_tensor(np.random.default_rng(0).integers(0, 400, (batch, prompt_len)))
 
-        def run():
+        def run(prompt=prompt):
             with torch.no_grad():
                 return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
                                       min_new_tokens=new, do_sample=False)

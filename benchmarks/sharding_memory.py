@@ -56,7 +56,7 @@ def main(argv=None) -> int:
                 state_on_mesh = state
             device = jax.devices()[0]
 
-            def on_device_0(tree):
+            def on_device_0(tree, device=device):
                 return sum(shard.data.nbytes for x in jax.tree.leaves(tree) for shard in x.addressable_shards
                            if shard.device == device)
 

@@ -9,9 +9,9 @@ positions, feed-forward layers, the blocks) stay in their modules: `jaxformer.at
 from jaxformer.cache import KVCache
 from jaxformer.config import DecoderConfig, LoraConfig, RopeScaling, VanillaConfig
 from jaxformer.convert import load_hf, save_hf
+from jaxformer.convert.peft import load_peft, save_peft
 from jaxformer.decoder import Decoder
 from jaxformer.decoding import generate, sample_token, stream
-from jaxformer.convert.peft import load_peft, save_peft
 from jaxformer.lora import init_lora, merge
 from jaxformer.losses import chunked_cross_entropy, label_smoothed_cross_entropy
 from jaxformer.schedules import noam_schedule, warmup_cosine_schedule

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 
 from jaxformer.products import precision_for
 
-
 # `attention_impl="auto"` attends in blocks from this many scores per head ([T, S]) on: 1024 x 1024.
 BLOCKS_FROM = 2 ** 20
 BLOCK = 512  # queries and keys per block (`blockwise_attention`'s default)

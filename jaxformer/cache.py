@@ -10,7 +10,6 @@ carry: docs/architecture.md, "Scanned layers"; the rows and the rings: docs/deco
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

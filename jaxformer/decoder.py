@@ -29,7 +29,6 @@ from jaxformer.memory import prefill_bytes
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_cache_step, check_step_inputs
 
-
 # `DecoderConfig.remat_policy` -> what a rematerialised block keeps for the backward pass.
 REMAT_POLICIES = {"dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                   "dots": jax.checkpoint_policies.dots_saveable,

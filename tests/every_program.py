@@ -15,16 +15,15 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent / "faults"
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from conftest import run_main  # noqa: E402
-from conftest import random_params  # noqa: E402
+from conftest import random_params, run_main  # noqa: E402
 from tiny_llama import TOKENIZER  # noqa: E402
 
 from jaxformer import Decoder, DecoderConfig  # noqa: E402
+from jaxformer.commands import finetune, perplexity  # noqa: E402
+from jaxformer.commands import generate as generate_command  # noqa: E402
 from jaxformer.convert import load_hf, save_hf  # noqa: E402
 from jaxformer.decoding import DecodeOptions, Draft, generate, stream  # noqa: E402
 from jaxformer.serving.engine import Engine  # noqa: E402
-from jaxformer.commands import finetune, perplexity  # noqa: E402
-from jaxformer.commands import generate as generate_command  # noqa: E402
 from jaxformer.text import save_tokenizer  # noqa: E402
 from train import lm, reverse  # noqa: E402
 

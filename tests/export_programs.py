@@ -189,6 +189,7 @@ def label(what: str) -> None:
 def main(root: Path) -> None:
     jax.jit = exporting_jit  # before the modules that jit at import are imported
     import every_program  # noqa: PLC0415
+
     from jaxformer import Decoder  # noqa: PLC0415
     from jaxformer.convert import load_hf  # noqa: PLC0415
     from jaxformer.serving.engine import Engine  # noqa: PLC0415

@@ -90,8 +90,8 @@ def test_each_platforms_paths_run_in_the_kernels_interpreter_equal_the_cpus(plat
         args = (positions, positions, jnp.int32(window))
         paths = block_paths(128, q.dtype, softcap=30.0)
         assert paths[platform] is not paths["default"]  # (a kernel takes heads of 128 in this dtype)
-        kernel, vjp_kernel = jax.vjp(lambda q, k, v: paths[platform](q, k, v, *args), q, k, v)
-        cpu, vjp_cpu = jax.vjp(lambda q, k, v: paths["default"](q, k, v, *args), q, k, v)
+        kernel, vjp_kernel = jax.vjp(lambda q, k, v, f=paths[platform], a=args: f(q, k, v, *a), q, k, v)
+        cpu, vjp_cpu = jax.vjp(lambda q, k, v, f=paths["default"], a=args: f(q, k, v, *a), q, k, v)
         close(kernel, cpu, out_atol)
         for got, want in zip(vjp_kernel(kernel), vjp_cpu(kernel)):
             close(got, want, grad_atol * float(jnp.abs(want.astype(jnp.float32)).max()))

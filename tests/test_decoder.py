@@ -5,9 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+    SMALL,
+    assert_reordered_equal,
+    count_compiles,
+    float64_config,
+    in_float64,
+    init_params,
+    jit_apply,
+    numpy_decoder_logits,
+    random_params,
+)
 from jax.flatten_util import ravel_pytree
-from conftest import (SMALL, assert_reordered_equal, count_compiles, float64_config, in_float64, init_params,
-                      jit_apply, numpy_decoder_logits, random_params)
 
 from jaxformer import Decoder, DecoderConfig, KVCache, label_smoothed_cross_entropy
 from jaxformer.config import LoraConfig

@@ -249,7 +249,6 @@ def _write_checkpoint(folder: Path) -> None:
 
     import jaxformer as jf
     from jaxformer.convert import save_hf
-
     from jaxformer.text import char_tokenizer, save_tokenizer
 
     config = jf.DecoderConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=64)

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from export_programs import RECORDS, ExportingJit, exporting_jit, program_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from export_programs import RECORDS, ExportingJit, exporting_jit, program_name
 
 from jaxformer import Decoder, DecoderConfig, KVCache, chunked_cross_entropy
 from jaxformer.kernels import CUDA_CUSTOM_CALL_TARGETS

@@ -3,12 +3,12 @@ training runs (`DecoderConfig.lora`) against the merge, its dropout against torc
 against HF peft on torch on a tiny Llama and a tiny Gemma (logits, one step's loss and adapter
 gradients with masked targets, both ways of the adapter files)."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import flax.linen as nn
 from conftest import import_peer, numpy_decoder_logits, random_params
 from families.shipped import scaled_up, tiny
 
@@ -54,7 +54,7 @@ def test_the_merge_is_w_plus_scaled_a_b_in_an_independent_forward(base):
     adapters = trained_looking(init_lora(base, LORA, jax.random.key(0)))
     want = jax.tree.map(lambda x: np.asarray(x, np.float64), base)
     for block in ("block_0", "block_1"):
-        for part, name, n_in in (("attn", "wq", 1), ("attn", "wk", 1), ("attn", "wv", 1), ("attn", "wo", 2),
+        for part, name, _ in (("attn", "wq", 1), ("attn", "wk", 1), ("attn", "wv", 1), ("attn", "wo", 2),
                                  ("mlp", "w_gate", 1), ("mlp", "w_up", 1), ("mlp", "w_down", 1)):
             w = want[block][part][name]
             ab = adapters[block][part][name]

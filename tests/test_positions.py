@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 
 from jaxformer import RopeScaling
-from jaxformer.positions import (apply_rope, interleaved_to_split_half, rope_attention_factor, rope_cos_sin,
-                                 rope_inv_freq)
+from jaxformer.positions import (
+    apply_rope,
+    interleaved_to_split_half,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 HEAD_DIM = 32
 

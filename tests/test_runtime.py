@@ -7,8 +7,18 @@ import socket
 import jax
 import pytest
 
-from jaxformer.runtime import (HEARTBEAT_SECONDS, JOIN_SECONDS, LINGER_SECONDS, agree, distributed_settings,
-                               initialize_distributed, is_primary, join_timeout, local_environments, on_primary)
+from jaxformer.runtime import (
+    HEARTBEAT_SECONDS,
+    JOIN_SECONDS,
+    LINGER_SECONDS,
+    agree,
+    distributed_settings,
+    initialize_distributed,
+    is_primary,
+    join_timeout,
+    local_environments,
+    on_primary,
+)
 
 VARIABLES = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_NTASKS",
              "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES", "JAXFORMER_JOIN_TIMEOUT")

@@ -18,8 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer
-from jaxformer.sharding import (EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, VOCAB, make_mesh, param_axes,
-                                tree_shardings)
+from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, QKV, VOCAB, make_mesh, param_axes, tree_shardings
 
 CASES = Path(__file__).parent / "sharding" / "eight_devices.py"
 

@@ -35,11 +35,21 @@ from jaxformer.decoder import sown_attention_weights
 from jaxformer.decoding.sampling import check_temperature, check_top_k, check_top_p
 from jaxformer.text import Tokenizer, save_tokenizer
 from jaxformer.text.streaming import REPLACEMENT
-from jaxformer.validation import as_float, as_int, one_of, require
 from jaxformer.training import exports, flags, run_start, runs
 from jaxformer.training.report_page import attention_group, result_label, token_labels
-from train.tasks import (BPE_MIN_VOCAB, COPY_LEN, COPY_SYMBOLS, IGNORE, TEXT_TOKENIZERS, TextCorpus, copy_batch,
-                         copy_prompts, copy_tokenizer, encode_prompt)
+from jaxformer.validation import as_float, as_int, one_of, require
+from train.tasks import (
+    BPE_MIN_VOCAB,
+    COPY_LEN,
+    COPY_SYMBOLS,
+    IGNORE,
+    TEXT_TOKENIZERS,
+    TextCorpus,
+    copy_batch,
+    copy_prompts,
+    copy_tokenizer,
+    encode_prompt,
+)
 
 PROG = "python -m train.lm"
 MODEL_CONFIG = DecoderConfig
@@ -296,8 +306,8 @@ def shape_trace(setup: runs.Setup, settings: Settings) -> list[tuple[str, tuple,
 def describe(setup: runs.Setup, settings: Settings) -> None:
     """The device, the task, the model's size, and the loss of a uniform guess."""
     config, params = setup.model.config, setup.params
-    n_params = runs.count_params(params)
-    runs.print_device()
+    n_params = run_start.count_params(params)
+    run_start.print_device()
     tokens = f" ({settings.tokenizer} tokens)" if settings.tokenizer else ""
     print(f"task {settings.task}: vocab {config.vocab_size}{tokens}, sequences of {training_length(settings)}")
     print(f"model: {config.n_layer} layers x {config.d_model}, {config.n_head} query / {config.n_kv_head} kv heads, "

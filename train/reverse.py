@@ -32,13 +32,12 @@ import optax
 from jaxformer import VanillaConfig, VanillaTransformer, generate
 from jaxformer.command_line import exit_process, run_command
 from jaxformer.losses import label_smoothed_cross_entropy
-from jaxformer.schedules import noam_schedule
-from jaxformer.training import average_last, averaged
-from jaxformer.validation import as_float, as_int
-from jaxformer.training import flags, run_start, runs
-from train.attention_maps import ascii_attention, save_attention_grid
-from jaxformer.training.report_page import attention_group, result_label
 from jaxformer.runtime import is_primary
+from jaxformer.schedules import noam_schedule
+from jaxformer.training import average_last, averaged, flags, run_start, runs
+from jaxformer.training.report_page import attention_group, result_label
+from jaxformer.validation import as_float, as_int
+from train.attention_maps import ascii_attention, save_attention_grid
 from train.tasks import BOS, EOS, PAD, REVERSE_VOCAB, reverse_batch
 
 PROG = "python -m train.reverse"

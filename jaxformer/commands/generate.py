@@ -23,12 +23,23 @@ import numpy as np
 from jaxformer.command_line import FAILED, OneLineParser, exit_process, fail, run_command
 from jaxformer.config import DTYPES
 from jaxformer.convert import load_hf, load_hf_config, with_scan_layers
+from jaxformer.convert.peft import load_peft
 from jaxformer.decoder import Decoder
-from jaxformer.decoding import (NO_TOKEN, Beam, DecodeOptions, DecodeRequest, NonFiniteLogitsError, PromptLookup,
-                                Speculative, finish, run, start, stream)
+from jaxformer.decoding import (
+    NO_TOKEN,
+    Beam,
+    DecodeOptions,
+    DecodeRequest,
+    NonFiniteLogitsError,
+    PromptLookup,
+    Speculative,
+    finish,
+    run,
+    start,
+    stream,
+)
 from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
-from jaxformer.convert.peft import load_peft
 from jaxformer.lora import merge
 from jaxformer.memory import format_bytes, free_bytes
 from jaxformer.runtime import enable_compilation_cache

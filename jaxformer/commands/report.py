@@ -22,10 +22,16 @@ from pathlib import Path
 import jax
 
 from jaxformer.command_line import FAILED, OneLineParser, describe_os_error, exit_process, fail, run_command
-from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, read_run_config
-from jaxformer.training import runs
-from jaxformer.training.report_page import (ABOUT_FILE, REPORT_FILE, check_run_files, read_about, read_snapshots,
-                                            snapshot_record, write_report)
+from jaxformer.training import CONFIG_FILE, Checkpointer, TrainState, check_writable, read_run_config, runs
+from jaxformer.training.report_page import (
+    ABOUT_FILE,
+    REPORT_FILE,
+    check_run_files,
+    read_about,
+    read_snapshots,
+    snapshot_record,
+    write_report,
+)
 
 PROG = "jaxformer-report"
 # Every kind of run, by the program `about.json` records: the module that makes it (a

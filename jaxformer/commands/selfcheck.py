@@ -90,7 +90,7 @@ def check_rope_relative() -> CheckResult:
     q, k = jax.random.normal(jax.random.key(3), (2, 1, 1, 1, head_dim))  # [batch, seq, heads, head_dim] each
     ok, figures = True, []
     for pairing in ("split_half", "interleaved"):
-        def score(i, j):
+        def score(i, j, pairing=pairing):
             qi = apply_rope(q, cos[i:i + 1], sin[i:i + 1], pairing)
             kj = apply_rope(k, cos[j:j + 1], sin[j:j + 1], pairing)
             return float(jnp.sum(qi * kj))

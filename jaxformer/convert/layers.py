@@ -48,7 +48,7 @@ def unstack_layers(params: dict) -> dict:
     stacked = params[STACKED]
     n_layer = jax.tree.leaves(stacked)[0].shape[0]
     rest = {name: value for name, value in params.items() if name != STACKED}
-    return {**rest, **{block_name(i): jax.tree.map(lambda leaf: leaf[i], stacked) for i in range(n_layer)}}
+    return {**rest, **{block_name(i): jax.tree.map(lambda leaf, i=i: leaf[i], stacked) for i in range(n_layer)}}
 
 
 def with_scan_layers(config: DecoderConfig, params: dict, scan_layers: bool) -> tuple[DecoderConfig, dict]:

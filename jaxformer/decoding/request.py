@@ -18,8 +18,7 @@ from flax import struct
 from jaxformer.decodable import Decodable, DecodingSpec
 from jaxformer.decoding.sampling import Sampling, check_temperature, check_top_k, check_top_p
 from jaxformer.memory import check_fits
-from jaxformer.validation import (as_int, check_positions_fit, check_token_ids, check_token_layout, finite_float,
-                                  per_row)
+from jaxformer.validation import as_int, check_positions_fit, check_token_ids, check_token_layout, finite_float, per_row
 
 
 def _option(default=dataclasses.MISSING, help: str = "", flag_type=None):

@@ -10,11 +10,27 @@ norms, and slides five layers of six, rotating them at its local base frequency.
 from __future__ import annotations
 
 from jaxformer.config import DecoderConfig
-from jaxformer.layers import layer_specs
-from jaxformer.families.common import (ANY, Family, attention_extras, attention_tensors, decoder_fields, fail, field,
-                                       flag, hf_layer_types, layer_types, mlp_tensors, norm_tensor, positive_int,
-                                       refuse_sliding, rope, rope_parameters, single_rope)
+from jaxformer.families.common import (
+    ANY,
+    Family,
+    attention_extras,
+    attention_tensors,
+    decoder_fields,
+    fail,
+    field,
+    flag,
+    hf_layer_types,
+    layer_types,
+    mlp_tensors,
+    norm_tensor,
+    positive_int,
+    refuse_sliding,
+    rope,
+    rope_parameters,
+    single_rope,
+)
 from jaxformer.families.llama import llama_layer
+from jaxformer.layers import layer_specs
 from jaxformer.validation import finite_float
 
 GEMMA_FEATURES = {"norm_plus_one": (True,), "mlp_activation": ("gelu_tanh",), "embed_scale": (True,)}

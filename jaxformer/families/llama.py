@@ -5,10 +5,25 @@ window on every layer, Qwen2 biases on q, k and v and a window from layer
 from __future__ import annotations
 
 from jaxformer.config import DecoderConfig
+from jaxformer.families.common import (
+    ANY,
+    Family,
+    attention_extras,
+    attention_tensors,
+    decoder_fields,
+    fail,
+    flag,
+    hf_layer_types,
+    layer_types,
+    mlp_tensors,
+    norm_tensor,
+    positive_int,
+    refuse_set,
+    refuse_sliding,
+    rope_parameters,
+    single_rope,
+)
 from jaxformer.layers import layer_specs
-from jaxformer.families.common import (ANY, Family, attention_extras, attention_tensors, decoder_fields, fail, flag,
-                                       hf_layer_types, layer_types, mlp_tensors, norm_tensor, positive_int, refuse_set,
-                                       refuse_sliding, rope_parameters, single_rope)
 
 
 def read_llama(hf: dict, max_seq_len: int | None) -> dict:

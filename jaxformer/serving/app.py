@@ -25,9 +25,23 @@ from starlette.routing import Route
 
 from jaxformer.serving.engine import Engine, EngineClosed, Event, QueueFull
 from jaxformer.serving.metrics import CountRequests, ServerMetrics
-from jaxformer.serving.openai_api import (ApiError, Choice, Job, StopText, chat_logprobs, chunk, completion_id,
-                                          completion_logprobs, error_body, read_detokenize, read_job, read_tokenize,
-                                          response, shown, usage_chunk)
+from jaxformer.serving.openai_api import (
+    ApiError,
+    Choice,
+    Job,
+    StopText,
+    chat_logprobs,
+    chunk,
+    completion_id,
+    completion_logprobs,
+    error_body,
+    read_detokenize,
+    read_job,
+    read_tokenize,
+    response,
+    shown,
+    usage_chunk,
+)
 from jaxformer.serving.tools import parse_tool_calls
 from jaxformer.text.tokenizer import Tokenizer
 

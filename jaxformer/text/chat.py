@@ -15,8 +15,7 @@ import jinja2
 import jinja2.meta
 from jinja2.ext import loopcontrols
 
-from jaxformer.text.sandbox import (MAX_TEMPLATE_CHARS, RENDER_SECONDS, BoundedEnvironment, TemplateLimitError,
-                                    bounds)
+from jaxformer.text.sandbox import MAX_TEMPLATE_CHARS, RENDER_SECONDS, BoundedEnvironment, TemplateLimitError, bounds
 from jaxformer.text.tokenizer import Tokenizer
 
 ERROR_CHARS = 300  # the most of a template's own error message that a refusal repeats

@@ -17,8 +17,17 @@ from jaxformer.training.loop import Diverged, resume_from, train_loop
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog, read_metrics
 from jaxformer.training.placement import shard_batches, shard_state
 from jaxformer.training.progress import ProgressBar
-from jaxformer.training.run_dir import (CONFIG_FILE, RunLock, check_run_config, check_run_dir, check_writable,
-                                       lock_run_dir, read_run_config, save_run_config, start_run)
+from jaxformer.training.run_dir import (
+                                       CONFIG_FILE,
+                                       RunLock,
+                                       check_run_config,
+                                       check_run_dir,
+                                       check_writable,
+                                       lock_run_dir,
+                                       read_run_config,
+                                       save_run_config,
+                                       start_run,
+)
 from jaxformer.training.state import TrainState, make_train_step, make_train_steps, step_keys
 from jaxformer.validation import check_seed
 

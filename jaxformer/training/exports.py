@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Callable
 
 from jaxformer.files import write_folder_atomically
-from jaxformer.text.tokenizer import (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
-                                      TOKENIZER_FILE)
 from jaxformer.runtime import is_primary
+from jaxformer.text.tokenizer import GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 # What an export writes (`jaxformer.convert.save_hf`, then `jaxformer.text.save_tokenizer`):
 # a folder that holds nothing else is a previous export, which the new one replaces whole.

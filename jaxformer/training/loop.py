@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.command_line import interrupts_deferred, raise_if_interrupted
+from jaxformer.runtime import is_primary, on_primary
 from jaxformer.training.checkpoints import CHECKPOINT_DIR, Checkpointer, Restored, committed_steps
 from jaxformer.training.metrics import METRICS_FILE, MetricsLog
 from jaxformer.training.progress import ProgressBar
 from jaxformer.training.run_dir import lock_run_dir
-from jaxformer.runtime import is_primary, on_primary
 from jaxformer.training.state import TrainState, step_keys
 from jaxformer.validation import as_int
 

@@ -12,8 +12,16 @@ from typing import Callable
 import jax
 from jax.sharding import Mesh
 
-from jaxformer.sharding import (DATA, batch_sharding, check_mesh_fits, make_mesh, param_axes, parse_mesh, put,
-                                tree_shardings)
+from jaxformer.sharding import (
+    DATA,
+    batch_sharding,
+    check_mesh_fits,
+    make_mesh,
+    param_axes,
+    parse_mesh,
+    put,
+    tree_shardings,
+)
 from jaxformer.training.state import TrainState
 
 

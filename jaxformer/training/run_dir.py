@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 from jaxformer.files import read_json_object, write_text_atomically
-from jaxformer.training.checkpoints import CHECKPOINT_DIR
 from jaxformer.runtime import on_primary
+from jaxformer.training.checkpoints import CHECKPOINT_DIR
 
 CONFIG_FILE = "config.json"
 

@@ -20,6 +20,7 @@ import jax
 
 from jaxformer.command_line import fail, note_on_interrupt
 from jaxformer.files import write_text_atomically
+from jaxformer.runtime import agree, barrier, is_primary, on_primary
 from jaxformer.text.tokenizer import TOKENIZER_FILE
 from jaxformer.training.checkpoints import Restored, committed_steps
 from jaxformer.training.failures import failing_as, kept
@@ -28,7 +29,6 @@ from jaxformer.training.loop import resume_from
 from jaxformer.training.placement import place
 from jaxformer.training.report_page import check_run_files, record_session
 from jaxformer.training.run_dir import CONFIG_FILE, RunLock, check_run_dir, lock_run_dir, save_run_config
-from jaxformer.runtime import agree, barrier, is_primary, on_primary
 from jaxformer.training.state import TrainState
 
 # Config fields a run may change on resume: how it computes, not what it learns. Parameters

@@ -24,18 +24,22 @@ import optax
 from flax import linen as nn
 
 from jaxformer.command_line import fail
+from jaxformer.runtime import barrier, enable_compilation_cache, initialize_distributed, is_primary
 from jaxformer.sharding import to_host
 from jaxformer.training.failures import failing_as
 from jaxformer.training.flags import RunOptions
 from jaxformer.training.loop import train_loop
 from jaxformer.training.metrics import METRICS_FILE, read_metrics
-from jaxformer.training.report_page import (REPORT_FILE, drop_snapshots_after, record_snapshot, result_label,
-                                            write_report)
+from jaxformer.training.report_page import (
+    REPORT_FILE,
+    drop_snapshots_after,
+    record_snapshot,
+    result_label,
+    write_report,
+)
 from jaxformer.training.report_page import write_results as write_results_file
 from jaxformer.training.run_start import Start
-from jaxformer.runtime import barrier, enable_compilation_cache, initialize_distributed, is_primary
 from jaxformer.training.state import TrainState, make_train_step, make_train_steps
-
 
 # The results every run has, from its training, and how the report page labels them.
 TRAINING_LABELS = {"steps": result_label("updates trained"), "final_loss": result_label("final training loss"),

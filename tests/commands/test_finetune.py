@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
 from checkpoints import save_random_checkpoint  # noqa: E402
 
 from jaxformer import Decoder  # noqa: E402
+from jaxformer.commands import finetune, report  # noqa: E402
 from jaxformer.convert import load_hf  # noqa: E402
 from jaxformer.convert.peft import load_peft  # noqa: E402
 from jaxformer.lora import merge  # noqa: E402
 from jaxformer.training import read_metrics  # noqa: E402
-from jaxformer.commands import finetune, report  # noqa: E402
 from jaxformer.training.report_page import SNAPSHOTS_FILE, read_snapshots  # noqa: E402
 
 FAST = ["--log-every", "4", "--checkpoint-every", "4", "--warmup", "2", "--batch-size", "4", "--seq-len", "32",

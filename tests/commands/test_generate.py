@@ -4,15 +4,14 @@ Most tests use a folder jaxformer writes itself (`save_hf` + `save_tokenizer`); 
 parity test uses one transformers writes, and its `generate` + `decode` as the peer.
 """
 
+import contextlib
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import sys
-
-import contextlib
-import re
 from pathlib import Path
 
 import jax
@@ -25,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
 from checkpoints import CORPUS, save_tiny_llama, set_eos
 
 from jaxformer import Decoder, DecoderConfig, generate
+from jaxformer.commands import generate as cli
 from jaxformer.convert import save_hf
 from jaxformer.text import completion_text, load_tokenizer, save_tokenizer, train_bpe
-from jaxformer.commands import generate as cli
 
 # A small vocabulary: many Chinese characters stay spelled in two or three byte tokens.
 BPE = train_bpe([CORPUS], 280)

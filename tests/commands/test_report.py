@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from jaxformer.training import save_run_config
 from jaxformer.commands import report
-from jaxformer.training.run_start import run_record
+from jaxformer.training import save_run_config
 from jaxformer.training.report_page import ABOUT_FILE
+from jaxformer.training.run_start import run_record
 
 TINY = dict(n_layer=1, d_model=32, n_head=2, batch_size=4, seed=3)
 

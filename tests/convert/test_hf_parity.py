@@ -14,12 +14,10 @@ import numpy as np
 import pytest
 from conftest import SMALL, greedy_tokens_compared, import_peer, jit_apply, random_params
 
-from tests.families.shipped import scaled_up
-
-from jaxformer import Decoder, KVCache, generate
-from jaxformer import RopeScaling
-from jaxformer.positions import rope_attention_factor, rope_inv_freq
+from jaxformer import Decoder, KVCache, RopeScaling, generate
 from jaxformer.convert import config_from_hf, load_hf, save_hf
+from jaxformer.positions import rope_attention_factor, rope_inv_freq
+from tests.families.shipped import scaled_up
 
 torch = import_peer("torch")
 transformers = import_peer("transformers")

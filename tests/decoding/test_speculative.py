@@ -10,8 +10,16 @@ import scipy.stats
 from conftest import count_compiles, jit_apply, random_params
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
-from jaxformer.decoding import (DecodeRequest, Draft, PromptLookup, advance, run, speculative, speculative_generate,
-                                start)
+from jaxformer.decoding import (
+    DecodeRequest,
+    Draft,
+    PromptLookup,
+    advance,
+    run,
+    speculative,
+    speculative_generate,
+    start,
+)
 from jaxformer.decoding.speculative import plan
 
 TINY = DecoderConfig(vocab_size=48, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)

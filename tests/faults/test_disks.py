@@ -21,13 +21,24 @@ import sys
 import threading
 
 import pytest
-from harness import (CLI_TINY, REPO, committed_steps, fill, last_logged_step, logged_losses, run_in_process,
-                     saving_now, shared_finished_run, small_disk, snapshot)
+from harness import (
+    CLI_TINY,
+    REPO,
+    committed_steps,
+    fill,
+    last_logged_step,
+    logged_losses,
+    run_in_process,
+    saving_now,
+    shared_finished_run,
+    small_disk,
+    snapshot,
+)
 from tiny_llama import checkpoint_and_text
 
+from jaxformer.commands import report
 from jaxformer.files import append_line, write_folder_atomically, write_text_atomically
 from jaxformer.training import MetricsLog
-from jaxformer.commands import report
 from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]

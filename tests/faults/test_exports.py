@@ -20,8 +20,8 @@ import pytest
 from harness import REPO, fill, small_disk, snapshot
 
 from jaxformer.files import is_folder_twin
-from train import lm
 from jaxformer.training.exports import EXPORT_FILES
+from train import lm
 
 FLAGS = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",
          "--steps", "4", "--warmup", "2", "--eval-size", "4", "--log-every", "2", "--checkpoint-every", "2"]

@@ -24,9 +24,9 @@ from harness import snapshot
 from safetensors.numpy import load_file, save_file
 from tiny_llama import CONFIG, checkpoint_and_text, params
 
+from jaxformer.commands import generate, perplexity
 from jaxformer.convert.peft import load_peft, save_peft
 from jaxformer.lora import LoraConfig, init_lora, merge
-from jaxformer.commands import generate, perplexity
 
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
 STEM = "base_model.model.model.layers.0"

@@ -34,9 +34,9 @@ from conftest import run_main
 from harness import snapshot
 from tiny_llama import CONFIG, TOKENIZER, checkpoint_and_text, params, save_checkpoint
 
+from jaxformer.commands import finetune
 from jaxformer.losses import CHUNK_BYTES
 from jaxformer.memory import format_bytes
-from jaxformer.commands import finetune
 from train import lm
 
 FAST = ["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "16", "--lora-rank", "4",

@@ -39,8 +39,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import count_compiles, run_main
-from harness import (CLI_TINY, committed_steps, kill_when, logged_losses, mid_checkpoint, mid_run, run_in_process,
-                     shared_finished_run, snapshot, start_cli)
+from harness import (
+    CLI_TINY,
+    committed_steps,
+    kill_when,
+    logged_losses,
+    mid_checkpoint,
+    mid_run,
+    run_in_process,
+    shared_finished_run,
+    snapshot,
+    start_cli,
+)
 
 from jaxformer import Decoder, DecoderConfig, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.convert import config_from_hf, load_hf, save_hf

@@ -37,13 +37,19 @@ from conftest import count_compiles
 from report_page import check_report, decode_png
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, stream
+from jaxformer.commands import generate as cli
 from jaxformer.convert import save_hf
 from jaxformer.decoding import NO_TOKEN, Draft, NonFiniteLogitsError, PromptLookup
-from jaxformer.commands import generate as cli
 from jaxformer.text import save_tokenizer, train_bpe
 from jaxformer.training import Checkpointer, TrainState
-from jaxformer.training.report_page import (attention_group, colormap, read_snapshots, record_session, record_snapshot,
-                               write_report)
+from jaxformer.training.report_page import (
+    attention_group,
+    colormap,
+    read_snapshots,
+    record_session,
+    record_snapshot,
+    write_report,
+)
 
 # Untied heads: a NaN row of the token embedding then reaches only the rows that read that token.
 TINY = DecoderConfig(vocab_size=32, n_layer=1, n_head=2, n_kv_head=1, d_model=16, max_seq_len=16,
@@ -261,7 +267,7 @@ def test_a_bad_run_reuses_the_clean_runs_programs():
     bad = _all_nan(params)
     with count_compiles() as compiles:
         for name in ("greedy", "sampled", "beams", "lookup"):
-            _failure(lambda: generate(model, bad, PROMPT, **_options(name)[1]))
+            _failure(lambda name=name: generate(model, bad, PROMPT, **_options(name)[1]))
         _failure(lambda: _streamed(_decoder, bad, PROMPT, {"max_new_tokens": NEW}))
     assert compiles == []
 

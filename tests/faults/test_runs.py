@@ -27,11 +27,23 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from harness import (CLI_TINY, REPO, committed_steps, last_logged_step, logged_losses, mid_checkpoint, run_in_process,
-                     saving_now, shared_finished_run, snapshot, start_cli, wait_until)
+from harness import (
+    CLI_TINY,
+    REPO,
+    committed_steps,
+    last_logged_step,
+    logged_losses,
+    mid_checkpoint,
+    run_in_process,
+    saving_now,
+    shared_finished_run,
+    snapshot,
+    start_cli,
+    wait_until,
+)
 
-from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
 from jaxformer.commands import report
+from jaxformer.training import Diverged, TrainState, make_train_step, train_loop
 from train import reverse
 
 ARGV = [*CLI_TINY, "--log-every", "1", "--checkpoint-every", "5"]

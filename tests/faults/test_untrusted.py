@@ -56,11 +56,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors.numpy import load_file, save_file
 
 from jaxformer import Decoder, DecoderConfig, KVCache, generate, stream
+from jaxformer.commands import generate as cli
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoding import DecodeRequest, start
 from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
 from jaxformer.text import chat, render_chat, save_tokenizer, train_bpe
-from jaxformer.commands import generate as cli
 from jaxformer.text.sandbox import MAX_BUILT, MAX_INT_BITS, MAX_SIZE, MAX_TEMPLATE_CHARS
 
 CORPUS = "\n".join(["The cat sat on the mat, and the dog sat on the log.",

@@ -11,8 +11,14 @@ import numpy as np
 import pytest
 
 from jaxformer.attention import FULL_WINDOW, dot_product_attention
-from jaxformer.kernels.decode_attention import (PLATFORMS, _mosaic_kv_block, _visible_blocks, _visible_slots,
-                                                decode_attention, supports)
+from jaxformer.kernels.decode_attention import (
+    PLATFORMS,
+    _mosaic_kv_block,
+    _visible_blocks,
+    _visible_slots,
+    decode_attention,
+    supports,
+)
 
 
 def visible(q_pos, window, S):

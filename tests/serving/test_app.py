@@ -21,7 +21,6 @@ from tiny import CONFIG, COUNT, DIALOGUES, SLOW, TOKENIZER, save_folder, trained
 from jaxformer import Decoder, generate
 from jaxformer.text import completion_text, render_chat
 
-
 COUNT_PROMPT = COUNT.split("<|assistant|>")[0] + "<|assistant|>"  # a request that runs to its max_tokens
 QUESTIONS = [q for q, _ in DIALOGUES]
 # Completion prompts of many lengths: whole turns, cut ones, a bare word.

@@ -13,8 +13,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, label_smoothed_cross_entropy
 from jaxformer.convert import unstack_layers
 from jaxformer.decoding import DecodeRequest, advance, start
-from jaxformer.sharding import (batch_sharding, check_mesh_fits, make_mesh, param_axes, parse_mesh, partition_spec,
-                                tree_shardings)
+from jaxformer.sharding import (
+    batch_sharding,
+    check_mesh_fits,
+    make_mesh,
+    param_axes,
+    parse_mesh,
+    partition_spec,
+    tree_shardings,
+)
 from jaxformer.training import TrainState, make_train_step
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -293,9 +300,9 @@ def test_train_finetune_on_a_mesh_resumes_on_another(tmp_path):
     FSDP: the losses of one uninterrupted single-device run (dropout on)."""
     import shutil
 
+    from jaxformer.commands import finetune
     from jaxformer.convert import save_hf
     from jaxformer.text import char_tokenizer, save_tokenizer
-    from jaxformer.commands import finetune
 
     words = "the cat sat on a mat and dog log".split()
     tokenizer = char_tokenizer(sorted(set(" ".join(words))))

@@ -73,7 +73,8 @@ def save_random_checkpoint(path) -> None:
 
     from jaxformer import DecoderConfig
     from jaxformer.convert import save_hf
-    from jaxformer.text import Tokenizer as Framed, save_tokenizer
+    from jaxformer.text import Tokenizer as Framed
+    from jaxformer.text import save_tokenizer
 
     tokenizer = Framed(bpe_tokenizer(), {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"},
                        chat_template=CHAT_TEMPLATE)

@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import import_peer
-from conventions import (CONVENTIONS, GEMMA3, LLAMA3, QWEN, QWEN3_TEMPLATE, greedy, save_checkpoint,
-                         save_tokenizer_files)
+from conventions import CONVENTIONS, GEMMA3, LLAMA3, QWEN, QWEN3_TEMPLATE, greedy, save_checkpoint, save_tokenizer_files
 
 from jaxformer import Decoder, generate
-from jaxformer.convert import load_hf
 from jaxformer.commands import generate as cli
+from jaxformer.convert import load_hf
 from jaxformer.text import completion_text, load_tokenizer, render_chat
 
 torch = import_peer("torch")

@@ -13,10 +13,10 @@ from conftest import count_compiles, import_peer, random_params, run_main
 
 from benchmarks.perplexity import transformers_nll
 from jaxformer import Decoder, DecoderConfig
+from jaxformer.commands import perplexity as command
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.convert.peft import save_peft
 from jaxformer.lora import LoraConfig, init_lora, merge
-from jaxformer.commands import perplexity as command
 from jaxformer.text import Tokenizer, load_tokenizer, save_tokenizer
 from jaxformer.text.perplexity import perplexity, window_spans
 

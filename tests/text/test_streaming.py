@@ -8,7 +8,7 @@ from checkpoints import CORPUS, bpe_tokenizer
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxformer.text import Tokenizer, TextStream, completion_text
+from jaxformer.text import TextStream, Tokenizer, completion_text
 from jaxformer.text.streaming import CONTEXT_IDS, REBASE_IDS, REPLACEMENT
 
 BPE = Tokenizer(bpe_tokenizer())

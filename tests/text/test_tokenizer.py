@@ -8,8 +8,15 @@ import pytest
 from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer
 from conftest import import_peer
 
-from jaxformer.text import (Tokenizer, char_tokenizer, load_tokenizer, render_chat, save_tokenizer, train_bpe,
-                            word_tokenizer)
+from jaxformer.text import (
+    Tokenizer,
+    char_tokenizer,
+    load_tokenizer,
+    render_chat,
+    save_tokenizer,
+    train_bpe,
+    word_tokenizer,
+)
 
 TEXT = "Attention is all you need. 注意力就是你所需要的一切。龍"
 

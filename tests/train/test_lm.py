@@ -13,8 +13,8 @@ from report_page import check_report
 
 from jaxformer.text import train_bpe
 from jaxformer.training import read_metrics
-from train import lm
 from jaxformer.training.report_page import read_snapshots
+from train import lm
 from train.tasks import COPY_BOS, COPY_LEN, COPY_SEP, COPY_VOCAB, TextCorpus, copy_tokenizer
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",

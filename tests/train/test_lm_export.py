@@ -27,8 +27,8 @@ from conftest import import_peer
 
 from jaxformer import Decoder, generate
 from jaxformer.commands import generate as generate_cli
-from jaxformer.training import Checkpointer, TrainState
 from jaxformer.text.tokenizer import TOKENIZER_FILE
+from jaxformer.training import Checkpointer, TrainState
 from jaxformer.training.exports import EXPORT_FILES
 from train import lm
 

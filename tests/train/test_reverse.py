@@ -8,10 +8,10 @@ import pytest
 from conftest import run_main
 from report_page import Page, check_report, chromium, heatmap_colours_shown, render
 
-from jaxformer.training import read_metrics
 from jaxformer.commands import report
-from train import reverse
+from jaxformer.training import read_metrics
 from jaxformer.training.report_page import build_report, read_snapshots, record_snapshot
+from train import reverse
 
 TINY = ["--n-layer", "1", "--d-model", "32", "--d-ff", "32", "--n-head", "2", "--batch-size", "16",
         "--eval-size", "20", "--log-every", "5", "--checkpoint-every", "5"]

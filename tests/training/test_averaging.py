@@ -8,8 +8,7 @@ import optax
 import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import (TrainState, average_last, averaged, make_train_step, resume_from, step_keys,
-                                train_loop)
+from jaxformer.training import TrainState, average_last, averaged, make_train_step, resume_from, step_keys, train_loop
 
 
 def test_the_average_is_the_mean_of_the_parameters_after_the_chosen_updates():

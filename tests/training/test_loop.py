@@ -9,8 +9,17 @@ import optax
 import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import (UNRESTORABLE_DIR, Checkpointer, Diverged, TrainState, make_train_step,
-                                make_train_steps, read_metrics, resume_from, train_loop)
+from jaxformer.training import (
+    UNRESTORABLE_DIR,
+    Checkpointer,
+    Diverged,
+    TrainState,
+    make_train_step,
+    make_train_steps,
+    read_metrics,
+    resume_from,
+    train_loop,
+)
 
 
 class Crash(Exception):

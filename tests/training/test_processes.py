@@ -20,8 +20,8 @@ from conftest import import_peer
 sys.path.insert(0, str(Path(__file__).parent.parent / "text"))
 from checkpoints import save_random_checkpoint  # noqa: E402
 
-from jaxformer.training import lock_run_dir  # noqa: E402
 from jaxformer.runtime import HEARTBEAT_SECONDS, local_environments  # noqa: E402
+from jaxformer.training import lock_run_dir  # noqa: E402
 
 ROOT = Path(__file__).parent.parent.parent
 LM = ["-m", "train.lm", "--steps", "6", "--warmup", "2", "--batch-size", "16", "--n-layer", "2", "--d-model", "64",

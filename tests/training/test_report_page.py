@@ -8,9 +8,19 @@ import pytest
 from report_page import Page, check_report, decode_png
 
 from jaxformer.training import MetricsLog
-from jaxformer.training.report_page import (REPORT_FILE, attention_group, colormap, drop_snapshots_after, png_bytes,
-                                            read_snapshots, record_session, record_snapshot, result_label,
-                                            write_report, write_results)
+from jaxformer.training.report_page import (
+    REPORT_FILE,
+    attention_group,
+    colormap,
+    drop_snapshots_after,
+    png_bytes,
+    read_snapshots,
+    record_session,
+    record_snapshot,
+    result_label,
+    write_report,
+    write_results,
+)
 
 RESULTS = {"steps": 6, "final_loss": 0.5772156, "exact_match": 0.98765, "probe_exact_match": 0.0123,
            "per_length": {"5": [1.0, 3], "6": [0.9375, 16]},
