@@ -135,6 +135,14 @@ FULL_TIER = {
     "tests/test_export.py::test_the_programs_exported_are_those_listed": "every user path run and exported",
     "tests/test_export.py::test_each_entry_point_is_exported": "every user path run and exported",
 }
+# Cached decoding against transformers' own, step by step: the fast tier keeps a plain family and one of
+# sliding and full layers with soft-caps (Gemma 2), and two of the parity file's layouts; the others here.
+FULL_TIER.update({f"tests/families/test_families.py::test_cached_decoding_equals_transformers_and_the_full_forward"
+                  f"[{family}]": "more families" for family in (
+                      "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-3-1b-it", "Phi-3-mini-4k-instruct",
+                      "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M")})
+FULL_TIER.update({f"tests/convert/test_hf_parity.py::test_cached_decoding_logits_match_at_every_step[{layout}]":
+                  "more layouts" for layout in ("llama-untied", "llama-mqa", "mistral", "qwen2")})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
