@@ -369,7 +369,9 @@ def test_groups_of_rows_in_one_call_equal_their_calls_apart(config):
     _, batch = model.apply({"params": params}, jax.random.randint(jax.random.key(0), (3, 9), 0, 64), batch)
     _, row = model.apply({"params": params}, jax.random.randint(jax.random.key(1), (1, 5), 0, 64), row)
     step, piece = jnp.asarray([[3], [4], [5]]), jax.random.randint(jax.random.key(2), (1, 8), 0, 64)
-    apart = [model.apply({"params": params}, step, batch), model.apply({"params": params}, piece, row)]
+    apart = jax.jit(lambda params, step, piece, batch, row: [model.apply({"params": params}, step, batch),
+                                                            model.apply({"params": params}, piece, row)])(
+        params, step, piece, batch, row)
     # The grouped call (below) runs the dense layers on 11 rows where the calls apart run 3 and 8: the same
     # float32 sums, bitwise alike on a CPU, in other orders on a GPU (conftest's REORDERED).
     model64 = Decoder(float64_config(config))
