@@ -79,8 +79,20 @@ def layer_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
 
 
 def distinct(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
-    """The different specs among `specs`, full layers' first (the order a scan's flag indexes)."""
-    return tuple(sorted(set(specs), key=lambda s: (s.mixer.attention_type, specs.index(s))))
+    """The different specs among `specs`, full layers' first (the order a scan's flag indexes),
+    for one scanned body: at most two, which differ in their window and RoPE alone (one set of
+    parameter shapes, one norm placement, one feed-forward). A ValueError otherwise."""
+    kinds = tuple(sorted(set(specs), key=lambda s: (s.mixer.attention_type, specs.index(s))))
+
+    def shared(spec: LayerSpec):  # what one body holds for every layer it runs
+        return dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, window=None, rope_theta=1.0,
+                                                                   rope_scaling=None))
+
+    types = {s.mixer.attention_type for s in kinds}
+    if len(kinds) > 2 or len({shared(s) for s in kinds}) > 1 or len(types) < len(kinds):
+        raise ValueError(f"scan_layers=True: one scanned body runs layers that differ in their window and RoPE "
+                         f"alone, one full and one sliding at most; these layers are {len(kinds)} kinds")
+    return kinds
 
 
 def view_key(mixer) -> str:
@@ -124,7 +136,7 @@ class Block(nn.Module):
           carry: `(x [batch, T, d_model], caches)`, a tuple of the call's caches (None without
             one; several for groups of rows in one call: `Part`), each of which the layer writes.
           views: `({view_key(mixer spec): (cos, sin, seen)}, ...)`, one dict per part, every distinct
-            mixer's view of the part's tokens (`Decoder.views`), the same for every layer.
+            mixer's view of the part's tokens (`jaxformer.decoder.views`), the same for every layer.
           layer: `(which, index)`: in a scan over two specs bool `[]`, whether this layer is the
             second of `specs` (else None), and its index in the model (int32 `[]` in a scan).
         """
