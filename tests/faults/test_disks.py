@@ -231,7 +231,8 @@ def test_a_lora_run_whose_disk_fills_up_ends_on_its_one_line(tiny_checkpoint, tm
 SAVE_FAILS_WITH_A_COMMIT_NEVER_STARTED = """
 import sys
 from jaxformer.command_line import exit_process
-from jaxformer.training import checkpoints, finetune
+from jaxformer.commands import finetune
+from jaxformer.training import checkpoints
 
 orbax = {}
 exec(compile("async def commit():\\n    pass\\n", "orbax/checkpoint/_src/futures/future.py", "exec"), orbax)
