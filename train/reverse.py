@@ -19,6 +19,7 @@ and figures of one run and the machine it ran on.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -31,6 +32,7 @@ import optax
 
 from jaxformer import VanillaConfig, VanillaTransformer, generate
 from jaxformer.command_line import exit_process, run_command
+from jaxformer.decoding import compile_generate
 from jaxformer.losses import label_smoothed_cross_entropy
 from jaxformer.runtime import is_primary
 from jaxformer.schedules import noam_schedule
@@ -197,7 +199,8 @@ def shape_trace(model: VanillaTransformer, params) -> list[tuple[str, tuple, str
       `(stage, shape, note)` rows.
     """
     c = model.config
-    batch = reverse_batch(jax.random.key(0), 2, MAX_LEN, MAX_LEN)
+    batch = jax.eval_shape(functools.partial(reverse_batch, batch_size=2, min_len=MAX_LEN, max_len=MAX_LEN),
+                           jax.random.key(0))  # (shapes too: drawn, it would compile a program of its own)
     src, tgt_in = batch["src"], batch["tgt_in"]
     variables = {"params": params}
     B, S, T, h = src.shape[0], src.shape[1], tgt_in.shape[1], c.n_head
@@ -228,29 +231,62 @@ def shape_trace(model: VanillaTransformer, params) -> list[tuple[str, tuple, str
     return [(name, tuple(shape), note) for name, shape, note in rows]
 
 
-def decoding_exact_match(model, params, key, n: int, lengths: tuple[int, ...], width: int) -> dict:
-    """Exact-match rate of cached greedy decoding on `n` fresh sequences.
+def evaluation_sets(settings: Settings) -> dict[str, dict]:
+    """The fresh sequences the run is evaluated on, drawn on the host: `"seen"`, of the trained
+    lengths, and `"probe"`, of the longer ones; `settings.eval_size` each, from the run's
+    evaluation key (`runs.evaluation_key`), whatever the training drew.
+
+    Returns:
+      `{"seen": batch, "probe": batch}`, each `reverse_batch`'s numpy arrays, padded to the
+      set's longest length.
+    """
+    # (On the host: sliced on the device, every example's row would compile a slice of its own.)
+    eval_key, probe_key = jax.random.split(runs.evaluation_key(settings.seed))
+    return {name: jax.device_get(reverse_batch(key, settings.eval_size, min(lengths), max(lengths), width=max(lengths)))
+            for name, key, lengths in (("seen", eval_key, range(MIN_LEN, MAX_LEN + 1)),
+                                       ("probe", probe_key, PROBE_LENGTHS))}
+
+
+def decoding_options(batch: dict) -> dict:
+    """`generate`'s options for a batch of `evaluation_sets`: greedy, from BOS to EOS, room for
+    the reversed symbols and EOS."""
+    return {"max_new_tokens": batch["src"].shape[1] + 1, "bos_id": BOS, "eos_id": EOS}
+
+
+def prepare_evaluation(setup: runs.Setup, settings: Settings) -> dict[str, dict]:
+    """`evaluation_sets(settings)`, and the decoding program of each compiled, not run.
+
+    Called on a thread of its own when training begins: the compiles then take the core that
+    the training's own compile (one thread) leaves idle, instead of the wall time after it.
+    Only the parameters' shapes count; they are the initial ones, on the host as the trained
+    ones will be (`runs.Trained.params`), so that `generate` finds its program compiled.
+    """
+    sets = evaluation_sets(settings)
+    params = jax.device_get(setup.params)
+    for batch in sets.values():
+        compile_generate(setup.model, params, batch["src"], **decoding_options(batch))
+    return sets
+
+
+def decoding_exact_match(model, params, batch: dict) -> dict:
+    """Exact-match rate of cached greedy decoding on a batch of `evaluation_sets`.
 
     A row counts only if every decoded token is right: the reversed symbols, then EOS
     (then padding).
 
     Args:
       model, params: the trained model.
-      key: draws the sequences.
-      n: how many.
-      lengths: their lengths, drawn uniformly from `min(lengths)..max(lengths)`.
-      width: the source width they are padded to.
+      batch: the sequences, `reverse_batch`'s arrays on the host.
 
     Returns:
       `{"exact_match", "n", "per_length": {length: (rate, count)}, "examples"}`, the
       examples the first `EXAMPLES` rows as `{"input", "target", "output"}` tokens
       (`token_text`), target and output up to the target's EOS.
     """
-    # (On the host: sliced on the device, every example's row would compile a slice of its own.)
-    batch = jax.device_get(reverse_batch(key, n, min(lengths), max(lengths), width=width))
-    out = np.asarray(generate(model, params, batch["src"], max_new_tokens=width + 1, bos_id=BOS, eos_id=EOS))
+    out = np.asarray(generate(model, params, batch["src"], **decoding_options(batch)))
     exact = np.all(out[:, 1:] == batch["tgt_out"], axis=1)  # [n]
     length = batch["length"]
+    n = len(length)
     per_length = {int(L): (float(exact[length == L].mean()), int((length == L).sum())) for L in np.unique(length)}
 
     def tokens(row):
@@ -312,22 +348,25 @@ def cross_attention_map(snapshot: dict, run_dir: Path | None) -> str:
     return ascii_attention(weights[-1].mean(0), rows, cols)
 
 
-def evaluate(setup: runs.Setup, settings: Settings, trained: runs.Trained, run_dir: Path, snapshot) -> dict:
+def evaluate(setup: runs.Setup, trained: runs.Trained, run_dir: Path, snapshot,
+             prepared: concurrent.futures.Future) -> dict:
     """Decodes fresh sequences of the trained lengths and of the probe's longer ones,
     and draws the cross-attention map of `snapshot` (`snapshotter`'s) of the trained
     parameters (its PNG into `run_dir`, unless the run had finished before: then the one
     there is kept).
 
+    Args:
+      prepared: `prepare_evaluation`'s, running or done.
+
     Returns:
       The results: exact match overall and per length for both sets, an example, the
-      decoding time and the map as ASCII.
+      decoding time (a compile the preparation had not finished included) and the map as ASCII.
     """
     model, params = setup.model, trained.params
-    eval_key, probe_key = jax.random.split(runs.evaluation_key(settings.seed))
     start = time.perf_counter()
-    seen = decoding_exact_match(model, params, eval_key, settings.eval_size, tuple(range(MIN_LEN, MAX_LEN + 1)),
-                                MAX_LEN)
-    probe = decoding_exact_match(model, params, probe_key, settings.eval_size, PROBE_LENGTHS, max(PROBE_LENGTHS))
+    sets = prepared.result()
+    seen = decoding_exact_match(model, params, sets["seen"])
+    probe = decoding_exact_match(model, params, sets["probe"])
     return {"seen": seen, "probe": probe, "decode_seconds": time.perf_counter() - start,
             "map": cross_attention_map(snapshot(params), None if trained.finished_before else run_dir)}
 
@@ -373,8 +412,10 @@ def _main(argv) -> int:
         print(f"\n{'=' * 72}\ntraining on 'reverse the sequence' to step {settings.steps}, "
               f"batch {settings.batch_size}, run dir {run.run_dir}\n")
         snapshot = snapshotter(setup, settings)
-        trained = runs.train(setup, settings, run, begun, snapshot)
-        evaluation = evaluate(setup, settings, trained, run.run_dir, snapshot)
+        with concurrent.futures.ThreadPoolExecutor(1) as ahead:
+            prepared = ahead.submit(prepare_evaluation, setup, settings)
+            trained = runs.train(setup, settings, run, begun, snapshot)
+            evaluation = evaluate(setup, trained, run.run_dir, snapshot, prepared)
         report(settings, trained, evaluation, run.run_dir)
     return 0
 

@@ -3,7 +3,17 @@ search, speculative), written against the `Decodable` protocol; see docs/decodin
 
 from jaxformer.decodable import Decodable, DecodingSpec
 from jaxformer.decoding.beam import Beam, beam_search
-from jaxformer.decoding.front_door import RunStats, advance, finish, generate, run, speculative_generate, start, stream
+from jaxformer.decoding.front_door import (
+                                           RunStats,
+                                           advance,
+                                           compile_generate,
+                                           finish,
+                                           generate,
+                                           run,
+                                           speculative_generate,
+                                           start,
+                                           stream,
+)
 from jaxformer.decoding.plain import Plain, PlainState
 from jaxformer.decoding.request import DecodeOptions, DecodeRequest
 from jaxformer.decoding.sampling import Sampling, sample_token
@@ -12,5 +22,5 @@ from jaxformer.decoding.steps import NO_TOKEN, NonFiniteLogitsError
 
 __all__ = ["NO_TOKEN", "Beam", "Decodable", "DecodeOptions", "DecodeRequest", "DecodingSpec", "Draft",
            "NonFiniteLogitsError", "Plain", "PlainState", "PromptLookup", "RunStats", "Sampling", "Speculative",
-           "advance", "beam_search", "finish", "generate", "run", "sample_token", "speculative_generate", "start",
-           "stream"]
+           "advance", "beam_search", "compile_generate", "finish", "generate", "run", "sample_token",
+           "speculative_generate", "start", "stream"]

@@ -104,6 +104,22 @@ def generate(model: Decodable, params, prompt, *, speculative: PromptLookup | Dr
     return _generate(model, params, prompt, speculative, options)[0]
 
 
+def compile_generate(model: Decodable, params, prompt, *, speculative: PromptLookup | Draft | None = None,
+                     **options) -> None:
+    """Compiles the program `generate(model, params, prompt, ...)` runs, and runs nothing.
+
+    Takes `generate`'s arguments; only the shapes and types of `params` count (the host
+    arrays of a model that is still training will do). Called on a thread while other work
+    goes on, it takes the compile off a later `generate` of the same shapes, which runs the
+    program at once (or, still compiling, waits for this compile rather than repeating it).
+
+    Raises:
+      ValueError: as `generate`, before anything is compiled.
+    """
+    request = DecodeRequest.create(model, prompt, **options)
+    run.lower(model, params, request, choose(model, request, speculative), mesh_of(params)).compile()
+
+
 class RunStats(NamedTuple):
     """A speculative run's figures, on the host.
 

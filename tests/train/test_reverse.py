@@ -1,14 +1,17 @@
 """`python -m train.reverse`: end to end, resume, and bad flags (tiny settings)."""
 
 import json
+import logging
 import shutil
 
+import jax
 import numpy as np
 import pytest
 from conftest import run_main
 from report_page import Page, check_report, chromium, heatmap_colours_shown, render
 
 from jaxformer.commands import report
+from jaxformer.sharding import to_host
 from jaxformer.training import read_metrics
 from jaxformer.training.report_page import build_report, read_snapshots, record_snapshot
 from train import reverse
@@ -178,3 +181,19 @@ def test_bfloat16_training_lowers_the_loss(tmp_path):
     # Measured in bf16, from step 50 to 300, seeds 0, 1, 2: 2.78 -> 2.63, 2.82 -> 2.51, 2.75 -> 2.37 (at step 150
     # seed 0 had only reached 2.70: this tiny model's first steps depend on its draws; the full demo in bf16: 100%).
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1
+
+
+def test_the_evaluation_finds_its_programs_compiled(caplog):
+    """What `prepare_evaluation` compiled while the run trained is what the evaluation runs:
+    decoding the trained parameters (on the host, as `runs.train` returns them) compiles
+    nothing more. And the shape trace, shapes only, compiles nothing at all."""
+    settings = reverse.Settings(n_layer=1, d_model=24, d_ff=24, n_head=2, eval_size=12)  # shapes of this test's own
+    setup = reverse.build(settings)
+    sets = reverse.prepare_evaluation(setup, settings)
+    trained = to_host(jax.tree.map(lambda x: x + 1, setup.params))
+    with caplog.at_level(logging.WARNING, logger="jax"), jax.log_compiles(True):
+        reverse.shape_trace(setup.model, setup.params)
+        results = [reverse.decoding_exact_match(setup.model, trained, batch) for batch in sets.values()]
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    assert compiled == [], compiled
+    assert [r["n"] for r in results] == [12, 12]
