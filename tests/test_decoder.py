@@ -366,8 +366,8 @@ def test_groups_of_rows_in_one_call_equal_their_calls_apart(config):
     (the dense layers on all 11 tokens at once) give each group's logits and cache as apart."""
     model, params = Decoder(config), random_params(config, 1)
     batch, row = model.init_cache(3, 32), model.init_cache(1, 32)
-    _, batch = model.apply({"params": params}, jax.random.randint(jax.random.key(0), (3, 9), 0, 64), batch)
-    _, row = model.apply({"params": params}, jax.random.randint(jax.random.key(1), (1, 5), 0, 64), row)
+    _, batch = jit_apply(model, {"params": params}, jax.random.randint(jax.random.key(0), (3, 9), 0, 64), batch)
+    _, row = jit_apply(model, {"params": params}, jax.random.randint(jax.random.key(1), (1, 5), 0, 64), row)
     step, piece = jnp.asarray([[3], [4], [5]]), jax.random.randint(jax.random.key(2), (1, 8), 0, 64)
     apart = jax.jit(lambda params, step, piece, batch, row: [model.apply({"params": params}, step, batch),
                                                             model.apply({"params": params}, piece, row)])(

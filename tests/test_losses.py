@@ -1,6 +1,7 @@
 """Label-smoothed cross-entropy against a float64 numpy formula, optax and PyTorch; the chunked
 loss from hidden states against the same formula, the whole-logits loss, and its memory."""
 
+import functools
 import re
 
 import chex
@@ -230,9 +231,16 @@ def _whole(hidden, targets, head, smoothing=0.0, ignore_id=None):
 def _value_and_grads(loss, hidden, head, targets, *args):
     """`loss(hidden, targets, head, *args)` and its gradients w.r.t. `hidden` and `head.weight`,
     jitted: the targets traced (no host-side checks), as a training step runs it."""
-    def f(hidden, weight, targets):
+    return _jitted_value_and_grads(loss, hidden, head, targets, args)
+
+
+# One function for the file, its program made once per loss, arguments and head layout (the head's
+# static fields): the whole-logits reference of a case is not traced again for each chunk size.
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _jitted_value_and_grads(loss, hidden, head, targets, args):
+    def f(hidden, weight):
         return loss(hidden, targets, head.replace(weight=weight), *args)
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(hidden, head.weight, targets)
+    return jax.value_and_grad(f, argnums=(0, 1))(hidden, head.weight)
 
 
 @pytest.mark.parametrize("tied, softcap", [(True, None), (False, None), (True, 2.0), (False, 2.0)])
