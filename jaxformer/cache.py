@@ -227,10 +227,10 @@ def check_longrope_capacity(config: DecoderConfig, capacity: int, where: str) ->
                          "its long factors: a cache holds at most that many positions")
 
 
-def sliding_slots(config: DecoderConfig, capacity: int, rewind: int = 0) -> int:
-    """Slots a sliding layer of `config` keeps for a cache of `capacity` positions: its ring's
-    `sliding_window - 1 + rewind`, or `capacity` when that is no fewer."""
-    return min(capacity, config.sliding_window - 1 + rewind)
+def sliding_slots(window: int, capacity: int, rewind: int = 0) -> int:
+    """Slots a layer sliding over `window` positions keeps for a cache of `capacity` positions:
+    its ring's `window - 1 + rewind`, or `capacity` when that is no fewer."""
+    return min(capacity, window - 1 + rewind)
 
 
 # A call's attention reads a static prefix of each full layer's slots, its span: the smallest
@@ -300,8 +300,10 @@ class KVCache:
                           minimum=1, maximum=config.max_seq_len, maximum_name="max_seq_len")
         rewind = as_int(rewind, "KVCache.create: rewind", minimum=0)
         check_longrope_capacity(config, capacity, "KVCache.create")
-        slots = tuple(capacity if kind == "full" else sliding_slots(config, capacity, rewind)
-                      for kind in config.attention_types)
+        from jaxformer.layers import layer_specs  # (here: jaxformer.layers imports this module)
+
+        windows = [spec.mixer.window for spec in layer_specs(config)]  # each layer's: None for a full one
+        slots = tuple(capacity if window is None else sliding_slots(window, capacity, rewind) for window in windows)
         return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,
                          head_dim=config.head_dim, max_seq_len=config.max_seq_len,
                          dtype=config.cache_storage_dtype if dtype is None else dtype, stacked=config.scan_layers,

@@ -272,6 +272,11 @@ class DecoderConfig(_ModelConfig):
         every score (and gives the weights), "blocks" walks key blocks with an online softmax
         (memory linear in the length; docs/long_context.md), "auto" the first on short
         sequences and the second from 1024 x 1024 scores per head on.
+      layers: each layer's `LayerSpec` (`jaxformer.layers`), `n_layer` of them, as a family
+        (or a user) fills them in for layers the fields above cannot state: widths or kinds
+        that differ from layer to layer. The model builds layer i from `layers[i]`, checked
+        by `layer_specs`; d_model, the norms' form, LoRA and the dtypes stay model-wide.
+        Empty: each layer's spec follows from the fields above (`layer_specs`).
     """
 
     vocab_size: int = 256
@@ -308,6 +313,7 @@ class DecoderConfig(_ModelConfig):
     remat: bool = False
     remat_policy: str = "dots_no_batch"
     attention_impl: str = "auto"
+    layers: tuple = ()
 
     def __post_init__(self):
         # Each field's kind first: the rules between fields below compare plain numbers.
@@ -329,6 +335,7 @@ class DecoderConfig(_ModelConfig):
         _check(self, as_float, "local_rope_theta", "query_pre_attn_scalar", "attn_logit_softcap",
                "final_logit_softcap", above=0, optional=True)
         self._check_layer_types()
+        self._check_layers()
         _require(self, self.hf_model_type is None or isinstance(self.hf_model_type, str), "hf_model_type",
                  "None or a model_type string")
         self._normalise_dtypes()
@@ -355,6 +362,15 @@ class DecoderConfig(_ModelConfig):
                  "an int >= 1 exactly when a layer_types entry is 'sliding'")
         _require(self, self.local_rope_theta is None or sliding, "local_rope_theta",
                  "None unless a layer_types entry is 'sliding'")
+
+    def _check_layers(self) -> None:
+        """`layers` stored as a tuple, empty or one entry per layer. (What each entry may be is
+        `jaxformer.layers.layer_specs`' to check: this module sits below the layer kinds.)"""
+        _require(self, isinstance(self.layers, (tuple, list)), "layers", "a tuple of LayerSpecs, one per layer")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if self.layers and len(self.layers) != self.n_layer:  # (the specs' text would bury the count)
+            raise ValueError(f"DecoderConfig.layers must be () or {self.n_layer} (n_layer) LayerSpecs, one per "
+                             f"layer (got {len(self.layers)})")
 
     @property
     def attention_types(self) -> tuple[str, ...]:

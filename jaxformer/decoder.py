@@ -88,10 +88,12 @@ def cache_slots(config: DecoderConfig, cache: KVCache) -> tuple[int, ...]:
     check_longrope_capacity(config, cache.capacity, "cache")
     rings = cache.ring_slots
     ring = rings[0] if rings else cache.capacity  # (rings of two sizes fail the layout check after)
-    if rings and "sliding" in config.attention_types and ring < config.sliding_window - 1:
+    windows = [spec.mixer.window for spec in layer_specs(config)]  # each layer's: None for a full one
+    widest = max((window for window in windows if window is not None), default=None)
+    if rings and widest is not None and ring < widest - 1:
         raise ValueError(f"cache: its rings of {ring} slots are shorter than sliding_window - 1 = "
-                         f"{config.sliding_window - 1}; make it with KVCache.create(config, ...)")
-    return tuple(cache.capacity if kind == "full" else ring for kind in config.attention_types)
+                         f"{widest - 1}; make it with KVCache.create(config, ...)")
+    return tuple(cache.capacity if window is None else ring for window in windows)
 
 
 class Decoder(nn.Module):

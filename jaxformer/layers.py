@@ -61,10 +61,13 @@ class LayerSpec:
 
 
 def layer_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
-    """Each layer's `LayerSpec` as `config` states it: an attention layer whose window and RoPE
-    follow its `attention_types` entry (a sliding layer's base is `local_rope_theta` where set,
-    unscaled), and a gated MLP."""
+    """Each layer's `LayerSpec` as `config` states it: `config.layers` where a family filled them
+    in (checked: `filled_specs`), else derived from the flat fields: an attention layer whose
+    window and RoPE follow its `attention_types` entry (a sliding layer's base is
+    `local_rope_theta` where set, unscaled), and a gated MLP."""
     c = config
+    if c.layers:
+        return filled_specs(c)
     ffn = GatedMLPSpec(c.ffn_dim, c.mlp_activation)
     shared = dict(n_head=c.n_head, n_kv_head=c.n_kv_head, head_dim=c.head_dim, rope_pairing=c.rope_pairing,
                   qk_norm=c.qk_norm, qkv_bias=c.qkv_bias, softcap=c.attn_logit_softcap,
@@ -76,6 +79,25 @@ def layer_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
                                               dict(rope_theta=c.local_rope_theta, rope_scaling=None)))
     norms = "sandwich" if c.post_norms else "pre"
     return tuple(LayerSpec(full if kind == "full" else sliding, ffn, norms) for kind in c.attention_types)
+
+
+# What every layer's mixer shares with the config: the KV cache holds one shape of keys per layer
+# (a scanned model's, one stack), and checkpoints convert every layer's RoPE pairing alike.
+MODEL_WIDE = ("n_kv_head", "head_dim", "rope_pairing")
+
+
+def filled_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
+    """`config.layers`, each a `LayerSpec` whose mixer agrees with the config on `MODEL_WIDE`;
+    a ValueError naming the first entry that is not."""
+    for i, spec in enumerate(config.layers):
+        if not isinstance(spec, LayerSpec):
+            raise ValueError(f"config.layers[{i}] must be a LayerSpec (got {type(spec).__name__})")
+        for field in MODEL_WIDE:
+            mine, model = getattr(spec.mixer, field), getattr(config, field)
+            if mine != model:
+                raise ValueError(f"config.layers[{i}].mixer.{field} must be the config's {field}={model!r}, one for "
+                                 f"every layer (got {mine!r})")
+    return config.layers
 
 
 def distinct(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:

@@ -5,10 +5,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from conftest import SMALL, random_params
 
-from jaxformer import Decoder, DecoderConfig
+from jaxformer import Decoder, DecoderConfig, KVCache
 from jaxformer.attention import AttentionSpec
+from jaxformer.convert import config_to_hf, with_rope_pairing
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.layers import LayerSpec, distinct, layer_specs
 
@@ -77,3 +80,63 @@ def test_attention_spec_views_rotate_at_their_own_base():
         want = position[:, None] * inv_freq[None, :]
         assert jnp.allclose(cos, jnp.cos(want), atol=1e-6) and jnp.allclose(sin, jnp.sin(want), atol=1e-6)
         assert int(seen.window) == (mixer.window or 2 ** 30)
+
+
+def filled(config: DecoderConfig, widths=None, windows=None) -> DecoderConfig:
+    """`config` with its derived specs filled in as `layers`, layer i's FFN `widths[i]` wide and
+    its attention sliding over `windows[i]` positions (None: full) where given."""
+    specs = layer_specs(config)
+    widths = widths or [spec.ffn.width for spec in specs]
+    windows = windows or [spec.mixer.window for spec in specs]
+    return config.replace(layers=tuple(
+        dataclasses.replace(spec, ffn=dataclasses.replace(spec.ffn, width=width),
+                            mixer=dataclasses.replace(spec.mixer, window=window))
+        for spec, width, window in zip(specs, widths, windows)))
+
+
+forward = jax.jit(lambda model, params, tokens: model.apply({"params": params}, tokens)[0], static_argnums=0)
+
+
+def test_filled_specs_are_the_layers_and_the_config_stays_a_static_argument():
+    config = filled(SMALL, widths=[32, 32, 96])
+    assert layer_specs(config) == config.layers and [s.ffn.width for s in config.layers] == [32, 32, 96]
+    assert hash(config) == hash(filled(SMALL, widths=[32, 32, 96])) and config != filled(SMALL)
+    assert config.replace(max_seq_len=32).layers == config.layers  # replace keeps them
+    assert DecoderConfig(**{**vars(SMALL), "layers": list(config.layers)}).layers == config.layers  # a list: a tuple
+    params = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    assert [params[f"block_{i}"]["mlp"]["w_up"].shape for i in range(3)] == [(64, 32), (64, 32), (64, 96)]
+    interleaved, _ = with_rope_pairing(config, random_params(config, 0), "interleaved")  # specs pair alike
+    assert {spec.mixer.rope_pairing for spec in layer_specs(interleaved)} == {"interleaved"}
+
+
+def test_a_filled_spec_equal_to_the_derived_one_computes_the_same_logits():
+    params = random_params(SMALL, seed=0)
+    tokens = np.random.RandomState(0).randint(0, SMALL.vocab_size, (2, 9))
+    np.testing.assert_array_equal(forward(Decoder(filled(SMALL)), params, tokens),
+                                  forward(Decoder(SMALL), params, tokens))
+
+
+def test_a_cache_keeps_the_slots_each_filled_spec_reads():
+    """A filled spec's window, not `layer_types`, makes its layer's ring."""
+    config = filled(SMALL, windows=[None, 5, None])
+    assert config.layer_types is None and KVCache.create(config, 1, 32).layer_shapes == (
+        (1, 32, 2, 16), (1, 4, 2, 16), (1, 32, 2, 16))
+
+
+def test_bad_filled_specs_are_refused():
+    spec = layer_specs(SMALL)[0]
+    with pytest.raises(ValueError, match=r"DecoderConfig.layers must be \(\) or 3 \(n_layer\) LayerSpecs.*got 2"):
+        SMALL.replace(layers=(spec, spec))
+    with pytest.raises(ValueError, match="DecoderConfig.layers must be a tuple of LayerSpecs"):
+        SMALL.replace(layers=spec)
+    with pytest.raises(ValueError, match=r"config.layers\[1\] must be a LayerSpec \(got AttentionSpec\)"):
+        layer_specs(SMALL.replace(layers=(spec, spec.mixer, spec)))
+    wide = dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, head_dim=32))
+    with pytest.raises(ValueError, match=r"config.layers\[2\].mixer.head_dim must be the config's head_dim=16"):
+        Decoder(SMALL.replace(layers=(spec, spec, wide))).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    fewer_kv = dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, n_kv_head=1))
+    with pytest.raises(ValueError, match=r"config.layers\[0\].mixer.n_kv_head must be the config's n_kv_head=2"):
+        layer_specs(SMALL.replace(layers=(fewer_kv, spec, spec)))
+    with pytest.raises(ValueError, match="config.layers cannot be written as a llama checkpoint"):
+        config_to_hf(filled(SMALL, widths=[32, 32, 96]))
+    config_to_hf(filled(SMALL))  # the specs the fields state: a llama checkpoint holds them

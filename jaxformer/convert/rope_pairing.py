@@ -5,6 +5,8 @@ Reordering the query and key channels alike leaves every score `q . k` unchanged
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxformer.config import ROPE_PAIRINGS, DecoderConfig
@@ -39,4 +41,6 @@ def with_rope_pairing(config: DecoderConfig, params, pairing: str):
             if name in attn:
                 attn[name] = attn[name][..., perm]
         new_params[block] = {**params[block], "attn": attn}
-    return config.replace(rope_pairing=pairing), new_params
+    layers = tuple(dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, rope_pairing=pairing))
+                   for spec in config.layers)  # (filled specs pair as the config does: `layers.MODEL_WIDE`)
+    return config.replace(rope_pairing=pairing, layers=layers), new_params

@@ -16,6 +16,7 @@ import numpy as np
 from jaxformer.attention import AttentionSpec
 from jaxformer.config import ROPE_SCALINGS, DecoderConfig, RopeScaling
 from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.layers import layer_specs
 from jaxformer.validation import finite_float, python_int
 
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
@@ -344,6 +345,10 @@ class Family:
 
     def check_fits(self, config: DecoderConfig) -> None:
         """A ValueError naming the first feature of `config` this format cannot hold."""
+        # (config.json states each layer by the fields; filled specs that say more would be lost.)
+        if config.layers and config.layers != layer_specs(config.replace(layers=())):
+            raise ValueError(f"config.layers cannot be written as a {self.model_type} checkpoint (it holds the "
+                             "layers its fields state)")
         for name, plain in PLAIN_FEATURES.items():
             values, value = self.features.get(name, (plain,)), getattr(config, name)
             if values != ANY and value not in values:

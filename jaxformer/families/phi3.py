@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxformer.config import DecoderConfig
 from jaxformer.families.common import ANY, Family, linear, norm_tensor
 from jaxformer.families.llama import read_llama, window_everywhere, write_rope, write_window_everywhere
+from jaxformer.layers import layer_specs
 
 
 def read_phi3(hf: dict, max_seq_len: int | None) -> dict:
@@ -30,7 +31,9 @@ def write_phi3(config: DecoderConfig) -> dict:
 def phi3_layer(c: DecoderConfig, i: int) -> list:
     """Layer i: `qkv_proj` rows `[0, H*D)` are q, then K*D of k, then K*D of v;
     `gate_up_proj` rows `[0, F)` are the gate, `[F, 2F)` up."""
-    d, H, K, D, F = c.d_model, c.n_head, c.n_kv_head, c.head_dim, c.ffn_dim
+    spec = layer_specs(c)[i]
+    d, F = c.d_model, spec.ffn.width
+    H, K, D = spec.mixer.n_head, spec.mixer.n_kv_head, spec.mixer.head_dim
     hf, block = f"model.layers.{i}.", f"block_{i}"
     q, kv = H * D, K * D
     qkv, gate_up = hf + "self_attn.qkv_proj.weight", hf + "mlp.gate_up_proj.weight"
