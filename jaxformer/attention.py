@@ -365,8 +365,10 @@ class GQASelfAttention(nn.Module):
             if cache is None:
                 out, weights = read(part_k, part.take(v, start, grouped))
             else:  # the layer's view writes this call's K/V and gives the keys it reads: [rows, S, n_kv, head_dim]
-                (out, weights), view = cache.layer(layer).attend(read, part_k, part.take(v, start, grouped),
-                                                                 cache.pos, cache.stop, cache.read_slots)
+                # (`part.masks` has a key per type the layer may be: a view of two stacks attends in those alone)
+                view = cache.layer(layer, tuple(part.masks))
+                (out, weights), view = view.attend(read, part_k, part.take(v, start, grouped), cache.pos, cache.stop,
+                                                   cache.read_slots)
                 cache = cache.with_layer(layer, view)
             if weights is not None and not grouped:  # (a cache of two stacks gives none)
                 self.sow("intermediates", "attention_weights", weights)  # a no-op unless asked for (mutable)

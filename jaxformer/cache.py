@@ -160,11 +160,13 @@ class LayerSlice(OneKind):
 class SplitSlice:
     """A layer of `SplitStacks`: its slices of the full stack and of the rings, at its index in
     its own stack (the other one's is never read), and `ring`, which of the two it is. Their
-    keys differ in number, so `attend` runs attention on one of them (`lax.cond`)."""
+    keys differ in number, so `attend` runs attention on one of them (`lax.cond`), or where
+    the layer's `kinds` are one type (its scanned block's specs), on that one's alone."""
 
     full: LayerSlice
     sliding: LayerSlice
     ring: jax.Array  # [] bool
+    kinds: tuple[str, ...] = struct.field(pytree_node=False, default=("full", "sliding"))
 
     def attend(self, attention, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None, span=None):
         """`((out, None), view)`: `attention(keys, values, kind)`'s first output, with the keys and
@@ -178,7 +180,10 @@ class SplitSlice:
             (keys, values), full = self.full.extend(k_new, v_new, pos, stop, span)
             return attention(keys, values, "full")[0], full, self.sliding
 
-        out, full, sliding = jax.lax.cond(self.ring, as_sliding, as_full)
+        if len(self.kinds) == 1:  # (a block of one type has no mask of the other's for that branch)
+            out, full, sliding = {"full": as_full, "sliding": as_sliding}[self.kinds[0]]()
+        else:
+            out, full, sliding = jax.lax.cond(self.ring, as_sliding, as_full)
         return (out, None), self.replace(full=full, sliding=sliding)
 
 
@@ -191,13 +196,14 @@ class SplitStacks:
     sliding: RingKV  # [batch, n_sliding, slots, n_kv_head, head_dim]
     rings: tuple[bool, ...] = struct.field(pytree_node=False)  # per layer of the model: whether it is a ring
 
-    def layer(self, layer: jax.Array) -> SplitSlice:
-        """Layer `layer` of the model (traced, in a scan): its `SplitSlice`, at its index in its stack."""
+    def layer(self, layer: jax.Array, kinds: tuple[str, ...]) -> SplitSlice:
+        """Layer `layer` of the model (traced, in a scan), of one of the attention types `kinds`:
+        its `SplitSlice`, at its index in its stack."""
         rings = np.array(self.rings)
         rank = np.where(rings, np.cumsum(rings) - 1, np.cumsum(~rings) - 1)  # [n_layer]: each one's index in its stack
         index = jnp.asarray(rank, jnp.int32)[layer]
         return SplitSlice(full=LayerSlice(self.full, index), sliding=LayerSlice(self.sliding, index),
-                          ring=jnp.asarray(rings)[layer])
+                          ring=jnp.asarray(rings)[layer], kinds=kinds)
 
 
 def layer_shapes(batch_size: int, capacity: int, slots: tuple[int, ...], n_kv_head: int, head_dim: int,
@@ -394,11 +400,11 @@ class KVCache:
     # adds the layer's kind, "full" or "sliding" (the model's flag cannot pick the mask: the two
     # kinds' differ in shape). So the model never asks which layout it holds.
 
-    def layer(self, i):
+    def layer(self, i, kinds: tuple[str, ...] = ("full", "sliding")):
         """Layer i's view: the layer itself, or in a stacked cache (`i` traced, in a scan) its slice
-        of the stack (`SplitSlice` of two stacks)."""
+        of the stack (`SplitSlice` of two stacks, for a layer of one of the attention types `kinds`)."""
         if isinstance(self.layers, SplitStacks):
-            return self.layers.layer(i)
+            return self.layers.layer(i, kinds)
         return LayerSlice(self.layers, i) if self.stacked else self.layers[i]
 
     def with_layer(self, i, view) -> "KVCache":

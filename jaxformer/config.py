@@ -240,7 +240,8 @@ class DecoderConfig(_ModelConfig):
         Qwen2 or Mistral checkpoints); the resolved width is `head_dim`.
       qkv_bias: Q, K and V projections carry a bias (Qwen2); the output projection never does.
       scan_layers: one block scanned over parameters stacked on a leading layer axis
-        (`params["blocks"]`) instead of one `block_{i}` per layer: the same math, a
+        (`params["blocks"]`; a run of repeated layer specs each, `blocks_1`, ..., where the
+        layers differ in shape) instead of one `block_{i}` per layer: the same math, a
         compile time that hardly grows with depth (docs/architecture.md, "Scanned layers").
       layer_types: each layer's attention, "full" or "sliding" (reads its last
         `sliding_window` positions, itself included); None: every layer "full". The

@@ -24,7 +24,7 @@ from jaxformer.cache import KVCache, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import OutputHead, lookup
-from jaxformer.layers import Block, LayerSpec, distinct, layer_specs, norm, view_key
+from jaxformer.layers import Block, LayerSpec, Segment, layer_specs, norm, scan_name, scanned_places, segments, view_key
 from jaxformer.memory import prefill_bytes
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_cache_step, check_step_inputs
@@ -41,13 +41,51 @@ def block_type(config: DecoderConfig) -> type[nn.Module]:
     return nn.remat(Block, policy=REMAT_POLICIES[config.remat_policy]) if config.remat else Block
 
 
-def scanned_blocks(config: DecoderConfig):
-    """`Block` run `n_layer` times as one: parameters, their axis names and the sown
-    intermediates gain a leading layer axis, each block its own init key; the cache rides
-    in the carry, and each block reads its own `(which, index)`."""
-    return nn.scan(block_type(config), variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
-                   split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
-                   length=config.n_layer, metadata_params={nn.PARTITION_NAME: LAYERS})
+class Pattern(nn.Module):
+    """One period of a segment of layers (`jaxformer.layers.Segment`) as one scan body: its
+    bodies' blocks, `block_{j}`, called in order, `(carry, views, layer) -> (carry, None)` as
+    `Block` is.
+
+    Attributes:
+      config: the model's `DecoderConfig`.
+      pattern: the segment's bodies, each the specs its block may be.
+    """
+
+    config: DecoderConfig
+    pattern: tuple[tuple[LayerSpec, ...], ...]
+
+    @nn.compact
+    def __call__(self, carry, views, layer):
+        """`(carry, None)` after the period's layers; `layer` is `(which, index)`, body j's flag
+        `which[j]` (or None) and its index in the model `index[j]` (int32 `[len(pattern)]`)."""
+        which, index = layer
+        for j, body in enumerate(self.pattern):
+            carry, _ = block_type(self.config)(self.config, body, name=f"block_{j}")(carry, views, (which[j], index[j]))
+        return carry, None
+
+
+def scanned_blocks(config: DecoderConfig, segment: Segment, name: str) -> nn.Module:
+    """A segment's layers run as one, named `name`: its body (a `Block` of its one body's specs, or
+    a `Pattern` of several) scanned `segment.repeats` times. Parameters, their axis names and the
+    sown intermediates gain a leading axis, each period its own init key; the cache rides in the
+    carry, and each block reads its own `(which, index)`."""
+    one = len(segment.pattern) == 1
+    scanned = nn.scan(block_type(config) if one else Pattern,
+                      variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
+                      split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
+                      length=segment.repeats, metadata_params={nn.PARTITION_NAME: LAYERS})
+    return scanned(config, segment.pattern[0] if one else segment.pattern, name=name)
+
+
+def scan_inputs(specs: tuple[LayerSpec, ...], segment: Segment) -> tuple:
+    """What a segment's scan reads per period, `(which, index)`: each body's flag, bool `[repeats]`
+    (whether the layer is its body's second spec; None for a body of one), and each layer's
+    index in the model (int32 `[repeats]`), as a tuple over the bodies, or for a body alone itself."""
+    which = tuple(jnp.asarray([body.index(specs[i]) == 1 for i in segment.layers(j)]) if len(body) > 1 else None
+                  for j, body in enumerate(segment.pattern))
+    period = len(segment.pattern)
+    index = segment.first_layer + jnp.arange(segment.repeats * period).reshape(segment.repeats, period)
+    return (which[0], index[:, 0]) if period == 1 else (which, index)  # index[r, j]: layer first + r * period + j
 
 
 def views(specs: tuple[LayerSpec, ...], position: jax.Array, key_positions: dict) -> dict:
@@ -164,13 +202,12 @@ class Decoder(nn.Module):
             part_views = tuple(cached_views(specs, group.shape[1], group_cache, group_slots)
                                for group, group_cache, group_slots in zip(groups, caches, slots))
 
-        if c.scan_layers:
-            kinds = distinct(specs)  # (the specs a scanned layer may be: full then sliding, one shape)
-            which = jnp.asarray([kinds.index(spec) == 1 for spec in specs]) if len(kinds) > 1 else None  # [n_layer]
-            (x, written), _ = scanned_blocks(c)(c, kinds, name="blocks")((x, caches), part_views,
-                                                                         (which, jnp.arange(c.n_layer)))
+        written = caches
+        if c.scan_layers:  # each run of repeated specs one scan (`segments`), in order
+            for k, segment in enumerate(segments(specs)):
+                (x, written), _ = scanned_blocks(c, segment, scan_name(k))((x, written), part_views,
+                                                                           scan_inputs(specs, segment))
         else:
-            written = caches
             for i, spec in enumerate(specs):
                 (x, written), _ = block_type(c)(c, (spec,), name=f"block_{i}")((x, written), part_views, (None, i))
         x = norm(c, "final_norm")(x)
@@ -231,6 +268,10 @@ def sown_attention_weights(intermediates, config: DecoderConfig) -> jax.Array:
     """`[n_layer, batch, n_head, T, S]` float32: the attention weights a `Decoder` of `config`
     sowed, from `apply(..., mutable=['intermediates'])`'s second output."""
     sown = intermediates["intermediates"]
-    if config.scan_layers:
-        return sown["blocks"]["attn"]["attention_weights"][0]
-    return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in range(config.n_layer)])
+    if not config.scan_layers:
+        return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in range(config.n_layer)])
+    layers = []
+    for path, row, _ in scanned_places(layer_specs(config)):  # layer i: row `row` of its body's stack
+        body = functools.reduce(lambda tree, name: tree[name], path, sown)
+        layers.append(body["attn"]["attention_weights"][0][row])
+    return jnp.stack(layers)

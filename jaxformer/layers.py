@@ -21,6 +21,7 @@ kinds", says how a new kind joins.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -100,21 +101,105 @@ def filled_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
     return config.layers
 
 
-def distinct(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
-    """The different specs among `specs`, full layers' first (the order a scan's flag indexes),
-    for one scanned body: at most two, which differ in their window and RoPE alone (one set of
-    parameter shapes, one norm placement, one feed-forward). A ValueError otherwise."""
-    kinds = tuple(sorted(set(specs), key=lambda s: (s.mixer.attention_type, specs.index(s))))
+def _kinds(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
+    """The different specs among `specs`, full layers' first (the order a scan's flag indexes)."""
+    return tuple(sorted(set(specs), key=lambda s: (s.mixer.attention_type, specs.index(s))))
+
+
+def shareable(specs: tuple[LayerSpec, ...]) -> bool:
+    """Whether one scanned body may run every layer of `specs`: at most two specs, one full and
+    one sliding, which differ in their window and RoPE alone (one set of parameter shapes, one
+    norm placement, one feed-forward)."""
+    kinds = _kinds(specs)
 
     def shared(spec: LayerSpec):  # what one body holds for every layer it runs
         return dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, window=None, rope_theta=1.0,
                                                                    rope_scaling=None))
 
     types = {s.mixer.attention_type for s in kinds}
-    if len(kinds) > 2 or len({shared(s) for s in kinds}) > 1 or len(types) < len(kinds):
+    return len(kinds) <= 2 and len({shared(s) for s in kinds}) == 1 and len(types) == len(kinds)
+
+
+def distinct(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
+    """The different specs among `specs`, full layers' first (the order a scan's flag indexes),
+    for one scanned body: `shareable` ones. A ValueError otherwise."""
+    kinds = _kinds(specs)
+    if not shareable(specs):
         raise ValueError(f"scan_layers=True: one scanned body runs layers that differ in their window and RoPE "
                          f"alone, one full and one sliding at most; these layers are {len(kinds)} kinds")
     return kinds
+
+
+class Segment(NamedTuple):
+    """Layers `first_layer .. first_layer + len(pattern) * repeats - 1` of a scanned model: one
+    `nn.scan` over `repeats` periods, each running `pattern`'s bodies in order.
+
+    Attributes:
+      first_layer: the index of its first layer in the model.
+      pattern: one period's bodies, each the specs one scanned `Block` may be (`distinct`):
+        layer `first_layer + r * len(pattern) + j` runs body j.
+      repeats: the periods, the scan's length.
+    """
+
+    first_layer: int
+    pattern: tuple[tuple[LayerSpec, ...], ...]
+    repeats: int
+
+    def layers(self, j: int) -> range:
+        """The model's indices of the layers body j runs, one per period."""
+        period = len(self.pattern)
+        return range(self.first_layer + j, self.first_layer + period * self.repeats, period)
+
+
+def _run(specs: tuple[LayerSpec, ...], period: int) -> int:
+    """How many of `specs`, from the first, repeat their first `period`: layer i shares a body
+    with every earlier layer `period`, `2 * period`, ... before it."""
+    columns = [{spec} for spec in specs[:period]]  # each body's specs so far
+    for i in range(period, len(specs)):
+        column = columns[i % period] | {specs[i]}
+        if not shareable(tuple(column)):
+            return i
+        columns[i % period] = column
+    return len(specs)
+
+
+def segments(specs: tuple[LayerSpec, ...]) -> tuple[Segment, ...]:
+    """The segments a scanned model of layers `specs` runs, in order: from the first layer not
+    yet in one, the shortest period that repeats over the most layers (at least twice), or that
+    layer alone when none does. A uniform model, or Gemma 3's five sliding layers to one full
+    (one body of both), is one segment of one body; DeepSeek's 3 dense layers then 58 of
+    experts two; Qwen3-Next's three linear-attention layers then one attention layer, 12 times,
+    one of four bodies; a period's tail that does not complete it becomes segments of its own."""
+    out, start = [], 0
+    while start < len(specs):
+        rest = specs[start:]
+        period, repeats = 1, 1  # a layer alone, when nothing repeats
+        for p in range(1, len(rest) // 2 + 1):
+            n = _run(rest, p) // p
+            if n >= 2 and p * n > period * repeats:  # (a tie keeps the shorter period, found first)
+                period, repeats = p, n
+        pattern = tuple(distinct(rest[j:period * repeats:period]) for j in range(period))
+        out.append(Segment(start, pattern, repeats))
+        start += period * repeats
+    return tuple(out)
+
+
+def scan_name(k: int) -> str:
+    """Segment k's name in a scanned model: `blocks`, `blocks_1`, `blocks_2`, ..."""
+    return "blocks" if k == 0 else f"blocks_{k}"
+
+
+def scanned_places(specs: tuple[LayerSpec, ...]) -> tuple[tuple[tuple[str, ...], int, int], ...]:
+    """Where each layer of `specs` sits in a scanned model's parameters: `(path, row, rows)`, its
+    parameters row `row` of the `[rows, ...]` leaves under `path`: `(scan_name(k),)` for a
+    segment of one body, `(scan_name(k), f"block_{j}")` for body j of a longer pattern."""
+    places = {}
+    for k, segment in enumerate(segments(specs)):
+        for j in range(len(segment.pattern)):
+            path = (scan_name(k),) if len(segment.pattern) == 1 else (scan_name(k), f"block_{j}")
+            for row, i in enumerate(segment.layers(j)):
+                places[i] = (path, row, segment.repeats)
+    return tuple(places[i] for i in range(len(specs)))
 
 
 def view_key(mixer) -> str:

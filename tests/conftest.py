@@ -2,6 +2,7 @@
 command line run in this process."""
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -21,6 +22,7 @@ import optax
 import pytest
 
 from jaxformer import Decoder, DecoderConfig, label_smoothed_cross_entropy
+from jaxformer.layers import layer_specs
 
 # The tests compare float32 numbers at float32 tolerances. CPUs compute float32 matmuls
 # exactly so; GPUs (TF32) and TPUs (bf16 passes) do not unless asked to.
@@ -231,6 +233,18 @@ def random_params(config: DecoderConfig, seed: int, scale: float = 0.3):
     initialised parameters, without compiling the init (only its shapes are traced)."""
     shapes = jax.eval_shape(lambda: Decoder(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
     return scaled_random_params(shapes["params"], seed, scale)
+
+
+def filled_layers(config: DecoderConfig, widths=None, windows=None) -> DecoderConfig:
+    """`config` with its derived specs filled in as `layers`, layer i's FFN `widths[i]` wide and
+    its attention sliding over `windows[i]` positions (None: full) where given."""
+    specs = layer_specs(config)
+    widths = widths or [spec.ffn.width for spec in specs]
+    windows = windows or [spec.mixer.window for spec in specs]
+    return config.replace(layers=tuple(
+        dataclasses.replace(spec, ffn=dataclasses.replace(spec.ffn, width=width),
+                            mixer=dataclasses.replace(spec.mixer, window=window))
+        for spec, width, window in zip(specs, widths, windows)))
 
 
 def scaled_random_params(params, seed: int, scale: float = 0.3):

@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, random_params
+from conftest import SMALL, filled_layers, random_params
 
 from jaxformer import Decoder, DecoderConfig, KVCache
 from jaxformer.attention import AttentionSpec
-from jaxformer.convert import config_to_hf, with_rope_pairing
+from jaxformer.convert import config_to_hf, with_rope_pairing, with_scan_layers
 from jaxformer.feedforward import GatedMLPSpec
-from jaxformer.layers import LayerSpec, distinct, layer_specs
+from jaxformer.layers import LayerSpec, Segment, distinct, layer_specs, scanned_places, segments
 
 GEMMA3_LIKE = DecoderConfig(vocab_size=64, n_layer=4, n_head=4, n_kv_head=1, d_model=32, head_dim_override=16,
                             layer_types=("sliding", "sliding", "sliding", "full"), sliding_window=8,
@@ -82,25 +82,13 @@ def test_attention_spec_views_rotate_at_their_own_base():
         assert int(seen.window) == (mixer.window or 2 ** 30)
 
 
-def filled(config: DecoderConfig, widths=None, windows=None) -> DecoderConfig:
-    """`config` with its derived specs filled in as `layers`, layer i's FFN `widths[i]` wide and
-    its attention sliding over `windows[i]` positions (None: full) where given."""
-    specs = layer_specs(config)
-    widths = widths or [spec.ffn.width for spec in specs]
-    windows = windows or [spec.mixer.window for spec in specs]
-    return config.replace(layers=tuple(
-        dataclasses.replace(spec, ffn=dataclasses.replace(spec.ffn, width=width),
-                            mixer=dataclasses.replace(spec.mixer, window=window))
-        for spec, width, window in zip(specs, widths, windows)))
-
-
 forward = jax.jit(lambda model, params, tokens: model.apply({"params": params}, tokens)[0], static_argnums=0)
 
 
 def test_filled_specs_are_the_layers_and_the_config_stays_a_static_argument():
-    config = filled(SMALL, widths=[32, 32, 96])
+    config = filled_layers(SMALL, widths=[32, 32, 96])
     assert layer_specs(config) == config.layers and [s.ffn.width for s in config.layers] == [32, 32, 96]
-    assert hash(config) == hash(filled(SMALL, widths=[32, 32, 96])) and config != filled(SMALL)
+    assert hash(config) == hash(filled_layers(SMALL, widths=[32, 32, 96])) and config != filled_layers(SMALL)
     assert config.replace(max_seq_len=32).layers == config.layers  # replace keeps them
     assert DecoderConfig(**{**vars(SMALL), "layers": list(config.layers)}).layers == config.layers  # a list: a tuple
     params = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
@@ -109,16 +97,17 @@ def test_filled_specs_are_the_layers_and_the_config_stays_a_static_argument():
     assert {spec.mixer.rope_pairing for spec in layer_specs(interleaved)} == {"interleaved"}
 
 
-def test_a_filled_spec_equal_to_the_derived_one_computes_the_same_logits():
-    params = random_params(SMALL, seed=0)
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_a_filled_spec_equal_to_the_derived_one_computes_the_same_logits(scan_layers):
+    config, params = with_scan_layers(SMALL, random_params(SMALL, seed=0), scan_layers)
     tokens = np.random.RandomState(0).randint(0, SMALL.vocab_size, (2, 9))
-    np.testing.assert_array_equal(forward(Decoder(filled(SMALL)), params, tokens),
-                                  forward(Decoder(SMALL), params, tokens))
+    np.testing.assert_array_equal(forward(Decoder(filled_layers(config)), params, tokens),
+                                  forward(Decoder(config), params, tokens))
 
 
 def test_a_cache_keeps_the_slots_each_filled_spec_reads():
     """A filled spec's window, not `layer_types`, makes its layer's ring."""
-    config = filled(SMALL, windows=[None, 5, None])
+    config = filled_layers(SMALL, windows=[None, 5, None])
     assert config.layer_types is None and KVCache.create(config, 1, 32).layer_shapes == (
         (1, 32, 2, 16), (1, 4, 2, 16), (1, 32, 2, 16))
 
@@ -138,5 +127,23 @@ def test_bad_filled_specs_are_refused():
     with pytest.raises(ValueError, match=r"config.layers\[0\].mixer.n_kv_head must be the config's n_kv_head=2"):
         layer_specs(SMALL.replace(layers=(fewer_kv, spec, spec)))
     with pytest.raises(ValueError, match="config.layers cannot be written as a llama checkpoint"):
-        config_to_hf(filled(SMALL, widths=[32, 32, 96]))
-    config_to_hf(filled(SMALL))  # the specs the fields state: a llama checkpoint holds them
+        config_to_hf(filled_layers(SMALL, widths=[32, 32, 96]))
+    config_to_hf(filled_layers(SMALL))  # the specs the fields state: a llama checkpoint holds them
+
+
+def test_segments_scan_each_run_of_repeated_specs():
+    """The shortest period that repeats over the most layers, from the first layer on."""
+    a = layer_specs(SMALL)[0]
+    b = dataclasses.replace(a, ffn=GatedMLPSpec(96))
+    assert segments((a,) * 4) == (Segment(0, ((a,),), 4),)  # uniform: one body, as before segments
+    gemma3 = layer_specs(GEMMA3_LIKE.replace(n_layer=8, layer_types=("sliding",) * 5 + ("full",) + ("sliding",) * 2))
+    full, sliding = gemma3[5], gemma3[0]
+    assert segments(gemma3) == (Segment(0, ((full, sliding),), 8),)  # one body of both, the flag picks
+    assert segments((a,) * 2 + (b,) * 3) == (Segment(0, ((a,),), 2), Segment(2, ((b,),), 3))  # dense, then wider
+    assert segments((a, a, a, b) * 3) == (Segment(0, ((a,), (a,), (a,), (b,)), 3),)  # a period of four bodies
+    assert segments((a, a, a, b) * 3 + (a, a)) == (Segment(0, ((a,), (a,), (a,), (b,)), 3), Segment(12, ((a,),), 2))
+    assert segments((a, b)) == (Segment(0, ((a,),), 1), Segment(1, ((b,),), 1))  # nothing repeats: a layer each
+    rotated = dataclasses.replace(a, mixer=dataclasses.replace(a.mixer, rope_theta=123.0))  # full too: no body of both
+    assert segments((a, rotated) * 2) == (Segment(0, ((a,), (rotated,)), 2),)
+    assert scanned_places((a, a, a, b) * 2 + (a,)) == (
+        *[(("blocks", f"block_{j}"), r, 2) for r in range(2) for j in range(4)], (("blocks_1",), 0, 1))

@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, import_peer, init_params, random_params
+from conftest import SMALL, filled_layers, import_peer, init_params, random_params
 
 from jaxformer import Decoder, KVCache, generate, stream
 from jaxformer.convert import load_hf, save_hf, stack_layers, unstack_layers, with_rope_pairing, with_scan_layers
+from jaxformer.decoder import sown_attention_weights
 from jaxformer.sharding import EMBED, LAYERS, MLP, make_mesh, param_axes, tree_shardings
 
 CONFIGS = {
@@ -57,22 +58,22 @@ def test_scanned_parameters_are_the_blocks_stacked():
     # (Shapes only, and not through conftest's init_params: it would cache the tracers.)
     unrolled = jax.eval_shape(lambda: Decoder(SMALL).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
     unrolled = unrolled["params"]
-    assert jax.tree.map(lambda x: x.shape, unstack_layers(params)) == jax.tree.map(lambda x: x.shape, unrolled)
+    assert jax.tree.map(lambda x: x.shape, unstack_layers(params, config)) == jax.tree.map(lambda x: x.shape, unrolled)
 
 
 def test_stack_and_unstack_are_inverse():
     params = init_params(SMALL)
-    stacked = stack_layers(params, SMALL.n_layer)
+    stacked = stack_layers(params, SMALL)
     for i in range(SMALL.n_layer):
         np.testing.assert_array_equal(stacked["blocks"]["mlp"]["w_up"][i], params[f"block_{i}"]["mlp"]["w_up"])
-    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked), params)
+    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked, SMALL), params)
     assert with_scan_layers(SMALL, params, False) == (SMALL, params)
     with pytest.raises(ValueError, match="no block_3 to stack"):
-        stack_layers(params, SMALL.n_layer + 1)
+        stack_layers(params, SMALL.replace(n_layer=4))
     with pytest.raises(ValueError, match=r"\['block_2'\] besides block_0 .. block_1: not a 2-layer model"):
-        stack_layers(params, SMALL.n_layer - 1)
+        stack_layers(params, SMALL.replace(n_layer=2))
     with pytest.raises(ValueError, match="no 'blocks' subtree"):
-        unstack_layers(params)
+        unstack_layers(params, SMALL)
 
 
 def test_logits_equal_the_unrolled_model(pair):
@@ -236,7 +237,7 @@ def test_remat_in_a_scan_recomputes_the_same_gradients():
 
     config = DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32,
                            scan_layers=True)
-    params = stack_layers(random_params(config.replace(scan_layers=False), seed=0), config.n_layer)
+    params = stack_layers(random_params(config.replace(scan_layers=False), seed=0), config)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)))
 
     def loss(params, remat):
@@ -247,3 +248,46 @@ def test_remat_in_a_scan_recomputes_the_same_gradients():
     assert float(kept[0]) == float(recomputed[0])
     for x, y in zip(jax.tree.leaves(kept[1]), jax.tree.leaves(recomputed[1])):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+# Layers whose parameters differ in shape, from filled specs: each run of repeated specs one scan.
+BLOCK = ["attn", "attn_norm", "mlp", "mlp_norm"]  # a segment of one body holds a block's parameters
+SEGMENTED = {
+    # dense then wider: two segments of one body, `blocks` and `blocks_1`
+    "widths": (filled_layers(SMALL.replace(n_layer=4), widths=[32, 32, 96, 96]), {"blocks": BLOCK, "blocks_1": BLOCK}),
+    # a period of two bodies, the first full or sliding (its flag picks), three times, then a sliding tail
+    "periodic": (filled_layers(SMALL.replace(n_layer=7), widths=[32, 96] * 3 + [32],
+                               windows=[None, None, 5, None, None, None, 5]),
+                 {"blocks": ["block_0", "block_1"], "blocks_1": BLOCK}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEGMENTED))
+def test_segments_of_differing_layers_compute_the_unrolled_model(name):
+    """Logits, sown attention weights, cached decoding (a prefill, then steps; with rings in two
+    stacks for "periodic") and greedy tokens of the scanned form equal the unrolled model's."""
+    config, names = SEGMENTED[name]
+    params = random_params(config, seed=8)
+    scanned_config, stacked = with_scan_layers(config, params, True)
+    assert {k: sorted(v) for k, v in stacked.items() if k.startswith("blocks")} == names
+    jax.tree.map(np.testing.assert_array_equal, unstack_layers(stacked, scanned_config), params)
+    model, scanned = Decoder(config), Decoder(scanned_config)
+    axes = param_axes(scanned)  # each segment's leading axis is the layers'
+    assert {names[0] for k in names for names in jax.tree.leaves(axes[k], is_leaf=lambda x: isinstance(x, tuple))} \
+        == {LAYERS}
+    tokens = _prompts(length=10)
+    sown = jax.jit(lambda model, params: model.apply({"params": params}, tokens, mutable=["intermediates"]),
+                   static_argnums=0)
+    (want, _), want_sown = sown(model, params)
+    (got, _), got_sown = sown(scanned, stacked)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(sown_attention_weights(got_sown, scanned_config),
+                               sown_attention_weights(want_sown, config), atol=2e-6)
+    caches = {"unrolled": KVCache.create(config, 3, 16), "scanned": KVCache.create(scanned_config, 3, 16)}
+    for start, end in ((0, 6), (6, 7), (7, 10)):
+        want, caches["unrolled"] = forward(model, params, tokens[:, start:end], caches["unrolled"])
+        got, caches["scanned"] = forward(scanned, stacked, tokens[:, start:end], caches["scanned"])
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    prompt = _prompts(seed=2, length=6)
+    np.testing.assert_array_equal(generate(scanned, stacked, prompt, max_new_tokens=5),
+                                  generate(model, params, prompt, max_new_tokens=5))

@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import DecoderConfig
-from jaxformer.convert.layers import STACKED, block_name, with_scan_layers
+from jaxformer.convert.layers import block_name, with_scan_layers
 from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.convert.safetensors_file import SafetensorsFile, write_safetensors
 from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
+from jaxformer.layers import layer_specs, scanned_places
 from jaxformer.sharding import put
 from jaxformer.validation import as_int
 
@@ -219,11 +220,12 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     for t in family_of(config).tensors(config):
         table.setdefault(t.hf_key, []).append(t)
     params: dict = {}
-    # scan_layers: layer i's tensor is copied into row i of its stacked parameter
-    # (`blocks/.../w[i]`), allocated whole at the first layer; stacking the per-layer
-    # arrays afterwards would hold the weights twice.
-    layers = {block_name(i): i for i in range(config.n_layer)} if scan_layers else {}
-    stacks: dict[tuple[str, ...], tuple[np.ndarray, list[int]]] = {}  # path under `blocks` -> (array, layers in it)
+    # scan_layers: layer i's tensor is copied into its row of its stacked parameter (`blocks/.../w[i]`
+    # in a uniform model: `scanned_places`), allocated whole at the first layer; stacking the
+    # per-layer arrays afterwards would hold the weights twice.
+    places = {block_name(i): place for i, place in enumerate(scanned_places(layer_specs(config)))} \
+        if scan_layers else {}
+    stacks: dict[tuple[str, ...], tuple[np.ndarray, list[int]]] = {}  # stacked path -> (array, rows written)
     stored_head, seen, unexpected = None, set(), []
     for key, w in _read_tensors(path):
         if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store them; they follow from rope_theta
@@ -240,11 +242,12 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
             raise ValueError(f"{path}: {key}: expected shape {want} from config.json, got {tuple(w.shape)}")
         for t in parts:
             value = t.to_jax(w if t.rows is None else w[t.rows[0]:t.rows[1]])
-            if t.path[0] in layers:
+            if t.path[0] in places:
+                where, row, rows = places[t.path[0]]
                 stacked, filled = stacks.setdefault(
-                    t.path[1:], (_aligned_empty((config.n_layer, *t.shape), config.param_dtype), []))
-                np.copyto(stacked[layers[t.path[0]]], value, casting="unsafe")
-                filled.append(layers[t.path[0]])
+                    (*where, *t.path[1:]), (_aligned_empty((rows, *t.shape), config.param_dtype), []))
+                np.copyto(stacked[row], value, casting="unsafe")
+                filled.append(row)
             else:
                 _set(params, t.path, _placed(value, config.param_dtype,
                                              None if shardings is None else _get(shardings, t.path)))
@@ -258,11 +261,10 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
                          "model.embed_tokens.weight")
     if not scan_layers:
         return config, params
-    for rest, (stacked, filled) in stacks.items():
-        if sorted(filled) != list(range(config.n_layer)):  # a row never written would be garbage
-            raise ValueError(f"{path}: {'/'.join(rest)} is not in every layer, so the layers cannot stack")
-        _set(params, (STACKED, *rest), jax.device_put(stacked) if shardings is None
-             else put(stacked, _get(shardings, (STACKED, *rest))))
+    for where, (stacked, filled) in stacks.items():
+        if sorted(filled) != list(range(len(stacked))):  # a row never written would be garbage
+            raise ValueError(f"{path}: {'/'.join(where)} is not in every layer it stacks, so the layers cannot stack")
+        _set(params, where, jax.device_put(stacked) if shardings is None else put(stacked, _get(shardings, where)))
     return config.replace(scan_layers=True), params
 
 

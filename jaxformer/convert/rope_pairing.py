@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxformer.config import ROPE_PAIRINGS, DecoderConfig
-from jaxformer.convert.layers import STACKED, block_name
 from jaxformer.positions import interleaved_to_split_half
 from jaxformer.validation import one_of
 
@@ -33,14 +33,12 @@ def with_rope_pairing(config: DecoderConfig, params, pairing: str):
     perm = interleaved_to_split_half(config.head_dim)  # split_half[..., i] = interleaved[..., perm[i]]
     if pairing == "interleaved":
         perm = np.argsort(perm)
-    new_params = dict(params)
-    blocks = [STACKED] if config.scan_layers else [block_name(i) for i in range(config.n_layer)]
-    for block in blocks:
-        attn = dict(params[block]["attn"])
-        for name in ("wq", "wk", "bq", "bk"):  # head_dim is the last axis of each (stacked too)
-            if name in attn:
-                attn[name] = attn[name][..., perm]
-        new_params[block] = {**params[block], "attn": attn}
+
+    def permuted(path, leaf):  # a block's q and k, scanned or not: head_dim is the last axis of each
+        names = [getattr(key, "key", None) for key in path]
+        return leaf[..., perm] if names[-2:-1] == ["attn"] and names[-1] in ("wq", "wk", "bq", "bk") else leaf
+
+    new_params = jax.tree_util.tree_map_with_path(permuted, params)
     layers = tuple(dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, rope_pairing=pairing))
                    for spec in config.layers)  # (filled specs pair as the config does: `layers.MODEL_WIDE`)
     return config.replace(rope_pairing=pairing, layers=layers), new_params

@@ -192,7 +192,7 @@ def test_scanned_decoder_on_a_mesh_matches_one_device():
     scanned = Decoder(config)
     params = _sharp(params)
     prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, DECODER.vocab_size)
-    want = generate(Decoder(DECODER), unstack_layers(params), prompt, max_new_tokens=20)
+    want = generate(Decoder(DECODER), unstack_layers(params, config), prompt, max_new_tokens=20)
     placed = jax.device_put(params, specs)
     got = generate(scanned, placed, jax.device_put(prompt, batch_sharding(mesh)), max_new_tokens=20)
     np.testing.assert_array_equal(got, want)
