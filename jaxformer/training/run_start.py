@@ -35,6 +35,9 @@ from jaxformer.training.state import TrainState
 # and optimizer state are stored in float32, so the compute precision is not part of the
 # run, and recomputing activations (remat) gives the same gradients.
 DTYPE_FIELDS = ("dtype", "param_dtype", "cache_dtype", "remat")
+# Config fields added after runs were first recorded, with the value that leaves the model as it
+# was: recorded only where they differ from it, so that a run recorded before them resumes.
+LATER_FIELDS = {"layers": ()}
 
 
 def run_record(config, settings) -> dict:
@@ -44,7 +47,8 @@ def run_record(config, settings) -> dict:
       config: the model's config dataclass; recorded less its dtypes (`DTYPE_FIELDS`).
       settings: the demo's settings; its `RESUME_FIELDS` are recorded.
     """
-    model = {k: v for k, v in dataclasses.asdict(config).items() if k not in DTYPE_FIELDS}
+    model = {k: v for k, v in dataclasses.asdict(config).items()
+             if k not in DTYPE_FIELDS and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
     return {"model": model, **{field: getattr(settings, field) for field in settings.RESUME_FIELDS}}
 
 
