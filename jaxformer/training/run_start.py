@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -29,7 +30,7 @@ from jaxformer.training.loop import resume_from
 from jaxformer.training.placement import place
 from jaxformer.training.report_page import check_run_files, record_session
 from jaxformer.training.run_dir import CONFIG_FILE, RunLock, check_run_dir, lock_run_dir, save_run_config
-from jaxformer.training.state import TrainState
+from jaxformer.training.state import CompiledAhead, TrainState, make_train_steps
 
 # Config fields a run may change on resume: how it computes, not what it learns. Parameters
 # and optimizer state are stored in float32, so the compute precision is not part of the
@@ -70,6 +71,9 @@ class Start:
         nothing in the run directory is written.
       lock: this process's lock on the run directory.
       created: a new run whose directory this command created (else it found it empty).
+      updates: `(n, program)`: the run's calls of `n` updates in one program
+        (`make_train_steps`), its compile started as the run began (`CompiledAhead`); None
+        where updates run one by one, or on a mesh.
     """
 
     prog: str
@@ -81,6 +85,7 @@ class Start:
     finished: bool
     lock: RunLock
     created: bool = False
+    updates: tuple[int, Callable] | None = None
 
     @property
     def step(self) -> int:
@@ -100,6 +105,19 @@ class Start:
 
     def __exit__(self, kind, error, traceback) -> None:
         self.abandon() if kind is not None else self.lock.release()
+
+
+def updates_ahead(setup, settings, run: RunOptions) -> tuple[int, Callable] | None:
+    """`(n, program)`: `n` updates in one call, as many as fit between every log line and
+    checkpoint (`setup.steps_per_call` at most), their program compiling on a thread from now
+    on (`CompiledAhead`, for the shapes of the state `place` makes); None where there is one
+    update a call, or a mesh or several processes (whose programs take their shardings)."""
+    n = math.gcd(setup.steps_per_call, run.log_every, run.checkpoint_every)
+    if n == 1 or run.mesh is not None or jax.process_count() > 1:
+        return None
+    shapes = jax.eval_shape(lambda params: TrainState.create(params, setup.optimizer), setup.params)
+    return n, CompiledAhead(make_train_steps(setup.loss_fn, setup.optimizer, setup.make_batch, settings.seed, n,
+                                             frozen=setup.frozen), shapes)
 
 
 def count_params(params) -> int:
@@ -139,6 +157,7 @@ def start(prog: str, setup, settings, run: RunOptions, shape_trace=()) -> Start:
       shape_trace: for `about.json`.
     """
     lock, created = None, False
+    updates = updates_ahead(setup, settings, run)  # (compiling while the rest of the start runs)
     try:
         state, make_batch, state_sharding = place(setup, settings.batch_size, run.mesh, run.fsdp)
         record = run_record(setup.model.config, settings)
@@ -161,7 +180,7 @@ def start(prog: str, setup, settings, run: RunOptions, shape_trace=()) -> Start:
         fail(prog, str(e))
     finished = restored is not None and restored.step == settings.steps and not restored.unrestorable
     begun = Start(prog=prog, run_dir=run.run_dir, state=state, make_batch=make_batch, state_sharding=state_sharding,
-                  restored=restored, finished=finished, lock=lock, created=created)
+                  restored=restored, finished=finished, lock=lock, created=created, updates=updates)
     with failing_as(begun):
         if is_primary():
             if restored is None:  # every check passed: the first writes

@@ -14,7 +14,6 @@ report page (`jaxformer.training.report_page`) is built.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -39,7 +38,7 @@ from jaxformer.training.report_page import (
 )
 from jaxformer.training.report_page import write_results as write_results_file
 from jaxformer.training.run_start import Start
-from jaxformer.training.state import TrainState, make_train_step, make_train_steps
+from jaxformer.training.state import TrainState, make_train_step
 
 # The results every run has, from its training, and how the report page labels them.
 TRAINING_LABELS = {"steps": result_label("updates trained"), "final_loss": result_label("final training loss"),
@@ -198,18 +197,13 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
             if begun.step == 0:
                 observe(begun.state)
             print(f"report page (rewritten at every checkpoint): {run.run_dir / REPORT_FILE}")
-        # Calls of n updates that line up with every log line and checkpoint (n divides both).
-        n = math.gcd(setup.steps_per_call, run.log_every, run.checkpoint_every)
-        many = None
-        if n > 1 and begun.state_sharding is None:
-            many = (n, make_train_steps(setup.loss_fn, setup.optimizer, begun.make_batch, settings.seed, n,
-                                        frozen=setup.frozen))
+        # Calls of n updates that line up with every log line and checkpoint, compiled since the start.
         state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding,
                                                         frozen=setup.frozen),
                            begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
                            checkpoint_every=run.checkpoint_every, log_every=run.log_every,
                            lr_schedule=setup.schedule, resume=begun.restored,
-                           on_checkpoint=observe if snapshot else None, train_steps=many)
+                           on_checkpoint=observe if snapshot else None, train_steps=begun.updates)
     barrier("trained")  # process 0's metrics are written
     trained = Trained(params=to_host(evaluated_params(setup, state)), steps=int(state.step),
                       seconds=time.perf_counter() - started, last=read_metrics(run.run_dir / METRICS_FILE)[-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable
 
 import jax
@@ -90,6 +91,42 @@ def make_train_steps(loss_fn: Callable, optimizer: optax.GradientTransformation,
 
     jitted = jax.jit(train_steps, donate_argnums=0, compiler_options=_compiler_options())
     return jitted if frozen is None else functools.partial(jitted, frozen=frozen)
+
+
+class CompiledAhead:
+    """A jitted program compiled for the shapes of its arguments on a thread of its own, from
+    the moment it is made; a call waits for that compile (raising what it raised: a loss that
+    fails to trace fails at the first call, as it would unprepared), then runs the compiled
+    program. A command starts its update's compile before the work that comes ahead of
+    training (placing the state, checking and recording the run, the first snapshot), which
+    then runs on the other core instead of before it. (A daemon thread: an interrupted
+    command does not wait for the compile to end.)
+
+    Args:
+      program: a jitted function, or a `functools.partial` of one over keyword arguments.
+      *shapes: its positional arguments, as arrays or `jax.ShapeDtypeStruct`s.
+    """
+
+    def __init__(self, program, *shapes):
+        jitted, keywords = (program.func, program.keywords) if isinstance(program, functools.partial) else (program, {})
+        self._keywords, self._done, self._result = keywords, threading.Event(), None
+
+        def compile_():
+            try:
+                self._result = jitted.lower(*shapes, **keywords).compile(), None
+            except BaseException as e:  # (raised again in the caller's thread, at its call)
+                self._result = None, e
+            finally:
+                self._done.set()
+
+        threading.Thread(target=compile_, name="compile-ahead", daemon=True).start()
+
+    def __call__(self, *args):
+        self._done.wait()
+        compiled, error = self._result
+        if error is not None:
+            raise error
+        return compiled(*args, **self._keywords)
 
 
 def _compiler_options() -> dict | None:

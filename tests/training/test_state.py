@@ -10,7 +10,8 @@ import pytest
 from conftest import count_compiles
 from linear_regression import BATCH, IN, LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import TrainState, make_train_step, step_keys
+from jaxformer.training import TrainState, make_train_step, make_train_steps, step_keys
+from jaxformer.training.state import CompiledAhead
 
 
 def test_train_step_lowers_loss_increments_step_and_compiles_once():
@@ -50,6 +51,32 @@ def test_train_step_donates_the_state():
     else:
         assert all(x.is_deleted() for x in old)
     assert not any(x.is_deleted() for x in jax.tree.leaves(new_state))
+
+
+def test_a_program_compiled_ahead_compiles_once_and_computes_what_the_jitted_one_does():
+    optimizer = optax.adam(LR)
+    steps = make_train_steps(loss_fn, optimizer, make_batch, seed=0, count=5)
+    shapes = jax.eval_shape(lambda: init_state(optimizer))
+    first = init_state(optimizer)  # (made outside the count: its eager operations compile too)
+    with count_compiles() as compiles:
+        ahead = CompiledAhead(steps, shapes)  # compiling on its thread from here
+        state, metrics = ahead(first)
+        state, metrics = ahead(state)  # (the compiled program again)
+        jax.block_until_ready(state)
+    assert len(compiles) == 1
+    want, want_metrics = steps(steps(init_state(optimizer))[0])
+    jax.tree.map(np.testing.assert_array_equal, (state, metrics), (want, want_metrics))
+
+
+def test_a_program_compiled_ahead_raises_its_compiles_error_at_the_call():
+    def bad_loss(params, batch, dropout_key):
+        return loss_fn(params, batch, dropout_key)[0], {"loss": 0.0}  # aux may not name "loss"
+
+    optimizer = optax.adam(LR)
+    ahead = CompiledAhead(make_train_steps(bad_loss, optimizer, make_batch, seed=0, count=2),
+                          jax.eval_shape(lambda: init_state(optimizer)))
+    with pytest.raises(ValueError, match="loss_fn must return"):
+        ahead(init_state(optimizer))
 
 
 def test_create_copies_params():
