@@ -151,6 +151,8 @@ FULL_TIER = {
     "tests/test_export.py::test_every_program_exports": "every user path run, each program exported for cuda and tpu",
     "tests/test_export.py::test_the_programs_exported_are_those_listed": "every user path run and exported",
     "tests/test_export.py::test_each_entry_point_is_exported": "every user path run and exported",
+    "tests/training/test_state.py::test_initial_parameters_compiled_as_a_runs_are_the_default_compiles_bits":
+        "initial parameters compiled at XLA's full optimisation",
 }
 # Cached decoding against transformers' own, step by step: the fast tier keeps a plain family and one of
 # sliding and full layers with soft-caps (Gemma 2), and two of the parity file's layouts; the others here.

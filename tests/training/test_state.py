@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import count_compiles
+from conftest import SMALL, count_compiles
 from linear_regression import BATCH, IN, LR, init_state, loss_fn, make_batch
 
 from jaxformer.training import TrainState, make_train_step, make_train_steps, step_keys
-from jaxformer.training.state import CompiledAhead
+from jaxformer import Decoder, VanillaConfig, VanillaTransformer
+from jaxformer.training.runs import init_params
+from jaxformer.training.state import CompiledAhead, compiler_options
 
 
 def test_train_step_lowers_loss_increments_step_and_compiles_once():
@@ -77,6 +79,18 @@ def test_a_program_compiled_ahead_raises_its_compiles_error_at_the_call():
                           jax.eval_shape(lambda: init_state(optimizer)))
     with pytest.raises(ValueError, match="loss_fn must return"):
         ahead(init_state(optimizer))
+
+
+@pytest.mark.parametrize("model", [Decoder(SMALL.replace(qk_norm=True, tie_embeddings=False)),
+                                   VanillaTransformer(VanillaConfig(src_vocab_size=19, tgt_vocab_size=19, n_layer=1, d_model=32,
+                                                                    d_ff=64, n_head=2, max_seq_len=16))],
+                         ids=["decoder", "encoder-decoder"])
+def test_initial_parameters_compiled_as_a_runs_are_the_default_compiles_bits(model, optimized_programs):
+    """`init_params` compiles with `compiler_options` (LLVM -O2 on a CPU); XLA's default (-O3)
+    must draw the same bits, so a run's weights do not depend on the setting."""
+    default = jax.jit(model.init)(jax.random.key(3), *model.init_inputs())["params"]
+    jax.tree.map(np.testing.assert_array_equal, init_params(model, 3), default)
+    assert compiler_options() == ({"xla_backend_optimization_level": 2} if jax.default_backend() == "cpu" else None)
 
 
 def test_create_copies_params():
