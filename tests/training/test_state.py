@@ -10,8 +10,8 @@ import pytest
 from conftest import SMALL, count_compiles
 from linear_regression import BATCH, IN, LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import TrainState, make_train_step, make_train_steps, step_keys
 from jaxformer import Decoder, VanillaConfig, VanillaTransformer
+from jaxformer.training import TrainState, make_train_step, make_train_steps, step_keys
 from jaxformer.training.runs import init_params
 from jaxformer.training.state import CompiledAhead, compiler_options
 
