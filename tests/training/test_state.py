@@ -81,10 +81,12 @@ def test_a_program_compiled_ahead_raises_its_compiles_error_at_the_call():
         ahead(init_state(optimizer))
 
 
+TINY_VANILLA = VanillaConfig(src_vocab_size=19, tgt_vocab_size=19, n_layer=1, d_model=32, d_ff=64, n_head=2,
+                             max_seq_len=16)
+
+
 @pytest.mark.parametrize("model", [Decoder(SMALL.replace(qk_norm=True, tie_embeddings=False)),
-                                   VanillaTransformer(VanillaConfig(src_vocab_size=19, tgt_vocab_size=19, n_layer=1, d_model=32,
-                                                                    d_ff=64, n_head=2, max_seq_len=16))],
-                         ids=["decoder", "encoder-decoder"])
+                                   VanillaTransformer(TINY_VANILLA)], ids=["decoder", "encoder-decoder"])
 def test_initial_parameters_compiled_as_a_runs_are_the_default_compiles_bits(model, optimized_programs):
     """`init_params` compiles with `compiler_options` (LLVM -O2 on a CPU); XLA's default (-O3)
     must draw the same bits, so a run's weights do not depend on the setting."""
