@@ -157,7 +157,6 @@ def start(prog: str, setup, settings, run: RunOptions, shape_trace=()) -> Start:
       shape_trace: for `about.json`.
     """
     lock, created = None, False
-    updates = updates_ahead(setup, settings, run)  # (compiling while the rest of the start runs)
     try:
         state, make_batch, state_sharding = place(setup, settings.batch_size, run.mesh, run.fsdp)
         record = run_record(setup.model.config, settings)
@@ -179,6 +178,8 @@ def start(prog: str, setup, settings, run: RunOptions, shape_trace=()) -> Start:
                 run.run_dir.rmdir()  # made above, and still empty: a refused command leaves no trace
         fail(prog, str(e))
     finished = restored is not None and restored.step == settings.steps and not restored.unrestorable
+    # Every check passed: the update compiles from here on, while the run is recorded and begins.
+    updates = None if finished else updates_ahead(setup, settings, run)
     begun = Start(prog=prog, run_dir=run.run_dir, state=state, make_batch=make_batch, state_sharding=state_sharding,
                   restored=restored, finished=finished, lock=lock, created=created, updates=updates)
     with failing_as(begun):
