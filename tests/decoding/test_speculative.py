@@ -21,6 +21,7 @@ from jaxformer.decoding import (
     start,
 )
 from jaxformer.decoding.speculative import plan
+from jaxformer.decoding.steps import host_reach, with_span
 
 TINY = DecoderConfig(vocab_size=48, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
 # (One layer where two add nothing but compile time; the cache test checks both layers.)
@@ -132,7 +133,8 @@ def test_the_cache_after_rejections_holds_plain_decodings_values():
     rejected = 0
     while True:  # rounds while every row is unfinished (a finished row's cache is parked)
         before = jax.device_get(state)  # (the state passed to a round is donated)
-        state, _, _ = advance(model, params, request, state, strategy)
+        # (At the span the round reaches, as `stream` runs it: the stream test's program.)
+        state, _, _ = advance(model, params, request, with_span(state, host_reach(state, strategy.width)), strategy)
         if int(state.n.max()) >= SHARED_NEW:
             break
         rejected += int(np.any(np.asarray(state.n) - before.n < LOOKUP_K + 1))
@@ -255,13 +257,15 @@ def test_k_shrinks_to_fit_max_seq_len():
     plain decoding. The tokens are plain decoding's."""
     model, params = Decoder(TINY), random_params(TINY, seed=1)
     prompt = repetitive_prompts(2, 40)
+    # (Greedy: a shorter run's tokens are the first ones of the longest, one program for the three.)
+    plain = np.asarray(generate(model, params, prompt, max_new_tokens=24))
     for max_new, k in ((20, 5), (24, 1), (1, None)):
         request = DecodeRequest.create(model, prompt, max_new_tokens=max_new)
         strategy = plan(model, request, PromptLookup(k=8, n=2))
         assert (strategy and strategy.proposer.k) == k
         np.testing.assert_array_equal(
             generate(model, params, prompt, max_new_tokens=max_new, speculative=PromptLookup(k=8, n=2)),
-            generate(model, params, prompt, max_new_tokens=max_new))
+            plain[:, :40 + max_new])
 
 
 class RowwiseDraft(Decoder):
@@ -293,7 +297,8 @@ def test_each_row_advances_by_its_own_acceptance():
     state = start(model, params, request, None, strategy)
     agrees = np.arange(8) % 2 == 0
     for round_ in range(1, 4):
-        state, _, _ = advance(model, params, request, state, strategy)
+        # (At the span the round reaches, as `stream` runs it: its program serves the stream below too.)
+        state, _, _ = advance(model, params, request, with_span(state, host_reach(state, strategy.width)), strategy)
         want_n = 1 + round_ * np.where(agrees, k + 1, 1)
         np.testing.assert_array_equal(state.n, want_n)
         np.testing.assert_array_equal(state.cache.pos, np.asarray(lengths) + want_n - 1)
