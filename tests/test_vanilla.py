@@ -194,6 +194,7 @@ def test_dropout_uses_the_dropout_stream(demo):
     model, params = demo
     src, tgt_in = _src_tgt()
 
+    @jax.jit  # (one compile; run eagerly, each of its operations compiles on its own)
     def train(key):
         return model.apply({"params": params}, src, tgt_in, deterministic=False, rngs={"dropout": key})
 
@@ -202,7 +203,7 @@ def test_dropout_uses_the_dropout_stream(demo):
     np.testing.assert_array_equal(jit_apply(model, {"params": params}, src, tgt_in),
                                   jit_apply(model, {"params": params}, src, tgt_in))
     with pytest.raises(Exception, match="dropout"):
-        model.apply({"params": params}, src, tgt_in, deterministic=False)
+        jax.jit(lambda: model.apply({"params": params}, src, tgt_in, deterministic=False))()  # (refused as traced)
 
 
 def test_padding_is_masked_and_a_fully_padded_source_is_finite(demo):
@@ -273,7 +274,7 @@ def test_cached_greedy_equals_uncached(norm_first, tie):
     config = DEMO.replace(norm_first=norm_first, tie_embeddings=tie, max_seq_len=40)
     model = VanillaTransformer(config)
     src = _ids(20, (4, S)).at[2, 5:].set(0)
-    params = _randomised(model.init(jax.random.key(1), src, src)["params"], seed=21)
+    params = _randomised(jax.jit(model.init)(jax.random.key(1), src, src)["params"], seed=21)
     # Random weights would also emit PAD mid-row. Teacher forcing masks PAD keys, the cache
     # holds what was fed (generation has no target padding), so keep PAD out of the race.
     params["out_bias"] = params["out_bias"].at[config.pad_id].set(-1e4)
@@ -334,8 +335,9 @@ def test_bad_input(demo):
     cache = model.init_cache(B, capacity=4).replace(pos=jnp.array([0, 3], jnp.int32))
     with pytest.raises(ValueError, match=r"cache.pos\[1\] \+ tgt_in: 3 \+ 2 = 5 .*cache capacity=4"):
         model.apply({"params": params}, tgt_in[:, :2], None, src, cache=cache,
-                    memory_kv=model.apply({"params": params}, model.apply({"params": params}, src, method="encode"),
-                                          method="cross_kv"), method="decode")
+                    memory_kv=jit_apply(model, {"params": params}, jit_apply(model, {"params": params}, src,
+                                                                             method="encode"), method="cross_kv"),
+                    method="decode")
     with pytest.raises(ValueError, match="bos_id is required"):
         generate(model, params, src, max_new_tokens=3)
     with pytest.raises(ValueError, match=r"decoder prompt length \+ max_new_tokens: 1 \+ 32 = 33 .*max_seq_len=32"):
@@ -359,13 +361,16 @@ def test_config_rules(changes, field):
         DEMO.replace(**changes)
 
 
-def test_bfloat16_compute_keeps_float32_master_weights():
+def test_bfloat16_compute_keeps_float32_master_weights(demo):
     """At the reference's init, bf16 compute's logits stay within 2% of the largest float32 logit
     (measured: 0.9%); LayerNorm statistics and the softmax stay float32 inside."""
     config = DEMO.replace(dtype="bfloat16")
     src, tgt_in = _src_tgt()
-    params = jax.jit(VanillaTransformer(config).init)(jax.random.key(0), src, tgt_in)["params"]
-    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    shapes = jax.eval_shape(VanillaTransformer(config).init, jax.random.key(0), src, tgt_in)["params"]
+    assert {x.dtype for x in jax.tree.leaves(shapes)} == {jnp.dtype(jnp.float32)}
+    # The same float32 tree as DEMO's: the reference's init is the module's (not compiled again for bf16).
+    _, params = demo
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), params)
     want = jit_apply(VanillaTransformer(DEMO), {"params": params}, src, tgt_in)
     got = jit_apply(VanillaTransformer(config), {"params": params}, src, tgt_in)
     assert got.dtype == jnp.float32  # bf16 products, the head's float32 sums unrounded (docs/precision.md)

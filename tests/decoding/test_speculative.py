@@ -21,6 +21,7 @@ from jaxformer.decoding import (
     start,
 )
 from jaxformer.decoding.speculative import plan
+from jaxformer.decoding.steps import host_reach, with_span
 
 TINY = DecoderConfig(vocab_size=48, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
 # (One layer where two add nothing but compile time; the cache test checks both layers.)
@@ -31,8 +32,9 @@ CONFIGS = {
 }
 DRAFT = TINY.replace(n_layer=1, n_head=2, n_kv_head=1, d_model=16)
 # The runs on TINY with the target's own weights as its draft share one prompt shape, run
-# length and the proposers' k, so that their programs compile once for the file.
-SHARED_PROMPT, SHARED_NEW, LOOKUP_K, DRAFT_K = (2, 10), 20, 4, 8
+# length and the proposers' k, so that their programs compile once for the file (the greedy
+# test's shapes too: its plain runs on TINY are theirs).
+SHARED_PROMPT, SHARED_NEW, LOOKUP_K, DRAFT_K = (3, 12), 24, 4, 8
 
 
 def repetitive_prompts(batch: int, length: int, seed: int = 0) -> np.ndarray:
@@ -55,9 +57,9 @@ def test_greedy_gives_generates_tokens(name, proposer, k):
     plain decoding emits mid-run (rows stop there and pad after it)."""
     config = CONFIGS[name]
     model, params = Decoder(config), random_params(config, seed=1)
-    prompt = repetitive_prompts(3, 12)
+    prompt = repetitive_prompts(*SHARED_PROMPT)
     lengths = [12, 7, 9]
-    options = dict(max_new_tokens=24, prompt_lengths=lengths)
+    options = dict(max_new_tokens=SHARED_NEW, prompt_lengths=lengths)
     spec = (PromptLookup(k=k, n=2) if proposer == "lookup"
             else Draft(Decoder(DRAFT), random_params(DRAFT, seed=2), k=k))
     want = generate(model, params, prompt, **options)
@@ -106,7 +108,7 @@ def test_a_draft_equal_to_the_model_accepts_everything():
     for k in (1, DRAFT_K):
         got, stats = speculative_generate(model, params, prompt, Draft(model, params, k=k), max_new_tokens=SHARED_NEW)
         np.testing.assert_array_equal(got, generate(model, params, prompt, max_new_tokens=SHARED_NEW))
-        assert stats.acceptance == 1.0 and stats.rounds == -(-19 // (k + 1))  # 19 tokens after the prefill's
+        assert stats.acceptance == 1.0 and stats.rounds == -(-23 // (k + 1))  # 23 tokens after the prefill's
 
 
 def test_stream_gives_the_same_tokens():
@@ -115,7 +117,7 @@ def test_stream_gives_the_same_tokens():
     for spec in (PromptLookup(k=LOOKUP_K, n=2), Draft(model, params, k=DRAFT_K)):
         for temperature in (0.0, 1.0):
             options = dict(max_new_tokens=SHARED_NEW, temperature=temperature, key=jax.random.key(3))
-            want = generate(model, params, prompt, speculative=spec, **options)[:, 10:]
+            want = generate(model, params, prompt, speculative=spec, **options)[:, SHARED_PROMPT[1]:]
             got = np.stack(list(stream(model, params, prompt, speculative=spec, **options)), axis=1)
             np.testing.assert_array_equal(got, want)
 
@@ -132,20 +134,22 @@ def test_the_cache_after_rejections_holds_plain_decodings_values():
     rejected = 0
     while True:  # rounds while every row is unfinished (a finished row's cache is parked)
         before = jax.device_get(state)  # (the state passed to a round is donated)
-        state, _, _ = advance(model, params, request, state, strategy)
+        # (At the span the round reaches, as `stream` runs it: the stream test's program.)
+        state, _, _ = advance(model, params, request, with_span(state, host_reach(state, strategy.width)), strategy)
         if int(state.n.max()) >= SHARED_NEW:
             break
         rejected += int(np.any(np.asarray(state.n) - before.n < LOOKUP_K + 1))
     state = before
     assert rejected > 0
     pos = np.asarray(state.cache.pos)
-    np.testing.assert_array_equal(pos, 10 + np.asarray(state.n) - 1)  # everything but each row's last token
-    for row in range(2):
-        tokens = state.sequence[row:row + 1, :pos[row]]
-        _, plain = jit_apply(model, {"params": params}, tokens, model.init_cache(1, int(pos[row])))
+    np.testing.assert_array_equal(pos, SHARED_PROMPT[1] + np.asarray(state.n) - 1)  # all but each row's last token
+    for row in range(SHARED_PROMPT[0]):
+        # (Each row's tokens up to the longest pos: one program; a slot's K/V do not see the tokens after it.)
+        tokens = state.sequence[row:row + 1, :pos.max()]
+        _, plain = jit_apply(model, {"params": params}, tokens, model.init_cache(1, int(pos.max())))
         for got, want in zip(state.cache.layers, plain.layers):
-            np.testing.assert_allclose(got.k[row, :pos[row]], want.k[0], atol=1e-5)
-            np.testing.assert_allclose(got.v[row, :pos[row]], want.v[0], atol=1e-5)
+            np.testing.assert_allclose(got.k[row, :pos[row]], want.k[0, :pos[row]], atol=1e-5)
+            np.testing.assert_allclose(got.v[row, :pos[row]], want.v[0, :pos[row]], atol=1e-5)
 
     accepts_all = Draft(model, params, k=DRAFT_K)
     accepts_few = Draft(model, random_params(TINY, seed=5), k=DRAFT_K)
@@ -255,13 +259,15 @@ def test_k_shrinks_to_fit_max_seq_len():
     plain decoding. The tokens are plain decoding's."""
     model, params = Decoder(TINY), random_params(TINY, seed=1)
     prompt = repetitive_prompts(2, 40)
+    # (Greedy: a shorter run's tokens are the first ones of the longest, one program for the three.)
+    plain = np.asarray(generate(model, params, prompt, max_new_tokens=24))
     for max_new, k in ((20, 5), (24, 1), (1, None)):
         request = DecodeRequest.create(model, prompt, max_new_tokens=max_new)
         strategy = plan(model, request, PromptLookup(k=8, n=2))
         assert (strategy and strategy.proposer.k) == k
         np.testing.assert_array_equal(
             generate(model, params, prompt, max_new_tokens=max_new, speculative=PromptLookup(k=8, n=2)),
-            generate(model, params, prompt, max_new_tokens=max_new))
+            plain[:, :40 + max_new])
 
 
 class RowwiseDraft(Decoder):
@@ -293,7 +299,8 @@ def test_each_row_advances_by_its_own_acceptance():
     state = start(model, params, request, None, strategy)
     agrees = np.arange(8) % 2 == 0
     for round_ in range(1, 4):
-        state, _, _ = advance(model, params, request, state, strategy)
+        # (At the span the round reaches, as `stream` runs it: its program serves the stream below too.)
+        state, _, _ = advance(model, params, request, with_span(state, host_reach(state, strategy.width)), strategy)
         want_n = 1 + round_ * np.where(agrees, k + 1, 1)
         np.testing.assert_array_equal(state.n, want_n)
         np.testing.assert_array_equal(state.cache.pos, np.asarray(lengths) + want_n - 1)

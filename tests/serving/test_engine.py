@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_compiles, random_params
+from conftest import count_compiles, jit_apply, random_params
 from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate
@@ -43,10 +43,19 @@ def options(max_tokens: int, seed: int | None = None, **sampling) -> DecodeOptio
     return DecodeOptions(max_new_tokens=max_tokens, key=None if seed is None else jax.random.key(seed), **sampling)
 
 
-def alone(params, ids: list[int], max_tokens: int, **sampling) -> list[int]:
+def padded_alone(model, params, ids: list[int], width: int, max_tokens: int, **options) -> list[int]:
+    """The new tokens of `generate` of one prompt alone, right-padded to `width` tokens (`prompt_lengths`:
+    its padding is never read, test_generation and test_cache check that it decodes as unpadded), so that
+    one compiled program serves prompts of every length, not one each."""
+    padded = np.zeros((1, width), np.int32)
+    padded[0, :len(ids)] = ids
+    return np.asarray(generate(model, params, padded, prompt_lengths=[len(ids)], max_new_tokens=max_tokens,
+                               **options))[0, width:].tolist()
+
+
+def alone(params, ids: list[int], max_tokens: int) -> list[int]:
     """`generate` of one prompt alone, cut before its first stop id: what the engine must send."""
-    out = np.asarray(generate(MODEL, params, jnp.asarray([ids]), max_new_tokens=max_tokens, eos_id=list(STOP),
-                              **sampling))[0, len(ids):].tolist()
+    out = padded_alone(MODEL, params, ids, 32, max_tokens, eos_id=list(STOP))  # (the prompts are shorter than 32)
     stops = [i for i, token in enumerate(out) if token in STOP]
     return out[:stops[0]] if stops else out
 
@@ -112,8 +121,7 @@ def test_sliding_window_layers_prefilled_in_padded_pieces_decode_as_alone():
         prompts = [list(range(1, 1 + n)) for n in (3, 7, 11, 13, 21, 5)]
         handles = [engine.submit(row, options(12)) for row in prompts]
         for row, handle in zip(prompts, handles):
-            want = np.asarray(generate(model, params, jnp.asarray([row]), max_new_tokens=12))[0, len(row):]
-            assert handle.result()[0] == want.tolist()
+            assert handle.result()[0] == padded_alone(model, params, row, 21, 12)
     finally:
         engine.close()
 
@@ -202,7 +210,7 @@ def test_logprob_requests_are_checked(engine):
 def direct_logprobs(params, ids: list[int], temperature: float = 0.0) -> np.ndarray:
     """`[len(ids), vocab]`: log_softmax of the `Decoder`'s logits over the whole sequence at once
     (no cache, no pieces), after the temperature: what position i says of token i + 1."""
-    logits, _ = MODEL.apply({"params": params}, jnp.asarray([ids]))
+    logits, _ = jit_apply(MODEL, {"params": params}, jnp.asarray([ids]))
     logits = logits[0].astype(jnp.float32)  # [len(ids), vocab]
     return np.asarray(jax.nn.log_softmax(logits / (temperature if temperature > 0 else 1.0), axis=-1))
 
