@@ -30,6 +30,12 @@ def _tokens(seed, shape, vocab=SMALL.vocab_size):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
 
 
+def _init_shapes(config: DecoderConfig):
+    """The shapes and dtypes of `config`'s initialised parameters, traced, not compiled: for a
+    check of shapes or dtypes alone (an init compiles in seconds)."""
+    return jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+
+
 class DecoderVariantsTest(chex.TestCase):
     """The forward and the cached step, traced and untraced."""
 
@@ -111,7 +117,7 @@ def test_chunked_prefill_equals_full_forward(small):
     step = functools.partial(jit_apply, model, {"params": params})
     cache = KVCache.create(config, batch_size=3, capacity=20)
     pieces, start = [], 0
-    for size in (3, 4, 1, 6, 1, 5):
+    for size in (3, 4, 1, 4, 1, 4, 3):  # chunks at 7 offsets, of 3 sizes (a program each)
         logits, cache = step(tokens[:, start:start + size], cache)
         pieces.append(logits)
         start += size
@@ -247,7 +253,7 @@ def test_parameter_tree_and_reference_init():
         assert abs(np.std(leaf) / std - 1) < 0.03
         assert abs(np.mean(leaf)) < 0.1 * std
     np.testing.assert_array_equal(params["final_norm"]["weight"], np.ones(256))
-    untied = init_params(config.replace(tie_embeddings=False))
+    untied = _init_shapes(config.replace(tie_embeddings=False))
     chex.assert_shape(untied["lm_head"], (256, 512))
 
 
@@ -270,8 +276,8 @@ def test_tied_head_is_the_embedding(small):
 def test_bfloat16_compute():
     config = SMALL.replace(dtype="bfloat16")
     model = Decoder(config)
-    params = init_params(config)
-    assert jax.tree.leaves(params)[0].dtype == jnp.float32  # parameters stay float32
+    assert jax.tree.leaves(_init_shapes(config))[0].dtype == jnp.float32  # parameters stay float32
+    params = init_params(SMALL)  # (their values: the compute dtype does not enter the init)
     cache = KVCache.create(config, batch_size=2)
     assert cache.layers[0].k.dtype == jnp.bfloat16
     logits, cache = jit_apply(model, {"params": params}, _tokens(6, (2, 5)), cache)
@@ -340,15 +346,15 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     """dtype="bfloat16" computes in bf16 from float32 parameters; at the reference init the
     logits stay within 2% of the largest float32 logit (measured: 0.3%)."""
     config = SMALL.replace(dtype="bfloat16")
-    params = init_params(config)
-    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(_init_shapes(config))} == {jnp.dtype(jnp.float32)}
+    params = init_params(SMALL)  # (their values: the compute dtype does not enter the init)
     tokens = _tokens(9, (2, 24))
     want, _ = jit_apply(Decoder(SMALL), {"params": params}, tokens)
     got, _ = jit_apply(Decoder(config), {"params": params}, tokens)
     assert got.dtype == jnp.float32  # bf16 products, their float32 sums unrounded
     error = float(jnp.abs(got.astype(jnp.float32) - want).max())
     assert 0 < error < 0.02 * float(jnp.abs(want).max())  # bf16 really ran, and stayed close
-    bf16_params = init_params(config.replace(param_dtype="bfloat16"))
+    bf16_params = _init_shapes(config.replace(param_dtype="bfloat16"))
     assert {x.dtype for x in jax.tree.leaves(bf16_params)} == {jnp.dtype(jnp.bfloat16)}
 
 
