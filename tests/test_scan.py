@@ -125,7 +125,7 @@ def test_generate_gives_the_same_tokens(pair, request):
 
 def test_stream_gives_generate_tokens():
     config = SMALL.replace(scan_layers=True)
-    model, params = Decoder(config), init_params(config, seed=4)
+    model, params = Decoder(config), random_params(config, seed=4)  # (any weights: no init to compile)
     prompt = _prompts(seed=5, batch=2, length=5)
     streamed = np.stack(list(stream(model, params, prompt, max_new_tokens=6)), axis=1)
     np.testing.assert_array_equal(streamed, generate(model, params, prompt, max_new_tokens=6)[:, 5:])
