@@ -210,8 +210,22 @@ def test_hidden_states_and_output_head_give_the_logits_and_the_loss(changes):
                                                   adapters)
     tokens = _tokens(4, (2, 24))
     targets = jnp.where(_tokens(5, (2, 24)) % 5 == 0, -100, _tokens(6, (2, 24)))  # some positions ignored
-    logits, _ = jit_apply(model, variables, tokens)
-    hidden, none = jit_apply(model, variables, tokens, hidden=True)
+    trained = "params" if config.lora is None else LORA_COLLECTION
+
+    def loss(chunked, weights):
+        """The loss, and what `apply` gave it: the logits, or the hidden states (with the cache, None)."""
+        v = {**variables, trained: weights}
+        if not chunked:
+            logits, none = model.apply(v, tokens)
+            return label_smoothed_cross_entropy(logits, targets, 0.1, -100), (logits, none)
+        hidden, none = model.apply(v, tokens, hidden=True)
+        head = model.output_head(v["params"])
+        return chunked_cross_entropy(hidden, targets, head, 0.1, -100, chunk_size=7), (hidden, none)
+
+    # (The forwards' outputs come out of the loss's programs: no forward compiled on its own.)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=0)
+    (want, (logits, _)), want_grads = value_and_grad(False, variables[trained])
+    (got, (hidden, none)), grads = value_and_grad(True, variables[trained])
     assert none is None
     chex.assert_shape(hidden, (2, 24, config.d_model))
     head = model.output_head(params)
@@ -220,18 +234,6 @@ def test_hidden_states_and_output_head_give_the_logits_and_the_loss(changes):
     if config.final_logit_softcap is not None:
         assert np.abs(logits).max() > 2.0  # the cap bends the logits it is compared on
 
-    trained = "params" if config.lora is None else LORA_COLLECTION
-
-    def loss(chunked, weights):
-        v = {**variables, trained: weights}
-        if not chunked:
-            return label_smoothed_cross_entropy(model.apply(v, tokens)[0], targets, 0.1, -100)
-        hidden, _ = model.apply(v, tokens, hidden=True)
-        return chunked_cross_entropy(hidden, targets, model.output_head(v["params"]), 0.1, -100, chunk_size=7)
-
-    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)
-    want, want_grads = value_and_grad(False, variables[trained])
-    got, grads = value_and_grad(True, variables[trained])
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-5)
     largest = float(jnp.abs(ravel_pytree(want_grads)[0]).max())
     assert largest > 1e-3  # gradients to compare
