@@ -49,7 +49,8 @@ def _positions(T, S, layout):
 @functools.partial(jax.jit, static_argnames="softcap")
 def _dense_and_blocks(q, k, v, q_pos, k_pos, window, cotangent, softcap):
     """The dense attention (0 for a query that sees nothing) and the blocks' (blocks of 8 queries
-    and 16 keys: T and S are not whole blocks): `(want, got, d(q, k, v) of each at `cotangent`)`."""
+    and 16 keys: T and S are not whole blocks), and the gradients of each w.r.t. q, k and v at
+    `cotangent`: `(want, got, dense_grads, blocks_grads)`."""
     mask = visible(q_pos, k_pos, window)  # [2, T, S]
     sees = mask.any(-1)  # [2, T]
 

@@ -58,18 +58,19 @@ class DecoderVariantsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_prefill_then_steps_equals_full_forward(self):
         step = self.variant(lambda tokens, cache: self.model.apply({"params": self.params}, tokens, cache))
-        tokens = _tokens(1, (2, 12))
+        # (A prefill of 16 tokens, the forward test's shapes: untraced, their operations' programs.)
+        tokens = _tokens(1, (2, 23))
         full, none = jit_apply(self.model, {"params": self.params}, tokens)
         assert none is None
         cache = KVCache.create(SMALL, batch_size=2)
-        logits, cache = step(tokens[:, :5], cache)
+        logits, cache = step(tokens[:, :16], cache)
         pieces = [logits]
-        for t in range(5, 12):
+        for t in range(16, 23):
             logits, cache = step(tokens[:, t:t + 1], cache)
             chex.assert_shape(logits, (2, 1, SMALL.vocab_size))
             pieces.append(logits)
         chex.assert_tree_shape_prefix(cache.layers, (2, SMALL.max_seq_len, SMALL.n_kv_head, SMALL.head_dim))
-        np.testing.assert_array_equal(cache.pos, [12, 12])
+        np.testing.assert_array_equal(cache.pos, [23, 23])
         assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
 
 
@@ -112,16 +113,17 @@ def test_rows_at_their_own_positions_match_their_own_forwards():
 
 def test_chunked_prefill_equals_full_forward(small):
     config, model, params = small
-    tokens = _tokens(2, (3, 20))
+    tokens = _tokens(2, (2, 16))
     full, _ = jit_apply(model, {"params": params}, tokens)
     step = functools.partial(jit_apply, model, {"params": params})
-    cache = KVCache.create(config, batch_size=3, capacity=20)
+    # (The batch and capacity of the test above: its programs for chunks of 4 and 1.)
+    cache = KVCache.create(config, batch_size=2, capacity=16)
     pieces, start = [], 0
-    for size in (3, 4, 1, 4, 1, 4, 3):  # chunks at 7 offsets, of 3 sizes (a program each)
+    for size in (3, 4, 1, 4, 1, 3):  # chunks at 6 offsets, of 3 sizes (a program each)
         logits, cache = step(tokens[:, start:start + size], cache)
         pieces.append(logits)
         start += size
-    np.testing.assert_array_equal(cache.pos, [20] * 3)
+    np.testing.assert_array_equal(cache.pos, [16] * 2)
     assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
 
 
