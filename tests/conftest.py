@@ -162,6 +162,21 @@ FULL_TIER.update({f"tests/families/test_families.py::test_cached_decoding_equals
                       "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M")})
 FULL_TIER.update({f"tests/convert/test_hf_parity.py::test_cached_decoding_logits_match_at_every_step[{layout}]":
                   "more layouts" for layout in ("llama-untied", "llama-mqa", "mistral", "qwen2")})
+# (The fast tier keeps each family's scanned logits against transformers, tests/families/test_families.py,
+# and the scanned model's tokens against the unrolled one's, test_scan.py.)
+FULL_TIER.update({
+    "tests/test_scan.py::test_scanned_model_matches_transformers": "the scanned model against transformers again",
+})
+# The chunked loss's 120 cases (chunk size x head layout x ignore_id x smoothing, a compile each): the fast tier
+# keeps 20, every value of each parameter beside every value of each other one (case k = chunk + layout, by index, takes
+# ignore_id k % 3 and smoothing k % 2); the other 100 here.
+FULL_TIER.update({
+    f"tests/test_losses.py::test_chunked_equals_the_whole_logits_loss_and_the_float64_formula"
+    f"[{chunk}-{ignore_id}-{smoothing}-{tied}-{softcap}]": "more combinations"
+    for c, chunk in enumerate([None, 1, 4, 21, 50])
+    for h, (tied, softcap) in enumerate([(True, None), (False, None), (True, 2.0), (False, 2.0)])
+    for i, ignore_id in enumerate([None, -100, 0]) for e, smoothing in enumerate([0.0, 0.1])
+    if (i, e) != ((c + h) % 3, (c + h) % 2)})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks

@@ -1,6 +1,8 @@
 """Attention in blocks equals the dense attention, values and gradients, on every feature the
 decoder uses; and its memory grows linearly in the length, where the dense one's grows as its square."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,27 @@ def _positions(T, S, layout):
     return jnp.tile(jnp.arange(S, S + T), (2, 1)), jnp.tile(jnp.arange(S), (2, 1))
 
 
+# One program per case's shapes for both computations and their VJPs: run eagerly, each
+# operation of the dense reference and of both backward passes would compile on its own.
+@functools.partial(jax.jit, static_argnames="softcap")
+def _dense_and_blocks(q, k, v, q_pos, k_pos, window, cotangent, softcap):
+    """The dense attention (0 for a query that sees nothing) and the blocks' (blocks of 8 queries
+    and 16 keys: T and S are not whole blocks), and the gradients of each w.r.t. q, k and v at
+    `cotangent`: `(want, got, dense_grads, blocks_grads)`."""
+    mask = visible(q_pos, k_pos, window)  # [2, T, S]
+    sees = mask.any(-1)  # [2, T]
+
+    def dense(q, k, v):
+        return jnp.where(sees[..., None, None], dot_product_attention(q, k, v, mask, softcap=softcap)[0], 0)
+
+    def blocks(q, k, v):
+        return blockwise_attention(q, k, v, q_pos, k_pos, window, softcap=softcap, block_q=8, block_k=16)
+
+    want, dense_vjp = jax.vjp(dense, q, k, v)
+    got, blocks_vjp = jax.vjp(blocks, q, k, v)
+    return want, got, dense_vjp(cotangent), blocks_vjp(cotangent)
+
+
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_blocks_equal_dense_attention_values_and_gradients(case):
     T, S, n_head, n_kv, window, softcap, layout = CASES[case]
@@ -50,23 +73,15 @@ def test_blocks_equal_dense_attention_values_and_gradients(case):
     if layout == "offset":  # the queries' own keys are not among these: let them see the last 20 cached ones
         q_pos, window = q_pos - 1, 20
     window = jnp.int32(window)
-    mask = visible(q_pos, k_pos, window)  # [2, T, S]
-    sees = mask.any(-1)  # [2, T]
+    sees = visible(q_pos, k_pos, window).any(-1)  # [2, T]
     if layout == "padded":
         assert not sees[0, 0] and sees.sum() > T  # a query that sees nothing, and ones that see
+    cotangent = jax.random.normal(jax.random.key(1), q.shape) * sees[..., None, None]  # (the output's shape)
     with jax.default_matmul_precision("highest"):
-        def dense(q, k, v):
-            return jnp.where(sees[..., None, None], dot_product_attention(q, k, v, mask, softcap=softcap)[0], 0)
-
-        def blocks(q, k, v):  # blocks of 8 queries and 16 keys: T and S are not whole blocks
-            return blockwise_attention(q, k, v, q_pos, k_pos, window, softcap=softcap, block_q=8, block_k=16)
-
-        want, dense_vjp = jax.vjp(dense, q, k, v)
-        got, blocks_vjp = jax.vjp(blocks, q, k, v)
-        np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)  # (a query that sees nothing: 0 in both)
-        cotangent = jax.random.normal(jax.random.key(1), want.shape) * sees[..., None, None]
-        for name, g, w in zip("qkv", blocks_vjp(cotangent), dense_vjp(cotangent)):
-            np.testing.assert_allclose(g, w, atol=1e-5 * float(jnp.abs(w).max()), err_msg=f"d{name}")
+        want, got, dense_grads, blocks_grads = _dense_and_blocks(q, k, v, q_pos, k_pos, window, cotangent, softcap)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)  # (a query that sees nothing: 0 in both)
+    for name, g, w in zip("qkv", blocks_grads, dense_grads):
+        np.testing.assert_allclose(g, w, atol=1e-5 * float(jnp.abs(w).max()), err_msg=f"d{name}")
 
 
 def test_blocks_in_bfloat16_are_as_close_as_dense_bfloat16_is():
@@ -100,20 +115,27 @@ CONFIG = DecoderConfig(vocab_size=64, n_layer=3, n_head=4, n_kv_head=2, d_model=
                        layer_types=("sliding", "full", "sliding"), sliding_window=6, attn_logit_softcap=20.0)
 
 
+# A model's loss and its gradients, jitted: one program per model, where run eagerly each
+# operation of the forward and of the backward pass would compile on its own.
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_and_grads(model, params, tokens):
+    def loss(params):
+        logits, _ = model.apply({"params": params}, tokens)
+        return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1].max(-1)), logits
+
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["layers", "scanned"])
 def test_a_decoder_attending_in_blocks_equals_the_dense_one_and_its_gradients(scan_layers):
     config = CONFIG.replace(scan_layers=scan_layers)
     tokens = jax.random.randint(jax.random.key(4), (2, 40), 0, 64)
     dense, blocks = Decoder(config.replace(attention_impl="dense")), Decoder(config.replace(attention_impl="blocks"))
-    params = dense.init(jax.random.key(5), tokens)["params"]
-
-    def loss(model, params):
-        logits, _ = model.apply({"params": params}, tokens)
-        return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1].max(-1)), logits
+    params = jax.jit(dense.init)(jax.random.key(5), tokens)["params"]  # (jitted: one compile, not one per operation)
 
     with jax.default_matmul_precision("highest"):
-        (want_loss, want), want_grads = jax.value_and_grad(lambda p: loss(dense, p), has_aux=True)(params)
-        (got_loss, got), got_grads = jax.value_and_grad(lambda p: loss(blocks, p), has_aux=True)(params)
+        (want_loss, want), want_grads = _loss_and_grads(dense, params, tokens)
+        (got_loss, got), got_grads = _loss_and_grads(blocks, params, tokens)
     np.testing.assert_allclose(got, want, atol=2e-5)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     for path, g in jax.tree_util.tree_leaves_with_path(got_grads):

@@ -1,3 +1,5 @@
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -77,12 +79,11 @@ def test_bad_create(kwargs, match):
 
 def test_cache_dtype_is_selectable():
     """A bf16 cache under float32 compute: half the bytes, logits close to the float32 cache's."""
-    from conftest import init_params, jit_apply
     config = CONFIG.replace(cache_dtype="bfloat16")
     cache = KVCache.create(config, batch_size=2, capacity=8)
     assert cache.layers[0].k.dtype == jnp.bfloat16
     assert cache.nbytes * 2 == KVCache.create(CONFIG, batch_size=2, capacity=8).nbytes
-    params = init_params(CONFIG)
+    params = random_params(CONFIG, seed=0, scale=0.02)  # (the init's scale, without an init to compile)
     tokens = jnp.arange(12).reshape(2, 6) % CONFIG.vocab_size
     want, _ = jit_apply(Decoder(CONFIG), {"params": params}, tokens, KVCache.create(CONFIG, 2, capacity=8))
     got, cache = jit_apply(Decoder(config), {"params": params}, tokens, cache)
@@ -189,11 +190,13 @@ def test_a_ring_decodes_as_a_full_cache_with_the_window_mask_past_the_window():
     model = Decoder(WINDOWED)
     params = random_params(WINDOWED, seed=3, scale=0.5)
     tokens = jax.random.randint(jax.random.key(0), (2, 30), 0, WINDOWED.vocab_size)
+    # (One jitted function for every call: the full slots' programs serve both runs.)
+    step = functools.partial(jit_apply, model, {"params": params})
+    whole, _ = step(tokens)  # (causal: its first `stop` positions are the forward of the first `stop` tokens)
     for rewind, chunk in ((0, 1), (2, 3)):
         ring, full = KVCache.create(WINDOWED, 2, 40, rewind=rewind), KVCache.create(WINDOWED, 2, 40, rewind=40)
         assert [type(layer).__name__ for layer in ring.layers] == ["RingKV", "RingKV", "LayerKV"]
         assert ring.layers[0].k.shape[1] == 4 + rewind and full.layers[0].k.shape[1] == 40
-        step = jax.jit(lambda t, cache: model.apply({"params": params}, t, cache))
         got, want = [], []
         for start, stop in [(0, 7), *((t, t + chunk) for t in range(7, 30 - chunk + 1, chunk))]:
             logits, ring = step(tokens[:, start:stop], ring)
@@ -202,8 +205,7 @@ def test_a_ring_decodes_as_a_full_cache_with_the_window_mask_past_the_window():
             want.append(logits)
         # (float32 sums over other key sets: the ring's slots and this call's, or all 40 slots)
         np.testing.assert_allclose(jnp.concatenate(got, 1), jnp.concatenate(want, 1), atol=1e-4, rtol=0)
-        whole, _ = jit_apply(model, {"params": params}, tokens[:, :stop])
-        np.testing.assert_allclose(jnp.concatenate(got, 1), whole, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(jnp.concatenate(got, 1), whole[:, :stop], atol=1e-4, rtol=0)
 
 
 RAGGED_PROMPTS = [np.arange(3) % 32, (np.arange(12) * 7) % 32]
@@ -329,10 +331,10 @@ def test_with_steps_of_copies_back_what_a_step_of_the_first_rows_wrote(layer_typ
     model = Decoder(config)
     params = random_params(config, 5)
     prompt = jax.random.randint(jax.random.key(1), (4, 9), 0, config.vocab_size)  # 9 positions: the rings wrap
-    _, cache = model.apply({"params": params}, prompt, model.init_cache(4, 16))
+    _, cache = jit_apply(model, {"params": params}, prompt, model.init_cache(4, 16))
     cache = cache.replace(pos=jnp.asarray([9, 7, 9, 9], jnp.int32))
     head = jax.tree.map(lambda leaf: leaf[:2], cache)
-    _, stepped = model.apply({"params": params}, jnp.asarray([[3], [5]]), head)
+    _, stepped = jit_apply(model, {"params": params}, jnp.asarray([[3], [5]]), head)
     whole = jax.tree.map(lambda leaf, part: jax.lax.dynamic_update_slice_in_dim(leaf, part, 0, axis=0), cache,
                          stepped)
     slots = jax.jit(lambda c, h, w: c.with_steps_of(h, w))(cache, stepped, head.pos)

@@ -30,6 +30,12 @@ def _tokens(seed, shape, vocab=SMALL.vocab_size):
     return jax.random.randint(jax.random.key(seed), shape, 0, vocab)
 
 
+def _init_shapes(config: DecoderConfig):
+    """The shapes and dtypes of `config`'s initialised parameters, traced, not compiled: for a
+    check of shapes or dtypes alone (an init compiles in seconds)."""
+    return jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+
+
 class DecoderVariantsTest(chex.TestCase):
     """The forward and the cached step, traced and untraced."""
 
@@ -52,18 +58,19 @@ class DecoderVariantsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_prefill_then_steps_equals_full_forward(self):
         step = self.variant(lambda tokens, cache: self.model.apply({"params": self.params}, tokens, cache))
-        tokens = _tokens(1, (2, 12))
+        # (A prefill of 16 tokens, the forward test's shapes: untraced, their operations' programs.)
+        tokens = _tokens(1, (2, 23))
         full, none = jit_apply(self.model, {"params": self.params}, tokens)
         assert none is None
         cache = KVCache.create(SMALL, batch_size=2)
-        logits, cache = step(tokens[:, :5], cache)
+        logits, cache = step(tokens[:, :16], cache)
         pieces = [logits]
-        for t in range(5, 12):
+        for t in range(16, 23):
             logits, cache = step(tokens[:, t:t + 1], cache)
             chex.assert_shape(logits, (2, 1, SMALL.vocab_size))
             pieces.append(logits)
         chex.assert_tree_shape_prefix(cache.layers, (2, SMALL.max_seq_len, SMALL.n_kv_head, SMALL.head_dim))
-        np.testing.assert_array_equal(cache.pos, [12, 12])
+        np.testing.assert_array_equal(cache.pos, [23, 23])
         assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
 
 
@@ -106,16 +113,17 @@ def test_rows_at_their_own_positions_match_their_own_forwards():
 
 def test_chunked_prefill_equals_full_forward(small):
     config, model, params = small
-    tokens = _tokens(2, (3, 20))
+    tokens = _tokens(2, (2, 16))
     full, _ = jit_apply(model, {"params": params}, tokens)
     step = functools.partial(jit_apply, model, {"params": params})
-    cache = KVCache.create(config, batch_size=3, capacity=20)
+    # (The batch and capacity of the test above: its programs for chunks of 4 and 1.)
+    cache = KVCache.create(config, batch_size=2, capacity=16)
     pieces, start = [], 0
-    for size in (3, 4, 1, 6, 1, 5):
+    for size in (3, 4, 1, 4, 1, 3):  # chunks at 6 offsets, of 3 sizes (a program each)
         logits, cache = step(tokens[:, start:start + size], cache)
         pieces.append(logits)
         start += size
-    np.testing.assert_array_equal(cache.pos, [20] * 3)
+    np.testing.assert_array_equal(cache.pos, [16] * 2)
     assert float(jnp.abs(full - jnp.concatenate(pieces, axis=1)).max()) < 1e-5
 
 
@@ -204,8 +212,22 @@ def test_hidden_states_and_output_head_give_the_logits_and_the_loss(changes):
                                                   adapters)
     tokens = _tokens(4, (2, 24))
     targets = jnp.where(_tokens(5, (2, 24)) % 5 == 0, -100, _tokens(6, (2, 24)))  # some positions ignored
-    logits, _ = jit_apply(model, variables, tokens)
-    hidden, none = jit_apply(model, variables, tokens, hidden=True)
+    trained = "params" if config.lora is None else LORA_COLLECTION
+
+    def loss(chunked, weights):
+        """The loss, and what `apply` gave it: the logits, or the hidden states (with the cache, None)."""
+        v = {**variables, trained: weights}
+        if not chunked:
+            logits, none = model.apply(v, tokens)
+            return label_smoothed_cross_entropy(logits, targets, 0.1, -100), (logits, none)
+        hidden, none = model.apply(v, tokens, hidden=True)
+        head = model.output_head(v["params"])
+        return chunked_cross_entropy(hidden, targets, head, 0.1, -100, chunk_size=7), (hidden, none)
+
+    # (The forwards' outputs come out of the loss's programs: no forward compiled on its own.)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=1, has_aux=True), static_argnums=0)
+    (want, (logits, _)), want_grads = value_and_grad(False, variables[trained])
+    (got, (hidden, none)), grads = value_and_grad(True, variables[trained])
     assert none is None
     chex.assert_shape(hidden, (2, 24, config.d_model))
     head = model.output_head(params)
@@ -214,18 +236,6 @@ def test_hidden_states_and_output_head_give_the_logits_and_the_loss(changes):
     if config.final_logit_softcap is not None:
         assert np.abs(logits).max() > 2.0  # the cap bends the logits it is compared on
 
-    trained = "params" if config.lora is None else LORA_COLLECTION
-
-    def loss(chunked, weights):
-        v = {**variables, trained: weights}
-        if not chunked:
-            return label_smoothed_cross_entropy(model.apply(v, tokens)[0], targets, 0.1, -100)
-        hidden, _ = model.apply(v, tokens, hidden=True)
-        return chunked_cross_entropy(hidden, targets, model.output_head(v["params"]), 0.1, -100, chunk_size=7)
-
-    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=1), static_argnums=0)
-    want, want_grads = value_and_grad(False, variables[trained])
-    got, grads = value_and_grad(True, variables[trained])
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5, atol=1e-5)
     largest = float(jnp.abs(ravel_pytree(want_grads)[0]).max())
     assert largest > 1e-3  # gradients to compare
@@ -247,7 +257,7 @@ def test_parameter_tree_and_reference_init():
         assert abs(np.std(leaf) / std - 1) < 0.03
         assert abs(np.mean(leaf)) < 0.1 * std
     np.testing.assert_array_equal(params["final_norm"]["weight"], np.ones(256))
-    untied = init_params(config.replace(tie_embeddings=False))
+    untied = _init_shapes(config.replace(tie_embeddings=False))
     chex.assert_shape(untied["lm_head"], (256, 512))
 
 
@@ -270,8 +280,8 @@ def test_tied_head_is_the_embedding(small):
 def test_bfloat16_compute():
     config = SMALL.replace(dtype="bfloat16")
     model = Decoder(config)
-    params = init_params(config)
-    assert jax.tree.leaves(params)[0].dtype == jnp.float32  # parameters stay float32
+    assert jax.tree.leaves(_init_shapes(config))[0].dtype == jnp.float32  # parameters stay float32
+    params = init_params(SMALL)  # (their values: the compute dtype does not enter the init)
     cache = KVCache.create(config, batch_size=2)
     assert cache.layers[0].k.dtype == jnp.bfloat16
     logits, cache = jit_apply(model, {"params": params}, _tokens(6, (2, 5)), cache)
@@ -340,15 +350,15 @@ def test_bfloat16_compute_keeps_float32_master_weights():
     """dtype="bfloat16" computes in bf16 from float32 parameters; at the reference init the
     logits stay within 2% of the largest float32 logit (measured: 0.3%)."""
     config = SMALL.replace(dtype="bfloat16")
-    params = init_params(config)
-    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(_init_shapes(config))} == {jnp.dtype(jnp.float32)}
+    params = init_params(SMALL)  # (their values: the compute dtype does not enter the init)
     tokens = _tokens(9, (2, 24))
     want, _ = jit_apply(Decoder(SMALL), {"params": params}, tokens)
     got, _ = jit_apply(Decoder(config), {"params": params}, tokens)
     assert got.dtype == jnp.float32  # bf16 products, their float32 sums unrounded
     error = float(jnp.abs(got.astype(jnp.float32) - want).max())
     assert 0 < error < 0.02 * float(jnp.abs(want).max())  # bf16 really ran, and stayed close
-    bf16_params = init_params(config.replace(param_dtype="bfloat16"))
+    bf16_params = _init_shapes(config.replace(param_dtype="bfloat16"))
     assert {x.dtype for x in jax.tree.leaves(bf16_params)} == {jnp.dtype(jnp.bfloat16)}
 
 

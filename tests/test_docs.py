@@ -24,16 +24,20 @@ Shell blocks (```bash) are commands to read, not run, unless they carry a marker
 marked shell block must be cheap (`--help`) and runs line by line from the repository
 root: a line `python -m MODULE ARGS` through MODULE's `main(argv)` in this process (what
 the shell's python runs, less a new interpreter and JAX's import), any other line in a
-shell. Plain ``` blocks are printed output and are never run.
+shell (a console script an installed package declares, such as `jaxformer-report`, through
+its entry point's function in this process, as `python -m` lines). Plain ``` blocks are
+printed output and are never run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -307,8 +311,16 @@ def _run_in_fresh_process(block: Block, chain: list[Block], substitute, devices:
     return _FRESH_PROCESS_RESULTS[block.id]
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The tiny checkpoint, written once for the blocks that need one (each gets a copy)."""
+    folder = tmp_path_factory.mktemp("docs") / "checkpoint"
+    _write_checkpoint(folder)
+    return folder
+
+
 @pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
-def test_python_block_runs(block, tmp_path, monkeypatch):
+def test_python_block_runs(block, tmp_path, monkeypatch, request):
     chain = _chain(block)
     needs = {b.option("needs") for b in chain} - {None}
     if "torch" in needs:
@@ -316,7 +328,7 @@ def test_python_block_runs(block, tmp_path, monkeypatch):
         import_peer("torch")
     substitute = lambda source: source  # noqa: E731
     if "checkpoint" in needs:
-        _write_checkpoint(tmp_path / "checkpoint")
+        shutil.copytree(request.getfixturevalue("checkpoint"), tmp_path / "checkpoint")
         substitute = lambda source: source.replace("path/to/", f"{tmp_path}/")  # noqa: E731
     monkeypatch.chdir(tmp_path)
     devices = next((b.option("devices") for b in chain if b.option("devices")), None)
@@ -337,6 +349,9 @@ def _run_shell_line(command: str) -> subprocess.CompletedProcess:
     words = shlex.split(command)
     if words[:2] == ["python", "-m"] and len(words) > 2:
         return run_main(importlib.import_module(words[2]).main, words[3:])
+    scripts = importlib.metadata.entry_points(group="console_scripts", name=words[0]) if words else ()
+    if scripts:  # the function the script the shell would find calls (the commands' `main(argv)`)
+        return run_main(next(iter(scripts)).load(), words[1:])
     return subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import import_peer, numpy_decoder_logits, random_params
+from conftest import import_peer, jit_apply, numpy_decoder_logits, random_params
 from families.shipped import scaled_up, tiny
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy
@@ -38,7 +38,7 @@ def base():
 
 
 def logits(params, tokens=TOKENS):
-    return np.asarray(Decoder(CONFIG).apply({"params": params}, jnp.asarray(tokens))[0])
+    return np.asarray(jit_apply(Decoder(CONFIG), {"params": params}, jnp.asarray(tokens))[0])
 
 
 def test_a_new_adapter_changes_nothing(base):
@@ -70,16 +70,20 @@ def test_training_moves_only_the_adapters(base):
     state = optimizer.init(adapters)
     frozen = jax.tree.map(np.array, base)
 
-    def loss(adapters):
-        out = Decoder(CONFIG).apply({"params": merge(base, adapters, LORA)}, jnp.asarray(TOKENS[:, :-1]))[0]
-        return label_smoothed_cross_entropy(out, jnp.asarray(TOKENS[:, 1:]), 0.0)
+    # (Jitted: one program for the steps, where run eagerly each operation compiles on its own.)
+    @jax.jit
+    def loss_and_grads(adapters):
+        def loss(adapters):
+            out = Decoder(CONFIG).apply({"params": merge(base, adapters, LORA)}, jnp.asarray(TOKENS[:, :-1]))[0]
+            return label_smoothed_cross_entropy(out, jnp.asarray(TOKENS[:, 1:]), 0.0)
+        return jax.value_and_grad(loss)(adapters)
 
-    before = float(loss(adapters))
+    before, grads = loss_and_grads(adapters)
     for _ in range(5):
-        grads = jax.grad(loss)(adapters)
         updates, state = optimizer.update(grads, state)
         adapters = optax.apply_updates(adapters, updates)
-    assert float(loss(adapters)) < before
+        after, grads = loss_and_grads(adapters)
+    assert float(after) < float(before)
     # The optimizer holds the adapters' moments only: Adam's two per adapter value, and its count.
     assert jax.tree.structure(state[0].mu) == jax.tree.structure(adapters)
     assert sum(x.size for x in jax.tree.leaves(state)) == 2 * sum(x.size for x in jax.tree.leaves(adapters)) + 1
@@ -94,10 +98,10 @@ def test_lora_config_is_checked():
         LoraConfig(rank=0)
 
 
-def adapted_logits(config, params, adapters, lora, tokens=TOKENS, **kwargs):
-    """The logits of the unmerged path, as jaxformer-finetune's loss computes them."""
-    out = Decoder(config.replace(lora=lora)).apply({"params": params, "lora": adapters}, jnp.asarray(tokens), **kwargs)
-    return out[0]
+def adapted_logits(config, params, adapters, lora, tokens=TOKENS):
+    """The logits of the unmerged path, as jaxformer-finetune's loss computes them (jitted: run
+    eagerly, each operation would compile on its own)."""
+    return jit_apply(Decoder(config.replace(lora=lora)), {"params": params, "lora": adapters}, jnp.asarray(tokens))[0]
 
 
 def test_the_unmerged_path_computes_what_the_merge_does(base):
@@ -126,8 +130,10 @@ def test_decoding_with_the_adapters_unmerged_gives_the_merged_models_tokens(base
 def test_remat_recomputes_the_same_gradients(base):
     adapters = trained_looking(init_lora(base, LORA, jax.random.key(0)))
 
+    # (Eager, as a step of the unmerged path: compiled, the recomputation may round apart in the last bits.)
     def loss(adapters, remat):
-        out = adapted_logits(CONFIG.replace(remat=remat), base, adapters, LORA, TOKENS[:, :-1])
+        model = Decoder(CONFIG.replace(lora=LORA, remat=remat))
+        out = model.apply({"params": base, "lora": adapters}, jnp.asarray(TOKENS[:, :-1]))[0]
         return label_smoothed_cross_entropy(out, jnp.asarray(TOKENS[:, 1:]), 0.0)
 
     kept, recomputed = (jax.value_and_grad(loss)(adapters, remat) for remat in (False, True))
@@ -251,8 +257,8 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
     with torch.no_grad():
         want = theirs(input_ids=torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(adapted_logits(config, base, loaded, lora, tokens), want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(Decoder(config).apply({"params": merge(base, loaded, lora)},
-                                                                jnp.asarray(tokens))[0]), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(jit_apply(Decoder(config), {"params": merge(base, loaded, lora)},
+                                                    jnp.asarray(tokens))[0]), want, rtol=1e-4, atol=1e-4)
 
 
 

@@ -41,11 +41,14 @@ def test_greedy_equals_recompute_the_prefix_loop():
     assert len(np.unique(np.asarray(out[:, 7:]))) > 5  # a varied continuation, not one repeated token
 
 
+# (The two tests below run the greedy test's shapes, prompts [3, 7] and 40 new tokens: its program.)
+
+
 def test_rows_stop_at_eos_and_then_pad():
     prompt = _prompt(0, (3, 7))
-    free = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20))
+    free = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40))
     eos = int(free[0, 7 + 5])  # a token row 0 emits at its 6th step (or earlier)
-    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=eos, pad_id=1))
+    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40, eos_id=eos, pad_id=1))
     for row_free, row in zip(free[:, 7:], out[:, 7:]):
         hits = np.flatnonzero(row_free == eos)
         stop = hits[0] if hits.size else len(row_free)
@@ -56,9 +59,9 @@ def test_rows_stop_at_eos_and_then_pad():
 
 def test_several_eos_ids_stop_a_row_at_the_first_of_any():
     prompt = _prompt(0, (3, 7))
-    free = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20))[:, 7:]
+    free = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40))[:, 7:]
     eos = [int(free[1, 3]), int(free[0, 6])]  # row 1 emits the first by its 4th step, row 0 the second by its 7th
-    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=eos, pad_id=1))[:, 7:]
+    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40, eos_id=eos, pad_id=1))[:, 7:]
     for row_free, row in zip(free, out):
         hits = np.flatnonzero(np.isin(row_free, eos))
         stop = hits[0] if hits.size else len(row_free)
@@ -66,8 +69,8 @@ def test_several_eos_ids_stop_a_row_at_the_first_of_any():
         np.testing.assert_array_equal(row[stop + 1:], 1)
     assert np.isin(out[1, :4], eos).any() and np.isin(out[0, :7], eos).any()
     # One EOS given as a list of one is that EOS.
-    np.testing.assert_array_equal(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=[eos[0]]),
-                                  generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=eos[0]))
+    np.testing.assert_array_equal(generate(MODEL, PARAMS, prompt, max_new_tokens=40, eos_id=[eos[0]]),
+                                  generate(MODEL, PARAMS, prompt, max_new_tokens=40, eos_id=eos[0]))
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -103,28 +106,28 @@ def test_start_then_finish_is_generate(kwargs):
 
 
 def test_stream_compiles_its_step_once():
-    prompt = _prompt(4, (2, 5))
-    list(stream(MODEL, PARAMS, prompt, max_new_tokens=6))
+    prompt = _prompt(4, (3, 5))  # (the shapes of the tests above: their programs, where they ran first)
+    list(stream(MODEL, PARAMS, prompt, max_new_tokens=16))
     with count_compiles() as compiles:
-        steps = list(stream(MODEL, PARAMS, _prompt(5, (2, 5)), max_new_tokens=6, temperature=0.5,
+        steps = list(stream(MODEL, PARAMS, _prompt(5, (3, 5)), max_new_tokens=16, temperature=0.5,
                             key=jax.random.key(1)))
-    assert len(steps) == 6 and compiles == []
+    assert len(steps) == 16 and compiles == []
 
 
 def test_ragged_batch_decodes_each_row_as_if_alone():
-    lengths = [3, 8, 5]
+    lengths = [3, 7, 5]  # (the batch of the greedy test's shapes, prompts [3, 7] and 40 new tokens: its program)
     rows = [np.asarray(_prompt(10 + i, (1, n)))[0] for i, n in enumerate(lengths)]
-    prompt = np.full((3, 8), -7, np.int32)  # right-padded; the filler is ignored, even if not an id
+    prompt = np.full((3, 7), -7, np.int32)  # right-padded; the filler is ignored, even if not an id
     for b, row in enumerate(rows):
         prompt[b, :len(row)] = row
-    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=24, prompt_lengths=lengths))
-    chex.assert_shape(out, (3, 8 + 24))
-    np.testing.assert_array_equal(out[:, :8], prompt)  # the prompt as given, then the new tokens
+    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40, prompt_lengths=lengths))
+    chex.assert_shape(out, (3, 7 + 40))
+    np.testing.assert_array_equal(out[:, :7], prompt)  # the prompt as given, then the new tokens
     for b, row in enumerate(rows):
-        alone = np.asarray(generate(MODEL, PARAMS, row[None], max_new_tokens=24))[0, len(row):]
-        np.testing.assert_array_equal(out[b, 8:], alone)
-    streamed = np.stack(list(stream(MODEL, PARAMS, prompt, max_new_tokens=24, prompt_lengths=lengths)), axis=1)
-    np.testing.assert_array_equal(streamed, out[:, 8:])
+        alone = np.asarray(generate(MODEL, PARAMS, row[None], max_new_tokens=40))[0, len(row):]
+        np.testing.assert_array_equal(out[b, 7:], alone)
+    streamed = np.stack(list(stream(MODEL, PARAMS, prompt, max_new_tokens=40, prompt_lengths=lengths)), axis=1)
+    np.testing.assert_array_equal(streamed, out[:, 7:])
 
 
 def test_one_new_token_and_full_capacity():
@@ -134,13 +137,13 @@ def test_one_new_token_and_full_capacity():
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():
-    prompt = _prompt(2, (4, 5))
-    greedy = generate(MODEL, PARAMS, prompt, max_new_tokens=20)
-    top1 = generate(MODEL, PARAMS, prompt, max_new_tokens=20, temperature=1.5, top_k=1, key=jax.random.key(0))
+    prompt = _prompt(2, (3, 7))  # (the greedy test's shapes: its program)
+    greedy = generate(MODEL, PARAMS, prompt, max_new_tokens=40)
+    top1 = generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.5, top_k=1, key=jax.random.key(0))
     np.testing.assert_array_equal(top1, greedy)
-    a = generate(MODEL, PARAMS, prompt, max_new_tokens=20, temperature=1.0, key=jax.random.key(1))
-    b = generate(MODEL, PARAMS, prompt, max_new_tokens=20, temperature=1.0, key=jax.random.key(1))
-    c = generate(MODEL, PARAMS, prompt, max_new_tokens=20, temperature=1.0, key=jax.random.key(2))
+    a = generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(1))
+    b = generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(1))
+    c = generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(2))
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     assert not np.array_equal(a, greedy)
@@ -251,19 +254,19 @@ def test_a_top_p_below_float32s_smallest_number_keeps_the_likeliest_token():
 
 
 def test_new_prompt_or_knob_values_do_not_recompile():
-    prompt = _prompt(5, (2, 6))
-    generate(MODEL, PARAMS, prompt, max_new_tokens=8)  # compiles once
-    other_prompt = _prompt(6, (2, 6))
+    prompt = _prompt(5, (3, 7))
+    generate(MODEL, PARAMS, prompt, max_new_tokens=40)  # compiles once (or the tests above did: their shapes)
+    other_prompt = _prompt(6, (3, 7))
     key = jax.random.key(7)
     with count_compiles() as compiles:
-        generate(MODEL, PARAMS, other_prompt, max_new_tokens=8)
-        generate(MODEL, PARAMS, other_prompt, max_new_tokens=8, temperature=0.7, key=key)
-        generate(MODEL, PARAMS, prompt, max_new_tokens=8, temperature=1.3, top_k=5, key=key)
-        generate(MODEL, PARAMS, prompt, max_new_tokens=8, temperature=[0.0, 0.9], top_k=[3, 64], top_p=[0.9, 0.5],
-                 key=key, eos_id=3)
+        generate(MODEL, PARAMS, other_prompt, max_new_tokens=40)
+        generate(MODEL, PARAMS, other_prompt, max_new_tokens=40, temperature=0.7, key=key)
+        generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.3, top_k=5, key=key)
+        generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=[0.0, 0.9, 0.4], top_k=[3, 64, 10],
+                 top_p=[0.9, 0.5, 1.0], key=key, eos_id=3)
     assert compiles == []
     with count_compiles() as compiles:  # the guard can fail: a new shape does compile
-        generate(MODEL, PARAMS, prompt, max_new_tokens=9)
+        generate(MODEL, PARAMS, prompt, max_new_tokens=41)
     assert compiles
 
 
