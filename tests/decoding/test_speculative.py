@@ -43,7 +43,8 @@ def repetitive_prompts(batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.tile(pattern, (1, length // 5 + 1))[:, :length]
 
 
-# (config, proposer, k): every k from 1 to 8, both proposers, each config (the last three: the full tier).
+# (config, proposer, k): every k from 1 to 8, both proposers, each config (the full tier: mha's draft,
+# mqa's lookup and the last three).
 CASES = [("gqa-split-half-tied", "lookup", 1), ("gqa-split-half-tied", "draft", 8),
          ("mha-interleaved-untied", "lookup", 4), ("mha-interleaved-untied", "draft", 2),
          ("mqa-split-half-untied", "lookup", 8), ("mqa-split-half-untied", "draft", 5),
