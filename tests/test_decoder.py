@@ -58,7 +58,7 @@ class DecoderVariantsTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_prefill_then_steps_equals_full_forward(self):
         step = self.variant(lambda tokens, cache: self.model.apply({"params": self.params}, tokens, cache))
-        # (A prefill of 16 tokens, the forward test's shapes: untraced, their operations' programs.)
+        # (A prefill of 16 tokens, as the forward test's: untraced, its operations reuse that test's programs.)
         tokens = _tokens(1, (2, 23))
         full, none = jit_apply(self.model, {"params": self.params}, tokens)
         assert none is None
@@ -116,7 +116,7 @@ def test_chunked_prefill_equals_full_forward(small):
     tokens = _tokens(2, (2, 16))
     full, _ = jit_apply(model, {"params": params}, tokens)
     step = functools.partial(jit_apply, model, {"params": params})
-    # (The batch and capacity of the test above: its programs for chunks of 4 and 1.)
+    # (test_one_compiled_step_serves_every_position's batch and capacity: its programs for chunks of 4 and 1.)
     cache = KVCache.create(config, batch_size=2, capacity=16)
     pieces, start = [], 0
     for size in (3, 4, 1, 4, 1, 3):  # chunks at 6 offsets, of 3 sizes (a program each)

@@ -23,10 +23,10 @@ fails `test_every_python_block_has_a_marker`: no example goes untested.
 Shell blocks (```bash) are commands to read, not run, unless they carry a marker; a
 marked shell block must be cheap (`--help`) and runs line by line from the repository
 root: a line `python -m MODULE ARGS` through MODULE's `main(argv)` in this process (what
-the shell's python runs, less a new interpreter and JAX's import), any other line in a
-shell (a console script an installed package declares, such as `jaxformer-report`, through
-its entry point's function in this process, as `python -m` lines). Plain ``` blocks are
-printed output and are never run.
+the shell's python runs, less a new interpreter and JAX's import), a line that starts with
+a console script an installed package declares (`jaxformer-report`) through the function
+its entry point names, in this process too, any other line in a shell. Plain ``` blocks
+are printed output and are never run.
 """
 
 from __future__ import annotations

@@ -285,10 +285,16 @@ def test_segments_of_differing_layers_compute_the_unrolled_model(name):
     np.testing.assert_allclose(sown_attention_weights(got_sown, scanned_config),
                                sown_attention_weights(want_sown, config), atol=2e-6)
     caches = {"unrolled": KVCache.create(config, 3, 16), "scanned": KVCache.create(scanned_config, 3, 16)}
-    for start, end in ((0, 6), (6, 7), (7, 10)):
+    for start, end in ((0, 6), *((t, t + 1) for t in range(6, 10))):  # a prefill, then steps: two programs a model
         want, caches["unrolled"] = forward(model, params, tokens[:, start:end], caches["unrolled"])
         got, caches["scanned"] = forward(scanned, stacked, tokens[:, start:end], caches["scanned"])
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # Greedy: the scanned form's `generate` against the unrolled model's argmax through the steps above (their
+    # programs: the batch, the capacity, a prefill of 6 and single steps).
     prompt = _prompts(seed=2, length=6)
-    np.testing.assert_array_equal(generate(scanned, stacked, prompt, max_new_tokens=5),
-                                  generate(model, params, prompt, max_new_tokens=5))
+    logits, cache = forward(model, params, prompt, KVCache.create(config, 3, 16))
+    want = [np.argmax(logits[:, -1], -1)]
+    for _ in range(4):
+        logits, cache = forward(model, params, want[-1][:, None], cache)
+        want.append(np.argmax(logits[:, -1], -1))
+    np.testing.assert_array_equal(generate(scanned, stacked, prompt, max_new_tokens=5)[:, 6:], np.stack(want, 1))
