@@ -114,26 +114,32 @@ def test_prompts_from_a_file_and_from_standard_input(folder, tmp_path):
 
 
 def test_generation_stops_at_the_folders_eos(folder, tmp_path):
-    free, _ = run(["--checkpoint", folder, "--prompt", PROMPTS[0], *NEW, "--json"])
-    ids = json.loads(free)["token_ids"]
+    # (The module's batch of prompts, whose programs the tests above compiled; the first one is read.)
+    free, _ = run(["--checkpoint", folder, *_flags(PROMPTS), *NEW, "--json"])
+    ids = json.loads(free.splitlines()[0])["token_ids"]
     stopped = str(tmp_path / "stops")
     shutil.copytree(folder, stopped)
     with open(os.path.join(stopped, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [ids[6], ids[4]], "pad_token_id": 0}, f)
-    out, _ = run(["--checkpoint", stopped, "--prompt", PROMPTS[0], *NEW, "--json"])
-    row = json.loads(out)
+    out, _ = run(["--checkpoint", stopped, *_flags(PROMPTS), *NEW, "--json"])
+    row = json.loads(out.splitlines()[0])
     cut = min(ids.index(ids[4]), ids.index(ids[6])) + 1
     assert row["token_ids"] == ids[:cut] and row["finish_reason"] == "stop"
     assert row["completion"] == completion_text(BPE, BPE.encode(PROMPTS[0]), ids[:cut - 1])
 
 
 def test_sampling_and_beam_search_reach_generate(folder, params):
-    prompt = BPE.encode(PROMPTS[1])
-    out, _ = run(["--checkpoint", folder, "--prompt", PROMPTS[1], *NEW, "--temperature", "0.9", "--top-k", "20",
+    # Sampling: the module's ragged batch (the programs the greedy test compiled; the settings are values).
+    ids = [BPE.encode(prompt) for prompt in PROMPTS]
+    batch = np.zeros((len(ids), max(map(len, ids))), np.int32)
+    for row, prompt_ids in zip(batch, ids):
+        row[:len(prompt_ids)] = prompt_ids
+    out, _ = run(["--checkpoint", folder, *_flags(PROMPTS), *NEW, "--temperature", "0.9", "--top-k", "20",
                   "--top-p", "0.9", "--seed", "5", "--json"])
-    want = generate(Decoder(CONFIG), params, jnp.asarray([prompt]), max_new_tokens=24, temperature=0.9, top_k=20,
-                    top_p=0.9, key=jax.random.key(5), eos_id=BPE.eos_id, pad_id=BPE.pad_id)
-    assert json.loads(out)["token_ids"] == np.asarray(want)[0, len(prompt):].tolist()
+    want = generate(Decoder(CONFIG), params, batch, max_new_tokens=24, temperature=0.9, top_k=20, top_p=0.9,
+                    key=jax.random.key(5), eos_id=BPE.eos_id, pad_id=BPE.pad_id, prompt_lengths=[len(i) for i in ids])
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == np.asarray(want)[:, batch.shape[1]:].tolist()
+    prompt = BPE.encode(PROMPTS[1])
     out, err = run(["--checkpoint", folder, "--prompt", PROMPTS[1], "--max-new-tokens", "6", "--num-beams", "3",
                     "--length-penalty", "0.5", "--json"])
     want = generate(Decoder(CONFIG), params, jnp.asarray([prompt]), max_new_tokens=6, num_beams=3,
