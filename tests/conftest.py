@@ -557,3 +557,15 @@ def jit_apply(model, variables, *args, **kwargs):
     function object compiles once per model, method and shapes, for the whole process.
     (`mutable` as a string or a tuple: a static argument is hashed.)"""
     return model.apply(variables, *args, **kwargs)
+
+
+def torch_peer():
+    """`import_peer("torch")`, set to compute on one thread. The parity tests' models are tiny: on
+    the threads torch starts by default (one per core) each matmul of a few kilobytes is split
+    among threads that wait for each other while XLA's threads and the other pytest-xdist
+    workers hold the cores, and a transformers forward takes 10-20x as long as on one thread
+    (measured on 2 cores: 40 greedy steps of a tiny Gemma 2, 2.7 s against 0.16 s). The setting
+    is the process's: torch keeps to one thread from then on."""
+    torch = import_peer("torch")
+    torch.set_num_threads(1)
+    return torch

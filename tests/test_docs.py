@@ -324,8 +324,8 @@ def test_python_block_runs(block, tmp_path, monkeypatch, request):
     chain = _chain(block)
     needs = {b.option("needs") for b in chain} - {None}
     if "torch" in needs:
-        from conftest import import_peer
-        import_peer("torch")
+        from conftest import torch_peer
+        torch_peer()
     substitute = lambda source: source  # noqa: E731
     if "checkpoint" in needs:
         shutil.copytree(request.getfixturevalue("checkpoint"), tmp_path / "checkpoint")

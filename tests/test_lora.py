@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import import_peer, jit_apply, numpy_decoder_logits, random_params
+from conftest import import_peer, jit_apply, numpy_decoder_logits, random_params, torch_peer
 from families.shipped import scaled_up, tiny
 
 from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_entropy
@@ -186,7 +186,7 @@ TARGET_OF = {adapter: target for target, adapter in LORA_TARGETS.items()}
 @pytest.mark.peers
 @pytest.mark.parametrize("family", sorted(PEFT_MODELS))
 def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tmp_path):
-    torch = import_peer("torch")
+    torch = torch_peer()
     transformers = import_peer("transformers")
     peft = import_peer("peft")
     name, lora = PEFT_MODELS[family]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import import_peer
+from conftest import torch_peer
 from jax.experimental import checkify
 
 from jaxformer.embeddings import OutputHead
@@ -183,7 +183,7 @@ def test_bad_shapes_and_dtypes_raise():
 @pytest.mark.peers
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_matches_torch_cross_entropy(smoothing):
-    torch = import_peer("torch")
+    torch = torch_peer()
     logits, targets = _batch(10, -100)
     want = torch.nn.functional.cross_entropy(
         torch.tensor(np.asarray(logits)).reshape(-1, V), torch.tensor(np.asarray(targets)).reshape(-1).long(),

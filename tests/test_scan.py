@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, filled_layers, import_peer, init_params, random_params
+from conftest import SMALL, filled_layers, import_peer, init_params, random_params, torch_peer
 
 from jaxformer import Decoder, KVCache, generate, stream
 from jaxformer.convert import load_hf, save_hf, stack_layers, unstack_layers, with_rope_pairing, with_scan_layers
@@ -176,7 +176,7 @@ def test_hf_checkpoints_load_and_save_in_either_form(tmp_path):
 
 @pytest.mark.peers
 def test_scanned_model_matches_transformers(tmp_path):
-    torch = import_peer("torch")
+    torch = torch_peer()
     transformers = import_peer("transformers")
     hf_config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import greedy_tokens_compared, import_peer, jit_apply
+from conftest import greedy_tokens_compared, import_peer, jit_apply, torch_peer
 from shipped import scaled_up, tiny
 
 from jaxformer import Decoder, KVCache, generate
 from jaxformer.convert import load_hf, save_hf, with_scan_layers
 
-torch = import_peer("torch")
+torch = torch_peer()
 transformers = import_peer("transformers")
 
 pytestmark = pytest.mark.peers
