@@ -22,24 +22,13 @@ from jaxformer.commands import finetune, report  # noqa: E402
 from jaxformer.convert import load_hf  # noqa: E402
 from jaxformer.convert.peft import load_peft  # noqa: E402
 from jaxformer.lora import merge  # noqa: E402
-from jaxformer.training import read_metrics, state  # noqa: E402
+from jaxformer.training import read_metrics  # noqa: E402
 from jaxformer.training.report_page import SNAPSHOTS_FILE, read_snapshots  # noqa: E402
 
 FAST = ["--log-every", "4", "--checkpoint-every", "4", "--warmup", "2", "--batch-size", "4", "--seq-len", "32",
         "--lora-rank", "4"]
 # Text the checkpoint never saw: its perplexity on the held-out tail must fall as it learns it.
 NEW_TEXT = "Keys and values are cached, so each new token costs one step. " * 30
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _updates_compiled_as_the_suites_programs():
-    """The runs' optimizer updates compiled as conftest compiles every test's program, LLVM's
-    optimisation off: on a CPU `make_train_step` asks for -O2 (what users get), whose compile is
-    most of a tiny run's time (each run with other flags compiles its own). What these tests
-    check is no faster or slower for it: a run against itself, perplexities, files."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(state, "_compiler_options", lambda: None)
-        yield
 
 
 @pytest.fixture(scope="module")
