@@ -172,10 +172,15 @@ FULL_TIER.update({
 })
 FULL_TIER.update({f"tests/convert/test_hf_parity.py::test_cached_decoding_logits_match_at_every_step[{layout}]":
                   "more layouts" for layout in ("llama-untied", "llama-mqa", "mistral", "qwen2")})
-# (The fast tier keeps each family's scanned logits against transformers, tests/families/test_families.py,
-# and the scanned model's tokens against the unrolled one's, test_scan.py.)
 FULL_TIER.update({
+    # (The fast tier keeps each family's scanned logits against transformers, tests/families/test_families.py,
+    # and the scanned model's tokens against the unrolled one's, test_scan.py.)
     "tests/test_scan.py::test_scanned_model_matches_transformers": "the scanned model against transformers again",
+    # (The fast tier keeps the periodic layout: segments of one body and of two, rings in two stacks.)
+    "tests/test_scan.py::test_segments_of_differing_layers_compute_the_unrolled_model[widths]": "more layouts",
+    # (The fast tier keeps the jitted variant, and the untraced forward.)
+    "tests/test_decoder.py::DecoderVariantsTest::test_prefill_then_steps_equals_full_forward__without_jit":
+        "the cached steps untraced",
 })
 # The chunked loss's 120 cases (chunk size x head layout x ignore_id x smoothing, a compile each): the fast tier
 # keeps 20, every value of each parameter beside every value of each other one (case k = chunk + layout, by index, takes
