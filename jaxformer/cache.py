@@ -306,10 +306,8 @@ class KVCache:
                           minimum=1, maximum=config.max_seq_len, maximum_name="max_seq_len")
         rewind = as_int(rewind, "KVCache.create: rewind", minimum=0)
         check_longrope_capacity(config, capacity, "KVCache.create")
-        from jaxformer.layers import layer_specs  # (here: jaxformer.layers imports this module)
-
-        windows = [spec.mixer.window for spec in layer_specs(config)]  # each layer's: None for a full one
-        slots = tuple(capacity if window is None else sliding_slots(window, capacity, rewind) for window in windows)
+        slots = tuple(capacity if window is None else sliding_slots(window, capacity, rewind)
+                      for window in config.windows)  # (a full layer's window is None)
         return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,
                          head_dim=config.head_dim, max_seq_len=config.max_seq_len,
                          dtype=config.cache_storage_dtype if dtype is None else dtype, stacked=config.scan_layers,

@@ -384,6 +384,15 @@ class DecoderConfig(_ModelConfig):
         return self.head_dim_override or self.d_model // self.n_head
 
     @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window, None for a full layer: its filled spec's (`layers`, whose
+        mixers `jaxformer.layers.layer_specs` checks), else `sliding_window` where `attention_types`
+        says "sliding" (what `layer_specs` derives)."""
+        if self.layers:
+            return tuple(spec.mixer.window for spec in self.layers)
+        return tuple(None if kind == "full" else self.sliding_window for kind in self.attention_types)
+
+    @property
     def ffn_dim(self) -> int:
         """SwiGLU hidden width: `d_ff`, or `swiglu_hidden_dim(d_model)` when it is None."""
         return self.d_ff if self.d_ff is not None else swiglu_hidden_dim(self.d_model)

@@ -31,6 +31,10 @@ def test_each_layer_spec_is_what_the_config_states():
     assert specs[0].ffn == GatedMLPSpec(GEMMA3_LIKE.ffn_dim, "gelu_tanh") and specs[0].norms == "sandwich"
     plain = layer_specs(DecoderConfig(n_layer=2))
     assert plain[0] == plain[1] and plain[0].norms == "pre" and plain[0].mixer.window is None
+    # The config's own account of each layer's window (what the cache reads) is its specs'.
+    for config in (GEMMA3_LIKE, DecoderConfig(n_layer=2), filled_layers(SMALL, windows=[None, 5, None])):
+        assert config.windows == tuple(spec.mixer.window for spec in layer_specs(config))
+    assert GEMMA3_LIKE.windows == (8, 8, 8, None)
 
 
 @pytest.mark.parametrize("config", [GEMMA3_LIKE, GEMMA3_LIKE.replace(qkv_bias=True, qk_norm=False)],
