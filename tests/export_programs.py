@@ -3,7 +3,8 @@
 `tests/test_export.py` runs it and reads that file.
 
 `jax.jit` is replaced, before `jaxformer` and `train` are imported, by `exporting_jit`: the
-first time a program jitted in `jaxformer` or `train` is called with a new signature (its
+first time a program jitted in `jaxformer` or `train` is called, or lowered to be compiled ahead,
+with a new signature (its
 arguments' pytree structure, shapes and dtypes, and its static arguments), it is exported with
 `jax.export.export(program, platforms=[platform])(*the same arguments)` for each platform of
 `PLATFORMS` in turn, which lowers it for that platform (with its lowering rules, its Pallas
@@ -133,7 +134,9 @@ class ExportingJit:
         bound.apply_defaults()
         return {name: describe(value) for name, value in bound.arguments.items()}
 
-    def __call__(self, *args, **kwargs):
+    def _export(self, args: tuple, kwargs: dict) -> None:
+        """Exports the program for each platform at a signature it has not been called or lowered
+        with yet, and marks its record called in the path running now."""
         key = self._key(args, kwargs)
         if key is not None:
             with _lock:
@@ -158,14 +161,23 @@ class ExportingJit:
                 record["seconds"] = round(time.perf_counter() - began, 3)
                 with _lock:
                     RECORDS.append(record)
+
+    def __call__(self, *args, **kwargs):
+        self._export(args, kwargs)
         return self.jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """`jax.jit`'s `lower`, the signature exported too: a program compiled ahead of its first
+        call (`training.state.CompiledAhead`, from `jax.ShapeDtypeStruct`s) is exported there."""
+        self._export(args, kwargs)
+        return self.jitted.lower(*args, **kwargs)
 
     def __get__(self, instance, owner=None):
         """As a method (a jitted function in a class body), bound to its instance."""
         return self if instance is None else functools.partial(self, instance)
 
     def __getattr__(self, name: str):
-        return getattr(self.jitted, name)  # `lower`, `trace`, ... of the program itself
+        return getattr(self.jitted, name)  # `trace`, `eval_shape`, ... of the program itself
 
 
 def exporting_jit(fun=None, /, **jit_options):

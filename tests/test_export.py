@@ -148,9 +148,13 @@ def test_a_program_is_exported_once_per_signature_and_runs_as_jitted():
     program(jnp.ones(4), 3)  # a new static argument
     program(jnp.ones(4, jnp.int32), 3)  # a new dtype
     jax.jit(lambda x: program(x, 2))(jnp.ones(4))  # inside another program: part of it, not one of its own
+    compiled = program.lower(jax.ShapeDtypeStruct((2,), jnp.float32), 2).compile()  # compiled ahead: a new shape
+    np.testing.assert_array_equal(compiled(jnp.ones(2)), [2.0, 2.0])
+    program.lower(jnp.ones(8), 2)  # lowered at a signature already called: not again
     new = RECORDS[start:]
     assert [r["args"] for r in new] == [{"x": "float32[4]", "times": "2"}, {"x": "float32[8]", "times": "2"},
-                                        {"x": "float32[4]", "times": "3"}, {"x": "int32[4]", "times": "3"}]
+                                        {"x": "float32[4]", "times": "3"}, {"x": "int32[4]", "times": "3"},
+                                        {"x": "float32[2]", "times": "2"}]
     assert all(r["platforms"] == PLATFORMS and r["error"] is None for r in new)
     assert program_name(scaled) == "test_export:test_a_program_is_exported_once_per_signature_and_runs_as_jitted" \
                                    ".<locals>.scaled"
