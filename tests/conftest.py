@@ -160,14 +160,18 @@ FULL_TIER.update({f"tests/families/test_families.py::test_cached_decoding_equals
                   f"[{family}]": "more families" for family in (
                       "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-3-1b-it", "Phi-3-mini-4k-instruct",
                       "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M")})
-# Variants whose test stays in the fast tier on its other parametrisations: speculative greedy
-# keeps both proposers on the gqa config and one on each of the other two; vanilla's cached greedy keeps
-# its untied post-norm and pre-norm models (the tied model's cached steps: test_cached_steps_equal_teacher_forcing).
+# Variants whose test stays in the fast tier on its other parametrisations: speculative greedy keeps
+# a proposer on each config, lookup on gqa and mha, a draft model of its own on mqa (the gqa model as its
+# own draft: the file's other tests); vanilla's cached greedy keeps its untied post-norm model (the tied
+# model's cached steps: test_cached_steps_equal_teacher_forcing).
 FULL_TIER.update({
+    "tests/decoding/test_speculative.py::test_greedy_gives_generates_tokens[gqa-split-half-tied-draft-8]":
+        "more proposers",
     "tests/decoding/test_speculative.py::test_greedy_gives_generates_tokens[mha-interleaved-untied-draft-2]":
         "more proposers",
     "tests/decoding/test_speculative.py::test_greedy_gives_generates_tokens[mqa-split-half-untied-lookup-8]":
         "more proposers",
+    "tests/test_vanilla.py::test_cached_greedy_equals_uncached[True-False]": "more layouts",
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[False-True]": "more layouts",
 })
 FULL_TIER.update({f"tests/convert/test_hf_parity.py::test_cached_decoding_logits_match_at_every_step[{layout}]":

@@ -31,6 +31,8 @@ CONFIGS = {
     "mqa-split-half-untied": TINY.replace(n_layer=1, n_kv_head=1, tie_embeddings=False),
 }
 DRAFT = TINY.replace(n_layer=1, n_head=2, n_kv_head=1, d_model=16)
+# TINY's single layer: for the tests of how rounds advance and fit, which one layer's cache shows.
+ONE_LAYER = TINY.replace(n_layer=1)
 # The runs on TINY with the target's own weights as its draft share one prompt shape, run
 # length and the proposers' k, so that their programs compile once for the file (the greedy
 # test's shapes too: its plain runs on TINY are theirs).
@@ -43,8 +45,8 @@ def repetitive_prompts(batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.tile(pattern, (1, length // 5 + 1))[:, :length]
 
 
-# (config, proposer, k): every k from 1 to 8, both proposers, each config (the full tier: mha's draft,
-# mqa's lookup and the last three).
+# (config, proposer, k): every k from 1 to 8, both proposers, each config (the fast tier: gqa's and
+# mha's lookup, mqa's draft; the others in the full tier, tests/conftest.py).
 CASES = [("gqa-split-half-tied", "lookup", 1), ("gqa-split-half-tied", "draft", 8),
          ("mha-interleaved-untied", "lookup", 4), ("mha-interleaved-untied", "draft", 2),
          ("mqa-split-half-untied", "lookup", 8), ("mqa-split-half-untied", "draft", 5),
@@ -258,7 +260,7 @@ def test_k_shrinks_to_fit_max_seq_len():
     """The last round's proposals must fit the positions the model has: k shrinks (to 1
     at worst: a run that fits max_seq_len leaves room for one); a run of one token is
     plain decoding. The tokens are plain decoding's."""
-    model, params = Decoder(TINY), random_params(TINY, seed=1)
+    model, params = Decoder(ONE_LAYER), random_params(ONE_LAYER, seed=1)
     prompt = repetitive_prompts(2, 40)
     # (Greedy: a shorter run's tokens are the first ones of the longest, one program for the three.)
     plain = np.asarray(generate(model, params, prompt, max_new_tokens=24))
@@ -288,13 +290,13 @@ def test_each_row_advances_by_its_own_acceptance():
     """Batch 8, a draft that agrees with the model on half the rows: after a round each
     row's position has moved by its own accepted + 1 (k + 1 where it agrees, 1 where it
     does not), not by the batch's least; the tokens are plain greedy decoding's."""
-    model, params = Decoder(TINY), random_params(TINY, seed=1)
-    prompt = np.random.RandomState(3).randint(0, TINY.vocab_size, (8, 9))
+    model, params = Decoder(ONE_LAYER), random_params(ONE_LAYER, seed=1)
+    prompt = np.random.RandomState(3).randint(0, ONE_LAYER.vocab_size, (8, 9))
     prompt[:, 0] = np.arange(8)  # even rows agree, odd rows do not
     lengths = [9, 5, 7, 9, 6, 8, 9, 4]
     options = dict(max_new_tokens=20, prompt_lengths=lengths)
     k = 3
-    spec = Draft(RowwiseDraft(TINY), params, k=k)
+    spec = Draft(RowwiseDraft(ONE_LAYER), params, k=k)
     request = DecodeRequest.create(model, prompt, **options)
     strategy = plan(model, request, spec)
     state = start(model, params, request, None, strategy)
