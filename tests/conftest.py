@@ -186,6 +186,24 @@ FULL_TIER.update({
     "tests/test_decoder.py::DecoderVariantsTest::test_prefill_then_steps_equals_full_forward__without_jit":
         "the cached steps untraced",
 })
+FULL_TIER.update({
+    # The docs' longer examples: a mesh, the demos' recipes, the engine and speculative decoding as the docs
+    # show them (the fast tier keeps the README's blocks and the docs' short ones; each of these paths has its
+    # module's tests there: test_sharding, tests/training, tests/serving/test_engine, test_speculative).
+    **{f"tests/test_docs.py::test_python_block_runs[docs/{block}]": "the docs' longer examples"
+       for block in ("sharding.md::mesh", "training.md::reverse-recipe", "training.md::train-your-own",
+                     "serving.md::engine", "decoding.md::speculative")},
+    # (The fast tier keeps the product's own temporaries against its weight's, the test above it.)
+    "tests/test_products.py::test_a_bfloat16_decoding_run_holds_no_float32_copy_of_the_weights":
+        "a whole decoding run compiled with XLA's optimisations",
+    # (The fast tier keeps the draft model's chi-square test.)
+    "tests/decoding/test_speculative.py::test_sampling_keeps_the_models_distribution[lookup]": "more proposers",
+    # (The fast tier keeps remat's gradients in the scanned decoder, test_scan.py.)
+    "tests/test_lora.py::test_remat_recomputes_the_same_gradients": "remat again, with adapters",
+    # (The fast tier keeps greedy, sampling, the stream and the engine across spans.)
+    "tests/decoding/test_spans.py::test_beam_search_and_prompt_lookup_across_spans_keep_their_tokens":
+        "more strategies across spans",
+})
 # The chunked loss's 120 cases (chunk size x head layout x ignore_id x smoothing, a compile each): the fast tier
 # keeps 20, every value of each parameter beside every value of each other one (case k = chunk + layout, by index, takes
 # ignore_id k % 3 and smoothing k % 2); the other 100 here.

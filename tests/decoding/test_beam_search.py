@@ -92,13 +92,17 @@ def test_gather_beams_moves_each_beam_within_its_row():
 
 
 MODEL = Decoder(SMALL)
-PARAMS = random_params(SMALL, seed=11, scale=0.3)
+@functools.cache
+def model_params():
+    """The model's parameters, drawn at their first use rather than at import (each pytest-xdist
+    worker imports every test module)."""
+    return random_params(SMALL, seed=11, scale=0.3)
 
 
 def _prefilled(prompt, num_beams, max_new_tokens):
     prompt = jnp.repeat(prompt, num_beams, axis=0)
     cache = KVCache.create(SMALL, prompt.shape[0], capacity=prompt.shape[1] + max_new_tokens - 1)
-    logits, cache = jit_apply(MODEL, {"params": PARAMS}, prompt, cache)
+    logits, cache = jit_apply(MODEL, {"params": model_params()}, prompt, cache)
     return logits[:, -1], cache
 
 
@@ -114,7 +118,8 @@ def _model_beam_search(params, logits, cache, eos_id, *, num_beams, max_new_toke
 
 def _log_prob(out, prompt_len):
     """float64 log p of each row's tokens after `prompt_len` under the full forward of `out`."""
-    logits = np.asarray(jit_apply(MODEL, {"params": PARAMS}, jnp.asarray(out))[0], np.float64)[:, prompt_len - 1:-1]
+    logits = np.asarray(jit_apply(MODEL, {"params": model_params()}, jnp.asarray(out))[0], np.float64)
+    logits = logits[:, prompt_len - 1:-1]
     logp = logits - scipy.special.logsumexp(logits, axis=-1, keepdims=True)  # predictions of the new tokens
     return np.take_along_axis(logp, np.asarray(out)[:, prompt_len:, None], axis=-1).sum(axis=(1, 2))
 
@@ -122,27 +127,27 @@ def _log_prob(out, prompt_len):
 @pytest.mark.parametrize("eos", [-1, "emitted"])
 def test_one_beam_is_greedy_on_a_real_model(eos):
     prompt = jax.random.randint(jax.random.key(0), (3, 7), 0, SMALL.vocab_size)
-    greedy = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20))[:, 7:]
+    greedy = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=20))[:, 7:]
     if eos == "emitted":
         eos = int(greedy[1, 6])
-    want = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=20, eos_id=None if eos == -1 else eos,
+    want = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=20, eos_id=None if eos == -1 else eos,
                                pad_id=PAD))[:, 7:]
     logits, cache = _prefilled(prompt, 1, 20)
-    tokens, _ = _model_beam_search(PARAMS, logits, cache, jnp.int32(eos), num_beams=1, max_new_tokens=20)
+    tokens, _ = _model_beam_search(model_params(), logits, cache, jnp.int32(eos), num_beams=1, max_new_tokens=20)
     np.testing.assert_array_equal(tokens, want)
 
 
 def test_beam_score_is_the_sequence_log_probability():
     """The score equals log p of the returned tokens under an independent full forward."""
     prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, SMALL.vocab_size)
-    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=10, num_beams=4))
+    out = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=10, num_beams=4))
     chex.assert_shape(out, (2, 15))
     np.testing.assert_array_equal(out[:, :5], prompt)
     logits, cache = _prefilled(prompt, 4, 10)
-    tokens, score = _model_beam_search(PARAMS, logits, cache, jnp.int32(-1), num_beams=4, max_new_tokens=10)
+    tokens, score = _model_beam_search(model_params(), logits, cache, jnp.int32(-1), num_beams=4, max_new_tokens=10)
     np.testing.assert_array_equal(tokens, out[:, 5:])
     np.testing.assert_allclose(score, _log_prob(out, 5), atol=1e-4, rtol=1e-5)
-    greedy = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=10))
+    greedy = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=10))
     assert np.all(np.asarray(score) >= _log_prob(greedy, 5) - 1e-5)  # no worse than greedy here
 
 
@@ -165,4 +170,4 @@ def test_encoder_decoder_beam_search_runs():
 ])
 def test_bad_beam_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        generate(MODEL, PARAMS, np.zeros((1, 3), np.int32), max_new_tokens=4, **kwargs)
+        generate(MODEL, model_params(), np.zeros((1, 3), np.int32), max_new_tokens=4, **kwargs)

@@ -1,3 +1,5 @@
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,11 @@ from jaxformer.decoding.sampling import check_top_p, filtered_logits
 
 MODEL = Decoder(SMALL)
 # Large random weights: greedy continuations vary instead of repeating one token.
-PARAMS = random_params(SMALL, seed=11, scale=0.3)
+@functools.cache
+def model_params():
+    """The model's parameters, drawn at their first use rather than at import (each pytest-xdist
+    worker imports every test module)."""
+    return random_params(SMALL, seed=11, scale=0.3)
 
 
 def _prompt(seed, shape):
@@ -33,11 +39,11 @@ def _slow_greedy(params, prompt, n_new):
 
 def test_greedy_equals_recompute_the_prefix_loop():
     prompt = _prompt(0, (3, 7))
-    out = generate(MODEL, PARAMS, prompt, max_new_tokens=40)
+    out = generate(MODEL, model_params(), prompt, max_new_tokens=40)
     chex.assert_shape(out, (3, 47))
     assert out.dtype == jnp.int32
     np.testing.assert_array_equal(out[:, :7], prompt)
-    np.testing.assert_array_equal(out, _slow_greedy(PARAMS, np.asarray(prompt), 40))
+    np.testing.assert_array_equal(out, _slow_greedy(model_params(), np.asarray(prompt), 40))
     assert len(np.unique(np.asarray(out[:, 7:]))) > 5  # a varied continuation, not one repeated token
 
 
@@ -46,9 +52,9 @@ def test_greedy_equals_recompute_the_prefix_loop():
 
 def test_rows_stop_at_eos_and_then_pad():
     prompt = _prompt(0, (3, 7))
-    free = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40))
+    free = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=40))
     eos = int(free[0, 7 + 5])  # a token row 0 emits at its 6th step (or earlier)
-    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40, eos_id=eos, pad_id=1))
+    out = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=40, eos_id=eos, pad_id=1))
     for row_free, row in zip(free[:, 7:], out[:, 7:]):
         hits = np.flatnonzero(row_free == eos)
         stop = hits[0] if hits.size else len(row_free)
@@ -59,9 +65,9 @@ def test_rows_stop_at_eos_and_then_pad():
 
 def test_several_eos_ids_stop_a_row_at_the_first_of_any():
     prompt = _prompt(0, (3, 7))
-    free = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40))[:, 7:]
+    free = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=40))[:, 7:]
     eos = [int(free[1, 3]), int(free[0, 6])]  # row 1 emits the first by its 4th step, row 0 the second by its 7th
-    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40, eos_id=eos, pad_id=1))[:, 7:]
+    out = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=40, eos_id=eos, pad_id=1))[:, 7:]
     for row_free, row in zip(free, out):
         hits = np.flatnonzero(np.isin(row_free, eos))
         stop = hits[0] if hits.size else len(row_free)
@@ -69,8 +75,8 @@ def test_several_eos_ids_stop_a_row_at_the_first_of_any():
         np.testing.assert_array_equal(row[stop + 1:], 1)
     assert np.isin(out[1, :4], eos).any() and np.isin(out[0, :7], eos).any()
     # One EOS given as a list of one is that EOS.
-    np.testing.assert_array_equal(generate(MODEL, PARAMS, prompt, max_new_tokens=40, eos_id=[eos[0]]),
-                                  generate(MODEL, PARAMS, prompt, max_new_tokens=40, eos_id=eos[0]))
+    np.testing.assert_array_equal(generate(MODEL, model_params(), prompt, max_new_tokens=40, eos_id=[eos[0]]),
+                                  generate(MODEL, model_params(), prompt, max_new_tokens=40, eos_id=eos[0]))
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -80,8 +86,8 @@ def test_several_eos_ids_stop_a_row_at_the_first_of_any():
 ])
 def test_stream_yields_what_generate_returns(kwargs):
     prompt = _prompt(6, (3, 5))
-    want = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=16, **kwargs))[:, 5:]
-    steps = list(stream(MODEL, PARAMS, prompt, max_new_tokens=16, **kwargs))
+    want = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=16, **kwargs))[:, 5:]
+    steps = list(stream(MODEL, model_params(), prompt, max_new_tokens=16, **kwargs))
     assert all(t.shape == (3,) and t.dtype == np.int32 for t in steps)
     got = np.stack(steps, axis=1)  # [batch, steps taken]
     np.testing.assert_array_equal(got, want[:, :got.shape[1]])
@@ -99,17 +105,17 @@ def test_stream_yields_what_generate_returns(kwargs):
 ])
 def test_start_then_finish_is_generate(kwargs):
     prompt = _prompt(6, (3, 5))
-    want = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=16, **kwargs))[:, 5:]
+    want = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=16, **kwargs))[:, 5:]
     request = DecodeRequest.create(MODEL, prompt, max_new_tokens=16, **kwargs)
-    state = start(MODEL, PARAMS, request)
-    np.testing.assert_array_equal(finish(MODEL, PARAMS, request, state)[0], want)
+    state = start(MODEL, model_params(), request)
+    np.testing.assert_array_equal(finish(MODEL, model_params(), request, state)[0], want)
 
 
 def test_stream_compiles_its_step_once():
     prompt = _prompt(4, (3, 5))  # (the shapes of the tests above: their programs, where they ran first)
-    list(stream(MODEL, PARAMS, prompt, max_new_tokens=16))
+    list(stream(MODEL, model_params(), prompt, max_new_tokens=16))
     with count_compiles() as compiles:
-        steps = list(stream(MODEL, PARAMS, _prompt(5, (3, 5)), max_new_tokens=16, temperature=0.5,
+        steps = list(stream(MODEL, model_params(), _prompt(5, (3, 5)), max_new_tokens=16, temperature=0.5,
                             key=jax.random.key(1)))
     assert len(steps) == 16 and compiles == []
 
@@ -120,30 +126,30 @@ def test_ragged_batch_decodes_each_row_as_if_alone():
     prompt = np.full((3, 7), -7, np.int32)  # right-padded; the filler is ignored, even if not an id
     for b, row in enumerate(rows):
         prompt[b, :len(row)] = row
-    out = np.asarray(generate(MODEL, PARAMS, prompt, max_new_tokens=40, prompt_lengths=lengths))
+    out = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=40, prompt_lengths=lengths))
     chex.assert_shape(out, (3, 7 + 40))
     np.testing.assert_array_equal(out[:, :7], prompt)  # the prompt as given, then the new tokens
     for b, row in enumerate(rows):
-        alone = np.asarray(generate(MODEL, PARAMS, row[None], max_new_tokens=40))[0, len(row):]
+        alone = np.asarray(generate(MODEL, model_params(), row[None], max_new_tokens=40))[0, len(row):]
         np.testing.assert_array_equal(out[b, 7:], alone)
-    streamed = np.stack(list(stream(MODEL, PARAMS, prompt, max_new_tokens=40, prompt_lengths=lengths)), axis=1)
+    streamed = np.stack(list(stream(MODEL, model_params(), prompt, max_new_tokens=40, prompt_lengths=lengths)), axis=1)
     np.testing.assert_array_equal(streamed, out[:, 7:])
 
 
 def test_one_new_token_and_full_capacity():
     prompt = _prompt(1, (2, 63))
-    out = generate(MODEL, PARAMS, prompt, max_new_tokens=1)  # prompt + new == max_seq_len
-    np.testing.assert_array_equal(out, _slow_greedy(PARAMS, np.asarray(prompt), 1))
+    out = generate(MODEL, model_params(), prompt, max_new_tokens=1)  # prompt + new == max_seq_len
+    np.testing.assert_array_equal(out, _slow_greedy(model_params(), np.asarray(prompt), 1))
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     prompt = _prompt(2, (3, 7))  # (the greedy test's shapes: its program)
-    greedy = generate(MODEL, PARAMS, prompt, max_new_tokens=40)
-    top1 = generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.5, top_k=1, key=jax.random.key(0))
+    greedy = generate(MODEL, model_params(), prompt, max_new_tokens=40)
+    top1 = generate(MODEL, model_params(), prompt, max_new_tokens=40, temperature=1.5, top_k=1, key=jax.random.key(0))
     np.testing.assert_array_equal(top1, greedy)
-    a = generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(1))
-    b = generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(1))
-    c = generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(2))
+    a = generate(MODEL, model_params(), prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(1))
+    b = generate(MODEL, model_params(), prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(1))
+    c = generate(MODEL, model_params(), prompt, max_new_tokens=40, temperature=1.0, key=jax.random.key(2))
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     assert not np.array_equal(a, greedy)
@@ -255,18 +261,18 @@ def test_a_top_p_below_float32s_smallest_number_keeps_the_likeliest_token():
 
 def test_new_prompt_or_knob_values_do_not_recompile():
     prompt = _prompt(5, (3, 7))
-    generate(MODEL, PARAMS, prompt, max_new_tokens=40)  # compiles once (or the tests above did: their shapes)
+    generate(MODEL, model_params(), prompt, max_new_tokens=40)  # compiles once (or the tests above did: their shapes)
     other_prompt = _prompt(6, (3, 7))
     key = jax.random.key(7)
     with count_compiles() as compiles:
-        generate(MODEL, PARAMS, other_prompt, max_new_tokens=40)
-        generate(MODEL, PARAMS, other_prompt, max_new_tokens=40, temperature=0.7, key=key)
-        generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=1.3, top_k=5, key=key)
-        generate(MODEL, PARAMS, prompt, max_new_tokens=40, temperature=[0.0, 0.9, 0.4], top_k=[3, 64, 10],
+        generate(MODEL, model_params(), other_prompt, max_new_tokens=40)
+        generate(MODEL, model_params(), other_prompt, max_new_tokens=40, temperature=0.7, key=key)
+        generate(MODEL, model_params(), prompt, max_new_tokens=40, temperature=1.3, top_k=5, key=key)
+        generate(MODEL, model_params(), prompt, max_new_tokens=40, temperature=[0.0, 0.9, 0.4], top_k=[3, 64, 10],
                  top_p=[0.9, 0.5, 1.0], key=key, eos_id=3)
     assert compiles == []
     with count_compiles() as compiles:  # the guard can fail: a new shape does compile
-        generate(MODEL, PARAMS, prompt, max_new_tokens=41)
+        generate(MODEL, model_params(), prompt, max_new_tokens=41)
     assert compiles
 
 
@@ -300,7 +306,7 @@ def test_new_prompt_or_knob_values_do_not_recompile():
 ])
 def test_bad_input_is_rejected_before_jit(prompt, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        generate(MODEL, PARAMS, prompt, **kwargs)
+        generate(MODEL, model_params(), prompt, **kwargs)
 
 
 def test_sample_token_with_a_key_per_row_draws_each_row_from_its_own_distribution():
