@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.config import FUSED_ADAPTERS, LoraConfig
-from jaxformer.dropout import keep_mask
+from jaxformer.dropout import drop
 from jaxformer.products import product
 
 PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
@@ -96,9 +96,7 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
         rows = "".join(axis for axis in x_spec if axis not in w_spec)  # batch and positions
         x_in = x
         if lora.dropout > 0 and module.has_rng("dropout"):
-            # Inverted dropout, as torch's: kept inputs scaled by 1 / (1 - p), so the mean is unchanged.
-            keep = keep_mask(module.make_rng("dropout"), lora.dropout, x.shape)
-            x_in = jnp.where(keep, x / (1 - lora.dropout), 0).astype(x.dtype)
+            x_in = drop(x, module.make_rng("dropout"), lora.dropout)  # inverted dropout, as torch's
         a = ab["a"].reshape(lora.rank, *w.shape[:n_in]).astype(x.dtype)  # [r, in...]
         low = product(f"{x_spec},r{w_spec[:n_in]}->{rows}r", x_in, a)  # [rows..., r]; r: a letter no equation uses
         start = 0

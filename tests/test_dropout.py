@@ -5,13 +5,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxformer.dropout import Dropout, keep_mask
+from jaxformer.dropout import Dropout, keep_mask, keep_probability
 
 
-def test_an_element_is_dropped_when_its_32_bits_fall_below_the_rate_of_two_to_the_32():
-    key = jax.random.key(7)
-    bits = np.asarray(jax.random.bits(key, (4, 9), jnp.uint32), np.float64)  # the same draw, read directly
-    np.testing.assert_array_equal(keep_mask(key, 0.25, (4, 9)), bits >= 0.25 * 2**32)
+@pytest.mark.parametrize("shape", [(4, 9), (3, 2, 8), (5,), ()])
+def test_an_element_is_dropped_when_its_16_bits_fall_below_the_rate_of_two_to_the_16(shape):
+    """Element [..., j] reads the high (even j) or low (odd j) half of word [..., j // 2] of
+    the key's 32-bit words, drawn for the last axis's pairs (an odd last axis: the last half unread)."""
+    key, rate = jax.random.key(7), 0.25
+    *lead, last = shape or (1,)
+    words = np.asarray(jax.random.bits(key, (*lead, (last + 1) // 2), jnp.uint32))  # the same draw, read directly
+    halves = np.empty((*lead, last), np.int64)
+    for j in range(last):
+        halves[..., j] = words[..., j // 2] >> 16 if j % 2 == 0 else words[..., j // 2] & 0xFFFF
+    np.testing.assert_array_equal(keep_mask(key, rate, shape), (halves >= 0.25 * 2**16).reshape(shape))
+
+
+def test_the_keep_probability_is_the_rate_to_16_bits():
+    assert keep_probability(0.25) == 0.75  # 16384 / 2**16 exactly
+    assert keep_probability(0.1) == 1 - 6554 / 2**16  # 6553.6 rounded
+    assert abs(keep_probability(0.1) - 0.9) < 2**-17
+    assert keep_probability(1 - 2**-20) == 2**-16  # (a rate below 1 always keeps something)
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
@@ -27,7 +41,7 @@ def test_kept_elements_are_scaled_so_the_mean_is_unchanged_and_evaluation_is_the
     layer = Dropout(0.2)
     out = np.asarray(layer.apply({}, x, deterministic=False, rngs={"dropout": jax.random.key(5)}))
     keep = out != 0  # (x has no zeros)
-    np.testing.assert_allclose(out, np.where(keep, np.asarray(x) / 0.8, 0.0), rtol=1e-6)
+    np.testing.assert_allclose(out, np.where(keep, np.asarray(x) / keep_probability(0.2), 0.0), rtol=1e-6)
     assert 0.7 < keep.mean() < 0.9
     np.testing.assert_array_equal(layer.apply({}, x, deterministic=True), x)
     np.testing.assert_array_equal(Dropout(0.0).apply({}, x, deterministic=False), x)  # no key asked for
