@@ -191,8 +191,9 @@ FULL_TIER.update({
     # show them (the fast tier keeps the README's blocks and the docs' short ones; each of these paths has its
     # module's tests there: test_sharding, tests/training, tests/serving/test_engine, test_speculative).
     **{f"tests/test_docs.py::test_python_block_runs[docs/{block}]": "the docs' longer examples"
-       for block in ("sharding.md::mesh", "training.md::reverse-recipe", "training.md::train-your-own",
-                     "serving.md::engine", "decoding.md::speculative")},
+       for block in ("sharding.md::mesh", "sharding.md::mesh-training", "training.md::reverse-recipe",
+                     "training.md::train-your-own", "serving.md::engine", "decoding.md::speculative",
+                     "decoding.md::encoder-decoder")},
     # (The fast tier keeps the product's own temporaries against its weight's, the test above it.)
     "tests/test_products.py::test_a_bfloat16_decoding_run_holds_no_float32_copy_of_the_weights":
         "a whole decoding run compiled with XLA's optimisations",
@@ -203,6 +204,14 @@ FULL_TIER.update({
     # (The fast tier keeps greedy, sampling, the stream and the engine across spans.)
     "tests/decoding/test_spans.py::test_beam_search_and_prompt_lookup_across_spans_keep_their_tokens":
         "more strategies across spans",
+    # (The fast tier keeps speculative decoding's rounds, and a plain stream's, tests/decoding/test_spans.py.)
+    "tests/decoding/test_speculative.py::test_stream_gives_the_same_tokens": "more strategies streamed",
+    # (The fast tier keeps the scanned layout.)
+    "tests/test_blockwise.py::test_a_decoder_attending_in_blocks_equals_the_dense_one_and_its_gradients[layers]":
+        "more layouts",
+    # (The fast tier keeps the bfloat16 load.)
+    "tests/convert/test_load_memory.py::test_sharded_bf16_loads_within_1_3x_the_weights[float32-scanned]":
+        "more layouts",
 })
 # The chunked loss's 120 cases (chunk size x head layout x ignore_id x smoothing, a compile each): the fast tier
 # keeps 20, every value of each parameter beside every value of each other one (case k = chunk + layout, by index, takes
