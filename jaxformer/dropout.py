@@ -8,10 +8,10 @@ probability within 2**-17 of `rate`; the kept elements are divided by the keep p
 those 16 bits give (`keep_probability`), so the mean is the input's exactly. Why 16 bits, not
 32: the masks' random bits are a large part of a small model's training step on a CPU, and
 JAX's threefry computes one hash for each 32-bit word it returns, so two elements a word
-halve that cost (the reversal demo's update: 29 ms instead of 40 on a 2-core CPU). A float
-uniform draw (`jax.random.bernoulli`) costs more still (the bits turned into floats first).
-The words are drawn along the last axis (two elements of it a word), so a mask of an array
-split over devices along any other axis is drawn where each part lives.
+halve that cost (the reversal demo's update: about 30 ms instead of 40 on a 2-core CPU). A
+float uniform draw (`jax.random.bernoulli`) costs more still (the bits turned into floats
+first). Two neighbours along the last axis share a word; the mask does not depend on how the
+array is split over devices (tests/sharding/eight_devices.py).
 """
 
 from __future__ import annotations
