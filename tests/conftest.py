@@ -113,8 +113,7 @@ FULL_TIER = {
     "tests/serving/test_app.py": "the server started, with concurrent clients",
     "tests/serving/test_tools.py::test_a_model_that_calls_a_tool": "a model trained to call a tool, served",
     "tests/serving/test_lm_eval.py": "lm-eval against the server started, and against transformers",
-    # (The fast tier keeps the scanned-with-rings layout of these, the one with the most to get wrong;
-    # the others here.)
+    # (Groups of rows in one call, on each layout; the fast tier keeps the engine's fused steps, test_engine.py.)
     "tests/test_decoder.py::test_groups_of_rows_in_one_call_equal_their_calls_apart[full]": "more layouts",
     "tests/test_decoder.py::test_groups_of_rows_in_one_call_equal_their_calls_apart[rings]": "more layouts",
     "tests/test_decoder.py::test_groups_of_rows_in_one_call_equal_their_calls_apart[scanned]": "more layouts",
@@ -162,8 +161,8 @@ FULL_TIER.update({f"tests/families/test_families.py::test_cached_decoding_equals
                       "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M")})
 # Variants whose test stays in the fast tier on its other parametrisations: speculative greedy keeps
 # a proposer on each config, lookup on gqa and mha, a draft model of its own on mqa (the gqa model as its
-# own draft: the file's other tests); vanilla's cached greedy keeps its untied post-norm model (the tied
-# model's cached steps: test_cached_steps_equal_teacher_forcing).
+# own draft: the file's other tests); vanilla's cached greedy is in the full tier on each model (the
+# cached steps: test_cached_steps_equal_teacher_forcing).
 FULL_TIER.update({
     "tests/decoding/test_speculative.py::test_greedy_gives_generates_tokens[gqa-split-half-tied-draft-8]":
         "more proposers",
@@ -212,6 +211,14 @@ FULL_TIER.update({
     # (The fast tier keeps the bfloat16 load.)
     "tests/convert/test_load_memory.py::test_sharded_bf16_loads_within_1_3x_the_weights[float32-scanned]":
         "more layouts",
+    # (The fast tier keeps each refusal of a run directory in the library, tests/training/test_run_dir.py
+    # and test_loop.py; here the commands refuse a real finished run's damaged copies, one line each.)
+    "tests/faults/test_inputs.py::test_cli_refuses_a_run_dir_in_one_line_and_changes_nothing":
+        "a finished run's directory, damaged, refused by the commands",
+    # (The fast tier keeps the engine's fused steps, tests/serving/test_engine.py.)
+    "tests/test_decoder.py::test_groups_of_rows_in_one_call_equal_their_calls_apart[scanned-rings]": "more layouts",
+    # (The fast tier keeps vanilla's cached steps against teacher forcing.)
+    "tests/test_vanilla.py::test_cached_greedy_equals_uncached[False-False]": "more layouts",
 })
 # The chunked loss's 120 cases (chunk size x head layout x ignore_id x smoothing, a compile each): the fast tier
 # keeps 20, every value of each parameter beside every value of each other one (case k = chunk + layout, by index, takes
