@@ -30,6 +30,8 @@ HEAD_DIM = "head_dim"  # channels within one head
 MLP = "mlp"  # the feed-forward network's hidden units
 QKV = "qkv"  # which of Q, K, V in a packed projection
 LAYERS = "layers"  # the block a stacked parameter belongs to (a scanned model); never split
+EXPERTS = "experts"  # which expert of a mixture (`jaxformer.experts`) a stacked parameter is
+ROUTES = "routes"  # a router's score per expert; never split: every device routes its own tokens
 
 # (logical axis, mesh axis, strategies), in order of preference. A mesh axis splits at
 # most one dimension of an array, and a dimension that does not divide evenly over it is

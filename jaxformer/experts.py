@@ -1,0 +1,293 @@
+"""A mixture of experts: the "experts" feed-forward kind of a decoder layer.
+
+    logits = x W_router                      [N, E], one score per expert for each token
+    ids, g = route(logits)                   [N, k], each token's k experts and their weights
+    y      = sum_c g[:, c] * FFN_{ids[:, c]}(x)   + shared(x)
+
+Each expert is the family's gated MLP, its weights stored stacked, `w_gate, w_up [E, d, F]` and
+`w_down [E, F, d]`. A token runs through its k experts alone: the (token, choice) pairs are
+sorted by expert into one grouped product (`jaxformer.grouped`), so the work and the weight
+bytes read grow with the experts chosen, not with `E`, and no token is dropped. A capacity
+(`ExpertsSpec.capacity_factor`) instead gives each expert a fixed number of rows, for static-shape
+training: what overflows is dropped, and counted.
+
+The routing rules, each as its family defines it (`ROUTINGS`):
+
+    softmax_topk     p = softmax(logits); the k largest; renormalised to sum 1 or not
+                     (Qwen3-MoE, Mixtral: yes; OLMoE, Qwen2-MoE: no)
+    topk_softmax     the k largest logits, then a softmax over those k (gpt-oss)
+    sigmoid_grouped  s = sigmoid(logits); experts chosen by s + a correction bias, within the
+                     `topk_group` groups (of `n_group`) whose two best sum highest; weights from
+                     s, renormalised or not, times `routed_scale` (DeepSeek-V3, Kimi K2)
+
+Equal scores resolve as `jax.lax.top_k` does: the lower expert index first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxformer import grouped
+from jaxformer.feedforward import GATES, GatedMLP, GatedMLPSpec
+from jaxformer.products import product
+from jaxformer.sharding import EMBED, EXPERTS, MLP, ROUTES, Weight, compute_param
+
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
+ACTIVATIONS = (*GATES, "clamped_swiglu")  # the experts' gate: the dense MLP's, or gpt-oss's clamped SwiGLU
+ROUTER_COLLECTION = "router"  # where each layer sows its router's logits and its capacity's drops
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    """The "experts" feed-forward kind: a router and `n_experts` gated MLPs, `top_k` per token.
+
+    Attributes:
+      n_experts: E, the routed experts.
+      top_k: k, the experts each token runs through, `1 <= k <= E`.
+      width: each expert's hidden width (`moe_intermediate_size`).
+      activation: the gate's nonlinearity, one of `ACTIVATIONS`: "silu", "gelu_tanh", or
+        "clamped_swiglu" (gpt-oss: `(clip(up) + 1) * g sigmoid(alpha g)`, g the gate clipped above).
+      routing: one of `ROUTINGS` (the module's docstring).
+      normalize: the k weights renormalised to sum 1 (`norm_topk_prob`; softmax_topk and sigmoid_grouped).
+      router_bias: the router adds a bias per expert (gpt-oss).
+      expert_bias: each expert's three products add a bias (gpt-oss).
+      swiglu_limit, swiglu_alpha: "clamped_swiglu"'s clip and the sigmoid's slope.
+      n_group, topk_group: sigmoid_grouped: the experts in `n_group` equal groups, the choice
+        within the best `topk_group`.
+      routed_scale: sigmoid_grouped: the weights' factor (`routed_scaling_factor`).
+      shared_width: a shared expert's hidden width, a gated MLP every token runs through
+        besides its k (Qwen2-MoE, DeepSeek); None: none.
+      shared_gate: the shared expert's output scaled by `sigmoid(x w_shared_gate)` (Qwen2-MoE).
+      capacity_factor: None (dropless, the default); else each expert takes at most
+        `ceil(capacity_factor * N * k / E)` of a call's N tokens' pairs, the rest dropped.
+    """
+
+    n_experts: int
+    top_k: int
+    width: int
+    activation: str = "silu"
+    routing: str = "softmax_topk"
+    normalize: bool = True
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scale: float = 1.0
+    shared_width: int | None = None
+    shared_gate: bool = False
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        def need(ok: bool, field: str, rule: str):
+            if not ok:
+                raise ValueError(f"ExpertsSpec.{field} must be {rule} (got {getattr(self, field)!r})")
+
+        for field in ("n_experts", "top_k", "width", "n_group", "topk_group"):
+            need(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "an int >= 1")
+        need(self.top_k <= self.n_experts, "top_k", f"at most n_experts={self.n_experts}")
+        need(self.activation in ACTIVATIONS, "activation", f"one of {ACTIVATIONS}")
+        need(self.routing in ROUTINGS, "routing", f"one of {ROUTINGS}")
+        clamped = self.activation == "clamped_swiglu"
+        for field in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, field)
+            need((value is not None and value > 0) if clamped else value is None, field,
+                 "a number > 0" if clamped else "None unless activation='clamped_swiglu'")
+        grouped_routing = self.routing == "sigmoid_grouped"
+        need(self.n_experts % self.n_group == 0 and (self.n_group == 1 or grouped_routing), "n_group",
+             f"a divisor of n_experts={self.n_experts} (other than 1 only with routing='sigmoid_grouped')")
+        need(self.topk_group <= self.n_group, "topk_group", f"at most n_group={self.n_group}")
+        need(not grouped_routing or self.n_experts // self.n_group >= 2, "n_group",
+             "such that each group holds 2 experts or more (a group scores by its best two)")
+        need(self.top_k <= self.topk_group * self.n_experts // self.n_group, "top_k",
+             "at most the experts of topk_group groups")
+        need(self.routed_scale > 0 and (self.routed_scale == 1.0 or grouped_routing), "routed_scale",
+             "> 0 (other than 1 only with routing='sigmoid_grouped')")
+        need(self.shared_width is None or (isinstance(self.shared_width, int) and self.shared_width >= 1),
+             "shared_width", "None or an int >= 1")
+        need(self.shared_width is None or self.activation in GATES, "shared_width",
+             f"None with activation={self.activation!r} (a shared expert is a gated MLP of {tuple(GATES)})")
+        need(not self.shared_gate or self.shared_width is not None, "shared_gate", "False without a shared expert")
+        need(self.capacity_factor is None or self.capacity_factor > 0, "capacity_factor", "None or a number > 0")
+
+    def build(self, config, name: str) -> "Experts":
+        """The module of a layer of this spec, named `name` in its block."""
+        return Experts(config, self, name=name)
+
+    def weights(self, d_model: int) -> dict[str, Weight]:
+        """The router's and the experts' parameters, by name (as `AttentionSpec.weights`); the
+        shared expert's are `shared_weights`'."""
+        E, F = self.n_experts, self.width
+        weights = {"router": Weight((d_model, E), (EMBED, ROUTES)),
+                   "w_gate": Weight((E, d_model, F), (EXPERTS, EMBED, MLP), inputs=2),
+                   "w_up": Weight((E, d_model, F), (EXPERTS, EMBED, MLP), inputs=2),
+                   "w_down": Weight((E, F, d_model), (EXPERTS, MLP, EMBED), inputs=2)}
+        if self.router_bias:
+            weights["router_bias"] = Weight((E,), (ROUTES,), inputs=0)
+        if self.routing == "sigmoid_grouped":  # used to choose, never to weigh
+            weights["correction_bias"] = Weight((E,), (ROUTES,), inputs=0)
+        if self.expert_bias:
+            weights.update(b_gate=Weight((E, F), (EXPERTS, MLP), inputs=1),
+                           b_up=Weight((E, F), (EXPERTS, MLP), inputs=1),
+                           b_down=Weight((E, d_model), (EXPERTS, EMBED), inputs=1))
+        if self.shared_gate:
+            weights["shared_gate"] = Weight((d_model, 1), (EMBED, ROUTES))
+        return weights
+
+    @property
+    def shared(self) -> GatedMLPSpec | None:
+        """The shared expert's spec, or None."""
+        return None if self.shared_width is None else GatedMLPSpec(self.shared_width, self.activation)
+
+
+def route(logits: jax.Array, spec: ExpertsSpec, correction_bias: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array]:
+    """Each token's experts and their weights: `(weights float32 [N, k], ids int32 [N, k])` from the
+    router's float32 `logits [N, E]`, by `spec.routing` (the module's docstring); `correction_bias`
+    `[E]`, sigmoid_grouped's, shifts the choice and not the weights."""
+    k = spec.top_k
+    if spec.routing == "topk_softmax":  # the k largest logits, a softmax over them alone
+        top, ids = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1), ids
+    if spec.routing == "softmax_topk":
+        weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+        return (weights / weights.sum(-1, keepdims=True) if spec.normalize else weights), ids
+    scores = jax.nn.sigmoid(logits)  # [N, E]
+    choice = scores + correction_bias  # chooses; the weights stay `scores`
+    n, E = logits.shape
+    groups = choice.reshape(n, spec.n_group, E // spec.n_group)  # [N, n_group, E / n_group]
+    group_score = jax.lax.top_k(groups, 2)[0].sum(-1)  # [N, n_group], each group's best two
+    kept = jax.lax.top_k(group_score, spec.topk_group)[1]  # [N, topk_group]
+    in_kept = jnp.zeros((n, spec.n_group), bool).at[jnp.arange(n)[:, None], kept].set(True)
+    choice = jnp.where(jnp.repeat(in_kept, E // spec.n_group, axis=1), choice, -jnp.inf)
+    ids = jax.lax.top_k(choice, k)[1]  # [N, k]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if spec.normalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * spec.routed_scale, ids
+
+
+def expert_gate(spec: ExpertsSpec, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The experts' hidden layer from the gate's and up's products: `act(gate) * up`, or
+    gpt-oss's clamped SwiGLU `(clip(up, -L, L) + 1) * g sigmoid(alpha g)`, `g = min(gate, L)`."""
+    if spec.activation != "clamped_swiglu":
+        return GATES[spec.activation](gate) * up
+    limit = spec.swiglu_limit
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * spec.swiglu_alpha))
+
+
+def capacity(spec: ExpertsSpec, n_tokens: int) -> int:
+    """The rows each expert takes with `spec.capacity_factor`: `ceil(factor * N * k / E)`."""
+    return math.ceil(spec.capacity_factor * n_tokens * spec.top_k / spec.n_experts)
+
+
+def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: dict, *, how: str,
+           block: int, capacity: int | None) -> tuple[jax.Array, jax.Array]:
+    """`(y [N, d_model], dropped int32 [])`: `sum_c gates[:, c] * FFN_{ids[:, c]}(tokens)`, the pairs
+    laid out by `grouped.dispatch` and each of the experts' three products one grouped product
+    (`grouped.PRODUCTS[how]`); `w` the layer's parameters by name."""
+    layout = grouped.dispatch(ids, spec.n_experts, block, capacity)
+    multiply = grouped.PRODUCTS[how]
+    rows = grouped.gather_rows(tokens, layout, spec.top_k)  # [rows, d_model]
+    gate, up = multiply(rows, w["w_gate"], layout), multiply(rows, w["w_up"], layout)  # [rows, F]
+    if spec.expert_bias:  # each row its expert's bias (none past the last group: those rows are never read)
+        expert = grouped.row_experts(layout)
+
+        def bias(name):
+            return jnp.take(w[name], expert, axis=0, mode="fill", fill_value=0)
+
+        gate, up = gate + bias("b_gate"), up + bias("b_up")
+    y = multiply(expert_gate(spec, gate, up), w["w_down"], layout)  # [rows, d_model]
+    if spec.expert_bias:
+        y = y + bias("b_down")
+    pairs = grouped.scatter_rows(y, layout, ids.shape)  # [N, k, d_model]
+    out = jnp.einsum("nkd,nk->nd", pairs, gates, preferred_element_type=jnp.float32)  # the weighted sum
+    return out.astype(tokens.dtype), layout.dropped
+
+
+class Experts(nn.Module):
+    """A mixture of experts (a feed-forward of kind `ExpertsSpec`): each token through its k
+    routed experts, weighted, plus a shared expert where the spec has one.
+
+    The router's logits `[batch, T, E]` (float32) are sown into the `ROUTER_COLLECTION` as
+    `logits`, what the load-balancing loss reads (`load_balancing_loss`), and with a capacity
+    the pairs it dropped as `dropped`: each a no-op unless that collection is mutable.
+
+    Attributes:
+      config: the model's `DecoderConfig` (`d_model`, `n_layer`, LoRA, dtypes).
+      spec: this layer's `ExpertsSpec`.
+    """
+
+    config: "DecoderConfig"  # noqa: F821
+    spec: ExpertsSpec
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c, s = self.config, self.spec
+        if c.lora is not None and c.lora.matrices & {"w_gate", "w_up", "w_down"}:
+            raise ValueError(f"LoraConfig.targets={c.lora.targets}: the MLP's projections are experts in this layer; "
+                             "adapt the attention's (q_proj, k_proj, v_proj, o_proj)")
+        declared = s.weights(c.d_model)
+        init = nn.initializers.normal(0.02)
+        residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))  # see GQASelfAttention
+        inits = {"w_down": residual_init, "router_bias": nn.initializers.zeros,
+                 "correction_bias": nn.initializers.zeros, "b_gate": nn.initializers.zeros,
+                 "b_up": nn.initializers.zeros, "b_down": nn.initializers.zeros}
+        w = {name: compute_param(self, name, inits.get(name, init), *declared[name][:2]) for name in declared}
+
+        batch, T, d = x.shape
+        tokens = x.reshape(batch * T, d)  # [N, d_model]
+        logits = product("nd,de->ne", tokens, w["router"])  # [N, E] in the compute dtype, as the families' routers
+        if s.router_bias:
+            logits = logits + w["router_bias"]
+        logits = logits.astype(jnp.float32)
+        self.sow(ROUTER_COLLECTION, "logits", logits.reshape(batch, T, -1))
+        gates, ids = route(logits, s, w.get("correction_bias"))
+        gates = gates.astype(x.dtype)  # the weights in the compute dtype, as the families apply them
+
+        N = batch * T
+        limit = None if s.capacity_factor is None else capacity(s, N)
+        run = functools.partial(routed, s, how="in_blocks", capacity=limit,
+                                block=limit or grouped.block_size(N * s.top_k, s.n_experts))
+        # A CPU multiplies block by block; a GPU's or TPU's compiler has grouped-matmul kernels for ragged_dot.
+        y, dropped = jax.lax.platform_dependent(tokens, ids, gates, w, cpu=run,
+                                                default=functools.partial(run, how="ragged", block=limit or 1))
+        if limit is not None:
+            self.sow(ROUTER_COLLECTION, "dropped", dropped)
+        y = y.reshape(batch, T, d)
+        if s.shared is not None:  # every token through the shared expert too, gated (Qwen2-MoE) or not
+            shared = GatedMLP(c, s.shared, name="shared")(x)
+            if s.shared_gate:
+                shared = shared * jax.nn.sigmoid(product("btd,do->bto", x, w["shared_gate"]))
+            y = y + shared
+        return y  # [batch, T, d_model]
+
+
+def load_balancing_loss(logits: list[jax.Array], top_k: int, mask: jax.Array | None = None) -> jax.Array:
+    """The router's auxiliary loss as transformers computes it (`load_balancing_loss_func`):
+    over every layer's router `logits` (each float32 `[batch, T, E]`) and the tokens `mask`
+    keeps (bool `[batch, T]`, None: all),
+
+        f_e = (pairs routed to e) / tokens,   P_e = (sum of softmax probabilities of e) / tokens
+        loss = E * sum_e f_e P_e
+
+    each a mean over every layer's tokens; routed by the softmax's top k whatever the layer's own
+    routing. It is smallest, `k`, when every expert gets an equal share."""
+    E = logits[0].shape[-1]
+    keep = jnp.ones(logits[0].shape[:2], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    counts, probs = jnp.zeros(E), jnp.zeros(E)
+    for layer in logits:
+        p = jax.nn.softmax(layer.astype(jnp.float32), axis=-1)  # [batch, T, E]
+        chosen = jax.nn.one_hot(jax.lax.top_k(p, top_k)[1], E).sum(-2)  # [batch, T, E], k ones a token
+        counts = counts + jnp.einsum("bte,bt->e", chosen, keep)
+        probs = probs + jnp.einsum("bte,bt->e", p, keep)
+    rows = keep.sum() * len(logits)
+    return E * jnp.sum((counts / rows) * (probs / rows))
