@@ -24,6 +24,7 @@ from jaxformer.cache import KVCache, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import OutputHead, lookup
+from jaxformer.experts import ROUTER_COLLECTION
 from jaxformer.layers import Block, LayerSpec, Segment, layer_specs, norm, scan_name, scanned_places, segments, view_key
 from jaxformer.memory import prefill_bytes
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
@@ -66,12 +67,12 @@ class Pattern(nn.Module):
 
 def scanned_blocks(config: DecoderConfig, segment: Segment, name: str) -> nn.Module:
     """A segment's layers run as one, named `name`: its body (a `Block` of its one body's specs, or
-    a `Pattern` of several) scanned `segment.repeats` times. Parameters, their axis names and the
-    sown intermediates gain a leading axis, each period its own init key; the cache rides in the
+    a `Pattern` of several) scanned `segment.repeats` times. Parameters, their axis names, the
+    sown intermediates and routers' logits gain a leading axis, each period its own init key; the cache rides in the
     carry, and each block reads its own `(which, index)`."""
     one = len(segment.pattern) == 1
     scanned = nn.scan(block_type(config) if one else Pattern,
-                      variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0},
+                      variable_axes={"params": 0, AXES_COLLECTION: 0, "intermediates": 0, ROUTER_COLLECTION: 0},
                       split_rngs={"params": True}, in_axes=(nn.broadcast, 0),
                       length=segment.repeats, metadata_params={nn.PARTITION_NAME: LAYERS})
     return scanned(config, segment.pattern[0] if one else segment.pattern, name=name)

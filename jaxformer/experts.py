@@ -33,8 +33,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer import grouped
 from jaxformer.feedforward import GATES, GatedMLP, GatedMLPSpec
+from jaxformer.grouped import PRODUCTS, block_size, dispatch, gather_rows, row_experts, scatter_rows
 from jaxformer.products import product
 from jaxformer.sharding import EMBED, EXPERTS, MLP, ROUTES, Weight, compute_param
 
@@ -66,6 +66,8 @@ class ExpertsSpec:
       shared_gate: the shared expert's output scaled by `sigmoid(x w_shared_gate)` (Qwen2-MoE).
       capacity_factor: None (dropless, the default); else each expert takes at most
         `ceil(capacity_factor * N * k / E)` of a call's N tokens' pairs, the rest dropped.
+      aux_loss_coef: the weight of the router's load-balancing loss in training
+        (`router_aux_loss_coef`; `load_balancing_loss`).
     """
 
     n_experts: int
@@ -84,6 +86,7 @@ class ExpertsSpec:
     shared_width: int | None = None
     shared_gate: bool = False
     capacity_factor: float | None = None
+    aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         def need(ok: bool, field: str, rule: str):
@@ -116,6 +119,7 @@ class ExpertsSpec:
              f"None with activation={self.activation!r} (a shared expert is a gated MLP of {tuple(GATES)})")
         need(not self.shared_gate or self.shared_width is not None, "shared_gate", "False without a shared expert")
         need(self.capacity_factor is None or self.capacity_factor > 0, "capacity_factor", "None or a number > 0")
+        need(self.aux_loss_coef >= 0, "aux_loss_coef", "a number >= 0")
 
     def build(self, config, name: str) -> "Experts":
         """The module of a layer of this spec, named `name` in its block."""
@@ -193,13 +197,13 @@ def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Arra
            block: int, capacity: int | None) -> tuple[jax.Array, jax.Array]:
     """`(y [N, d_model], dropped int32 [])`: `sum_c gates[:, c] * FFN_{ids[:, c]}(tokens)`, the pairs
     laid out by `grouped.dispatch` and each of the experts' three products one grouped product
-    (`grouped.PRODUCTS[how]`); `w` the layer's parameters by name."""
-    layout = grouped.dispatch(ids, spec.n_experts, block, capacity)
-    multiply = grouped.PRODUCTS[how]
-    rows = grouped.gather_rows(tokens, layout, spec.top_k)  # [rows, d_model]
+    (`PRODUCTS[how]`); `w` the layer's parameters by name."""
+    layout = dispatch(ids, spec.n_experts, block, capacity)
+    multiply = PRODUCTS[how]
+    rows = gather_rows(tokens, layout, spec.top_k)  # [rows, d_model]
     gate, up = multiply(rows, w["w_gate"], layout), multiply(rows, w["w_up"], layout)  # [rows, F]
     if spec.expert_bias:  # each row its expert's bias (none past the last group: those rows are never read)
-        expert = grouped.row_experts(layout)
+        expert = row_experts(layout)
 
         def bias(name):
             return jnp.take(w[name], expert, axis=0, mode="fill", fill_value=0)
@@ -208,7 +212,7 @@ def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Arra
     y = multiply(expert_gate(spec, gate, up), w["w_down"], layout)  # [rows, d_model]
     if spec.expert_bias:
         y = y + bias("b_down")
-    pairs = grouped.scatter_rows(y, layout, ids.shape)  # [N, k, d_model]
+    pairs = scatter_rows(y, layout, ids.shape)  # [N, k, d_model]
     out = jnp.einsum("nkd,nk->nd", pairs, gates, preferred_element_type=jnp.float32)  # the weighted sum
     return out.astype(tokens.dtype), layout.dropped
 
@@ -256,7 +260,7 @@ class Experts(nn.Module):
         N = batch * T
         limit = None if s.capacity_factor is None else capacity(s, N)
         run = functools.partial(routed, s, how="in_blocks", capacity=limit,
-                                block=limit or grouped.block_size(N * s.top_k, s.n_experts))
+                                block=limit or block_size(N * s.top_k, s.n_experts))
         # A CPU multiplies block by block; a GPU's or TPU's compiler has grouped-matmul kernels for ragged_dot.
         y, dropped = jax.lax.platform_dependent(tokens, ids, gates, w, cpu=run,
                                                 default=functools.partial(run, how="ragged", block=limit or 1))

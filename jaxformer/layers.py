@@ -9,6 +9,7 @@ names, shapes and sharding axes (`spec.weights(d_model)`):
 
     mixers          AttentionSpec -> GQASelfAttention    (jaxformer.attention)
     feed-forwards   GatedMLPSpec  -> GatedMLP            (jaxformer.feedforward)
+                    ExpertsSpec   -> Experts             (jaxformer.experts: a mixture of experts)
 
 A mixer's spec also says what a layer reads in a call besides its input (`spec.view`: RoPE's
 angles and which keys each query sees) and which slots it keeps per row between calls
@@ -29,12 +30,13 @@ import jax.numpy as jnp
 
 from jaxformer.attention import AttentionSpec, Part
 from jaxformer.config import DecoderConfig
+from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.norms import RMSNorm
 
 NORM_PLACEMENTS = ("pre", "sandwich")  # a norm before each sublayer; or before and after it (its output's)
 MIXERS = (AttentionSpec,)  # the kinds of mixer a layer may have
-FEED_FORWARDS = (GatedMLPSpec,)  # ... and of feed-forward
+FEED_FORWARDS = (GatedMLPSpec, ExpertsSpec)  # ... and of feed-forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +45,12 @@ class LayerSpec:
 
     Attributes:
       mixer: how positions exchange information, one of `MIXERS` (`AttentionSpec`).
-      ffn: the position-wise feed-forward, one of `FEED_FORWARDS` (`GatedMLPSpec`).
+      ffn: the position-wise feed-forward, one of `FEED_FORWARDS` (`GatedMLPSpec`, `ExpertsSpec`).
       norms: where the RMSNorms sit, one of `NORM_PLACEMENTS`.
     """
 
     mixer: AttentionSpec
-    ffn: GatedMLPSpec
+    ffn: GatedMLPSpec | ExpertsSpec
     norms: str = "pre"
 
     def __post_init__(self):

@@ -24,7 +24,7 @@ from jaxformer.convert.layers import block_name, with_scan_layers
 from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.convert.safetensors_file import SafetensorsFile, write_safetensors
 from jaxformer.families import FAMILIES, family_of
-from jaxformer.families.common import Tensor, common_hf_fields, fail
+from jaxformer.families.common import Tensor, common_hf_fields, fail, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs, scanned_places
 from jaxformer.sharding import put
@@ -225,7 +225,9 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     # per-layer arrays afterwards would hold the weights twice.
     places = {block_name(i): place for i, place in enumerate(scanned_places(layer_specs(config)))} \
         if scan_layers else {}
-    stacks: dict[tuple[str, ...], tuple[np.ndarray, list[int]]] = {}  # stacked path -> (array, rows written)
+    # (Likewise an expert's tensor into its row of the experts' stack, `.../mlp/w_up[e]`, and in a
+    # scanned model `blocks/mlp/w_up[i, e]`.)
+    stacks: dict[tuple[str, ...], tuple[np.ndarray, list[tuple]]] = {}  # stacked path -> (array, rows written)
     stored_head, seen, unexpected = None, set(), []
     for key, w in _read_tensors(path):
         if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store them; they follow from rope_theta
@@ -237,20 +239,24 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
             unexpected.append(key)
             continue
         parts = table[key]
-        want = (sum(t.hf_shape[0] for t in parts), *parts[0].hf_shape[1:]) if parts[0].rows else parts[0].hf_shape
+        want = whole_shape(parts)
         if w.shape != want:
             raise ValueError(f"{path}: {key}: expected shape {want} from config.json, got {tuple(w.shape)}")
         for t in parts:
-            value = t.to_jax(w if t.rows is None else w[t.rows[0]:t.rows[1]])
-            if t.path[0] in places:
-                where, row, rows = places[t.path[0]]
-                stacked, filled = stacks.setdefault(
-                    (*where, *t.path[1:]), (_aligned_empty((rows, *t.shape), config.param_dtype), []))
-                np.copyto(stacked[row], value, casting="unsafe")
-                filled.append(row)
-            else:
-                _set(params, t.path, _placed(value, config.param_dtype,
-                                             None if shardings is None else _get(shardings, t.path)))
+            value = t.to_jax(w[t.index])
+            lead, shape, where = (), t.shape, t.path  # its index in a stacked parameter, that one's shape and path
+            if t.expert is not None:  # one expert's row of the experts' stack
+                lead, shape = (t.expert[0],), (t.expert[1], *t.shape)
+            if t.path[0] in places:  # its layer's row of a scanned stack
+                stacked_path, row, rows = places[t.path[0]]
+                lead, shape, where = (row, *lead), (rows, *shape), (*stacked_path, *t.path[1:])
+            if not lead:
+                _set(params, where, _placed(value, config.param_dtype,
+                                            None if shardings is None else _get(shardings, where)))
+                continue
+            stacked, filled = stacks.setdefault(where, (_aligned_empty(shape, config.param_dtype), []))
+            np.copyto(stacked[lead], value, casting="unsafe")
+            filled.append(lead)
         seen.add(key)
     missing = sorted(table.keys() - seen)
     if missing or unexpected:
@@ -259,13 +265,12 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     if stored_head is not None and not np.array_equal(stored_head.astype(config.param_dtype), params["embed"]):
         raise ValueError(f"{path}: config.json tie_word_embeddings: is true but lm_head.weight differs from "
                          "model.embed_tokens.weight")
-    if not scan_layers:
-        return config, params
     for where, (stacked, filled) in stacks.items():
-        if sorted(filled) != list(range(len(stacked))):  # a row never written would be garbage
-            raise ValueError(f"{path}: {'/'.join(where)} is not in every layer it stacks, so the layers cannot stack")
+        if sorted(filled) != list(np.ndindex(stacked.shape[:len(filled[0])])):  # a row never written would be garbage
+            raise ValueError(f"{path}: {'/'.join(where)} is not in every layer or expert it stacks, so they cannot "
+                             "stack")
         _set(params, where, jax.device_put(stacked) if shardings is None else put(stacked, _get(shardings, where)))
-    return config.replace(scan_layers=True), params
+    return (config.replace(scan_layers=True) if scan_layers else config), params
 
 
 def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = None,
@@ -292,20 +297,21 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
     special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
     hf_config = config_to_hf(config, **special)  # refuses what the format cannot hold, before any file is written
     dtype = np.dtype(config.param_dtype)
-    parts: dict[str, list] = {}  # HF key -> its tensors, in row order (Phi-3's fused projections: several)
+    parts: dict[str, list] = {}  # HF key -> its parts (Phi-3's fused projections: several)
     for t in family_of(config).tensors(config):
-        shape = tuple(_get(params, t.path).shape)
-        if shape != t.shape:
-            raise ValueError(f"params{''.join(f'[{p!r}]' for p in t.path)}: expected shape {t.shape}, got {shape}")
+        shape, want = tuple(_get(params, t.path).shape), t.shape if t.expert is None else (t.expert[1], *t.shape)
+        if shape != want:
+            raise ValueError(f"params{''.join(f'[{p!r}]' for p in t.path)}: expected shape {want}, got {shape}")
         parts.setdefault(t.hf_key, []).append(t)
-    for pieces in parts.values():
-        pieces.sort(key=lambda t: t.rows[0] if t.rows else 0)
 
     def hf_tensor(key: str) -> np.ndarray:  # one tensor at a time, in the config's parameter dtype
-        return np.concatenate([t.to_hf(np.asarray(_get(params, t.path)).astype(dtype)) for t in parts[key]])
+        out = np.empty(whole_shape(parts[key]), dtype)
+        for t in parts[key]:
+            w = _get(params, t.path) if t.expert is None else _get(params, t.path)[t.expert[0]]
+            out[t.index] = t.to_hf(np.asarray(w).astype(dtype))
+        return out
 
-    shapes = [(key, (sum(t.hf_shape[0] for t in pieces), *pieces[0].hf_shape[1:]) if pieces[0].rows
-               else pieces[0].hf_shape, dtype) for key, pieces in parts.items()]
+    shapes = [(key, whole_shape(pieces), dtype) for key, pieces in parts.items()]
     os.makedirs(path, exist_ok=True)
     write_atomically(os.path.join(path, "model.safetensors"),
                      lambda tmp: write_safetensors(tmp, shapes, hf_tensor, {"format": "pt"}))

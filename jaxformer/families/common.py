@@ -225,19 +225,24 @@ def common_hf_fields(config: DecoderConfig) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One checkpoint tensor, or a block of its rows: its name and shape there, its place and
-    shape in jaxformer's tree.
+    """One checkpoint tensor, or a part of it: its name and shape there, its place and shape in
+    jaxformer's tree.
 
-    `rows` `(start, stop)` names the rows of a fused tensor (Phi-3's `qkv_proj`) that are this
-    parameter; the tensor's other blocks are other `Tensor`s of the same `hf_key`.
+    A fused tensor is listed once per part, each with the part's `rows` `(start, stop)` (Phi-3's
+    `qkv_proj`: q, k and v one after another) or `columns` `(first, step)` of its last axis
+    (gpt-oss's `gate_up_proj`: the gate at even columns, up at odd); the parts are `Tensor`s
+    of the same `hf_key`. A tensor that is one expert's of a parameter stacked over `E` experts
+    (`[E, ...]` in jaxformer's tree) names it by `expert` `(e, E)`.
     """
 
     hf_key: str
-    hf_shape: tuple[int, ...]  # of this block: [out, in] for a torch Linear
+    hf_shape: tuple[int, ...]  # of this part: [out, in] for a torch Linear
     path: tuple[str, ...]
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of this part, in jaxformer's layout (without the experts' axis)
     transpose: bool = False  # a torch Linear weight: [out, in] there, [in, out] (split into heads) here
     rows: tuple[int, int] | None = None
+    columns: tuple[int, int] | None = None
+    expert: tuple[int, int] | None = None
 
     def to_jax(self, w: np.ndarray) -> np.ndarray:
         return (w.T if self.transpose else w).reshape(self.shape)
@@ -245,11 +250,31 @@ class Tensor:
     def to_hf(self, w: np.ndarray) -> np.ndarray:
         return w.reshape(self.hf_shape[::-1]).T if self.transpose else w.reshape(self.hf_shape)
 
+    @property
+    def index(self) -> tuple:
+        """This part of the whole checkpoint tensor, a numpy index (`()`: all of it)."""
+        if self.rows is not None:
+            return (slice(*self.rows),)
+        if self.columns is not None:
+            return (..., slice(self.columns[0], None, self.columns[1]))
+        return ()
+
+
+def whole_shape(parts: list[Tensor]) -> tuple[int, ...]:
+    """The shape of the checkpoint tensor `parts` (all of one `hf_key`) make up together."""
+    first = parts[0]
+    if first.rows is not None:
+        return (sum(t.hf_shape[0] for t in parts), *first.hf_shape[1:])
+    if first.columns is not None:
+        return (*first.hf_shape[:-1], sum(t.hf_shape[-1] for t in parts))
+    return first.hf_shape
+
 
 def linear(hf_key: str, path: tuple[str, ...], shape: tuple[int, ...], n_out: int, n_in: int,
-           rows: tuple[int, int] | None = None) -> Tensor:
-    """A torch `Linear` weight `[n_out, n_in]` (or its `rows`) as jaxformer's `[n_in, ...]` `shape`."""
-    return Tensor(hf_key, (n_out, n_in), path, shape, transpose=True, rows=rows)
+           rows: tuple[int, int] | None = None, expert: tuple[int, int] | None = None) -> Tensor:
+    """A torch `Linear` weight `[n_out, n_in]` (or its `rows`) as jaxformer's `[n_in, ...]` `shape`
+    (expert `expert[0]`'s of a parameter stacked over `expert[1]`)."""
+    return Tensor(hf_key, (n_out, n_in), path, shape, transpose=True, rows=rows, expert=expert)
 
 
 def vector(hf_key: str, path: tuple[str, ...], n: int) -> Tensor:
@@ -345,10 +370,12 @@ class Family:
 
     def check_fits(self, config: DecoderConfig) -> None:
         """A ValueError naming the first feature of `config` this format cannot hold."""
-        # (config.json states each layer by the fields; filled specs that say more would be lost.)
-        if config.layers and config.layers != layer_specs(config.replace(layers=())):
-            raise ValueError(f"config.layers cannot be written as a {self.model_type} checkpoint (it holds the "
-                             "layers its fields state)")
+        # (config.json states each layer by its fields: filled specs it would read back otherwise would be lost.)
+        if config.layers:
+            fields = self.read({**common_hf_fields(config), **self.write(config)}, config.max_seq_len)
+            if layer_specs(config.replace(**{"layers": (), **fields})) != layer_specs(config):
+                raise ValueError(f"config.layers cannot be written as a {self.model_type} checkpoint (it holds the "
+                                 "layers its fields state)")
         for name, plain in PLAIN_FEATURES.items():
             values, value = self.features.get(name, (plain,)), getattr(config, name)
             if values != ANY and value not in values:

@@ -15,7 +15,6 @@ from jaxformer.families.common import (
     flag,
     hf_layer_types,
     layer_types,
-    mlp_tensors,
     norm_tensor,
     positive_int,
     refuse_set,
@@ -23,6 +22,7 @@ from jaxformer.families.common import (
     rope_parameters,
     single_rope,
 )
+from jaxformer.families.moe import QWEN_NAMES, ffn_tensors
 from jaxformer.layers import layer_specs
 
 
@@ -86,13 +86,14 @@ def write_qwen_window(config: DecoderConfig) -> dict:
             "layer_types": hf_layer_types(config)}
 
 
-def llama_layer(c: DecoderConfig, i: int) -> list:
-    """Layer i: pre-attention and pre-MLP norms, q/k/v/o, gate/up/down (and Qwen2's biases, Qwen3's q/k norms)."""
+def llama_layer(c: DecoderConfig, i: int, names: dict = QWEN_NAMES) -> list:
+    """Layer i: pre-attention and pre-MLP norms, q/k/v/o, gate/up/down or a layer of experts (by their
+    checkpoint `names`), and Qwen2's biases, Qwen3's q/k norms."""
     hf, block, spec = f"model.layers.{i}.", f"block_{i}", layer_specs(c)[i]
     return [norm_tensor(c, hf + "input_layernorm.weight", block, "attn_norm"),
             *attention_tensors(c.d_model, spec.mixer, hf, block),
             norm_tensor(c, hf + "post_attention_layernorm.weight", block, "mlp_norm"),
-            *mlp_tensors(c.d_model, spec.ffn, hf, block), *attention_extras(c.d_model, spec.mixer, hf, block)]
+            *ffn_tensors(c.d_model, spec.ffn, hf, block, names), *attention_extras(c.d_model, spec.mixer, hf, block)]
 
 
 def read_plain_llama(hf: dict, max_seq_len: int | None) -> dict:
