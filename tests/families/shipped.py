@@ -14,6 +14,8 @@ value that could not be confirmed says so on its line. Nothing here touches the 
 
 import copy
 
+from tests.families.shipped_moe import SHIPPED_MOE
+
 REPOS = {
     "Llama-3.2-1B": "meta-llama/Llama-3.2-1B",
     "Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
@@ -25,6 +27,16 @@ REPOS = {
     "Phi-3-mini-4k-instruct": "microsoft/Phi-3-mini-4k-instruct",
     "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B",
     "SmolLM2-135M": "HuggingFaceTB/SmolLM2-135M",
+    # Mixtures of experts (their config.json in shipped_moe.py)
+    "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
+    "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B",
+    "Mixtral-8x7B-v0.1": "mistralai/Mixtral-8x7B-v0.1",
+    "Mixtral-8x22B-v0.1": "mistralai/Mixtral-8x22B-v0.1",
+    "OLMoE-1B-7B-0924": "allenai/OLMoE-1B-7B-0924",
+    "Qwen1.5-MoE-A2.7B": "Qwen/Qwen1.5-MoE-A2.7B",
+    "Qwen2-57B-A14B": "Qwen/Qwen2-57B-A14B",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
+    "gpt-oss-120b": "openai/gpt-oss-120b",
 }
 
 SHIPPED = {
@@ -319,10 +331,15 @@ SHIPPED = {
     },
 }
 
+SHIPPED.update(SHIPPED_MOE)
+
 # The tiny sizes. num_hidden_layers: enough layers to show the layer pattern (gemma-2's 1:1 needs 2; gemma-3's
 # sliding_window_pattern 6 needs one whole period, five sliding layers and then a global one).
 _VOCAB, _HIDDEN, _FFN, _HEADS, _WINDOW = 128, 64, 128, 4, 8
 _LAYERS = {"gemma-3-1b-it": 6}
+# Experts: 8 of width 32 (Mixtral's and gpt-oss's `intermediate_size` is their experts' width: _FFN), k at most 3,
+# a shared expert 48 wide.
+_EXPERTS, _TOP_K, _EXPERT_FFN, _SHARED_FFN = 8, 3, 32, 48
 _TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -331,7 +348,8 @@ def tiny(name, **overrides):
 
     Kept as shipped: every other field, the RoPE dicts, max_position_embeddings, the soft-caps, the token-id
     structure (a list stays a list, equal ids stay equal). Shrunk: vocab 128, hidden 64, FFN 128, 4 heads,
-    sliding_window 8 where one is set, layers 2 (6 for gemma-3). Properties of the shipped shapes are kept:
+    sliding_window 8 where one is set, layers 2 (6 for gemma-3); 8 experts of 32 (Mixtral's and gpt-oss's of
+    128, their FFN), 3 a token at most, a shared expert of 48. Properties of the shipped shapes are kept:
     KV heads 4 / 2 / 1 for multi-head / grouped / multi-query attention; head_dim 32 where the shipped head_dim is
     not hidden / heads, else 16 (written only where shipped); query_pre_attn_scalar follows head_dim as shipped;
     max_window_layers and layer_types follow the new layer count. torch_dtype is "bfloat16" for all (gemma-2-2b
@@ -361,6 +379,13 @@ def tiny(name, **overrides):
 
     if shipped.get("sliding_window") is not None:
         config["sliding_window"] = _WINDOW
+    for key, size in (("num_experts", _EXPERTS), ("num_local_experts", _EXPERTS),
+                      ("moe_intermediate_size", _EXPERT_FFN), ("shared_expert_intermediate_size", _SHARED_FFN)):
+        if key in shipped:
+            config[key] = size
+    for key in ("num_experts_per_tok", "experts_per_token"):  # top-k below the count
+        if key in shipped:
+            config[key] = min(shipped[key], _TOP_K)
     if "max_window_layers" in shipped:  # the first max_window_layers layers never slide (Qwen2/3)
         shipped_layers, window_layers = shipped["num_hidden_layers"], shipped["max_window_layers"]
         shrunk = window_layers * layers // shipped_layers

@@ -8,6 +8,8 @@ logits by far more than the float32 tolerance; each prompt is longer
 than the shrunk sliding window (8), so a window that were ignored would show.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,8 @@ from shipped import scaled_up, tiny
 
 from jaxformer import Decoder, KVCache, generate
 from jaxformer.convert import load_hf, save_hf, with_scan_layers
+from jaxformer.experts import ExpertsSpec
+from jaxformer.layers import layer_specs
 
 torch = torch_peer()
 transformers = import_peer("transformers")
@@ -24,7 +28,8 @@ transformers = import_peer("transformers")
 pytestmark = pytest.mark.peers
 
 CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
-               "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M"]
+               "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M",
+               "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B"]
 MAX_SEQ_LEN = 64
 PROMPT_LEN, NEW_TOKENS = 12, 40
 TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
@@ -59,7 +64,19 @@ SWITCHED_ON = {
     "Phi-3 longrope": {"rope_scaling"},
     "Qwen2.5-0.5B": {"qkv_bias"},
     "SmolLM2-135M": set(),
+    "Qwen3-30B-A3B": {"qk_norm"},
+    "Mixtral-8x7B-v0.1": set(),
+    "Qwen1.5-MoE-A2.7B": {"qkv_bias"},
 }
+# Each routing feature of a family of experts, its layers' `ExpertsSpec` with the feature switched
+# (off, or to its other value), and the families that have it: the logits must move.
+EXPERT_FEATURES_OFF = {
+    "normalize": lambda spec: dataclasses.replace(spec, normalize=not spec.normalize),
+    "top_k": lambda spec: dataclasses.replace(spec, top_k=spec.top_k - 1),
+    "shared_gate": lambda spec: dataclasses.replace(spec, shared_gate=False),
+}
+EXPERT_FEATURES = {"Qwen3-30B-A3B": {"normalize", "top_k"}, "Mixtral-8x7B-v0.1": {"normalize", "top_k"},
+                   "Qwen1.5-MoE-A2.7B": {"normalize", "top_k", "shared_gate"}}
 # Gemma 2 2B's and Gemma 3 1B's query_pre_attn_scalar is their head_dim, where it changes nothing;
 # 27B's (144, head_dim 128) is not: the tiny copies take one apart from head_dim, so its guard can tell.
 # Gemma 2's final cap (30) is shrunk as the window is, to where this tiny model's logits reach it.
@@ -112,10 +129,24 @@ def test_logits_equal_transformers_and_each_feature_counts(family):
     scanned_config, scanned_params = with_scan_layers(config, params, True)
     scanned, _ = jit_apply(Decoder(scanned_config), {"params": scanned_params}, tokens.numpy())
     np.testing.assert_allclose(scanned, want, atol=TOLERANCE, rtol=0)
-    for feature in sorted(switched_on):
-        off_config, off_params = with_scan_layers(config.replace(**FEATURES_OFF[feature]), params, True)
+    for feature in sorted(switched_on | EXPERT_FEATURES.get(name, set())):
+        off_config, off_params = with_scan_layers(switched_off(config, feature), params, True)
         off, _ = jit_apply(Decoder(off_config), {"params": off_params}, tokens.numpy())
         assert np.abs(off - want).max() > 100 * TOLERANCE, f"{name}: {feature} off leaves the logits as they were"
+
+
+def switched_off(config, feature: str):
+    """`config` with `feature` switched off: a field of `FEATURES_OFF` (each filled layer's spec made
+    again from the fields, its feed-forward kept), or a routing feature of its layers of experts."""
+    if feature in EXPERT_FEATURES_OFF:
+        return config.replace(layers=tuple(
+            dataclasses.replace(spec, ffn=EXPERT_FEATURES_OFF[feature](spec.ffn))
+            if isinstance(spec.ffn, ExpertsSpec) else spec for spec in config.layers))
+    off = config.replace(layers=(), **FEATURES_OFF[feature])
+    if not config.layers:
+        return off
+    return off.replace(layers=tuple(dataclasses.replace(spec, ffn=filled.ffn)
+                                    for spec, filled in zip(layer_specs(off), config.layers)))
 
 
 @pytest.fixture(scope="module")
