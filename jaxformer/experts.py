@@ -295,3 +295,21 @@ def load_balancing_loss(logits: list[jax.Array], top_k: int, mask: jax.Array | N
         probs = probs + jnp.einsum("bte,bt->e", p, keep)
     rows = keep.sum() * len(logits)
     return E * jnp.sum((counts / rows) * (probs / rows))
+
+
+def router_logits(sown: dict) -> list[jax.Array]:
+    """Each layer's router logits, `[batch, T, E]` float32, from what a model sowed in the
+    `ROUTER_COLLECTION` (`apply(..., mutable=[ROUTER_COLLECTION])`'s second output, that
+    collection's tree): a block's as it is, a scanned segment's split along its layers' axis."""
+    layers = []
+
+    def walk(tree):
+        for name, value in tree.items():
+            if name == "logits":
+                (stacked,) = value  # (sow keeps a tuple of what was sown)
+                layers.extend(stacked.reshape(-1, *stacked.shape[-3:]))
+            elif isinstance(value, dict):
+                walk(value)
+
+    walk(sown.get(ROUTER_COLLECTION, {}))
+    return layers

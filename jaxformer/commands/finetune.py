@@ -35,8 +35,10 @@ from jaxformer.convert.peft import adapter_sizes, all_targets, check_targets, sa
 from jaxformer.decodable import Decodable
 from jaxformer.decoder import Decoder, sown_attention_weights
 from jaxformer.decoding import generate
+from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec, load_balancing_loss, router_logits
 from jaxformer.families import family_of
 from jaxformer.files import write_folder_atomically
+from jaxformer.layers import layer_specs
 from jaxformer.lora import Adapted, init_lora, merge
 from jaxformer.losses import chunk_positions, chunked_cross_entropy
 from jaxformer.memory import check_fits, format_bytes
@@ -252,14 +254,22 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
     )
 
+    experts = [spec.ffn for spec in layer_specs(config) if isinstance(spec.ffn, ExpertsSpec)]
+
     def loss_fn(trained, batch, dropout_key, base=None):
         # The base (LoRA's frozen weights, an argument of the step: `runs.Setup.frozen`) is
         # read, never differentiated: only the adapters get gradients.
         variables = {"params": trained} if lora is None else {"params": base, "lora": trained}
         # The loss from the final hidden states, a chunk's logits at a time; the head is the base's (LoRA leaves it).
-        hidden, _ = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key}, hidden=True)
+        (hidden, _), sown = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key}, hidden=True,
+                                        mutable=[ROUTER_COLLECTION])
         head = model.output_head(variables["params"])
-        return chunked_cross_entropy(hidden, batch["targets"], head, 0.0, ignore_id=IGNORE), {}
+        loss = chunked_cross_entropy(hidden, batch["targets"], head, 0.0, ignore_id=IGNORE)
+        if not experts:
+            return loss, {}
+        # A mixture of experts: plus its routers' load-balancing loss, weighted as its config.json says.
+        balance = load_balancing_loss(router_logits(sown), experts[0].top_k)
+        return loss + experts[0].aux_loss_coef * balance, {"load_balancing_loss": balance}
 
     return runs.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
                       make_batch=functools.partial(data.batch, batch_size=settings.batch_size),

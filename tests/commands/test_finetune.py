@@ -148,6 +148,25 @@ def test_full_fine_tuning_trains_every_parameter(checkpoint, tmp_path):
         assert not np.array_equal(x, y)  # every leaf moved (Adam's first step moves each by ~lr)
 
 
+def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path):
+    # Full fine-tuning of a Qwen3-MoE: every parameter moves, the experts' too, and the routers'
+    # load-balancing loss is part of the loss and logged.
+    save_random_checkpoint(tmp_path / "moe", experts=True)
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    done = run_main(finetune.main, ["--checkpoint", str(tmp_path / "moe"), "--data", str(data), "--steps", "4",
+                                    "--full", "--lr", "1e-3", "--run-dir", str(tmp_path / "run"),
+                                    "--merge", str(tmp_path / "tuned"), *FAST])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _, before = load_hf(str(tmp_path / "moe"))
+    _, after = load_hf(str(tmp_path / "tuned"))
+    assert before["block_0"]["mlp"]["w_up"].shape == (4, 32, 16)
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        assert not np.array_equal(x, y)
+    logged = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "load_balancing_loss" in row]
+    assert logged and all(2.0 <= row["load_balancing_loss"] < 4.0 for row in logged)  # k = 2 when even, E * k at most
+
+
 def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpoint, tmp_path):
     data = tmp_path / "new.txt"
     data.write_text(NEW_TEXT)

@@ -66,13 +66,18 @@ def set_eos(path: str, eos_ids: list[int]) -> None:
         json.dump(config, f)
 
 
-def save_random_checkpoint(path) -> None:
+def save_random_checkpoint(path, experts: bool = False) -> None:
     """A random Llama-shaped checkpoint folder written by jaxformer (2 layers of 32, small
-    weights), with `bpe_tokenizer` and `CHAT_TEMPLATE`: what fine-tuning tests adapt."""
+    weights), with `bpe_tokenizer` and `CHAT_TEMPLATE`: what fine-tuning tests adapt. With
+    `experts`, a Qwen3-MoE of the same shape: each feed-forward 4 experts of 16, 2 a token."""
+    import dataclasses
+
     from conftest import random_params
 
     from jaxformer import DecoderConfig
     from jaxformer.convert import save_hf
+    from jaxformer.experts import ExpertsSpec
+    from jaxformer.layers import layer_specs
     from jaxformer.text import Tokenizer as Framed
     from jaxformer.text import save_tokenizer
 
@@ -80,6 +85,10 @@ def save_random_checkpoint(path) -> None:
                        chat_template=CHAT_TEMPLATE)
     config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
                            max_seq_len=64)
+    if experts:
+        config = config.replace(qk_norm=True, hf_model_type="qwen3_moe")
+        config = config.replace(layers=tuple(dataclasses.replace(spec, ffn=ExpertsSpec(4, 2, 16))
+                                             for spec in layer_specs(config)))
     save_hf(config, random_params(config, seed=0, scale=0.1), str(path), bos_id=tokenizer.bos_id,
             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     save_tokenizer(tokenizer, str(path))
