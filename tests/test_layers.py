@@ -12,6 +12,7 @@ from conftest import SMALL, filled_layers, random_params
 from jaxformer import Decoder, DecoderConfig, KVCache
 from jaxformer.attention import AttentionSpec
 from jaxformer.convert import config_to_hf, with_rope_pairing, with_scan_layers
+from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.layers import LayerSpec, Segment, distinct, layer_specs, scanned_places, segments
 
@@ -37,8 +38,18 @@ def test_each_layer_spec_is_what_the_config_states():
     assert GEMMA3_LIKE.windows == (8, 8, 8, None)
 
 
-@pytest.mark.parametrize("config", [GEMMA3_LIKE, GEMMA3_LIKE.replace(qkv_bias=True, qk_norm=False)],
-                         ids=["qk-norm", "biases"])
+def with_experts(config, spec: ExpertsSpec):
+    """`config` with every layer's feed-forward `spec`."""
+    return config.replace(layers=tuple(dataclasses.replace(s, ffn=spec) for s in layer_specs(config)))
+
+
+@pytest.mark.parametrize("config", [
+    GEMMA3_LIKE, GEMMA3_LIKE.replace(qkv_bias=True, qk_norm=False),
+    with_experts(GEMMA3_LIKE, ExpertsSpec(4, 2, 16, activation="clamped_swiglu", routing="topk_softmax",
+                                          router_bias=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)),
+    with_experts(GEMMA3_LIKE, ExpertsSpec(4, 2, 16, activation="gelu_tanh", routing="sigmoid_grouped", n_group=2,
+                                          shared_width=24, shared_gate=True))],
+    ids=["qk-norm", "biases", "experts-biases", "experts-shared"])
 def test_the_kinds_tables_are_the_parameters_their_modules_make(config):
     """`spec.weights(d_model)`, which the checkpoint tables read, names and shapes exactly the
     parameters the modules declare (the norms inside a kind are its module's own)."""
