@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, filled_layers, random_params
+from conftest import SMALL, filled_layers, random_params, with_sinks
 
 from jaxformer import Decoder, DecoderConfig, KVCache
 from jaxformer.attention import AttentionSpec
@@ -37,8 +37,8 @@ def test_each_layer_spec_is_what_the_config_states():
     assert GEMMA3_LIKE.windows == (8, 8, 8, None)
 
 
-@pytest.mark.parametrize("config", [GEMMA3_LIKE, GEMMA3_LIKE.replace(qkv_bias=True, qk_norm=False)],
-                         ids=["qk-norm", "biases"])
+@pytest.mark.parametrize("config", [GEMMA3_LIKE, GEMMA3_LIKE.replace(qkv_bias=True, qk_norm=False),
+                                    with_sinks(GEMMA3_LIKE)], ids=["qk-norm", "biases", "sinks"])
 def test_the_kinds_tables_are_the_parameters_their_modules_make(config):
     """`spec.weights(d_model)`, which the checkpoint tables read, names and shapes exactly the
     parameters the modules declare (the norms inside a kind are its module's own)."""
