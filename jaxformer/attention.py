@@ -14,7 +14,6 @@ Einsum letters, one meaning each in this file:
 """
 
 import dataclasses
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -37,7 +36,7 @@ from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, Weight, co
 
 
 def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array, *, scale: float | None = None,
-                      softcap: float | None = None) -> jax.Array:
+                      softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
     """`softmax(q k^T * scale)` over the keys each query may read: float32 `[batch, n_head,
     T, S]` from queries `q` `[batch, T, n_head, head_dim]`, keys `k` `[batch, S, n_kv,
     head_dim]` (`n_head % n_kv == 0`) and a bool `mask`, `[T, S]` or broadcastable to
@@ -45,6 +44,9 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array, *, scale: flo
 
     `scale` defaults to `1 / sqrt(head_dim)`; `softcap` (Gemma 2), if given, bounds every
     score to `(-softcap, softcap)` as `softcap * tanh(score / softcap)` before the mask.
+    `sinks` (gpt-oss), float32 `[n_head]` if given, is each query head's sink logit: one more
+    column of every row's softmax, dropped after it, `softmax(concat(scores, sink))[..., :-1]`,
+    so that a row's weights sum to less than 1 (and to 0 where the mask blocks every key).
     """
     batch, T, n_head, head_dim = q.shape
     n_kv = k.shape[2]
@@ -62,7 +64,12 @@ def attention_weights(q: jax.Array, k: jax.Array, mask: jax.Array, *, scale: flo
     # after it would leave rows that no longer sum to 1. The dtype's min (not -inf)
     # turns into an exact 0 weight and keeps a fully blocked row finite.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1)  # [batch, n_kv, n_rep, T, S]
+    if sinks is None:
+        weights = jax.nn.softmax(scores, axis=-1)  # [batch, n_kv, n_rep, T, S]
+    else:  # query head j's sink (kv head j // n_rep, member j % n_rep) as the last column of its rows
+        sink = jnp.asarray(sinks, jnp.float32).reshape(n_kv, -1)[:, :, None, None]  # [n_kv, n_rep, 1, 1]
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))  # [batch, n_kv, n_rep, T, 1]
+        weights = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]  # [b, n_kv, n_rep, T, S]
     return weights.reshape(batch, n_head, T, -1)  # head j = kv head j // n_rep, member j % n_rep
 
 
@@ -80,7 +87,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
         jax.Array, jax.Array]:
     """Scaled dot-product attention with grouped kv heads: `(out [batch, T, n_head, head_dim],
     weights [batch, n_head, T, S])`, arguments as `attention_weights` takes them (`scores`:
-    its `scale` and `softcap`), and `v`."""
+    its `scale`, `softcap` and `sinks`), and `v`."""
     weights = attention_weights(q, k, mask, **scores)
     return combine_values(weights, v), weights
 
@@ -111,7 +118,8 @@ class Visibility:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: Visibility, *, kind: str = "auto",
-           scale: float | None = None, softcap: float | None = None) -> tuple[jax.Array, jax.Array | None]:
+           scale: float | None = None, softcap: float | None = None,
+           sinks: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """Attention of `q [batch, T, n_head, head_dim]` over `k, v [batch, S, n_kv, head_dim]`
     where `seen` says: `(out [batch, T, n_head, head_dim], weights [batch, n_head, T, S] or None)`.
 
@@ -120,27 +128,29 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, seen: Visibility, *, kind: 
     weights); "auto" is "dense" below `blockwise.BLOCKS_FROM` scores per head, else "blocks", and for a
     decoding step over a cache whose slot s holds position s (`seen.key` one `[S]` for every
     row) `decoding_step`: on a GPU or TPU a kernel that reads each row's visible slots only.
-    `scale` and `softcap` as `attention_weights` takes them.
+    `scale`, `softcap` and `sinks` (float32 `[n_head]` or None) as `attention_weights` takes
+    them; every path computes the same softmax, its sink included.
     """
     batch, T = q.shape[:2]
     S = k.shape[1]
+    scores = dict(scale=scale, softcap=softcap)
     if kind == "auto" and T == 1 and seen.key.ndim == 1:
-        return decoding_step(q, k, v, jnp.broadcast_to(seen.query, (batch, 1))[:, 0], seen.window, scale=scale,
-                             softcap=softcap), None
+        return decoding_step(q, k, v, jnp.broadcast_to(seen.query, (batch, 1))[:, 0], seen.window, sinks=sinks,
+                             **scores), None
     if not in_blocks_for(kind, T, S):
-        return dot_product_attention(q, k, v, seen.mask(), scale=scale, softcap=softcap)
+        return dot_product_attention(q, k, v, seen.mask(), sinks=sinks, **scores)
     q_pos = jnp.broadcast_to(seen.query, (batch, T))
     k_pos = jnp.broadcast_to(seen.key, (batch, S))
-    return in_blocks(q, k, v, q_pos, k_pos, seen.window, scale=scale, softcap=softcap), None
+    return in_blocks(q, k, v, q_pos, k_pos, seen.window, sinks=sinks, **scores), None
 
 
-def in_blocks(q, k, v, q_pos, k_pos, window, *, scale=None, softcap=None) -> jax.Array:
+def in_blocks(q, k, v, q_pos, k_pos, window, *, scale=None, softcap=None, sinks=None) -> jax.Array:
     """`blockwise_attention`'s algorithm on every backend (its arguments): the Pallas kernels
     on a GPU (Triton, bfloat16) and a TPU (Mosaic), where they take the head's width and dtype, and the
     `jnp` version elsewhere (`block_paths`). The choice is made as the program is lowered for its
     platform, so a program exported for "cuda" carries the Triton kernels."""
     paths = block_paths(q.shape[-1], q.dtype, scale=scale, softcap=softcap)
-    return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, window, **paths)
+    return jax.lax.platform_dependent(q, k, v, q_pos, k_pos, window, sinks, **paths)
 
 
 # The dtypes each platform's kernel attends in blocks in. On a GPU, bfloat16 alone: float32 products
@@ -151,39 +161,46 @@ KERNEL_DTYPES = {"cuda": (jnp.bfloat16,), "tpu": (jnp.float32, jnp.bfloat16)}
 
 
 def block_paths(head_dim: int, dtype, *, scale=None, softcap=None) -> dict:
-    """`{"cuda": f, "tpu": f, "default": f}`, each `f(q, k, v, q_pos, k_pos, window)` attending in
-    blocks on that platform (a kernel, or the `jnp` version where the kernel does not take the
-    head, or is slower in `dtype`: `KERNEL_DTYPES`)."""
-    in_jnp = functools.partial(blockwise_attention, scale=scale, softcap=softcap)
+    """`{"cuda": f, "tpu": f, "default": f}`, each `f(q, k, v, q_pos, k_pos, window, sinks=None)`
+    attending in blocks on that platform (a kernel, or the `jnp` version where the kernel does not
+    take the head, or is slower in `dtype`: `KERNEL_DTYPES`)."""
+
+    def path(attention):  # `attention(q, k, v, q_pos, k_pos, window, **options)` with this layer's scores
+        def run(q, k, v, q_pos, k_pos, window, sinks=None):
+            return attention(q, k, v, q_pos, k_pos, window, scale=scale, softcap=softcap, sinks=sinks)
+        return run
+
+    in_jnp = path(blockwise_attention)
 
     def kernel(platform, module):
         takes = module.supports(head_dim, dtype) and jnp.dtype(dtype) in KERNEL_DTYPES[platform]
-        return functools.partial(module.flash_attention, scale=scale, softcap=softcap) if takes else in_jnp
+        return path(module.flash_attention) if takes else in_jnp
 
     return {"cuda": kernel("cuda", triton_attention), "tpu": kernel("tpu", mosaic_attention), "default": in_jnp}
 
 
-def decoding_step(q, k, v, q_pos, window, *, scale=None, softcap=None) -> jax.Array:
+def decoding_step(q, k, v, q_pos, window, *, scale=None, softcap=None, sinks=None) -> jax.Array:
     """One new token per row over a cache whose slot s holds position s: `[batch, 1, n_head,
     head_dim]` from `q [batch, 1, n_head, head_dim]`, `k, v [batch, S, n_kv, head_dim]` and
     `q_pos` int `[batch]` (slots `(q_pos - window, q_pos]` visible). On a GPU or TPU, the
     ragged decoding kernel reads those slots alone; elsewhere the dense attention over all S
-    (`decoding_paths`)."""
+    (`decoding_paths`). `scale`, `softcap` and `sinks` as `attention_weights` takes them."""
     paths = decoding_paths(q.shape[-1], q.dtype, scale=scale, softcap=softcap)
-    return jax.lax.platform_dependent(q, k, v, q_pos, window, **paths)
+    return jax.lax.platform_dependent(q, k, v, q_pos, window, sinks, **paths)
 
 
 def decoding_paths(head_dim: int, dtype, *, scale=None, softcap=None) -> dict:
-    """`{"cuda": f, "tpu": f, "default": f}`, each `f(q, k, v, q_pos, window)` a `decoding_step` on
-    that platform (the kernel, or the dense attention where the kernel does not take the head)."""
+    """`{"cuda": f, "tpu": f, "default": f}`, each `f(q, k, v, q_pos, window, sinks=None)` a
+    `decoding_step` on that platform (the kernel, or the dense attention where the kernel does not
+    take the head)."""
 
-    def dense(q, k, v, q_pos, window):
+    def dense(q, k, v, q_pos, window, sinks=None):
         seen = Visibility(q_pos[:, None], jnp.arange(k.shape[1]), window)
-        return dot_product_attention(q, k, v, seen.mask(), scale=scale, softcap=softcap)[0]
+        return dot_product_attention(q, k, v, seen.mask(), scale=scale, softcap=softcap, sinks=sinks)[0]
 
     def kernel(platform):
-        def run(q, k, v, q_pos, window):  # (the kernel takes one query per row: [batch, n_head, head_dim])
-            return decode_attention(q[:, 0], k, v, q_pos, window, scale=scale, softcap=softcap,
+        def run(q, k, v, q_pos, window, sinks=None):  # (the kernel takes one query per row: [batch, n_head, head_dim])
+            return decode_attention(q[:, 0], k, v, q_pos, window, scale=scale, softcap=softcap, sinks=sinks,
                                     platform=platform)[:, None]
         return run if decoding_supports(head_dim, dtype, platform) else dense
 
@@ -219,6 +236,9 @@ class AttentionSpec:
       qkv_bias: q, k and v carry a bias (Qwen2).
       scale: the scores' scale; None: `head_dim ** -0.5`.
       softcap: scores pass through `softcap * tanh(score / softcap)` (Gemma 2); None: not.
+      sinks: a learned logit per query head joins each row's softmax and is dropped after it
+        (gpt-oss's attention sinks: a row may give less than all its weight to the keys).
+      o_bias: the output projection carries a bias (gpt-oss).
     """
 
     n_head: int
@@ -232,6 +252,8 @@ class AttentionSpec:
     qkv_bias: bool = False
     scale: float | None = None
     softcap: float | None = None
+    sinks: bool = False
+    o_bias: bool = False
 
     def weights(self, d_model: int) -> dict[str, "Weight"]:
         """The matrices and biases a layer of this spec holds, by name: what `GQASelfAttention`
@@ -245,6 +267,10 @@ class AttentionSpec:
             weights.update(bq=Weight((H, D), (HEADS, HEAD_DIM), inputs=0),
                            bk=Weight((K, D), (KV_HEADS, HEAD_DIM), inputs=0),
                            bv=Weight((K, D), (KV_HEADS, HEAD_DIM), inputs=0))
+        if self.sinks:
+            weights.update(sinks=Weight((H,), (HEADS,), inputs=0))
+        if self.o_bias:
+            weights.update(bo=Weight((d_model,), (EMBED,), inputs=0))
         return weights
 
     def build(self, config, name: str) -> "GQASelfAttention":
@@ -326,27 +352,30 @@ class GQASelfAttention(nn.Module):
           stacks: their shapes differ.
         """
         c, a = self.config, self.spec
-        weights = a.weights(c.d_model)
+        table = a.weights(c.d_model)  # this layer's parameters' shapes and axes, by name
         init = nn.initializers.normal(0.02)
         # The output projection adds into the residual stream once per block; 1/sqrt(2L)
         # keeps the stream's variance from growing with depth (GPT-2).
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))
 
         def weight(name, initializer=init):
-            return compute_param(self, name, initializer, *weights[name][:2])
+            return compute_param(self, name, initializer, *table[name][:2])
 
         wq, wk, wv, wo = weight("wq"), weight("wk"), weight("wv"), weight("wo", residual_init)
 
         # (`project`: the einsums, plus an adapter's low-rank term where `config.lora` adds one.)
         q, k, v = project(self, x, ("wq", "btd,dhk->bthk", wq),  # [batch, T, n_head, head_dim]
                           ("wk", "btd,dnk->btnk", wk), ("wv", "btd,dnk->btnk", wv))  # [batch, T, n_kv, head_dim]
+        zeros = nn.initializers.zeros
         if a.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
-            zeros = nn.initializers.zeros
             q, k, v = q + weight("bq", zeros), k + weight("bk", zeros), v + weight("bv", zeros)
         if a.qk_norm:  # each head's q and k normalised over its channels: bounded scores (Qwen3, Gemma 3)
             q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="k_norm")(k)
-        scores = dict(scale=a.scale, softcap=a.softcap)
+        sinks = None
+        if a.sinks:  # gpt-oss's, float32 [n_head]: logits compared with the float32 scores, whatever the compute dtype
+            sinks = param(self, "sinks", zeros, *table["sinks"][:2], c.param_dtype).astype(jnp.float32)
+        scores = dict(scale=a.scale, softcap=a.softcap, sinks=sinks)
         grouped = len(parts) > 1
         outs, written, start = [], [], 0
         for part in parts:  # (one, unless groups of rows share the call: each attends in its own cache)
@@ -377,6 +406,8 @@ class GQASelfAttention(nn.Module):
             start += part.rows * part.T
         out = jnp.concatenate(outs, axis=1) if grouped else outs[0]  # [batch, T, n_head, head_dim]
         (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # concat heads, then W_O: [batch, T, d_model]
+        if a.o_bias:  # gpt-oss's o_proj bias, added as a Linear layer adds it
+            y = y + weight("bo", zeros)
         return y, tuple(written)
 
 

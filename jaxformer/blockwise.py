@@ -20,6 +20,12 @@ The backward pass (a custom VJP) keeps only the output and each row's log-sum-ex
 
 (with a softcap, dS is multiplied by the cap's derivative, 1 - tanh^2, first).
 
+Attention sinks (gpt-oss): a learned logit per query head that joins each row's softmax and is
+then dropped, `softmax(concat(scores, sink))[..., :-1] @ v`: a key every query sees whose value is
+0. It is folded in once at the end (`fold_sink`), so `out` and `lse` include it, and the weights of
+a row sum to less than 1. The backward above is then unchanged (the sink's dP is dO . 0 = 0), and
+the sink's own gradient is `-sum over rows of exp(sink - lse) * delta` (`sink_grads`).
+
 What a query may read is given by positions, not a mask (a `[T, S]` mask is itself quadratic):
 key s is visible to query t iff `0 <= k_pos[s] <= q_pos[t]` and `k_pos[s] > q_pos[t] - window`.
 A key block no query of the block can see is skipped, so causal attention does about half the
@@ -56,7 +62,7 @@ def visible(q_pos: jax.Array, k_pos: jax.Array, window: jax.Array) -> jax.Array:
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                         window: jax.Array, *, scale: float | None = None, softcap: float | None = None,
-                        block_q: int = BLOCK, block_k: int = BLOCK) -> jax.Array:
+                        sinks: jax.Array | None = None, block_q: int = BLOCK, block_k: int = BLOCK) -> jax.Array:
     """Attention of queries `q [batch, T, n_head, head_dim]` over keys `k` and values `v`
     `[batch, S, n_kv, head_dim]` (`n_head % n_kv == 0`), in blocks: `[batch, T, n_head, head_dim]`
     in `q`'s dtype.
@@ -67,6 +73,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
         attention: any value past the context, e.g. 2**30).
       scale: the scores' scale, `1 / sqrt(head_dim)` by default.
       softcap: the scores pass through `softcap * tanh(score / softcap)` (Gemma 2).
+      sinks: float32 `[n_head]`, each query head's sink logit (gpt-oss; compared with the scores
+        after the scale and softcap), or None: no sink. Differentiable.
       block_q, block_k: the block sizes (cut to T and S when they are shorter). T and S are
         padded to whole blocks: padded keys are empty slots, padded queries are dropped.
     """
@@ -79,8 +87,38 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Arr
     k, v = (jnp.pad(a, ((0, 0), (0, pad_s), (0, 0), (0, 0))) for a in (k, v))
     k_pos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, pad_s)), constant_values=-1)
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
-    out = _attention(q, k, v, q_pos, k_pos, jnp.asarray(window, jnp.int32), scale, softcap, block_q, block_k)
+    out = _attention(q, k, v, q_pos, k_pos, jnp.asarray(window, jnp.int32), sink_logits(sinks, n_head), scale,
+                     softcap, block_q, block_k)
     return out[:, :T]
+
+
+def sink_logits(sinks: jax.Array | None, n_head: int) -> jax.Array:
+    """float32 `[n_head]`: `sinks`, or -inf for each head without them (a sink of weight
+    `exp(-inf - m) = 0`: the output and lse are exactly those without one)."""
+    return jnp.full((n_head,), -jnp.inf) if sinks is None else jnp.asarray(sinks, jnp.float32)
+
+
+def fold_sink(m: jax.Array, denom: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A row's online softmax, its running max `m` and `denom`, with the sink folded in: one more
+    key the row sees, of score `sink` and value 0, so that it joins the denominator alone.
+
+    Returns:
+      `(m', denom', rescale)`, the row's `acc` to be multiplied by `rescale = exp(m - m')`. A row
+      that saw no key (m = -inf, denom = 0) gets denom' = 1 and acc 0 (its output 0) with a finite
+      sink, and denom' = 0 without one (sink = -inf).
+    """
+    m_new = jnp.maximum(m, sink)
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # (neither a key nor a sink: exp(-inf - 0) = 0, not nan)
+    rescale = jnp.exp(m - m_safe)
+    return m_new, denom * rescale + jnp.exp(sink - m_safe), rescale
+
+
+def sink_grads(sinks: jax.Array, lse: jax.Array, delta: jax.Array) -> jax.Array:
+    """The gradient w.r.t. the sinks `[n_head]` from each row's `lse` (the sink included) and
+    `delta = rowsum(dO * O)`, float32 `[batch, n_head, T]`: softmax's backward at the sink's column,
+    `p_sink * (dP_sink - delta)` with `p_sink = exp(sink - lse)` and `dP_sink = dO . 0 = 0`, summed
+    over the rows a head has."""
+    return -jnp.sum(jnp.exp(sinks[:, None] - lse) * delta, axis=(0, 2))
 
 
 def _blocks(a: jax.Array, size: int) -> jax.Array:
@@ -112,15 +150,17 @@ def _grouped(q: jax.Array, n_kv: int) -> jax.Array:
     return q.reshape(batch, T, n_kv, n_head // n_kv, head_dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k):
-    return _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _attention(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k):
+    return _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k)[0]
 
 
-def _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k):
-    """`(out [batch, T, n_head, head_dim], lse [batch, n_kv, group, T])`, lse +inf where a query sees nothing."""
+def _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k):
+    """`(out [batch, T, n_head, head_dim], lse [batch, n_kv, group, T])`, lse +inf where a query sees
+    nothing and has no sink."""
     n_kv = k.shape[2]
     keys = (_blocks(k, block_k), _blocks(v, block_k), _blocks(k_pos, block_k))
+    sinks = sinks.reshape(n_kv, -1)[:, :, None]  # [n_kv, group, 1]: head n * group + g's, for every query row
 
     def query_block(inputs):
         q_block, q_block_pos = inputs  # [batch, block_q, n_kv, group, head_dim], [batch, block_q]
@@ -148,6 +188,8 @@ def _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k):
 
         init = (jnp.full(rows, -jnp.inf), jnp.zeros(rows), jnp.zeros((batch, block_q, n_kv, group, head_dim)))
         (m, denom, acc), _ = jax.lax.scan(key_block, init, keys)
+        m, denom, rescale = fold_sink(m, denom, sinks)
+        acc = acc * jnp.moveaxis(rescale, 3, 1)[..., None]  # (the sink's value, 0, adds nothing to it)
         out = acc / jnp.moveaxis(jnp.where(denom > 0, denom, 1.0), 3, 1)[..., None]  # (a row that saw nothing: 0 / 1)
         lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), jnp.inf)
         return out.astype(q_block.dtype), lse
@@ -158,16 +200,17 @@ def _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k):
     return out.reshape(q.shape), lse
 
 
-def _attention_fwd(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k):
-    out, lse = _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k)
-    return out, (q, k, v, q_pos, k_pos, window, out, lse)
+def _attention_fwd(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k):
+    out, lse = _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k)
+    return out, (q, k, v, q_pos, k_pos, window, sinks, out, lse)
 
 
 def _attention_bwd(scale, softcap, block_q, block_k, residuals, d_out):
-    q, k, v, q_pos, k_pos, window, out, lse = residuals
-    n_kv = k.shape[2]
+    q, k, v, q_pos, k_pos, window, sinks, out, lse = residuals
+    batch, T, n_kv = q.shape[0], q.shape[1], k.shape[2]
     q, d_out, out = (_grouped(a, n_kv) for a in (q, d_out, out))  # [batch, T, n_kv, group, head_dim]
     delta = jnp.einsum("btngk,btngk->bngt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    d_sinks = sink_grads(sinks, lse.reshape(batch, -1, T), delta.reshape(batch, -1, T))  # (head n * group + g)
     lse_blocks = jnp.moveaxis(lse.reshape(*lse.shape[:3], -1, block_q), 3, 0)  # [blocks, batch, n_kv, group, block_q]
     delta_blocks = jnp.moveaxis(delta.reshape(*delta.shape[:3], -1, block_q), 3, 0)
     queries = (_blocks(q, block_q), _blocks(q_pos, block_q), _blocks(d_out, block_q), lse_blocks, delta_blocks)
@@ -210,7 +253,8 @@ def _attention_bwd(scale, softcap, block_q, block_k, residuals, d_out):
     d_q, (d_k, d_v) = jax.lax.scan(key_block, d_q, (_blocks(k, block_k), _blocks(v, block_k),
                                                      _blocks(k_pos, block_k)))
     d_q = _unblocks(d_q).reshape(q.shape[0], q.shape[1], -1, q.shape[-1])
-    return d_q.astype(q.dtype), _unblocks(d_k).astype(k.dtype), _unblocks(d_v).astype(v.dtype), None, None, None
+    return (d_q.astype(q.dtype), _unblocks(d_k).astype(k.dtype), _unblocks(d_v).astype(v.dtype), None, None, None,
+            d_sinks)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -317,6 +317,14 @@ def filled_layers(config: DecoderConfig, widths=None, windows=None) -> DecoderCo
         for spec, width, window in zip(specs, widths, windows)))
 
 
+def with_sinks(config: DecoderConfig) -> DecoderConfig:
+    """`config` with its specs filled in as `layers` (`layer_specs`), each attention with gpt-oss's
+    sinks and output bias."""
+    return config.replace(layers=tuple(
+        dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, sinks=True, o_bias=True))
+        for spec in layer_specs(config)))
+
+
 def scaled_random_params(params, seed: int, scale: float = 0.3):
     """Every leaf redrawn at a large scale, so attention is sharp and a wrong head
     grouping, RoPE pairing or projection layout changes the logits a lot.
@@ -464,6 +472,34 @@ def optimized_programs():
 def small():
     """(config, model, params) at the reference init."""
     return SMALL, Decoder(SMALL), init_params(SMALL)
+
+
+def numpy_attention(q, k, v, mask, sinks=None, *, scale=None, softcap=None) -> tuple[np.ndarray, np.ndarray]:
+    """Attention written out in float64 numpy, one query head at a time, its kv head picked by
+    index: `(out [batch, T, n_head, head_dim], weights [batch, n_head, T, S])` of `q [batch, T,
+    n_head, head_dim]`, `k, v [batch, S, n_kv, head_dim]` and a bool `mask [batch, T, S]`.
+
+    Each row's softmax has one more column, the head's sink (`sinks [n_head]`; none: -inf), dropped
+    after it: `softmax(concat(scores, sink))[..., :-1] @ v`. A row that sees no key gets weights 0
+    (out 0), sink or not."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    batch, T, n_head, head_dim = q.shape
+    n_rep = n_head // k.shape[2]
+    scale = 1 / np.sqrt(head_dim) if scale is None else scale
+    outs, weights = [], []
+    for j in range(n_head):
+        s = np.einsum("btd,bsd->bts", q[:, :, j], k[:, :, j // n_rep]) * scale  # [batch, T, S]
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
+        sink = -np.inf if sinks is None else float(sinks[j])
+        s = np.concatenate([np.where(mask, s, -np.inf), np.full((batch, T, 1), sink)], -1)  # the sink: a last key
+        top = s.max(-1, keepdims=True)
+        e = np.exp(s - np.where(np.isfinite(top), top, 0))  # (a row of -inf alone: all 0)
+        total = e.sum(-1, keepdims=True)
+        w = (e / np.where(total > 0, total, 1))[..., :-1]  # the sink's column dropped
+        weights.append(w)
+        outs.append(w @ v[:, :, j // n_rep])  # [batch, T, head_dim]
+    return np.stack(outs, 2), np.stack(weights, 1)
 
 
 def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list | None = None,

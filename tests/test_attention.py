@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import chex
@@ -5,9 +6,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+    SMALL,
+    filled_layers,
+    import_peer,
+    jit_apply,
+    numpy_attention,
+    random_params,
+    torch_peer,
+    with_sinks,
+)
 
-from jaxformer import attention
-from jaxformer.attention import FULL_WINDOW, block_paths, decoding_paths, dot_product_attention
+from jaxformer import Decoder, KVCache, attention
+from jaxformer.attention import (
+    FULL_WINDOW,
+    AttentionSpec,
+    GQASelfAttention,
+    Part,
+    Visibility,
+    attend,
+    block_paths,
+    decoding_paths,
+    dot_product_attention,
+)
+from jaxformer.blockwise import blockwise_attention, visible
 from jaxformer.kernels import mosaic_attention, triton_attention
 from jaxformer.kernels.decode_attention import decode_attention
 
@@ -63,14 +85,18 @@ def test_fully_masked_row_is_finite():
 
 # bfloat16 keeps 8 significant bits: rounding a number x moves it by at most 2**-9 |x|.
 BF16_ROUNDING = 2.0 ** -9
+# gpt-oss's attention sinks of 4 query heads: distinct signs and sizes, so that a head given
+# another's sink (a wrong grouping of the query heads) attends otherwise.
+SINKS = jnp.array([1.5, -1.0, 0.3, 2.5])
 
 
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["no sinks", "sinks"])
 @pytest.mark.parametrize("platform, dtype", [("cuda", jnp.bfloat16), ("tpu", jnp.float32)])
-def test_each_platforms_paths_run_in_the_kernels_interpreter_equal_the_cpus(platform, dtype, monkeypatch):
+def test_each_platforms_paths_run_in_the_kernels_interpreter_equal_the_cpus(platform, dtype, sinks, monkeypatch):
     """What the model calls on a GPU or TPU (`block_paths`, `decoding_paths`: the kernels, their
     arguments laid out as the model passes them), run here in Pallas' interpreter, equals what it
-    calls on a CPU: values and gradients in blocks, and a decoding step over rows of different
-    lengths, full and sliding, soft-capped. In float32 exactly but for the order of sums; in
+    calls on a CPU: values and gradients (the sinks' too) in blocks, and a decoding step over rows
+    of different lengths, full and sliding, soft-capped. In float32 exactly but for the order of sums; in
     bfloat16 (the GPU's kernel dtype) within a few roundings of each side: the output, a convex
     combination of the values, within 8 of the largest value (4 a side, as the kernel's own test
     allows), a gradient within 16 of the largest."""
@@ -90,14 +116,14 @@ def test_each_platforms_paths_run_in_the_kernels_interpreter_equal_the_cpus(plat
         args = (positions, positions, jnp.int32(window))
         paths = block_paths(128, q.dtype, softcap=30.0)
         assert paths[platform] is not paths["default"]  # (a kernel takes heads of 128 in this dtype)
-        kernel, vjp_kernel = jax.vjp(lambda q, k, v, f=paths[platform], a=args: f(q, k, v, *a), q, k, v)
-        cpu, vjp_cpu = jax.vjp(lambda q, k, v, f=paths["default"], a=args: f(q, k, v, *a), q, k, v)
+        kernel, vjp_kernel = jax.vjp(lambda q, k, v, s, f=paths[platform], a=args: f(q, k, v, *a, s), q, k, v, sinks)
+        cpu, vjp_cpu = jax.vjp(lambda q, k, v, s, f=paths["default"], a=args: f(q, k, v, *a, s), q, k, v, sinks)
         close(kernel, cpu, out_atol)
-        for got, want in zip(vjp_kernel(kernel), vjp_cpu(kernel)):
+        for got, want in zip(jax.tree.leaves(vjp_kernel(kernel)), jax.tree.leaves(vjp_cpu(kernel))):
             close(got, want, grad_atol * float(jnp.abs(want.astype(jnp.float32)).max()))
         one = q[:, :1].repeat(2, axis=0)  # 4 rows of one new token, at positions 0, 20, 39 and 7
         cache_k, cache_v = k.repeat(2, axis=0), v.repeat(2, axis=0)
-        step = (one, cache_k, cache_v, jnp.array([0, 20, 39, 7]), jnp.int32(window))
+        step = (one, cache_k, cache_v, jnp.array([0, 20, 39, 7]), jnp.int32(window), sinks)
         paths = decoding_paths(128, q.dtype, softcap=30.0)
         close(paths[platform](*step), paths["default"](*step), out_atol)
 
@@ -112,3 +138,175 @@ def test_a_gpu_attends_in_blocks_with_its_kernel_in_bfloat16_alone():
         assert paths["tpu"] is not paths["default"]
     narrow = block_paths(100, jnp.bfloat16)  # (a head the kernel does not take)
     assert narrow["cuda"] is narrow["default"]
+
+
+# --- attention sinks (gpt-oss) on every path, and the layer against transformers' -----------------------
+
+
+def _attend(kind):
+    """`attend` as a path: `(q, k, v, q_pos, k_pos, window, **scores) -> out`."""
+    def run(q, k, v, q_pos, k_pos, window, **scores):
+        return attend(q, k, v, Visibility(q_pos, k_pos, window), kind=kind, **scores)[0]
+    return run
+
+
+def _decoding(platform):
+    """The decoding kernel on `platform`, in the interpreter, as a path of one query per row (at
+    `q_pos[:, 0]`) over a cache whose slot s holds position s."""
+    def run(q, k, v, q_pos, k_pos, window, **scores):
+        return decode_attention(q[:, 0], k, v, q_pos[:, 0], window, block_k=16, platform=platform, interpret=True,
+                                **scores)[:, None]
+    return run
+
+
+# Every path the model may attend by, `(q, k, v, q_pos [batch, T], k_pos [batch, S], window,
+# **scores) -> out [batch, T, n_head, head_dim]`. The kernels run in Pallas' interpreter, with
+# blocks of 16 (8 for the `jnp` blocks): T = S = 24 is two blocks, the second padded.
+MANY_QUERIES = {
+    "dense": _attend("dense"),
+    "blocks": _attend("blocks"),
+    "jnp blocks of 8": functools.partial(blockwise_attention, block_q=8, block_k=8),
+    "triton flash": functools.partial(triton_attention.flash_attention, block_q=16, block_k=16, interpret=True),
+    "mosaic flash": functools.partial(mosaic_attention.flash_attention, block_q=16, block_k=16, interpret=True),
+}
+# ... and those of one new token per row (T = 1; `attend`'s "auto" makes it a `decoding_step`).
+ONE_QUERY = {"decoding step": _attend("auto"), "triton decode": _decoding("triton"),
+             "mosaic decode": _decoding("mosaic")}
+# (window, softcap): a full layer, a sliding one, and a sliding one whose scores are capped.
+SINK_CASES = {"full": (FULL_WINDOW, None), "sliding": (5, None), "sliding, softcap": (9, 2.0)}
+
+
+@functools.partial(jax.jit, static_argnames=("path", "softcap"))
+def _run_path(path, q, k, v, q_pos, k_pos, window, sinks, softcap):
+    return {**MANY_QUERIES, **ONE_QUERY}[path](q, k, v, q_pos, k_pos, window, sinks=sinks, softcap=softcap)
+
+
+def _sink_inputs(path):
+    """q `[batch, T, 4, 16]`, k, v `[batch, S, 2, 16]` (GQA: 2 query heads per kv head) with scores
+    of about the sinks' size, and the positions `[batch, T]`, `[batch, S]`: for a path of many
+    queries, row 0 causal over 24 positions and row 1 left-padded by 6 empty slots, whose first 6
+    queries (position -1) see no key; for a decoding path, 4 rows at positions 0, 11, 23 and -1 (an
+    idle row, which sees no slot)."""
+    batch, T = (4, 1) if path in ONE_QUERY else (2, 24)
+    kq, kk, kv = jax.random.split(jax.random.key(11), 3)
+    q = jax.random.normal(kq, (batch, T, 4, 16))
+    k, v = (jax.random.normal(key, (batch, 24, 2, 16)) for key in (kk, kv))
+    if path in ONE_QUERY:
+        return q, k, v, jnp.array([[0], [11], [23], [-1]]), jnp.tile(jnp.arange(24), (batch, 1))
+    k_pos = jnp.stack([jnp.arange(24), jnp.maximum(jnp.arange(24) - 6, -1)])
+    return q, k, v, k_pos, k_pos
+
+
+@pytest.mark.parametrize("case", SINK_CASES)
+@pytest.mark.parametrize("path", [*MANY_QUERIES, *ONE_QUERY])
+def test_every_path_attends_with_sinks_as_the_formula(path, case):
+    """`softmax(concat(scores, sink))[..., :-1] @ v` with each query head's own sink, written out
+    in float64 numpy (`numpy_attention`): every path's output within float32 rounding (the values
+    are ~1: 2e-5), and exactly 0 on a row that sees no key. The sinks move the formula's output
+    far more than that (a path that dropped them, or gave a head another's, fails)."""
+    window, softcap = SINK_CASES[case]
+    q, k, v, q_pos, k_pos = _sink_inputs(path)
+    mask = np.asarray(visible(q_pos, k_pos, window))  # [batch, T, S]
+    blind = ~mask.any(-1)  # [batch, T]: the rows that see no key
+    assert blind.any() and not blind.all()
+    want, _ = numpy_attention(q, k, v, mask, SINKS, softcap=softcap)
+    assert np.abs(want - numpy_attention(q, k, v, mask, softcap=softcap)[0]).max() > 0.1
+    got = _run_path(path, q, k, v, q_pos, k_pos, jnp.int32(window), SINKS, softcap)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(got)[blind], 0)
+
+
+def test_dense_weights_with_sinks_are_the_formulas_and_sum_below_one():
+    """The dense path's weights (what it sows) are the formula's, without the sink's column: each
+    row's sum is below 1 by the sink's share, and 0 on a row that sees no key."""
+    q, k, v, q_pos, k_pos = _sink_inputs("dense")
+    mask = np.asarray(visible(q_pos, k_pos, jnp.int32(FULL_WINDOW)))
+    _, weights = dot_product_attention(q, k, v, jnp.asarray(mask), sinks=SINKS)
+    _, want = numpy_attention(q, k, v, mask, SINKS)
+    np.testing.assert_allclose(weights, want, atol=1e-6, rtol=0)
+    sums = np.asarray(weights.sum(-1))  # [batch, n_head, T]
+    sees = mask.any(-1)[:, None]  # [batch, 1, T]
+    assert (sums[np.broadcast_to(sees, sums.shape)] < 1 - 1e-3).all()
+    np.testing.assert_array_equal(sums[np.broadcast_to(~sees, sums.shape)], 0)
+
+
+def _gpt_oss_layer(window):
+    """A `DecoderConfig` and gpt-oss's attention `AttentionSpec` of 4 query heads over 2 kv heads
+    of 8 channels, on a width of 32: q/k/v and o biases, sinks, and `window` (None: full)."""
+    config = SMALL.replace(n_layer=1, d_model=32, head_dim_override=8)
+    spec = AttentionSpec(n_head=4, n_kv_head=2, head_dim=8, window=window, rope_theta=1e4, rope_scaling=None,
+                         qkv_bias=True, sinks=True, o_bias=True)
+    return config, spec
+
+
+def _layer_output(config, spec, params, x):
+    """`GQASelfAttention`'s `y [batch, T, d_model]` over `x [batch, T, d_model]` at positions `0 .. T-1`, uncached."""
+    positions = jnp.arange(x.shape[1])
+    cos, sin, seen = spec.view(positions, positions)
+    part = Part(x.shape[0], x.shape[1], cos, sin, {spec.attention_type: seen}, None)
+    return GQASelfAttention(config, spec).apply({"params": params}, x, (part,))[0]
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding"])
+def test_a_layer_with_sinks_and_biases_equals_transformers_gpt_oss_attention(window):
+    """`GQASelfAttention` with gpt-oss's features against transformers' `GptOssAttention` (eager, torch
+    float32) with its weights copied over, RoPE from each side's own default rope at base 10^4, and
+    the causal (and sliding) mask written out for it: the outputs within float32 rounding. With the
+    sinks at -inf the layer is plain attention (as `sinks=False`), and that is far from gpt-oss's."""
+    torch = torch_peer()
+    gpt_oss = import_peer("transformers.models.gpt_oss.modeling_gpt_oss")
+    config, spec = _gpt_oss_layer(window)
+    batch, T, d, H, K, D = 2, 12, 32, 4, 2, 8
+    x = jax.random.normal(jax.random.key(0), (batch, T, d))
+    shapes = spec.weights(d)
+    keys = jax.random.split(jax.random.key(1), len(shapes))
+    params = {name: 0.3 * jax.random.normal(key, weight.shape) for key, (name, weight) in zip(keys, shapes.items())}
+    params["sinks"] = SINKS  # (of the size of the scores, which are ~1 here)
+    ours = _layer_output(config, spec, params, x)
+
+    hf_config = gpt_oss.GptOssConfig(hidden_size=d, num_attention_heads=H, num_key_value_heads=K, head_dim=D,
+                                     num_hidden_layers=1, attention_bias=True,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    hf_config._attn_implementation = "eager"
+    layer = gpt_oss.GptOssAttention(hf_config, layer_idx=0).eval()
+    p = {name: np.asarray(a, np.float32) for name, a in params.items()}
+    state = {"sinks": p["sinks"], "o_proj.weight": p["wo"].reshape(H * D, d).T, "o_proj.bias": p["bo"]}
+    for x_name in "qkv":  # a Linear's weight is [out, in]: ours [d, heads, D] flattened and transposed
+        state[f"{x_name}_proj.weight"] = p[f"w{x_name}"].reshape(d, -1).T
+        state[f"{x_name}_proj.bias"] = p[f"b{x_name}"].reshape(-1)
+    layer.load_state_dict({name: torch.tensor(np.ascontiguousarray(a)) for name, a in state.items()})
+    t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+    mask = (s <= t) & (s > t - (window or T))  # [T, S]: causal, within the window
+    hidden = torch.tensor(np.asarray(x))
+    with torch.no_grad():
+        rope = gpt_oss.GptOssRotaryEmbedding(hf_config)(hidden, torch.arange(T)[None])
+        theirs = layer(hidden, rope, torch.tensor(np.where(mask, 0.0, -np.inf), dtype=torch.float32)[None, None])[0]
+    theirs = theirs.numpy()
+    bound = 1e-5 * np.abs(theirs).max()
+    np.testing.assert_allclose(ours, theirs, atol=bound, rtol=0)
+
+    without = _layer_output(config, spec, {**params, "sinks": jnp.full(H, -jnp.inf)}, x)
+    plain = dataclasses.replace(spec, sinks=False)
+    no_sinks = {name: a for name, a in params.items() if name != "sinks"}
+    np.testing.assert_allclose(without, _layer_output(config, plain, no_sinks, x), atol=1e-6, rtol=0)
+    assert np.abs(np.asarray(without) - theirs).max() > 100 * bound
+
+
+def test_a_decoder_with_sinks_decodes_from_its_cache_as_its_full_forward():
+    """A decoder whose layers have sinks and an o bias (one of them sliding): a prefill, then one
+    token at a time (`decoding_step`, with the sinks), gives the logits of one uncached forward, but
+    for float32 rounding in sums of other orders (1e-5 of the largest logit: the random weights'
+    logits are ~10)."""
+    config = with_sinks(filled_layers(SMALL, windows=[None, 5, None]))
+    model = Decoder(config)
+    params = random_params(config, seed=3)
+    assert params["block_0"]["attn"]["sinks"].shape == (config.n_head,)
+    tokens = jax.random.randint(jax.random.key(2), (2, 14), 0, config.vocab_size)
+    full, _ = jit_apply(model, {"params": params}, tokens)
+    logits, cache = jit_apply(model, {"params": params}, tokens[:, :10], KVCache.create(config, 2, capacity=16))
+    pieces = [logits]
+    for t in range(10, 14):
+        logits, cache = jit_apply(model, {"params": params}, tokens[:, t:t + 1], cache)
+        pieces.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5 * float(jnp.abs(full).max()), rtol=0)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import with_sinks
 
 from jaxformer import Decoder, DecoderConfig
 from jaxformer.attention import FULL_WINDOW, Visibility, attend, dot_product_attention
@@ -47,26 +48,30 @@ def _positions(T, S, layout):
 # One program per case's shapes for both computations and their VJPs: run eagerly, each
 # operation of the dense reference and of both backward passes would compile on its own.
 @functools.partial(jax.jit, static_argnames="softcap")
-def _dense_and_blocks(q, k, v, q_pos, k_pos, window, cotangent, softcap):
+def _dense_and_blocks(q, k, v, q_pos, k_pos, window, cotangent, softcap, sinks=None):
     """The dense attention (0 for a query that sees nothing) and the blocks' (blocks of 8 queries
-    and 16 keys: T and S are not whole blocks), and the gradients of each w.r.t. q, k and v at
-    `cotangent`: `(want, got, dense_grads, blocks_grads)`."""
+    and 16 keys: T and S are not whole blocks), with `sinks` where given, and the gradients of each
+    w.r.t. q, k, v and the sinks (None without) at `cotangent`: `(want, got, dense_grads, blocks_grads)`."""
     mask = visible(q_pos, k_pos, window)  # [2, T, S]
     sees = mask.any(-1)  # [2, T]
 
-    def dense(q, k, v):
-        return jnp.where(sees[..., None, None], dot_product_attention(q, k, v, mask, softcap=softcap)[0], 0)
+    def dense(q, k, v, sinks):
+        out = dot_product_attention(q, k, v, mask, softcap=softcap, sinks=sinks)[0]
+        return jnp.where(sees[..., None, None], out, 0)
 
-    def blocks(q, k, v):
-        return blockwise_attention(q, k, v, q_pos, k_pos, window, softcap=softcap, block_q=8, block_k=16)
+    def blocks(q, k, v, sinks):
+        return blockwise_attention(q, k, v, q_pos, k_pos, window, softcap=softcap, sinks=sinks, block_q=8, block_k=16)
 
-    want, dense_vjp = jax.vjp(dense, q, k, v)
-    got, blocks_vjp = jax.vjp(blocks, q, k, v)
+    want, dense_vjp = jax.vjp(dense, q, k, v, sinks)
+    got, blocks_vjp = jax.vjp(blocks, q, k, v, sinks)
     return want, got, dense_vjp(cotangent), blocks_vjp(cotangent)
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_blocks_equal_dense_attention_values_and_gradients(case):
+def test_blocks_equal_dense_attention_values_and_gradients(case, sinks):
+    """... and with gpt-oss's sinks (a logit per query head, of the scores' size), their gradient
+    too: the blocks' own backward (`blockwise.sink_grads`) against autodiff of the dense softmax."""
     T, S, n_head, n_kv, window, softcap, layout = CASES[case]
     q, k, v = _qkv(0, 2, T, S, n_head, n_kv, 8)
     q_pos, k_pos = _positions(T, S, layout)
@@ -77,11 +82,16 @@ def test_blocks_equal_dense_attention_values_and_gradients(case):
     if layout == "padded":
         assert not sees[0, 0] and sees.sum() > T  # a query that sees nothing, and ones that see
     cotangent = jax.random.normal(jax.random.key(1), q.shape) * sees[..., None, None]  # (the output's shape)
+    sinks = 3 * jax.random.normal(jax.random.key(2), (n_head,)) if sinks else None  # (scores ~4 here)
     with jax.default_matmul_precision("highest"):
-        want, got, dense_grads, blocks_grads = _dense_and_blocks(q, k, v, q_pos, k_pos, window, cotangent, softcap)
+        want, got, dense_grads, blocks_grads = _dense_and_blocks(q, k, v, q_pos, k_pos, window, cotangent, softcap,
+                                                                 sinks)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)  # (a query that sees nothing: 0 in both)
-    for name, g, w in zip("qkv", blocks_grads, dense_grads):
-        np.testing.assert_allclose(g, w, atol=1e-5 * float(jnp.abs(w).max()), err_msg=f"d{name}")
+    for name, g, w in zip(["dq", "dk", "dv", "dsinks"], blocks_grads, dense_grads):
+        if w is not None:
+            np.testing.assert_allclose(g, w, atol=1e-5 * float(jnp.abs(w).max()), err_msg=name)
+    if sinks is not None:  # (not a gradient too small for the comparison to catch a 0)
+        assert float(jnp.abs(dense_grads[3]).max()) > 1e-2
 
 
 def test_blocks_in_bfloat16_are_as_close_as_dense_bfloat16_is():
@@ -126,9 +136,10 @@ def _loss_and_grads(model, params, tokens):
     return jax.value_and_grad(loss, has_aux=True)(params)
 
 
-@pytest.mark.parametrize("scan_layers", [False, True], ids=["layers", "scanned"])
-def test_a_decoder_attending_in_blocks_equals_the_dense_one_and_its_gradients(scan_layers):
-    config = CONFIG.replace(scan_layers=scan_layers)
+@pytest.mark.parametrize("scan_layers, sinks", [(False, False), (True, False), (True, True)],
+                         ids=["layers", "scanned", "scanned, sinks"])
+def test_a_decoder_attending_in_blocks_equals_the_dense_one_and_its_gradients(scan_layers, sinks):
+    config = (with_sinks(CONFIG) if sinks else CONFIG).replace(scan_layers=scan_layers)
     tokens = jax.random.randint(jax.random.key(4), (2, 40), 0, 64)
     dense, blocks = Decoder(config.replace(attention_impl="dense")), Decoder(config.replace(attention_impl="blocks"))
     params = jax.jit(dense.init)(jax.random.key(5), tokens)["params"]  # (jitted: one compile, not one per operation)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import with_sinks
 from export_programs import RECORDS, ExportingJit, exporting_jit, program_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -203,13 +204,16 @@ KERNEL_CALLS = {"cuda": CUDA_CUSTOM_CALL_TARGETS[0], "tpu": "tpu_custom_call"}
 DISABLED_CHECKS = [jax.export.DisabledSafetyCheck.custom_call(target) for target in CUDA_CUSTOM_CALL_TARGETS]
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("platform", PLATFORMS)
-def test_the_kernels_are_in_the_programs_exported(platform):
+def test_the_kernels_are_in_the_programs_exported(platform, sinks):
     """A model that attends in blocks, with heads both kernels take (128 channels): its training
     step carries the flash kernels (forward, dQ, dK/dV per layer) and its decoding step the
-    ragged decoding kernel, for each platform; on the CPU the same programs run the `jnp` path."""
+    ragged decoding kernel, for each platform; on the CPU the same programs run the `jnp` path.
+    With gpt-oss's sinks too (the kernels take them; their gradient is no kernel of its own)."""
     config = DecoderConfig(vocab_size=256, n_layer=2, n_head=8, n_kv_head=2, d_model=1024, max_seq_len=2048,
                            attention_impl="blocks", dtype="bfloat16")
+    config = with_sinks(config) if sinks else config
     model = Decoder(config)
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
 

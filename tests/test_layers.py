@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, filled_layers, random_params
+from conftest import SMALL, filled_layers, random_params, with_sinks
 
 from jaxformer import Decoder, DecoderConfig, KVCache
 from jaxformer.attention import AttentionSpec
@@ -44,12 +44,12 @@ def with_experts(config, spec: ExpertsSpec):
 
 
 @pytest.mark.parametrize("config", [
-    GEMMA3_LIKE, GEMMA3_LIKE.replace(qkv_bias=True, qk_norm=False),
+    GEMMA3_LIKE, GEMMA3_LIKE.replace(qkv_bias=True, qk_norm=False), with_sinks(GEMMA3_LIKE),
     with_experts(GEMMA3_LIKE, ExpertsSpec(4, 2, 16, activation="clamped_swiglu", routing="topk_softmax",
                                           router_bias=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)),
     with_experts(GEMMA3_LIKE, ExpertsSpec(4, 2, 16, activation="gelu_tanh", routing="sigmoid_grouped", n_group=2,
                                           shared_width=24, shared_gate=True))],
-    ids=["qk-norm", "biases", "experts-biases", "experts-shared"])
+    ids=["qk-norm", "biases", "sinks", "experts-biases", "experts-shared"])
 def test_the_kinds_tables_are_the_parameters_their_modules_make(config):
     """`spec.weights(d_model)`, which the checkpoint tables read, names and shapes exactly the
     parameters the modules declare (the norms inside a kind are its module's own)."""

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import with_sinks
 from jax.sharding import PartitionSpec
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer
@@ -34,12 +35,13 @@ def test_sharding_cases_on_eight_devices():
 
 DECODER = DecoderConfig(vocab_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=16, max_seq_len=8)
 VANILLA = VanillaConfig(src_vocab_size=12, tgt_vocab_size=12, n_layer=2, d_model=16, d_ff=24, n_head=4, max_seq_len=8)
-MODELS = [Decoder(DECODER), Decoder(DECODER.replace(tie_embeddings=False, qkv_bias=True)),
+MODELS = [Decoder(DECODER), Decoder(DECODER.replace(tie_embeddings=False, qkv_bias=True)), Decoder(with_sinks(DECODER)),
           VanillaTransformer(VANILLA), VanillaTransformer(VANILLA.replace(tie_embeddings=False, src_vocab_size=14,
                                                                           norm_first=True))]
 
 
-@pytest.mark.parametrize("model", MODELS, ids=["decoder", "decoder-untied-bias", "vanilla", "vanilla-untied-prenorm"])
+@pytest.mark.parametrize("model", MODELS, ids=["decoder", "decoder-untied-bias", "decoder-sinks", "vanilla",
+                                               "vanilla-untied-prenorm"])
 def test_every_parameter_names_its_axes(model):
     params = model.init(jax.random.key(0), *model.init_inputs())["params"]
     axes = param_axes(model)

@@ -18,7 +18,9 @@ Over the blocks, the softmax is computed online (as in `jaxformer.blockwise`), k
     acc    sum of exp(score - m) * v over the slots seen so far
 
 and rescaling `denom` and `acc` by `exp(m - m')` whenever a block raises the maximum to m'. At the end
-`out = acc / denom` is exactly `softmax(scores) @ v` (0 for a row that sees no slot). A score is
+`out = acc / denom` is exactly `softmax(scores) @ v` (0 for a row that sees no slot). A query head's
+attention sink (gpt-oss), a logit that joins the softmax as one more slot of value 0, is folded in there,
+after the last block (`blockwise.fold_sink`): `softmax(concat(scores, sink))[..., :-1] @ v`. A score is
 `(q . k) * scale`, then `softcap * tanh(score / softcap)` if a softcap is given; all of it in float32
 (float32 products at float32 precision, `products.precision_for`).
 
@@ -49,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from jaxformer.blockwise import fold_sink, sink_logits
 from jaxformer.products import precision_for
 
 PLATFORMS = ("triton", "mosaic")
@@ -79,8 +82,8 @@ def supports(head_dim: int, dtype, platform: str) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_k", "platform", "interpret"))
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, window: jax.Array, *,
-                     scale: float | None = None, softcap: float | None = None, block_k: int | None = None,
-                     platform: str = "triton", interpret: bool = False) -> jax.Array:
+                     scale: float | None = None, softcap: float | None = None, sinks: jax.Array | None = None,
+                     block_k: int | None = None, platform: str = "triton", interpret: bool = False) -> jax.Array:
     """Attention of one new token per row over the visible slots of its row's KV cache, as a Pallas kernel.
 
     Args:
@@ -92,6 +95,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
       window: int32 `[]` (traced): slots `(q_pos - window, q_pos]` are visible; 2**30 for full attention.
       scale: the scores' scale, `1 / sqrt(D)` by default.
       softcap: if given, scores become `softcap * tanh(score / softcap)` (Gemma 2).
+      sinks: float32 `[H]`, each query head's sink logit (gpt-oss), or None: no sink.
       block_k: slots per key block, `DEFAULT_BLOCK_K[platform]` by default; a power of two of at least 16
         for Triton; for Mosaic on a TPU best a multiple of 128 (the slots lie along the lanes of the
         scores). S need not be a multiple of it.
@@ -99,8 +103,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
       interpret: run the kernel in Pallas' interpreter (on any backend, e.g. a CPU) instead of compiling it.
 
     Returns:
-      `[B, H, D]` in `q.dtype`: `softmax(q k^T * scale) @ v` over each row's visible slots, 0 for a row that
-      sees none.
+      `[B, H, D]` in `q.dtype`: `softmax(q k^T * scale) @ v` over each row's visible slots (with sinks,
+      `softmax(concat(scores, sink))[..., :-1] @ v`), 0 for a row that sees none.
     """
     H, D = q.shape[1:]
     N = k.shape[2]
@@ -115,7 +119,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     q_pos = q_pos.astype(jnp.int32)
     window = jnp.asarray(window, jnp.int32).reshape(1)  # a [1] array: Pallas passes blocks, not scalars
     call = _triton_decode if platform == "triton" else _mosaic_decode
-    return call(q, k, v, q_pos, window, scale=scale, softcap=softcap, block_k=block_k, interpret=interpret)
+    return call(q, k, v, q_pos, window, sink_logits(sinks, H), scale=scale, softcap=softcap, block_k=block_k,
+                interpret=interpret)
 
 
 # --- shared by both kernels ---------------------------------------------------------------------------
@@ -171,20 +176,23 @@ def _online_softmax_step(m: jax.Array, denom: jax.Array, acc: jax.Array, scores:
     return m_new, denom_new, acc_new
 
 
-def _finish(denom: jax.Array, acc: jax.Array) -> jax.Array:
-    """`acc / denom`: the softmax-weighted mean of v; 0 for a row that saw no slot (there acc = denom = 0)."""
-    return acc / jnp.where(denom > 0, denom, 1.0)
+def _finish(m: jax.Array, denom: jax.Array, acc: jax.Array, sink: jax.Array) -> jax.Array:
+    """`acc / denom` with the sink folded into the running softmax (`m`, `denom`, `sink` float32 `[G, 1]`, `acc`
+    `[G, D]`): the softmax-weighted sum of v; 0 for a row that saw no slot (there acc = 0)."""
+    _, denom, rescale = fold_sink(m, denom, sink)
+    return acc * rescale / jnp.where(denom > 0, denom, 1.0)  # (no slot and no sink: denom = 0, 0 / 1)
 
 
 # --- Triton (GPU) -------------------------------------------------------------------------------------
 
 
-def _triton_kernel(q_pos_ref, window_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, softcap: float | None,
-                   block_k: int):
+def _triton_kernel(q_pos_ref, window_ref, sink_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float,
+                   softcap: float | None, block_k: int):
     """One (row b, kv head n) program.
 
-    Refs: `q_pos_ref`, `window_ref` int32 `[]`; `q_ref` `[G', D]` the group's query heads (padded to G'
-    rows); `k_ref`, `v_ref` `[S, D]` row b's cache of kv head n; `o_ref` `[G', D]`.
+    Refs: `q_pos_ref`, `window_ref` int32 `[]`; `sink_ref` float32 `[G']` the group's sinks; `q_ref` `[G', D]`
+    the group's query heads (both padded to G' rows); `k_ref`, `v_ref` `[S, D]` row b's cache of kv head n;
+    `o_ref` `[G', D]`.
     """
     S = k_ref.shape[0]
     lo, hi = _visible_slots(q_pos_ref[...], window_ref[...], S)
@@ -204,11 +212,11 @@ def _triton_kernel(q_pos_ref, window_ref, q_ref, k_ref, v_ref, o_ref, *, scale: 
     rows, D = q.shape
     start = (jnp.full((rows, 1), -jnp.inf, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
              jnp.zeros((rows, D), jnp.float32))
-    _, denom, acc = lax.fori_loop(first, end, block, start)  # only the visible blocks
-    o_ref[...] = _finish(denom, acc).astype(o_ref.dtype)
+    m, denom, acc = lax.fori_loop(first, end, block, start)  # only the visible blocks
+    o_ref[...] = _finish(m, denom, acc, sink_ref[...][:, None]).astype(o_ref.dtype)
 
 
-def _triton_decode(q, k, v, q_pos, window, *, scale, softcap, block_k, interpret):
+def _triton_decode(q, k, v, q_pos, window, sinks, *, scale, softcap, block_k, interpret):
     """`decode_attention` with the Triton kernel: a program per (row, kv head)."""
     B, H, D = q.shape
     S, N = k.shape[1], k.shape[2]
@@ -216,6 +224,7 @@ def _triton_decode(q, k, v, q_pos, window, *, scale, softcap, block_k, interpret
     rows = max(_TRITON_MIN_ROWS, pl.next_power_of_2(G))
     q = q.reshape(B, N, G, D)  # query head h = n * G + g: kv head n's group
     q = jnp.pad(q, ((0, 0), (0, 0), (0, rows - G), (0, 0)))  # zero rows, dropped from the output
+    sinks = jnp.pad(sinks.reshape(N, G), ((0, 0), (0, rows - G)), constant_values=-jnp.inf)  # [N, rows], as q
     kernel = functools.partial(_triton_kernel, scale=scale, softcap=softcap, block_k=block_k)
     out = pl.pallas_call(
         kernel,
@@ -223,6 +232,7 @@ def _triton_decode(q, k, v, q_pos, window, *, scale, softcap, block_k, interpret
         in_specs=[
             pl.BlockSpec((None,), lambda b, n: (b,)),  # q_pos[b]
             pl.BlockSpec((None,), lambda b, n: (0,)),  # window
+            pl.BlockSpec((None, rows), lambda b, n: (n, 0)),  # sinks[n]
             pl.BlockSpec((None, None, rows, D), lambda b, n: (b, n, 0, 0)),  # q[b, n]
             pl.BlockSpec((None, S, None, D), lambda b, n: (b, 0, n, 0)),  # k[b, :, n]: the kernel picks blocks
             pl.BlockSpec((None, S, None, D), lambda b, n: (b, 0, n, 0)),  # v[b, :, n]
@@ -232,20 +242,21 @@ def _triton_decode(q, k, v, q_pos, window, *, scale, softcap, block_k, interpret
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="triton_decode_attention",
-    )(q_pos, window, q, k, v)
+    )(q_pos, window, sinks, q, k, v)
     return out[:, :, :G].reshape(B, H, D)
 
 
 # --- Mosaic (TPU) -------------------------------------------------------------------------------------
 
 
-def _mosaic_kernel(q_pos_ref, window_ref, q_ref, k_ref, v_ref, o_ref, m_ref, denom_ref, acc_ref, *,
+def _mosaic_kernel(q_pos_ref, window_ref, sink_ref, q_ref, k_ref, v_ref, o_ref, m_ref, denom_ref, acc_ref, *,
                    scale: float, softcap: float | None, block_k: int, S: int):
     """Grid step (row b, key block j).
 
-    Refs: `q_pos_ref` int32 `[B]`, `window_ref` int32 `[1]` (scalar memory); `q_ref` `[H, D]` row b's
-    queries; `k_ref`, `v_ref` `[block_k, N, D]` the key block the index map chose; `o_ref` `[H, D]`;
-    scratch `m_ref`, `denom_ref` float32 `[H, 1]`, `acc_ref` float32 `[H, D]` (see `_online_softmax_step`).
+    Refs: `q_pos_ref` int32 `[B]`, `window_ref` int32 `[1]` (scalar memory); `sink_ref` float32 `[H, 1]`
+    each query head's sink; `q_ref` `[H, D]` row b's queries; `k_ref`, `v_ref` `[block_k, N, D]` the key
+    block the index map chose; `o_ref` `[H, D]`; scratch `m_ref`, `denom_ref` float32 `[H, 1]`, `acc_ref`
+    float32 `[H, D]` (see `_online_softmax_step`).
     """
     b, j = pl.program_id(0), pl.program_id(1)
     lo, hi = _visible_slots(q_pos_ref[b], window_ref[0], S)
@@ -276,7 +287,7 @@ def _mosaic_kernel(q_pos_ref, window_ref, q_ref, k_ref, v_ref, o_ref, m_ref, den
 
     @pl.when(j == pl.num_programs(1) - 1)
     def _end():
-        o_ref[...] = _finish(denom_ref[...], acc_ref[...]).astype(o_ref.dtype)
+        o_ref[...] = _finish(m_ref[...], denom_ref[...], acc_ref[...], sink_ref[...]).astype(o_ref.dtype)
 
 
 def _mosaic_kv_block(b, j, q_pos_ref, window_ref, *, S: int, block_k: int) -> jax.Array:
@@ -291,7 +302,7 @@ def _mosaic_kv_block(b, j, q_pos_ref, window_ref, *, S: int, block_k: int) -> ja
     return jnp.minimum(jnp.maximum(j, first), jnp.maximum(end - 1, first))
 
 
-def _mosaic_decode(q, k, v, q_pos, window, *, scale, softcap, block_k, interpret):
+def _mosaic_decode(q, k, v, q_pos, window, sinks, *, scale, softcap, block_k, interpret):
     """`decode_attention` with the Mosaic kernel: grid (row, key block)."""
     B, H, D = q.shape
     S, N = k.shape[1], k.shape[2]
@@ -308,6 +319,7 @@ def _mosaic_decode(q, k, v, q_pos, window, *, scale, softcap, block_k, interpret
         num_scalar_prefetch=2,  # q_pos and window: read by the index maps and the kernel
         grid=(B, pl.cdiv(S, block_k)),
         in_specs=[
+            pl.BlockSpec((H, 1), lambda b, j, q_pos_ref, window_ref: (0, 0)),  # sinks, whole
             pl.BlockSpec((None, H, D), row_index),  # q[b]
             pl.BlockSpec((None, block_k, N, D), kv_index),  # k[b, block]
             pl.BlockSpec((None, block_k, N, D), kv_index),  # v[b, block]
@@ -323,4 +335,4 @@ def _mosaic_decode(q, k, v, q_pos, window, *, scale, softcap, block_k, interpret
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="mosaic_decode_attention",
-    )(q_pos, window, q, k, v)
+    )(q_pos, window, sinks.reshape(H, 1), q, k, v)

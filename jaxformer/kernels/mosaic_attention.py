@@ -16,14 +16,18 @@ A query block keeps, per row, in VMEM scratch from its first key block (j = 0) t
     denom  sum of exp(score - m) over the keys seen so far
     acc    sum of exp(score - m) * v over the keys seen so far
 
-and at the last key block writes `out = acc / denom` and the log-sum-exp `lse = m + log denom`.
+and at the last key block folds in the head's attention sink, if any (a key of value 0 every
+query sees: `blockwise.fold_sink`), and writes `out = acc / denom` and the log-sum-exp
+`lse = m + log denom`, the sink included.
 
 Backward, from the saved lse (no `[T, S]` array is ever stored): each block recomputes its
 probabilities `p = exp(score - lse)`, and with `delta = rowsum(dO * O)` (computed first)
 
     dV = p^T dO      dP = dO V^T      dS = p * (dP - delta)      dQ = dS K * scale      dK = dS^T Q * scale
 
-(with a softcap, dS is multiplied by the cap's derivative 1 - tanh^2 first). Two kernels, so
+(with a softcap, dS is multiplied by the cap's derivative 1 - tanh^2 first); the sinks'
+gradient, `-sum over rows of exp(sink - lse) * delta`, is a `jnp` sum outside the kernels
+(`blockwise.sink_grads`). Two kernels, so
 that each output block has one grid point sequence that owns it: the dK/dV kernel walks, for
 each key block, the query blocks of every query head of its group (grouped-query attention: a
 kv head's gradient is the sum over the query heads that read it); the dQ kernel walks, for
@@ -39,7 +43,8 @@ skipped blocks are still copied in).
 TPU layout: the last two dimensions of a block are a multiple of (8, 128) or the whole
 dimension. So q, k, v are laid out `[batch, heads, T, head_dim]` (a block `[block, head_dim]`,
 head_dim whole), and per-row numbers (positions, m, denom, lse, delta) are stored copied along 128
-lanes (`[rows, 128]`), each key's position along 8 sublanes (`[8, keys]`), the shapes a TPU
+lanes (`[rows, 128]`), as is each head's sink (`[heads, 1, 128]`), each key's position along 8
+sublanes (`[8, keys]`), the shapes a TPU
 vector register holds without reshuffling; a kernel reads one copy (`[:, :1]`, `[:1, :]`).
 """
 
@@ -51,6 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxformer.blockwise import fold_sink, sink_grads, sink_logits
 from jaxformer.products import precision_for
 
 LANES = 128  # a TPU vector register is 8 sublanes x 128 lanes of 32 bits
@@ -79,11 +85,13 @@ def supports(head_dim: int, dtype) -> bool:
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                     window: jax.Array, *, scale: float | None = None, softcap: float | None = None,
-                    block_q: int = 128, block_k: int = 128, interpret: bool = False) -> jax.Array:
+                    sinks: jax.Array | None = None, block_q: int = 128, block_k: int = 128,
+                    interpret: bool = False) -> jax.Array:
     """Attention of queries `q [batch, T, n_head, head_dim]` over keys `k` and values `v`
     `[batch, S, n_kv, head_dim]` (`n_head % n_kv == 0`: query head h reads kv head
-    `h // (n_head // n_kv)`), by the Pallas TPU kernels; differentiable in q, k and v (the
-    backward is kernels too). `supports` says which heads and dtypes a TPU takes.
+    `h // (n_head // n_kv)`), by the Pallas TPU kernels; differentiable in q, k, v and the
+    sinks (the backward of q, k and v is kernels too). `supports` says which heads and dtypes
+    a TPU takes.
 
     Args:
       q_pos, k_pos: int32 `[batch, T]` and `[batch, S]`, each query's and key's position (a
@@ -93,6 +101,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
         passes any window past the context (2**30). A query that sees no key gets 0.
       scale: the scores' scale, `1 / sqrt(head_dim)` by default.
       softcap: if given, scores pass through `softcap * tanh(score / softcap)` before the mask.
+      sinks: float32 `[n_head]`, each query head's sink logit (gpt-oss: `softmax(concat(scores,
+        sink))[..., :-1] @ v`), or None: no sink.
       block_q, block_k: the block sizes. T and S are padded to whole blocks (padded keys are
         empty slots, padded queries are dropped). On a TPU, block_q a multiple of 8 (16 for
         bfloat16) and block_k a multiple of 128, unless a block is the whole padded length.
@@ -112,8 +122,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
     q_pos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, pad_t)), constant_values=-1)
     k_pos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, pad_s)), constant_values=-1)
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
-    out = _attention(q, k, v, q_pos, k_pos, jnp.asarray(window, jnp.int32), scale, softcap, block_q, block_k,
-                     interpret)
+    out = _attention(q, k, v, q_pos, k_pos, jnp.asarray(window, jnp.int32), sink_logits(sinks, n_head), scale,
+                     softcap, block_q, block_k, interpret)
     return out[:, :, :T].transpose(0, 2, 1, 3)
 
 
@@ -185,6 +195,7 @@ def _score_grads(q, k, v, d_out, q_pos, k_pos, lse, delta, window, scale, softca
 
 def _forward_kernel(window_ref, q_lo_ref, q_hi_ref, k_lo_ref, k_hi_ref,  # SMEM
                     q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref,  # in: [bq, D], [bk, D] x 2, [bq, LANES], [SUBLANES, bk]
+                    sink_ref,  # in: [1, LANES], the head's sink (-inf: none)
                     out_ref, lse_ref,  # out: [bq, D], [bq, LANES]
                     m_ref, denom_ref, acc_ref,  # scratch: [bq, LANES] x 2, [bq, D]
                     *, scale, softcap):
@@ -211,12 +222,12 @@ def _forward_kernel(window_ref, q_lo_ref, q_hi_ref, k_lo_ref, k_hi_ref,  # SMEM
 
     @pl.when(j == pl.num_programs(3) - 1)  # the query block's last key block: write it out
     def _finish():
-        # A row that saw nothing has acc = 0 and denom = 0: dividing by 1 instead gives it out = 0
-        # (and lse = m = LOWEST, harmless: the backward masks all of its scores to -inf).
-        denom = denom_ref[...]
+        m, denom, rescale = fold_sink(m_ref[...], denom_ref[...], sink_ref[...])  # [bq, LANES] each
+        # A row that saw nothing has acc = 0, and denom = 0 without a sink: dividing by 1 instead gives it
+        # out = 0 (and lse = m = LOWEST, harmless: the backward masks all of its scores to -inf).
         denom = jnp.where(denom > 0, denom, 1.0)
-        out_ref[...] = (acc_ref[...] / denom[:, :1]).astype(out_ref.dtype)
-        lse_ref[...] = m_ref[...] + jnp.log(denom)
+        out_ref[...] = (acc_ref[...] * (rescale / denom)[:, :1]).astype(out_ref.dtype)
+        lse_ref[...] = m + jnp.log(denom)
 
 
 def _dkdv_kernel(window_ref, q_lo_ref, q_hi_ref, k_lo_ref, k_hi_ref,  # SMEM
@@ -299,7 +310,8 @@ def _sublanes(keys: jax.Array) -> jax.Array:
 
 def _specs(block_q: int, block_k: int, head_dim: int, group: int, kv_major: bool):
     """Block specs of the query-side arrays (`[B, H, T, D]`, per-row `[B, H, T, LANES]`, q_pos
-    `[B, T, LANES]`) and the key-side ones (`[B, N, S, D]`, k_pos `[B, SUBLANES, S]`), for the
+    `[B, T, LANES]`, per-head `[H, 1, LANES]`) and the key-side ones (`[B, N, S, D]`, k_pos
+    `[B, SUBLANES, S]`), for the
     grid `(b, h, i, j)` (`kv_major` False) or `(b, n, j, g, i)` (True; query head `n * group + g`).
     A `None` dimension is squeezed: the kernel sees the block's last two dimensions."""
     if kv_major:
@@ -316,6 +328,7 @@ def _specs(block_q: int, block_k: int, head_dim: int, group: int, kv_major: bool
         q=spec((None, None, block_q, head_dim), lambda b, h, n, i, j: (b, h, i, 0)),
         rows=spec((None, None, block_q, LANES), lambda b, h, n, i, j: (b, h, i, 0)),
         q_pos=spec((None, block_q, LANES), lambda b, h, n, i, j: (b, i, 0)),
+        head=spec((None, 1, LANES), lambda b, h, n, i, j: (h, 0, 0)),
         kv=spec((None, None, block_k, head_dim), lambda b, h, n, i, j: (b, n, j, 0)),
         k_pos=spec((None, SUBLANES, block_k), lambda b, h, n, i, j: (b, 0, j)),
     )
@@ -335,29 +348,29 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, scratch, tables, inputs,
     )(*tables, *inputs)
 
 
-def _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret):
-    """`(out [B, H, T, D], lse float32 [B, H, T])` of the padded, head-major arrays."""
+def _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret):
+    """`(out [B, H, T, D], lse float32 [B, H, T])` of the padded, head-major arrays and the sinks `[H]`."""
     batch, n_head, T, head_dim = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     specs = _specs(block_q, block_k, head_dim, n_head // n_kv, kv_major=False)
     out, lse = _call(
         functools.partial(_forward_kernel, scale=scale, softcap=softcap),
         grid=(batch, n_head, T // block_q, S // block_k),
-        in_specs=[specs["q"], specs["kv"], specs["kv"], specs["q_pos"], specs["k_pos"]],
+        in_specs=[specs["q"], specs["kv"], specs["kv"], specs["q_pos"], specs["k_pos"], specs["head"]],
         out_specs=[specs["q"], specs["rows"]],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, n_head, T, LANES), jnp.float32)],
         scratch=[pltpu.VMEM((block_q, LANES), jnp.float32), pltpu.VMEM((block_q, LANES), jnp.float32),
                  pltpu.VMEM((block_q, head_dim), jnp.float32)],
         tables=_block_tables(q_pos, k_pos, window, block_q, block_k),
-        inputs=(q, k, v, _lanes(q_pos), _sublanes(k_pos)),
+        inputs=(q, k, v, _lanes(q_pos), _sublanes(k_pos), _lanes(sinks[:, None])),
         interpret=interpret,
     )
     return out, lse[..., 0]
 
 
-def _backward(q, k, v, q_pos, k_pos, window, out, lse, d_out, scale, softcap, block_q, block_k, interpret):
-    """`(dq, dk, dv)` of the padded, head-major arrays, from the forward's `out` and `lse`."""
+def _backward(q, k, v, q_pos, k_pos, window, sinks, out, lse, d_out, scale, softcap, block_q, block_k, interpret):
+    """`(dq, dk, dv, dsinks)` of the padded, head-major arrays and the sinks, from the forward's `out` and `lse`."""
     batch, n_head, T, head_dim = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     group = n_head // n_kv
@@ -389,24 +402,24 @@ def _backward(q, k, v, q_pos, k_pos, window, out, lse, d_out, scale, softcap, bl
         scratch=[pltpu.VMEM((block_q, head_dim), jnp.float32)],
         tables=tables, inputs=inputs, interpret=interpret,
     )
-    return d_q, d_k, d_v
+    return d_q, d_k, d_v, sink_grads(sinks, lse, delta)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _attention(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret):
-    return _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _attention(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret):
+    return _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret)[0]
 
 
-def _attention_fwd(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret):
-    out, lse = _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret)
-    return out, (q, k, v, q_pos, k_pos, window, out, lse)
+def _attention_fwd(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret):
+    out, lse = _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret)
+    return out, (q, k, v, q_pos, k_pos, window, sinks, out, lse)
 
 
 def _attention_bwd(scale, softcap, block_q, block_k, interpret, residuals, d_out):
-    q, k, v, q_pos, k_pos, window, out, lse = residuals
-    d_q, d_k, d_v = _backward(q, k, v, q_pos, k_pos, window, out, lse, d_out, scale, softcap, block_q, block_k,
-                              interpret)
-    return d_q, d_k, d_v, None, None, None  # positions and window: integers, no gradient
+    q, k, v, q_pos, k_pos, window, sinks, out, lse = residuals
+    d_q, d_k, d_v, d_sinks = _backward(q, k, v, q_pos, k_pos, window, sinks, out, lse, d_out, scale, softcap,
+                                       block_q, block_k, interpret)
+    return d_q, d_k, d_v, None, None, None, d_sinks  # positions and window: integers, no gradient
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -12,8 +12,9 @@ an online softmax; per query row it keeps
     denom  sum of exp(score - m) over the keys seen so far
     acc    sum of exp(score - m) * v over the keys seen so far
 
-and rescales the sums by exp(m - m') when the maximum rises to m'. It writes
-`out = acc / denom` and the log-sum-exp `lse = m + log(denom)` of each row.
+and rescales the sums by exp(m - m') when the maximum rises to m'. It folds in the head's
+attention sink, if any (a key of value 0 every query sees: `blockwise.fold_sink`), and writes
+`out = acc / denom` and the log-sum-exp `lse = m + log(denom)` of each row, the sink included.
 
 Backward, from `lse`, the output O and its cotangent dO, with `delta = rowsum(dO * O)` computed
 first: each block's probabilities are recomputed as `p = exp(score - lse)`, and
@@ -24,7 +25,8 @@ first: each block's probabilities are recomputed as `p = exp(score - lse)`, and
 that block math: one program per (batch row, query head, query block) walks the key blocks and
 sums dQ; one per (batch row, kv head, key block) walks the query blocks of every query head
 reading that kv head (grouped-query attention) and sums dK and dV. Neither writes to memory
-another program writes, so no atomics are needed.
+another program writes, so no atomics are needed. The sinks' gradient, `-sum over rows of
+exp(sink - lse) * delta`, is a `jnp` sum outside the kernels (`blockwise.sink_grads`).
 
 Which keys a query reads is given by positions (`blockwise.visible`): key s is visible to query
 t iff `0 <= k_pos[s] <= q_pos[t]` and `k_pos[s] > q_pos[t] - window`. A pair of blocks with no
@@ -45,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxformer.blockwise import visible
+from jaxformer.blockwise import fold_sink, sink_grads, sink_logits, visible
 from jaxformer.products import precision_for
 
 # Triton multiplies matrices whose sides are at least this long.
@@ -64,11 +66,12 @@ def supports(head_dim: int, dtype) -> bool:
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
                     window: jax.Array, *, scale: float | None = None, softcap: float | None = None,
-                    block_q: int = 64, block_k: int = 64, interpret: bool = False) -> jax.Array:
+                    sinks: jax.Array | None = None, block_q: int = 64, block_k: int = 64,
+                    interpret: bool = False) -> jax.Array:
     """Attention of queries `q [batch, T, n_head, head_dim]` over keys `k` and values `v`
     `[batch, S, n_kv, head_dim]` (`n_head % n_kv == 0`; query head h reads kv head
     `h // (n_head // n_kv)`), with Pallas kernels: `[batch, T, n_head, head_dim]` in `q`'s dtype.
-    Differentiable with respect to q, k and v.
+    Differentiable with respect to q, k, v and the sinks.
 
     Args:
       q_pos, k_pos: int32 `[batch, T]` and `[batch, S]`, each query's and each key's position
@@ -77,6 +80,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
         attention: any value past the context, e.g. 2**30).
       scale: the scores' scale, `1 / sqrt(head_dim)` by default.
       softcap: the scores pass through `softcap * tanh(score / softcap)` (Gemma 2) before the mask.
+      sinks: float32 `[n_head]`, each query head's sink logit (gpt-oss: `softmax(concat(scores,
+        sink))[..., :-1] @ v`), or None: no sink.
       block_q, block_k: the block sizes, powers of two from 16 (cut to the next power of two
         from 16 above T or S when that is shorter). T and S are padded to whole blocks: padded
         keys are empty slots, padded queries see nothing and are dropped.
@@ -105,7 +110,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
     k_pos = jnp.pad(k_pos.astype(jnp.int32), ((0, 0), (0, pad_s)), constant_values=-1)
     scale = 1 / math.sqrt(head_dim) if scale is None else scale
     window = jnp.asarray(window, jnp.int32).reshape(1)  # a kernel reads it from memory, as window_ref[0]
-    out = _attention(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret)
+    out = _attention(q, k, v, q_pos, k_pos, window, sink_logits(sinks, n_head), scale, softcap, block_q, block_k,
+                     interpret)
     return out[:, :T]
 
 
@@ -124,13 +130,14 @@ def _any(seen: jax.Array) -> jax.Array:
     return jnp.max(seen.astype(jnp.int32)) > 0
 
 
-def _forward_kernel(window_ref, q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, out_ref, lse_ref, *, scale, softcap,
-                    block_k):
+def _forward_kernel(window_ref, sink_ref, q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, out_ref, lse_ref, *, scale,
+                    softcap, block_k):
     """One query block of one query head over every key block of its kv head.
 
-    Refs: `window_ref` int32 `[1]`; `q_ref [block_q, head_dim]`; `k_ref, v_ref [S, head_dim]`;
-    `q_pos_ref` int32 `[block_q]`; `k_pos_ref` int32 `[S]`. Writes `out_ref [block_q, head_dim]`
-    and `lse_ref` float32 `[block_q]` (+inf for a query that sees no key).
+    Refs: `window_ref` int32 `[1]`; `sink_ref` float32 `[]`, the head's sink (-inf: none); `q_ref
+    [block_q, head_dim]`; `k_ref, v_ref [S, head_dim]`; `q_pos_ref` int32 `[block_q]`; `k_pos_ref`
+    int32 `[S]`. Writes `out_ref [block_q, head_dim]` and `lse_ref` float32 `[block_q]` (+inf for a
+    query that sees no key and has no sink).
     """
     q, q_pos, window = q_ref[...], q_pos_ref[...], window_ref[0]
     block_q, head_dim = q.shape
@@ -156,10 +163,11 @@ def _forward_kernel(window_ref, q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref, out_r
 
     init = (jnp.full((block_q,), -jnp.inf), jnp.zeros((block_q,)), jnp.zeros((block_q, head_dim)))
     m, denom, acc = jax.lax.fori_loop(0, k_ref.shape[0] // block_k, key_block, init)
-    # A row that saw a key has denom >= 1 (its largest score contributes exp(0)); one that saw none has 0.
+    m, denom, rescale = fold_sink(m, denom, sink_ref[...])
+    # A row that saw a key or has a sink has denom >= 1 (its largest logit contributes exp(0)); else 0.
     saw = denom > 0
     denom = jnp.where(saw, denom, 1.0)  # (a row that saw nothing: 0 / 1)
-    out_ref[...] = (acc / denom[:, None]).astype(out_ref.dtype)
+    out_ref[...] = (acc * (rescale / denom)[:, None]).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(saw, m + jnp.log(denom), jnp.inf)  # exp(score - inf) = 0: no probability anywhere
 
 
@@ -256,12 +264,12 @@ def _window_spec() -> pl.BlockSpec:
     return pl.BlockSpec((1,), lambda *_: (0,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _attention(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret):
-    return _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _attention(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret):
+    return _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret)[0]
 
 
-def _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret):
+def _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret):
     """`(out [batch, T, n_head, head_dim], lse float32 [batch, n_head, T])`, T and S whole blocks."""
     batch, T, n_head, head_dim = q.shape
     S, n_kv = k.shape[1], k.shape[2]
@@ -273,7 +281,8 @@ def _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, in
     return pl.pallas_call(
         kernel,
         grid=(batch, n_head, T // block_q),
-        in_specs=[_window_spec(), query_rows, whole_kv_head, whole_kv_head,
+        in_specs=[_window_spec(), pl.BlockSpec((None,), lambda b, h, i: (h,)),  # sinks[h]
+                  query_rows, whole_kv_head, whole_kv_head,
                   pl.BlockSpec((None, block_q), lambda b, h, i: (b, i)),  # q_pos
                   pl.BlockSpec((None, S), lambda b, h, i: (b, 0))],  # k_pos
         out_specs=[query_rows, pl.BlockSpec((None, None, block_q), lambda b, h, i: (b, h, i))],  # out, lse
@@ -281,16 +290,16 @@ def _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, in
         compiler_params=_COMPILER_PARAMS,
         interpret=interpret,
         name="flash_attention_forward",
-    )(window, q, k, v, q_pos, k_pos)
+    )(window, sinks, q, k, v, q_pos, k_pos)
 
 
-def _attention_fwd(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret):
-    out, lse = _forward(q, k, v, q_pos, k_pos, window, scale, softcap, block_q, block_k, interpret)
-    return out, (q, k, v, q_pos, k_pos, window, out, lse)
+def _attention_fwd(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret):
+    out, lse = _forward(q, k, v, q_pos, k_pos, window, sinks, scale, softcap, block_q, block_k, interpret)
+    return out, (q, k, v, q_pos, k_pos, window, sinks, out, lse)
 
 
 def _attention_bwd(scale, softcap, block_q, block_k, interpret, residuals, d_out):
-    q, k, v, q_pos, k_pos, window, out, lse = residuals
+    q, k, v, q_pos, k_pos, window, sinks, out, lse = residuals
     batch, T, n_head, head_dim = q.shape
     S, n_kv = k.shape[1], k.shape[2]
     group = n_head // n_kv
@@ -332,7 +341,7 @@ def _attention_bwd(scale, softcap, block_q, block_k, interpret, residuals, d_out
         interpret=interpret,
         name="flash_attention_dkv",
     )(*inputs)
-    return d_q, d_k, d_v, None, None, None
+    return d_q, d_k, d_v, None, None, None, sink_grads(sinks, lse, delta)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

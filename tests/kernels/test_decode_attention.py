@@ -63,19 +63,20 @@ def test_matches_dense_attention(platform, case):
                                atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("sinks", [None, jnp.array([1.0, -2.0, 0.5, 3.0])], ids=["", "sinks"])
 @pytest.mark.parametrize("platform", PLATFORMS)
-def test_reads_only_the_visible_slots(platform):
+def test_reads_only_the_visible_slots(platform, sinks):
     """Every slot outside a row's window is NaN: the output is finite and the clean cache's. A row at a
-    negative position (idle) sees no slot and gets 0."""
+    negative position (idle) sees no slot and gets 0, with a sink (gpt-oss's) too."""
     S, N, H, D, window = 72, 2, 4, 16, 20
     q, k, v = inputs(4, S, N, H, D, seed=1)
     q_pos = jnp.array([0, 37, S - 1, -1], jnp.int32)
     seen = jnp.asarray(visible(q_pos, window, S))[:, :, None, None]  # [B, S, 1, 1]
     k_nan, v_nan = jnp.where(seen, k, jnp.nan), jnp.where(seen, v, jnp.nan)
-    out = decode_attention(q, k_nan, v_nan, q_pos, jnp.int32(window), block_k=16, platform=platform,
+    out = decode_attention(q, k_nan, v_nan, q_pos, jnp.int32(window), sinks=sinks, block_k=16, platform=platform,
                            interpret=True)
     assert np.isfinite(out).all()
-    np.testing.assert_allclose(out[:3], reference(q, k, v, q_pos, window)[:3], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out[:3], reference(q, k, v, q_pos, window, sinks=sinks)[:3], atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(out[3], 0)
 
 

@@ -32,28 +32,30 @@ def _mask(q_pos, k_pos, window):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_q", "block_k"))
-def _kernel(q, k, v, q_pos, k_pos, window, d_out, *, scale, softcap, block_q, block_k):
-    """The kernels' output and `(dq, dk, dv)` for the cotangent `d_out`, in the interpreter."""
-    def attend(q, k, v):
-        return flash_attention(q, k, v, q_pos, k_pos, window, scale=scale, softcap=softcap, block_q=block_q,
-                               block_k=block_k, interpret=True)
+def _kernel(q, k, v, q_pos, k_pos, window, d_out, sinks=None, *, scale, softcap, block_q, block_k):
+    """The kernels' output and `(dq, dk, dv)` for the cotangent `d_out` (and dsinks, where `sinks`
+    are given), in the interpreter."""
+    def attend(q, k, v, sinks):
+        return flash_attention(q, k, v, q_pos, k_pos, window, scale=scale, softcap=softcap, sinks=sinks,
+                               block_q=block_q, block_k=block_k, interpret=True)
 
-    out, vjp = jax.vjp(attend, q, k, v)
-    return out, vjp(d_out)
+    out, vjp = jax.vjp(attend, q, k, v, sinks)
+    return out, jax.tree.leaves(vjp(d_out))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap"))
-def _dense(q, k, v, q_pos, k_pos, window, d_out, *, scale, softcap):
-    def attend(q, k, v):
-        return dot_product_attention(q, k, v, _mask(q_pos, k_pos, window), scale=scale, softcap=softcap)[0]
+def _dense(q, k, v, q_pos, k_pos, window, d_out, sinks=None, *, scale, softcap):
+    def attend(q, k, v, sinks):
+        return dot_product_attention(q, k, v, _mask(q_pos, k_pos, window), scale=scale, softcap=softcap,
+                                     sinks=sinks)[0]
 
-    out, vjp = jax.vjp(attend, q, k, v)
-    return out, vjp(d_out)
+    out, vjp = jax.vjp(attend, q, k, v, sinks)
+    return out, jax.tree.leaves(vjp(d_out))
 
 
 def _reference(*args, **scores):
-    """The dense attention's output and `(dq, dk, dv)` for the cotangent `d_out` (`_kernel`'s
-    arguments), its matmuls at float32 precision on any backend."""
+    """The dense attention's output and `(dq, dk, dv)` for the cotangent `d_out` (and dsinks:
+    `_kernel`'s arguments), its matmuls at float32 precision on any backend."""
     with jax.default_matmul_precision("highest"):  # (part of the jit's cache key: compiled so)
         return _dense(*args, **scores)
 
@@ -90,13 +92,17 @@ CASES = {
     # 0 and 17..32 in row 1, whose last query alone sees the first key of the second key block
     # (32): a block-skipping test one position too eager fails here. With a window.
     "cached-keys": dict(shape=(2, 16, 56, 4, 2, 16), blocks=(16, 32), offsets=[40, 17], window=24),
+    # Attention sinks, with GQA, padded rows (blind queries: out 0 with a sink too), a window and a softcap.
+    "sinks": dict(shape=(2, 48, 48, 4, 2, 16), blocks=(16, 16), pads=[12, 0], window=20, softcap=3.0, q_scale=2.0,
+                  sinks=True),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_dense_attention(name):
     """Outputs and gradients equal the dense attention's at float32 tolerances; a query that sees
-    no key gets 0 and passes no gradient."""
+    no key gets 0 and passes no gradient. With "sinks" (gpt-oss's, a logit per query head of about
+    the scores' size), their gradient too."""
     case = CASES[name]
     batch, T, S, n_head, n_kv, head_dim = case["shape"]
     q, k, v, d_out = _inputs(0, batch, T, S, n_head, n_kv, head_dim, q_scale=case.get("q_scale", 1.0))
@@ -104,12 +110,14 @@ def test_matches_dense_attention(name):
     window = jnp.int32(case.get("window", FULL_WINDOW))
     scores = dict(scale=case.get("scale"), softcap=case.get("softcap"))
     block_q, block_k = case["blocks"]
+    sinks = 2 * jax.random.normal(jax.random.key(1), (n_head,)) if case.get("sinks") else None
 
     sees = _mask(q_pos, k_pos, window).any(-1)[:, :, None, None]  # [batch, T, 1, 1]
-    out, grads = _kernel(q, k, v, q_pos, k_pos, window, d_out, **scores, block_q=block_q, block_k=block_k)
+    out, grads = _kernel(q, k, v, q_pos, k_pos, window, d_out, sinks, **scores, block_q=block_q, block_k=block_k)
     # The dense attention gives a blind row the mean of v: its cotangent there is 0 (the
     # kernels got the full cotangent: a blind row must pass nothing back).
-    want_out, want_grads = _reference(q, k, v, q_pos, k_pos, window, jnp.where(sees, d_out, 0), **scores)
+    want_out, want_grads = _reference(q, k, v, q_pos, k_pos, window, jnp.where(sees, d_out, 0), sinks, **scores)
+    assert len(grads) == len(want_grads) == (3 if sinks is None else 4)
 
     np.testing.assert_allclose(np.where(sees, out, 0), np.where(sees, want_out, 0), atol=2e-5, rtol=0)
     np.testing.assert_array_equal(np.where(sees, 0, out), 0)  # a blind row's output

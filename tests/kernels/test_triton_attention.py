@@ -42,22 +42,26 @@ def _mask(q_pos, k_pos, window):
 
 
 @functools.partial(jax.jit, static_argnames=("softcap", "block_q", "block_k"))
-def _flash(q, k, v, q_pos, k_pos, window, d_out, *, softcap, block_q, block_k):
-    """The kernels' output and `(dq, dk, dv)` for the cotangent `d_out`, one compiled program."""
-    out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, q_pos, k_pos, window, softcap=softcap,
-                                                       block_q=block_q, block_k=block_k, interpret=True), q, k, v)
+def _flash(q, k, v, q_pos, k_pos, window, d_out, sinks, *, softcap, block_q, block_k):
+    """The kernels' output and `(dq, dk, dv, dsinks)` for the cotangent `d_out` (dsinks None
+    without sinks), one compiled program."""
+    out, vjp = jax.vjp(lambda q, k, v, sinks: flash_attention(q, k, v, q_pos, k_pos, window, softcap=softcap,
+                                                              sinks=sinks, block_q=block_q, block_k=block_k,
+                                                              interpret=True), q, k, v, sinks)
     return out, vjp(d_out)
 
 
 @functools.partial(jax.jit, static_argnames=("softcap",))
-def _dense(q, k, v, mask, d_out, *, softcap):
-    """The reference's output and `(dq, dk, dv)` for the cotangent `d_out`."""
-    out, vjp = jax.vjp(lambda q, k, v: dot_product_attention(q, k, v, mask, softcap=softcap)[0], q, k, v)
+def _dense(q, k, v, mask, d_out, sinks, *, softcap):
+    """The reference's output and `(dq, dk, dv, dsinks)` for the cotangent `d_out`."""
+    out, vjp = jax.vjp(lambda q, k, v, sinks: dot_product_attention(q, k, v, mask, softcap=softcap, sinks=sinks)[0],
+                       q, k, v, sinks)
     return out, vjp(d_out)
 
 
-def _compare(inputs, q_pos, k_pos, window, softcap, block_q, block_k, out_atol, grad_atol):
-    """Checks the kernels against the reference; `grad_atol` is relative to each gradient's largest entry.
+def _compare(inputs, q_pos, k_pos, window, softcap, block_q, block_k, out_atol, grad_atol, sinks=None):
+    """Checks the kernels against the reference, with `sinks` where given (and their gradient);
+    `grad_atol` is relative to each gradient's largest entry.
 
     The kernels get a cotangent that is random on every row, the reference the same one zeroed on
     the rows that see no key: the kernels must give those rows exactly 0 and pass no gradient
@@ -69,15 +73,17 @@ def _compare(inputs, q_pos, k_pos, window, softcap, block_q, block_k, out_atol, 
     seen = np.asarray(mask.any(-1))[:, :, None, None]  # [batch, T, 1, 1]: the row sees a key
     assert seen.any() and not seen.all()  # every case has both kinds of rows (`padded` empty ones)
     d_out = jax.random.normal(jax.random.key(7), q.shape).astype(q.dtype)
-    out, grads = _flash(q, k, v, q_pos, k_pos, window, d_out, softcap=softcap, block_q=block_q, block_k=block_k)
+    out, grads = _flash(q, k, v, q_pos, k_pos, window, d_out, sinks, softcap=softcap, block_q=block_q,
+                        block_k=block_k)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)  # the reference runs in float32 on the same numbers
-    want, want_grads = _dense(f32(q), f32(k), f32(v), mask, jnp.where(seen, f32(d_out), 0.0), softcap=softcap)
-    assert out.dtype == q.dtype and [g.dtype for g in grads] == [q.dtype] * 3
+    want, want_grads = _dense(f32(q), f32(k), f32(v), mask, jnp.where(seen, f32(d_out), 0.0), sinks, softcap=softcap)
+    assert out.dtype == q.dtype and [g.dtype for g in grads[:3]] == [q.dtype] * 3
     np.testing.assert_array_equal(np.where(seen, 0.0, f32(out)), 0.0)  # a row that sees nothing: 0
     np.testing.assert_allclose(np.where(seen, f32(out), 0.0), np.where(seen, want, 0.0), atol=out_atol, rtol=0)
-    for name, got, expected in zip(("dq", "dk", "dv"), grads, want_grads):
-        np.testing.assert_allclose(f32(got), expected, atol=grad_atol * float(np.abs(expected).max()), rtol=0,
-                                   err_msg=name)
+    for name, got, expected in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads):
+        if expected is not None:
+            np.testing.assert_allclose(f32(got), expected, atol=grad_atol * float(np.abs(expected).max()), rtol=0,
+                                       err_msg=name)
 
 
 # Each case: (T, S, n_head, n_kv, left_pad, window, softcap). Blocks of 16; batch 2, head_dim 16.
@@ -100,6 +106,17 @@ def test_float32_matches_dense(case):
     inputs, q_pos, k_pos = _inputs(0, 2, T, S, n_head, n_kv, 16, left_pad)
     # float32 rounding only (the reference runs with HIGHEST matmul precision, tests/conftest.py).
     _compare(inputs, q_pos, k_pos, window, softcap, 16, 16, out_atol=2e-5, grad_atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["gqa", "ragged"])
+def test_float32_with_sinks_matches_dense(case):
+    """gpt-oss's sinks, a logit per query head of about the scores' size, on the GQA cases (the
+    ragged one with a window, a softcap and padding): the output, and the gradients of q, k, v and
+    the sinks, against the dense reference's (its autodiff) at the same float32 tolerances."""
+    T, S, n_head, n_kv, left_pad, window, softcap = CASES[case]
+    inputs, q_pos, k_pos = _inputs(0, 2, T, S, n_head, n_kv, 16, left_pad)
+    sinks = 3 * jax.random.normal(jax.random.key(3), (n_head,))
+    _compare(inputs, q_pos, k_pos, window, softcap, 16, 16, out_atol=2e-5, grad_atol=2e-5, sinks=sinks)
 
 
 def test_bfloat16_within_its_rounding():
