@@ -218,6 +218,9 @@ def of_type(by_type: dict, is_sliding):
                         by_type["full"])
 
 
+QK_NORMS = ("head", "projection")  # what a q/k norm normalises over (AttentionSpec.qk_norm_over)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """The "attention" mixer kind of a decoder layer: causal softmax attention of `n_head` query
@@ -233,6 +236,8 @@ class AttentionSpec:
       rope_theta, rope_scaling: RoPE's base and `RopeScaling` (None: none) at this layer.
       rope_pairing: which channels RoPE rotates together ("split_half" or "interleaved").
       qk_norm: an RMSNorm over each head's channels of q and of k, before RoPE (Qwen3, Gemma 3).
+      qk_norm_over: what `qk_norm` normalises over: "head", each head's channels; or
+        "projection", all of q's heads and channels at once, and of k's (OLMoE).
       qkv_bias: q, k and v carry a bias (Qwen2).
       scale: the scores' scale; None: `head_dim ** -0.5`.
       softcap: scores pass through `softcap * tanh(score / softcap)` (Gemma 2); None: not.
@@ -249,11 +254,16 @@ class AttentionSpec:
     rope_scaling: "RopeScaling | None"  # noqa: F821 (jaxformer.config)
     rope_pairing: str = "split_half"
     qk_norm: bool = False
+    qk_norm_over: str = "head"
     qkv_bias: bool = False
     scale: float | None = None
     softcap: float | None = None
     sinks: bool = False
     o_bias: bool = False
+
+    def __post_init__(self):
+        if self.qk_norm_over not in QK_NORMS:
+            raise ValueError(f"AttentionSpec.qk_norm_over must be one of {QK_NORMS} (got {self.qk_norm_over!r})")
 
     def weights(self, d_model: int) -> dict[str, "Weight"]:
         """The matrices and biases a layer of this spec holds, by name: what `GQASelfAttention`
@@ -369,9 +379,14 @@ class GQASelfAttention(nn.Module):
         zeros = nn.initializers.zeros
         if a.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
             q, k, v = q + weight("bq", zeros), k + weight("bk", zeros), v + weight("bv", zeros)
-        if a.qk_norm:  # each head's q and k normalised over its channels: bounded scores (Qwen3, Gemma 3)
+        if a.qk_norm and a.qk_norm_over == "head":  # each head's q and k over its channels: bounded scores (Qwen3)
             q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="k_norm")(k)
+        elif a.qk_norm:  # OLMoE's: q over all its heads' channels at once, [batch, T, n_head * head_dim], k alike
+            q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEADS, name="q_norm")(
+                q.reshape(*q.shape[:2], -1)).reshape(q.shape)
+            k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, KV_HEADS, name="k_norm")(
+                k.reshape(*k.shape[:2], -1)).reshape(k.shape)
         sinks = None
         if a.sinks:  # gpt-oss's, float32 [n_head]: logits compared with the float32 scores, whatever the compute dtype
             sinks = param(self, "sinks", zeros, *table["sinks"][:2], c.param_dtype).astype(jnp.float32)

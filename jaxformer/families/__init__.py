@@ -6,12 +6,13 @@ from jaxformer.families.common import Family
 from jaxformer.families.gemma import GEMMA, GEMMA2, GEMMA3
 from jaxformer.families.llama import LLAMA, MISTRAL, QWEN2
 from jaxformer.families.mixtral import MIXTRAL
+from jaxformer.families.olmoe import OLMOE
 from jaxformer.families.phi3 import PHI3
 from jaxformer.families.qwen3 import QWEN3
 from jaxformer.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3,
-                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL)}
+                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)}
 
 
 def family_of(config) -> Family:

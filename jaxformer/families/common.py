@@ -314,14 +314,19 @@ def attention_tensors(d_model: int, spec: AttentionSpec, prefix: str, block: str
 
 
 def attention_extras(d_model: int, spec: AttentionSpec, prefix: str, block: str) -> list[Tensor]:
-    """What the spec adds to the four projections: q/k/v biases (`{prefix}self_attn.{q,k,v}_proj.bias`,
-    Qwen2), then RMSNorms over each head's channels of q and k (`self_attn.{q,k}_norm.weight`: Qwen3, Gemma 3)."""
+    """What the spec adds to the four projections: their biases (`{prefix}self_attn.{q,k,v,o}_proj.bias`:
+    Qwen2's q/k/v, gpt-oss's all four), RMSNorms of q and k (`self_attn.{q,k}_norm.weight`: Qwen3,
+    Gemma 3, OLMoE), and gpt-oss's sinks (`self_attn.sinks`, one logit a query head)."""
     weights = spec.weights(d_model)
     table = [Tensor(f"{prefix}self_attn.{x}_proj.bias", (math.prod(weights[f"b{x}"].shape),), (block, "attn", f"b{x}"),
-                    weights[f"b{x}"].shape) for x in "qkv" if f"b{x}" in weights]
-    if spec.qk_norm:
-        table += [vector(f"{prefix}self_attn.{x}_norm.weight", (block, "attn", f"{x}_norm", "weight"), spec.head_dim)
-                  for x in "qk"]
+                    weights[f"b{x}"].shape) for x in "qkvo" if f"b{x}" in weights]
+    if spec.sinks:
+        table.append(vector(f"{prefix}self_attn.sinks", (block, "attn", "sinks"), spec.n_head))
+    if spec.qk_norm:  # over each head's channels; OLMoE's over the whole projection
+        whole = spec.qk_norm_over == "projection"
+        for x, heads in (("q", spec.n_head), ("k", spec.n_kv_head)):
+            table.append(vector(f"{prefix}self_attn.{x}_norm.weight", (block, "attn", f"{x}_norm", "weight"),
+                                spec.head_dim * (heads if whole else 1)))
     return table
 
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.peers
 
 CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
                "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M",
-               "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B"]
+               "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924"]
 MAX_SEQ_LEN = 64
 PROMPT_LEN, NEW_TOKENS = 12, 40
 TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
@@ -67,6 +67,7 @@ SWITCHED_ON = {
     "Qwen3-30B-A3B": {"qk_norm"},
     "Mixtral-8x7B-v0.1": set(),
     "Qwen1.5-MoE-A2.7B": {"qkv_bias"},
+    "OLMoE-1B-7B-0924": {"qk_norm"},
 }
 # Each routing feature of a family of experts, its layers' `ExpertsSpec` with the feature switched
 # (off, or to its other value), and the families that have it: the logits must move.
@@ -76,7 +77,8 @@ EXPERT_FEATURES_OFF = {
     "shared_gate": lambda spec: dataclasses.replace(spec, shared_gate=False),
 }
 EXPERT_FEATURES = {"Qwen3-30B-A3B": {"normalize", "top_k"}, "Mixtral-8x7B-v0.1": {"normalize", "top_k"},
-                   "Qwen1.5-MoE-A2.7B": {"normalize", "top_k", "shared_gate"}}
+                   "Qwen1.5-MoE-A2.7B": {"normalize", "top_k", "shared_gate"},
+                   "OLMoE-1B-7B-0924": {"normalize", "top_k"}}
 # Gemma 2 2B's and Gemma 3 1B's query_pre_attn_scalar is their head_dim, where it changes nothing;
 # 27B's (144, head_dim 128) is not: the tiny copies take one apart from head_dim, so its guard can tell.
 # Gemma 2's final cap (30) is shrunk as the window is, to where this tiny model's logits reach it.
