@@ -4,6 +4,7 @@ module and add its `Family` to `FAMILIES` (docs/architecture.md, "Checkpoint fam
 
 from jaxformer.families.common import Family
 from jaxformer.families.gemma import GEMMA, GEMMA2, GEMMA3
+from jaxformer.families.gpt_oss import GPT_OSS
 from jaxformer.families.llama import LLAMA, MISTRAL, QWEN2
 from jaxformer.families.mixtral import MIXTRAL
 from jaxformer.families.olmoe import OLMOE
@@ -12,7 +13,7 @@ from jaxformer.families.qwen3 import QWEN3
 from jaxformer.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3,
-                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE)}
+                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GPT_OSS)}
 
 
 def family_of(config) -> Family:

@@ -22,6 +22,9 @@ LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermedia
          "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}
 
 
+MIXTRAL = {**LLAMA, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
 def _saved(tmp_path, config=SMALL, seed=0):
     params = random_params(config, seed=seed)
     save_hf(config, params, str(tmp_path))
@@ -133,6 +136,19 @@ def test_config_round_trips_through_config_json():
     (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, layer_types=["full_attention"]),
      "layer_types"),
     (dict(model_type="mistral", sliding_window=-16), "sliding_window"),
+    # Mixtures of experts: what is not computed exactly, and experts that cannot be
+    (dict(MIXTRAL, router_jitter_noise=0.1), "router_jitter_noise"),
+    (dict(MIXTRAL, num_experts_per_tok=5), "num_experts_per_tok"),
+    (dict(MIXTRAL, num_local_experts=0), "num_local_experts"),
+    (dict(MIXTRAL, router_aux_loss_coef=-1), "router_aux_loss_coef"),
+    (dict(MIXTRAL, model_type="olmoe", num_experts=4, clip_qkv=8.0), "clip_qkv"),
+    (dict(MIXTRAL, model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32, use_sliding_window=True,
+          sliding_window=16), "use_sliding_window"),
+    (dict(MIXTRAL, model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32, mlp_only_layers=[3]),
+     "mlp_only_layers"),
+    (dict(MIXTRAL, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=32), "shared_expert_intermediate_size"),
+    (dict(MIXTRAL, model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
+    (dict(MIXTRAL, model_type="gpt_oss", sliding_window=128, swiglu_limit=-7.0), "swiglu_limit"),
 ])
 def test_unrepresentable_configs_are_refused_by_name(changes, field):
     with pytest.raises(ValueError, match=f"config.json {field}:"):

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.peers
 
 CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
                "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M",
-               "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924"]
+               "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924",
+               "gpt-oss-20b"]
 MAX_SEQ_LEN = 64
 PROMPT_LEN, NEW_TOKENS = 12, 40
 TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
@@ -68,6 +69,7 @@ SWITCHED_ON = {
     "Mixtral-8x7B-v0.1": set(),
     "Qwen1.5-MoE-A2.7B": {"qkv_bias"},
     "OLMoE-1B-7B-0924": {"qk_norm"},
+    "gpt-oss-20b": {"sliding_window", "rope_scaling", "qkv_bias"},
 }
 # Each routing feature of a family of experts, its layers' `ExpertsSpec` with the feature switched
 # (off, or to its other value), and the families that have it: the logits must move.
@@ -75,15 +77,22 @@ EXPERT_FEATURES_OFF = {
     "normalize": lambda spec: dataclasses.replace(spec, normalize=not spec.normalize),
     "top_k": lambda spec: dataclasses.replace(spec, top_k=spec.top_k - 1),
     "shared_gate": lambda spec: dataclasses.replace(spec, shared_gate=False),
+    "swiglu_limit": lambda spec: dataclasses.replace(spec, swiglu_limit=1e4),
 }
+# ... and of an attention layer: gpt-oss's sinks.
+MIXER_FEATURES_OFF = {"sinks": lambda spec: dataclasses.replace(spec, sinks=False)}
 EXPERT_FEATURES = {"Qwen3-30B-A3B": {"normalize", "top_k"}, "Mixtral-8x7B-v0.1": {"normalize", "top_k"},
                    "Qwen1.5-MoE-A2.7B": {"normalize", "top_k", "shared_gate"},
-                   "OLMoE-1B-7B-0924": {"normalize", "top_k"}}
+                   "OLMoE-1B-7B-0924": {"normalize", "top_k"},
+                   "gpt-oss-20b": {"top_k", "swiglu_limit", "sinks"}}
 # Gemma 2 2B's and Gemma 3 1B's query_pre_attn_scalar is their head_dim, where it changes nothing;
 # 27B's (144, head_dim 128) is not: the tiny copies take one apart from head_dim, so its guard can tell.
 # Gemma 2's final cap (30) is shrunk as the window is, to where this tiny model's logits reach it.
 OVERRIDES = {"gemma-2-2b": dict(query_pre_attn_scalar=24, final_logit_softcapping=3.0),
-             "gemma-3-1b-it": dict(query_pre_attn_scalar=24)}
+             "gemma-3-1b-it": dict(query_pre_attn_scalar=24),
+             # gpt-oss ships MXFP4 experts (the bfloat16 form is what loads); its SwiGLU clamp (7) shrunk
+             # to where this tiny model's products reach it
+             "gpt-oss-20b": dict(quantization_config=None, swiglu_limit=1.0)}
 # Phi-3's long-context form as its 128k checkpoint states it (an older `rope_scaling` of type
 # "longrope" with a factor per RoPE pair, the trained context at config.json's top level), the
 # trained context shrunk to 16 so that a test's calls cross it; the factors are made up here.
@@ -144,11 +153,16 @@ def switched_off(config, feature: str):
         return config.replace(layers=tuple(
             dataclasses.replace(spec, ffn=EXPERT_FEATURES_OFF[feature](spec.ffn))
             if isinstance(spec.ffn, ExpertsSpec) else spec for spec in config.layers))
+    if feature in MIXER_FEATURES_OFF:
+        return config.replace(layers=tuple(dataclasses.replace(spec, mixer=MIXER_FEATURES_OFF[feature](spec.mixer))
+                                           for spec in config.layers))
     off = config.replace(layers=(), **FEATURES_OFF[feature])
     if not config.layers:
         return off
-    return off.replace(layers=tuple(dataclasses.replace(spec, ffn=filled.ffn)
-                                    for spec, filled in zip(layer_specs(off), config.layers)))
+    return off.replace(layers=tuple(  # (the fields' attention, with what its filled spec adds: gpt-oss's sinks)
+        dataclasses.replace(spec, ffn=filled.ffn, mixer=dataclasses.replace(
+            spec.mixer, sinks=filled.mixer.sinks, o_bias=filled.mixer.o_bias, qk_norm_over=filled.mixer.qk_norm_over))
+        for spec, filled in zip(layer_specs(off), config.layers)))
 
 
 @pytest.fixture(scope="module")
