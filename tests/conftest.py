@@ -98,7 +98,8 @@ def pytest_unconfigure(config):
 # their own (test_sharding.py's 8 devices), a module fixture, or many compiles. With
 # `--dist loadfile` a file goes to one worker whole; these are handed out first, so that
 # they run beside the many short files rather than alone at the end.
-LONGEST_FIRST = ("tests/test_real_size.py", "tests/test_real_size_experts.py", "tests/training/test_processes.py", "tests/test_sharding.py",
+LONGEST_FIRST = ("tests/test_real_size.py", "tests/test_real_size_experts.py", "tests/training/test_processes.py",
+                 "tests/test_sharding.py",
                  "tests/test_docs.py", "tests/serving/test_engine.py", "tests/serving/test_app.py",
                  "tests/decoding/test_speculative.py", "tests/test_decoder.py", "tests/families/test_families.py")
 
