@@ -83,10 +83,11 @@ def batch_ids(vocab: int, batch: int, seq_len: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, vocab, (batch, seq_len + 1))
 
 
-def jax_step(path: str, ids: np.ndarray, lora: bool, remat: bool, base_dtype: str = "float32"):
-    """`(step, state, batch)`: jaxformer's jitted update and its first state, LoRA or full."""
+def jax_step(path: str, ids: np.ndarray, lora: bool, remat: bool, base_dtype: str = "float32",
+             targets: tuple[str, ...] = TARGETS):
+    """`(step, state, batch)`: jaxformer's jitted update and its first state, LoRA (on `targets`) or full."""
     config, base = load_hf(path, param_dtype=jnp.dtype(base_dtype))
-    adapters = LoraConfig(rank=RANK, alpha=ALPHA, targets=TARGETS) if lora else None
+    adapters = LoraConfig(rank=RANK, alpha=ALPHA, targets=targets) if lora else None
     model = Decoder(config.replace(lora=adapters, remat=remat))
     optimizer = optax.adamw(LR)
 
@@ -102,9 +103,10 @@ def jax_step(path: str, ids: np.ndarray, lora: bool, remat: bool, base_dtype: st
     return step, TrainState.create(trained, optimizer), batch
 
 
-def time_jax(path: str, ids: np.ndarray, lora: bool, steps: int, remat: bool = False) -> tuple[list[float], float]:
+def time_jax(path: str, ids: np.ndarray, lora: bool, steps: int, remat: bool = False,
+             targets: tuple[str, ...] = TARGETS) -> tuple[list[float], float]:
     """Each timed step's seconds, and the first step's loss."""
-    step, state, batch = jax_step(path, ids, lora, remat)
+    step, state, batch = jax_step(path, ids, lora, remat, targets=targets)
     times, first = [], None
     for i in range(steps + 2):
         start = time.perf_counter()
@@ -116,7 +118,8 @@ def time_jax(path: str, ids: np.ndarray, lora: bool, steps: int, remat: bool = F
     return times, first
 
 
-def time_torch(path: str, ids: np.ndarray, lora: bool, steps: int) -> tuple[list[float], float]:
+def time_torch(path: str, ids: np.ndarray, lora: bool, steps: int, targets: tuple[str, ...] = TARGETS
+               ) -> tuple[list[float], float]:
     """The same for transformers (+ peft): each timed step's seconds, and the first step's loss."""
     import peft
     import torch
@@ -125,7 +128,7 @@ def time_torch(path: str, ids: np.ndarray, lora: bool, steps: int) -> tuple[list
     torch.set_num_threads(os.cpu_count())
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS),
+        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(targets),
                                                            lora_dropout=0.0))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
