@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jaxformer.products import precision_for
 
 LARGEST_BLOCK = 128  # rows per block at most (`block_size`)
+UNROLLED_BLOCKS = 64  # `in_blocks` unrolls its loop over this many blocks or fewer
 
 
 def block_size(rows: int, n_experts: int) -> int:
@@ -154,7 +155,9 @@ def _blocked(x: jax.Array, w: jax.Array, block_expert: jax.Array) -> jax.Array:
         x_block, e = inputs
         return None, _block_product("bd,df->bf", x_block, w, e, shape)
 
-    return jax.lax.scan(step, None, (x, block_expert))[1]
+    # A decoding step's few blocks run unrolled: XLA:CPU's loop costs more a step than a block's
+    # product with one row (docs/performance.md, "Mixtures of experts").
+    return jax.lax.scan(step, None, (x, block_expert), unroll=x.shape[0] <= UNROLLED_BLOCKS)[1]
 
 
 def _blocked_fwd(x, w, block_expert):
