@@ -154,12 +154,18 @@ FULL_TIER = {
     "tests/training/test_state.py::test_initial_parameters_compiled_as_a_runs_are_the_default_compiles_bits":
         "initial parameters compiled at XLA's full optimisation",
 }
-# Cached decoding against transformers' own, step by step: the fast tier keeps a plain family and one of
-# sliding and full layers with soft-caps (Gemma 2), and two of the parity file's layouts; the others here.
+# Cached decoding against transformers' own, step by step: the fast tier keeps a plain family, one of
+# sliding and full layers with soft-caps (Gemma 2), a mixture of experts with sinks and rings (gpt-oss),
+# and two of the parity file's layouts; the others here.
 FULL_TIER.update({f"tests/families/test_families.py::test_cached_decoding_equals_transformers_and_the_full_forward"
                   f"[{family}]": "more families" for family in (
                       "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-3-1b-it", "Phi-3-mini-4k-instruct",
-                      "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M")})
+                      "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M", "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1",
+                      "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924")})
+# (A mixture's fine-tuning run end to end; the fast tier keeps the layer's load-balancing loss against
+# transformers', tests/test_experts.py, and dense fine-tuning's runs.)
+FULL_TIER["tests/commands/test_finetune.py::test_a_mixture_of_experts_trains_with_its_load_balancing_loss"] = \
+    "a mixture's fine-tuning run"
 # Variants whose test stays in the fast tier on its other parametrisations: speculative greedy keeps
 # a proposer on each config, lookup on gqa and mha, a draft model of its own on mqa (the gqa model as its
 # own draft: the file's other tests); vanilla's cached greedy is in the full tier on each model (the
