@@ -297,19 +297,28 @@ def load_balancing_loss(logits: list[jax.Array], top_k: int, mask: jax.Array | N
     return E * jnp.sum((counts / rows) * (probs / rows))
 
 
-def router_logits(sown: dict) -> list[jax.Array]:
-    """Each layer's router logits, `[batch, T, E]` float32, from what a model sowed in the
-    `ROUTER_COLLECTION` (`apply(..., mutable=[ROUTER_COLLECTION])`'s second output, that
-    collection's tree): a block's as it is, a scanned segment's split along its layers' axis."""
-    layers = []
+def _sown(sown: dict, name: str) -> list[jax.Array]:
+    """Every `name` entry a model sowed in the `ROUTER_COLLECTION` (`apply(..., mutable=[ROUTER_COLLECTION])`'s
+    second output), in the order of its tree: a block's as sown, a scanned segment's stacked over its layers."""
+    found = []
 
     def walk(tree):
-        for name, value in tree.items():
-            if name == "logits":
-                (stacked,) = value  # (sow keeps a tuple of what was sown)
-                layers.extend(stacked.reshape(-1, *stacked.shape[-3:]))
+        for key, value in tree.items():
+            if key == name:
+                found.append(value[0])  # (sow keeps a tuple of what was sown)
             elif isinstance(value, dict):
                 walk(value)
 
     walk(sown.get(ROUTER_COLLECTION, {}))
-    return layers
+    return found
+
+
+def router_logits(sown: dict) -> list[jax.Array]:
+    """Each layer's router logits, `[batch, T, E]` float32, from what a model sowed (`_sown`): a
+    scanned segment's split along its layers' axis."""
+    return [layer for stacked in _sown(sown, "logits") for layer in stacked.reshape(-1, *stacked.shape[-3:])]
+
+
+def dropped_pairs(sown: dict) -> jax.Array:
+    """int32 `[]`: the (token, choice) pairs every layer's capacity dropped in the call that sowed `sown`."""
+    return sum((jnp.sum(d) for d in _sown(sown, "dropped")), jnp.int32(0))

@@ -35,7 +35,7 @@ from jaxformer.convert.peft import adapter_sizes, all_targets, check_targets, sa
 from jaxformer.decodable import Decodable
 from jaxformer.decoder import Decoder, sown_attention_weights
 from jaxformer.decoding import generate
-from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec, load_balancing_loss, router_logits
+from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec, dropped_pairs, load_balancing_loss, router_logits
 from jaxformer.families import family_of
 from jaxformer.files import write_folder_atomically
 from jaxformer.layers import layer_specs
@@ -84,6 +84,9 @@ class Settings:
       seed: seeds the adapters, the batches and dropout.
       dtype: compute dtype.
       remat: recompute each block's activations in the backward pass instead of keeping them.
+      capacity_factor: a mixture of experts' capacity (`ExpertsSpec.capacity_factor`): each
+        expert takes at most `ceil(factor * tokens * k / E)` of a call's pairs, the rest dropped
+        and counted; None (the default) drops none.
 
     Raises:
       ValueError: naming the flag of a value out of range.
@@ -107,10 +110,12 @@ class Settings:
     seed: int = 0
     dtype: str = "float32"
     remat: bool = False
+    capacity_factor: float | None = None
 
     RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data", "full", "lora_rank", "lora_alpha",
                                                 "lora_targets", "lora_dropout", "base_dtype", "steps", "batch_size",
-                                                "lr", "warmup", "weight_decay", "clip", "seq_len", "seed")
+                                                "lr", "warmup", "weight_decay", "clip", "seq_len", "seed",
+                                                "capacity_factor")
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data")
 
     def __post_init__(self):
@@ -120,6 +125,7 @@ class Settings:
         flags.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
         flags.check(self, as_float, "weight_decay", at_least=0)
         flags.check(self, as_float, "lora_dropout", at_least=0, below=1)
+        flags.check(self, as_float, "capacity_factor", above=0, optional=True)
         require(self.base_dtype in DTYPES, "--base-dtype", f"one of {', '.join(DTYPES)}", self.base_dtype)
         require(not self.full or self.base_dtype == "float32", "--base-dtype",
                 "float32 with --full, which trains (and so keeps in float32) every parameter", self.base_dtype)
@@ -171,6 +177,9 @@ def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
     p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per row")
     p.add_argument("--remat", action="store_true",
                    help="recompute each block's activations in the backward pass (less memory, more compute)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="a mixture of experts: each expert takes at most factor * tokens * k / E of a step's "
+                        "pairs (static shapes), the rest dropped and logged; default: none dropped")
     flags.add_run_flags(p, "finetune-<lora|full>", checkpoint_every=100, log_every=10)
     flags.add_export_flag(p, "--merge", help="after training, write the fine-tuned model (adapters merged in) and its "
                         "tokenizer as a checkpoint folder that transformers and jaxformer-generate open; with "
@@ -219,6 +228,9 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     require(settings.seq_len <= config.max_seq_len, "--seq-len", f"at most the model's context, {config.max_seq_len}",
             settings.seq_len)
     config = config.replace(lora=settings.lora(config), remat=settings.remat)
+    # The training steps' model: with a capacity, its layers of experts drop what overflows (the model
+    # evaluated and saved drops nothing).
+    trained_model = Decoder(with_capacity(config, settings.capacity_factor))
     if config.lora is not None:
         try:
             check_targets(config, config.lora)  # now: the adapters are written after training
@@ -261,20 +273,36 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         # read, never differentiated: only the adapters get gradients.
         variables = {"params": trained} if lora is None else {"params": base, "lora": trained}
         # The loss from the final hidden states, a chunk's logits at a time; the head is the base's (LoRA leaves it).
-        (hidden, _), sown = model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key}, hidden=True,
-                                        mutable=[ROUTER_COLLECTION])
+        (hidden, _), sown = trained_model.apply(variables, batch["tokens"], rngs={"dropout": dropout_key},
+                                                hidden=True, mutable=[ROUTER_COLLECTION])
         head = model.output_head(variables["params"])
         loss = chunked_cross_entropy(hidden, batch["targets"], head, 0.0, ignore_id=IGNORE)
         if not experts:
             return loss, {}
         # A mixture of experts: plus its routers' load-balancing loss, weighted as its config.json says.
         balance = load_balancing_loss(router_logits(sown), experts[0].top_k)
-        return loss + experts[0].aux_loss_coef * balance, {"load_balancing_loss": balance}
+        metrics = {"load_balancing_loss": balance}
+        if settings.capacity_factor is not None:  # what the capacity dropped, every layer's pairs together
+            metrics["dropped_pairs"] = dropped_pairs(sown)
+        return loss + experts[0].aux_loss_coef * balance, metrics
 
     return runs.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule, loss_fn=loss_fn,
                       make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
                       tokens_per_step=settings.batch_size * settings.seq_len, corpus=data, tokenizer=tokenizer,
                       param_axes=axes, frozen=None if lora is None else base)
+
+
+def with_capacity(config: DecoderConfig, factor: float | None) -> DecoderConfig:
+    """`config` whose layers of experts take `factor` as their capacity (`ExpertsSpec.capacity_factor`);
+    `config` itself for None. Refuses a factor for a model without experts."""
+    if factor is None:
+        return config
+    specs = layer_specs(config)
+    require(any(isinstance(spec.ffn, ExpertsSpec) for spec in specs), "--capacity-factor",
+            "given only for a checkpoint whose layers are experts", factor)
+    return config.replace(layers=tuple(
+        dataclasses.replace(spec, ffn=dataclasses.replace(spec.ffn, capacity_factor=factor))
+        if isinstance(spec.ffn, ExpertsSpec) else spec for spec in specs))
 
 
 def check_rank(config: DecoderConfig, lora: LoraConfig) -> None:

@@ -165,6 +165,17 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path):
         assert not np.array_equal(x, y)
     logged = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "load_balancing_loss" in row]
     assert logged and all(2.0 <= row["load_balancing_loss"] < 4.0 for row in logged)  # k = 2 when even, E * k at most
+    assert not any("dropped_pairs" in row for row in logged)  # dropless: nothing to count
+    # With a capacity (half an even share), the steps drop pairs and log how many; the model saved is dropless.
+    done = run_main(finetune.main, ["--checkpoint", str(tmp_path / "moe"), "--data", str(data), "--steps", "4",
+                                    "--full", "--capacity-factor", "0.5", "--run-dir", str(tmp_path / "capped"),
+                                    "--merge", str(tmp_path / "capped-model"), *FAST])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    dropped = [row["dropped_pairs"] for row in read_metrics(tmp_path / "capped" / "metrics.jsonl")
+               if "dropped_pairs" in row]
+    # 4 rows x 32 tokens x k=2 pairs a layer, 2 layers: at least half of the 512 pairs dropped
+    assert dropped and all(256 <= d < 512 for d in dropped)
+    assert load_hf(str(tmp_path / "capped-model"))[0].layers[0].ffn.capacity_factor is None
 
 
 def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpoint, tmp_path):
@@ -213,6 +224,9 @@ def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, 
                                      "q_proj, k_proj"),
     (["--seq-len", "65"], "--seq-len must be at most the model's context, 64"),
     (["--full", "--base-dtype", "bfloat16"], "--base-dtype must be float32 with --full"),
+    (["--capacity-factor", "1.0", "--seq-len", "32"],
+     "--capacity-factor must be given only for a checkpoint whose layers are experts"),
+    (["--capacity-factor", "0"], "--capacity-factor must be"),
     (["--lora-dropout", "1"], "--lora-dropout must be"),
 ])
 def test_bad_flags_are_refused_in_one_line(checkpoint, tmp_path, extra, message):
