@@ -14,6 +14,7 @@ from jaxformer.families.moe import experts_fields, read_experts, refuse_jitter, 
 
 
 def read_olmoe(hf: dict, max_seq_len: int | None) -> dict:
+    hf = {"rms_norm_eps": 1e-05, **hf}  # transformers' OlmoeConfig default: OLMoE-1B-7B's config.json may not state it
     refuse_jitter(hf)
     if hf.get("clip_qkv") is not None:
         fail("clip_qkv", "must be null (clipping q, k and v is not implemented)", hf["clip_qkv"])
