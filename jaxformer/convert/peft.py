@@ -220,7 +220,8 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
     try:
         shapes = adapter_shapes_of(config, lora)
     except ValueError as e:
-        raise ValueError(f"{os.path.join(path, ADAPTER_CONFIG_FILE)}: target_modules: {e}") from None
+        field = "target_parameters" if str(e).startswith(lora.parameter_targets) else "target_modules"
+        raise ValueError(f"{os.path.join(path, ADAPTER_CONFIG_FILE)}: {field}: {e}") from None
     want = {}  # tensor name -> (adapter's key, "a" or "b", the shape peft stores it in)
     for key, stem in _peft_keys(config, lora).items():
         (*experts, _, n_in), (*_, n_out) = shapes[key]
