@@ -19,8 +19,8 @@ nothing. The adapters are a tree shaped like the blocks' parameters, `{block: {p
   each `W` replaced by `W + scale * a b`, which the plain model runs.
 
 A layer of experts' stacked matrices (`w_gate`, `w_up` `[E, d, F]`, `w_down` `[E, F, d]`) take
-adapters as peft gives transformers' fused expert parameters (`LoraConfig.target_parameters`,
-peft's `ParamWrapper`): one low-rank change per expert, `W[e] + scale * a[e]^T b[e]`, `a`
+adapters as peft gives transformers' fused expert parameters (peft's `LoraConfig(target_parameters
+=...)`, its `ParamWrapper`): one low-rank change per expert, `W[e] + scale * a[e]^T b[e]`, `a`
 `[E, r, n_in]` and `b` `[E, r, n_out]`; `experts_gate_up` is one adapter over gate and up
 (transformers' `gate_up_proj`: one `a[e]`, `b[e]`'s columns the gate's then up's), and
 `experts_down` down's. Unmerged, each is two more grouped products in the experts' layer
@@ -53,7 +53,7 @@ INPUT_AXES = {"wo": 2}  # o's input is its heads and their channels; every other
 LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its adapters from
 
 __all__ = ["LORA_COLLECTION", "PARTS", "Adapted", "LoraConfig", "adapter_in_out", "adapter_matrices",
-           "experts_adapters", "init_lora", "merge", "project"]
+           "adapter_shapes", "experts_adapters", "init_lora", "merge", "project"]
 
 
 def adapter_matrices(adapter: str) -> tuple[str, ...]:
