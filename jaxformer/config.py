@@ -132,12 +132,17 @@ class RopeScaling:
         return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
 
 
-# LoRA's targets, by peft's (transformers') module names, and the adapter each is in a block:
-# a matrix of its own, or Phi-3's fused ones, one adapter over several matrices' columns.
+# LoRA's targets, by peft's (transformers') names, and the adapter each is in a block: a module's
+# (peft's `target_modules`): a matrix of its own, or Phi-3's fused ones, one adapter over several
+# matrices' columns; or a parameter's (peft's `target_parameters`): a layer of experts' stacked
+# matrices, as transformers 5 holds them (`mlp.experts.gate_up_proj` `[E, 2F, d]`, the gate's
+# rows then up's, and `down_proj` `[E, d, F]`), one adapter per expert.
 LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
                 "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
-                "qkv_proj": "wqkv", "gate_up_proj": "w_gate_up"}
+                "qkv_proj": "wqkv", "gate_up_proj": "w_gate_up",
+                "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
 FUSED_ADAPTERS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # -> the matrices, in order
+EXPERT_ADAPTERS = {"experts_gate_up": ("w_gate", "w_up"), "experts_down": ("w_down",)}  # -> the stacked matrices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,9 +153,12 @@ class LoraConfig:
       rank: r, the adapters' inner size, >= 1.
       alpha: the scale's numerator (peft's `lora_alpha`), > 0.
       targets: peft's names of the adapted matrices (`LORA_TARGETS`' keys), in every block;
-        Phi-3's `qkv_proj` and `gate_up_proj` are one adapter over the fused matrices.
+        Phi-3's `qkv_proj` and `gate_up_proj` are one adapter over the fused matrices; a layer
+        of experts' `mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (peft's
+        `target_parameters`) an adapter per expert, in every layer of experts.
       dropout: the rate of the dropout on each adapter's input (peft's `lora_dropout`), in
-        [0, 1); it applies only where a `dropout` rng is given, as in training.
+        [0, 1); it applies only where a `dropout` rng is given, as in training. 0 with the
+        experts' targets (peft adapts a parameter with none).
     """
 
     rank: int = 8
@@ -167,9 +175,13 @@ class LoraConfig:
                  and all(t in LORA_TARGETS for t in targets), "targets",
                  f"distinct names among {', '.join(LORA_TARGETS)}")
         object.__setattr__(self, "targets", tuple(targets))
-        matrices = [m for adapter in self.adapters for m in FUSED_ADAPTERS.get(adapter, (adapter,))]
+        matrices = [m for adapter in self.adapters if adapter not in EXPERT_ADAPTERS
+                    for m in FUSED_ADAPTERS.get(adapter, (adapter,))]
         _require(self, len(set(matrices)) == len(matrices), "targets",
                  "names of distinct matrices (qkv_proj holds q, k and v; gate_up_proj gate and up)")
+        _require(self, self.dropout == 0 or not self.expert_adapters, "dropout",
+                 f"0 with the experts' targets ({', '.join(self.parameter_targets)}): peft adapts a parameter "
+                 "without dropout")
 
     def replace(self, **changes) -> "LoraConfig":
         """A copy with `changes` applied, validated again."""
@@ -187,8 +199,25 @@ class LoraConfig:
 
     @property
     def matrices(self) -> frozenset[str]:
-        """The parameters an adapter changes (`wq`, ...; `wqkv` changes wq, wk and wv)."""
-        return frozenset(m for adapter in self.adapters for m in FUSED_ADAPTERS.get(adapter, (adapter,)))
+        """The parameters a module's adapter changes (`wq`, ...; `wqkv` changes wq, wk and wv): the
+        attention's and a dense MLP's, never the experts' (`expert_adapters`)."""
+        return frozenset(m for adapter in self.adapters if adapter not in EXPERT_ADAPTERS
+                         for m in FUSED_ADAPTERS.get(adapter, (adapter,)))
+
+    @property
+    def expert_adapters(self) -> tuple[str, ...]:
+        """The adapters of the experts' stacked matrices (`experts_gate_up`, `experts_down`)."""
+        return tuple(adapter for adapter in self.adapters if adapter in EXPERT_ADAPTERS)
+
+    @property
+    def module_targets(self) -> tuple[str, ...]:
+        """The targets that are modules (peft's `target_modules`): every one but the experts'."""
+        return tuple(t for t in self.targets if LORA_TARGETS[t] not in EXPERT_ADAPTERS)
+
+    @property
+    def parameter_targets(self) -> tuple[str, ...]:
+        """The targets that are parameters (peft's `target_parameters`): the experts'."""
+        return tuple(t for t in self.targets if LORA_TARGETS[t] in EXPERT_ADAPTERS)
 
 
 class _ModelConfig:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from jaxformer.feedforward import GATES, GatedMLP, GatedMLPSpec
 from jaxformer.grouped import PRODUCTS, block_size, dispatch, gather_rows, row_experts, scatter_rows
+from jaxformer.lora import experts_adapters
 from jaxformer.products import product
 from jaxformer.sharding import EMBED, EXPERTS, MLP, ROUTES, Weight, compute_param
 
@@ -193,15 +194,28 @@ def capacity(spec: ExpertsSpec, n_tokens: int) -> int:
     return math.ceil(spec.capacity_factor * n_tokens * spec.top_k / spec.n_experts)
 
 
-def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: dict, *, how: str,
-           block: int, capacity: int | None) -> tuple[jax.Array, jax.Array]:
+def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: dict,
+           adapters: dict | None = None, *, how: str, block: int, capacity: int | None
+           ) -> tuple[jax.Array, jax.Array]:
     """`(y [N, d_model], dropped int32 [])`: `sum_c gates[:, c] * FFN_{ids[:, c]}(tokens)`, the pairs
     laid out by `grouped.dispatch` and each of the experts' three products one grouped product
-    (`PRODUCTS[how]`); `w` the layer's parameters by name."""
+    (`PRODUCTS[how]`); `w` the layer's parameters by name. `adapters`, LoRA's on the experts
+    (`jaxformer.lora.experts_adapters`: `{"gate_up" or "down": (a [E, n_in, r], b [E, r, n_out])}`,
+    `b` scaled), add `(x a[e]) b[e]` to gate and up (`b`'s columns the gate's then up's) or to
+    down, each two more grouped products of the same rows."""
     layout = dispatch(ids, spec.n_experts, block, capacity)
     multiply = PRODUCTS[how]
+    adapters = adapters or {}
+
+    def low_rank(x, name):  # [rows, n_out]: each row through its expert's adapter
+        a, b = adapters[name]
+        return multiply(multiply(x, a, layout), b, layout)
+
     rows = gather_rows(tokens, layout, spec.top_k)  # [rows, d_model]
     gate, up = multiply(rows, w["w_gate"], layout), multiply(rows, w["w_up"], layout)  # [rows, F]
+    if "gate_up" in adapters:
+        delta = low_rank(rows, "gate_up")  # [rows, 2F]
+        gate, up = gate + delta[:, :spec.width], up + delta[:, spec.width:]
     if spec.expert_bias:  # each row its expert's bias (none past the last group: those rows are never read)
         expert = row_experts(layout)
 
@@ -209,7 +223,10 @@ def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Arra
             return jnp.take(w[name], expert, axis=0, mode="fill", fill_value=0)
 
         gate, up = gate + bias("b_gate"), up + bias("b_up")
-    y = multiply(expert_gate(spec, gate, up), w["w_down"], layout)  # [rows, d_model]
+    hidden = expert_gate(spec, gate, up)  # [rows, F]
+    y = multiply(hidden, w["w_down"], layout)  # [rows, d_model]
+    if "down" in adapters:
+        y = y + low_rank(hidden, "down")
     if spec.expert_bias:
         y = y + bias("b_down")
     pairs = scatter_rows(y, layout, ids.shape)  # [N, k, d_model]
@@ -238,7 +255,8 @@ class Experts(nn.Module):
         c, s = self.config, self.spec
         if c.lora is not None and c.lora.matrices & {"w_gate", "w_up", "w_down"}:
             raise ValueError(f"LoraConfig.targets={c.lora.targets}: the MLP's projections are experts in this layer; "
-                             "adapt the attention's (q_proj, k_proj, v_proj, o_proj)")
+                             "adapt the attention's (q_proj, k_proj, v_proj, o_proj) or the experts' matrices "
+                             "(mlp.experts.gate_up_proj, mlp.experts.down_proj)")
         declared = s.weights(c.d_model)
         init = nn.initializers.normal(0.02)
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))  # see GQASelfAttention
@@ -262,7 +280,8 @@ class Experts(nn.Module):
         run = functools.partial(routed, s, how="in_blocks", capacity=limit,
                                 block=limit or block_size(N * s.top_k, s.n_experts))
         # A CPU multiplies block by block; a GPU's or TPU's compiler has grouped-matmul kernels for ragged_dot.
-        y, dropped = jax.lax.platform_dependent(tokens, ids, gates, w, cpu=run,
+        adapters = experts_adapters(self, tokens.dtype)  # LoRA's on the experts' matrices, or None
+        y, dropped = jax.lax.platform_dependent(tokens, ids, gates, w, adapters, cpu=run,
                                                 default=functools.partial(run, how="ragged", block=limit or 1))
         if limit is not None:
             self.sow(ROUTER_COLLECTION, "dropped", dropped)

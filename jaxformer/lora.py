@@ -18,6 +18,16 @@ nothing. The adapters are a tree shaped like the blocks' parameters, `{block: {p
 - merged, to export or evaluate: `merge(params, adapters, lora)` is the parameter tree with
   each `W` replaced by `W + scale * a b`, which the plain model runs.
 
+A layer of experts' stacked matrices (`w_gate`, `w_up` `[E, d, F]`, `w_down` `[E, F, d]`) take
+adapters as peft gives transformers' fused expert parameters (peft's `LoraConfig(target_parameters
+=...)`, its `ParamWrapper`): one low-rank change per expert, `W[e] + scale * a[e]^T b[e]`, `a`
+`[E, r, n_in]` and `b` `[E, r, n_out]`; `experts_gate_up` is one adapter over gate and up
+(transformers' `gate_up_proj`: one `a[e]`, `b[e]`'s columns the gate's then up's), and
+`experts_down` down's. Unmerged, each is two more grouped products in the experts' layer
+(`jaxformer.experts.routed`), `(rows a[e]^T) b[e]` for the rows routed to expert e, so its
+cost grows with the experts chosen, as the layer's own products do. peft takes no dropout on
+them, nor do they.
+
 peft's files (`adapter_config.json`, `adapter_model.safetensors`), its target names and each
 family's fused modules are `jaxformer.convert.peft`'s.
 """
@@ -32,22 +42,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.config import FUSED_ADAPTERS, LoraConfig
+from jaxformer.config import EXPERT_ADAPTERS, FUSED_ADAPTERS, LoraConfig
 from jaxformer.dropout import drop
 from jaxformer.products import product
 
 PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
-         "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "w_gate_up": "mlp"}  # adapter -> its module in a block
+         "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "w_gate_up": "mlp",
+         "experts_gate_up": "mlp", "experts_down": "mlp"}  # adapter -> its module in a block
 INPUT_AXES = {"wo": 2}  # o's input is its heads and their channels; every other matrix's is its first axis
 LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its adapters from
 
-__all__ = ["LORA_COLLECTION", "PARTS", "Adapted", "LoraConfig", "adapter_in_out", "adapter_matrices", "init_lora",
-           "merge", "project"]
+__all__ = ["LORA_COLLECTION", "PARTS", "Adapted", "LoraConfig", "adapter_in_out", "adapter_matrices",
+           "adapter_shapes", "experts_adapters", "init_lora", "merge", "project"]
 
 
 def adapter_matrices(adapter: str) -> tuple[str, ...]:
-    """The matrices an adapter changes: itself, or a fused adapter's, in their column order."""
-    return FUSED_ADAPTERS.get(adapter, (adapter,))
+    """The matrices an adapter changes: itself, or a fused adapter's or an experts' adapter's, in
+    their column order."""
+    return EXPERT_ADAPTERS.get(adapter) or FUSED_ADAPTERS.get(adapter, (adapter,))
 
 
 def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Array]) -> list[jax.Array]:
@@ -81,6 +93,8 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
         return outs  # the model's plain products: nothing else is traced
     index = {name: i for i, (name, _, _) in enumerate(products)}
     for adapter in lora.adapters:
+        if adapter in EXPERT_ADAPTERS:
+            continue  # the experts' layer's own (`experts_adapters`)
         members = [index[m] for m in adapter_matrices(adapter) if m in index]
         if not members:
             continue
@@ -110,9 +124,45 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
     return outs
 
 
+def experts_adapters(module: nn.Module, dtype) -> dict | None:
+    """A layer of experts' adapters as `jaxformer.experts.routed` takes them, `{"gate_up" or
+    "down": (a [E, n_in, r], b [E, r, n_out])}` in `dtype`, `b` times the scale; None where
+    `module.config.lora` adapts none of the experts' matrices (or while `init` runs: the
+    adapters come from `init_lora`).
+
+    Raises:
+      ValueError: `config.lora` adapts them but the call has no adapter for one.
+    """
+    lora = module.config.lora
+    if lora is None or not lora.expert_adapters:
+        return None
+    adapters = {}
+    for adapter in lora.expert_adapters:
+        if not module.has_variable(LORA_COLLECTION, adapter):
+            if module.is_initializing():
+                return None
+            raise ValueError(f"config.lora adapts {adapter}, but apply() was given no {LORA_COLLECTION!r} "
+                             f"variables for it: pass {{'params': ..., {LORA_COLLECTION!r}: init_lora(...)}}")
+        ab = module.get_variable(LORA_COLLECTION, adapter)
+        a = jnp.swapaxes(ab["a"], 1, 2).astype(dtype)  # [E, n_in, r]: as the experts' matrices, input first
+        adapters[adapter.removeprefix("experts_")] = (a, (lora.scale * ab["b"]).astype(dtype))
+    return adapters
+
+
+def _is_stacked(params, block: str) -> bool:
+    """Whether `block`'s feed-forward is a layer of experts (its matrices stacked `[E, ...]`)."""
+    mlp = params[block].get("mlp", {})
+    return "w_gate" in mlp and mlp["w_gate"].ndim == 3
+
+
 def _adapted(params, lora: LoraConfig):
     """`(block, part, adapter, [W...])` for each adapter of a per-layer parameter tree, with
-    the matrices it changes (one; a fused adapter's several)."""
+    the matrices it changes (one; a fused adapter's several): the experts' adapters in each
+    layer of experts alone (a dense layer among them has none).
+
+    Raises:
+      ValueError: a scanned tree, or a module's adapter of the MLP on a layer of experts.
+    """
     if "blocks" in params:
         raise ValueError("LoRA takes the per-layer parameter tree: unstack a scanned one first "
                          "(jaxformer.convert.unstack_layers)")
@@ -120,26 +170,44 @@ def _adapted(params, lora: LoraConfig):
     for block in blocks:
         for adapter in lora.adapters:
             part = PARTS[adapter]
+            if (adapter in EXPERT_ADAPTERS) != (part == "mlp" and _is_stacked(params, block)):
+                if adapter in EXPERT_ADAPTERS:
+                    continue
+                raise ValueError(f"LoraConfig.targets={lora.targets}: {block}'s MLP is a layer of experts; adapt "
+                                 "its matrices with mlp.experts.gate_up_proj and mlp.experts.down_proj")
             yield block, part, adapter, [params[block][part][m] for m in adapter_matrices(adapter)]
 
 
 def adapter_in_out(adapter: str, shapes: list[tuple[int, ...]]) -> tuple[int, int]:
-    """An adapter's `(n_in, n_out)`: its matrices' input size, and their output sizes summed."""
+    """An adapter's `(n_in, n_out)`: its matrices' input size, and their output sizes summed
+    (an experts' adapter's: each expert's, `shapes` without the experts' axis)."""
     n_in = INPUT_AXES.get(adapter, 1)
     return math.prod(shapes[0][:n_in]), sum(math.prod(shape[n_in:]) for shape in shapes)
 
 
+def adapter_shapes(adapter: str, shapes: list[tuple[int, ...]], rank: int) -> tuple[tuple, tuple]:
+    """The shapes of an adapter's `a` and `b` for matrices of `shapes` (as the parameter tree
+    holds them): `[r, n_in]` and `[r, n_out]`, an experts' adapter's `[E, r, n_in]` and
+    `[E, r, n_out]`."""
+    if adapter not in EXPERT_ADAPTERS:
+        n_in, n_out = adapter_in_out(adapter, shapes)
+        return (rank, n_in), (rank, n_out)
+    n_in, n_out = adapter_in_out(adapter, [shape[1:] for shape in shapes])
+    return (shapes[0][0], rank, n_in), (shapes[0][0], rank, n_out)
+
+
 def init_lora(params, lora: LoraConfig, key: jax.Array) -> dict:
-    """New adapters for `params`: `{block: {part: {adapter: {"a": [r, n_in], "b": [r, n_out]}}}}`,
-    `b` zero (float32, whatever the base's dtype)."""
+    """New adapters for `params`: `{block: {part: {adapter: {"a": [r, n_in], "b": [r, n_out]}}}}`
+    (an experts' adapter: `[E, r, n_in]`, `[E, r, n_out]`), `b` zero (float32, whatever the
+    base's dtype)."""
     adapters: dict = {}
     found = list(_adapted(params, lora))
     for key_i, (block, part, adapter, ws) in zip(jax.random.split(key, len(found)), found):
-        n_in, n_out = adapter_in_out(adapter, [w.shape for w in ws])
-        bound = 1.0 / math.sqrt(n_in)
+        a_shape, b_shape = adapter_shapes(adapter, [w.shape for w in ws], lora.rank)
+        bound = 1.0 / math.sqrt(a_shape[-1])
         adapters.setdefault(block, {}).setdefault(part, {})[adapter] = {
-            "a": jax.random.uniform(key_i, (lora.rank, n_in), jnp.float32, -bound, bound),
-            "b": jnp.zeros((lora.rank, n_out), jnp.float32)}
+            "a": jax.random.uniform(key_i, a_shape, jnp.float32, -bound, bound),
+            "b": jnp.zeros(b_shape, jnp.float32)}
     return adapters
 
 
@@ -177,8 +245,12 @@ def merge(params, adapters: dict, lora: LoraConfig):
         ab = adapters[block][part][adapter]
         start = 0
         for name, w in zip(adapter_matrices(adapter), ws):
-            merged[block][part][name] = _merged(w, ab["a"], ab["b"], lora.scale, start)
-            start += w.size // ab["a"].shape[1]
+            if adapter in EXPERT_ADAPTERS:
+                merged[block][part][name] = _merged_experts(w, ab["a"], ab["b"], lora.scale, start)
+                start += w.shape[-1]
+            else:
+                merged[block][part][name] = _merged(w, ab["a"], ab["b"], lora.scale, start)
+                start += w.size // ab["a"].shape[1]
     return merged
 
 
@@ -191,3 +263,11 @@ def _merged(w, a, b, scale, start: int):
     width = w.size // a.shape[1]
     delta = (a.T @ b[:, start:start + width]) * scale  # [n_in, width]
     return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+
+
+@functools.partial(jax.jit, static_argnames="start")
+def _merged_experts(w, a, b, scale, start: int):
+    """`W[e] + scale * a[e]^T b[e][:, start:start + width]` for each expert e, in W's shape
+    and dtype: one stacked matrix `[E, n_in, width]` of an experts' adapter."""
+    delta = jnp.einsum("eri,ero->eio", a, b[:, :, start:start + w.shape[-1]]) * scale
+    return (w.astype(jnp.float32) + delta).astype(w.dtype)

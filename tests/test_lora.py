@@ -3,6 +3,8 @@ training runs (`DecoderConfig.lora`) against the merge, its dropout against torc
 against HF peft on torch on a tiny Llama and a tiny Gemma (logits, one step's loss and adapter
 gradients with masked targets, both ways of the adapter files)."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,9 @@ from jaxformer import Decoder, DecoderConfig, generate, label_smoothed_cross_ent
 from jaxformer.config import LORA_TARGETS
 from jaxformer.convert import load_hf
 from jaxformer.convert.peft import all_targets, check_targets, load_peft, save_peft
+from jaxformer.experts import ExpertsSpec, route, routed
+from jaxformer.grouped import PRODUCTS
+from jaxformer.layers import layer_specs
 from jaxformer.lora import Adapted, LoraConfig, init_lora, merge, project
 from jaxformer.training import TrainState, make_train_step
 
@@ -292,3 +297,218 @@ def test_each_family_takes_the_targets_its_format_has():
         check_targets(CONFIG, LoraConfig(targets=("qkv_proj",)))
     with pytest.raises(ValueError, match="names of distinct matrices"):
         LoraConfig(targets=("qkv_proj", "k_proj"))
+
+
+# LoRA on a layer of experts: a Qwen3-MoE-shaped model, 4 experts of 16, 2 a token; its second layer
+# dense (as Qwen2-MoE's `mlp_only_layers`): the experts' adapters are in each layer of experts alone.
+MOE_SPEC = ExpertsSpec(4, 2, 16)
+MOE = CONFIG.replace(qk_norm=True, layers=tuple(dataclasses.replace(spec, ffn=MOE_SPEC) if i == 0 else spec
+                                                for i, spec in enumerate(layer_specs(CONFIG.replace(qk_norm=True)))))
+MOE_LORA = LoraConfig(rank=3, alpha=6.0, targets=("q_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+
+
+@pytest.fixture(scope="module")
+def moe_base():
+    return random_params(MOE, seed=0)
+
+
+def test_the_experts_take_an_adapter_per_expert_and_a_new_one_changes_nothing(moe_base):
+    adapters = init_lora(moe_base, MOE_LORA, jax.random.key(0))
+    shapes = jax.tree.map(lambda x: x.shape, adapters)
+    assert shapes["block_0"]["mlp"] == {"experts_gate_up": {"a": (4, 3, 32), "b": (4, 3, 32)},  # gate's 16, up's 16
+                                        "experts_down": {"a": (4, 3, 16), "b": (4, 3, 32)}}
+    assert "mlp" not in shapes["block_1"]  # the dense layer: no experts, no experts' adapters
+    a = adapters["block_0"]["mlp"]["experts_down"]["a"]
+    assert float(jnp.abs(a).max()) <= 1 / np.sqrt(16) and not np.allclose(a[0], a[1])  # peft's bound; each its own
+    for x, y in zip(jax.tree.leaves(merge(moe_base, adapters, MOE_LORA)), jax.tree.leaves(moe_base)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_the_experts_merge_is_each_experts_w_plus_scaled_a_b_and_the_unmerged_path_computes_it(moe_base):
+    adapters = trained_looking(init_lora(moe_base, MOE_LORA, jax.random.key(0)))
+    merged = merge(moe_base, adapters, MOE_LORA)
+    mlp, ours = moe_base["block_0"]["mlp"], adapters["block_0"]["mlp"]
+    for name, adapter, columns in (("w_gate", "experts_gate_up", slice(0, 16)), ("w_up", "experts_gate_up",
+                                   slice(16, 32)), ("w_down", "experts_down", slice(0, 32))):
+        a, b = (np.asarray(ours[adapter][x], np.float64) for x in ("a", "b"))
+        for e in range(4):
+            want = np.asarray(mlp[name][e], np.float64) + (6.0 / 3) * a[e].T @ b[e][:, columns]
+            np.testing.assert_allclose(merged["block_0"]["mlp"][name][e], want, rtol=1e-5, atol=1e-5)
+    plain = np.asarray(jit_apply(Decoder(MOE), {"params": merged}, jnp.asarray(TOKENS))[0])
+    np.testing.assert_allclose(adapted_logits(MOE, moe_base, adapters, MOE_LORA), plain, rtol=1e-4, atol=1e-4)
+    base_logits = np.asarray(jit_apply(Decoder(MOE), {"params": moe_base}, jnp.asarray(TOKENS))[0])
+    assert np.abs(plain - base_logits).max() > 0.1  # the experts' adapters are read
+    with pytest.raises(ValueError, match="config.lora adapts experts_gate_up, but apply\\(\\) was given no 'lora'"):
+        attention_only = {block: {"attn": adapters[block]["attn"]} for block in adapters}
+        Decoder(MOE.replace(lora=MOE_LORA)).apply({"params": moe_base, "lora": attention_only}, jnp.asarray(TOKENS))
+
+
+@pytest.mark.parametrize("capacity", [None, 5])
+def test_routed_adds_each_experts_adapter_in_both_grouped_products(capacity):
+    """`routed` with adapters against `routed` on the merged matrices, each way of multiplying
+    (the CPU's blocks and the GPU's and TPU's ragged_dot), and so are the adapters' gradients."""
+    spec, n, d, r = MOE_SPEC, 13, 8, 3
+    k = jax.random.split(jax.random.key(0), 9)
+    tokens = jax.random.normal(k[0], (n, d))
+    gates, ids = route(jax.random.normal(k[1], (n, spec.n_experts)), spec)
+    w = {"w_gate": jax.random.normal(k[2], (4, d, 16)), "w_up": jax.random.normal(k[3], (4, d, 16)),
+         "w_down": jax.random.normal(k[4], (4, 16, d))}
+    ab = {"gate_up": (jax.random.normal(k[5], (4, d, r)), jax.random.normal(k[6], (4, r, 32))),
+          "down": (jax.random.normal(k[7], (4, 16, r)), jax.random.normal(k[8], (4, r, d)))}
+    cotangent = jax.random.normal(jax.random.key(1), (n, d))
+
+    def merged(ab):  # W[e] + a[e] b[e], b's columns the gate's then up's
+        gate_up = jnp.einsum("eir,ero->eio", *ab["gate_up"])
+        return {"w_gate": w["w_gate"] + gate_up[..., :16], "w_up": w["w_up"] + gate_up[..., 16:],
+                "w_down": w["w_down"] + jnp.einsum("eir,ero->eio", *ab["down"])}
+
+    def loss(ab, how, unmerged):
+        args = (w, ab) if unmerged else (merged(ab),)
+        y, _ = routed(spec, tokens, ids, gates, *args, how=how, block=4 if capacity is None else capacity,
+                      capacity=capacity)
+        return jnp.sum(y * cotangent), y
+
+    (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(ab, "in_blocks", False)
+    for how in sorted(PRODUCTS):
+        (_, got), grads = jax.value_and_grad(loss, has_aux=True)(ab, how, True)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+        for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+            np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
+
+
+def test_a_model_of_experts_takes_the_attentions_and_its_experts_targets():
+    qwen3_moe = MOE.replace(hf_model_type="qwen3_moe", layers=tuple(
+        dataclasses.replace(spec, ffn=MOE_SPEC) for spec in MOE.layers))
+    assert all_targets(qwen3_moe) == ("q_proj", "k_proj", "v_proj", "o_proj")  # (--lora-targets all)
+    assert all_targets(qwen3_moe, parameters=True) == ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                       "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    check_targets(qwen3_moe, MOE_LORA)
+    with pytest.raises(ValueError, match="gate_proj is not a module of a qwen3_moe checkpoint \\(layer 0's MLP is its "
+                                         "experts, whose matrices are parameters: mlp.experts.gate_up_proj"):
+        check_targets(qwen3_moe, LoraConfig(targets=("gate_proj",)))
+    with pytest.raises(ValueError, match="mlp.experts.down_proj is not a parameter of a llama checkpoint \\(it has no "
+                                         "layer of experts\\); its targets: q_proj, k_proj, v_proj, o_proj, gate_proj"):
+        check_targets(CONFIG, LoraConfig(targets=("mlp.experts.down_proj",)))
+    with pytest.raises(ValueError, match="block_0's MLP is a layer of experts; adapt its matrices with"):
+        init_lora(random_params(MOE, seed=0), LoraConfig(targets=("up_proj",)), jax.random.key(0))
+    with pytest.raises(ValueError, match="dropout must be 0 with the experts' targets \\(mlp.experts.gate_up_proj\\)"):
+        LoraConfig(targets=("q_proj", "mlp.experts.gate_up_proj"), dropout=0.1)
+
+
+# peft's LoRA on transformers 5's fused experts (`target_parameters`), one `ParamWrapper` a parameter
+# holding every expert's adapter: lora_A `[E * r, n_in]` (rows e * r + j), lora_B `[n_out, r * E]`
+# (columns j * E + e); the two wrappers of one module nested in its order, so gate_up_proj's is the inner
+# (`base_layer.`) one. A tiny Qwen3-MoE (`gate_up_proj` `[E, 2F, d]`, the gate's rows first) and a tiny
+# gpt-oss (`[E, d, 2F]`, gate and up by turns, `is_transposed`).
+PEFT_EXPERTS = {"qwen3_moe": ("Qwen3-30B-A3B", {}),
+                "gpt_oss": ("gpt-oss-20b", dict(quantization_config=None, swiglu_limit=1.0))}
+EXPERTS_LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "mlp.experts.gate_up_proj",
+                                                      "mlp.experts.down_proj"))
+
+
+def peft_expert_names(i: int, adapter: str) -> str:
+    """peft's stem of layer i's experts' adapter, both parameters targeted (the test's own statement of it)."""
+    return f"base_model.model.model.layers.{i}.mlp.experts" + (".base_layer" if adapter == "experts_gate_up" else "")
+
+
+def from_peft_experts(letter: str, value: np.ndarray, n_experts: int, interleaved: bool) -> np.ndarray:
+    """peft's lora_A `[E * r, n_in]` or lora_B `[n_out, r * E]` of the experts as ours, `[E, r, n]`,
+    b's columns the gate's then up's (gpt-oss's gate_up_proj: `interleaved`, by turns)."""
+    if letter == "a":
+        return value.reshape(n_experts, -1, value.shape[-1])
+    b = value.reshape(value.shape[0], -1, n_experts).transpose(2, 1, 0)
+    return np.concatenate([b[..., 0::2], b[..., 1::2]], axis=-1) if interleaved else b
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("family", sorted(PEFT_EXPERTS))
+def test_lora_on_the_experts_equals_peft_one_step_and_the_adapter_files_go_both_ways(family, tmp_path):
+    torch = torch_peer()
+    transformers = import_peer("transformers")
+    peft = import_peer("peft")
+    if not hasattr(peft.LoraConfig(), "target_parameters"):
+        pytest.skip(f"peft {peft.__version__} adapts no parameters (target_parameters: peft 0.17 and later)")
+    name, overrides = PEFT_EXPERTS[family]
+    hf_config = transformers.AutoConfig.for_model(**tiny(name, **overrides))
+    scaled_up(transformers.AutoModelForCausalLM.from_config(hf_config), seed=0).save_pretrained(tmp_path / "base")
+    config, base = load_hf(str(tmp_path / "base"), max_seq_len=32)
+    lora, n_experts, interleaved = EXPERTS_LORA, hf_config.num_local_experts, family == "gpt_oss"
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 12))
+    adapters = jax.tree.map(lambda x: x / 4, trained_looking(init_lora(base, lora, jax.random.key(0)), seed=2))
+    save_peft(config, adapters, lora, str(tmp_path / "ours"))
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+    with torch.no_grad():
+        plain = model(input_ids=torch.tensor(tokens)).logits.numpy()
+    peer = peft.PeftModel.from_pretrained(model, str(tmp_path / "ours"), is_trainable=True)
+    labels = torch.tensor(tokens)
+    labels[0, :5] = -100
+    out = peer(input_ids=torch.tensor(tokens), labels=labels)
+    ours = adapted_logits(config, base, adapters, lora, tokens)
+    np.testing.assert_allclose(out.logits.detach().numpy(), ours, rtol=1e-4, atol=1e-4)
+    assert np.abs(out.logits.detach().numpy() - plain).max() > 0.1  # peft read the adapters
+
+    # One step's loss and the adapters' gradients (the experts' per expert), bounded as the test above's.
+    targets = np.where(labels.numpy() == -100, -100, tokens)[:, 1:]
+    batch = {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(targets)}
+
+    def loss(adapters, batch, dropout_key):
+        out = adapted_logits(config, base, adapters, lora, batch["tokens"])
+        return label_smoothed_cross_entropy(out, batch["targets"], 0.0, ignore_id=-100), {}
+
+    value, grads = jax.value_and_grad(lambda a: loss(a, batch, None)[0])(adapters)
+    out.loss.backward()
+    np.testing.assert_allclose(float(value), out.loss.item(), rtol=1e-5)
+    named = dict(peer.named_parameters())
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads))
+    wide = float64_config(config)
+    grads64 = in_float64(lambda a, b: jax.grad(lambda a: label_smoothed_cross_entropy(
+        Decoder(wide.replace(lora=lora)).apply({"params": b, "lora": a}, batch["tokens"])[0], batch["targets"], 0.0,
+        ignore_id=-100))(a), adapters, base)
+    compared = 0
+    for i in range(config.n_layer):
+        for part, adapter in (("attn", "wq"), ("attn", "wv"), ("mlp", "experts_gate_up"), ("mlp", "experts_down")):
+            pair = grads[f"block_{i}"][part][adapter]
+            stem = (f"base_model.model.model.layers.{i}.self_attn.{TARGET_OF[adapter]}" if part == "attn"
+                    else peft_expert_names(i, adapter))
+            for letter in ("a", "b"):
+                got = named[f"{stem}.lora_{letter.upper()}.default.weight"].grad.numpy()
+                if part == "attn":
+                    got = got if letter == "a" else got.T
+                else:
+                    got = from_peft_experts(letter, got, n_experts, interleaved and adapter == "experts_gate_up")
+                want64 = grads64[f"block_{i}"][part][adapter][letter]
+                assert got.shape == want64.shape
+                bound = 2 * REORDERED * float(np.abs(np.asarray(pair[letter], np.float64) - want64).max())
+                assert bound <= 1e-2 * scale, bound  # float32's rounding, not another result
+                np.testing.assert_allclose(np.asarray(pair[letter]), got, rtol=0, atol=bound)
+                assert np.abs(got).max() > 10 * bound  # (a gradient, not zeros within the bound)
+                compared += 1
+    assert compared == 2 * config.n_layer * len(lora.targets)
+
+    # The step moves the experts' adapters, every expert's that was routed to.
+    optimizer = optax.adam(1e-2)
+    state, _ = make_train_step(loss, optimizer)(TrainState.create(adapters, optimizer), batch, jax.random.key(0))
+    moved = state.params["block_0"]["mlp"]["experts_down"]["b"] - adapters["block_0"]["mlp"]["experts_down"]["b"]
+    assert (np.abs(np.asarray(moved)).max(axis=(1, 2)) > 0).sum() >= 2
+
+    # peft's own adapters (drawn by peft, its target_parameters as a dotted tail, saved by peft) into jaxformer.
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+    theirs = peft.get_peft_model(fresh, peft.LoraConfig(r=3, lora_alpha=5, target_modules=["k_proj"],
+                                                        target_parameters=["experts.gate_up_proj",
+                                                                           "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # (peft starts B at zero)
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    loaded, lora = load_peft(config, str(tmp_path / "theirs"))
+    assert (lora.rank, lora.alpha, sorted(lora.targets)) == (3, 5, ["k_proj", "mlp.experts.down_proj",
+                                                                    "mlp.experts.gate_up_proj"])
+    theirs.eval()
+    with torch.no_grad():
+        want = theirs(input_ids=torch.tensor(tokens)).logits.numpy()
+    assert np.abs(want - plain).max() > 0.1
+    np.testing.assert_allclose(adapted_logits(config, base, loaded, lora, tokens), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(jit_apply(Decoder(config), {"params": merge(base, loaded, lora)},
+                                                    jnp.asarray(tokens))[0]), want, rtol=1e-4, atol=1e-4)

@@ -31,7 +31,7 @@ import optax
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.config import DTYPES, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
-from jaxformer.convert.peft import adapter_sizes, all_targets, check_targets, save_peft
+from jaxformer.convert.peft import adapter_shapes_of, adapter_sizes, all_targets, check_targets, save_peft
 from jaxformer.decodable import Decodable
 from jaxformer.decoder import Decoder, sown_attention_weights
 from jaxformer.decoding import generate
@@ -54,7 +54,7 @@ from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, w
 
 PROG = "jaxformer-finetune"
 MODEL_CONFIG = DecoderConfig
-ALL_TARGETS = "all"  # --lora-targets: every projection LoRA can adapt
+ALL_TARGETS = "all"  # --lora-targets: every module LoRA can adapt (a model of experts' attention: not its experts)
 ADAPTER_DIR = "adapter"  # in the run directory: the adapters in peft's format
 MAP_TOKENS = 32  # of the first held-out row: the report page's attention example
 SAMPLE_TOKENS = 32  # greedy tokens after the example's start, for the report page
@@ -131,13 +131,17 @@ class Settings:
                 "float32 with --full, which trains (and so keeps in float32) every parameter", self.base_dtype)
         if self.lora_targets != ALL_TARGETS:
             try:
-                LoraConfig(targets=self.targets(None))
+                lora = LoraConfig(targets=self.targets(None))
             except ValueError as e:
                 raise ValueError(f"--lora-targets {self.lora_targets!r}, comma-separated or {ALL_TARGETS!r}: {e}") \
                     from None
+            require(self.full or self.lora_dropout == 0 or not lora.parameter_targets, "--lora-dropout",
+                    f"0 with the experts' targets ({', '.join(lora.parameter_targets)}): peft adapts a parameter "
+                    "without dropout", self.lora_dropout)
 
     def targets(self, config: DecoderConfig | None) -> tuple[str, ...]:
-        """`lora_targets` as peft's names: with "all", every one `config`'s format has."""
+        """`lora_targets` as peft's names: with "all", every module `config`'s format has (a model
+        of experts: its attention's; its experts' matrices are named)."""
         if self.lora_targets == ALL_TARGETS:
             return all_targets(config)
         return tuple(t.strip() for t in self.lora_targets.split(","))
@@ -164,7 +168,9 @@ def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
     p.add_argument("--lora-alpha", type=float, default=defaults.lora_alpha,
                    help="the adapters' scale is alpha / r")
     p.add_argument("--lora-targets", default=defaults.lora_targets,
-                   help=f"'{ALL_TARGETS}' or a comma-separated list of {', '.join(LORA_TARGETS)}")
+                   help=f"'{ALL_TARGETS}' (every module: a model of experts' attention, not its experts) or a "
+                        f"comma-separated list of {', '.join(LORA_TARGETS)} (the last two: a layer of experts' "
+                        "stacked matrices, peft's target_parameters, an adapter per expert)")
     p.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout,
                    help="dropout rate on the adapters' input, in training")
     p.add_argument("--base-dtype", default=defaults.base_dtype, choices=DTYPES,
@@ -313,7 +319,8 @@ def check_rank(config: DecoderConfig, lora: LoraConfig) -> None:
     adapter, (n_in, n_out) = min(((key[2], size) for key, size in sizes.items()), key=lambda item: min(item[1]))
     if lora.rank > min(n_in, n_out):
         target = next(t for t, a in LORA_TARGETS.items() if a == adapter)
-        adapters = 4 * lora.rank * sum(n_in + n_out for n_in, n_out in sizes.values())  # float32 a and b
+        shapes = adapter_shapes_of(config, lora).values()
+        adapters = 4 * sum(math.prod(a) + math.prod(b) for a, b in shapes)  # float32 a and b
         refuse("--lora-rank", f"at most {min(n_in, n_out)}, the narrow side of {target} ({n_in} in, {n_out} out): "
                f"A B has rank at most that, so a larger rank adds parameters ({format_bytes(adapters)} of adapters "
                "at this rank, 4x that with their gradients and Adam's moments) but no freedom", lora.rank)
@@ -327,8 +334,8 @@ def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
     `--remat` or not), `[batch, seq_len, n_layer * d_model]` in the compute dtype, and the
     loss's one chunk of float32 logits (`chunked_cross_entropy` never holds them whole)."""
     base = sum(math.prod(t.shape) for t in family_of(config).tensors(config))
-    trained = base if config.lora is None else config.lora.rank * sum(
-        n_in + n_out for n_in, n_out in adapter_sizes(config, config.lora).values())
+    trained = base if config.lora is None else sum(
+        math.prod(a) + math.prod(b) for a, b in adapter_shapes_of(config, config.lora).values())
     state = 4 * 4 * trained  # parameters, gradients, Adam's mu and nu, each float32
     frozen = 0 if config.lora is None else base * jnp.dtype(config.param_dtype).itemsize
     positions = batch_size * seq_len

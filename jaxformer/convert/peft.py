@@ -4,34 +4,62 @@
 
 The adapters themselves, and their math, are `jaxformer.lora`'s: `a` `[r, n_in]` is peft's
 `lora_A.weight` as it is, `b` `[r, n_out]` its `lora_B.weight` transposed.
+
+The experts' adapters are peft's of transformers 5's fused expert parameters
+(`target_parameters`: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, the same in every
+family of experts), each a `ParamWrapper` holding all E experts' in one pair of matrices:
+
+    lora_A.weight  [E * r, n_in]    rows e * r + j: expert e's a[e][j]
+    lora_B.weight  [n_out, r * E]   columns j * E + e: expert e's b[e][j] (rank first, then expert)
+
+so that `W[e] + scale * (B_e A_e)` with `A_e = A.reshape(E, r, n_in)[e]`, `B_e = B.reshape(n_out,
+r, E)[:, :, e]` (peft's `get_delta_weight`). `n_in` is the input side whichever way the parameter
+is laid out: `gate_up_proj` `[E, 2F, d]` (Qwen-MoE, Mixtral, OLMoE; its rows the gate's, then
+up's) and gpt-oss's `[E, d, 2F]` (`is_transposed`; its columns gate and up by turns) both have
+`n_in = d`, `n_out = 2F` in that parameter's order. Both parameters of one experts module are
+wrapped one inside the other in the module's order, so with both targeted `gate_up_proj`'s
+tensors are `...mlp.experts.base_layer.lora_{A,B}.weight` and `down_proj`'s
+`...mlp.experts.lora_{A,B}.weight`; one alone is `...mlp.experts.lora_{A,B}.weight`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import LORA_TARGETS, DecoderConfig, LoraConfig
+from jaxformer.config import EXPERT_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert.safetensors_file import SafetensorsFile
+from jaxformer.experts import ExpertsSpec
 from jaxformer.families import family_of
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
-from jaxformer.lora import PARTS, adapter_in_out, adapter_matrices
+from jaxformer.layers import layer_specs
+from jaxformer.lora import PARTS, adapter_in_out, adapter_matrices, adapter_shapes
 from jaxformer.validation import as_float, as_int, refuse
 
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# transformers 5's module of a layer's experts (every family of experts), and its parameters peft
+# can adapt, in the module's order (which nests their wrappers: the first innermost).
+EXPERTS_MODULE = "model.layers.{i}.mlp.experts"
+EXPERTS_PARAMETERS = ("gate_up_proj", "down_proj")
 
-__all__ = ["adapter_sizes", "all_targets", "check_targets", "load_peft", "save_peft"]
+__all__ = ["adapter_shapes_of", "adapter_sizes", "all_targets", "check_targets", "load_peft", "save_peft"]
 
 
-def all_targets(config: DecoderConfig) -> tuple[str, ...]:
-    """Every target `config`'s checkpoint format has: Llama's seven projections, or Phi-3's
-    four (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`)."""
+def all_targets(config: DecoderConfig, parameters: bool = False) -> tuple[str, ...]:
+    """Every module target `config`'s checkpoint format has (peft's `target_modules`): Llama's
+    seven projections, Phi-3's four (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`), a
+    model of experts' attention's four (and those of its dense layers' MLP, if all are); with
+    `parameters`, then the parameters (peft's `target_parameters`): a model of experts'
+    `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`."""
     targets = []
-    for target in LORA_TARGETS:
+    for target, adapter in LORA_TARGETS.items():
+        if adapter in EXPERT_ADAPTERS and not parameters:
+            continue
         try:
             _peft_keys(config, LoraConfig(targets=(target,)))
         except ValueError:
@@ -43,20 +71,39 @@ def all_targets(config: DecoderConfig) -> tuple[str, ...]:
 def check_targets(config: DecoderConfig, lora: LoraConfig) -> None:
     """Raises ValueError unless each of `lora.targets` is a module of `config`'s checkpoint
     format, as peft names it (Phi-3 has `qkv_proj` and `gate_up_proj`, the others `q_proj`,
-    ...)."""
+    ...), or a parameter of its layers of experts (`mlp.experts.gate_up_proj`, ...)."""
     try:
         _peft_keys(config, lora)
     except ValueError as e:
-        raise ValueError(f"{e}; its targets: {', '.join(all_targets(config))}") from None
+        raise ValueError(f"{e}; its targets: {', '.join(all_targets(config, parameters=True))}") from None
 
 
 def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
     """`(block, part, adapter) -> peft's key stem` (`base_model.model.model.layers.0.self_attn.q_proj`):
-    the checkpoint tensor that holds the adapter's matrices, all of it."""
+    the checkpoint tensor that holds the adapter's matrices, all of it; an experts' adapter's,
+    its `ParamWrapper` in transformers' experts module (the module's docstring), in each layer
+    of experts."""
     tensors = {t.path: t for t in family_of(config).tensors(config)}
+    model_type = config.hf_model_type or "llama"
+    experts = [isinstance(spec.ffn, ExpertsSpec) for spec in layer_specs(config)]
+    wrapped = [name for name in EXPERTS_PARAMETERS if f"mlp.experts.{name}" in lora.parameter_targets]
     stems = {}
+    for target in lora.parameter_targets:
+        if not any(experts):
+            raise ValueError(f"{target} is not a parameter of a {model_type} checkpoint (it has no layer of experts)")
     for i in range(config.n_layer):
         for target, adapter in zip(lora.targets, lora.adapters):
+            if adapter in EXPERT_ADAPTERS:
+                if experts[i]:  # (a dense layer among them has no such parameter)
+                    name = target.removeprefix("mlp.experts.")
+                    nesting = ".base_layer" * (len(wrapped) - 1 - wrapped.index(name))
+                    stems[(f"block_{i}", PARTS[adapter], adapter)] = (PEFT_PREFIX + EXPERTS_MODULE.format(i=i)
+                                                                      + nesting)
+                continue
+            if experts[i] and PARTS[adapter] == "mlp":
+                raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s MLP is its "
+                                 "experts, whose matrices are parameters: mlp.experts.gate_up_proj, "
+                                 "mlp.experts.down_proj)")
             members = [tensors[(f"block_{i}", PARTS[adapter], m)] for m in adapter_matrices(adapter)]
             fused = {t.hf_key for t in members}
             # The adapter is the tensor's: the matrices are all of it (rows, in order) or it alone.
@@ -67,7 +114,6 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
                                                  for k in range(len(members))])
             hf_key = members[0].hf_key
             if not whole or not hf_key.endswith(f".{target}.weight"):
-                model_type = config.hf_model_type or "llama"
                 raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s "
                                  f"{'/'.join(members[0].path[1:])} is in {hf_key})")
             stems[(f"block_{i}", PARTS[adapter], adapter)] = PEFT_PREFIX + hf_key.removesuffix(".weight")
@@ -84,28 +130,75 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
     tensors = {}
     for (block, part, name), stem in _peft_keys(config, lora).items():
         ab = adapters[block][part][name]
-        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(np.asarray(ab["a"], np.float32))  # [r, n_in]
-        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(np.asarray(ab["b"], np.float32).T)  # [n_out, r]
+        a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)
+        if name in EXPERT_ADAPTERS:  # [E, r, n_in] and [E, r, n_out] as peft's [E * r, n_in] and [n_out, r * E]
+            b = b[:, :, _peft_columns(config, block, name)]
+            a, b = a.reshape(-1, a.shape[-1]), b.transpose(2, 1, 0).reshape(b.shape[-1], -1)
+        else:
+            b = b.T  # [n_out, r]
+        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a)  # [r, n_in]
+        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b)
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
-                      "target_modules": sorted(lora.targets), "lora_dropout": lora.dropout, "bias": "none",
-                      "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": base_model,
-                      "inference_mode": True}
+                      "target_modules": sorted(lora.module_targets),
+                      "target_parameters": sorted(lora.parameter_targets) or None, "lora_dropout": lora.dropout,
+                      "bias": "none", "lora_bias": False, "use_dora": False, "fan_in_fan_out": False,
+                      "use_rslora": False, "base_model_name_or_path": base_model, "inference_mode": True}
     data = save(tensors, metadata={"format": "pt"})
     write_atomically(os.path.join(path, ADAPTER_WEIGHTS_FILE), lambda tmp: tmp.write_bytes(data))
     write_text_atomically(os.path.join(path, ADAPTER_CONFIG_FILE), json.dumps(adapter_config, indent=2) + "\n")
 
 
+def _peft_columns(config: DecoderConfig, block: str, adapter: str) -> np.ndarray:
+    """The columns of an experts' adapter's `b` (gate's, then up's) in the order of peft's rows
+    of `lora_B`: transformers' fused parameter's (gpt-oss's gate and up by turns, as its
+    checkpoint tensor's `columns`; every other family's the gate's, then up's)."""
+    tensors = {t.path: t for t in family_of(config).tensors(config)}
+    parts = [tensors[(block, "mlp", m)] for m in EXPERT_ADAPTERS[adapter]]
+    width = parts[0].shape[-1]
+    if parts[0].columns is None:
+        return np.arange(width * len(parts))
+    order = np.empty(width * len(parts), np.int64)  # peft's column -> ours
+    for k, part in enumerate(parts):
+        first, step = part.columns
+        order[first::step] = np.arange(k * width, (k + 1) * width)
+    return order
+
+
+def _stacked_shapes(config: DecoderConfig, lora: LoraConfig) -> dict:
+    """`(block, part, adapter) -> [shape of each matrix it changes]` as the parameter tree holds them."""
+    check_targets(config, lora)
+    shapes = {t.path: t.shape for t in family_of(config).tensors(config)}
+    specs = layer_specs(config)
+    out = {}
+    for block, part, name in _peft_keys(config, lora):
+        if name in EXPERT_ADAPTERS:
+            weights = specs[int(block.split("_")[1])].ffn.weights(config.d_model)
+            out[(block, part, name)] = [weights[m].shape for m in adapter_matrices(name)]
+        else:
+            out[(block, part, name)] = [shapes[(block, part, m)] for m in adapter_matrices(name)]
+    return out
+
+
 def adapter_sizes(config: DecoderConfig, lora: LoraConfig) -> dict[tuple[str, str, str], tuple[int, int]]:
     """`(block, part, adapter) -> (n_in, n_out)` of every adapter `lora` gives a model of
-    `config`, from the config alone: `a` is `[rank, n_in]`, `b` `[rank, n_out]`.
+    `config`, from the config alone: `a` is `[rank, n_in]`, `b` `[rank, n_out]` (an experts'
+    adapter's: each expert's, `adapter_shapes_of`).
 
     Raises:
       ValueError: a target that `config`'s checkpoint format lacks (`check_targets`).
     """
-    check_targets(config, lora)
-    shapes = {t.path: t.shape for t in family_of(config).tensors(config)}
-    return {(block, part, name): adapter_in_out(name, [shapes[(block, part, m)] for m in adapter_matrices(name)])
-            for block, part, name in _peft_keys(config, lora)}
+    return {key: adapter_in_out(key[2], [shape[1:] if key[2] in EXPERT_ADAPTERS else shape for shape in shapes])
+            for key, shapes in _stacked_shapes(config, lora).items()}
+
+
+def adapter_shapes_of(config: DecoderConfig, lora: LoraConfig) -> dict[tuple[str, str, str], tuple[tuple, tuple]]:
+    """`(block, part, adapter) -> (shape of a, shape of b)` of every adapter `lora` gives a model
+    of `config` (`jaxformer.lora.adapter_shapes`), from the config alone.
+
+    Raises:
+      ValueError: a target that `config`'s checkpoint format lacks (`check_targets`).
+    """
+    return {key: adapter_shapes(key[2], shapes, lora.rank) for key, shapes in _stacked_shapes(config, lora).items()}
 
 
 def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
@@ -125,14 +218,16 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
         raise FileNotFoundError(f"{file}: missing (a peft adapter folder holds it; adapter_model.bin, torch's pickle "
                                 "format, is not read: save with safe_serialization=True)")
     try:
-        sizes = adapter_sizes(config, lora)
+        shapes = adapter_shapes_of(config, lora)
     except ValueError as e:
-        raise ValueError(f"{os.path.join(path, ADAPTER_CONFIG_FILE)}: target_modules: {e}") from None
+        field = "target_parameters" if str(e).startswith(lora.parameter_targets) else "target_modules"
+        raise ValueError(f"{os.path.join(path, ADAPTER_CONFIG_FILE)}: {field}: {e}") from None
     want = {}  # tensor name -> (adapter's key, "a" or "b", the shape peft stores it in)
     for key, stem in _peft_keys(config, lora).items():
-        n_in, n_out = sizes[key]
-        want[f"{stem}.lora_A.weight"] = (key, "a", (lora.rank, n_in))
-        want[f"{stem}.lora_B.weight"] = (key, "b", (n_out, lora.rank))
+        (*experts, _, n_in), (*_, n_out) = shapes[key]
+        rows = math.prod(experts) * lora.rank  # (E * r for an experts' adapter)
+        want[f"{stem}.lora_A.weight"] = (key, "a", (rows, n_in))
+        want[f"{stem}.lora_B.weight"] = (key, "b", (n_out, rows))
     stored = SafetensorsFile(file)
     for names, what in ((sorted(want.keys() - stored.keys), "lacks"), (sorted(stored.keys - want.keys()), "holds")):
         if names:
@@ -149,27 +244,48 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
             raise ValueError(f"{file}: {name} holds NaN or inf: not a usable adapter (a run that diverged, or a "
                              "damaged file)")
         pair = adapters.setdefault(block, {}).setdefault(part, {}).setdefault(adapter, {})
-        pair[letter] = jnp.asarray(value if letter == "a" else value.T)  # a [r, n_in], b [r, n_out]
+        if adapter not in EXPERT_ADAPTERS:
+            value = value if letter == "a" else value.T  # a [r, n_in], b [r, n_out]
+        elif letter == "a":
+            value = value.reshape(-1, lora.rank, shape[-1])  # [E, r, n_in]
+        else:  # [n_out, r * E] -> [E, r, n_out], the columns back in ours (gate's, then up's)
+            value = value.reshape(shape[0], lora.rank, -1).transpose(2, 1, 0)
+            value = value[:, :, np.argsort(_peft_columns(config, block, adapter))]
+        pair[letter] = jnp.asarray(value)
     return adapters, lora
 
 
 def _read_adapter_config(file: str, path: str) -> LoraConfig:
-    """The `LoraConfig` of a peft `adapter_config.json`, its JSON types checked."""
+    """The `LoraConfig` of a peft `adapter_config.json`, its JSON types checked: its
+    `target_modules`, and its `target_parameters` by the names peft matches them with (a
+    dotted tail of `mlp.experts.gate_up_proj` or `mlp.experts.down_proj`)."""
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG_FILE} there: not a peft adapter folder")
     given = read_json_object(file)
     for key, plain in (("peft_type", "LORA"), ("bias", "none"), ("use_rslora", False), ("fan_in_fan_out", False),
-                       ("rank_pattern", {}), ("alpha_pattern", {})):
+                       ("rank_pattern", {}), ("alpha_pattern", {}), ("lora_bias", False), ("use_dora", False)):
         if given.get(key, plain) not in (plain, None):
             raise ValueError(f"{file}: {key} {given[key]!r} is not read here (only {plain!r})")
+    parameters = given.get("target_parameters")
+    if not (parameters is None or (isinstance(parameters, list) and all(isinstance(t, str) for t in parameters))):
+        refuse(f"{file}: target_parameters", "null or a list of parameter names", parameters)
+    parameters = parameters or []
     targets = given.get("target_modules")
-    targets = [targets] if isinstance(targets, str) else targets
+    targets = [targets] if isinstance(targets, str) else [] if targets is None and parameters else targets
     if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
         refuse(f"{file}: target_modules", "a module name or a list of them", given.get("target_modules"))
+    known = [t for t, adapter in LORA_TARGETS.items() if adapter in EXPERT_ADAPTERS]
+    for name in parameters:  # peft adapts the parameters whose name is it or ends in "." + it
+        matched = [t for t in known if t == name or t.endswith("." + name)]
+        if not matched:
+            raise ValueError(f"{file}: target_parameters: {name!r} is not read here (only the experts' "
+                             f"{', '.join(known)}, or a dotted tail of one)")
+        targets.append(matched[0])
     rank = as_int(given.get("r"), f"{file}: r", minimum=1)
     alpha = as_float(given.get("lora_alpha"), f"{file}: lora_alpha", above=0)
     dropout = as_float(given.get("lora_dropout") or 0.0, f"{file}: lora_dropout", at_least=0, below=1)
     try:
         return LoraConfig(rank=rank, alpha=alpha, targets=tuple(targets), dropout=dropout)
-    except ValueError as e:  # (the rest is checked above: only the targets are left)
-        raise ValueError(f"{file}: target_modules: {e}") from None
+    except ValueError as e:  # (the rest is checked above: only the targets, and dropout with parameters, are left)
+        field = "lora_dropout" if "dropout" in str(e) else "target_modules"
+        raise ValueError(f"{file}: {field}: {e}") from None

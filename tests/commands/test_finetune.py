@@ -148,17 +148,24 @@ def test_full_fine_tuning_trains_every_parameter(checkpoint, tmp_path):
         assert not np.array_equal(x, y)  # every leaf moved (Adam's first step moves each by ~lr)
 
 
-def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path):
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    """A random Qwen3-MoE checkpoint folder (4 experts of 16, 2 a token) with the same tokenizer."""
+    path = tmp_path_factory.mktemp("finetune-moe") / "checkpoint"
+    save_random_checkpoint(path, experts=True)
+    return path
+
+
+def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(moe_checkpoint, tmp_path):
     # Full fine-tuning of a Qwen3-MoE: every parameter moves, the experts' too, and the routers'
     # load-balancing loss is part of the loss and logged.
-    save_random_checkpoint(tmp_path / "moe", experts=True)
     data = tmp_path / "new.txt"
     data.write_text(NEW_TEXT)
-    done = run_main(finetune.main, ["--checkpoint", str(tmp_path / "moe"), "--data", str(data), "--steps", "4",
+    done = run_main(finetune.main, ["--checkpoint", str(moe_checkpoint), "--data", str(data), "--steps", "4",
                                     "--full", "--lr", "1e-3", "--run-dir", str(tmp_path / "run"),
                                     "--merge", str(tmp_path / "tuned"), *FAST])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    _, before = load_hf(str(tmp_path / "moe"))
+    _, before = load_hf(str(moe_checkpoint))
     _, after = load_hf(str(tmp_path / "tuned"))
     assert before["block_0"]["mlp"]["w_up"].shape == (4, 32, 16)
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
@@ -176,6 +183,84 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(tmp_path):
     # 4 rows x 32 tokens x k=2 pairs a layer, 2 layers: at least half of the 512 pairs dropped
     assert dropped and all(256 <= d < 512 for d in dropped)
     assert load_hf(str(tmp_path / "capped-model"))[0].layers[0].ffn.capacity_factor is None
+
+
+# LoRA on a mixture of experts: on its attention (what --lora-targets all adapts there), and on its
+# experts' stacked matrices (peft's target_parameters), each expert an adapter of its own.
+MOE_TARGETS = {"attention": "q_proj,v_proj", "experts": "q_proj,mlp.experts.gate_up_proj,mlp.experts.down_proj"}
+
+
+@pytest.fixture(scope="module", params=sorted(MOE_TARGETS))
+def moe_lora_run(moe_checkpoint, tmp_path_factory, request):
+    """A LoRA run of 8 steps on the Qwen3-MoE, its adapters merged into `merged`: (root, stdout)."""
+    root = tmp_path_factory.mktemp(f"moe-lora-{request.param}")
+    data = root / "new.txt"
+    data.write_text(NEW_TEXT)
+    done = run_main(finetune.main, ["--checkpoint", str(moe_checkpoint), "--data", str(data), "--steps", "8",
+                                    "--lr", "1e-2", "--lora-targets", MOE_TARGETS[request.param],
+                                    "--run-dir", str(root / "run"), "--merge", str(root / "merged"), *FAST])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root, done.stdout
+
+
+def moe_logits_unmerged(checkpoint, adapter_dir, tokens):
+    """Our model of the checkpoint with the adapter folder's adapters beside it."""
+    config, base = load_hf(str(checkpoint))
+    adapters, lora = load_peft(config, str(adapter_dir))
+    return np.asarray(jit_apply(Decoder(config.replace(lora=lora)), {"params": base, "lora": adapters},
+                                jnp.asarray(tokens))[0]), adapters, lora
+
+
+def test_lora_on_a_mixture_of_experts_trains_its_targets_and_merges(moe_checkpoint, moe_lora_run):
+    root, stdout = moe_lora_run
+    tokens = np.random.default_rng(1).integers(0, 400, (2, 20))
+    unmerged, adapters, lora = moe_logits_unmerged(moe_checkpoint, root / "run" / "adapter", tokens)
+    assert "training LoRA r=4" in stdout and all(target in stdout for target in lora.targets)
+    trained = {name for parts in adapters.values() for adapters_of in parts.values()
+               for name, ab in adapters_of.items() if np.abs(np.asarray(ab["b"])).max() > 0}
+    assert trained == ({"wq", "wv"} if "v_proj" in lora.targets else {"wq", "experts_gate_up", "experts_down"})
+    if "mlp.experts.down_proj" in lora.targets:
+        moved = np.abs(np.asarray(adapters["block_0"]["mlp"]["experts_down"]["b"])).max(axis=(1, 2))
+        assert (moved > 0).all()  # each expert's own adapter, each routed to and trained
+    merged_config, merged = load_hf(str(root / "merged"))
+    np.testing.assert_allclose(jit_apply(Decoder(merged_config), {"params": merged}, jnp.asarray(tokens))[0],
+                               unmerged, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.peers
+def test_peft_opens_the_adapters_of_a_mixture_of_experts_on_transformers(moe_checkpoint, moe_lora_run):
+    torch = import_peer("torch")
+    transformers = import_peer("transformers")
+    peft = import_peer("peft")
+    root, _ = moe_lora_run
+    tokens = np.random.default_rng(1).integers(0, 400, (2, 20))
+    unmerged, _, lora = moe_logits_unmerged(moe_checkpoint, root / "run" / "adapter", tokens)
+    written = json.loads((root / "run" / "adapter" / "adapter_config.json").read_text())
+    assert (written["target_modules"], written["target_parameters"]) == (
+        sorted(lora.module_targets), sorted(lora.parameter_targets) or None)
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(moe_checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(input_ids=torch.tensor(tokens)).logits.numpy()
+    adapted = peft.PeftModel.from_pretrained(base, str(root / "run" / "adapter")).eval()
+    with torch.no_grad():
+        want = adapted(input_ids=torch.tensor(tokens)).logits.numpy()
+    assert np.abs(want - plain).max() > 1e-2  # the adapters change the model, and peft read them
+    np.testing.assert_allclose(unmerged, want, rtol=1e-4, atol=1e-4)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(root / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(merged(input_ids=torch.tensor(tokens)).logits.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_mixture_of_experts_refuses_the_mlps_module_targets_in_one_line(moe_checkpoint, tmp_path):
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    done = run_main(finetune.main, ["--checkpoint", str(moe_checkpoint), "--data", str(data), "--steps", "20",
+                                    "--run-dir", str(tmp_path / "run"), "--seq-len", "32",
+                                    "--lora-targets", "q_proj,down_proj"])
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert ("--lora-targets q_proj,down_proj: down_proj is not a module of a qwen3_moe checkpoint (layer 0's MLP is "
+            "its experts, whose matrices are parameters: mlp.experts.gate_up_proj, mlp.experts.down_proj); its "
+            "targets: q_proj, k_proj, v_proj, o_proj, mlp.experts.gate_up_proj, mlp.experts.down_proj") in done.stderr
 
 
 def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpoint, tmp_path):
@@ -222,6 +307,12 @@ def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, 
      "--lora-targets qkv_proj: qkv_proj is not a module of a llama checkpoint "
                                      "(layer 0's attn/wq is in model.layers.0.self_attn.q_proj.weight); its targets: "
                                      "q_proj, k_proj"),
+    (["--lora-targets", "mlp.experts.down_proj", "--seq-len", "32"],
+     "--lora-targets mlp.experts.down_proj: mlp.experts.down_proj is not a parameter of a llama checkpoint (it has no "
+     "layer of experts)"),
+    (["--lora-targets", "q_proj,mlp.experts.gate_up_proj", "--lora-dropout", "0.1"],
+     "--lora-dropout must be 0 with the experts' targets (mlp.experts.gate_up_proj): peft adapts a parameter without "
+     "dropout"),
     (["--seq-len", "65"], "--seq-len must be at most the model's context, 64"),
     (["--full", "--base-dtype", "bfloat16"], "--base-dtype must be float32 with --full"),
     (["--capacity-factor", "1.0", "--seq-len", "32"],

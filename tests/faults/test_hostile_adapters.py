@@ -104,6 +104,18 @@ DAMAGE = [
     ("alpha-negative", rewrite_config(lora_alpha=-1), f"{ADAPTER_CONFIG}: lora_alpha must be a finite number > 0"),
     ("dropout-a-list", rewrite_config(lora_dropout=[0.1]), f"{ADAPTER_CONFIG}: lora_dropout must be a finite number"),
     ("not-lora", rewrite_config(peft_type="IA3"), f"{ADAPTER_CONFIG}: peft_type 'IA3' is not read here"),
+    ("dora", rewrite_config(use_dora=True), f"{ADAPTER_CONFIG}: use_dora True is not read here (only False)"),
+    ("lora-bias", rewrite_config(lora_bias=True), f"{ADAPTER_CONFIG}: lora_bias True is not read here (only False)"),
+    ("target_parameters-a-string", rewrite_config(target_parameters="mlp.experts.down_proj"),
+     f"{ADAPTER_CONFIG}: target_parameters must be null or a list of parameter names (got 'mlp.experts.down_proj')"),
+    ("target_parameters-unknown", rewrite_config(target_parameters=["mlp.experts.w1"]),
+     f"{ADAPTER_CONFIG}: target_parameters: 'mlp.experts.w1' is not read here (only the experts' "
+     "mlp.experts.gate_up_proj, mlp.experts.down_proj, or a dotted tail of one)"),
+    ("target_parameters-of-a-model-without-experts", rewrite_config(target_parameters=["experts.down_proj"]),
+     f"{ADAPTER_CONFIG}: target_parameters: mlp.experts.down_proj is not a parameter of a llama checkpoint (it has "
+     "no layer of experts)"),
+    ("target_parameters-with-dropout", rewrite_config(target_parameters=["mlp.experts.down_proj"], lora_dropout=0.1),
+     f"{ADAPTER_CONFIG}: lora_dropout: LoraConfig.dropout must be 0 with the experts' targets"),
     ("a-tensor-missing", rewrite_tensors(lambda t: t.pop(f"{STEM}.self_attn.q_proj.lora_B.weight")),
      f"{{folder}}/{WEIGHTS} lacks {STEM}.self_attn.q_proj.lora_B.weight: not the adapters its adapter_config.json "
      "describes"),
