@@ -13,6 +13,7 @@ on one pinned day, in transformers and in jaxformer alike (`pinned_date`).
 """
 
 import contextlib
+import dataclasses
 import datetime
 import importlib
 import io
@@ -29,6 +30,7 @@ from conventions import (
     CONVENTIONS,
     GEMMA3,
     GPT_OSS,
+    GPT_OSS_TEMPLATE_WHOLE,
     LLAMA3,
     QWEN,
     QWEN3_TEMPLATE,
@@ -42,6 +44,7 @@ from jaxformer.commands import generate as cli
 from jaxformer.convert import load_hf
 from jaxformer.text import chat as chat_module
 from jaxformer.text import completion_text, load_tokenizer, render_chat
+from jaxformer.text.chat import takes_tools
 
 torch = import_peer("torch")
 transformers = import_peer("transformers")
@@ -238,9 +241,9 @@ def test_beam_search_is_generates_with_every_stop_id(checkpoint):
     assert err[2].startswith("beam search (3 beams)")
 
 
-def _harmony_folder(path):
+def _harmony_folder(path, convention=GPT_OSS):
     """gpt-oss's tokenizer files (chat_template.jinja among them) and transformers' tokenizer of them."""
-    save_tokenizer_files(GPT_OSS, str(path))
+    save_tokenizer_files(convention, str(path))
     with open(path / "config.json", "w") as f:
         json.dump({"model_type": "gpt_oss"}, f)
     return load_tokenizer(str(path)), transformers.AutoTokenizer.from_pretrained(path)
@@ -299,6 +302,44 @@ def test_harmony_chats_are_apply_chat_templates_token_for_token(tmp_path):
         render_chat(ours, bad)
     with pytest.raises(jinja2.TemplateError):
         hf.apply_chat_template(bad, tokenize=False)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "The city."},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+        "days": {"type": "array", "items": {"type": "object", "properties": {"day": {"type": "integer"}}}},
+        "when": {"oneOf": [{"type": "string"}, {"type": "number"}], "description": "A date or an offset."}}}}}
+
+
+def test_gpt_oss_whole_template_with_tools_is_apply_chat_templates(tmp_path):
+    """The shipped template whole, tool branches too: the functions rendered as a TypeScript
+    namespace by its recursive macros, an assistant's call to one (`<|call|>`) and the tool's
+    answer, through `render_chat(..., tools=)` as through apply_chat_template."""
+    ours, hf = _harmony_folder(tmp_path, dataclasses.replace(GPT_OSS, jinja=GPT_OSS_TEMPLATE_WHOLE))
+    assert takes_tools(ours)
+    chat = _chat("Weather in Paris?") + [
+        {"role": "assistant", "thinking": "Ask the tool.",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": '{"celsius": 20}'}, {"role": "assistant", "content": "20 C."},
+        {"role": "user", "content": "Thanks!"}]
+    for messages, prompt in ((chat, True), (chat[:3], False), (_chat("Hi"), True)):
+        text = render_chat(ours, messages, add_generation_prompt=prompt, tools=[WEATHER])
+        assert text == hf.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=prompt, tokenize=False)
+        ids = hf.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=prompt,
+                                     return_dict=True)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == ids
+        assert ("# Tools\n\n## functions\n\nnamespace functions {\n\n// The weather in a city.\n"
+                "type get_weather = (_: {\n// The city.\ncity: string,") in text
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>') in render_chat(
+        ours, chat, tools=[WEATHER])
+    # Without tools the whole template renders as the one less its tool branches.
+    trimmed, _ = _harmony_folder(tmp_path / "trimmed")
+    for messages, prompt in HARMONY_CHATS:
+        assert render_chat(ours, messages, add_generation_prompt=prompt) == render_chat(
+            trimmed, messages, add_generation_prompt=prompt)
 
 
 @pytest.fixture(scope="module")
