@@ -19,6 +19,9 @@ from jaxformer.text.sandbox import MAX_TEMPLATE_CHARS, RENDER_SECONDS, BoundedEn
 from jaxformer.text.tokenizer import Tokenizer
 
 ERROR_CHARS = 300  # the most of a template's own error message that a refusal repeats
+# The names a turn's reasoning goes by: transformers fills the first, which most templates
+# read, and `thinking`, which gpt-oss's reads, from whichever a message sets.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _raise_exception(message):
@@ -37,6 +40,22 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as transformers 5's `apply_chat_template` hands them to a template: new
+    dicts, without the keys whose value is None (an API's `"content": null`, which templates
+    test with `in`), and with a turn's reasoning under `thinking` and `reasoning_content`
+    both, whichever of `REASONING_FIELDS` the message set first."""
+    out = []
+    for message in messages:
+        if isinstance(message, dict):
+            message = {key: value for key, value in message.items() if value is not None}
+            reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+            if reasoning is not None:
+                message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
 
 
 def takes_tools(tokenizer: Tokenizer) -> bool:
@@ -59,7 +78,9 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
 
     Args:
       tokenizer: a `Tokenizer` with a `chat_template`.
-      messages: `[{"role": "system" | "user" | "assistant", "content": str}, ...]`.
+      messages: `[{"role": "system" | "user" | "assistant", "content": str}, ...]`, as
+        `template_messages` passes them on (a turn's reasoning under `thinking` too, for
+        gpt-oss's template, which puts that of a last assistant turn on its analysis channel).
       add_generation_prompt: end with the header of the assistant's turn, so that the
         model answers rather than continues the user's message.
       time_limit: seconds of wall time the rendering may take.
@@ -79,7 +100,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict], add_generation_promp
     try:
         compiled = _compile(template)
         with bounds(time_limit):
-            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return compiled.render(messages=template_messages(messages), add_generation_prompt=add_generation_prompt,
                                    **({} if tools is None else {"tools": tools}), **tokenizer.special_tokens)
     except TemplateLimitError as e:
         raise ValueError(f"the chat template {e}") from None

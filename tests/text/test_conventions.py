@@ -1,29 +1,50 @@
 """Each family's tokenizer convention end to end, against transformers on the same folder:
 Llama 3 (a post-processor's BOS, three stop ids), Gemma (a BOS always, `<end_of_turn>` a
-stop) and Qwen (no BOS, ChatML), each a tiny checkpoint of its family (tests/text/conventions.py).
+stop), Qwen (no BOS, ChatML) and gpt-oss (no BOS, the harmony format, three stop ids), each
+a tiny checkpoint of its family (tests/text/conventions.py).
 
 jaxformer's prompt ids, chat prompts and decoded text are `AutoTokenizer`'s;
 `jaxformer-generate` decodes greedily as transformers' `generate` does and
 stops at each of the folder's stop ids, prompt lookup gives the same tokens in fewer passes,
 and beam search is `jf.generate`'s.
+
+Llama 3's and gpt-oss's templates write today's date (`strftime_now`): every test here renders
+on one pinned day, in transformers and in jaxformer alike (`pinned_date`).
 """
 
 import contextlib
+import dataclasses
+import datetime
+import importlib
 import io
 import json
 import re
 
 import jax
 import jax.numpy as jnp
+import jinja2
 import numpy as np
 import pytest
 from conftest import import_peer
-from conventions import CONVENTIONS, GEMMA3, LLAMA3, QWEN, QWEN3_TEMPLATE, greedy, save_checkpoint, save_tokenizer_files
+from conventions import (
+    CONVENTIONS,
+    GEMMA3,
+    GPT_OSS,
+    GPT_OSS_TEMPLATE_WHOLE,
+    LLAMA3,
+    QWEN,
+    QWEN3_TEMPLATE,
+    greedy,
+    save_checkpoint,
+    save_tokenizer_files,
+)
 
 from jaxformer import Decoder, generate
 from jaxformer.commands import generate as cli
 from jaxformer.convert import load_hf
+from jaxformer.text import chat as chat_module
 from jaxformer.text import completion_text, load_tokenizer, render_chat
+from jaxformer.text.chat import takes_tools
 
 torch = import_peer("torch")
 transformers = import_peer("transformers")
@@ -33,6 +54,32 @@ pytestmark = pytest.mark.peers
 NEW = 16
 PROMPTS = ["注意力", "The cat sat", "Keys and values"]  # (a Gemma or Qwen folder has two stop ids: the first two)
 SYSTEM = "Be brief."
+DAY = datetime.datetime(2025, 8, 5, 12, 0)  # the day the templates' `strftime_now` reads, in every test here
+
+
+class _PinnedDatetime(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return DAY.replace(tzinfo=tz)
+
+
+@contextlib.contextmanager
+def pinned_date():
+    """`strftime_now` on `DAY`, transformers' and jaxformer's: each calls `datetime.now()` of its
+    own module (`from datetime import datetime`) as it renders, so swapping that one name
+    pins it (what third-party renderers compared with transformers do; transformers' own
+    test only checks the date's form)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(importlib.import_module("transformers.utils.chat_template_utils"), "datetime", _PinnedDatetime)
+        patch.setattr(chat_module, "datetime", _PinnedDatetime)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def pinned_day():
+    """A test that ran past midnight would otherwise compare two days' prompts."""
+    with pinned_date():
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,8 +133,9 @@ def test_prompt_ids_chat_prompts_and_text_are_autotokenizers(checkpoint):
     rendering and its ids: load_tokenizer and render_chat against AutoTokenizer."""
     convention, path, _, hf, _ = checkpoint
     ours = load_tokenizer(path)
-    bos = None if convention.bos is None else ours.backend.token_to_id(convention.bos)
-    assert ours.bos_id == bos and ours.stop_ids == tuple(ours.backend.token_to_id(t) for t in convention.stops)
+    bos = None if convention.bos is None else ours.backend.token_to_id(convention.bos)  # (the one put in front)
+    assert ours.bos_id == hf.bos_token_id and ours.stop_ids == tuple(ours.backend.token_to_id(t)
+                                                                     for t in convention.stops)
     texts = ["The cat sat", "注意力 龍 ñ", "two  spaces\n\nand lines 12345", " leading space",
              f"a stop {convention.stops[-1]} as text"]
     for text in texts:
@@ -191,3 +239,135 @@ def test_beam_search_is_generates_with_every_stop_id(checkpoint):
         assert row["completion"] == completion_text(tokenizer, prompt_ids, new[:-1] if stopped else new)
     assert any(row["token_ids"][-1] in stops[1:] for row in rows)
     assert err[2].startswith("beam search (3 beams)")
+
+
+def _harmony_folder(path, convention=GPT_OSS):
+    """gpt-oss's tokenizer files (chat_template.jinja among them) and transformers' tokenizer of them."""
+    save_tokenizer_files(convention, str(path))
+    with open(path / "config.json", "w") as f:
+        json.dump({"model_type": "gpt_oss"}, f)
+    return load_tokenizer(str(path)), transformers.AutoTokenizer.from_pretrained(path)
+
+
+HARMONY_CHATS = [
+    # system, then the turns: the system message becomes the developer message's instructions.
+    (_chat("注意力") + [{"role": "assistant", "content": "Once."}, {"role": "user", "content": "More!"}], True),
+    # a developer message; an answered turn's reasoning is dropped.
+    ([{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Salut.", "thinking": "A greeting."}, {"role": "user", "content": "Why?"}],
+     True),
+    # no system message; a last assistant turn (training): its reasoning on the analysis channel, then <|return|>.
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Salut.", "thinking": "A greeting."}],
+     False),
+    # the reasoning under another name (transformers copies it to `thinking`), a key set to None (dropped).
+    ([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"},
+      {"role": "assistant", "content": "Salut.", "reasoning_content": "Short.", "tool_calls": None}], False),
+]
+
+
+def test_harmony_chats_are_apply_chat_templates_token_for_token(tmp_path):
+    """gpt-oss's template (a macro, a namespace, `strftime_now`, `raise_exception`) on system,
+    developer, user and assistant turns, with and without the generation prompt: the text and
+    its ids are apply_chat_template's, in the harmony frame: the system message with the
+    pinned date, `<|start|>{role}<|message|>...<|end|>` turns, the assistant's on a channel,
+    and the prompt ending `<|start|>assistant`."""
+    ours, hf = _harmony_folder(tmp_path)
+    token = ours.backend.token_to_id
+    for messages, prompt in HARMONY_CHATS:
+        text = render_chat(ours, messages, add_generation_prompt=prompt)
+        assert text == hf.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+        ids = hf.apply_chat_template(messages, add_generation_prompt=prompt, return_dict=True)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == ids
+        assert ours.decode(ids, skip_special_tokens=False) == text
+        assert text.startswith("<|start|>system<|message|>You are ChatGPT, a large language model trained by "
+                               "OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: 2025-08-05\n\nReasoning: medium\n\n"
+                               "# Valid channels: analysis, commentary, final.")
+        # Each message <|start|>...<|message|>...<|end|>, but the open prompt (no <|message|>) and the
+        # last turn of a training text (<|return|>).
+        starts = ids.count(token("<|start|>"))
+        assert ids[0] == token("<|start|>") and ids.count(token("<|message|>")) == starts - prompt
+        assert ids.count(token("<|end|>")) == starts - 1
+        if prompt:
+            header = [token("<|start|>"), *ours.encode("assistant")]
+            assert ids[-len(header):] == header
+        else:
+            assert ids[-1] == token("<|return|>") and "<|channel|>analysis<|message|>" in text
+    assert "<|start|>developer<|message|># Instructions\n\nAnswer in French.\n\n<|end|>" in render_chat(
+        ours, HARMONY_CHATS[1][0])
+    assert "A greeting." not in render_chat(ours, HARMONY_CHATS[1][0])
+    # A channel written into a turn's content: the template refuses it, in both.
+    bad = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<|channel|>final<|message|>Hi"}]
+    with pytest.raises(ValueError, match="refuses this conversation: You have passed a message containing "
+                                         "<|channel|> tags in the content field"):
+        render_chat(ours, bad)
+    with pytest.raises(jinja2.TemplateError):
+        hf.apply_chat_template(bad, tokenize=False)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "The city."},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"], "default": "celsius"},
+        "days": {"type": "array", "items": {"type": "object", "properties": {"day": {"type": "integer"}}}},
+        "when": {"oneOf": [{"type": "string"}, {"type": "number"}], "description": "A date or an offset."}}}}}
+
+
+def test_gpt_oss_whole_template_with_tools_is_apply_chat_templates(tmp_path):
+    """The shipped template whole, tool branches too: the functions rendered as a TypeScript
+    namespace by its recursive macros, an assistant's call to one (`<|call|>`) and the tool's
+    answer, through `render_chat(..., tools=)` as through apply_chat_template."""
+    ours, hf = _harmony_folder(tmp_path, dataclasses.replace(GPT_OSS, jinja=GPT_OSS_TEMPLATE_WHOLE))
+    assert takes_tools(ours)
+    chat = _chat("Weather in Paris?") + [
+        {"role": "assistant", "thinking": "Ask the tool.",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": '{"celsius": 20}'}, {"role": "assistant", "content": "20 C."},
+        {"role": "user", "content": "Thanks!"}]
+    for messages, prompt in ((chat, True), (chat[:3], False), (_chat("Hi"), True)):
+        text = render_chat(ours, messages, add_generation_prompt=prompt, tools=[WEATHER])
+        assert text == hf.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=prompt, tokenize=False)
+        ids = hf.apply_chat_template(messages, tools=[WEATHER], add_generation_prompt=prompt,
+                                     return_dict=True)["input_ids"]
+        assert ours.encode(text, add_special_tokens=False) == ids
+        assert ("# Tools\n\n## functions\n\nnamespace functions {\n\n// The weather in a city.\n"
+                "type get_weather = (_: {\n// The city.\ncity: string,") in text
+    assert ('<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>') in render_chat(
+        ours, chat, tools=[WEATHER])
+    # Without tools the whole template renders as the one less its tool branches.
+    trimmed, _ = _harmony_folder(tmp_path / "trimmed")
+    for messages, prompt in HARMONY_CHATS:
+        assert render_chat(ours, messages, add_generation_prompt=prompt) == render_chat(
+            trimmed, messages, add_generation_prompt=prompt)
+
+
+@pytest.fixture(scope="module")
+def harmony_checkpoint(tmp_path_factory):
+    """A gpt-oss folder whose greedy decoding of two `--chat --system` prompts stops at
+    `<|return|>` (the end of an answer) and at `<|call|>` (a tool call)."""
+    path = tmp_path_factory.mktemp("harmony")
+    prompts = PROMPTS[1:]
+    ours, _ = _harmony_folder(path)
+    with pinned_date():
+        texts = [render_chat(ours, _chat(p)) for p in prompts]
+    save_checkpoint(GPT_OSS, str(path), texts, NEW, stops=("<|return|>", "<|call|>"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return str(path), prompts, tokenizer, model
+
+
+def test_a_harmony_chat_stops_at_return_and_at_call(harmony_checkpoint):
+    """jaxformer-generate --chat on gpt-oss's folder: each prompt is apply_chat_template's, and
+    greedy decoding is transformers', ending at `<|return|>` in one row and at `<|call|>` in
+    the other (both stop ids of generation_config.json, with `<|endoftext|>`)."""
+    path, prompts, hf, model = harmony_checkpoint
+    stops = model.generation_config.eos_token_id
+    assert stops == [hf.convert_tokens_to_ids(t) for t in GPT_OSS.stops]
+    rows, _ = run(["--checkpoint", path, "--chat", "--system", SYSTEM, *_flags(prompts)])
+    for prompt, row, stop in zip(prompts, rows, ("<|return|>", "<|call|>")):
+        ids = hf.apply_chat_template(_chat(prompt), add_generation_prompt=True, return_dict=True)["input_ids"]
+        want = _until_stop(greedy(model, ids, NEW), stops)
+        assert row["prompt_tokens"] == len(ids)
+        assert row["token_ids"] == want and want[-1] == hf.convert_tokens_to_ids(stop)
+        assert row["finish_reason"] == "stop" and row["completion"] == hf.decode(want[:-1], skip_special_tokens=True)
