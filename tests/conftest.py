@@ -325,6 +325,12 @@ def with_sinks(config: DecoderConfig) -> DecoderConfig:
         for spec in layer_specs(config)))
 
 
+def with_experts(config: DecoderConfig, spec) -> DecoderConfig:
+    """`config` with its specs filled in as `layers` (`layer_specs`), every layer's feed-forward
+    `spec` (an `ExpertsSpec`: a mixture of experts)."""
+    return config.replace(layers=tuple(dataclasses.replace(s, ffn=spec) for s in layer_specs(config)))
+
+
 def scaled_random_params(params, seed: int, scale: float = 0.3):
     """Every leaf redrawn at a large scale, so attention is sharp and a wrong head
     grouping, RoPE pairing or projection layout changes the logits a lot.

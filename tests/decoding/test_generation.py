@@ -6,14 +6,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REORDERED, SMALL, count_compiles, float64_config, in_float64, jit_apply, random_params
+from conftest import (
+    REORDERED,
+    SMALL,
+    count_compiles,
+    float64_config,
+    in_float64,
+    jit_apply,
+    random_params,
+    with_experts,
+)
 
 from jaxformer import Decoder, DecoderConfig, generate, sample_token, stream
 from jaxformer.decoding import DecodeRequest, finish, start
 from jaxformer.decoding.sampling import check_top_p, filtered_logits
 from jaxformer.decoding.steps import prefill, step_fn
 from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec
-from jaxformer.layers import layer_specs
 
 MODEL = Decoder(SMALL)
 # Large random weights: greedy continuations vary instead of repeating one token.
@@ -334,8 +342,8 @@ def test_sample_token_with_a_key_per_row_draws_each_row_from_its_own_distributio
 
 # A mixture of experts: 2 layers, each routing a token to 2 of 4 gated MLPs 16 wide (Qwen3-MoE's rule: the
 # softmax's top 2, renormalised), dropless.
-MOE = DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
-MOE = MOE.replace(layers=tuple(dataclasses.replace(spec, ffn=ExpertsSpec(4, 2, 16)) for spec in layer_specs(MOE)))
+MOE = with_experts(DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64),
+                   ExpertsSpec(4, 2, 16))
 
 
 @functools.cache
