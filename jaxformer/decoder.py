@@ -24,7 +24,7 @@ from jaxformer.cache import KVCache, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import OutputHead, lookup
-from jaxformer.experts import ROUTER_COLLECTION
+from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec, expert_counts
 from jaxformer.layers import Block, LayerSpec, Segment, layer_specs, norm, scan_name, scanned_places, segments, view_key
 from jaxformer.memory import prefill_bytes
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
@@ -145,7 +145,8 @@ class Decoder(nn.Module):
     With a cache, row b's T tokens are the next T of its sequence (positions `cache.pos[b]
     ..`), so a prefill and a one-token step are the same call, and one jitted function
     serves every step (docs/architecture.md, "How data flows"). Every layer's attention weights
-    are sown (`sown_attention_weights` stacks them).
+    are sown (`sown_attention_weights` stacks them), and every router's logits (`expert_load`
+    counts what they chose).
     """
 
     config: DecoderConfig
@@ -276,3 +277,29 @@ def sown_attention_weights(intermediates, config: DecoderConfig) -> jax.Array:
         body = functools.reduce(lambda tree, name: tree[name], path, sown)
         layers.append(body["attn"]["attention_weights"][0][row])
     return jnp.stack(layers)
+
+
+def layer_tree(tree: dict, config: DecoderConfig, i: int):
+    """Layer i's part of `tree`, a tree laid out as a `Decoder` of `config` lays out its parameters
+    (the parameters, or a collection it sowed): `block_{i}`, or layer i's row of its scanned stack."""
+    if not config.scan_layers:
+        return tree[f"block_{i}"]
+    path, row, _ = scanned_places(layer_specs(config))[i]
+    return jax.tree.map(lambda leaf: leaf[row], functools.reduce(lambda node, name: node[name], path, tree))
+
+
+def expert_load(model: Decoder, variables: dict, tokens: jax.Array, mask: jax.Array | None = None
+                ) -> dict[int, jax.Array]:
+    """`{i: int32 [E]}` for each layer i of experts: the (token, choice) pairs its router sends to each
+    expert over `tokens [batch, T]` (those `mask` keeps, bool `[batch, T]`; None: all), by the layer's
+    own routing rule on the logits it sows (`jaxformer.experts.expert_counts`). Each sums to its `top_k`
+    times the tokens kept; a model without experts gives `{}`. One forward of `model` (jit the call)."""
+    config = model.config
+    _, sown = model.apply(variables, tokens, mutable=[ROUTER_COLLECTION])
+    loads = {}
+    for i, spec in enumerate(layer_specs(config)):
+        if isinstance(spec.ffn, ExpertsSpec):
+            (logits,) = layer_tree(sown[ROUTER_COLLECTION], config, i)["mlp"]["logits"]  # [batch, T, E]
+            bias = layer_tree(variables["params"], config, i)["mlp"].get("correction_bias")
+            loads[i] = expert_counts(logits, spec.ffn, bias, mask)
+    return loads

@@ -316,6 +316,17 @@ def load_balancing_loss(logits: list[jax.Array], top_k: int, mask: jax.Array | N
     return E * jnp.sum((counts / rows) * (probs / rows))
 
 
+def expert_counts(logits: jax.Array, spec: ExpertsSpec, correction_bias: jax.Array | None = None,
+                  mask: jax.Array | None = None) -> jax.Array:
+    """int32 `[E]`: the (token, choice) pairs a layer of `spec` routes to each expert, from its
+    router's float32 `logits [batch, T, E]` (what it sows) by its own rule (`route`, with its
+    `correction_bias` where it has one), over the tokens `mask` keeps (bool `[batch, T]`; None: all).
+    They sum to `k` times the tokens kept."""
+    ids = route(logits.reshape(-1, logits.shape[-1]), spec, correction_bias)[1]  # [N, k]
+    keep = jnp.ones(ids.shape[0], jnp.int32) if mask is None else mask.reshape(-1).astype(jnp.int32)
+    return jnp.zeros(spec.n_experts, jnp.int32).at[ids].add(jnp.broadcast_to(keep[:, None], ids.shape))
+
+
 def _sown(sown: dict, name: str) -> list[jax.Array]:
     """Every `name` entry a model sowed in the `ROUTER_COLLECTION` (`apply(..., mutable=[ROUTER_COLLECTION])`'s
     second output), in the order of its tree: a block's as sown, a scanned segment's stacked over its layers."""

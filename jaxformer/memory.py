@@ -30,12 +30,13 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
     """Bytes a `Decoder` prefill holds at its peak: `batch` rows (every beam) of `prompt_len`
     (T) tokens into a cache of `capacity` (S) positions, from the shapes of `config`.
 
-    The cache and the residual stream live throughout; each block's attention, its SwiGLU
+    The cache and the residual stream live throughout; each block's attention, its feed-forward
     and the logits come in phases XLA frees one by one, so the peak is the largest phase on
     top. The float32 scores `[batch, n_head, T, S]` dominate dense attention (XLA on a CPU
     keeps three such arrays, and the bool mask `[batch, T, S]`); attention in blocks holds one
-    block's, `[batch, n_head, 512, 512]`, and the output it builds. The parameters are not
-    counted: the free memory excludes them.
+    block's, `[batch, n_head, 512, 512]`, and the output it builds. The feed-forward is each
+    layer's own (`ffn_bytes`), the widest of them counted. The parameters are not counted: the
+    free memory excludes them.
     """
     c = config
     compute = jnp.dtype(c.dtype).itemsize
@@ -51,9 +52,24 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
     attention = (scores
                  + 2 * rows * (c.n_head + 2 * c.n_kv_head) * c.head_dim * 4  # q, k, v and their rotations
                  + 2 * (capacity + rows) * (c.head_dim // 2) * 4)  # the RoPE tables, and the rows read from them
-    swiglu = 3 * rows * c.ffn_dim * 4  # gate, up and their product [batch, T, ffn_dim]
+    from jaxformer.layers import layer_specs  # (here: the layer kinds' modules import this one)
+
+    ffn = max(ffn_bytes(spec.ffn, rows) for spec in layer_specs(c))
     logits = rows * c.vocab_size * 4  # [batch, T, vocab], float32 out of the head's matrix product
-    return cache + stream + max(attention, swiglu, logits)
+    return cache + stream + max(attention, ffn, logits)
+
+
+def ffn_bytes(spec, rows: int) -> int:
+    """Bytes a layer's feed-forward of `spec` holds for `rows` positions, in float32: a gated MLP's
+    gate, up and their product, `[rows, width]` each; a mixture of experts' (`ExpertsSpec`) the
+    same for each of a token's k experts, `[rows * k, width]` each, with its router's logits
+    `[rows, E]`, and its shared expert's, as a gated MLP's, where it has one."""
+    from jaxformer.experts import ExpertsSpec
+
+    if not isinstance(spec, ExpertsSpec):
+        return 3 * rows * spec.width * 4
+    shared = 0 if spec.shared is None else ffn_bytes(spec.shared, rows)
+    return 3 * rows * spec.top_k * spec.width * 4 + rows * spec.n_experts * 4 + shared
 
 
 def free_bytes() -> tuple[int, str] | None:

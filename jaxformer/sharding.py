@@ -180,11 +180,16 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 
 def check_mesh_fits(config, mesh: Mesh) -> None:
-    """Raises ValueError unless `config.n_head` divides over the mesh's `model` axis."""
+    """Raises ValueError unless `config.n_head`, and each layer's query heads where `config.layers`
+    gives them (a `DecoderConfig`'s filled specs), divide over the mesh's `model` axis."""
     n_model = mesh.shape[MODEL]
-    if config.n_head % n_model:
-        raise ValueError(f"{type(config).__name__}.n_head={config.n_head} is not divisible by the mesh's "
-                         f"model axis ({n_model}): tensor parallelism splits whole heads")
+    heads = {"n_head": config.n_head}
+    for i, spec in enumerate(getattr(config, "layers", ())):
+        heads.setdefault(f"layers[{i}].mixer.n_head", spec.mixer.n_head)
+    for field, n_head in heads.items():
+        if n_head % n_model:
+            raise ValueError(f"{type(config).__name__}.{field}={n_head} is not divisible by the mesh's "
+                             f"model axis ({n_model}): tensor parallelism splits whole heads")
 
 
 def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, strategy: str = "dp") -> PartitionSpec:

@@ -177,6 +177,14 @@ FULL_TIER.update({
         "more proposers",
     "tests/decoding/test_speculative.py::test_greedy_gives_generates_tokens[mqa-split-half-untied-lookup-8]":
         "more proposers",
+    # (A mixture of experts: the fast tier keeps the model as its own draft, every proposal accepted.)
+    "tests/decoding/test_speculative.py::test_greedy_on_a_mixture_of_experts_gives_generates_tokens[dense-draft]":
+        "more drafts",
+    "tests/decoding/test_speculative.py::test_greedy_on_a_mixture_of_experts_gives_generates_tokens[moe-draft]":
+        "more drafts",
+    # (The fast tier keeps a mixture of experts' perplexity against the formula, the dense one's against transformers.)
+    "tests/text/test_perplexity.py::test_a_mixture_of_experts_perplexity_equals_transformers":
+        "transformers' mixture of experts",
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[True-False]": "more layouts",
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[False-True]": "more layouts",
 })
@@ -330,6 +338,12 @@ def with_sinks(config: DecoderConfig) -> DecoderConfig:
     return config.replace(layers=tuple(
         dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, sinks=True, o_bias=True))
         for spec in layer_specs(config)))
+
+
+def with_experts(config: DecoderConfig, spec) -> DecoderConfig:
+    """`config` with its specs filled in as `layers` (`layer_specs`), every layer's feed-forward
+    `spec` (an `ExpertsSpec`: a mixture of experts)."""
+    return config.replace(layers=tuple(dataclasses.replace(s, ffn=spec) for s in layer_specs(config)))
 
 
 def scaled_random_params(params, seed: int, scale: float = 0.3):

@@ -13,17 +13,19 @@ import numpy as np
 from jaxformer.training import read_metrics
 from jaxformer.training.report_page import colormap, read_snapshots
 
-SECTIONS = ("curves", "attention", "evaluation", "run")
+SECTIONS = ("curves", "attention", "evaluation", "run")  # (and "experts", for a mixture of experts)
 _SHOWN = re.compile(r"(-?[\d,]*\.?\d+(?:e[-+]?\d+)?)\s*(%?)$")
 
 
 class Page(HTMLParser):
     """The parts of the page the checks read: section ids, every figure tagged with its
-    source (`data-src` and its text), the heatmap images in order, every link target."""
+    source (`data-src` and its text), the heatmap images in order, every link target, the
+    steps of the attention snapshots and of the experts' load."""
 
     def __init__(self, text: str):
         super().__init__()
         self.sections, self.figures, self.images, self.links, self.snapshot_steps = [], [], [], [], []
+        self.load_steps = []
         self._open = []  # [tag, src, text] of the figures being read
         self.feed(text)
         self.close()
@@ -36,6 +38,8 @@ class Page(HTMLParser):
             self._open.append([tag, attrs["data-src"], ""])
         if tag == "div" and "data-step" in attrs:
             self.snapshot_steps.append(int(attrs["data-step"]))
+        if tag == "div" and "data-load-step" in attrs:
+            self.load_steps.append(int(attrs["data-load-step"]))
         if tag == "image":
             self.images.append(attrs["href"])
         self.links += [v for k, v in attrs.items() if k in ("href", "src", "action") and v is not None]
@@ -49,9 +53,14 @@ class Page(HTMLParser):
             self.figures.append(tuple(self._open.pop()[1:]))
 
 
-def source_value(src: str, run_dir: Path):
-    """The recorded number a `data-src` names."""
+def source_value(src: str, run_dir: Path, snapshots: list[dict] | None = None):
+    """The recorded number a `data-src` names (a snapshot's: of `snapshots`, else the run's file)."""
     kind, *path = src.split("/")
+    if kind == "snapshots":  # an expert's share of its layer's pairs
+        step, layer, expert = int(path[0]), int(path[2]), int(path[3])
+        snapshot = next(s for s in (read_snapshots(run_dir) if snapshots is None else snapshots) if s["step"] == step)
+        counts = next(g["counts"] for g in snapshot["experts"] if g["layer"] == layer)
+        return counts[expert] / sum(counts)
     if kind == "metrics":
         step, name = int(path[0]), path[1]
         return next(m for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] == step)[name]
@@ -86,7 +95,9 @@ def check_report(run_dir: Path, snapshots: list[dict] | None = None) -> Page:
     every figure is its source's number, and every logged and evaluated number is shown;
     it links to nothing outside itself; each heatmap image is its snapshot's weights
     through the colour map, one pixel a cell, at every recorded step (or of `snapshots`,
-    those `jaxformer-report` computed for the page).
+    those `jaxformer-report` computed for the page); a mixture of experts' load is shown at
+    each step that recorded one, every share of it, its map each expert's share over an even
+    one's halved (one half: an even load) through the colour map, layers by experts.
 
     Returns:
       The parsed page.
@@ -94,8 +105,9 @@ def check_report(run_dir: Path, snapshots: list[dict] | None = None) -> Page:
     text = (run_dir / "report.html").read_text()
     page = Page(text)
     assert set(SECTIONS) <= set(page.sections), page.sections
+    recorded = read_snapshots(run_dir) if snapshots is None else snapshots
     for src, shown in page.figures:
-        assert_shown_equals(shown, source_value(src, run_dir))
+        assert_shown_equals(shown, source_value(src, run_dir, recorded))
     sources = {src for src, _ in page.figures}
     for m in read_metrics(run_dir / "metrics.jsonl"):
         for name in ("loss", "lr", "steps_per_sec"):
@@ -114,9 +126,20 @@ def check_report(run_dir: Path, snapshots: list[dict] | None = None) -> Page:
         link[:60] for link in page.links if not link.startswith(("data:", "#"))]
     assert not re.search(r"(https?:)?//[\w.-]+\.[a-z]{2,}/|@import|url\(", text)
 
-    snapshots = [s for s in (read_snapshots(run_dir) if snapshots is None else snapshots) if s["attention"]]
+    snapshots = [s for s in recorded if s["attention"]]
     assert page.snapshot_steps == [s["step"] for s in snapshots]
     expected = [colormap(np.asarray(head)) for s in snapshots for group in s["attention"] for head in group["heads"]]
+    loads = [s for s in recorded if s.get("experts")]
+    assert page.load_steps == [s["step"] for s in loads] and ("experts" in page.sections) == bool(loads)
+    for s in loads:
+        assert {f"snapshots/{s['step']}/experts/{g['layer']}/{e}" for g in s["experts"]
+                for e in range(len(g["counts"]))} <= sources
+        experts = max(len(g["counts"]) for g in s["experts"])
+        grid = np.full((len(s["experts"]), experts), np.nan)
+        for row, group in enumerate(s["experts"]):
+            counts = np.asarray(group["counts"], np.float64)
+            grid[row, :len(counts)] = counts / max(counts.sum(), 1) * len(counts) / 2
+        expected.append(colormap(grid))
     assert len(page.images) == len(expected)
     for href, pixels in zip(page.images, expected):
         np.testing.assert_array_equal(decode_png(href), pixels)

@@ -261,3 +261,42 @@ def test_each_routing_feature_moves_the_output(feature):
     params = jax.tree.map(lambda w: w * 50, params)  # pre-activations of a few units, outputs of ~1
     without = ours(dataclasses.replace(spec, **fields), {**params, **changed}, x)
     assert np.abs(ours(spec, params, x) - without).max() > 1e-2
+
+
+def test_expert_load_counts_each_layers_own_routing_in_model_order():
+    """`decoder.expert_load`: each layer of experts' pairs per expert, by its own rule (here the
+    grouped sigmoid, whose correction bias, a parameter of each layer, shifts the choice), over the
+    tokens a mask keeps: what `route` chooses from the logits that layer sows, counted here one layer
+    at a time. The same counts from the scanned model, whose layers of experts are row 0 and row 1
+    of one stack."""
+    from jaxformer import Decoder
+    from jaxformer.convert import with_scan_layers
+    from jaxformer.decoder import expert_load
+    from jaxformer.layers import layer_specs
+
+    spec = ExpertsSpec(E, 3, F, routing="sigmoid_grouped", n_group=4, topk_group=2)
+    config = CONFIG.replace(n_layer=4)
+    config = config.replace(layers=tuple(dataclasses.replace(s, ffn=spec) if i % 2 == 0 else s
+                                         for i, s in enumerate(layer_specs(config))))  # experts, dense, experts, dense
+    tokens = jax.random.randint(jax.random.key(1), (3, 7), 0, 32)
+    mask = np.arange(7)[None, :] < np.array([[7], [2], [5]])  # ragged rows: the positions past each one's length out
+    params = jax.jit(Decoder(config).init)(jax.random.key(0), tokens)["params"]
+    for i in (0, 2):  # each layer its own bias, large enough to move the choice
+        params[f"block_{i}"]["mlp"]["correction_bias"] = jax.random.normal(jax.random.key(10 + i), (E,))
+    _, sown = jax.jit(functools.partial(Decoder(config).apply, mutable=[ROUTER_COLLECTION]))({"params": params}, tokens)
+    want = {}
+    for i in (0, 2):
+        logits = sown[ROUTER_COLLECTION][f"block_{i}"]["mlp"]["logits"][0]  # [3, 7, E]
+        ids = np.asarray(route(logits.reshape(-1, E), spec, params[f"block_{i}"]["mlp"]["correction_bias"])[1])
+        want[i] = np.bincount(ids[mask.reshape(-1)].reshape(-1), minlength=E)
+        unbiased = np.asarray(route(logits.reshape(-1, E), spec, jnp.zeros(E))[1])
+        assert not np.array_equal(np.bincount(unbiased[mask.reshape(-1)].reshape(-1), minlength=E), want[i])
+    assert not np.array_equal(want[0], want[2])
+    got = jax.jit(functools.partial(expert_load, Decoder(config)))({"params": params}, tokens, mask)
+    assert sorted(got) == [0, 2] and all(np.array_equal(got[i], want[i]) for i in got)
+    assert all(int(got[i].sum()) == 3 * mask.sum() for i in got)
+    scanned, stacked = with_scan_layers(config, params, True)
+    got = jax.jit(functools.partial(expert_load, Decoder(scanned)))({"params": stacked}, tokens, mask)
+    assert sorted(got) == [0, 2] and all(np.array_equal(got[i], want[i]) for i in got)
+    dense = jax.eval_shape(Decoder(CONFIG).init, jax.random.key(0), tokens)  # (traced: no compile)
+    assert jax.eval_shape(functools.partial(expert_load, Decoder(CONFIG)), dense, tokens) == {}

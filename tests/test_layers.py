@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, filled_layers, random_params, with_sinks
+from conftest import SMALL, filled_layers, random_params, with_experts, with_sinks
 
 from jaxformer import Decoder, DecoderConfig, KVCache
 from jaxformer.attention import AttentionSpec
@@ -36,11 +36,6 @@ def test_each_layer_spec_is_what_the_config_states():
     for config in (GEMMA3_LIKE, DecoderConfig(n_layer=2), filled_layers(SMALL, windows=[None, 5, None])):
         assert config.windows == tuple(spec.mixer.window for spec in layer_specs(config))
     assert GEMMA3_LIKE.windows == (8, 8, 8, None)
-
-
-def with_experts(config, spec: ExpertsSpec):
-    """`config` with every layer's feed-forward `spec`."""
-    return config.replace(layers=tuple(dataclasses.replace(s, ffn=spec) for s in layer_specs(config)))
 
 
 @pytest.mark.parametrize("config", [

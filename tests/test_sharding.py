@@ -81,3 +81,23 @@ def test_an_unnamed_parameter_fails_loudly():
     # A scalar an optimizer keeps per parameter (under the parameter's path) is replicated.
     scalar = tree_shardings({"count": {"w": jnp.float32(0)}}, {"w": (EMBED, MLP)}, make_mesh(), "fsdp")
     assert scalar["count"]["w"].spec == PartitionSpec()
+
+
+def test_the_mesh_check_reads_each_layers_heads():
+    """Tensor parallelism splits whole heads of every layer: a layer whose mixer has other heads than
+    the config's flat `n_head` is checked by its own."""
+    import dataclasses
+    import types
+
+    from jaxformer.layers import layer_specs
+    from jaxformer.sharding import check_mesh_fits
+
+    config = DecoderConfig(vocab_size=32, n_layer=2, n_head=4, n_kv_head=1, d_model=32)
+    specs = layer_specs(config)
+    two = types.SimpleNamespace(shape={"data": 1, "model": 2})
+    check_mesh_fits(config.replace(layers=specs), two)
+    odd = config.replace(layers=(specs[0], dataclasses.replace(specs[1], mixer=dataclasses.replace(specs[1].mixer,
+                                                                                                    n_head=3))))
+    with pytest.raises(ValueError, match=r"DecoderConfig.layers\[1\].mixer.n_head=3 is not divisible by the mesh's "
+                                         r"model axis \(2\)"):
+        check_mesh_fits(odd, two)

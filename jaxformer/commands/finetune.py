@@ -33,7 +33,7 @@ from jaxformer.config import DTYPES, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.convert.peft import adapter_shapes_of, adapter_sizes, all_targets, check_targets, save_peft
 from jaxformer.decodable import Decodable
-from jaxformer.decoder import Decoder, sown_attention_weights
+from jaxformer.decoder import Decoder, expert_load, sown_attention_weights
 from jaxformer.decoding import generate
 from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec, dropped_pairs, load_balancing_loss, router_logits
 from jaxformer.families import family_of
@@ -49,7 +49,7 @@ from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
 from jaxformer.text.tokenizer import check_fits_model
 from jaxformer.training import exports, failures, flags, run_start, runs
-from jaxformer.training.report_page import attention_group, result_label, token_labels
+from jaxformer.training.report_page import attention_group, experts_group, result_label, token_labels
 from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, why_not_finite
 
 PROG = "jaxformer-finetune"
@@ -58,6 +58,7 @@ ALL_TARGETS = "all"  # --lora-targets: every module LoRA can adapt (a model of e
 ADAPTER_DIR = "adapter"  # in the run directory: the adapters in peft's format
 MAP_TOKENS = 32  # of the first held-out row: the report page's attention example
 SAMPLE_TOKENS = 32  # greedy tokens after the example's start, for the report page
+LOAD_ROWS = 16  # held-out rows whose scored positions a mixture of experts routes for the page's expert load
 # How the report page shows eval.json's results, in its order.
 RESULT_LABELS = {"validation_loss_before": result_label("held-out loss before fine-tuning"),
                  "validation_perplexity_before": result_label("held-out perplexity before fine-tuning"),
@@ -388,7 +389,9 @@ def held_out(setup: runs.Setup, trained, batch_size: int, when: str) -> tuple[fl
 
 def snapshotter(setup: runs.Setup, settings: Settings):
     """`snapshot(trained)` for the report page: the first and last layers' attention over the
-    start of the first held-out row, and the greedy continuation of its first half."""
+    start of the first held-out row, and the greedy continuation of its first half; for a
+    mixture of experts, each layer's expert load over the scored positions (those the loss
+    scores) of the first `LOAD_ROWS` held-out rows."""
     data, tokenizer = setup.corpus, setup.tokenizer
     first = data.validation_batches(1)[0]["tokens"][0]  # [seq_len]
     length = min(MAP_TOKENS, settings.seq_len)
@@ -404,16 +407,26 @@ def snapshotter(setup: runs.Setup, settings: Settings):
         _, inter = model.apply(variables, tokens, mutable=["intermediates"])
         return sown_attention_weights(inter, config)  # [n_layer, 1, H, T, T]
 
+    experts = [spec.ffn for spec in layer_specs(config) if isinstance(spec.ffn, ExpertsSpec)]
+    routed = data.validation_batches(LOAD_ROWS)[0]  # [LOAD_ROWS, seq_len] (rows past the split's score nothing)
+    scored = routed["targets"] != IGNORE
+    note = f"routed: the {int(scored.sum()):,} scored positions of the first {int(scored.any(1).sum())} held-out row(s)"
+    loads = jax.jit(functools.partial(expert_load, model))
+
     def snapshot(trained) -> dict:
         weights = to_host(attention_weights(variables(setup, trained), example))
         attention = [attention_group("self-attention (causal)", layer, weights[layer, 0], labels, labels)
                      for layer in layers]
         new = min(SAMPLE_TOKENS, config.max_seq_len - prompt.shape[1])
         out = to_host(generate(*decodable(setup, trained), prompt, max_new_tokens=new))[0]
-        return {"attention": attention,
-                "samples": [{"label": "greedy continuation of a held-out row's start",
-                             "input": token_labels(tokenizer, out[:prompt.shape[1]]),
-                             "output": token_labels(tokenizer, out[prompt.shape[1]:])}]}
+        figures = {"attention": attention,
+                   "samples": [{"label": "greedy continuation of a held-out row's start",
+                                "input": token_labels(tokenizer, out[:prompt.shape[1]]),
+                                "output": token_labels(tokenizer, out[prompt.shape[1]:])}]}
+        if experts:
+            counts = to_host(loads(variables(setup, trained), jnp.asarray(routed["tokens"]), jnp.asarray(scored)))
+            figures["experts"] = [experts_group(layer, counts[layer], note) for layer in sorted(counts)]
+        return figures
 
     return snapshot
 

@@ -8,16 +8,18 @@ files the run records.
       config.json       what a resumed run must match (`jaxformer.training.run_dir`)
       metrics.jsonl     loss, learning rate and steps/s every `log_every` updates
       snapshots.jsonl   at step 0 and every checkpoint: attention maps of one example,
-                        every layer and head, and samples; `record_snapshot`
+                        every layer and head, samples, and a mixture of experts' load
+                        (the pairs each layer's router sent to each expert); `record_snapshot`
       eval.json         the final evaluation: the command's results, and under "labels"
                         how each is shown (`result_label`); `write_results`
 
 `write_report(run_dir)` reads these and writes `report.html` atomically: SVG curves, tables,
-the attention maps as inline PNG images with their tokens on the axes, and a step slider
-over the snapshots. It holds no URL: it opens from disk in any browser, offline.
+the attention maps and the experts' load as inline PNG images with their labels on the axes,
+and a step slider over the snapshots. It holds no URL: it opens from disk in any browser, offline.
 
 Every number the page shows comes from those files. Each is marked with where it came
-from, `data-src="metrics/<step>/<name>"`, `"eval/<key>[/<length>/<rate|n>]"` or
+from, `data-src="metrics/<step>/<name>"`, `"eval/<key>[/<length>/<rate|n>]"`,
+`"snapshots/<step>/experts/<layer>/<expert>"` (an expert's share of its layer's pairs) or
 `"about/params"`, so a test can read the page and check every figure against its source.
 """
 
@@ -129,6 +131,22 @@ def attention_group(name: str, layer: int, weights, rows, cols, note: str = "") 
             "cols": [str(c) for c in cols], "heads": np.round(weights, 4).tolist()}
 
 
+def experts_group(layer: int, counts, note: str = "") -> dict:
+    """One layer of experts' load, as `record_snapshot` takes it.
+
+    Args:
+      layer: the layer, from 0.
+      counts: `[E]` ints, the (token, choice) pairs its router sent to each expert
+        (`jaxformer.decoder.expert_load`).
+      note: which tokens were routed, shown under the map.
+    """
+    counts = np.asarray(counts)
+    if counts.ndim != 1 or counts.size == 0 or not np.issubdtype(counts.dtype, np.integer) or (counts < 0).any():
+        raise ValueError(f"expert counts must be one non-negative int per expert (got {counts.dtype} of shape "
+                         f"{counts.shape})")
+    return {"layer": int(layer), "note": note, "counts": [int(n) for n in counts]}
+
+
 def token_labels(tokenizer, ids) -> list[str]:
     """Each id's text (`tokenizer`: a `jaxformer.text.Tokenizer`), one label a token,
     whitespace made visible (for the attention maps)."""
@@ -136,7 +154,8 @@ def token_labels(tokenizer, ids) -> list[str]:
     return [t.replace(" ", "\u2423").replace("\n", "\u23ce") or "\u2205" for t in texts]
 
 
-def record_snapshot(run_dir, step: int, attention: list[dict], samples: list[dict] = ()) -> None:
+def record_snapshot(run_dir, step: int, attention: list[dict], samples: list[dict] = (),
+                    experts: list[dict] = ()) -> None:
     """Appends what the model does at `step` to `snapshots.jsonl`.
 
     Args:
@@ -145,20 +164,22 @@ def record_snapshot(run_dir, step: int, attention: list[dict], samples: list[dic
       attention: `attention_group`s of one example, every layer.
       samples: `{"label": str, "output": str | [token, ...], "target": [token, ...] (optional)}`
         each; a target marks the output's tokens that differ from it.
+      experts: `experts_group`s, each layer of experts (a model without experts: none).
 
     Raises:
       OSError: naming the file, when it cannot be written (nothing of the line is kept).
     """
-    record = snapshot_record(step, attention, samples)
+    record = snapshot_record(step, attention, samples, experts)
     path = Path(run_dir) / SNAPSHOTS_FILE
     if _torn(path):  # a run killed mid-line: keep the whole lines, or this one would be appended to the part
         drop_records_after(path, math.inf)
     append_line(path, json.dumps(record))
 
 
-def snapshot_record(step: int, attention: list[dict], samples: list[dict] = ()) -> dict:
-    """One line of `snapshots.jsonl` (`record_snapshot`'s arguments)."""
-    return {"step": int(step), "attention": list(attention), "samples": list(samples)}
+def snapshot_record(step: int, attention: list[dict], samples: list[dict] = (), experts: list[dict] = ()) -> dict:
+    """One line of `snapshots.jsonl` (`record_snapshot`'s arguments); "experts" only where given."""
+    record = {"step": int(step), "attention": list(attention), "samples": list(samples)}
+    return {**record, "experts": list(experts)} if experts else record
 
 
 def _torn(path: Path) -> bool:
@@ -222,6 +243,8 @@ def build_report(run_dir, title: str = "training run", computed: list[dict] = ()
         sections = [_curves_section(metrics, about)]
     with _reading(run_dir / SNAPSHOTS_FILE):
         sections.append(_attention_section(snapshots))
+        if any(s.get("experts") for s in snapshots):
+            sections.append(_experts_section(snapshots))
     with _reading(run_dir / RESULTS_FILE):
         sections.append(_evaluation_section(results))
     with _reading(run_dir / SNAPSHOTS_FILE):
@@ -478,10 +501,7 @@ def _attention_section(snapshots) -> str:
         '(<span class="swatch nonfinite"></span> grey: NaN or inf, a model whose numbers stopped being finite). '
         "Move the slider to see the maps at each recorded step.</p>")
     last = len(shown) - 1
-    parts.append(f'<div class="slider"><label for="step-slider">step</label> <input type="range" id="step-slider" '
-                 f'min="0" max="{last}" value="{last}" step="1"> <output id="step-label">{shown[-1]["step"]}'
-                 f'</output> <span class="steps" id="step-list" data-steps="{",".join(str(s["step"]) for s in shown)}">'
-                 f'({len(shown)} snapshots: steps {", ".join(str(s["step"]) for s in shown)})</span></div>')
+    parts.append(_slider("step", shown))
     for index, snapshot in enumerate(shown):
         hidden = "" if index == last else " hidden"
         parts.append(f'<div class="snapshot" data-step="{snapshot["step"]}"{hidden}>')
@@ -495,9 +515,54 @@ def _attention_section(snapshots) -> str:
     return "\n".join(parts) + "</section>"
 
 
+def _slider(name: str, shown: list[dict]) -> str:
+    """A section's step slider over its snapshots `shown` (the page's script shows the one chosen,
+    the last at first): `{name}-slider`, its label `{name}-label`."""
+    last, steps = len(shown) - 1, [str(s["step"]) for s in shown]
+    return (f'<div class="slider"><label for="{name}-slider">step</label> <input type="range" id="{name}-slider" '
+            f'min="0" max="{last}" value="{last}" step="1"> <output id="{name}-label">{steps[-1]}</output> '
+            f'<span class="steps" id="{name}-list" data-steps="{",".join(steps)}">({len(shown)} snapshots: steps '
+            f'{", ".join(steps)})</span></div>')
+
+
+def expert_shares(counts) -> np.ndarray:
+    """`[E]` float64: each expert's share of a layer's pairs, `counts / sum(counts)` (0 where none)."""
+    counts = np.asarray(counts, np.float64)
+    return counts / max(counts.sum(), 1.0)
+
+
+def _experts_section(snapshots) -> str:
+    shown = [s for s in snapshots if s.get("experts")]
+    parts = ['<section id="experts"><h2>Expert load during training</h2>',
+             "<p>Each layer of experts: the share of its router's (token, choice) pairs that went to each expert, "
+             "a token's k choices each one pair. An even load gives each of E experts 1/E of them. Colour: the "
+             'share against an even one, <span class="swatch low"></span> none to <span class="swatch high"></span> '
+             'twice or more (<span class="swatch nonfinite"></span> grey: no such expert in that layer). Move the '
+             "slider to see the load at each recorded step.</p>", _slider("load", shown)]
+    for index, snapshot in enumerate(shown):
+        groups, step = snapshot["experts"], snapshot["step"]
+        hidden = "" if index == len(shown) - 1 else " hidden"
+        width = max(len(g["counts"]) for g in groups)
+        grid = np.full((len(groups), width), np.nan)  # [layers, experts]: share / (1 / E), NaN past a layer's E
+        for row, group in enumerate(groups):
+            grid[row, :len(group["counts"])] = expert_shares(group["counts"]) * len(group["counts"]) / 2
+        rows = [f"layer {g['layer']}" for g in groups]
+        notes = "".join(f'<p class="note">{html.escape(note)}</p>'
+                        for note in dict.fromkeys(g.get("note", "") for g in groups) if note)
+        table = _table(["layer", "pairs", *(f"expert {e}" for e in range(width))], [
+            (g["layer"], f"{sum(g['counts']):,}",
+             *(_number(share, f"snapshots/{step}/experts/{g['layer']}/{e}", percent=True)
+               for e, share in enumerate(expert_shares(g["counts"]))), *[""] * (width - len(g["counts"])))
+            for g in groups])
+        drawn = _heatmap(grid, rows, [str(e) for e in range(width)], f"step {step}: layers by experts")
+        parts.append(f'<div class="snapshot" data-load-step="{step}"{hidden}>{notes}<div class="heads">{drawn}</div>'
+                     f"<details><summary>The shares</summary>{table}</details></div>")
+    return "\n".join(parts) + "</section>"
+
+
 def _heatmap(weights, rows, cols, caption: str) -> str:
-    """One head's map: the weights as a PNG (one pixel a cell, scaled without smoothing)
-    with the tokens along the axes."""
+    """One map: the weights as a PNG (one pixel a cell, scaled without smoothing) with the
+    labels (tokens, layers, experts) along the axes."""
     weights = np.asarray(weights, np.float64)
     cell = max(8, min(26, 300 // max(len(rows), len(cols))))  # pixels a cell; 8 keeps a label legible
     font = min(11, cell - 1)
@@ -583,7 +648,7 @@ td, th { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
 .swatch.low { background: rgb(68, 1, 84); } .swatch.high { background: rgb(253, 231, 37); }
 .swatch.nonfinite { background: rgb(190, 190, 190); } .nonfinite { stroke: #999; stroke-dasharray: 1 3; }
 .slider { position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 1; }
-#step-slider { width: 360px; vertical-align: middle; } .steps { color: #666; }
+.slider input { width: 360px; vertical-align: middle; } .steps { color: #666; }
 .note { color: #555; margin: 0 0 4px; }
 pre.sample { white-space: pre-wrap; background: #f6f6f6; padding: 8px; }
 .sample-row { margin: 4px 0; } footer { margin-top: 32px; color: #777; font-size: 12px; }
@@ -591,16 +656,17 @@ pre.sample { white-space: pre-wrap; background: #f6f6f6; padding: 8px; }
 
 _SCRIPT = """
 (function () {
-  var slider = document.getElementById("step-slider");
-  if (!slider) return;
-  var snapshots = document.querySelectorAll(".snapshot");
-  var label = document.getElementById("step-label");
-  function show() {
-    var chosen = Number(slider.value);
-    snapshots.forEach(function (s, i) { s.hidden = i !== chosen; });
-    label.textContent = snapshots[chosen].dataset.step;
-  }
-  slider.addEventListener("input", show);
-  show();
+  document.querySelectorAll(".slider").forEach(function (bar) {
+    var slider = bar.querySelector("input");
+    var label = bar.querySelector("output");
+    var snapshots = bar.parentNode.querySelectorAll(".snapshot");
+    function show() {
+      var chosen = Number(slider.value);
+      snapshots.forEach(function (s, i) { s.hidden = i !== chosen; });
+      label.textContent = snapshots[chosen].dataset.step || snapshots[chosen].dataset.loadStep;
+    }
+    slider.addEventListener("input", show);
+    show();
+  });
 })();
 """

@@ -122,7 +122,8 @@ class Demo(Protocol):
         """The model, its initial parameters, optimizer, schedule, loss and batches."""
 
     def snapshotter(self, setup: Setup, settings) -> Callable[[Any], dict]:
-        """`snapshot(params) -> {"attention": [...], "samples": [...]}` for the report page
+        """`snapshot(params) -> {"attention": [...], "samples": [...]}` (and for a mixture of experts
+        `"experts": [...]`, each layer's load) for the report page
         (`jaxformer.training.report_page.record_snapshot`), one compiled forward for every call."""
 
 
@@ -171,7 +172,7 @@ class Trained:
 def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Callable | None = None) -> Trained:
     """Trains from `begun.step` to `settings.steps`, saying where it starts.
 
-    With a `snapshot(params) -> dict` (`record_snapshot`'s `attention` and `samples`),
+    With a `snapshot(params) -> dict` (`record_snapshot`'s `attention`, `samples` and `experts`),
     what the model does is recorded at step 0 and at every checkpoint, and the report
     page rebuilt each time; a resumed run first drops the snapshots past its checkpoint.
     A run that had finished before is not trained again: its parameters are returned

@@ -1,5 +1,6 @@
 """`jaxformer-serve` sizes its context from config.json and the free memory, before a weight is read."""
 
+import dataclasses
 import math
 import types
 
@@ -8,6 +9,9 @@ import pytest
 
 from jaxformer import DecoderConfig
 from jaxformer.commands import serve
+from jaxformer.experts import ExpertsSpec
+from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.layers import layer_specs
 
 CONFIG = DecoderConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=65536)
 ARGS = dict(checkpoint="ckpt", max_batch=4, prefill_chunk=64)
@@ -61,3 +65,32 @@ def test_when_nothing_fits_the_refusal_names_max_batch(monkeypatch):
 def test_the_weights_count_in_their_stored_dtype():
     half = CONFIG.replace(param_dtype=jnp.bfloat16)
     assert serve.serving_bytes(CONFIG, 256, 1, 64) - serve.serving_bytes(half, 256, 1, 64) == 2 * PARAMS
+
+
+# A mixture of experts of CONFIG's shape: layer 0 routes each token to 2 of 8 experts 256 wide, beside a shared
+# expert 64 wide; layer 1 is a gated MLP 128 wide. The experts' activations are wider than CONFIG.ffn_dim's MLP.
+EXPERTS = ExpertsSpec(8, 2, 256, shared_width=64)
+MOE = CONFIG.replace(layers=(dataclasses.replace(layer_specs(CONFIG)[0], ffn=EXPERTS),
+                             dataclasses.replace(layer_specs(CONFIG)[1], ffn=GatedMLPSpec(128))))
+# The tied embedding; per layer q and o, k and v and two norms; layer 0's router, its experts' three matrices
+# each and its shared expert's three, layer 1's three; the final norm.
+MOE_PARAMS = (512 * 64 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 2 * 64) + 64 * 8 + 8 * 3 * 64 * 256 + 3 * 64 * 64
+              + 3 * 64 * 128 + 64)
+
+
+def test_a_mixture_of_experts_prefill_counts_each_layers_own_feed_forward():
+    """2 rows of 16 tokens into 16 slots: the experts' phase is the largest, a token's 2 experts' gate, up and
+    their product, 256 wide each, its router's 8 logits and its shared expert's 3 x 64, all float32; on top of
+    the cache and the residual stream. (Read as `CONFIG.ffn_dim`, 192 wide, the attention's phase would be.)"""
+    rows = 2 * 16
+    cache = 2 * 2 * 2 * 16 * 2 * 16 * 4  # 2 layers' k and v, 2 rows of 16 slots, 2 kv heads of 16, float32
+    stream = 2 * rows * 64 * 4
+    experts = 3 * rows * 2 * 256 * 4 + rows * 8 * 4 + 3 * rows * 64 * 4
+    assert serve.prefill_bytes(MOE, 2, 16, 16) == cache + stream + experts
+
+
+def test_serving_bytes_of_a_mixture_of_experts_counts_every_expert():
+    """Every expert's weights are held (E x 3 x d_model x width), though a token reads 2 of them."""
+    row = 2 * 2 * 4096 * 2 * 16 * 4
+    work = serve.prefill_bytes(MOE, 1, 64, 4096) - row
+    assert serve.serving_bytes(MOE, 4096, 4, 64) == 4 * MOE_PARAMS + 9 * row + work

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
-from conftest import SMALL, jit_apply, random_params
+from conftest import SMALL, jit_apply, random_params, with_experts
 
-from jaxformer import Decoder, KVCache, VanillaConfig, VanillaTransformer, generate
+from jaxformer import Decoder, DecoderConfig, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.decoding.beam import beam_search, gather_beams, length_norm
+from jaxformer.experts import ExpertsSpec
 
 EOS, PAD = 0, 9
 
@@ -99,26 +100,27 @@ def model_params():
     return random_params(SMALL, seed=11, scale=0.3)
 
 
-def _prefilled(prompt, num_beams, max_new_tokens):
+def _prefilled(prompt, num_beams, max_new_tokens, model=MODEL, params=None):
     prompt = jnp.repeat(prompt, num_beams, axis=0)
-    cache = KVCache.create(SMALL, prompt.shape[0], capacity=prompt.shape[1] + max_new_tokens - 1)
-    logits, cache = jit_apply(MODEL, {"params": model_params()}, prompt, cache)
+    cache = KVCache.create(model.config, prompt.shape[0], capacity=prompt.shape[1] + max_new_tokens - 1)
+    logits, cache = jit_apply(model, {"params": params or model_params()}, prompt, cache)
     return logits[:, -1], cache
 
 
-@functools.partial(jax.jit, static_argnames=("num_beams", "max_new_tokens"))
-def _model_beam_search(params, logits, cache, eos_id, *, num_beams, max_new_tokens):
-    """`beam_search` over MODEL's cached steps, jitted once per shape (the EOS traced)."""
+@functools.partial(jax.jit, static_argnames=("num_beams", "max_new_tokens", "model"))
+def _model_beam_search(params, logits, cache, eos_id, *, num_beams, max_new_tokens, model=MODEL):
+    """`beam_search` over the model's cached steps (MODEL's, unless given), jitted once per shape
+    (the EOS traced)."""
     def step(tokens, cache):
-        return jit_apply(MODEL, {"params": params}, tokens, cache)
+        return jit_apply(model, {"params": params}, tokens, cache)
 
     return beam_search(step, logits, cache, num_beams=num_beams, max_new_tokens=max_new_tokens, eos_id=eos_id,
                        pad_id=jnp.int32(PAD), length_penalty=0.0)
 
 
-def _log_prob(out, prompt_len):
+def _log_prob(out, prompt_len, model=MODEL, params=None):
     """float64 log p of each row's tokens after `prompt_len` under the full forward of `out`."""
-    logits = np.asarray(jit_apply(MODEL, {"params": model_params()}, jnp.asarray(out))[0], np.float64)
+    logits = np.asarray(jit_apply(model, {"params": params or model_params()}, jnp.asarray(out))[0], np.float64)
     logits = logits[:, prompt_len - 1:-1]
     logp = logits - scipy.special.logsumexp(logits, axis=-1, keepdims=True)  # predictions of the new tokens
     return np.take_along_axis(logp, np.asarray(out)[:, prompt_len:, None], axis=-1).sum(axis=(1, 2))
@@ -149,6 +151,30 @@ def test_beam_score_is_the_sequence_log_probability():
     np.testing.assert_allclose(score, _log_prob(out, 5), atol=1e-4, rtol=1e-5)
     greedy = np.asarray(generate(MODEL, model_params(), prompt, max_new_tokens=10))
     assert np.all(np.asarray(score) >= _log_prob(greedy, 5) - 1e-5)  # no worse than greedy here
+
+
+# A mixture of experts: each layer routes a token to 2 of 4 gated MLPs, dropless.
+MOE = with_experts(DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64),
+                   ExpertsSpec(4, 2, 16))
+
+
+def test_beam_search_on_a_mixture_of_experts():
+    """On a model whose rows, and a row's beams once they part, route their tokens to experts of
+    their own: 4 beams' tokens are generate's, their score the log-probability of those tokens under
+    an independent full forward, no worse than greedy's."""
+    model, params = Decoder(MOE), random_params(MOE, seed=11, scale=0.3)
+    prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, MOE.vocab_size)
+    greedy = np.asarray(generate(model, params, prompt, max_new_tokens=10))
+    out = np.asarray(generate(model, params, prompt, max_new_tokens=10, num_beams=4))
+    logits, cache = _prefilled(prompt, 4, 10, model, params)
+    tokens, score = _model_beam_search(params, logits, cache, jnp.int32(-1), num_beams=4, max_new_tokens=10,
+                                       model=model)
+    np.testing.assert_array_equal(tokens, out[:, 5:])
+    # (Greedy's tokens scored in the same program: the two runs have one shape.)
+    log_probs = _log_prob(np.concatenate([out, greedy]), 5, model, params)
+    np.testing.assert_allclose(score, log_probs[:2], atol=1e-4, rtol=1e-5)
+    assert np.all(np.asarray(score) >= log_probs[2:] - 1e-5)
+    assert not np.array_equal(out, greedy)  # the beams found likelier tokens than greedy's
 
 
 def test_encoder_decoder_beam_search_runs():

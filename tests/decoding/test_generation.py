@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import chex
@@ -5,11 +6,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, count_compiles, random_params
+from conftest import (
+    REORDERED,
+    SMALL,
+    count_compiles,
+    float64_config,
+    in_float64,
+    jit_apply,
+    random_params,
+    with_experts,
+)
 
-from jaxformer import Decoder, generate, sample_token, stream
+from jaxformer import Decoder, DecoderConfig, generate, sample_token, stream
 from jaxformer.decoding import DecodeRequest, finish, start
 from jaxformer.decoding.sampling import check_top_p, filtered_logits
+from jaxformer.decoding.steps import prefill, step_fn
+from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec
 
 MODEL = Decoder(SMALL)
 # Large random weights: greedy continuations vary instead of repeating one token.
@@ -326,3 +338,100 @@ def test_sample_token_with_a_key_per_row_draws_each_row_from_its_own_distributio
     other = keys.at[:, 1:].set(jax.random.split(jax.random.key(2), (draws, 2)))
     again = jax.vmap(lambda k: sample_token(logits, k, temperature, top_k, top_p))(other)
     np.testing.assert_array_equal(again[:, 0], tokens[:, 0])
+
+
+# A mixture of experts: 2 layers, each routing a token to 2 of 4 gated MLPs 16 wide (Qwen3-MoE's rule: the
+# softmax's top 2, renormalised), dropless.
+MOE = with_experts(DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64),
+                   ExpertsSpec(4, 2, 16))
+
+
+@functools.cache
+def moe_params():
+    return random_params(MOE, seed=11, scale=0.3)
+
+
+def _ragged(lengths, width, seed):
+    """Rows of `lengths` random ids, right-padded with -7 (never read) to `width`."""
+    prompt = np.full((len(lengths), width), -7, np.int32)
+    for b, n in enumerate(lengths):
+        prompt[b, :n] = np.asarray(_prompt(seed + b, (1, n)))[0]
+    return prompt
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_mixture_of_experts_cached_steps_give_the_full_forwards_logits(sampled):
+    """Ragged prompts of 4 and 9 tokens, 12 new tokens each, greedy or sampled at temperature 1: the
+    logits each new token was picked from (the prefill's at the row's last prompt token, then a cached
+    step a token) are those of one forward of the whole rows, teacher-forced; greedy's tokens are their
+    argmax. (The prefill routes the padding too, and each step one token a row: dropless, none of it
+    changes a real token's experts.)"""
+    model, params, lengths = Decoder(MOE), moe_params(), [4, 9]
+    prompt = _ragged(lengths, 9, seed=30)
+    options = dict(max_new_tokens=12, prompt_lengths=lengths)
+    if sampled:
+        options.update(temperature=1.0, key=jax.random.key(5))
+    new = np.asarray(generate(model, params, prompt, **options))[:, 9:]  # [2, 12]
+    request = DecodeRequest.create(model, prompt, **options)
+    _, logits, cache = jax.jit(functools.partial(prefill, model))(params, request)
+    step = jax.jit(lambda params, tokens, cache: step_fn(model, params, None)(tokens, cache))
+    cached = [logits]
+    for t in range(11):  # (the 12th token is never fed back)
+        logits, cache = step(params, jnp.asarray(new[:, t:t + 1]), cache)
+        cached.append(logits[:, 0])
+    cached = np.stack(cached, axis=1)  # [2, 12, vocab]
+    rows = np.zeros((2, 9 + 12), np.int32)  # each row's prompt and new tokens, then padding
+    for b, n in enumerate(lengths):
+        rows[b, :n + 12] = np.concatenate([prompt[b, :n], new[b]])
+    full = np.asarray(jit_apply(model, {"params": params}, jnp.asarray(rows))[0])
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(cached[b], full[b, n - 1:n + 11], rtol=1e-5, atol=1e-5)
+    picked_best = cached.argmax(-1) == new
+    assert picked_best.all() if not sampled else not picked_best.all()
+    assert len(np.unique(new)) > 5
+
+
+def test_a_row_of_a_mixture_of_experts_decodes_alone_as_in_a_batch():
+    """Dropless routing: a token's experts are its own router's choice, whatever the other rows
+    choose. Row 0 (7 tokens) alone and in a ragged batch of 3 (9, 5) whose rows spread their tokens
+    over the experts otherwise: in every layer the same experts for each of its tokens, the same
+    logits to float32's rounding, the same 20 greedy tokens; so too rows 1 and 2.
+
+    Not bitwise: the two calls are programs of other shapes, whose float32 sums XLA orders
+    otherwise (the dense model's do too, on a CPU: its row alone and in a batch differ in the last
+    bits), and the experts' grouped product takes blocks of rows sized by the call's tokens
+    (`grouped.block_size`). So the logits are compared within conftest's bound for two such programs
+    (`REORDERED` times the row's float32 error against its float64 twin, twice). With a capacity
+    (`capacity_factor`), the batch's tokens crowd the row's out of their experts: its logits move by
+    whole units, which the comparison would catch."""
+    lengths = [7, 9, 5]
+    batch = _ragged(lengths, 9, seed=40)
+    alone = batch[:1, :7]
+    model, params = Decoder(MOE), moe_params()
+    (mine, _), sown_alone = jit_apply(model, {"params": params}, jnp.asarray(alone), mutable=ROUTER_COLLECTION)
+    filled = np.where(batch < 0, 0, batch)
+    (theirs, _), sown_batch = jit_apply(model, {"params": params}, jnp.asarray(filled), mutable=ROUTER_COLLECTION)
+    for i in range(MOE.n_layer):
+        ids_alone, ids_batch = (np.asarray(jax.lax.top_k(sown[ROUTER_COLLECTION][f"block_{i}"]["mlp"]["logits"][0],
+                                                         2)[1]) for sown in (sown_alone, sown_batch))
+        np.testing.assert_array_equal(ids_batch[0, :7], ids_alone[0])  # the same experts, token by token
+        load = [np.bincount(ids_batch[b, :n].reshape(-1), minlength=4) / n for b, n in enumerate(lengths)]
+        assert not np.allclose(load[1], load[0]) and not np.allclose(load[2], load[0])  # the others route elsewhere
+    model64 = Decoder(float64_config(MOE))
+    mine64 = in_float64(lambda params, tokens: model64.apply({"params": params}, tokens)[0], params, alone)
+    bound = 2 * REORDERED * float(np.abs(np.asarray(mine, np.float64) - mine64).max())
+    assert bound <= 1e-4 * float(np.abs(mine64).max())  # float32's rounding, not another result
+    np.testing.assert_allclose(theirs[0, :7], mine[0], rtol=0, atol=bound)
+
+    crowded = MOE.replace(layers=tuple(dataclasses.replace(spec, ffn=dataclasses.replace(spec.ffn, capacity_factor=1.0))
+                                       for spec in MOE.layers))
+    capped = [jit_apply(Decoder(crowded), {"params": params}, jnp.asarray(tokens))[0] for tokens in (alone, filled)]
+    assert np.abs(capped[1][0, :7] - capped[0][0]).max() > 100 * bound
+
+    options = dict(max_new_tokens=20)
+    together = np.asarray(generate(model, params, batch, prompt_lengths=lengths, **options))[:, 9:]
+    for b, n in enumerate(lengths):  # (each row alone padded to 9: one program for the three)
+        padded = np.where(np.arange(9) < n, batch[b], -7)[None]
+        np.testing.assert_array_equal(
+            np.asarray(generate(model, params, padded, prompt_lengths=[n], **options))[0, 9:], together[b])
+    assert len(np.unique(together)) > 5

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.special
 import scipy.stats
-from conftest import count_compiles, jit_apply, random_params
+from conftest import count_compiles, jit_apply, random_params, with_experts
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
 from jaxformer.decoding import (
@@ -22,6 +22,7 @@ from jaxformer.decoding import (
 )
 from jaxformer.decoding.speculative import plan
 from jaxformer.decoding.steps import host_reach, with_span
+from jaxformer.experts import ExpertsSpec
 
 TINY = DecoderConfig(vocab_size=48, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
 # (One layer where two add nothing but compile time; the cache test checks both layers.)
@@ -74,6 +75,35 @@ def test_greedy_gives_generates_tokens(name, proposer, k):
     np.testing.assert_array_equal(generate(model, params, prompt, eos_id=eos, pad_id=47, speculative=spec, **options),
                                   want)
     assert stats.rounds < options["max_new_tokens"] or stats.acceptance == 0
+
+
+# A mixture of experts of TINY's shape (each layer routes a token to 2 of 4 gated MLPs, dropless), and drafts
+# for it: DRAFT, dense; DRAFT with experts of its own (2 of 4, 8 wide); the model itself, its own weights.
+MOE = with_experts(TINY, ExpertsSpec(4, 2, 16))
+MOE_DRAFTS = {"dense-draft": DRAFT, "moe-draft": with_experts(DRAFT, ExpertsSpec(4, 2, 8)), "moe-itself": MOE}
+
+
+@pytest.mark.parametrize("draft", sorted(MOE_DRAFTS))
+def test_greedy_on_a_mixture_of_experts_gives_generates_tokens(draft):
+    """A round verifies the k proposals of every row in one call of k + 1 tokens a row, each token
+    routed to its own experts, where plain decoding routes one a step: token for token plain greedy
+    decoding's, on a ragged batch, and with an EOS met mid-run. The random drafts' proposals are
+    mostly rejected; the model as its own draft has every one accepted (the fast tier keeps this one)."""
+    model, params = Decoder(MOE), random_params(MOE, seed=1)
+    prompt = repetitive_prompts(*SHARED_PROMPT)
+    options = dict(max_new_tokens=SHARED_NEW, prompt_lengths=[12, 7, 9])
+    itself = draft == "moe-itself"
+    spec = Draft(Decoder(MOE_DRAFTS[draft]), params if itself else random_params(MOE_DRAFTS[draft], seed=2), k=4)
+    want = generate(model, params, prompt, **options)
+    got, stats = speculative_generate(model, params, prompt, spec, **options)
+    np.testing.assert_array_equal(got, want)
+    assert stats.acceptance == 1.0 if itself else stats.acceptance < 0.5
+    eos = int(want[0, 12 + 6])  # row 0's 7th new token
+    want = generate(model, params, prompt, eos_id=eos, pad_id=47, **options)
+    assert (want == 47).any()
+    np.testing.assert_array_equal(generate(model, params, prompt, eos_id=eos, pad_id=47, speculative=spec, **options),
+                                  want)
+    assert len(np.unique(np.asarray(want)[:, 12:])) > 5
 
 
 def lookup_by_hand(row, start, length, k, n):

@@ -448,3 +448,53 @@ def test_a_full_queue_gets_429_and_sigterm_finishes_what_is_running(slow_folder,
         assert results[name][-1] == "data: [DONE]"
         assert '"finish_reason": "length"' in results[name][-2] or '"finish_reason": "stop"' in results[name][-2]
     assert "Traceback" not in server.log()
+
+
+def test_a_mixture_of_experts_serves_concurrent_requests_what_each_gets_alone(tmp_path):
+    """`jaxformer-serve` on the tiny Qwen3-MoE checkpoint (`save_random_checkpoint(experts=True)`: 2 of 4
+    experts a token in each layer), 3 rows for 6 concurrent greedy completions of prompts of many lengths:
+    rows that route their tokens to other experts share the steps, prompts' chunks ride with them; each
+    request's text is what greedy `generate` gives its prompt alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
+    from checkpoints import save_random_checkpoint
+
+    from jaxformer.convert import load_hf
+    from jaxformer.text import load_tokenizer
+
+    folder = tmp_path / "moe"
+    save_random_checkpoint(folder, experts=True)
+    config, params = load_hf(str(folder))
+    tokenizer = load_tokenizer(str(folder))
+    prompts = ["Attention is all", "The cat sat on the mat, and the dog sat", "Keys", "今天天气很好，我们去公园",
+               "机器学习模型需要数据", "Keys and values are cached, so each new token costs"]
+    ids = [tokenizer.encode(p) for p in prompts]
+    assert len({len(row) for row in ids}) >= 5 and max(map(len, ids)) > 8
+    width = max(map(len, ids))
+    padded = np.zeros((len(ids), width), np.int32)  # one ragged batch: generate decodes each row as alone
+    for b, row in enumerate(ids):
+        padded[b, :len(row)] = row
+    alone = np.asarray(generate(Decoder(config), params, padded, prompt_lengths=[len(row) for row in ids],
+                                max_new_tokens=16, eos_id=list(tokenizer.stop_ids)))[:, width:]
+    server = Server(str(folder), str(tmp_path / "server.log"), "--max-batch", "3", "--prefill-chunk", "8",
+                    "--log-level", "warning")
+    try:
+        client, start = server.client(), threading.Barrier(len(prompts))
+
+        def ask(prompt):
+            start.wait()
+            answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
+            return answer.choices[0].text, answer.choices[0].finish_reason
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(ask, prompts))
+    finally:
+        status = server.stop()
+    assert status == 0 and "Traceback" not in server.log(), server.log()
+    for row, new, answer in zip(ids, alone.tolist(), answers):
+        stops = [i for i, token in enumerate(new) if token in tokenizer.stop_ids]
+        want = completion_text(tokenizer, row, new[:stops[0]] if stops else new), "stop" if stops else "length"
+        assert answer == want
+    assert len({text for text, _ in answers}) == len(prompts)

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_compiles, jit_apply, random_params
+from conftest import count_compiles, jit_apply, random_params, with_experts
 from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate
 from jaxformer.decoding import DecodeOptions
+from jaxformer.experts import ExpertsSpec
 from jaxformer.serving import Engine, EngineClosed, QueueFull
 from jaxformer.serving.engine import pieces
 
@@ -122,6 +123,33 @@ def test_sliding_window_layers_prefilled_in_padded_pieces_decode_as_alone():
         handles = [engine.submit(row, options(12)) for row in prompts]
         for row, handle in zip(prompts, handles):
             assert handle.result()[0] == padded_alone(model, params, row, 21, 12)
+    finally:
+        engine.close()
+
+
+def test_a_mixture_of_experts_serves_each_request_what_it_gets_alone():
+    """Continuous batching on a model whose every layer routes a token to 2 of 4 experts: 8 requests of
+    random prompts (3 to 21 tokens) on 4 rows, joining as rows free up, whole chunks of 8 riding with
+    the batch's step (one call: the experts route the chunk's tokens and the step's together), each
+    row choosing its own experts. Dropless, a row's experts do not depend on who shares its call: each
+    greedy request gets the tokens `generate` gives it alone, and a seeded sampled one the tokens it
+    draws with the engine to itself."""
+    config = with_experts(DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64),
+                          ExpertsSpec(4, 2, 16))
+    model, params = Decoder(config), random_params(config, seed=3)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 64, n).tolist() for n in (3, 7, 11, 13, 21, 5, 17, 9)]
+    engine = Engine(model, params, max_batch=4, prefill_chunk=8)
+    try:
+        sampled = dict(temperature=1.0, top_k=20)
+        lone = engine.submit(prompts[1], options(12, seed=7, **sampled)).result()[0]
+        rode = engine.load()["prefill"]["pieces_with_decode"]
+        handles = [engine.submit(row, options(12)) for row in prompts]
+        crowded = engine.submit(prompts[1], options(12, seed=7, **sampled))
+        for row, handle in zip(prompts, handles):
+            assert handle.result()[0] == padded_alone(model, params, row, 21, 12)
+        assert crowded.result()[0] == lone
+        assert engine.load()["prefill"]["pieces_with_decode"] > rode  # chunks rode with steps
     finally:
         engine.close()
 

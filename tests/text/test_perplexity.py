@@ -8,14 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer
-from conftest import count_compiles, import_peer, random_params, run_main
+from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer, save_random_checkpoint
+from conftest import count_compiles, import_peer, jit_apply, random_params, run_main
 
 from benchmarks.perplexity import transformers_nll
 from jaxformer import Decoder, DecoderConfig
 from jaxformer.commands import perplexity as command
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.convert.peft import save_peft
+from jaxformer.experts import ExpertsSpec
+from jaxformer.layers import layer_specs
 from jaxformer.lora import LoraConfig, init_lora, merge
 from jaxformer.text import Tokenizer, load_tokenizer, save_tokenizer
 from jaxformer.text.perplexity import perplexity, window_spans
@@ -48,7 +50,7 @@ def slow_nll(model, params, ids, window, stride) -> float:
     """The formula, window by window on each window's own (unpadded) logits, in float64."""
     total = weights = 0.0
     for begin, end, targets in window_spans(len(ids), window, stride):
-        logits = np.asarray(model.apply({"params": params}, jnp.asarray([ids[begin:end]]))[0][0], np.float64)
+        logits = np.asarray(jit_apply(model, {"params": params}, jnp.asarray([ids[begin:end]]))[0][0], np.float64)
         log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
             - logits.max(-1, keepdims=True)
         picked = [-log_probs[t - 1, ids[begin + t]] for t in range(max(end - begin - targets, 1), end - begin)]
@@ -56,6 +58,45 @@ def slow_nll(model, params, ids, window, stride) -> float:
             total += np.mean(picked) * (targets - 1)
             weights += targets - 1
     return total / weights
+
+
+@pytest.fixture(scope="module")
+def experts_folder(tmp_path_factory):
+    """The tiny Qwen3-MoE checkpoint (`save_random_checkpoint(experts=True)`: each layer 2 of 4 experts a
+    token, dropless) and the text file."""
+    root = tmp_path_factory.mktemp("perplexity-experts")
+    save_random_checkpoint(root / "moe", experts=True)
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+def test_a_mixture_of_experts_perplexity_is_the_formula_and_the_commands(experts_folder):
+    """The last window, padded to the window's length, routes its padding to experts too: dropless,
+    a scored id's experts are its own choice, so the perplexity is still the formula on each window's
+    own unpadded logits; and the command prints that number."""
+    config, params = load_hf(str(experts_folder / "moe"))
+    assert all(isinstance(spec.ffn, ExpertsSpec) for spec in layer_specs(config))
+    ids = load_tokenizer(str(experts_folder / "moe")).encode(TEXT)
+    model = Decoder(config)
+    result = perplexity(model, params, ids, 32, 12)
+    begin, end, _ = window_spans(len(ids), 32, 12)[-1]
+    assert end - begin < 32 and result.windows == len(window_spans(len(ids), 32, 12))  # the last window padded
+    np.testing.assert_allclose(result.nll, slow_nll(model, params, ids, 32, 12), rtol=1e-5)
+    done = run_main(command.main, ["--checkpoint", str(experts_folder / "moe"), "--data",
+                                   str(experts_folder / "text.txt"), "--window", "32", "--stride", "12", "--json"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["nll"] == pytest.approx(result.nll, rel=1e-6)
+
+
+@pytest.mark.peers
+def test_a_mixture_of_experts_perplexity_equals_transformers(experts_folder):
+    torch = import_peer("torch")
+    transformers = import_peer("transformers")
+    ids = load_tokenizer(str(experts_folder / "moe")).encode(TEXT)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(experts_folder / "moe"), dtype=torch.float32).eval()
+    config, params = load_hf(str(experts_folder / "moe"))
+    ours = perplexity(Decoder(config), params, ids, 32, 12)
+    np.testing.assert_allclose(ours.nll, transformers_nll(theirs, ids, 32, 12, torch), rtol=1e-5)
 
 
 def test_the_windows_cover_the_text_once():

@@ -13,6 +13,7 @@ from jaxformer.training.report_page import (
     attention_group,
     colormap,
     drop_snapshots_after,
+    experts_group,
     png_bytes,
     read_snapshots,
     record_session,
@@ -33,9 +34,10 @@ LABELS = {"steps": result_label("updates trained"), "final_loss": result_label("
           "examples": result_label("Decoded", "examples"), "sample": result_label("A sample", "text")}
 
 
-def make_run(run_dir, *, evaluated=True):
+def make_run(run_dir, *, evaluated=True, experts=False):
     """A run's files as the demos write them: two sessions, three logged steps, snapshots
-    at steps 0, 2 and 4, and an evaluation."""
+    at steps 0, 2 and 4, and an evaluation; with `experts`, a mixture of experts' load in
+    each snapshot (layers 0 and 2 of 4 experts and layer 1 of 8, each token's 2 choices)."""
     run_dir.mkdir()
     (run_dir / "config.json").write_text(json.dumps({"model": {"n_layer": 1, "d_model": 8}, "seed": 0}))
     trace = [("token ids", (2, 5), ""), ("logits", (2, 5, 7), "")]
@@ -48,8 +50,10 @@ def make_run(run_dir, *, evaluated=True):
     tokens = ["a", "b", "<c>"]
     for step in (0, 2, 4):
         heads = rng.dirichlet(np.ones(3), size=(2, 3))  # [n_head, rows, cols], rows sum to 1
+        load = [experts_group(layer, rng.multinomial(2 * 40, np.ones(n) / n), note="routed: 40 tokens")
+                for layer, n in ((0, 4), (1, 8), (2, 4))] if experts else []
         record_snapshot(run_dir, step, [attention_group("self-attention", 0, heads, tokens, tokens, note="look")],
-                        [{"label": "pattern", "output": ["a", "b"], "target": ["a", "c"]}])
+                        [{"label": "pattern", "output": ["a", "b"], "target": ["a", "c"]}], load)
     if evaluated:
         write_results(run_dir, RESULTS, LABELS)
     return run_dir
@@ -65,6 +69,37 @@ def test_every_figure_and_map_is_the_recorded_one(tmp_path):
     assert "12,345" in text and "98.8 %" in text and "from step 4 on other (cpu)" in text
     assert '<span class="tok wrong">2</span>' in text  # the example's wrong token is marked, the right ones not
     assert '<span class="tok">EOS</span>' in text
+
+
+def test_a_mixture_of_experts_load_is_drawn_at_each_step_and_a_dense_run_has_none(tmp_path):
+    """Each layer's share of the pairs each expert got, as a map (layers by experts) and a table of
+    every share, at each recorded step, with its own step slider; a dense run's page has no such
+    section. `check_report` reads every share back from the snapshots and every map's pixels, and
+    fails a count changed in the file."""
+    dense = make_run(tmp_path / "dense")
+    write_report(dense)
+    page = check_report(dense)
+    assert "experts" not in page.sections and page.load_steps == [] and len(page.images) == 6
+    assert "snapshots/" not in (dense / REPORT_FILE).read_text()
+
+    run_dir = make_run(tmp_path / "moe", experts=True)
+    text = write_report(run_dir).read_text()
+    page = check_report(run_dir)
+    assert page.load_steps == [0, 2, 4] and page.snapshot_steps == [0, 2, 4]
+    assert len(page.images) == 6 + 3  # the heads' maps, then one map of the load a step
+    assert sum(src.startswith("snapshots/") for src, _ in page.figures) == 3 * (4 + 8 + 4)
+    assert 'id="load-slider"' in text and "routed: 40 tokens" in text
+    counts = read_snapshots(run_dir)[2]["experts"][1]["counts"]
+    shown = dict(page.figures)[f"snapshots/4/experts/1/{int(np.argmax(counts))}"]
+    assert shown == f"{100 * max(counts) / 80:.1f} %"  # 80 pairs: 40 tokens, 2 choices each
+    lines = (run_dir / "snapshots.jsonl").read_text().splitlines()
+    changed = json.loads(lines[2])
+    changed["experts"][1]["counts"][:2] = changed["experts"][1]["counts"][1::-1] if counts[0] != counts[1] else [0, 0]
+    (run_dir / "snapshots.jsonl").write_text("\n".join([*lines[:2], json.dumps(changed)]) + "\n")
+    with pytest.raises(AssertionError):
+        check_report(run_dir)  # the page now shows other shares than the file holds
+    with pytest.raises(ValueError, match="one non-negative int per expert"):
+        experts_group(0, [1.5, 2.0])
 
 
 def test_the_results_are_shown_by_the_labels_the_run_recorded(tmp_path):
