@@ -175,8 +175,34 @@ def test_a_mixture_of_experts_trains_with_its_load_balancing_loss(moe_checkpoint
     logged = [row for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "load_balancing_loss" in row]
     assert logged and all(2.0 <= row["load_balancing_loss"] < 4.0 for row in logged)  # k = 2 when even, E * k at most
     assert not any("dropped_pairs" in row for row in logged)  # dropless: nothing to count
+    # The report page shows each layer's expert load at each snapshot (and `jaxformer-report` computes it again
+    # from a checkpoint): the pairs each expert got of the router's top 2 over the first held-out rows' scored
+    # positions, counted here from the router logits a forward of the weights at that step sows.
+    snapshots = {s["step"]: s for s in read_snapshots(tmp_path / "run")}
+    page = check_report(tmp_path / "run")
+    assert "experts" in page.sections and page.load_steps == [0, 4]
+    config, _ = load_hf(str(moe_checkpoint))
+    rows = FinetuneData(str(data), load_tokenizer(str(moe_checkpoint)), 32).validation_batches(finetune.LOAD_ROWS)[0]
+    scored = rows["targets"] != IGNORE
+    for step, params in ((0, before), (4, after)):
+        _, sown = jit_apply(Decoder(config), {"params": params}, jnp.asarray(rows["tokens"]), mutable=("router",))
+        want = []
+        for i in range(config.n_layer):
+            chosen = np.asarray(jax.lax.top_k(sown["router"][f"block_{i}"]["mlp"]["logits"][0], 2)[1])  # [rows, T, 2]
+            want.append({"layer": i, "counts": np.bincount(chosen[scored].reshape(-1), minlength=4).tolist()})
+        assert [{"layer": g["layer"], "counts": g["counts"]} for g in snapshots[step]["experts"]] == want
+        assert all(sum(g["counts"]) == 2 * scored.sum() for g in want) and scored.sum() >= 32
+    assert snapshots[0]["experts"] != snapshots[4]["experts"]  # the load moved as the routers trained
+    run_dir = tmp_path / "again"
+    shutil.copytree(tmp_path / "run", run_dir)
+    (run_dir / SNAPSHOTS_FILE).unlink()
+    done = run_main(report.main, [str(run_dir)])
+    assert done.returncode == 0 and "snapshots of checkpoints 4 added to the page" in done.stdout, done.stderr
+    computed = report.snapshot_checkpoints(run_dir, *report.demo_of(run_dir))
+    assert computed == [snapshots[4]]
+    assert check_report(run_dir, computed).load_steps == [4]
     # With a capacity (half an even share), the steps drop pairs and log how many; the model saved is dropless.
-    done = run_main(finetune.main, ["--checkpoint", str(tmp_path / "moe"), "--data", str(data), "--steps", "4",
+    done = run_main(finetune.main, ["--checkpoint", str(moe_checkpoint), "--data", str(data), "--steps", "4",
                                     "--full", "--capacity-factor", "0.5", "--run-dir", str(tmp_path / "capped"),
                                     "--merge", str(tmp_path / "capped-model"), *FAST])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -264,32 +290,6 @@ def test_a_mixture_of_experts_refuses_the_mlps_module_targets_in_one_line(moe_ch
             "its experts, whose matrices are parameters: mlp.experts.gate_up_proj, mlp.experts.down_proj); its "
             "targets: q_proj, k_proj, v_proj, o_proj, mlp.experts.gate_up_proj, mlp.experts.down_proj") in done.stderr
 
-    # The report page shows each layer's expert load at each snapshot (and `jaxformer-report` computes it again
-    # from a checkpoint): the pairs each expert got of the router's top 2 over the first held-out rows' scored
-    # positions, counted here from the router logits a forward of the weights at that step sows.
-    snapshots = {s["step"]: s for s in read_snapshots(tmp_path / "run")}
-    page = check_report(tmp_path / "run")
-    assert "experts" in page.sections and page.load_steps == [0, 4]
-    config, _ = load_hf(str(tmp_path / "moe"))
-    rows = FinetuneData(str(data), load_tokenizer(str(tmp_path / "moe")), 32).validation_batches(finetune.LOAD_ROWS)[0]
-    scored = rows["targets"] != IGNORE
-    for step, params in ((0, before), (4, after)):
-        _, sown = jit_apply(Decoder(config), {"params": params}, jnp.asarray(rows["tokens"]), mutable=("router",))
-        want = []
-        for i in range(config.n_layer):
-            chosen = np.asarray(jax.lax.top_k(sown["router"][f"block_{i}"]["mlp"]["logits"][0], 2)[1])  # [rows, T, 2]
-            want.append({"layer": i, "counts": np.bincount(chosen[scored].reshape(-1), minlength=4).tolist()})
-        assert [{"layer": g["layer"], "counts": g["counts"]} for g in snapshots[step]["experts"]] == want
-        assert all(sum(g["counts"]) == 2 * scored.sum() for g in want) and scored.sum() >= 32
-    assert snapshots[0]["experts"] != snapshots[4]["experts"]  # the load moved as the routers trained
-    run_dir = tmp_path / "again"
-    shutil.copytree(tmp_path / "run", run_dir)
-    (run_dir / SNAPSHOTS_FILE).unlink()
-    done = run_main(report.main, [str(run_dir)])
-    assert done.returncode == 0 and "snapshots of checkpoints 4 added to the page" in done.stdout, done.stderr
-    computed = report.snapshot_checkpoints(run_dir, *report.demo_of(run_dir))
-    assert computed == [snapshots[4]]
-    assert check_report(run_dir, computed).load_steps == [4]
 
 
 def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpoint, tmp_path):
