@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.feedforward import GATES, GatedMLP, GatedMLPSpec
-from jaxformer.grouped import PRODUCTS, block_size, dispatch, gather_rows, row_experts, scatter_rows
+from jaxformer.grouped import PRODUCTS, block_size, device_products, dispatch, gather_rows, row_experts, scatter_rows
 from jaxformer.products import product
 from jaxformer.sharding import EMBED, EXPERTS, MLP, ROUTES, Weight, compute_param
 
@@ -261,9 +261,12 @@ class Experts(nn.Module):
         limit = None if s.capacity_factor is None else capacity(s, N)
         run = functools.partial(routed, s, how="in_blocks", capacity=limit,
                                 block=limit or block_size(N * s.top_k, s.n_experts))
-        # A CPU multiplies block by block; a GPU's or TPU's compiler has grouped-matmul kernels for ragged_dot.
-        y, dropped = jax.lax.platform_dependent(tokens, ids, gates, w, cpu=run,
-                                                default=functools.partial(run, how="ragged", block=limit or 1))
+        # A CPU multiplies block by block; a GPU or TPU with the Pallas kernels where they take the shapes, else
+        # with ragged_dot (`grouped.device_products`).
+        y, dropped = jax.lax.platform_dependent(
+            tokens, ids, gates, w, cpu=run,
+            **{platform: functools.partial(run, **options) for platform, options in
+               device_products(d, s.width, x.dtype, N * s.top_k, s.n_experts, limit).items()})
         if limit is not None:
             self.sow(ROUTER_COLLECTION, "dropped", dropped)
         y = y.reshape(batch, T, d)
