@@ -245,7 +245,9 @@ def test_the_grouped_matmul_kernels_are_in_the_programs_exported(platform):
     """A model whose layers are experts, in bfloat16, at widths both grouped-matmul kernels take
     (256 by 128): its training step carries each layer's three products as the kernels, forward,
     dx and dw (`kernels.grouped_matmul`), and its decoding step the forward ones, for each
-    platform; on the CPU the same programs multiply in blocks (`grouped.in_blocks`)."""
+    platform; on the CPU the same programs multiply in blocks (`grouped.in_blocks`). The kernels
+    are a jitted function, lowered once per shape (d by F, and F by d for the down projection) and
+    called by each product."""
     config = DecoderConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=256, max_seq_len=128,
                            dtype="bfloat16")
     config = config.replace(layers=tuple(dataclasses.replace(spec, ffn=ExpertsSpec(8, 2, 128))
@@ -260,16 +262,18 @@ def test_the_grouped_matmul_kernels_are_in_the_programs_exported(platform):
     def step(params, tokens, cache):
         return model.apply({"params": params}, tokens, cache)
 
-    def kernels(program, *args) -> tuple[Counter, str]:
+    def kernels(program, *args) -> tuple[Counter, int, str]:
+        """The kernels lowered, by name; the calls of the jitted function; the module's text."""
         text = jax.export.export(jax.jit(program), platforms=[platform], disabled_checks=DISABLED_CHECKS)(
             *args).mlir_module()
-        return Counter(re.findall(r'name = "(grouped_matmul\w*)"', text)), text
+        return Counter(re.findall(r'name = "(grouped_matmul\w*)"', text)), text.count("call @grouped_matmul"), text
 
-    train, train_text = kernels(jax.grad(loss), params, jax.ShapeDtypeStruct((2, 64), jnp.int32))
+    train, train_calls, train_text = kernels(jax.grad(loss), params, jax.ShapeDtypeStruct((2, 64), jnp.int32))
     cache = jax.eval_shape(lambda: KVCache.create(config, 4, 128))
-    decode, decode_text = kernels(step, params, jax.ShapeDtypeStruct((4, 1), jnp.int32), cache)
-    assert train == {"grouped_matmul": 2 * 3, "grouped_matmul_dx": 2 * 3, "grouped_matmul_dw": 2 * 3}
-    assert decode == {"grouped_matmul": 2 * 3}  # (gate, up and down, each layer)
+    decode, decode_calls, decode_text = kernels(step, params, jax.ShapeDtypeStruct((4, 1), jnp.int32), cache)
+    assert train == {"grouped_matmul": 2, "grouped_matmul_dx": 2, "grouped_matmul_dw": 2}
+    assert train_calls == 2 * 3 * 2  # each layer's gate, up and down: forward, and dx and dw together
+    assert decode == {"grouped_matmul": 2} and decode_calls == 2 * 3
     assert "ragged_dot" not in train_text + decode_text
     assert KERNEL_CALLS["tpu" if platform == "cuda" else "cuda"] not in train_text + decode_text
 

@@ -97,11 +97,14 @@ def _tile(n: int, platform: str) -> int:
     return next((t for t in tiles if n % t == 0), n)
 
 
+@functools.partial(jax.jit, static_argnames=("platform", "tiles", "interpret"))
 def grouped_matmul(x: jax.Array, w: jax.Array, block_expert: jax.Array, *, platform: str,
                    tiles: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
     """`y [rows, F]`, `y[r] = x[r] @ w[e(r)]`, on a layout of blocks each one expert's (as
     `grouped.dispatch` lays them out), by the Pallas kernels of `platform`; differentiable in x
-    and w (the backward is kernels too).
+    and w (the backward is kernels too). Jitted: a model's products of one shape (its layers',
+    gate's and up's) trace and lower the kernels once, and inside `platform_dependent` the
+    platforms a program does not run on cost a CPU's trace little.
 
     Args:
       x: `[rows, d]`, `rows = blocks * block`, float32 or bfloat16; the rows of a block past the
