@@ -190,6 +190,7 @@ def _blocked_bwd(residuals, dy):
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
+
 def in_kernels(x: jax.Array, w: jax.Array, layout: Layout, *, platform: str, interpret: bool = False) -> jax.Array:
     """`y [rows, F]`, `y[r] = x[r] @ w[e(r)]`, by `platform`'s Pallas kernels ("triton" or
     "mosaic": `kernels.grouped_matmul`, `interpret` to run them on a CPU), for a layout whose
@@ -200,7 +201,7 @@ def in_kernels(x: jax.Array, w: jax.Array, layout: Layout, *, platform: str, int
 PRODUCTS = {"ragged": ragged, "in_blocks": in_blocks,
             "triton": functools.partial(in_kernels, platform="triton"),
             "mosaic": functools.partial(in_kernels, platform="mosaic")}
-KERNEL_PRODUCTS = ("mosaic", "triton")  # the kernels' products: compiled for a GPU or a TPU, else interpreted
+KERNEL_PRODUCTS = ("mosaic", "triton")  # the kernels' products: compiled for a GPU or TPU (a CPU: `interpret`)
 KERNEL_ROWS = kernels.ROW_TILES[-1]  # the kernels' least block: smaller layouts' blocks grow to it
 
 
