@@ -34,7 +34,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.feedforward import GATES, GatedMLP, GatedMLPSpec
-from jaxformer.grouped import PRODUCTS, block_size, dispatch, gather_rows, row_experts, scatter_rows
+from jaxformer.grouped import (
+    KERNEL_PRODUCTS,
+    PRODUCTS,
+    block_size,
+    device_products,
+    dispatch,
+    gather_rows,
+    row_experts,
+    scatter_rows,
+)
 from jaxformer.lora import experts_adapters
 from jaxformer.products import product
 from jaxformer.sharding import EMBED, EXPERTS, MLP, ROUTES, Weight, compute_param
@@ -207,9 +216,12 @@ def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Arra
     multiply = PRODUCTS[how]
     adapters = adapters or {}
 
+    # (The Pallas kernels take the experts' widths, not an adapter's rank: its products are ragged_dot's there.)
+    adapt = PRODUCTS["ragged"] if how in KERNEL_PRODUCTS else multiply
+
     def low_rank(x, name):  # [rows, n_out]: each row through its expert's adapter
         a, b = adapters[name]
-        return multiply(multiply(x, a, layout), b, layout)
+        return adapt(adapt(x, a, layout), b, layout)
 
     rows = gather_rows(tokens, layout, spec.top_k)  # [rows, d_model]
     gate, up = multiply(rows, w["w_gate"], layout), multiply(rows, w["w_up"], layout)  # [rows, F]
@@ -279,10 +291,13 @@ class Experts(nn.Module):
         limit = None if s.capacity_factor is None else capacity(s, N)
         run = functools.partial(routed, s, how="in_blocks", capacity=limit,
                                 block=limit or block_size(N * s.top_k, s.n_experts))
-        # A CPU multiplies block by block; a GPU's or TPU's compiler has grouped-matmul kernels for ragged_dot.
+        # A CPU multiplies block by block; a GPU or TPU with the Pallas kernels where they take the shapes, else
+        # with ragged_dot (`grouped.device_products`).
         adapters = experts_adapters(self, tokens.dtype)  # LoRA's on the experts' matrices, or None
-        y, dropped = jax.lax.platform_dependent(tokens, ids, gates, w, adapters, cpu=run,
-                                                default=functools.partial(run, how="ragged", block=limit or 1))
+        y, dropped = jax.lax.platform_dependent(
+            tokens, ids, gates, w, adapters, cpu=run,
+            **{platform: functools.partial(run, **options) for platform, options in
+               device_products(d, s.width, x.dtype, N * s.top_k, s.n_experts, limit).items()})
         if limit is not None:
             self.sow(ROUTER_COLLECTION, "dropped", dropped)
         y = y.reshape(batch, T, d)

@@ -10,14 +10,17 @@ expert's group then padded to a whole number of blocks of `block` rows, so that 
 belongs to one expert. The layout's size is static (`Layout.blocks`, an upper bound whatever
 the choices), so one compiled program serves every routing.
 
-Two ways to multiply the blocks, chosen per platform (`jaxformer.experts` does, with
-`jax.lax.platform_dependent`):
+Ways to multiply the blocks (`PRODUCTS`), chosen per platform (`jaxformer.experts` does, with
+`jax.lax.platform_dependent` and `device_products`):
 
     in_blocks   a scan over the blocks, each `[block, d] @ w[e]` reading its one expert's
                 matrix, an unused block skipped: a CPU's way (its `ragged_dot` computes every
                 row against every expert and masks: `E` times the work)
-    ragged      `jax.lax.ragged_dot` on the groups' sizes: the grouped-matmul kernels of a
-                GPU and a TPU compiler
+    triton      the Pallas kernels of `jaxformer.kernels.grouped_matmul` on this layout, a tile
+    mosaic      of rows one expert's, its matrix picked from the block table: a GPU's (Triton)
+                and a TPU's (Mosaic) way, where the kernels take the shapes and the blocks
+    ragged      `jax.lax.ragged_dot` on the groups' sizes, left to the GPU's or TPU's compiler
+                (elsewhere; XLA's GPU compiler may expand it to a dense product per group)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxformer.kernels import grouped_matmul as kernels
 from jaxformer.products import precision_for
 
 LARGEST_BLOCK = 128  # rows per block at most (`block_size`)
@@ -189,15 +193,48 @@ def _blocked_bwd(residuals, dy):
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
-PRODUCTS = {"ragged": ragged, "in_blocks": in_blocks}
+
+def in_kernels(x: jax.Array, w: jax.Array, layout: Layout, *, platform: str, interpret: bool = False) -> jax.Array:
+    """`y [rows, F]`, `y[r] = x[r] @ w[e(r)]`, by `platform`'s Pallas kernels ("triton" or
+    "mosaic": `kernels.grouped_matmul`, `interpret` to run them on a CPU), for a layout whose
+    block `kernels.row_tile` takes and shapes `kernels.supports` takes."""
+    return kernels.grouped_matmul(x, w, layout.block_expert, platform=platform, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "how", "capacity"))
+PRODUCTS = {"ragged": ragged, "in_blocks": in_blocks,
+            "triton": functools.partial(in_kernels, platform="triton"),
+            "mosaic": functools.partial(in_kernels, platform="mosaic")}
+KERNEL_PRODUCTS = ("mosaic", "triton")  # the kernels' products: compiled for a GPU or TPU (a CPU: `interpret`)
+KERNEL_ROWS = kernels.ROW_TILES[-1]  # the kernels' least block: smaller layouts' blocks grow to it
+
+
+def device_products(d: int, F: int, dtype, pairs: int, n_experts: int, capacity: int | None) -> dict[str, dict]:
+    """How a GPU and a TPU multiply the experts' blocks, `{"cuda": options, "tpu": options,
+    "default": options}`, each `dict(how=..., block=...)` for the products of a layer of width d
+    and experts' width F in `dtype` over `pairs` (token, choice) pairs: the Pallas kernels where
+    they take those shapes (`kernels.supports`) and blocks (`kernels.row_tile`), `ragged_dot`
+    elsewhere. A dropless layout's blocks are `block_size`'s, at least `KERNEL_ROWS` for the
+    kernels (an expert's last block padded further), and a block of one row for `ragged_dot`;
+    with a capacity, one block of `capacity` rows per expert either way."""
+    ragged_options = dict(how="ragged", block=capacity or 1)
+    block = capacity or max(KERNEL_ROWS, block_size(pairs, n_experts))
+
+    def on(platform):
+        takes = kernels.supports(d, F, dtype, platform) and kernels.row_tile(block) is not None
+        return dict(how=platform, block=block) if takes else ragged_options
+
+    return {"cuda": on("triton"), "tpu": on("mosaic"), "default": ragged_options}
+
+
+@functools.partial(jax.jit, static_argnames=("block", "how", "capacity", "interpret"))
 def grouped_product(x: jax.Array, w: jax.Array, ids: jax.Array, *, block: int = 1, how: str = "in_blocks",
-                    capacity: int | None = None) -> jax.Array:
+                    capacity: int | None = None, interpret: bool = False) -> jax.Array:
     """`[N, k, F]`: `x[n] @ w[ids[n, c]]` for each token n and choice c (zeros where a `capacity`
-    drops the pair), through the layout and one grouped product (`PRODUCTS[how]`): what the
-    experts' layer does, for tests and benchmarks."""
+    drops the pair), through the layout and one grouped product (`PRODUCTS[how]`; a kernel's in
+    Pallas's interpreter with `interpret`): what the experts' layer does, for tests and benchmarks."""
     layout = dispatch(ids, w.shape[0], block, capacity)
-    y = PRODUCTS[how](gather_rows(x, layout, ids.shape[1]), w, layout)
+    multiply = PRODUCTS[how]
+    if how in KERNEL_PRODUCTS:
+        multiply = functools.partial(multiply, interpret=interpret)
+    y = multiply(gather_rows(x, layout, ids.shape[1]), w, layout)
     return scatter_rows(y, layout, ids.shape)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxformer.blockwise import BLOCK, in_blocks_for
 from jaxformer.config import DecoderConfig
+from jaxformer.experts import ExpertsSpec
 
 # The files where Linux reports a cgroup's memory limit and use (v2, then v1): in a
 # container the limit, not the host's memory, is what a process can have.
@@ -52,9 +53,8 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
     attention = (scores
                  + 2 * rows * (c.n_head + 2 * c.n_kv_head) * c.head_dim * 4  # q, k, v and their rotations
                  + 2 * (capacity + rows) * (c.head_dim // 2) * 4)  # the RoPE tables, and the rows read from them
-    from jaxformer.layers import layer_specs  # (here: the layer kinds' modules import this one)
-
-    ffn = max(ffn_bytes(spec.ffn, rows) for spec in layer_specs(c))
+    # Each filled layer's feed-forward (`DecoderConfig.layers`), else the gated MLP the fields state for all.
+    ffn = max((ffn_bytes(spec.ffn, rows) for spec in c.layers), default=3 * rows * c.ffn_dim * 4)
     logits = rows * c.vocab_size * 4  # [batch, T, vocab], float32 out of the head's matrix product
     return cache + stream + max(attention, ffn, logits)
 
@@ -64,8 +64,6 @@ def ffn_bytes(spec, rows: int) -> int:
     gate, up and their product, `[rows, width]` each; a mixture of experts' (`ExpertsSpec`) the
     same for each of a token's k experts, `[rows * k, width]` each, with its router's logits
     `[rows, E]`, and its shared expert's, as a gated MLP's, where it has one."""
-    from jaxformer.experts import ExpertsSpec
-
     if not isinstance(spec, ExpertsSpec):
         return 3 * rows * spec.width * 4
     shared = 0 if spec.shared is None else ffn_bytes(spec.shared, rows)

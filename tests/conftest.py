@@ -235,6 +235,11 @@ FULL_TIER.update({
     # (The fast tier keeps vanilla's cached steps against teacher forcing.)
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[False-False]": "more layouts",
 })
+# The grouped-matmul kernels interpreted at the widest case, 4-16 s each (the fast tier keeps every other case on
+# both kernels, in float32 and in bfloat16).
+FULL_TIER.update({f"tests/kernels/test_grouped_matmul.py::{test}[{platform}-wide]": "the kernels interpreted, wider"
+                  for test in ("test_float32_equals_in_blocks_a_loop_and_the_dense_gradients",
+                               "test_bfloat16_within_one_rounding") for platform in ("triton", "mosaic")})
 # The chunked loss's 120 cases (chunk size x head layout x ignore_id x smoothing, a compile each): the fast tier
 # keeps 20, every value of each parameter beside every value of each other one (case k = chunk + layout, by index, takes
 # ignore_id k % 3 and smoothing k % 2); the other 100 here.

@@ -7,8 +7,10 @@ runs `every_program.py`'s paths in a process of its own with each program export
 new signature it is called with; the tests below read what it recorded.
 """
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -24,7 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxformer import Decoder, DecoderConfig, KVCache, chunked_cross_entropy
+from jaxformer.experts import ExpertsSpec
 from jaxformer.kernels import CUDA_CUSTOM_CALL_TARGETS
+from jaxformer.layers import layer_specs
 
 HERE = Path(__file__).parent
 PLATFORMS = ["cuda", "tpu"]
@@ -234,6 +238,44 @@ def test_the_kernels_are_in_the_programs_exported(platform, sinks):
     assert train.count(KERNEL_CALLS[platform]) == 2 * 3  # each layer's forward, dQ and dK/dV kernels
     assert decode.count(KERNEL_CALLS[platform]) >= 1  # (the layers call one jitted kernel function)
     assert KERNEL_CALLS["tpu" if platform == "cuda" else "cuda"] not in train + decode
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_the_grouped_matmul_kernels_are_in_the_programs_exported(platform):
+    """A model whose layers are experts, in bfloat16, at widths both grouped-matmul kernels take
+    (256 by 128): its training step carries each layer's three products as the kernels, forward,
+    dx and dw (`kernels.grouped_matmul`), and its decoding step the forward ones, for each
+    platform; on the CPU the same programs multiply in blocks (`grouped.in_blocks`). The kernels
+    are a jitted function, lowered once per shape (d by F, and F by d for the down projection) and
+    called by each product."""
+    config = DecoderConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=256, max_seq_len=128,
+                           dtype="bfloat16")
+    config = config.replace(layers=tuple(dataclasses.replace(spec, ffn=ExpertsSpec(8, 2, 128))
+                                         for spec in layer_specs(config)))
+    model = Decoder(config)
+    params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+
+    def loss(params, tokens):
+        hidden, _ = model.apply({"params": params}, tokens, hidden=True)
+        return chunked_cross_entropy(hidden, tokens, model.output_head(params))
+
+    def step(params, tokens, cache):
+        return model.apply({"params": params}, tokens, cache)
+
+    def kernels(program, *args) -> tuple[Counter, int, str]:
+        """The kernels lowered, by name; the calls of the jitted function; the module's text."""
+        text = jax.export.export(jax.jit(program), platforms=[platform], disabled_checks=DISABLED_CHECKS)(
+            *args).mlir_module()
+        return Counter(re.findall(r'name = "(grouped_matmul\w*)"', text)), text.count("call @grouped_matmul"), text
+
+    train, train_calls, train_text = kernels(jax.grad(loss), params, jax.ShapeDtypeStruct((2, 64), jnp.int32))
+    cache = jax.eval_shape(lambda: KVCache.create(config, 4, 128))
+    decode, decode_calls, decode_text = kernels(step, params, jax.ShapeDtypeStruct((4, 1), jnp.int32), cache)
+    assert train == {"grouped_matmul": 2, "grouped_matmul_dx": 2, "grouped_matmul_dw": 2}
+    assert train_calls == 2 * 3 * 2  # each layer's gate, up and down: forward, and dx and dw together
+    assert decode == {"grouped_matmul": 2} and decode_calls == 2 * 3
+    assert "ragged_dot" not in train_text + decode_text
+    assert KERNEL_CALLS["tpu" if platform == "cuda" else "cuda"] not in train_text + decode_text
 
 
 def test_a_cached_decoding_step_exports_for_cuda_as_the_docs_say():
