@@ -470,3 +470,45 @@ def test_expert_parallel_train_steps_match_one_device(strategy, sizes):
         for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(tree),
                                           jax.tree.leaves(tree_shardings(tree, axes, mesh, strategy))):
             assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("strategy, sizes", [EP_MESHES[1], EP_MESHES[5]], ids=[EP_IDS[1], EP_IDS[5]])
+def test_expert_parallel_rows_that_do_not_split_stay_whole(strategy, sizes):
+    """3 rows (one prompt of 3 tokens) do not split over data x expert: every device keeps them
+    whole and the experts' shares are summed by a psum; the logits and their gradients are one
+    device's."""
+    params, batch, _, axes = _decoder_setup(MOE)
+    tokens = batch["tokens"][:1, :3]
+
+    def program(params, tokens):
+        return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(Decoder(MOE).apply({"params": p}, tokens)[0])))(params)
+
+    want = jax.jit(program)(params, tokens)
+    mesh = make_mesh(**sizes)
+    placed = jax.device_put(params, tree_shardings(params, axes, mesh, strategy))
+    with jax.set_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(program)(placed, tokens))
+        got = jax.jit(program)(placed, tokens)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    # A gradient entry sums many terms, in another order on another mesh (tensor parallelism's
+    # sums): float32's rounding of sums of the largest entry's size, against a wrong share (a
+    # factor, a missing expert) of that size.
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want[1]))
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-6 * scale, rtol=1e-5), got[1], want[1])
+
+
+def test_generation_on_an_expert_mesh_matches_one_device():
+    """Greedy generation with the experts split over `expert` (the layer run as on one device:
+    no mesh in the context) and the cache's rows over data x expert: one device's tokens."""
+    params = _sharp(_decoder_setup(MOE)[0])
+    prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, MOE.vocab_size)
+    want = generate(Decoder(MOE), params, prompt, max_new_tokens=12)
+    mesh = make_mesh(data=2, expert=4)
+    placed = jax.device_put(params, tree_shardings(params, param_axes(Decoder(MOE)), mesh, "fsdp"))
+    got = generate(Decoder(MOE), placed, jax.device_put(prompt, batch_sharding(mesh)), max_new_tokens=12)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(np.asarray(want[:, 5:]))) > 5
+    request = DecodeRequest.create(Decoder(MOE), prompt, max_new_tokens=4)
+    cache = start(Decoder(MOE), placed, request, mesh).cache
+    assert cache.layers[0].k.sharding.is_equivalent_to(
+        NamedSharding(mesh, PartitionSpec(("data", "expert"), None, None, None)), 4)
