@@ -99,9 +99,7 @@ def dispatch(ids: jax.Array, n_experts: int, block: int, capacity: int | None = 
     padded_end = jnp.cumsum(padded)  # [E]
     blocks = n_blocks(pairs, n_experts, block)
     dest = jnp.where(ours, (padded_end - padded)[expert] + rank, blocks * block)
-    # Each block's expert: the groups that end at or before its first row (`searchsorted(padded_end,
-    # start, side="right")`, written out: jnp's searchsorted fails inside a shard_map, jax 0.10).
-    block_expert = (padded_end[None, :] <= jnp.arange(blocks)[:, None] * block).sum(1).astype(jnp.int32)
+    block_expert = jnp.searchsorted(padded_end, jnp.arange(blocks) * block, side="right").astype(jnp.int32)
     return Layout(order, dest.astype(jnp.int32), padded, block_expert, jnp.int32(0), block)
 
 
