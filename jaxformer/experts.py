@@ -32,6 +32,7 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxformer.feedforward import GATES, GatedMLP, GatedMLPSpec
 from jaxformer.grouped import (
@@ -46,7 +47,7 @@ from jaxformer.grouped import (
 )
 from jaxformer.lora import experts_adapters
 from jaxformer.products import product
-from jaxformer.sharding import EMBED, EXPERTS, MLP, ROUTES, Weight, compute_param
+from jaxformer.sharding import DATA, EMBED, EXPERT, EXPERTS, MLP, ROUTES, Weight, compute_param
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
 ACTIVATIONS = (*GATES, "clamped_swiglu")  # the experts' gate: the dense MLP's, or gpt-oss's clamped SwiGLU
@@ -211,8 +212,10 @@ def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Arra
     (`PRODUCTS[how]`); `w` the layer's parameters by name. `adapters`, LoRA's on the experts
     (`jaxformer.lora.experts_adapters`: `{"gate_up" or "down": (a [E, n_in, r], b [E, r, n_out])}`,
     `b` scaled), add `(x a[e]) b[e]` to gate and up (`b`'s columns the gate's then up's) or to
-    down, each two more grouped products of the same rows."""
-    layout = dispatch(ids, spec.n_experts, block, capacity)
+    down, each two more grouped products of the same rows. Under expert parallelism `w` (and the
+    adapters) hold one device's experts and `ids` count from its first, an id past its last a
+    pair it does not run."""
+    layout = dispatch(ids, w["w_up"].shape[0], block, capacity)  # the experts `w` holds: all, or a device's share
     multiply = PRODUCTS[how]
     adapters = adapters or {}
 
@@ -244,6 +247,71 @@ def routed(spec: ExpertsSpec, tokens: jax.Array, ids: jax.Array, gates: jax.Arra
     pairs = scatter_rows(y, layout, ids.shape)  # [N, k, d_model]
     out = jnp.einsum("nkd,nk->nd", pairs, gates, preferred_element_type=jnp.float32)  # the weighted sum
     return out.astype(tokens.dtype), layout.dropped
+
+
+def expert_mesh(n_experts: int):
+    """The mesh to split `n_experts` experts over: the context's (`jax.set_mesh(mesh)`, or the mesh
+    `make_train_step` traces its step on) where it has an `expert` axis that divides them, else
+    None. (Its `Auto` axes leave nothing of the placement in the arrays a program traces, so the
+    mesh is read from the context.)"""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT not in mesh.axis_names or n_experts % mesh.shape[EXPERT]:
+        return None
+    return mesh
+
+
+def expert_parallel(grouped, mesh, tokens: jax.Array, ids: jax.Array, gates: jax.Array, w: dict, *,
+                    pooled: bool) -> tuple[jax.Array, jax.Array]:
+    """`grouped(tokens, ids, gates, w)` (`(y [N, d], dropped)`, the routed part of `Experts`) with
+    the experts split over the mesh's `expert` axis: `n` devices along it, each holding
+    `E / n` experts (`w`, each weight's first axis `EXPERTS`), the rules' placement.
+
+    The tokens go to the experts by a gather: a device's rows are split over `data x expert`
+    (as a batch is, `batch_sharding`), so along `expert`
+
+        x   = all_gather(rows)                    the rows of this data shard, in order
+        ids = e - first, or E / n where e is not  each pair's expert among this device's
+              among [first, first + E / n)        (another device's pair: `dispatch` drops it)
+        y_i = sum of g_c FFN_e(x) over the pairs  this device's share of each row's output
+              of this device's experts
+        y   = psum_scatter(y_i)                   the shares summed, each row back to its device
+
+    Each pair is computed once, by its expert's device, and a row's output is its k pairs' sum,
+    as on one device. With a capacity (`pooled`) the gather spans `data` too: which pairs an
+    expert drops depends on every token of the call. Rows that do not split over the mesh (a
+    few rows of decoding) stay whole on every device, and `psum` sums the shares.
+
+    Only `data` and `expert` are manual in the `shard_map`: `model` (tensor parallelism of the
+    experts' hidden units) and FSDP's gather of each expert's matrices over `data` (its
+    in-spec says nothing of `data`: whole on entry) are the compiler's, as everywhere else."""
+    n_data, n_expert = (dict(mesh.shape).get(axis, 1) for axis in (DATA, EXPERT))
+    manual = tuple(axis for axis in (DATA, EXPERT) if axis in mesh.axis_names)
+    split = tokens.shape[0] % (n_data * n_expert) == 0  # rows over data x expert, or whole
+    rows = P(manual) if split else P()
+    local = w["w_up"].shape[0] // n_expert
+
+    def body(tokens, ids, gates, w):
+        if split:  # this data shard's rows (every data shard's, pooled), in order
+            tokens, ids, gates = (jax.lax.all_gather(a, EXPERT, tiled=True) for a in (tokens, ids, gates))
+            if pooled and DATA in manual:
+                tokens, ids, gates = (jax.lax.all_gather(a, DATA, tiled=True) for a in (tokens, ids, gates))
+        first = jax.lax.axis_index(EXPERT) * local
+        ours = (ids >= first) & (ids < first + local)
+        y, dropped = grouped(tokens, ids=jnp.where(ours, ids - first, local), gates=gates, w=w)
+        dropped = jax.lax.psum(dropped, EXPERT)  # each expert's drops, counted on its device
+        if not split:
+            return jax.lax.psum(y, EXPERT), dropped
+        if pooled and DATA in manual:  # the shares of this data shard's rows (the same on every data shard)
+            y = jax.lax.dynamic_index_in_dim(y.reshape(n_data, -1, y.shape[-1]), jax.lax.axis_index(DATA),
+                                             keepdims=False)
+        return jax.lax.psum_scatter(y, EXPERT, scatter_dimension=0, tiled=True), dropped
+
+    specs = {name: P(EXPERT) for name in w}
+    # (check_vma=False: the blocked product's `cond`, an expert's product or zeros, has branches of
+    # unequal varying-ness to shard_map's type check; every output here is as its spec says.)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(rows, rows, rows, specs), out_specs=(rows, P()),
+                        axis_names=set(manual), check_vma=False)
+    return run(tokens, ids, gates, w)
 
 
 class Experts(nn.Module):
@@ -289,15 +357,28 @@ class Experts(nn.Module):
 
         N = batch * T
         limit = None if s.capacity_factor is None else capacity(s, N)
-        run = functools.partial(routed, s, how="in_blocks", capacity=limit,
-                                block=limit or block_size(N * s.top_k, s.n_experts))
-        # A CPU multiplies block by block; a GPU or TPU with the Pallas kernels where they take the shapes, else
-        # with ragged_dot (`grouped.device_products`).
+
+        def grouped(tokens, ids, gates, w):  # (y, dropped) of the pairs (ids, gates) of `tokens`
+            weights, adapters = {k: v for k, v in w.items() if k != "adapters"}, w.get("adapters")
+            run = functools.partial(routed, s, how="in_blocks", capacity=limit,
+                                    block=limit or block_size(ids.size, s.n_experts))
+            # A CPU multiplies block by block; a GPU or TPU with the Pallas kernels where they take the shapes,
+            # else with ragged_dot (`grouped.device_products`).
+            return jax.lax.platform_dependent(
+                tokens, ids, gates, weights, adapters, cpu=run,
+                **{platform: functools.partial(run, **options) for platform, options in
+                   device_products(d, s.width, x.dtype, ids.size, s.n_experts, limit).items()})
+
         adapters = experts_adapters(self, tokens.dtype)  # LoRA's on the experts' matrices, or None
-        y, dropped = jax.lax.platform_dependent(
-            tokens, ids, gates, w, adapters, cpu=run,
-            **{platform: functools.partial(run, **options) for platform, options in
-               device_products(d, s.width, x.dtype, N * s.top_k, s.n_experts, limit).items()})
+        w = w if adapters is None else {**w, "adapters": adapters}
+        mesh = expert_mesh(s.n_experts)
+        if mesh is None:
+            y, dropped = grouped(tokens, ids, gates, w)
+        else:  # each device runs the pairs of its own experts (`expert_parallel`), their adapters too
+            local = {name: w[name] for name, weight in declared.items() if weight.axes[0] == EXPERTS}
+            if adapters is not None:
+                local["adapters"] = adapters  # (each [E, ...]: split along the experts too)
+            y, dropped = expert_parallel(grouped, mesh, tokens, ids, gates, local, pooled=limit is not None)
         if limit is not None:
             self.sow(ROUTER_COLLECTION, "dropped", dropped)
         y = y.reshape(batch, T, d)

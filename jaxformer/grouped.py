@@ -83,22 +83,27 @@ def n_blocks(pairs: int, n_experts: int, block: int) -> int:
 def dispatch(ids: jax.Array, n_experts: int, block: int, capacity: int | None = None) -> Layout:
     """The `Layout` of the choices `ids` (int `[N, k]`, each in `[0, n_experts)`): dropless, each
     expert's pairs padded to whole blocks of `block` rows; or with a `capacity`, one block of
-    `capacity` rows per expert, an expert's pairs past it (in token order) dropped."""
+    `capacity` rows per expert, an expert's pairs past it (in token order) dropped.
+
+    An id `n_experts` (or above) is a pair this call does not run: it gets no row (its `dest` is
+    past the end, like a capacity's drop, its output zeros) and is not counted as dropped. Expert
+    parallelism (`jaxformer.experts.expert_parallel`) so leaves the pairs of other devices' experts."""
     flat = ids.reshape(-1)  # [N * k], pair p = token p // k's choice p % k
     pairs = flat.shape[0]
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # ties keep token order
-    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [E] pairs per expert
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # ties keep token order; foreign pairs last
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [E] pairs per expert (foreign ones not)
     expert = flat[order]  # [N * k] the sorted pairs' experts
+    ours = expert < n_experts  # [N * k] the pairs this call runs
     rank = jnp.arange(pairs) - (jnp.cumsum(sizes) - sizes)[expert]  # each sorted pair's place in its group
     if capacity is not None:
-        kept = rank < capacity
+        kept = ours & (rank < capacity)
         dest = jnp.where(kept, expert * capacity + rank, n_experts * capacity)
         return Layout(order, dest.astype(jnp.int32), jnp.full(n_experts, capacity, jnp.int32),
-                      jnp.arange(n_experts, dtype=jnp.int32), (~kept).sum().astype(jnp.int32), capacity)
+                      jnp.arange(n_experts, dtype=jnp.int32), (ours & ~kept).sum().astype(jnp.int32), capacity)
     padded = -(-sizes // block) * block  # [E], each group to whole blocks
     padded_end = jnp.cumsum(padded)  # [E]
-    dest = (padded_end - padded)[expert] + rank
     blocks = n_blocks(pairs, n_experts, block)
+    dest = jnp.where(ours, (padded_end - padded)[expert] + rank, blocks * block)
     block_expert = jnp.searchsorted(padded_end, jnp.arange(blocks) * block, side="right").astype(jnp.int32)
     return Layout(order, dest.astype(jnp.int32), padded, block_expert, jnp.int32(0), block)
 

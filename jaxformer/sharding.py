@@ -1,4 +1,4 @@
-"""Where each array lives on a `(data, model)` mesh: DP, FSDP and tensor parallelism.
+"""Where each array lives on a `(data, expert, model)` mesh: DP, FSDP, tensor and expert parallelism.
 
 Every parameter names its dimensions where it is created (`param`), and `RULES` maps
 those logical axes to mesh axes; JAX's compiler inserts the communication. The
@@ -7,6 +7,7 @@ strategies and the rules are described in docs/sharding.md.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import flax.linen as nn
@@ -18,7 +19,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxformer.validation import python_int
 
-DATA, MODEL = "data", "model"
+DATA, EXPERT, MODEL = "data", "expert", "model"
+AXES = (DATA, EXPERT, MODEL)  # a mesh's axes, in `make_mesh`'s order
 STRATEGIES = ("dp", "fsdp")
 
 # Logical axes: what a parameter's dimension means, whatever the model.
@@ -42,6 +44,8 @@ RULES = (
     # Tensor parallel: whole heads and hidden units per device; vocabulary-parallel
     # embeddings and output layers (the softmax then spans the devices).
     (HEADS, MODEL, _BOTH), (KV_HEADS, MODEL, _BOTH), (MLP, MODEL, _BOTH), (VOCAB, MODEL, _BOTH),
+    # Expert parallel: whole experts per device (`jaxformer.experts.expert_parallel` sends the tokens to them).
+    (EXPERTS, EXPERT, _BOTH),
     # FSDP: one more dimension over `data`, the larger kinds first.
     (VOCAB, DATA, _FSDP), (MLP, DATA, _FSDP), (EMBED, DATA, _FSDP), (HEADS, DATA, _FSDP),
     (KV_HEADS, DATA, _FSDP), (HEAD_DIM, DATA, _FSDP), (QKV, DATA, _FSDP),
@@ -137,42 +141,65 @@ def param_axes(model: nn.Module) -> dict:
     return jax.tree_util.tree_map_with_path(names_of, variables["params"])
 
 
-def make_mesh(data: int | None = None, model: int = 1, devices=None) -> Mesh:
-    """A `(data, model)` mesh over `devices` (default `jax.devices()`: every process's),
+def make_mesh(data: int | None = None, model: int = 1, expert: int = 1, devices=None) -> Mesh:
+    """A `(data, expert, model)` mesh over `devices` (default `jax.devices()`: every process's),
     laid out by the devices' topology (`jax.make_mesh`): on a TPU slice or a GPU host the
     `model` axis, whose collectives come at every layer, spans neighbouring devices on the
-    fastest links; across processes, each process's devices are together.
+    fastest links, then `expert`; across processes, each process's devices are together.
 
     Args:
-      data: devices along the batch axis; None takes every device `model` leaves.
+      data: devices along the batch axis; None takes every device `model` and `expert` leave.
       model: devices along the tensor-parallel axis.
+      expert: devices along the expert-parallel axis: a mixture's experts split over it, and
+        the batch's rows too (it is a data axis for everything but the experts).
       devices: the devices to use.
 
     Raises:
-      ValueError: `data` or `model` not a positive int, or `data * model` not the device count.
+      ValueError: `data`, `model` or `expert` not a positive int, or their product not the device count.
     """
     devices = jax.devices() if devices is None else list(devices)
-    n_model = python_int(model)  # numpy ints too, as plain ints
+    n_model, n_expert = python_int(model), python_int(expert)  # numpy ints too, as plain ints
     if n_model is None or n_model < 1 or len(devices) % n_model:
         raise ValueError(f"make_mesh: model must be a positive int dividing the device count "
                          f"{len(devices)}, got {model!r}")
-    n_data = len(devices) // n_model if data is None else python_int(data)
-    if n_data is None or n_data < 1 or n_data * n_model != len(devices):
-        raise ValueError(f"make_mesh: data * model must equal the device count {len(devices)}"
+    if n_expert is None or n_expert < 1 or len(devices) % (n_model * n_expert):
+        raise ValueError(f"make_mesh: expert must be a positive int dividing the device count {len(devices)} "
+                         f"over model={n_model}, got {expert!r}")
+    n_data = len(devices) // (n_model * n_expert) if data is None else python_int(data)
+    if n_data is None or n_data < 1 or n_data * n_expert * n_model != len(devices):
+        named = ("data * model", f"data={data!r} x model={n_model}") if n_expert == 1 else (
+            "data * expert * model", f"data={data!r} x expert={n_expert} x model={n_model}")
+        raise ValueError(f"make_mesh: {named[0]} must equal the device count {len(devices)}"
                          + (f" ({jax.process_count()} processes)" if jax.process_count() > 1 else "")
-                         + f", got data={data!r} x model={n_model}")
+                         + f", got {named[1]}")
     # Auto axes: the compiler places what the rules leave open (jax.make_mesh's default is Explicit).
-    return jax.make_mesh((n_data, n_model), (DATA, MODEL), (AxisType.Auto, AxisType.Auto), devices=devices)
+    return jax.make_mesh((n_data, n_expert, n_model), AXES, (AxisType.Auto,) * 3, devices=devices)
+
+
+def axis_size(mesh, name: str) -> int:
+    """The devices along the mesh axis `name`; 1 for an axis the mesh lacks (a mesh made otherwise)."""
+    return dict(mesh.shape).get(name, 1)
+
+
+def batch_axes(mesh) -> str | tuple[str, str]:
+    """The mesh axes a batch's rows are split over: `data`, and `expert` where it has more than one
+    device (expert parallelism splits the tokens over data x expert, `jaxformer.experts`)."""
+    return (DATA, EXPERT) if axis_size(mesh, EXPERT) > 1 else DATA
+
+
+def batch_devices(mesh) -> int:
+    """How many ways a batch's rows are split: `data x expert`."""
+    return axis_size(mesh, DATA) * axis_size(mesh, EXPERT)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """`"data=4,model=2"` as `{"data": 4, "model": 2}` (either may be left out)."""
+    """`"data=4,model=2"` as `{"data": 4, "model": 2}`; `expert=E` too (any may be left out)."""
     sizes = {}
     for part in spec.split(","):
         name, _, value = part.partition("=")
         name = name.strip()
-        if name not in (DATA, MODEL) or name in sizes:
-            raise ValueError(f"mesh {spec!r}: each part must be data=N or model=M, once (got {part!r})")
+        if name not in AXES or name in sizes:
+            raise ValueError(f"mesh {spec!r}: each part must be data=N, expert=E or model=M, once (got {part!r})")
         if not value.strip().isdigit() or int(value) < 1:
             raise ValueError(f"mesh {spec!r}: {name} must be a positive int (got {value!r})")
         sizes[name] = int(value)
@@ -181,8 +208,9 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 def check_mesh_fits(config, mesh: Mesh) -> None:
     """Raises ValueError unless `config.n_head`, and each layer's query heads where `config.layers`
-    gives them (a `DecoderConfig`'s filled specs), divide over the mesh's `model` axis."""
-    n_model = mesh.shape[MODEL]
+    gives them (a `DecoderConfig`'s filled specs), divide over the mesh's `model` axis, and every
+    experts layer's `n_experts` over its `expert` axis."""
+    n_model, n_expert = axis_size(mesh, MODEL), axis_size(mesh, EXPERT)
     heads = {"n_head": config.n_head}
     for i, spec in enumerate(getattr(config, "layers", ())):
         heads.setdefault(f"layers[{i}].mixer.n_head", spec.mixer.n_head)
@@ -190,6 +218,11 @@ def check_mesh_fits(config, mesh: Mesh) -> None:
         if n_head % n_model:
             raise ValueError(f"{type(config).__name__}.{field}={n_head} is not divisible by the mesh's "
                              f"model axis ({n_model}): tensor parallelism splits whole heads")
+    for i, layer in enumerate(getattr(config, "layers", None) or ()):
+        n_experts = getattr(layer.ffn, "n_experts", None)
+        if n_experts is not None and n_experts % n_expert:
+            raise ValueError(f"{type(config).__name__}.layers[{i}].ffn.n_experts={n_experts} is not divisible by "
+                             f"the mesh's expert axis ({n_expert}): expert parallelism splits whole experts")
 
 
 def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, strategy: str = "dp") -> PartitionSpec:
@@ -198,7 +231,7 @@ def partition_spec(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh, st
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     spec = [None] * len(shape)
     for logical, mesh_axis, strategies in RULES:
-        n = mesh.shape[mesh_axis]
+        n = axis_size(mesh, mesh_axis)
         if strategy not in strategies or n == 1 or mesh_axis in spec:
             continue
         for dim, name in enumerate(axes):
@@ -250,11 +283,36 @@ def mesh_of(params) -> Mesh | None:
     return None
 
 
+def traced_on(fn: Callable, mesh) -> Callable:
+    """`fn`, traced with `mesh` as the context's mesh (`jax.sharding.use_abstract_mesh`), for what
+    reads the mesh as it traces: expert parallelism (`jaxformer.experts.expert_mesh`). `fn` itself
+    when `mesh` is None. (Only the tracing sees it: nothing made outside a program is placed by it,
+    as `jax.set_mesh` would place it.)"""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
+def mesh_of_shardings(shardings) -> Mesh | None:
+    """The mesh of a tree of `NamedSharding`s (`tree_shardings`'), or None."""
+    for sharding in jax.tree.leaves(shardings):
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
 def cache_shardings(cache, mesh: Mesh):
-    """Where a `KVCache` lives: rows over `data`, kv heads over `model` (where they divide),
-    as the attention that reads it is split."""
-    rows = DATA if cache.batch_size % mesh.shape[DATA] == 0 else None
-    heads = MODEL if cache.n_kv_head % mesh.shape[MODEL] == 0 else None
+    """Where a `KVCache` lives: rows over `data` (and `expert`, `batch_axes`), kv heads over `model`
+    (where they divide), as the attention that reads it is split."""
+    rows = (batch_axes(mesh) if cache.batch_size % batch_devices(mesh) == 0 else
+            DATA if cache.batch_size % axis_size(mesh, DATA) == 0 else None)
+    heads = MODEL if cache.n_kv_head % axis_size(mesh, MODEL) == 0 else None
 
     def place(leaf):  # [batch, (n_layer,) slots, n_kv, head_dim]
         return NamedSharding(mesh, PartitionSpec(rows, *(None,) * (leaf.ndim - 3), heads, None))
@@ -298,5 +356,5 @@ def to_host(tree):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Rows split over `data`, everything else whole: for every array of a batch."""
-    return NamedSharding(mesh, PartitionSpec(DATA))
+    """Rows split over `data` (and `expert`: `batch_axes`), everything else whole: for every array of a batch."""
+    return NamedSharding(mesh, PartitionSpec(batch_axes(mesh)))

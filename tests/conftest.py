@@ -205,9 +205,9 @@ FULL_TIER.update({
     # show them (the fast tier keeps the README's blocks and the docs' short ones; each of these paths has its
     # module's tests there: test_sharding, tests/training, tests/serving/test_engine, test_speculative).
     **{f"tests/test_docs.py::test_python_block_runs[docs/{block}]": "the docs' longer examples"
-       for block in ("sharding.md::mesh", "sharding.md::mesh-training", "training.md::reverse-recipe",
-                     "training.md::train-your-own", "serving.md::engine", "decoding.md::speculative",
-                     "decoding.md::encoder-decoder")},
+       for block in ("sharding.md::mesh", "sharding.md::mesh-training", "sharding.md::experts",
+                     "training.md::reverse-recipe", "training.md::train-your-own", "serving.md::engine",
+                     "decoding.md::speculative", "decoding.md::encoder-decoder")},
     # (The fast tier keeps the product's own temporaries against its weight's, the test above it.)
     "tests/test_products.py::test_a_bfloat16_decoding_run_holds_no_float32_copy_of_the_weights":
         "a whole decoding run compiled with XLA's optimisations",

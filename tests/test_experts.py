@@ -11,7 +11,8 @@ import pytest
 
 from jaxformer import DecoderConfig
 from jaxformer.experts import ROUTER_COLLECTION, Experts, ExpertsSpec, load_balancing_loss, route
-from jaxformer.grouped import KERNEL_PRODUCTS, PRODUCTS, block_size, grouped_product
+from jaxformer.grouped import KERNEL_PRODUCTS, PRODUCTS, block_size, dispatch, grouped_product
+from jaxformer.sharding import make_mesh
 from tests.conftest import import_peer
 
 D, E, F, SHARED = 16, 8, 12, 20  # d_model, experts, expert width, shared expert width
@@ -65,6 +66,46 @@ def test_capacity_drops_the_pairs_past_it_in_token_order():
     ids = jnp.array([[0], [0], [0], [1], [0], [1]])  # expert 0 chosen 4 times, expert 1 twice
     got = grouped_product(x, w, ids, capacity=3)[:, 0, 0]
     np.testing.assert_array_equal(got, [1, 2, 3, 4, 0, 6])  # token 4, expert 0's fourth, dropped
+
+
+@pytest.mark.parametrize("how", JNP_PRODUCTS)
+def test_an_id_past_the_experts_is_a_pair_not_run_nor_dropped(how):
+    # Expert parallelism's pairs of another device's experts: no row, zeros, not counted as dropped.
+    x, w = jnp.arange(6.0)[:, None] + 1, jnp.ones((2, 1, 1))
+    ids = jnp.array([[0], [2], [0], [1], [2], [1]])  # experts 0 and 1 here; 2 elsewhere
+    np.testing.assert_array_equal(grouped_product(x, w, ids, block=2, how=how)[:, 0, 0], [1, 0, 3, 4, 0, 6])
+    np.testing.assert_array_equal(grouped_product(x, w, ids, capacity=1, how=how)[:, 0, 0], [1, 0, 0, 4, 0, 0])
+    assert dispatch(ids, 2, 1, capacity=1).dropped == 2  # tokens 2 and 5, past expert 0's and 1's one row
+    layout = dispatch(ids, 2, 2)  # 2 pairs in each expert's block of 2, the other 2 past the end
+    assert sorted(np.asarray(layout.dest).tolist()) == [0, 1, 2, 3, layout.rows, layout.rows]
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
+def test_expert_parallel_on_a_one_device_mesh_is_the_plain_layer(capacity_factor):
+    """With a mesh of one device as the context's, its `expert` axis 1, the layer takes the
+    expert-parallel path (`expert_parallel`: a shard_map that gathers the tokens, runs its
+    experts' pairs and sums the shares back) and gives the plain path's outputs, drops and
+    gradients. (On 8 devices: tests/sharding/eight_devices.py.)"""
+    spec = ExpertsSpec(E, 3, F, capacity_factor=capacity_factor, expert_bias=True)
+    x = jax.random.normal(jax.random.key(5), (2, 5, D))
+    model = Experts(CONFIG, spec)
+    params = jax.tree.map(lambda w: w + 0.05, model.init(jax.random.key(0), x)["params"])  # biases not zero
+
+    def run(params, x):
+        def loss(params, x):
+            y, sown = model.apply({"params": params}, x, mutable=[ROUTER_COLLECTION])
+            return jnp.sum(jnp.sin(y)), (y, sown[ROUTER_COLLECTION].get("dropped"))
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    mesh = make_mesh(devices=jax.devices()[:1])
+    assert mesh.shape == {"data": 1, "expert": 1, "model": 1}
+    assert "shard_map" not in str(jax.make_jaxpr(run)(params, x))
+    want = jax.jit(run)(params, x)
+    with jax.set_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(run)(params, x))
+        got = jax.jit(run)(params, x)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6), got, want)
+    assert (capacity_factor is None) == (want[0][1][1] is None)
 
 
 def test_block_size_follows_the_rows_per_expert():

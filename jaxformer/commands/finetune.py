@@ -217,7 +217,7 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
 
     Args:
       settings: the recipe.
-      mesh: `"data=N,model=M"` to place the frozen base on (the trained parameters are placed
+      mesh: `"data=N,model=M"` (`expert=E` too) to place the frozen base on (the trained parameters are placed
         by `jaxformer.training.placement.place`), or None for one device.
       fsdp: with `mesh`, split the base over `data` too.
 

@@ -54,7 +54,7 @@ class RunOptions:
     Attributes:
       run_dir: where config, metrics, checkpoints and results go.
       resume: continue the run in `run_dir` from its last checkpoint.
-      mesh: `"data=N,model=M"`, or None for one device.
+      mesh: `"data=N,model=M"` (`expert=E` too), or None for one device.
       fsdp: with `mesh`, also split parameters and optimizer state over `data`.
       checkpoint_every: updates between checkpoints.
       log_every: updates between metrics lines.
@@ -101,8 +101,8 @@ def add_run_flags(parser: argparse.ArgumentParser, run_name: str, checkpoint_eve
                         help=f"where config, metrics, checkpoints and results go (default: runs/{run_name}-<time>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its last checkpoint")
     parser.add_argument("--mesh", default=None, metavar="data=N,model=M",
-                        help="train on a device mesh: batch split over data, heads and FFN units over model "
-                             "(default: one device)")
+                        help="train on a device mesh: batch split over data, heads and FFN units over model; "
+                             "expert=E splits a mixture's experts, and the batch, over E more (default: one device)")
     parser.add_argument("--fsdp", action="store_true",
                         help="with --mesh: also split parameters and optimizer state over the data axis")
     parser.add_argument("--checkpoint-every", type=int, default=checkpoint_every, help="updates between checkpoints")

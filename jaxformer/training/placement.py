@@ -1,5 +1,5 @@
 """A training run on a device mesh: the state placed by the sharding rules, batches split
-over `data`. `shard_state` and `shard_batches` place what a caller of `train_loop` made;
+over `data` (and `expert`). `shard_state` and `shard_batches` place what a caller of `train_loop` made;
 `place` is the placement of a command that trains (`jaxformer.training.runs.Setup`), which
 makes its state where it will live and checks the mesh against the model and the batch
 before anything is allocated.
@@ -14,6 +14,8 @@ from jax.sharding import Mesh
 
 from jaxformer.sharding import (
     DATA,
+    batch_axes,
+    batch_devices,
     batch_sharding,
     check_mesh_fits,
     make_mesh,
@@ -31,7 +33,7 @@ def shard_state(state: TrainState, axes, mesh: Mesh, strategy: str = "dp") -> tu
     Args:
       state: the state, on one device (or on another mesh).
       axes: the logical axis names of each parameter, `jaxformer.sharding.param_axes(model)`.
-      mesh: a `(data, model)` mesh from `jaxformer.sharding.make_mesh`.
+      mesh: a `(data, expert, model)` mesh from `jaxformer.sharding.make_mesh`.
       strategy: "dp" (a whole copy per data replica) or "fsdp" (parameters and moments split over `data`).
 
     Returns:
@@ -42,7 +44,8 @@ def shard_state(state: TrainState, axes, mesh: Mesh, strategy: str = "dp") -> tu
 
 
 def shard_batches(make_batch: Callable, mesh: Mesh) -> Callable:
-    """`make_batch` whose batches have their rows split over the mesh's `data` axis.
+    """`make_batch` whose batches have their rows split over the mesh's `data` axis (and
+    `expert`: `jaxformer.sharding.batch_axes`).
 
     On a mesh over several processes, each process places only its own devices' rows
     (`jaxformer.sharding.put`): the batch drawn from a key is the same on every process,
@@ -61,8 +64,8 @@ def place(setup, batch_size: int, mesh: str | None, fsdp: bool):
 
     Args:
       setup: the command's `jaxformer.training.runs.Setup`.
-      batch_size: rows per batch, which the mesh's `data` axis must divide.
-      mesh: `"data=N,model=M"` (`--mesh`), or None for one device.
+      batch_size: rows per batch, which the mesh's `data` (x `expert`) axes must divide.
+      mesh: `"data=N,model=M"` (`--mesh`; `expert=E` too), or None for one device.
       fsdp: with `mesh`, split parameters and optimizer state over `data` too.
 
     Returns:
@@ -75,8 +78,9 @@ def place(setup, batch_size: int, mesh: str | None, fsdp: bool):
         return TrainState.create(setup.params, setup.optimizer), setup.make_batch, None
     mesh = make_mesh(**parse_mesh(mesh))
     check_mesh_fits(setup.model.config, mesh)
-    if batch_size % mesh.shape[DATA]:
-        raise ValueError(f"--batch-size {batch_size} is not divisible by the mesh's data axis ({mesh.shape[DATA]})")
+    if batch_size % batch_devices(mesh):  # rows over data (x expert: `batch_axes`)
+        split = "data axis" if batch_axes(mesh) == DATA else "data x expert axes"
+        raise ValueError(f"--batch-size {batch_size} is not divisible by the mesh's {split} ({batch_devices(mesh)})")
     axes = param_axes(setup.model) if setup.param_axes is None else setup.param_axes
     shapes = jax.eval_shape(lambda p: TrainState.create(p, setup.optimizer), setup.params)
     state_sharding = tree_shardings(shapes, axes, mesh, "fsdp" if fsdp else "dp")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxformer.sharding import mesh_of_shardings, traced_on
 from jaxformer.validation import as_int, check_seed
 
 
@@ -59,7 +60,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         would be compiled into the program as a constant (a copy of the weights in the
         program, placed on one device, whatever its sharding).
     """
-    update = _update(loss_fn, optimizer)
+    # Traced on the state's mesh: what reads the mesh as it traces (expert parallelism) finds it there.
+    update = traced_on(_update(loss_fn, optimizer), mesh_of_shardings(state_sharding))
     out_shardings = None if state_sharding is None else (state_sharding, None)
     jitted = jax.jit(update, donate_argnums=0, out_shardings=out_shardings, compiler_options=compiler_options())
     return jitted if frozen is None else functools.partial(jitted, frozen=frozen)

@@ -1,5 +1,6 @@
 """Sharding cases; `tests/test_sharding.py` runs this file on 8 simulated CPU devices."""
 
+import dataclasses
 import functools
 import re
 
@@ -14,6 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, label_smoothed_cross_entropy
 from jaxformer.convert import unstack_layers
 from jaxformer.decoding import DecodeRequest, advance, start
+from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec
+from jaxformer.layers import layer_specs
 from jaxformer.sharding import (
     batch_sharding,
     check_mesh_fits,
@@ -205,7 +208,13 @@ def test_scanned_decoder_on_a_mesh_matches_one_device():
 @pytest.mark.parametrize("call, match", [
     (lambda: make_mesh(data=3), r"data \* model must equal the device count 8"),
     (lambda: make_mesh(model=3), "model must be a positive int dividing the device count 8"),
-    (lambda: parse_mesh("data=2,pipeline=4"), "each part must be data=N or model=M"),
+    (lambda: parse_mesh("data=2,pipeline=4"), "each part must be data=N, expert=E or model=M"),
+    (lambda: make_mesh(data=2, expert=3), "expert must be a positive int dividing the device count 8"),
+    (lambda: make_mesh(data=2, expert=2), r"data \* expert \* model must equal the device count 8, got data=2 x "
+                                          "expert=2 x model=1"),
+    (lambda: check_mesh_fits(MOE.replace(layers=(MOE.layers[0], dataclasses.replace(
+        MOE.layers[1], ffn=ExpertsSpec(6, 2, 32)))), make_mesh(data=2, expert=4)),
+     r"DecoderConfig.layers\[1\].ffn.n_experts=6 is not divisible by the mesh's expert axis \(4\)"),
     (lambda: parse_mesh("data=0"), "data must be a positive int"),
     (lambda: check_mesh_fits(DECODER.replace(n_head=4, n_kv_head=2, d_model=64), make_mesh(data=1, model=8)),
      r"DecoderConfig.n_head=4 is not divisible by the mesh's model axis \(8\)"),
@@ -219,6 +228,8 @@ def test_bad_meshes_are_clear_errors(call, match):
 def test_parse_mesh():
     assert parse_mesh("data=4,model=2") == {"data": 4, "model": 2}
     assert parse_mesh("model=8") == {"model": 8}
+    assert parse_mesh("data=2,expert=4") == {"data": 2, "expert": 4}
+    assert make_mesh(data=2, expert=4).shape == {"data": 2, "expert": 4, "model": 1}
 
 
 LM_TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--n-kv-head", "1", "--batch-size", "8",
@@ -376,3 +387,128 @@ def test_a_train_state_is_born_in_its_sharding():
         assert b.sharding == s
     mu = born.opt_state[0].mu["block_0"]["mlp"]["w_up"]
     assert mu.addressable_shards[0].data.size == mu.size // 8  # split over data and model
+
+
+# Expert parallelism: a decoder whose every feed-forward is a mixture of 8 experts, top 2.
+MOE = DECODER.replace(layers=tuple(dataclasses.replace(spec, ffn=ExpertsSpec(8, 2, 32))
+                                   for spec in layer_specs(DECODER)))
+EP_MESHES = [("dp", dict(expert=8)), ("fsdp", dict(expert=8)), ("dp", dict(data=2, expert=4)),
+             ("fsdp", dict(data=2, expert=4)), ("dp", dict(data=2, expert=2, model=2)),
+             ("fsdp", dict(data=2, expert=2, model=2))]
+EP_IDS = [f"{strategy}-" + ",".join(f"{k}={v}" for k, v in sizes.items()) for strategy, sizes in EP_MESHES]
+
+
+def _experts_split(params, mesh, n_expert):
+    """Every experts' weight is split over `expert`: its first axis, E / n experts a device."""
+    for name in ("w_gate", "w_up", "w_down"):
+        leaf = params["block_0"]["mlp"][name]
+        assert leaf.sharding.spec[0] == "expert", (name, leaf.sharding.spec)
+        assert {shard.data.shape[0] for shard in leaf.addressable_shards} == {8 // n_expert}
+
+
+@functools.cache
+def _moe_logits(config):
+    """One device's logits and router drops for `config` (MOE, or MOE with a capacity)."""
+    params, batch, _, _ = _decoder_setup(config)
+    return _apply_moe(config)(params, batch["tokens"])
+
+
+@functools.cache
+def _apply_moe(config):
+    def apply(params, tokens):
+        (logits, _), sown = Decoder(config).apply({"params": params}, tokens, mutable=[ROUTER_COLLECTION])
+        return logits, [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(sown) if "dropped" in str(path)]
+    return jax.jit(apply)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
+@pytest.mark.parametrize("strategy, sizes", EP_MESHES, ids=EP_IDS)
+def test_expert_parallel_logits_match_one_device(strategy, sizes, capacity_factor):
+    """On a mesh with an `expert` axis (set as the context's mesh), each device holds its share
+    of the experts, the tokens are gathered to them and their outputs summed back
+    (`expert_parallel`, a `shard_map` in the program): the logits, and with a capacity the pairs
+    each layer dropped (pooled over the whole call, as on one device), are one device's."""
+    config = MOE if capacity_factor is None else MOE.replace(layers=tuple(
+        dataclasses.replace(spec, ffn=dataclasses.replace(spec.ffn, capacity_factor=capacity_factor))
+        for spec in MOE.layers))
+    params, batch, _, axes = _decoder_setup(config)
+    want, want_dropped = _moe_logits(config)
+    mesh = make_mesh(**sizes)
+    check_mesh_fits(config, mesh)
+    placed = jax.device_put(params, tree_shardings(params, axes, mesh, strategy))
+    _experts_split(placed, mesh, sizes["expert"])
+    tokens = jax.device_put(batch["tokens"], batch_sharding(mesh))
+    assert tokens.sharding.spec == PartitionSpec(("data", "expert"))  # rows over data x expert
+    apply = _apply_moe(config)
+    with jax.set_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(apply)(placed, tokens))
+        got, dropped = apply(placed, tokens)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+    np.testing.assert_array_equal(dropped, want_dropped)
+    assert (capacity_factor is None) == (not want_dropped) and all(d > 0 for d in want_dropped)
+
+
+@pytest.mark.parametrize("strategy, sizes", EP_MESHES, ids=EP_IDS)
+def test_expert_parallel_train_steps_match_one_device(strategy, sizes):
+    """`make_train_step` traces on the state's mesh, so its step runs the experts split: two
+    steps give one device's losses and parameters, and the experts' weights and their Adam
+    moments stay split over `expert`."""
+    params, batch, loss_fn, axes = _decoder_setup(MOE)
+    want_state, want_losses = _one_device_steps(_decoder_setup, MOE)
+    mesh = make_mesh(**sizes)
+    check_mesh_fits(MOE, mesh)
+    shapes = jax.eval_shape(lambda params: TrainState.create(params, OPTIMIZER), params)
+    step = make_train_step(loss_fn, OPTIMIZER, tree_shardings(shapes, axes, mesh, strategy))
+    assert "shard_map" in str(jax.make_jaxpr(step)(shapes, batch, jax.random.key(0)))  # the experts' path taken
+    state, losses = _two_steps(params, batch, loss_fn, axes, mesh, strategy)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5), state.params,
+                 want_state.params)
+    _experts_split(state.params, mesh, sizes["expert"])
+    _experts_split(state.opt_state[0].mu, mesh, sizes["expert"])
+    for tree in (state.params, state.opt_state):
+        for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(tree),
+                                          jax.tree.leaves(tree_shardings(tree, axes, mesh, strategy))):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("strategy, sizes", [EP_MESHES[1], EP_MESHES[5]], ids=[EP_IDS[1], EP_IDS[5]])
+def test_expert_parallel_rows_that_do_not_split_stay_whole(strategy, sizes):
+    """3 rows (one prompt of 3 tokens) do not split over data x expert: every device keeps them
+    whole and the experts' shares are summed by a psum; the logits and their gradients are one
+    device's."""
+    params, batch, _, axes = _decoder_setup(MOE)
+    tokens = batch["tokens"][:1, :3]
+
+    def program(params, tokens):
+        return jax.value_and_grad(lambda p: jnp.sum(jnp.sin(Decoder(MOE).apply({"params": p}, tokens)[0])))(params)
+
+    want = jax.jit(program)(params, tokens)
+    mesh = make_mesh(**sizes)
+    placed = jax.device_put(params, tree_shardings(params, axes, mesh, strategy))
+    with jax.set_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(program)(placed, tokens))
+        got = jax.jit(program)(placed, tokens)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    # A gradient entry sums many terms, in another order on another mesh (tensor parallelism's
+    # sums): float32's rounding of sums of the largest entry's size, against a wrong share (a
+    # factor, a missing expert) of that size.
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want[1]))
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-6 * scale, rtol=1e-5), got[1], want[1])
+
+
+def test_generation_on_an_expert_mesh_matches_one_device():
+    """Greedy generation with the experts split over `expert` (the layer run as on one device:
+    no mesh in the context) and the cache's rows over data x expert: one device's tokens."""
+    params = _sharp(_decoder_setup(MOE)[0])
+    prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, MOE.vocab_size)
+    want = generate(Decoder(MOE), params, prompt, max_new_tokens=12)
+    mesh = make_mesh(data=2, expert=4)
+    placed = jax.device_put(params, tree_shardings(params, param_axes(Decoder(MOE)), mesh, "fsdp"))
+    got = generate(Decoder(MOE), placed, jax.device_put(prompt, batch_sharding(mesh)), max_new_tokens=12)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(np.asarray(want[:, 5:]))) > 5
+    request = DecodeRequest.create(Decoder(MOE), prompt, max_new_tokens=4)
+    cache = start(Decoder(MOE), placed, request, mesh).cache
+    assert cache.layers[0].k.sharding.is_equivalent_to(
+        NamedSharding(mesh, PartitionSpec(("data", "expert"), None, None, None)), 4)

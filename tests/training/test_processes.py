@@ -172,6 +172,26 @@ def test_full_fine_tuning_over_two_processes_has_the_losses_of_one(checkpoint, t
     assert len(losses(tmp_path / "two")) == 4
 
 
+EXPERT_MESHES = ["data=2,expert=4", "fsdp:expert=4,model=2"]  # experts within each process; across the two
+
+
+def test_expert_parallelism_over_two_processes_has_one_devices_logits_and_train_step(tmp_path):
+    """A decoder of mixtures of experts on 2 processes x 4 devices, its experts split over the
+    mesh's `expert` axis and the tokens sent to them (`experts_on_processes.py`): its logits and
+    one train step are those of one device (each process's first, alone)."""
+    run([str(Path(__file__).parent / "experts_on_processes.py"), str(tmp_path / "results.npz"), *EXPERT_MESHES],
+        tmp_path)
+    results = np.load(tmp_path / "results.npz")
+    for mesh in EXPERT_MESHES:
+        np.testing.assert_allclose(results[f"{mesh}/logits"], results["one/logits"], atol=1e-6, rtol=1e-5)
+        np.testing.assert_allclose(results[f"{mesh}/loss"], results["one/loss"], rtol=1e-6)
+        params = [name for name in results if name.startswith("one/params")]
+        assert len(params) > 10
+        for name in params:
+            np.testing.assert_allclose(results[name.replace("one/", f"{mesh}/")], results[name], atol=1e-6,
+                                       rtol=1e-5, err_msg=f"{mesh}: {name}")
+
+
 def test_a_missing_process_id_is_refused_in_one_line(tmp_path):
     [ended] = finish(start([*LM, *DP, "--run-dir", str(tmp_path / "run")], tmp_path, count=1,
                            env={"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2"}), timeout=60)
