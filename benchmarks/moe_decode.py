@@ -10,14 +10,16 @@ OLMoE-1B-7B-shaped one), decoded in bfloat16. For each batch size:
   transformers' `generate` on torch, greedy, the same prompt ids: new tokens/s over the whole
   call (prefill included) and their ratio, and whether the tokens agree;
 - each side's peak resident memory (Linux's VmHWM of its own process) against the weights' bytes;
-- jaxformer's time a token against the same model made dense: every layer of experts replaced by
-  one gated MLP of `k * width` (the active size; random weights, nothing read from DIR).
+- jaxformer's tokens/s against the same model made dense, in a process of its own: every layer
+  of experts replaced by one gated MLP of `k * width` (the active size; random weights,
+  nothing read from DIR).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -38,23 +40,33 @@ def prompts(batch: int, length: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 400, (batch, length))
 
 
-def jaxformer_side(folder: str, batches: list[int], prompt_len: int, new: int, reps: int) -> dict:
+def jaxformer_side(folder: str, batches: list[int], prompt_len: int, new: int, reps: int, dense: bool = False
+                   ) -> dict:
+    """jaxformer's rows; with `dense`, of the same model made dense at its active size: each layer of
+    experts one gated MLP `k * width` wide (random weights, nothing read from the folder)."""
     import jax
     import jax.numpy as jnp
 
     from jaxformer import Decoder, generate
-    from jaxformer.convert import load_hf
+    from jaxformer.convert import load_hf, load_hf_config
     from jaxformer.experts import ExpertsSpec
     from jaxformer.feedforward import GatedMLPSpec
 
-    config, params = load_hf(folder, max_seq_len=prompt_len + new, dtype=jnp.bfloat16)
+    if dense:
+        config = load_hf_config(folder, max_seq_len=prompt_len + new, dtype=jnp.bfloat16)
+        config = config.replace(layers=tuple(
+            dataclasses.replace(spec, ffn=GatedMLPSpec(spec.ffn.top_k * spec.ffn.width)) if isinstance(
+                spec.ffn, ExpertsSpec) else spec for spec in config.layers))
+        params = jax.jit(Decoder(config).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    else:
+        config, params = load_hf(folder, max_seq_len=prompt_len + new, dtype=jnp.bfloat16)
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     model = Decoder(config)
     rows = []
     for batch in batches:
         prompt = jnp.asarray(prompts(batch, prompt_len), jnp.int32)
 
-        def run(params=params, prompt=prompt):
+        def run(prompt=prompt):
             return generate(model, params, prompt, max_new_tokens=new).block_until_ready()
 
         start = time.perf_counter()
@@ -63,22 +75,7 @@ def jaxformer_side(folder: str, batches: list[int], prompt_len: int, new: int, r
         took = seconds(run, reps)
         rows.append({"batch": batch, "tokens_per_s": batch * new / took, "first_call_s": first,
                      "tokens": np.asarray(out[:, prompt_len:]).tolist()})
-    peak = peak_rss()  # (before the dense model below is made)
-    # The same model, dense at its active size: each layer of experts one gated MLP k * width wide.
-    dense = config.replace(layers=tuple(
-        dataclasses.replace(spec, ffn=GatedMLPSpec(spec.ffn.top_k * spec.ffn.width)) if isinstance(
-            spec.ffn, ExpertsSpec) else spec for spec in config.layers))
-    del params
-    dense_params = jax.jit(Decoder(dense).init)(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
-    for row in rows:
-        prompt = jnp.asarray(prompts(row["batch"], prompt_len), jnp.int32)
-
-        def run_dense(prompt=prompt):
-            return generate(Decoder(dense), dense_params, prompt, max_new_tokens=new).block_until_ready()
-
-        row["dense_tokens_per_s"] = row["batch"] * new / seconds(run_dense, reps)
-        row["vs_dense"] = row["tokens_per_s"] / row["dense_tokens_per_s"]
-    return {"rows": rows, "peak_rss": peak, "weights_bytes": weights}
+    return {"rows": rows, "peak_rss": peak_rss(), "weights_bytes": weights}
 
 
 def transformers_side(folder: str, batches: list[int], prompt_len: int, new: int, reps: int) -> dict:
@@ -101,7 +98,8 @@ def transformers_side(folder: str, batches: list[int], prompt_len: int, new: int
     return {"rows": rows, "peak_rss": peak_rss(), "weights_bytes": weights}
 
 
-SIDES = {"jaxformer": jaxformer_side, "transformers": transformers_side}
+SIDES = {"jaxformer": jaxformer_side, "dense": functools.partial(jaxformer_side, dense=True),
+         "transformers": transformers_side}
 
 
 def in_process_of_its_own(side: str, args) -> dict:
@@ -128,9 +126,11 @@ def main(argv=None) -> None:
     if args.side:
         print(json.dumps(SIDES[args.side](args.checkpoint, args.batch, args.prompt, args.new, args.reps)))
         return
-    sides = {side: in_process_of_its_own(side, args) for side in (["jaxformer"] if args.no_peer else sorted(SIDES))}
+    sides = {side: in_process_of_its_own(side, args) for side in SIDES if side != "transformers" or not args.no_peer}
     ours = sides["jaxformer"]
     for i, row in enumerate(ours["rows"]):
+        row["dense_tokens_per_s"] = sides["dense"]["rows"][i]["tokens_per_s"]
+        row["vs_dense"] = row["tokens_per_s"] / row["dense_tokens_per_s"]
         line = (f"batch {row['batch']}: jaxformer {row['tokens_per_s']:6.2f} tokens/s, {row['vs_dense']:.2f}x the "
                 f"dense model of its active size ({row['dense_tokens_per_s']:.2f})")
         if "transformers" in sides:
@@ -141,6 +141,8 @@ def main(argv=None) -> None:
                      f"same tokens: {row['same_tokens']}")
         print(line)
     for side, got in sides.items():
+        if side == "dense":
+            continue
         got["peak_vs_weights"] = got["peak_rss"] / got["weights_bytes"]
         print(f"{side}: peak memory {got['peak_rss'] / 1e9:.2f} GB, {got['peak_vs_weights']:.2f}x its weights "
               f"({got['weights_bytes'] / 1e9:.2f} GB)")

@@ -158,11 +158,15 @@ def _block_product(equation: str, x_block: jax.Array, w: jax.Array, e: jax.Array
 @jax.custom_vjp
 def _blocked(x: jax.Array, w: jax.Array, block_expert: jax.Array) -> jax.Array:
     """`[blocks, block, F]`: block j of `x [blocks, block, d]` times `w[block_expert[j]]`."""
-    shape = (x.shape[1], w.shape[-1])
+    return _blocked_product("bd,df->bf", x, w, block_expert, (x.shape[1], w.shape[-1]))
+
+
+def _blocked_product(equation: str, x: jax.Array, w: jax.Array, block_expert: jax.Array, shape) -> jax.Array:
+    """`[blocks, *shape]`: `einsum(equation, x[j], w[block_expert[j]])` for each block j."""
 
     def step(_, inputs):
         x_block, e = inputs
-        return None, _block_product("bd,df->bf", x_block, w, e, shape)
+        return None, _block_product(equation, x_block, w, e, shape)
 
     # A decoding step's few blocks run unrolled: XLA:CPU's loop costs more a step than a block's
     # product with one row (docs/performance.md, "Mixtures of experts").
@@ -176,13 +180,14 @@ def _blocked_fwd(x, w, block_expert):
 def _blocked_bwd(residuals, dy):
     """`y_j = x_j w_e`: `dx_j = dy_j w_e^T`, and `dw_e` the sum of `x_j^T dy_j` over e's blocks,
     each block adding into its expert's rows of one `[E, d, F]` carry (autodiff of the scan
-    would build a whole `[E, d, F]` per block)."""
+    would build a whole `[E, d, F]` per block). Two loops, so that where `w` is frozen (LoRA's
+    base) the compiler drops the second, whose result nothing reads."""
     x, w, block_expert = residuals
     n_experts = w.shape[0]
+    dx = _blocked_product("bf,df->bd", dy, w, block_expert, x.shape[1:])
 
-    def step(dw, inputs):
+    def add_block(dw, inputs):
         x_block, dy_block, e = inputs
-        dx_block = _block_product("bf,df->bd", dy_block, w, e, x_block.shape)
 
         def add(dw):
             grad = jnp.einsum("bd,bf->df", x_block, dy_block, precision=precision_for(x_block.dtype),
@@ -190,9 +195,9 @@ def _blocked_bwd(residuals, dy):
             row = jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + grad
             return jax.lax.dynamic_update_index_in_dim(dw, row, e, 0)
 
-        return jax.lax.cond(e < n_experts, add, lambda dw: dw, dw), dx_block
+        return jax.lax.cond(e < n_experts, add, lambda dw: dw, dw), None
 
-    dw, dx = jax.lax.scan(step, jnp.zeros(w.shape, jnp.float32), (x, dy, block_expert))
+    dw, _ = jax.lax.scan(add_block, jnp.zeros(w.shape, jnp.float32), (x, dy, block_expert))
     return dx, dw.astype(w.dtype), None
 
 
