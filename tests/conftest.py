@@ -162,6 +162,32 @@ FULL_TIER.update({f"tests/families/test_families.py::test_cached_decoding_equals
                       "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-3-1b-it", "Phi-3-mini-4k-instruct",
                       "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M", "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1",
                       "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924")})
+# Mixtures of experts: the fast tier keeps each family's logits against transformers, Qwen3-MoE's and
+# gpt-oss's save_hf, the layer against transformers' modules (tests/test_experts.py), the experts' LoRA
+# against peft on Qwen3-MoE, a row decoded alone as in a batch, the harmony chat token for token, and
+# each kernel in float32 in the interpreter; the rest here.
+FULL_TIER.update({
+    **{f"tests/families/test_families.py::test_save_hf_writes_the_family_that_transformers_reopens[{family}]":
+       "more families of experts" for family in ("Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924")},
+    "tests/families/test_families.py::test_cached_decoding_equals_transformers_and_the_full_forward[gpt-oss-20b]":
+        "a mixture's cached decoding against transformers",
+    "tests/text/test_conventions.py::test_greedy_text_is_transformers_and_stops_at_each_stop_id[gpt-oss]":
+        "the harmony convention's runs",
+    "tests/text/test_conventions.py::test_a_chat_with_prompt_lookup_is_transformers_greedy[gpt-oss]":
+        "the harmony convention's runs",
+    "tests/text/test_conventions.py::test_gpt_oss_whole_template_with_tools_is_apply_chat_templates":
+        "the harmony template with tools",
+    "tests/commands/test_finetune.py::test_lora_on_a_mixture_of_experts_trains_its_targets_and_merges":
+        "a mixture's LoRA runs",
+    "tests/commands/test_finetune.py::test_peft_opens_the_adapters_of_a_mixture_of_experts_on_transformers":
+        "a mixture's LoRA runs, opened by peft",
+    "tests/test_lora.py::test_lora_on_the_experts_equals_peft_one_step_and_the_adapter_files_go_both_ways[gpt_oss]":
+        "the experts' LoRA against peft on another family",
+    "tests/decoding/test_beam_search.py::test_beam_search_on_a_mixture_of_experts": "beams over experts",
+    "tests/serving/test_engine.py::test_a_mixture_of_experts_serves_each_request_what_it_gets_alone":
+        "the engine's batching over experts",
+    "tests/kernels/test_grouped_matmul.py::test_bfloat16_within_one_rounding": "the kernels in bfloat16",
+})
 # (A mixture's fine-tuning run end to end; the fast tier keeps the layer's load-balancing loss against
 # transformers', tests/test_experts.py, and dense fine-tuning's runs.)
 FULL_TIER["tests/commands/test_finetune.py::test_a_mixture_of_experts_trains_with_its_load_balancing_loss"] = \
