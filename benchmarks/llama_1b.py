@@ -90,6 +90,12 @@ def write(folder: str, *, seed: int = 0, layers: int | None = None) -> str:
             weight_map[name] = shard
         save_file(tensors, os.path.join(folder, shard), metadata={"format": "pt"})
         del tensors
+    return write_folder_files(folder, config, shapes, weight_map, tok)
+
+
+def write_folder_files(folder: str, config: dict, shapes: dict, weight_map: dict, tok: Tokenizer) -> str:
+    """A random checkpoint's files besides its shards: the index of the bf16 tensors `shapes`
+    (`weight_map`: each one's shard), `config.json`, and `tok`'s tokenizer files; returns `folder`."""
     total = sum(int(np.prod(s)) * 2 for s in shapes.values())
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)

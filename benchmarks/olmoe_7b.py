@@ -16,13 +16,12 @@ width.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import ml_dtypes
 import numpy as np
 
-from benchmarks.llama_1b import tokenizer
+from benchmarks.llama_1b import tokenizer, write_folder_files
 from jaxformer.convert.safetensors_file import write_safetensors
 
 # OLMoE-1B-7B-0924's config.json as published (the architecture fields).
@@ -90,16 +89,7 @@ def write(folder: str, *, seed: int = 0, layers: int | None = None) -> str:
         write_safetensors(os.path.join(folder, shard), [(n, shapes[n], ml_dtypes.bfloat16) for n in names], draw,
                           {"format": "pt"})
         weight_map |= {n: shard for n in names}
-    total = sum(int(np.prod(s)) * 2 for s in shapes.values())
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    tok.save(os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-                   "eos_token": "<|end_of_text|>"}, f, indent=2)
-    return folder
+    return write_folder_files(folder, config, shapes, weight_map, tok)
 
 
 def main(argv=None) -> None:
