@@ -153,10 +153,11 @@ def exit_process(status: int) -> NoReturn:
     (a whole decoding loop is one program). The interpreter's teardown would then free what
     that program reads while it runs, and the process could die of SIGSEGV instead of
     exiting 130; so an interrupted command leaves at once, its output flushed, without the
-    teardown. So does any failure of a process of a run of several (`leave_at_once_on_failure`).
+    teardown; so does one whose reader went away (141: a teardown beside the runtime's threads
+    could abort instead), and any failure of a process of a run of several (`leave_at_once_on_failure`).
     Any other status exits as `sys.exit` does.
     """
-    if status == INTERRUPTED or (status and _leave_at_once[0] is not False):
+    if status in (INTERRUPTED, BROKEN_PIPE) or (status and _leave_at_once[0] is not False):
         _leave(status)
     sys.exit(status)
 
