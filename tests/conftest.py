@@ -154,19 +154,45 @@ FULL_TIER = {
     "tests/training/test_state.py::test_initial_parameters_compiled_as_a_runs_are_the_default_compiles_bits":
         "initial parameters compiled at XLA's full optimisation",
 }
-# Cached decoding against transformers' own, step by step: the fast tier keeps a plain family, one of
-# sliding and full layers with soft-caps (Gemma 2), a mixture of experts with sinks and rings (gpt-oss),
-# and two of the parity file's layouts; the others here.
+# Cached decoding against transformers' own, step by step: the fast tier keeps a plain family and two
+# of the parity file's layouts (the cache's own tests, test_cache.py, keep rings, windows and soft-caps
+# there); the others here.
 FULL_TIER.update({f"tests/families/test_families.py::test_cached_decoding_equals_transformers_and_the_full_forward"
                   f"[{family}]": "more families" for family in (
-                      "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-3-1b-it", "Phi-3-mini-4k-instruct",
-                      "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M", "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1",
+                      "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
+                      "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M", "Qwen3-30B-A3B",
+                      "Mixtral-8x7B-v0.1",
                       "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924")})
-# Mixtures of experts: the fast tier keeps each family's logits against transformers, Qwen3-MoE's and
-# gpt-oss's save_hf, the layer against transformers' modules (tests/test_experts.py), the experts' LoRA
-# against peft on Qwen3-MoE, a row decoded alone as in a batch, the harmony chat token for token, and
-# each kernel in float32 in the interpreter; the rest here.
+# Mixtures of experts: the fast tier keeps the layer against transformers' modules for every family's
+# routing (tests/test_experts.py) and each routing feature's guard, the grouped products against a loop
+# and their gradients, one family's logits against transformers (OLMoE), Qwen3-MoE's and gpt-oss's
+# save_hf, a mixture's cached steps against its full forward, the experts' adapters in both grouped
+# products against the formula and their merge, gpt-oss's attention layer against transformers', the
+# harmony chat token for token, and each kernel in float32 in the interpreter; the rest here.
 FULL_TIER.update({
+    **{f"tests/families/test_families.py::test_logits_equal_transformers_and_each_feature_counts[{family}]":
+       "more families of experts" for family in ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "gpt-oss-20b")},
+    "tests/test_lora.py::test_lora_on_the_experts_equals_peft_one_step_and_the_adapter_files_go_both_ways":
+        "the experts' LoRA against peft",
+    "tests/decoding/test_generation.py::test_a_row_of_a_mixture_of_experts_decodes_alone_as_in_a_batch":
+        "a mixture's rows alone and in a batch",
+    "tests/test_experts.py::test_expert_load_counts_each_layers_own_routing_in_model_order": "the report's load",
+    "tests/test_experts.py::test_expert_parallel_on_a_one_device_mesh_is_the_plain_layer[capacity]":
+        "expert parallelism with a capacity",
+    "tests/test_experts.py::test_ties_take_the_lower_index[gpt_oss]": "more ties",
+    "tests/test_lora.py::test_routed_adds_each_experts_adapter_in_both_grouped_products[None]": "more layouts",
+    "tests/decoding/test_speculative.py::test_greedy_on_a_mixture_of_experts_gives_generates_tokens":
+        "speculative decoding over experts",
+    "tests/text/test_perplexity.py::test_a_mixture_of_experts_perplexity_is_the_formula_and_the_commands":
+        "a mixture's perplexity",
+    "tests/text/test_conventions.py::test_a_harmony_chat_stops_at_return_and_at_call": "the harmony convention's runs",
+    # (Sinks: the fast tier keeps each platform's paths with sinks, which run every path the plain ones do.)
+    **{f"tests/test_attention.py::test_each_platforms_paths_run_in_the_kernels_interpreter_equal_the_cpus"
+       f"[{case}-no sinks]": "more cases" for case in ("cuda-bfloat16", "tpu-float32")},
+    **{f"tests/test_export.py::test_the_kernels_are_in_the_programs_exported[{platform}-]": "more cases"
+       for platform in ("cuda", "tpu")},
+    "tests/test_blockwise.py::test_a_decoder_attending_in_blocks_equals_the_dense_one_and_its_gradients"
+    "[scanned, sinks]": "more layouts",
     **{f"tests/families/test_families.py::test_save_hf_writes_the_family_that_transformers_reopens[{family}]":
        "more families of experts" for family in ("Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924")},
     "tests/families/test_families.py::test_cached_decoding_equals_transformers_and_the_full_forward[gpt-oss-20b]":
@@ -210,12 +236,6 @@ FULL_TIER.update({
         "more proposers",
     "tests/decoding/test_speculative.py::test_greedy_gives_generates_tokens[mqa-split-half-untied-lookup-8]":
         "more proposers",
-    # (A mixture of experts: the fast tier keeps the model as its own draft, every proposal accepted.)
-    "tests/decoding/test_speculative.py::test_greedy_on_a_mixture_of_experts_gives_generates_tokens[dense-draft]":
-        "more drafts",
-    "tests/decoding/test_speculative.py::test_greedy_on_a_mixture_of_experts_gives_generates_tokens[moe-draft]":
-        "more drafts",
-    # (The fast tier keeps a mixture of experts' perplexity against the formula, the dense one's against transformers.)
     "tests/text/test_perplexity.py::test_a_mixture_of_experts_perplexity_equals_transformers":
         "transformers' mixture of experts",
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[True-False]": "more layouts",
@@ -283,6 +303,88 @@ FULL_TIER.update({
     for h, (tied, softcap) in enumerate([(True, None), (False, None), (True, 2.0), (False, 2.0)])
     for i, ignore_id in enumerate([None, -100, 0]) for e, smoothing in enumerate([0.0, 0.1])
     if (i, e) != ((c + h) % 3, (c + h) % 2)})
+
+
+# Variants of the fast tier's tests whose paths its other variants and other modules' tests keep there:
+FULL_TIER.update({
+    # (The scanned decoder's logits and loss: test_scan.py; the adapters': test_lora.py.)
+    **{f"tests/test_decoder.py::test_hidden_states_and_output_head_give_the_logits_and_the_loss[changes{i}]":
+       "more layouts" for i in (2, 3)},
+    # (The fast tier keeps the tied and Qwen2 layouts and Llama 3.2's; Mistral and Llama untied are families of
+    # tests/families/test_families.py too.)
+    **{f"tests/convert/test_hf_parity.py::test_logits_match[{peer}]": "more layouts"
+       for peer in ("llama-untied", "mistral")},
+    # (Each convention's template against apply_chat_template stays:
+    # test_prompt_ids_chat_prompts_and_text_are_autotokenizers.)
+    **{f"tests/text/test_conventions.py::{test}[{name}]": "more conventions' runs"
+       for test in ("test_a_chat_with_prompt_lookup_is_transformers_greedy",
+                    "test_greedy_text_is_transformers_and_stops_at_each_stop_id") for name in ("gemma3", "qwen2.5")},
+    "tests/faults/test_nonfinite.py::test_stream_raises_at_the_bad_step_with_the_steps_before[draft]": "more proposers",
+    **{f"tests/faults/test_nonfinite.py::test_nan_parameters_stop_every_row_at_its_first_token[{case}]":
+       "more strategies" for case in ("vanilla-beams", "lookup")},
+    # (The fast tier keeps the GQA layout; the others' cached decoding is compared in test_scan.py too.)
+    **{f"tests/test_scan.py::test_generate_gives_the_same_tokens[{layout}]": "more layouts"
+       for layout in ("mha-untied-bias", "mqa-interleaved")},
+    # (Gemma 2 and Gemma 3 stay; SmolLM2 is a Llama.)
+    **{f"tests/families/test_families.py::test_logits_equal_transformers_and_each_feature_counts[{family}]":
+       "more families" for family in ("gemma-2b", "SmolLM2-135M")},
+    **{f"tests/test_docs.py::test_python_block_runs[docs/{block}]": "the docs' longer examples"
+       for block in ("decoding.md::beams", "parity.md::rope-pairing", "parity.md::torch-transformer")},
+    # (Padded prefill pieces over sliding and full layers: tests/decoding/test_steps.py.)
+    "tests/serving/test_engine.py::test_sliding_window_layers_prefilled_in_padded_pieces_decode_as_alone":
+        "the engine over sliding layers",
+    # (Across spans the fast tier keeps greedy tokens, sampling, the stream and a step on the plain layout.)
+    "tests/decoding/test_spans.py::test_the_engine_decodes_across_spans_as_generate_with_a_program_per_span":
+        "the engine across spans",
+    "tests/decoding/test_spans.py::test_a_step_at_its_span_gives_the_full_capacity_logits[layer_types3-True]":
+        "more layouts",
+    # (Rings: the fast tier keeps the unscanned stacks.)
+    "tests/test_cache.py::test_rings_decode_ragged_prompts_and_speculative_rewinds_as_each_prompt_alone[True]":
+        "more layouts",
+    "tests/test_cache.py::test_a_row_evicted_and_refilled_decodes_as_its_prompt_alone[True]": "more layouts",
+    "tests/decoding/test_speculative.py::test_k_shrinks_to_fit_max_seq_len": "speculative decoding at the edge",
+    "tests/decoding/test_speculative.py::test_greedy_gives_generates_tokens[mha-interleaved-untied-lookup-4]":
+        "more proposers",
+    # (Fine-tuning: the fast tier keeps a LoRA run, its adapters and merged folder, and full fine-tuning.)
+    "tests/commands/test_finetune.py::test_resume_mid_run_gives_the_uninterrupted_runs_adapters_bit_for_bit":
+        "a fine-tuning run interrupted and resumed",
+    "tests/commands/test_finetune.py::test_the_report_knows_a_fine_tuning_run_and_recomputes_its_snapshots":
+        "the report of a fine-tuning run",
+    # (Processes under a memory limit; the library's estimate and refusal stay, test_untrusted's others.)
+    "tests/faults/test_untrusted.py::test_cli_under_an_address_space_limit_refuses_a_long_prompt_in_one_line":
+        "commands in processes under an address-space limit",
+    "tests/faults/test_untrusted.py::test_a_long_prompt_that_fits_decodes_and_xla_needs_no_more_than_the_estimate":
+        "a long prompt decoded",
+    "tests/faults/test_exports.py::test_exporting_a_finished_run_changes_nothing_in_the_run_dir":
+        "a finished run exported",
+    "tests/faults/test_nonfinite.py::test_train_report_rebuilds_a_run_that_diverged": "a diverged run's report",
+    "tests/serving/test_prefixes.py::test_a_prompt_beginning_as_a_cached_one_prefills_only_the_rest_and_decodes_the_same"
+    "[sliding]": "more layouts",
+    "tests/test_blockwise.py::test_memory_grows_linearly_in_blocks_and_as_the_square_dense": "memory at length",
+    # (Streams: tests/decoding/test_spans.py and test_generation.py; the command's own: its other tests.)
+    "tests/test_scan.py::test_stream_gives_generate_tokens": "more layouts streamed",
+    "tests/commands/test_generate.py::test_stream_prints_the_same_text": "the command's stream",
+    "tests/commands/test_generate.py::test_prompt_lookup_gives_the_same_text_in_fewer_passes":
+        "the command's proposers",
+    # (The command's checks: the fast tier keeps five; these two are the decoder's own tests too, test_decoder.py
+    # and test_cache.py.)
+    **{f"tests/commands/test_selfcheck.py::test_reference_check_passes[{check}]": "more checks"
+       for check in ("check_tying_and_shapes", "check_kv_cache")},
+    # (The numpy forward keeps GQA, MQA, untied and wider heads; the RoPE pairing and Qwen2's biases have files of
+    # their own, tests/convert.)
+    **{f"tests/test_decoder.py::test_matches_independent_numpy_forward[changes{i}]": "more layouts" for i in (1, 3, 5)},
+    # (Blocks against dense attention: each case with sinks, which computes all the plain case does; plain on GQA.)
+    **{f"tests/test_blockwise.py::test_blocks_equal_dense_attention_values_and_gradients[{case}-]": "more cases"
+       for case in ("causal, MHA", "padded rows", "queries after a cache", "sliding and softcap", "sliding window",
+                    "softcap")},
+    # (The kernels in the interpreter: each feature stays on each kernel; these cases are others' combinations.)
+    **{f"tests/kernels/test_mosaic_attention.py::test_matches_dense_attention[{case}]": "more cases"
+       for case in ("cached-keys", "causal-mha", "padded-rows")},
+    **{f"tests/kernels/test_triton_attention.py::test_float32_matches_dense[{case}]": "more cases"
+       for case in ("cached", "gqa")},
+    **{f"tests/kernels/test_decode_attention.py::test_matches_dense_attention[sliding_mha_partial_block-{platform}]":
+       "more cases" for platform in ("mosaic", "triton")},
+})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks

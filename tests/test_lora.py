@@ -229,7 +229,7 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(family, tm
         return label_smoothed_cross_entropy(out, batch["targets"], 0.0, ignore_id=-100), {}
 
     batch = {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(targets)}
-    value, grads = jax.value_and_grad(lambda a: loss(a, batch, None)[0])(adapters)
+    value, grads = jax.jit(jax.value_and_grad(lambda a: loss(a, batch, None)[0]))(adapters)  # (one compile)
     out.loss.backward()
     np.testing.assert_allclose(float(value), out.loss.item(), rtol=1e-5)
     named = dict(peer.named_parameters())
@@ -456,7 +456,7 @@ def test_lora_on_the_experts_equals_peft_one_step_and_the_adapter_files_go_both_
         out = adapted_logits(config, base, adapters, lora, batch["tokens"])
         return label_smoothed_cross_entropy(out, batch["targets"], 0.0, ignore_id=-100), {}
 
-    value, grads = jax.value_and_grad(lambda a: loss(a, batch, None)[0])(adapters)
+    value, grads = jax.jit(jax.value_and_grad(lambda a: loss(a, batch, None)[0]))(adapters)  # (one compile)
     out.loss.backward()
     np.testing.assert_allclose(float(value), out.loss.item(), rtol=1e-5)
     named = dict(peer.named_parameters())
