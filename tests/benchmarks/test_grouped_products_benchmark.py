@@ -1,5 +1,6 @@
 """`python -m benchmarks.grouped_products` small (no timing asserted): each way of the grouped
-product timed against the dense product of the same rows, for each number of tokens."""
+product timed against the dense product of the same rows, for each number of tokens, and the
+rates at which the experts' product and the dense one of the active size read their weights."""
 
 import json
 
@@ -13,4 +14,7 @@ def test_each_way_is_timed_against_the_dense_product(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 16]
     assert all(set(r["vs_dense"]) == {"in_blocks", "ragged"} and min(r["seconds"].values()) > 0 for r in rows)
-    assert "vs one dense product" in capsys.readouterr().out
+    assert all(set(r["read_gb_per_s"]) == {"in_blocks", "dense_active_row"} and min(r["read_gb_per_s"].values()) > 0
+               for r in rows)
+    printed = capsys.readouterr().out
+    assert "vs one dense product" in printed and "weights read at" in printed
