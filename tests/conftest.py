@@ -155,8 +155,8 @@ FULL_TIER = {
         "initial parameters compiled at XLA's full optimisation",
 }
 # Cached decoding against transformers' own, step by step: the fast tier keeps a plain family and two
-# of the parity file's layouts (the cache's own tests, test_cache.py, keep rings, windows and soft-caps
-# there); the others here.
+# of the parity file's layouts (rings and windows keep their cached decoding there in test_cache.py,
+# soft-capped attention in the decoding kernels' tests, tests/kernels); the others here.
 FULL_TIER.update({f"tests/families/test_families.py::test_cached_decoding_equals_transformers_and_the_full_forward"
                   f"[{family}]": "more families" for family in (
                       "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
