@@ -427,7 +427,8 @@ def test_lora_on_the_experts_equals_peft_one_step_and_the_adapter_files_go_both_
     transformers = import_peer("transformers")
     peft = import_peer("peft")
     if not hasattr(peft.LoraConfig(), "target_parameters"):
-        pytest.skip(f"peft {peft.__version__} adapts no parameters (target_parameters: peft 0.17 and later)")
+        pytest.skip(f"peft {peft.__version__} adapts no parameters (target_parameters: peft 0.17 and later, as the "
+                    f"peers extra pins it)")
     name, overrides = PEFT_EXPERTS[family]
     hf_config = transformers.AutoConfig.for_model(**tiny(name, **overrides))
     scaled_up(transformers.AutoModelForCausalLM.from_config(hf_config), seed=0).save_pretrained(tmp_path / "base")
