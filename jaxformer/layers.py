@@ -8,6 +8,7 @@ base, a width), and the module it builds (`spec.build(config, name)`), with its 
 names, shapes and sharding axes (`spec.weights(d_model)`):
 
     mixers          AttentionSpec -> GQASelfAttention    (jaxformer.attention)
+                    LatentAttentionSpec -> LatentAttention  (jaxformer.latent_attention: DeepSeek's MLA)
     feed-forwards   GatedMLPSpec  -> GatedMLP            (jaxformer.feedforward)
                     ExpertsSpec   -> Experts             (jaxformer.experts: a mixture of experts)
 
@@ -32,10 +33,11 @@ from jaxformer.attention import AttentionSpec, Part
 from jaxformer.config import DecoderConfig
 from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.latent_attention import LatentAttentionSpec
 from jaxformer.norms import RMSNorm
 
 NORM_PLACEMENTS = ("pre", "sandwich")  # a norm before each sublayer; or before and after it (its output's)
-MIXERS = (AttentionSpec,)  # the kinds of mixer a layer may have
+MIXERS = (AttentionSpec, LatentAttentionSpec)  # the kinds of mixer a layer may have
 FEED_FORWARDS = (GatedMLPSpec, ExpertsSpec)  # ... and of feed-forward
 
 
@@ -44,12 +46,12 @@ class LayerSpec:
     """One decoder layer.
 
     Attributes:
-      mixer: how positions exchange information, one of `MIXERS` (`AttentionSpec`).
+      mixer: how positions exchange information, one of `MIXERS` (`AttentionSpec`, `LatentAttentionSpec`).
       ffn: the position-wise feed-forward, one of `FEED_FORWARDS` (`GatedMLPSpec`, `ExpertsSpec`).
       norms: where the RMSNorms sit, one of `NORM_PLACEMENTS`.
     """
 
-    mixer: AttentionSpec
+    mixer: AttentionSpec | LatentAttentionSpec
     ffn: GatedMLPSpec | ExpertsSpec
     norms: str = "pre"
 
@@ -115,7 +117,10 @@ def shareable(specs: tuple[LayerSpec, ...]) -> bool:
     kinds = _kinds(specs)
 
     def shared(spec: LayerSpec):  # what one body holds for every layer it runs
-        return dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, window=None, rope_theta=1.0,
+        mixer = spec.mixer
+        if isinstance(mixer, LatentAttentionSpec):  # (its score scale, which its RoPE scaling may set, too)
+            mixer = dataclasses.replace(mixer, scale=mixer.softmax_scale)
+        return dataclasses.replace(spec, mixer=dataclasses.replace(mixer, window=None, rope_theta=1.0,
                                                                    rope_scaling=None))
 
     types = {s.mixer.attention_type for s in kinds}

@@ -288,6 +288,16 @@ FULL_TIER.update({
     # (The fast tier keeps vanilla's cached steps against teacher forcing.)
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[False-False]": "more layouts",
 })
+# Latent attention (MLA): the fast tier keeps the layer against transformers' DeepseekV3Attention (q_lora_rank,
+# interleaved RoPE, DeepSeek-V3's YaRN), absorbed decoding of a prompt then steps against the expanded form,
+# and the cache's size; the other configurations, pieces, LoRA and a window here.
+FULL_TIER.update({
+    **{f"tests/test_latent_attention.py::test_the_layer_equals_transformers_deepseek_attention[{case}]":
+       "more configurations" for case in ("v3-k2-yarn-no-q-lora", "v3-unequal-mscales", "v2-lite",
+                                          "v2-q-lora-plain-rope")},
+    **{f"tests/test_latent_attention.py::test_absorbed_decoding_over_the_latent_cache_equals_the_expanded_form"
+       f"[{case}]": "more layouts" for case in ("two-pieces", "lora-no-q-lora", "window")},
+})
 # The grouped-matmul kernels interpreted at the widest case, 4-16 s each (the fast tier keeps every other case on
 # both kernels, in float32 and in bfloat16).
 FULL_TIER.update({f"tests/kernels/test_grouped_matmul.py::{test}[{platform}-wide]": "the kernels interpreted, wider"

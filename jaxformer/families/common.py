@@ -121,7 +121,8 @@ def _longrope(hf: dict, given: dict, where: str, number: Callable) -> RopeScalin
 
 def _yarn(hf: dict, given: dict, where: str, number: Callable, context: int) -> RopeScaling:
     """YaRN's fields, with transformers' defaults: `factor` from the two contexts when
-    absent, and the attention factor from `mscale` / `mscale_all_dim` when given."""
+    absent, and the attention factor from `mscale` / `mscale_all_dim` when given; `mscale_all_dim`
+    kept too, for a latent attention's softmax scale (`RopeScaling.mscale_all_dim`)."""
     factor = number("factor", default=None)
     if factor is None:
         factor = field(hf, "max_position_embeddings", python_int, "a positive int") / context
@@ -138,7 +139,7 @@ def _yarn(hf: dict, given: dict, where: str, number: Callable, context: int) -> 
         fail(f"{where}.truncate", "must be true or false", truncate)
     return RopeScaling("yarn", factor, context, beta_fast=number("beta_fast", default=None),
                        beta_slow=number("beta_slow", default=None), attention_factor=attention_factor,
-                       truncate=truncate)
+                       truncate=truncate, mscale_all_dim=mscale_all_dim)
 
 
 def single_rope(hf: dict, *, default_theta: float = DEFAULT_ROPE_THETA) -> tuple[float, RopeScaling | None]:
