@@ -95,21 +95,17 @@ class LatentAttentionSpec:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def head_dim(self) -> int:
-        """The channels RoPE rotates, `qk_rope_head_dim`: what `decoder.views` keys a rotation by
-        (one RoPE for the mixers that rotate alike) and what `rope` gives angles for."""
-        return self.qk_rope_head_dim
+    def rotation(self) -> tuple:
+        """What RoPE's angles depend on, `(channels, base, scaling)`: the `qk_rope_head_dim` channels
+        alone (`decoder.views` computes one RoPE for the mixers that rotate alike)."""
+        return self.qk_rope_head_dim, self.rope_theta, self.rope_scaling
 
     @property
-    def n_kv_head(self) -> int:
-        """The heads a cache keeps a token: 1, the latent and the RoPE key every head shares."""
-        return 1
-
-    @property
-    def cache_widths(self) -> tuple[int, int]:
-        """What a cache keeps a token of a layer of this spec, as its k and v `[.., 1, width]`: the
-        normed latent (`kv_lora_rank`) and the rotated RoPE key (`qk_rope_head_dim`)."""
-        return self.kv_lora_rank, self.qk_rope_head_dim
+    def cache_entry(self) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """What a layer of this spec keeps per row (`jaxformer.cache.Entry`): a slot's "key" the
+        normed latent `[1, kv_lora_rank]` and its "value" the rotated RoPE key `[1, qk_rope_head_dim]`,
+        one each a token whatever the heads."""
+        return self.attention_type, ((1, self.kv_lora_rank), (1, self.qk_rope_head_dim))
 
     @property
     def softmax_scale(self) -> float:

@@ -289,14 +289,17 @@ FULL_TIER.update({
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[False-False]": "more layouts",
 })
 # Latent attention (MLA): the fast tier keeps the layer against transformers' DeepseekV3Attention (q_lora_rank,
-# interleaved RoPE, DeepSeek-V3's YaRN), absorbed decoding of a prompt then steps against the expanded form,
-# and the cache's size; the other configurations, pieces, LoRA and a window here.
+# interleaved RoPE, DeepSeek-V3's YaRN), a decoder of latent layers decoding over its latent cache (absorbed) as
+# its full forward (expanded), and the cache's size; the other configurations, the layer's absorbed form in
+# pieces, with LoRA and over a window, and the scanned decoder here.
 FULL_TIER.update({
     **{f"tests/test_latent_attention.py::test_the_layer_equals_transformers_deepseek_attention[{case}]":
        "more configurations" for case in ("v3-k2-yarn-no-q-lora", "v3-unequal-mscales", "v2-lite",
                                           "v2-q-lora-plain-rope")},
-    **{f"tests/test_latent_attention.py::test_absorbed_decoding_over_the_latent_cache_equals_the_expanded_form"
-       f"[{case}]": "more layouts" for case in ("two-pieces", "lora-no-q-lora", "window")},
+    "tests/test_latent_attention.py::test_absorbed_decoding_over_the_latent_cache_equals_the_expanded_form":
+        "more layouts",
+    "tests/test_latent_attention.py::test_a_decoder_of_latent_layers_decodes_over_its_cache_as_its_full_forward"
+    "[scanned]": "more layouts",
 })
 # The grouped-matmul kernels interpreted at the widest case, 4-16 s each (the fast tier keeps every other case on
 # both kernels, in float32 and in bfloat16).

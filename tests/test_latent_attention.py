@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 from conftest import SMALL, import_peer, jit_apply, torch_peer
 
-from jaxformer import KVCache
+from jaxformer import Decoder, DecoderConfig, KVCache
 from jaxformer.attention import Part
-from jaxformer.cache import LayerKV
+from jaxformer.cache import Entry
 from jaxformer.config import LoraConfig
+from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.families.common import rope
+from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.latent_attention import LatentAttention, LatentAttentionSpec
+from jaxformer.layers import LayerSpec
 from jaxformer.lora import init_lora
 from jaxformer.positions import rope_attention_factor
 
@@ -129,10 +132,10 @@ def test_the_layer_equals_transformers_deepseek_attention(case):
 
 def latent_cache(batch: int, slots: int, spec: LatentAttentionSpec, dtype=jnp.float32) -> KVCache:
     """An empty cache of one latent layer: k the latents `[batch, slots, 1, r]`, v the RoPE keys."""
-    r, rope_width = spec.cache_widths
-    return KVCache(layers=(LayerKV(k=jnp.zeros((batch, slots, 1, r), dtype),
-                                   v=jnp.zeros((batch, slots, 1, rope_width), dtype)),),
-                   pos=jnp.zeros((batch,), jnp.int32), capacity=slots)
+    kind, (latent, rope_key) = spec.cache_entry
+    assert kind == spec.attention_type and latent == (1, R) and rope_key == (1, ROPE)
+    return KVCache.zeros(batch, slots, n_layer=1, n_kv_head=1, head_dim=1, max_seq_len=slots, dtype=dtype,
+                         entries=(Entry(*spec.cache_entry),))
 
 
 def cached_calls(spec, variables, x, pieces, config=CONFIG, slots=24):
@@ -178,13 +181,51 @@ def test_absorbed_decoding_over_the_latent_cache_equals_the_expanded_form(case):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def decoder_of(spec: LatentAttentionSpec, n_layer: int = 2, **changes) -> DecoderConfig:
+    """A decoder of `n_layer` latent attention layers (and gated MLPs 48 wide) on `CONFIG`'s widths."""
+    return CONFIG.replace(n_layer=n_layer, rope_pairing=spec.rope_pairing, max_seq_len=64,
+                          layers=(LayerSpec(spec, GatedMLPSpec(48)),) * n_layer, **changes)
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["layers", "scanned"])
+def test_a_decoder_of_latent_layers_decodes_over_its_cache_as_its_full_forward(scanned):
+    """A decoder whose layers are latent attention: its cache (`KVCache.create`, each layer's
+    entry a latent and a RoPE key a slot) prefilled with a prompt, then a token a step, gives the
+    full forward's logits; each layer's RoPE is over its rope channels (`views` keys it so)."""
+    spec = spec_of(V3_YARN, Q_RANK, "interleaved")
+    config = decoder_of(spec, scan_layers=scanned)
+    model = Decoder(config)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    rng = np.random.default_rng(7)  # (numpy's draws: no program compiled per shape) norms' weights around 1
+    params = {"params": jax.tree.map(lambda a: jnp.asarray((a.ndim == 1) + 0.3 * rng.normal(size=a.shape),
+                                                           jnp.float32), shapes)}
+    tokens = jnp.asarray(np.random.default_rng(8).integers(0, 64, (2, 10)), jnp.int32)
+    want = jit_apply(model, params, tokens)[0]
+    cache = model.init_cache(2, 16)
+    assert [leaf.shape[-2:] for leaf in jax.tree.leaves(cache.layers)][:2] == [(1, R), (1, ROPE)]
+    got = []
+    for start, stop in [(0, 6)] + [(t, t + 1) for t in range(6, 10)]:
+        logits, cache = jit_apply(model, params, tokens[:, start:stop], cache)
+        got.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(got, axis=1), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_the_cache_keeps_the_latent_and_the_rope_key_a_token():
     """DeepSeek-V3's layer: 512 + 64 = 576 numbers a token and layer in the latent cache, against
     128 heads x (128 + 64 + 128) = 40,960 for the expanded keys and values (71x)."""
     spec = LatentAttentionSpec(n_head=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                                qk_rope_head_dim=64, v_head_dim=128, rope_theta=1e4, rope_scaling=None)
-    cache = latent_cache(1, 32, spec, jnp.bfloat16)
+    config = decoder_of(spec, n_layer=1, n_head=128, n_kv_head=128, d_model=7168, cache_dtype=jnp.bfloat16)
+    cache = KVCache.create(config, 1, capacity=32)
     per_token = cache.nbytes // cache.capacity  # one row, one layer
     assert per_token == (512 + 64) * 2
     expanded_heads = spec.n_head * (spec.qk_head_dim + spec.v_head_dim) * 2
     assert expanded_heads == 40960 * 2 and expanded_heads / per_token == pytest.approx(71.1, abs=0.05)
+
+
+def test_moving_the_rope_pairing_refuses_latent_layers():
+    """`with_rope_pairing` permutes GQA's q and k channels: a latent layer's RoPE channels are parts of
+    its query's and latent's projections, refused in one line rather than permuted wrong."""
+    config = decoder_of(spec_of(None, Q_RANK, "interleaved"))
+    with pytest.raises(ValueError, match="with_rope_pairing: config.layers holds latent attention"):
+        with_rope_pairing(config, {}, "split_half")
