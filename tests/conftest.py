@@ -300,6 +300,13 @@ FULL_TIER.update({
         "more layouts",
     "tests/test_latent_attention.py::test_a_decoder_of_latent_layers_decodes_over_its_cache_as_its_full_forward"
     "[scanned]": "more layouts",
+    # (DeepSeek's families: the fast tier keeps DeepSeek-V3's logits against transformers and each feature's guard.)
+    **{f"tests/families/test_families.py::test_logits_equal_transformers_and_each_feature_counts[{family}]":
+       "more latent-attention families" for family in ("Kimi-K2-Instruct", "DeepSeek-V2-Lite")},
+    **{f"tests/families/test_families.py::{test}[{family}]": "latent-attention families at length"
+       for test in ("test_cached_decoding_equals_transformers_and_the_full_forward",
+                    "test_save_hf_writes_the_family_that_transformers_reopens")
+       for family in ("DeepSeek-V3", "Kimi-K2-Instruct", "DeepSeek-V2-Lite")},
 })
 # The grouped-matmul kernels interpreted at the widest case, 4-16 s each (the fast tier keeps every other case on
 # both kernels, in float32 and in bfloat16).

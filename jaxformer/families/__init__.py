@@ -3,6 +3,7 @@ its tensors (`common.Family`); the model itself is shared. To add a family, writ
 module and add its `Family` to `FAMILIES` (docs/architecture.md, "Checkpoint families")."""
 
 from jaxformer.families.common import Family
+from jaxformer.families.deepseek import DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K2
 from jaxformer.families.gemma import GEMMA, GEMMA2, GEMMA3
 from jaxformer.families.gpt_oss import GPT_OSS
 from jaxformer.families.llama import LLAMA, MISTRAL, QWEN2
@@ -13,7 +14,8 @@ from jaxformer.families.qwen3 import QWEN3
 from jaxformer.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3,
-                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GPT_OSS)}
+                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GPT_OSS, DEEPSEEK_V3,
+                                                         KIMI_K2, DEEPSEEK_V2)}
 
 
 def family_of(config) -> Family:

@@ -361,6 +361,10 @@ class Family:
       layer_tensors: `(config, i) -> [Tensor]`, layer i's tensors (`model.layers.{i}.`).
       features: the values of `PLAIN_FEATURES` fields this format holds, a tuple or `ANY`
         per field; a field not named must have its plain value.
+      pairings: the RoPE pairings its checkpoints hold as they are (`save_hf` moves another to
+        the first): split-half alone, transformers' only one, but where a family says otherwise.
+      ignored: `(config, key) -> bool`, the checkpoint tensors `load_hf` skips (DeepSeek's
+        multi-token prediction layers); None: none, every tensor must be the table's.
     """
 
     model_type: str
@@ -369,6 +373,8 @@ class Family:
     write: Callable[[DecoderConfig], dict]
     layer_tensors: Callable[[DecoderConfig, int], list[Tensor]]
     features: dict = dataclasses.field(default_factory=dict)
+    pairings: tuple[str, ...] = ("split_half",)
+    ignored: Callable[[DecoderConfig, str], bool] | None = None
 
     def tensors(self, config: DecoderConfig) -> list[Tensor]:
         """Every tensor of the checkpoint (both directions read this one table)."""
