@@ -221,6 +221,20 @@ FULL_TIER.update({
     **{f"tests/kernels/test_grouped_matmul.py::test_float32_equals_in_blocks_a_loop_and_the_dense_gradients"
        f"[{platform}-{case}]": "more layouts" for platform in ("triton", "mosaic") for case in ("tiles", "capacity")},
 })
+# SmolLM3, OLMo 2 and OLMo 3: the fast tier keeps OLMo 3's logits against transformers, scanned too, with each
+# feature's guard (the norms after each sublayer, q/k norms over the projection, its windows, YaRN on its full
+# layers alone), and the layer features against the float64 forward, scanned too (tests/test_layers.py: NoPE
+# layers, the "post" norms); the other two's logits, the three's cached decoding and save_hf, and OLMo 2's LoRA
+# against peft here (their greedy runs with every family's, above).
+FULL_TIER.update({
+    **{f"tests/families/test_families.py::test_logits_equal_transformers_and_each_feature_counts[{family}]":
+       "more families" for family in ("SmolLM3-3B", "OLMo-2-1124-7B")},
+    **{f"tests/families/test_families.py::{test}[{family}]": "more families"
+       for test in ("test_cached_decoding_equals_transformers_and_the_full_forward",
+                    "test_save_hf_writes_the_family_that_transformers_reopens")
+       for family in ("SmolLM3-3B", "OLMo-2-1124-7B", "Olmo-3-1025-7B")},
+    "tests/test_lora.py::test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways[olmo2]": "more families",
+})
 # (A mixture's fine-tuning run end to end; the fast tier keeps the layer's load-balancing loss against
 # transformers', tests/test_experts.py, and dense fine-tuning's runs.)
 FULL_TIER["tests/commands/test_finetune.py::test_a_mixture_of_experts_trains_with_its_load_balancing_loss"] = \
