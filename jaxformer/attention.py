@@ -301,6 +301,12 @@ class AttentionSpec:
         `[n_kv_head, head_dim]` a slot, every position's or a ring's."""
         return self.attention_type, ((self.n_kv_head, self.head_dim),) * 2
 
+    @property
+    def rotation(self) -> tuple:
+        """What RoPE's angles depend on, `(channels, base, scaling, use_rope)` (`decoder.views`
+        computes one RoPE for the mixers that rotate alike; a NoPE layer's is the identity)."""
+        return self.head_dim, self.rope_theta, self.rope_scaling, self.use_rope
+
     def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:
         """RoPE's `cos, sin` `[..., T, head_dim/2]` at `position` (int `[T]` or `[batch, T]`); a NoPE
         layer's are 1 and 0, the identity rotation (`a * 1 - b * 0` is `a` exactly), so that a scanned

@@ -302,6 +302,26 @@ FULL_TIER.update({
     # (The fast tier keeps vanilla's cached steps against teacher forcing.)
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[False-False]": "more layouts",
 })
+# Latent attention (MLA): the fast tier keeps the layer against transformers' DeepseekV3Attention (q_lora_rank,
+# interleaved RoPE, DeepSeek-V3's YaRN), a decoder of latent layers decoding over its latent cache (absorbed) as
+# its full forward (expanded), and the cache's size; the other configurations, the layer's absorbed form in
+# pieces, with LoRA and over a window, and the scanned decoder here.
+FULL_TIER.update({
+    **{f"tests/test_latent_attention.py::test_the_layer_equals_transformers_deepseek_attention[{case}]":
+       "more configurations" for case in ("v3-k2-yarn-no-q-lora", "v3-unequal-mscales", "v2-lite",
+                                          "v2-q-lora-plain-rope")},
+    "tests/test_latent_attention.py::test_absorbed_decoding_over_the_latent_cache_equals_the_expanded_form":
+        "more layouts",
+    "tests/test_latent_attention.py::test_a_decoder_of_latent_layers_decodes_over_its_cache_as_its_full_forward"
+    "[scanned]": "more layouts",
+    # (DeepSeek's families: the fast tier keeps DeepSeek-V3's logits against transformers and each feature's guard.)
+    **{f"tests/families/test_families.py::test_logits_equal_transformers_and_each_feature_counts[{family}]":
+       "more latent-attention families" for family in ("Kimi-K2-Instruct", "DeepSeek-V2-Lite")},
+    **{f"tests/families/test_families.py::{test}[{family}]": "latent-attention families at length"
+       for test in ("test_cached_decoding_equals_transformers_and_the_full_forward",
+                    "test_save_hf_writes_the_family_that_transformers_reopens")
+       for family in ("DeepSeek-V3", "Kimi-K2-Instruct", "DeepSeek-V2-Lite")},
+})
 # The grouped-matmul kernels interpreted at the widest case, 4-16 s each (the fast tier keeps every other case on
 # both kernels, in float32 and in bfloat16).
 FULL_TIER.update({f"tests/kernels/test_grouped_matmul.py::{test}[{platform}-wide]": "the kernels interpreted, wider"

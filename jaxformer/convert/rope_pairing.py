@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxformer.config import ROPE_PAIRINGS, DecoderConfig
+from jaxformer.latent_attention import LatentAttentionSpec
 from jaxformer.positions import interleaved_to_split_half
 from jaxformer.validation import one_of
 
@@ -30,6 +31,9 @@ def with_rope_pairing(config: DecoderConfig, params, pairing: str):
     one_of(pairing, "pairing", ROPE_PAIRINGS)
     if pairing == config.rope_pairing:
         return config, params
+    if any(isinstance(spec.mixer, LatentAttentionSpec) for spec in config.layers):
+        raise ValueError("with_rope_pairing: config.layers holds latent attention, whose RoPE channels are a "
+                         "part of its query's and latent's projections; its checkpoints' pairing is read as it is")
     perm = interleaved_to_split_half(config.head_dim)  # split_half[..., i] = interleaved[..., perm[i]]
     if pairing == "interleaved":
         perm = np.argsort(perm)
