@@ -34,6 +34,7 @@ QKV = "qkv"  # which of Q, K, V in a packed projection
 LAYERS = "layers"  # the block a stacked parameter belongs to (a scanned model); never split
 EXPERTS = "experts"  # which expert of a mixture (`jaxformer.experts`) a stacked parameter is
 ROUTES = "routes"  # a router's score per expert; never split: every device routes its own tokens
+CONV = "conv"  # the taps of a short convolution (Gated DeltaNet's); never split: each is a few numbers
 
 # (logical axis, mesh axis, strategies), in order of preference. A mesh axis splits at
 # most one dimension of an array, and a dimension that does not divide evenly over it is
