@@ -392,6 +392,7 @@ FULL_TIER.update({
     **{f"tests/test_deltanet.py::test_the_chunked_form_equals_the_recurrent_one[{T}]": "more lengths"
        for T in ("chunk-1", "chunk", "chunk+1")},
     "tests/test_deltanet.py::test_the_chunked_forms_gradients_equal_the_recurrent_ones": "the two forms' gradients",
+    "tests/test_deltanet.py::test_the_unit_lower_inverse_is_the_float64_inverse": "the chunks' inverse alone",
     "tests/test_deltanet.py::test_a_prompt_in_pieces_padded_after_their_ends_equals_it_in_one":
         "states across calls, and padding",
     "tests/test_deltanet.py::test_both_forms_equal_transformers_torch_rules": "each form against transformers'",

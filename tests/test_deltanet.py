@@ -22,6 +22,7 @@ from jaxformer.deltanet import (
     l2_normalize,
     linear_attention,
     recurrent_delta_rule,
+    unit_lower_inverse,
 )
 
 CHUNK = 8  # small chunks: the lengths below cross several at tiny sizes
@@ -77,6 +78,17 @@ def test_the_chunked_forms_gradients_equal_the_recurrent_ones(T):
 
     for got, want in zip(scalar(_chunked)(*inputs), scalar(_recurrent)(*inputs)):
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("C", [1, 7, 64])
+def test_the_unit_lower_inverse_is_the_float64_inverse(C):
+    """`unit_lower_inverse` against NumPy's float64 inverse of `I + A`: for random strictly lower `A`
+    (C not a power of two too), and for A all ones below the diagonal, whose inverse is `I` minus the
+    first subdiagonal while its series `sum (-A)^m` has terms of binomial size (~1e17 at 64)."""
+    A = jnp.tril(jax.random.uniform(jax.random.key(10), (3, C, C)), -1)
+    for a in (A, jnp.tril(jnp.ones((C, C)), -1)):
+        want = np.linalg.inv(np.eye(C) + np.asarray(a, np.float64))
+        np.testing.assert_allclose(jax.jit(unit_lower_inverse)(a), want, atol=1e-6 * np.abs(want).max(), rtol=0)
 
 
 def _states_from(spec, rows, dtype=jnp.float32):
