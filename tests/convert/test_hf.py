@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxformer import Decoder, RopeScaling
 from jaxformer.convert import config_from_hf, config_to_hf, load_hf, save_hf
+from jaxformer.families.common import Tensor, whole_shape
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
@@ -149,6 +150,16 @@ def test_config_round_trips_through_config_json():
     (dict(MIXTRAL, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=32), "shared_expert_intermediate_size"),
     (dict(MIXTRAL, model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
     (dict(MIXTRAL, model_type="gpt_oss", sliding_window=128, swiglu_limit=-7.0), "swiglu_limit"),
+    # SmolLM3 and OLMo: what they state per layer, and what transformers reads otherwise than it says
+    (dict(model_type="smollm3", use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+    (dict(model_type="smollm3", no_rope_layers=[1, 0]), "no_rope_layers"),  # fewer than the layers
+    (dict(model_type="smollm3", no_rope_layers=[1, 0, 2]), "no_rope_layers"),
+    (dict(model_type="olmo2", attention_bias=True), "attention_bias"),
+    (dict(model_type="olmo3"), "rope_parameters"),  # flat: transformers' olmo3 ignores it
+    (dict(model_type="olmo3", rope_parameters=None, rope_theta=1e4), "rope_theta"),  # its sliding layers at 5e5
+    (dict(model_type="olmo3", rope_parameters={"full_attention": {"rope_theta": 5e5}, "sliding_attention": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}), "rope_parameters.sliding_attention.rope_type"),
+    (dict(model_type="olmo3", rope_parameters=None, sliding_window=None), "sliding_window"),
 ])
 def test_unrepresentable_configs_are_refused_by_name(changes, field):
     with pytest.raises(ValueError, match=f"config.json {field}:"):
@@ -165,6 +176,26 @@ def test_sliding_windows_are_read_per_layer_as_each_family_applies_them():
     assert config_from_hf({**qwen, "use_sliding_window": False}).sliding_window is None  # the flag rules
     listed = {**qwen, "layer_types": ["sliding_attention", "full_attention", "full_attention"]}
     assert config_from_hf(listed).attention_types == ("sliding", "full", "full")  # layer_types rules
+
+
+def test_per_layer_features_are_read_as_transformers_makes_them():
+    """SmolLM3's NoPE layers from `no_rope_layer_interval` where `no_rope_layers` is absent; OLMo 3's
+    windows three layers of four by default, YaRN on its full layers alone in either RoPE form."""
+    smol = config_from_hf({**LLAMA, "model_type": "smollm3", "no_rope_layer_interval": 2})
+    assert [spec.mixer.use_rope for spec in smol.layers] == [True, False, True] and smol.rope_theta == 500.0
+    assert config_from_hf({**LLAMA, "model_type": "smollm3", "rope_parameters": None}).rope_theta == 2e6  # its own
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "rope_theta": 5e5}
+    older = {**LLAMA, "model_type": "olmo3", "num_hidden_layers": 4, "rope_parameters": None, "rope_theta": 5e5,
+             "rope_scaling": {k: v for k, v in yarn.items() if k != "rope_theta"}}
+    newer = {**older, "rope_scaling": None, "rope_theta": None, "rope_parameters": {
+        "full_attention": yarn, "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}}
+    for hf in (older, newer):
+        olmo = config_from_hf(hf)
+        assert olmo.attention_types == ("sliding", "sliding", "sliding", "full") and olmo.sliding_window == 4096
+        assert (olmo.rope_scaling.kind, olmo.local_rope_theta) == ("yarn", 5e5)  # the sliding layers unscaled
+        assert {(spec.norms, spec.mixer.qk_norm_over) for spec in olmo.layers} == {("post", "projection")}
+    same = config_from_hf({**newer, "rope_parameters": {"full_attention": yarn, "sliding_attention": yarn}})
+    assert same.local_rope_theta is None and same.rope_scaling.kind == "yarn"  # every layer scaled alike
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(tie_embeddings=False), dict(qkv_bias=True),
@@ -259,3 +290,19 @@ def test_save_refuses_params_of_another_config(tmp_path):
         save_hf(SMALL.replace(tie_embeddings=False), params, str(tmp_path))
     with pytest.raises(ValueError, match=r"params\['block_0'\]\['attn'\]\['wq'\]: expected shape \(64, 8, 8\)"):
         save_hf(SMALL.replace(n_head=8, n_kv_head=2), params, str(tmp_path))
+
+
+def test_a_tensors_parts_by_rows_of_each_group_read_and_write_back_the_whole():
+    """`Tensor.grouped`: parts that take rows `start .. stop - 1` of every group of `size` rows
+    (Qwen3-Next's `in_proj_qkvz`, each key head's q, k, v and z together) read each part's rows
+    in group order, and written back fill the whole tensor as it was."""
+    whole = np.arange(3 * 5 * 2).reshape(15, 2)  # 3 groups of 5 rows: 2 of one part, then 3 of the other
+    a = Tensor("w", (6, 2), ("a",), (6, 2), grouped=(5, 0, 2))
+    b = Tensor("w", (9, 2), ("b",), (9, 2), grouped=(5, 2, 5))
+    np.testing.assert_array_equal(whole[a.index][:, 0], [0, 2, 10, 12, 20, 22])
+    np.testing.assert_array_equal(whole[b.index][:, 0], [4, 6, 8, 14, 16, 18, 24, 26, 28])
+    assert whole_shape([a, b]) == (15, 2)
+    back = np.zeros_like(whole)
+    for part in (a, b):
+        back[part.index] = whole[part.index]
+    np.testing.assert_array_equal(back, whole)
