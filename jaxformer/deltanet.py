@@ -253,8 +253,14 @@ class GatedDeltaNetSpec:
 
     @property
     def attention_type(self) -> str:
-        """"linear": a cache keeps the layer's states (`initial_states`), not slots of keys."""
+        """"linear": a cache keeps the layer's states, not slots of keys."""
         return "linear"
+
+    @property
+    def cache_entry(self) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """What a layer of this spec keeps per row (`jaxformer.cache.Entry`): its conv inputs
+        `[conv_kernel - 1, channels]` and its state `[n_value_head, key_dim, value_dim]`, at any length."""
+        return "linear", ((self.conv_kernel - 1, self.channels), (self.n_value_head, self.key_dim, self.value_dim))
 
     @property
     def channels(self) -> int:
@@ -264,8 +270,8 @@ class GatedDeltaNetSpec:
     def initial_states(self, rows: int, dtype) -> tuple[jax.Array, jax.Array]:
         """`(conv_state [rows, conv_kernel - 1, channels] in dtype, state float32 [rows, n_value_head,
         key_dim, value_dim])`, zeros: the states of rows with nothing before them."""
-        return (jnp.zeros((rows, self.conv_kernel - 1, self.channels), dtype),
-                jnp.zeros((rows, self.n_value_head, self.key_dim, self.value_dim), jnp.float32))
+        conv, state = self.cache_entry[1]
+        return jnp.zeros((rows, *conv), dtype), jnp.zeros((rows, *state), jnp.float32)
 
     def weights(self, d_model: int) -> dict[str, Weight]:
         """The parameters a layer of this spec holds, by name (the gated norm's `norm/weight` is its
@@ -316,8 +322,10 @@ class GatedDeltaNet(nn.Module):
     @nn.compact
     def __call__(self, x, parts, layer=None, is_sliding=None):
         """`(y [batch, T, d_model], caches)` of `x [batch, T, d_model]` (a grouped call's `[1, N,
-        d_model]`), each of the call's `attention.Part`s run from its rows' states: zeros without a
-        cache, and then none is kept (`layer`, `is_sliding`: the mixers' protocol; unread)."""
+        d_model]`), each of the call's `attention.Part`s run from its rows' states: layer `layer`'s
+        in its cache (`cache.layer(layer, ("linear",))`, written back after the call; a row's tokens
+        at positions from `cache.stop` on are padding, which changes neither state), or zeros without
+        one (and none kept). `is_sliding`: the mixers' protocol; unread."""
         c, s = self.config, self.spec
         table = s.weights(c.d_model)
 
@@ -344,13 +352,20 @@ class GatedDeltaNet(nn.Module):
         grouped = len(parts) > 1
         outs, written, start = [], [], 0
         for part in parts:  # (one, unless groups of rows share the call: each from its own states)
-            if part.cache is not None:
-                raise NotImplementedError("GatedDeltaNet: a call with a cache (its states are not kept yet)")
-            conv_state, state = s.initial_states(part.rows, qkv.dtype)
-            o, _, _ = linear_attention(s, *(part.take(p, start, grouped) for p in (qkv, g, beta)), conv_weight,
-                                       conv_state, state)
+            cache, valid = part.cache, None
+            if cache is None:
+                conv_state, state = s.initial_states(part.rows, qkv.dtype)
+            else:
+                view = cache.layer(layer, ("linear",))
+                conv_state, state = view.read()  # [rows, K - 1, channels], [rows, heads, d_k, d_v]
+                if cache.stop is not None:  # [rows, T]: the tokens before each row's stop
+                    valid = cache.pos[:, None] + jnp.arange(part.T) < cache.stop[:, None]
+            o, conv_state, state = linear_attention(s, *(part.take(p, start, grouped) for p in (qkv, g, beta)),
+                                                    conv_weight, conv_state, state, valid)
+            if cache is not None:
+                cache = cache.with_layer(layer, view.write(conv_state, state))
             outs.append(o.reshape(1, -1, *o.shape[2:]) if grouped else o)
-            written.append(part.cache)
+            written.append(cache)
             start += part.rows * part.T
         o = (jnp.concatenate(outs, axis=1) if grouped else outs[0]).astype(x.dtype)  # [batch, T, heads, d_v]
         o = GatedRMSNorm(c.norm_eps, c.param_dtype, name="norm")(o, z)  # norm(o) * silu(z), per head

@@ -409,6 +409,7 @@ FULL_TIER.update({
     "tests/test_deltanet.py::test_the_unit_lower_inverse_is_the_float64_inverse": "the chunks' inverse alone",
     "tests/test_deltanet.py::test_a_prompt_in_pieces_padded_after_their_ends_equals_it_in_one":
         "states across calls, and padding",
+    "tests/test_deltanet.py::test_the_layer_from_its_cache_continues_rows_as_one_call": "the layer's cached path",
     "tests/test_deltanet.py::test_both_forms_equal_transformers_torch_rules": "each form against transformers'",
     "tests/test_deltanet.py::test_the_layer_equals_transformers_gated_deltanet[qwen3_5]": "Qwen3.5's projections",
     "tests/test_deltanet.py::test_the_gated_norm_is_transformers_in_bfloat16": "the gated norm in bfloat16",
