@@ -246,6 +246,11 @@ class AttentionSpec:
       sinks: a learned logit per query head joins each row's softmax and is dropped after it
         (gpt-oss's attention sinks: a row may give less than all its weight to the keys).
       o_bias: the output projection carries a bias (gpt-oss).
+      output_gate: each head's output is gated, `out * sigmoid(gate)` before the output projection,
+        the gate a second projection like q's: `wq` `[d_model, n_head, 2 head_dim]` gives each head
+        its query's channels then its gate's (Qwen3-Next's and Qwen3.5's doubled `q_proj`).
+      partial_rotary_factor: RoPE rotates each head's first `rotary_dim = int(head_dim * factor)`
+        channels of q and k (split in halves among themselves) and passes the rest (Qwen3-Next: 0.25).
     """
 
     n_head: int
@@ -263,21 +268,32 @@ class AttentionSpec:
     sinks: bool = False
     o_bias: bool = False
     use_rope: bool = True
+    output_gate: bool = False
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self):
         if self.qk_norm_over not in QK_NORMS:
             raise ValueError(f"AttentionSpec.qk_norm_over must be one of {QK_NORMS} (got {self.qk_norm_over!r})")
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"AttentionSpec.partial_rotary_factor must rotate an even number of channels, 2 .. "
+                             f"head_dim={self.head_dim} (got {self.partial_rotary_factor}: {self.rotary_dim})")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The channels of each head RoPE rotates, the first ones: `int(head_dim * partial_rotary_factor)`."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def weights(self, d_model: int) -> dict[str, "Weight"]:
         """The matrices and biases a layer of this spec holds, by name: what `GQASelfAttention`
         declares, and what a checkpoint family's table and the sharding rules read."""
         H, K, D = self.n_head, self.n_kv_head, self.head_dim
-        weights = {"wq": Weight((d_model, H, D), (EMBED, HEADS, HEAD_DIM)),
+        Q = 2 * D if self.output_gate else D  # q's channels per head, its gate's after them where it has one
+        weights = {"wq": Weight((d_model, H, Q), (EMBED, HEADS, HEAD_DIM)),
                    "wk": Weight((d_model, K, D), (EMBED, KV_HEADS, HEAD_DIM)),
                    "wv": Weight((d_model, K, D), (EMBED, KV_HEADS, HEAD_DIM)),
                    "wo": Weight((H, D, d_model), (HEADS, HEAD_DIM, EMBED), inputs=2)}  # o reads heads x channels
         if self.qkv_bias:
-            weights.update(bq=Weight((H, D), (HEADS, HEAD_DIM), inputs=0),
+            weights.update(bq=Weight((H, Q), (HEADS, HEAD_DIM), inputs=0),
                            bk=Weight((K, D), (KV_HEADS, HEAD_DIM), inputs=0),
                            bv=Weight((K, D), (KV_HEADS, HEAD_DIM), inputs=0))
         if self.sinks:
@@ -305,16 +321,16 @@ class AttentionSpec:
     def rotation(self) -> tuple:
         """What RoPE's angles depend on, `(channels, base, scaling, use_rope)` (`decoder.views`
         computes one RoPE for the mixers that rotate alike; a NoPE layer's is the identity)."""
-        return self.head_dim, self.rope_theta, self.rope_scaling, self.use_rope
+        return self.rotary_dim, self.rope_theta, self.rope_scaling, self.use_rope
 
     def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """RoPE's `cos, sin` `[..., T, head_dim/2]` at `position` (int `[T]` or `[batch, T]`); a NoPE
+        """RoPE's `cos, sin` `[..., T, rotary_dim/2]` at `position` (int `[T]` or `[batch, T]`); a NoPE
         layer's are 1 and 0, the identity rotation (`a * 1 - b * 0` is `a` exactly), so that a scanned
         body may run RoPE and NoPE layers alike, picking each layer's angles (`layers.shareable`)."""
         if not self.use_rope:
-            shape = (*position.shape, self.head_dim // 2)
+            shape = (*position.shape, self.rotary_dim // 2)
             return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
-        return rope_cos_sin(position, rope_frequencies(position, self.head_dim, self.rope_theta, self.rope_scaling),
+        return rope_cos_sin(position, rope_frequencies(position, self.rotary_dim, self.rope_theta, self.rope_scaling),
                             rope_attention_factor(self.rope_scaling))
 
     def view(self, position: jax.Array, key_position: jax.Array, rope=None) -> tuple[jax.Array, jax.Array, Visibility]:
@@ -329,7 +345,7 @@ class AttentionSpec:
 
 class Part(NamedTuple):
     """One group of rows of a call, as a mixer reads it: `rows` rows of `T` tokens, their RoPE
-    angles `cos, sin` `[rows, T, head_dim/2]` (or `[T, ...]`), `masks` `{attention type:
+    angles `cos, sin` `[rows, T, rotary_dim/2]` (or `[T, ...]`), `masks` `{attention type:
     Visibility}` (the types its layer may be) and the model's cache for them (a `KVCache`, or None).
 
     A call is one part, whose tokens are `x`'s `[batch, T]`; a serving engine's step and a
@@ -395,11 +411,13 @@ class GQASelfAttention(nn.Module):
         wq, wk, wv, wo = weight("wq"), weight("wk"), weight("wv"), weight("wo", residual_init)
 
         # (`project`: the einsums, plus an adapter's low-rank term where `config.lora` adds one.)
-        q, k, v = project(self, x, ("wq", "btd,dhk->bthk", wq),  # [batch, T, n_head, head_dim]
+        q, k, v = project(self, x, ("wq", "btd,dhk->bthk", wq),  # [batch, T, n_head, head_dim (x2 with a gate)]
                           ("wk", "btd,dnk->btnk", wk), ("wv", "btd,dnk->btnk", wv))  # [batch, T, n_kv, head_dim]
         zeros = nn.initializers.zeros
         if a.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
             q, k, v = q + weight("bq", zeros), k + weight("bk", zeros), v + weight("bv", zeros)
+        if a.output_gate:  # each head's channels: its query's, then its output gate's
+            q, gate = jnp.split(q, 2, axis=-1)  # [batch, T, n_head, head_dim] each
         if a.qk_norm and a.qk_norm_over == "head":  # each head's q and k over its channels: bounded scores (Qwen3)
             q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="q_norm")(q)
             k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="k_norm")(k)
@@ -441,6 +459,8 @@ class GQASelfAttention(nn.Module):
             written.append(cache)
             start += part.rows * part.T
         out = jnp.concatenate(outs, axis=1) if grouped else outs[0]  # [batch, T, n_head, head_dim]
+        if a.output_gate:  # how much of each head's channels passes (Qwen3-Next)
+            out = out * jax.nn.sigmoid(gate)
         (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # concat heads, then W_O: [batch, T, d_model]
         if a.o_bias:  # gpt-oss's o_proj bias, added as a Linear layer adds it
             y = y + weight("bo", zeros)

@@ -91,7 +91,7 @@ def scan_inputs(specs: tuple[LayerSpec, ...], segment: Segment) -> tuple:
 
 def views(specs: tuple[LayerSpec, ...], position: jax.Array, key_positions: dict) -> dict:
     """`{view_key(mixer spec): its view}` for each distinct mixer among `specs` (`AttentionSpec.view`:
-    RoPE's `cos, sin` `[..., T, head_dim/2]` at the query positions, int `[T]` or `[batch, T]`, and
+    RoPE's `cos, sin` `[..., T, rotary_dim/2]` at the query positions, int `[T]` or `[batch, T]`, and
     the `Visibility` of the keys), the keys at `key_positions[attention type]` (`[S]` or `[batch, S]`,
     negative: an empty slot) for each attention type. Mixers that rotate alike share one RoPE."""
     ropes, out = {}, {}
@@ -199,7 +199,7 @@ class Decoder(nn.Module):
         if cache is None:
             T = tokens.shape[1]
             keys = {spec.mixer.attention_type: jnp.arange(T) for spec in specs}  # [T]
-            part_views = (views(specs, jnp.arange(T), keys),)  # cos, sin [T, head_dim/2]; keys seen [T, T]
+            part_views = (views(specs, jnp.arange(T), keys),)  # cos, sin [T, rotary_dim/2]; keys seen [T, T]
         else:  # each group of rows its own, at its positions in its cache
             part_views = tuple(cached_views(specs, group.shape[1], group_cache, group_slots)
                                for group, group_cache, group_slots in zip(groups, caches, slots))

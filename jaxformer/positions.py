@@ -132,12 +132,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, pairing: str = "spl
 
     Args:
       x: `[batch, seq, heads, head_dim]` queries or keys.
-      cos, sin: `[seq, head_dim // 2]` or `[batch, seq, head_dim // 2]`, of `x`'s positions.
-      pairing: "split_half" (channel i with i + head_dim/2) or "interleaved" (2i with 2i + 1).
+      cos, sin: `[seq, rotary_dim // 2]` or `[batch, seq, rotary_dim // 2]`, of `x`'s positions: the
+        first `rotary_dim` channels of each head turn, the rest pass as they are (partial rotary).
+      pairing: "split_half" (channel i with i + rotary_dim/2) or "interleaved" (2i with 2i + 1).
 
     Returns:
       The rotated `x`, same shape and dtype (rotated in float32).
     """
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin, pairing), x[..., rotary:]], axis=-1)
     x32 = x.astype(jnp.float32)
     cos, sin = cos[..., None, :], sin[..., None, :]  # [..., seq, 1, head_dim/2]: same for every head
     if pairing == "split_half":

@@ -422,6 +422,21 @@ FULL_TIER.update({
        "more cases" for platform in ("mosaic", "triton")},
 })
 
+# Gated DeltaNet (tests/test_deltanet.py): the fast tier keeps the chunked form against the recurrent one at one
+# token and past three chunks, the Qwen3-Next layer against transformers', and the spec's checks.
+FULL_TIER.update({
+    **{f"tests/test_deltanet.py::test_the_chunked_form_equals_the_recurrent_one[{T}]": "more lengths"
+       for T in ("chunk-1", "chunk", "chunk+1")},
+    "tests/test_deltanet.py::test_the_chunked_forms_gradients_equal_the_recurrent_ones": "the two forms' gradients",
+    "tests/test_deltanet.py::test_the_unit_lower_inverse_is_the_float64_inverse": "the chunks' inverse alone",
+    "tests/test_deltanet.py::test_a_prompt_in_pieces_padded_after_their_ends_equals_it_in_one":
+        "states across calls, and padding",
+    "tests/test_deltanet.py::test_the_layer_from_its_cache_continues_rows_as_one_call": "the layer's cached path",
+    "tests/test_deltanet.py::test_both_forms_equal_transformers_torch_rules": "each form against transformers'",
+    "tests/test_deltanet.py::test_the_layer_equals_transformers_gated_deltanet[qwen3_5]": "Qwen3.5's projections",
+    "tests/test_deltanet.py::test_the_gated_norm_is_transformers_in_bfloat16": "the gated norm in bfloat16",
+})
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
 def pytest_collection_modifyitems(config, items):

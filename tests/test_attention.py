@@ -293,6 +293,64 @@ def test_a_layer_with_sinks_and_biases_equals_transformers_gpt_oss_attention(win
     assert np.abs(np.asarray(without) - theirs).max() > 100 * bound
 
 
+QWEN3_NEXT_LAYER = AttentionSpec(n_head=4, n_kv_head=2, head_dim=16, window=None, rope_theta=1e4, rope_scaling=None,
+                                 qk_norm=True, output_gate=True, partial_rotary_factor=0.25)
+
+
+@pytest.mark.peers
+def test_a_layer_with_an_output_gate_and_partial_rotary_equals_transformers_qwen3_next_attention():
+    """`GQASelfAttention` with Qwen3-Next's features (the output gate from the doubled `q_proj`, RoPE on
+    each head's first quarter of channels, q/k norms of `1 + weight`) against transformers'
+    `Qwen3NextAttention` (eager, float32; Qwen3.5's is the same code), its weights ours, over 12
+    tokens: within 1e-5 of the largest output. Without the gate, or rotating every channel, the
+    output moves by far more."""
+    torch = torch_peer()
+    qwen3_next = import_peer("transformers.models.qwen3_next.modeling_qwen3_next")
+    spec, (batch, T, d, H, K, D) = QWEN3_NEXT_LAYER, (2, 12, 32, 4, 2, 16)
+    config = SMALL.replace(n_layer=1, d_model=d, head_dim_override=D, norm_plus_one=True)
+    shapes = spec.weights(d)
+    assert shapes["wq"].shape == (d, H, 2 * D)  # each head's query channels, then its gate's
+    keys = jax.random.split(jax.random.key(1), len(shapes) + 2)
+    params = {name: 0.3 * jax.random.normal(key, weight.shape) for key, (name, weight) in zip(keys, shapes.items())}
+    params.update({norm: {"weight": 0.3 * jax.random.normal(key, (D,))} for norm, key in zip(("q_norm", "k_norm"),
+                                                                                            keys[-2:])})
+    x = jax.random.normal(jax.random.key(0), (batch, T, d))
+    ours = _layer_output(config, spec, params, x)
+
+    hf_config = qwen3_next.Qwen3NextConfig(hidden_size=d, num_attention_heads=H, num_key_value_heads=K, head_dim=D,
+                                           num_hidden_layers=1, rms_norm_eps=config.norm_eps,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                            "partial_rotary_factor": 0.25})
+    hf_config._attn_implementation = "eager"
+    layer = qwen3_next.Qwen3NextAttention(hf_config, layer_idx=0).eval()
+    p = jax.tree.map(lambda a: np.asarray(a, np.float32), params)
+    state = {"q_proj.weight": p["wq"].reshape(d, -1).T, "k_proj.weight": p["wk"].reshape(d, -1).T,
+             "v_proj.weight": p["wv"].reshape(d, -1).T, "o_proj.weight": p["wo"].reshape(H * D, d).T,
+             "q_norm.weight": p["q_norm"]["weight"], "k_norm.weight": p["k_norm"]["weight"]}
+    layer.load_state_dict({name: torch.tensor(np.ascontiguousarray(a)) for name, a in state.items()})
+    causal = np.where(np.tril(np.ones((T, T), bool)), 0.0, -np.inf)
+    hidden = torch.tensor(np.asarray(x))
+    with torch.no_grad():
+        rope = qwen3_next.Qwen3NextRotaryEmbedding(hf_config)(hidden, torch.arange(T)[None])
+        assert rope[0].shape[-1] == 4  # a quarter of 16 channels
+        theirs = layer(hidden, rope, torch.tensor(causal, dtype=torch.float32)[None, None])[0].numpy()
+    bound = 1e-5 * np.abs(theirs).max()
+    np.testing.assert_allclose(ours, theirs, atol=bound, rtol=0)
+
+    ungated = dataclasses.replace(spec, output_gate=False)
+    every_channel = dataclasses.replace(spec, partial_rotary_factor=1.0)
+    for other, other_params in ((ungated, {**params, "wq": params["wq"][..., :D]}), (every_channel, params)):
+        assert np.abs(np.asarray(_layer_output(config, other, other_params, x)) - theirs).max() > 100 * bound
+
+
+def test_a_spec_rotates_an_even_number_of_channels_up_to_its_heads():
+    assert QWEN3_NEXT_LAYER.rotary_dim == 4
+    assert dataclasses.replace(QWEN3_NEXT_LAYER, partial_rotary_factor=1).rotary_dim == 16
+    for factor in (0.0, 0.2, 1.5):  # none, 3 of 16 channels, more than a head
+        with pytest.raises(ValueError, match="AttentionSpec.partial_rotary_factor must rotate an even number"):
+            dataclasses.replace(QWEN3_NEXT_LAYER, partial_rotary_factor=factor)
+
+
 def test_a_decoder_with_sinks_decodes_from_its_cache_as_its_full_forward():
     """A decoder whose layers have sinks and an o bias (one of them sliding): a prefill, then one
     token at a time (`decoding_step`, with the sinks), gives the logits of one uncached forward, but

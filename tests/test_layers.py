@@ -43,8 +43,11 @@ def test_each_layer_spec_is_what_the_config_states():
     with_experts(GEMMA3_LIKE, ExpertsSpec(4, 2, 16, activation="clamped_swiglu", routing="topk_softmax",
                                           router_bias=True, expert_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702)),
     with_experts(GEMMA3_LIKE, ExpertsSpec(4, 2, 16, activation="gelu_tanh", routing="sigmoid_grouped", n_group=2,
-                                          shared_width=24, shared_gate=True))],
-    ids=["qk-norm", "biases", "sinks", "experts-biases", "experts-shared"])
+                                          shared_width=24, shared_gate=True)),
+    GEMMA3_LIKE.replace(layers=tuple(
+        dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, output_gate=True, partial_rotary_factor=0.25,
+                                                            qkv_bias=True)) for spec in layer_specs(GEMMA3_LIKE)))],
+    ids=["qk-norm", "biases", "sinks", "experts-biases", "experts-shared", "output-gate"])
 def test_the_kinds_tables_are_the_parameters_their_modules_make(config):
     """`spec.weights(d_model)`, which the checkpoint tables read, names and shapes exactly the
     parameters the modules declare (the norms inside a kind are its module's own)."""

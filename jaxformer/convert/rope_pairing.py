@@ -10,8 +10,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxformer.attention import AttentionSpec
 from jaxformer.config import ROPE_PAIRINGS, DecoderConfig
-from jaxformer.latent_attention import LatentAttentionSpec
 from jaxformer.positions import interleaved_to_split_half
 from jaxformer.validation import one_of
 
@@ -31,9 +31,12 @@ def with_rope_pairing(config: DecoderConfig, params, pairing: str):
     one_of(pairing, "pairing", ROPE_PAIRINGS)
     if pairing == config.rope_pairing:
         return config, params
-    if any(isinstance(spec.mixer, LatentAttentionSpec) for spec in config.layers):
-        raise ValueError("with_rope_pairing: config.layers holds latent attention, whose RoPE channels are a "
-                         "part of its query's and latent's projections; its checkpoints' pairing is read as it is")
+    for i, spec in enumerate(config.layers):  # (q and k whose channels are not all RoPE's: not permuted here)
+        mixer = spec.mixer
+        if not isinstance(mixer, AttentionSpec) or mixer.output_gate or mixer.rotary_dim != mixer.head_dim:
+            raise ValueError(f"config.layers[{i}]: a mixer other than attention rotating all of q and k (an output "
+                             f"gate, partial rotary, another kind) keeps its RoPE pairing ({config.rope_pairing!r}); "
+                             f"it cannot be moved to {pairing!r}")
     perm = interleaved_to_split_half(config.head_dim)  # split_half[..., i] = interleaved[..., perm[i]]
     if pairing == "interleaved":
         perm = np.argsort(perm)

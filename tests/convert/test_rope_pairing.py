@@ -1,7 +1,9 @@
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL, init_params, random_params
+from conftest import SMALL, filled_layers, init_params, random_params
 
 from jaxformer import Decoder
 from jaxformer.convert import with_rope_pairing
@@ -36,3 +38,13 @@ def test_same_pairing_is_a_no_op_and_unknown_is_an_error():
     assert with_rope_pairing(SMALL, params, "split_half") == (SMALL, params)
     with pytest.raises(ValueError, match=r"pairing must be one of \(.split_half., .interleaved.\) \(got .adjacent.\)"):
         with_rope_pairing(SMALL, params, "adjacent")
+
+
+def test_layers_whose_q_is_not_all_rope_keep_their_pairing():
+    """An output gate's channels (in `wq` after q's) and partial rotary's passed channels are no pair of
+    RoPE's: permuting them would change the model, so the move is refused, naming the layer."""
+    config = filled_layers(SMALL.replace(rope_pairing="interleaved"))
+    gated = config.replace(layers=config.layers[:2] + (dataclasses.replace(
+        config.layers[2], mixer=dataclasses.replace(config.layers[2].mixer, output_gate=True)),))
+    with pytest.raises(ValueError, match=r"config.layers\[2\]: a mixer other than attention rotating all"):
+        with_rope_pairing(gated, {}, "split_half")
