@@ -227,5 +227,5 @@ def test_moving_the_rope_pairing_refuses_latent_layers():
     """`with_rope_pairing` permutes GQA's q and k channels: a latent layer's RoPE channels are parts of
     its query's and latent's projections, refused in one line rather than permuted wrong."""
     config = decoder_of(spec_of(None, Q_RANK, "interleaved"))
-    with pytest.raises(ValueError, match="with_rope_pairing: config.layers holds latent attention"):
+    with pytest.raises(ValueError, match="a mixer other than attention rotating all of q and k"):
         with_rope_pairing(config, {}, "split_half")
