@@ -308,6 +308,12 @@ class AttentionSpec:
         """"sliding" with a window, else "full": which slots a cache keeps for the layer (a ring, or all)."""
         return "full" if self.window is None else "sliding"
 
+    @property
+    def cache_entry(self) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """What a layer of this spec keeps per row (`jaxformer.cache.Entry`): a key and a value of
+        `[n_kv_head, head_dim]` a slot, every position's or a ring's."""
+        return self.attention_type, ((self.n_kv_head, self.head_dim),) * 2
+
     def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:
         """RoPE's `cos, sin` `[..., T, rotary_dim/2]` at `position` (int `[T]` or `[batch, T]`)."""
         return rope_cos_sin(position, rope_frequencies(position, self.rotary_dim, self.rope_theta, self.rope_scaling),

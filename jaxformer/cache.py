@@ -4,11 +4,15 @@ A model call takes a cache and returns a new one; under `jit` XLA makes the writ
 place, and `capacity` fixes every shape, so one compiled step serves every position. Keys
 are stored after RoPE (a cached key never moves again) and with `n_kv_head` heads (GQA
 saves memory only if K/V are not repeated first). A sliding-window layer keeps only the
-slots its window can read, as a ring (`RingKV`). Why a scanned model's stack is the scan's
-carry: docs/architecture.md, "Scanned layers"; the rows and the rings: docs/decoding.md.
+slots its window can read, as a ring (`RingKV`); a linear-attention layer keeps a state of
+fixed size instead (`LinearState`), whatever the length. What each layer keeps is its mixer's
+`cache_entry` (`Entry`). Why a scanned model's stack is the scan's carry: docs/architecture.md,
+"Scanned layers"; the rows and the rings: docs/decoding.md.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -142,12 +146,62 @@ class RingKV(OneKind):
                                       v=ring_write(self.v, v_new, pos, stop, layer=layer))
 
 
+class Entry(NamedTuple):
+    """What one layer keeps per row between calls (its mixer spec's `cache_entry`).
+
+    Attributes:
+      kind: the layer's attention type: "full" or "sliding" (keys and values per slot: every
+        position's, or a ring's), or "linear" (a state of fixed size, whatever the length).
+      shapes: "full" and "sliding": the shapes of a slot's key and value, `(k, v)` (GQA's
+        `(n_kv_head, head_dim)` each; latent attention's latent and RoPE key, `(1, width)` each);
+        "linear": a row's conv inputs and recurrent state, `(conv, state)`.
+    """
+
+    kind: str
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def attention_entry(kind: str, n_kv_head: int, head_dim: int) -> Entry:
+    """The entry of a GQA layer of attention type `kind`: a key and a value of `[n_kv_head, head_dim]` a slot."""
+    return Entry(kind, ((n_kv_head, head_dim), (n_kv_head, head_dim)))
+
+
+@struct.dataclass
+class LinearState:
+    """A linear-attention layer's state (Gated DeltaNet): each row's last `kernel - 1` inputs to
+    its causal short convolution and its recurrent state, the same size at any length, so a row
+    costs no more at position 30,000 than at 3. Its layer reads it whole (`read`) and gives it
+    back whole (`write`); the state stays float32, the running sum of every step's update."""
+
+    conv: jax.Array  # [batch, kernel - 1, channels] ([batch, n_layer, ...] stacked)
+    state: jax.Array  # [batch, heads, d_k, d_v] float32 ([batch, n_layer, ...] stacked)
+
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        """`(conv, state)` of every row."""
+        return self.conv, self.state
+
+    def write(self, conv: jax.Array, state: jax.Array) -> "LinearState":
+        """The state after a call: `conv` and `state` in place of the old ones."""
+        return LinearState(conv=conv.astype(self.conv.dtype), state=state.astype(self.state.dtype))
+
+    def read_layer(self, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`read` of layer `layer` of this stack."""
+        return layer_of(self.conv, layer), layer_of(self.state, layer)
+
+    def write_layer(self, layer: jax.Array, conv: jax.Array, state: jax.Array) -> "LinearState":
+        """`write` of layer `layer` of this stack, in place."""
+        def put(stack, new):
+            return jax.lax.dynamic_update_index_in_dim(stack, new.astype(stack.dtype), layer, axis=1)
+
+        return LinearState(conv=put(self.conv, conv), state=put(self.state, state))
+
+
 @struct.dataclass
 class LayerSlice(OneKind):
     """Layer `layer` of a stacked cache (a scanned model's), as its block sees it: `extend`
     writes that layer's slots of the whole stack in place and reads that layer."""
 
-    stack: LayerKV | RingKV  # k, v: [batch, n_layer, slots, n_kv_head, head_dim]
+    stack: LayerKV | RingKV | LinearState  # k, v: [batch, n_layer, slots, n_kv_head, head_dim]
     layer: jax.Array  # [] int32, the block's index in this stack
 
     def extend(self, k_new: jax.Array, v_new: jax.Array, pos: jax.Array, stop=None, span=None):
@@ -155,10 +209,18 @@ class LayerSlice(OneKind):
         keys_values, stack = self.stack.extend_layer(self.layer, k_new, v_new, pos, stop, span)
         return keys_values, self.replace(stack=stack)
 
+    def read(self) -> tuple[jax.Array, jax.Array]:
+        """`LinearState.read` of layer `layer` of the stack."""
+        return self.stack.read_layer(self.layer)
+
+    def write(self, conv: jax.Array, state: jax.Array) -> "LayerSlice":
+        """`LinearState.write` of layer `layer` of the stack, in place."""
+        return self.replace(stack=self.stack.write_layer(self.layer, conv, state))
+
 
 @struct.dataclass
 class SplitSlice:
-    """A layer of `SplitStacks`: its slices of the full stack and of the rings, at its index in
+    """A layer of `Stacks` that may be full or sliding: its slices of the full stack and of the rings, at its index in
     its own stack (the other one's is never read), and `ring`, which of the two it is. Their
     keys differ in number, so `attend` runs attention on one of them (`lax.cond`), or where
     the layer's `kinds` are one type (its scanned block's specs), on that one's alone."""
@@ -187,39 +249,81 @@ class SplitSlice:
         return (out, None), self.replace(full=full, sliding=sliding)
 
 
+def is_stack(node) -> bool:
+    """Whether `node` is one layer's (or one stack's) arrays: a tree map over a cache's layers
+    stops there to treat each kind as its own."""
+    return isinstance(node, (LayerKV, RingKV, LinearState))
+
+
+STORES = (("full", LayerKV), ("sliding", RingKV), ("linear", LinearState))  # how a layer's entry is kept
+
+
+def store(entry: Entry, slots: int, capacity: int) -> str:
+    """Where a layer of `entry` keeping `slots` slots lives: "sliding" (a ring) when its slots are
+    fewer than `capacity`, "linear" for a state, else "full" (a sliding layer whose window holds the
+    whole capacity keeps every slot, as a full one)."""
+    if entry.kind == "linear":
+        return "linear"
+    return "sliding" if slots < capacity else "full"
+
+
 @struct.dataclass
-class SplitStacks:
-    """A scanned model's cache when its full and sliding layers keep different slots: one
-    stack of each, the full layers' in order, the sliding layers' in order."""
+class Stacks:
+    """A scanned model's cache when its layers are kept in more than one way: a stack of each,
+    `full` (`[batch, n_full, capacity, ...]`), `sliding` (rings, `[batch, n_sliding, slots, ...]`)
+    and `linear` (`LinearState`s), each its layers' in order, None where no layer is of it."""
 
-    full: LayerKV  # [batch, n_full, capacity, n_kv_head, head_dim]
-    sliding: RingKV  # [batch, n_sliding, slots, n_kv_head, head_dim]
-    rings: tuple[bool, ...] = struct.field(pytree_node=False)  # per layer of the model: whether it is a ring
+    full: LayerKV | None
+    sliding: RingKV | None
+    linear: LinearState | None
+    stores: tuple[str, ...] = struct.field(pytree_node=False)  # per layer of the model: its stack's name
 
-    def layer(self, layer: jax.Array, kinds: tuple[str, ...]) -> SplitSlice:
+    def layer(self, layer: jax.Array, kinds: tuple[str, ...]):
         """Layer `layer` of the model (traced, in a scan), of one of the attention types `kinds`:
-        its `SplitSlice`, at its index in its stack."""
-        rings = np.array(self.rings)
-        rank = np.where(rings, np.cumsum(rings) - 1, np.cumsum(~rings) - 1)  # [n_layer]: each one's index in its stack
-        index = jnp.asarray(rank, jnp.int32)[layer]
-        return SplitSlice(full=LayerSlice(self.full, index), sliding=LayerSlice(self.sliding, index),
-                          ring=jnp.asarray(rings)[layer], kinds=kinds)
+        its slice of its stack, at its index there; a `SplitSlice` for a body that may be full
+        or sliding (`kinds`, its scanned specs') when both stacks exist."""
+        stores = np.array(self.stores)
+        rank = np.zeros(len(stores), np.int32)  # each layer's index in its stack
+        for name in set(self.stores):
+            rank[stores == name] = np.arange(np.sum(stores == name))
+        index = jnp.asarray(rank)[layer]
+        if "linear" in kinds:
+            return LayerSlice(self.linear, index)
+        if self.full is not None and self.sliding is not None and "sliding" in kinds:
+            return SplitSlice(full=LayerSlice(self.full, index), sliding=LayerSlice(self.sliding, index),
+                              ring=jnp.asarray(stores == "sliding")[layer], kinds=kinds)
+        return LayerSlice(self.full if self.sliding is None or "sliding" not in kinds else self.sliding, index)
+
+    def with_slice(self, view) -> "Stacks":
+        """These stacks with the one `view` (from `layer`, written) sliced put back."""
+        if isinstance(view, SplitSlice):
+            return self.replace(full=view.full.stack, sliding=view.sliding.stack)
+        name = next(name for name, kind in STORES if isinstance(view.stack, kind))
+        return self.replace(**{name: view.stack})
 
 
-def layer_shapes(batch_size: int, capacity: int, slots: tuple[int, ...], n_kv_head: int, head_dim: int,
-                 stacked: bool) -> list[tuple[int, ...]]:
-    """The k (and v) shape of each layer, or of each stack (the full layers', then the rings'),
-    for layers of `slots` each; a stack holds one ring size."""
+def layer_shapes(batch_size: int, capacity: int, entries: tuple[Entry, ...], slots: tuple[int, ...],
+                 stacked: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The shapes of the two arrays of each layer of `entries` keeping `slots` slots (k and v, or
+    conv and state), or of each stack (`STORES`' order) of a stacked cache; a stack holds one
+    shape of entry, and one ring size."""
+    def one(entry: Entry, n: int, layers: tuple[int, ...] = ()):
+        a, b = entry.shapes
+        if entry.kind == "linear":
+            return (batch_size, *layers, *a), (batch_size, *layers, *b)
+        return (batch_size, *layers, n, *a), (batch_size, *layers, n, *b)
+
     if not stacked:
-        return [(batch_size, n, n_kv_head, head_dim) for n in slots]
-    kinds = set(slots)
-    if len(kinds) == 1:
-        return [(batch_size, len(slots), slots[0], n_kv_head, head_dim)]
-    rings = [n for n in slots if n < capacity]
-    if len(set(rings)) != 1 or len(kinds) != 2:
-        raise ValueError(f"KVCache: a stacked cache holds one ring size, got slots {slots}")
-    return [(batch_size, len(slots) - len(rings), capacity, n_kv_head, head_dim),
-            (batch_size, len(rings), rings[0], n_kv_head, head_dim)]
+        return [one(entry, n) for entry, n in zip(entries, slots)]
+    out = []
+    for name, _ in STORES:
+        mine = [(entry, n) for entry, n in zip(entries, slots) if store(entry, n, capacity) == name]
+        if mine and len(set(mine)) > 1:
+            raise ValueError(f"KVCache: a stacked cache holds one shape of {name} layer, got "
+                             f"{sorted(set(mine), key=str)} (entries, slots)")
+        if mine:
+            out.append(one(*mine[0], layers=(len(mine),)))
+    return out
 
 
 def check_longrope_capacity(config: DecoderConfig, capacity: int, where: str) -> None:
@@ -267,9 +371,9 @@ class KVCache:
 
     Attributes:
       layers: one `LayerKV` per block (a `RingKV` for a sliding layer whose ring is shorter
-        than the capacity), or, for a scanned model, one `LayerKV` (or `RingKV`) whose k and
-        v stack every block's, `[batch, n_layer, slots, n_kv_head, head_dim]`, or
-        `SplitStacks` of both kinds.
+        than the capacity, a `LinearState` for a linear-attention layer), or, for a scanned
+        model, one of them whose arrays stack every block's, `[batch, n_layer, slots, n_kv_head,
+        head_dim]`, or `Stacks` of each kind where the layers are kept in several ways.
       pos: int32 `[batch]`, the slots written in each row: row b's next token goes to slot
         `pos[b]`, which is its position. The model advances it once per call, after all layers.
       capacity: positions each row can hold (static).
@@ -280,7 +384,7 @@ class KVCache:
         row's `pos + T` must fit it. None: the capacity.
     """
 
-    layers: tuple[LayerKV | RingKV, ...] | LayerKV | RingKV | SplitStacks
+    layers: tuple[LayerKV | RingKV | LinearState, ...] | LayerKV | RingKV | LinearState | Stacks
     pos: jax.Array  # [batch] int32
     capacity: int = struct.field(pytree_node=False)
     stop: jax.Array | None = None  # [batch] int32
@@ -311,12 +415,14 @@ class KVCache:
         return cls.zeros(batch_size, capacity, n_layer=config.n_layer, n_kv_head=config.n_kv_head,
                          head_dim=config.head_dim, max_seq_len=config.max_seq_len,
                          dtype=config.cache_storage_dtype if dtype is None else dtype, stacked=config.scan_layers,
-                         slots=slots)
+                         slots=slots, entries=tuple(Entry(*entry) for entry in config.cache_entries))
 
     @classmethod
     def zeros(cls, batch_size: int, capacity: int | None, *, n_layer: int, n_kv_head: int, head_dim: int,
-              max_seq_len: int, dtype, stacked: bool = False, slots: tuple[int, ...] | None = None) -> "KVCache":
-        """An empty cache of `n_layer` layers of `[batch_size, slots[l], n_kv_head, head_dim]`.
+              max_seq_len: int, dtype, stacked: bool = False, slots: tuple[int, ...] | None = None,
+              entries: tuple[Entry, ...] | None = None) -> "KVCache":
+        """An empty cache of `n_layer` layers of `[batch_size, slots[l], n_kv_head, head_dim]`
+        (or of what `entries` say each layer keeps).
 
         Args:
           batch_size: rows, an int >= 1.
@@ -325,6 +431,8 @@ class KVCache:
           stacked: one `[batch, n_layer, ...]` array for k and one for v (a scanned model's;
             with rings and full layers both, one stack of each, `SplitStacks`).
           slots: each layer's slots; fewer than `capacity` make it a ring. None: `capacity` each.
+          entries: each layer's `Entry` (a state for a linear layer; keys and values of other
+            shapes); None: GQA's keys and values of `n_kv_head` x `head_dim`, full layers.
 
         Raises:
           ValueError: an argument out of its limits, or more memory than is free.
@@ -338,30 +446,37 @@ class KVCache:
                              f"(got {dtype!r})")
         slots = (capacity,) * n_layer if slots is None else tuple(
             as_int(n, "KVCache.create: slots", minimum=1, maximum=capacity, maximum_name="capacity") for n in slots)
-        if len(slots) != n_layer:
-            raise ValueError(f"KVCache.create: slots must give {n_layer} (n_layer) layers, got {len(slots)}")
+        entries = (attention_entry("full", n_kv_head, head_dim),) * n_layer if entries is None else entries
+        if len(slots) != n_layer or len(entries) != n_layer:
+            raise ValueError(f"KVCache.create: slots and entries must give {n_layer} (n_layer) layers, got "
+                             f"{len(slots)} and {len(entries)}")
+        stores = tuple(store(entry, n, capacity) for entry, n in zip(entries, slots))
+        shapes = layer_shapes(batch_size, capacity, entries, slots, stacked)
         # A checkpoint's max_seq_len (the default capacity) may be 10**12: refuse, do not allocate.
-        check_fits(2 * sum(slots) * batch_size * n_kv_head * head_dim * storage.itemsize,
+        check_fits(sum(np.prod(shape) * storage.itemsize for pair in shapes for shape in pair),
                    f"KVCache.create: a cache of {capacity:,} positions (capacity, default max_seq_len)")
 
-        def layer(shape: tuple[int, ...]):
-            kind = RingKV if shape[-3] < capacity else LayerKV
-            return kind(k=jnp.zeros(shape, storage), v=jnp.zeros(shape, storage))
+        def layer(name: str, shape: tuple[tuple[int, ...], tuple[int, ...]]):
+            a, b = shape
+            if name == "linear":  # (the recurrent state a running sum in float32, whatever the cache's dtype)
+                return LinearState(conv=jnp.zeros(a, storage), state=jnp.zeros(b, jnp.float32))
+            return dict(STORES)[name](k=jnp.zeros(a, storage), v=jnp.zeros(b, storage))
 
-        shapes = layer_shapes(batch_size, capacity, slots, n_kv_head, head_dim, stacked)
-        layers = [layer(shape) for shape in shapes]
-        if stacked:
-            layers = layers[0] if len(layers) == 1 else SplitStacks(full=layers[0], sliding=layers[1],
-                                                                    rings=tuple(n < capacity for n in slots))
-        return cls(layers=tuple(layers) if isinstance(layers, list) else layers,
-                   pos=jnp.zeros((batch_size,), jnp.int32), capacity=capacity)
+        if not stacked:
+            layers = tuple(layer(name, shape) for name, shape in zip(stores, shapes))
+        else:
+            names = [name for name, _ in STORES if name in stores]
+            made = {name: layer(name, shape) for name, shape in zip(names, shapes)}
+            layers = made[names[0]] if len(made) == 1 else Stacks(**{name: made.get(name) for name, _ in STORES},
+                                                                  stores=stores)
+        return cls(layers=layers, pos=jnp.zeros((batch_size,), jnp.int32), capacity=capacity)
 
-    def layout_shapes(self, batch_size: int, slots: tuple[int, ...], n_kv_head: int, head_dim: int, stacked: bool
+    def layout_shapes(self, batch_size: int, entries: tuple[Entry, ...], slots: tuple[int, ...], stacked: bool
                       ) -> list[tuple[int, ...]]:
-        """The shapes of the arrays (k, v, k, v, ...) a model with these layers' `slots` reads
-        in a cache of `batch_size` rows and this one's capacity: what `check_cache_step` compares."""
-        return [shape for shape in layer_shapes(batch_size, self.capacity, slots, n_kv_head, head_dim, stacked)
-                for _ in "kv"]
+        """The shapes of the arrays (k, v, k, v, ... in the layers' order) a model with these layers'
+        `entries` and `slots` reads in a cache of `batch_size` rows and this one's capacity: what
+        `check_cache_step` compares."""
+        return [shape for pair in layer_shapes(batch_size, self.capacity, entries, slots, stacked) for shape in pair]
 
     @property
     def read_slots(self) -> int:
@@ -379,10 +494,11 @@ class KVCache:
         return not isinstance(self.layers, tuple)
 
     @property
-    def stacks(self) -> tuple[LayerKV | RingKV, ...]:
-        """A scanned model's stacks (one, or `SplitStacks`' full and sliding), else the layers."""
-        if isinstance(self.layers, SplitStacks):
-            return self.layers.full, self.layers.sliding
+    def stacks(self) -> tuple[LayerKV | RingKV | LinearState, ...]:
+        """A scanned model's stacks (one, or those of `Stacks`), else the layers."""
+        if isinstance(self.layers, Stacks):
+            return tuple(stack for stack in (self.layers.full, self.layers.sliding, self.layers.linear)
+                         if stack is not None)
         return (self.layers,) if self.stacked else self.layers
 
     @property
@@ -390,25 +506,33 @@ class KVCache:
         """The sizes of the rings among the layers (or stacks), smallest first; () without rings."""
         return tuple(sorted({stack.k.shape[-3] for stack in self.stacks if isinstance(stack, RingKV)}))
 
+    @property
+    def has_state(self) -> bool:
+        """Whether a layer keeps a state (`LinearState`): then a row cannot be set back to an
+        earlier position (its state holds every token it has read), only continued or emptied."""
+        return any(isinstance(stack, LinearState) for stack in self.stacks)
+
     # A model reads and writes its layers through views, one per layer: `layer(i)` gives layer
-    # i's, `with_layer(i, view)` takes it back written. Each view has `attend(attention, k_new,
-    # v_new, pos, stop, span)`, which writes this call's K/V and calls `attention(keys, values)`
-    # on the keys the layer reads, whichever layout holds it: a layer's own `LayerKV` or
-    # `RingKV`, a `LayerSlice` of a stack, or a `SplitSlice` choosing between two stacks, which
-    # adds the layer's kind, "full" or "sliding" (the model's flag cannot pick the mask: the two
-    # kinds' differ in shape). So the model never asks which layout it holds.
+    # i's, `with_layer(i, view)` takes it back written. A view of keys and values has
+    # `attend(attention, k_new, v_new, pos, stop, span)`, which writes this call's K/V and calls
+    # `attention(keys, values)` on the keys the layer reads, whichever layout holds it: a layer's
+    # own `LayerKV` or `RingKV`, a `LayerSlice` of a stack, or a `SplitSlice` choosing between two
+    # stacks, which adds the layer's kind, "full" or "sliding" (the model's flag cannot pick the
+    # mask: the two kinds' differ in shape). A view of a state (`LinearState`, or a `LayerSlice`
+    # of a stack of them) has `read()` and `write(conv, state)`. So the model never asks which
+    # layout it holds.
 
     def layer(self, i, kinds: tuple[str, ...] = ("full", "sliding")):
         """Layer i's view: the layer itself, or in a stacked cache (`i` traced, in a scan) its slice
-        of the stack (`SplitSlice` of two stacks, for a layer of one of the attention types `kinds`)."""
-        if isinstance(self.layers, SplitStacks):
+        of its stack (a `SplitSlice` of two, for a layer that may be of either type in `kinds`)."""
+        if isinstance(self.layers, Stacks):
             return self.layers.layer(i, kinds)
         return LayerSlice(self.layers, i) if self.stacked else self.layers[i]
 
     def with_layer(self, i, view) -> "KVCache":
         """This cache with layer i's view `view` (from `layer(i)`, written) in its place."""
-        if isinstance(self.layers, SplitStacks):
-            layers = self.layers.replace(full=view.full.stack, sliding=view.sliding.stack)
+        if isinstance(self.layers, Stacks):
+            layers = self.layers.with_slice(view)
         elif self.stacked:
             layers = view.stack
         else:
@@ -416,21 +540,31 @@ class KVCache:
         return self.replace(layers=layers)
 
     @property
+    def heads_axes(self):
+        """A tree like `layers` giving each array's heads axis, counted from its end (a slot's kv
+        heads, -2; a state's heads, -3), or 0 where it has none (a state's conv inputs): what a
+        mesh splits over its `model` axis."""
+        def axes(stack):
+            if isinstance(stack, LinearState):
+                return stack.replace(conv=0, state=-3)
+            return stack.replace(k=-2, v=-2)
+
+        return jax.tree.map(axes, self.layers, is_leaf=is_stack)
+
+    @property
     def n_layer(self) -> int:
-        return sum(stack.k.shape[1] for stack in self.stacks) if self.stacked else len(self.layers)
+        if not self.stacked:
+            return len(self.layers)
+        return sum(jax.tree.leaves(stack)[0].shape[1] for stack in self.stacks)
 
     @property
     def layer_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Each stack's (or layer's) k shape."""
-        return tuple(stack.k.shape for stack in self.stacks)
+        """Each stack's (or layer's) first array's shape: k's, or a state's conv inputs'."""
+        return tuple(jax.tree.leaves(stack)[0].shape for stack in self.stacks)
 
     @property
     def batch_size(self) -> int:
-        return self.stacks[0].k.shape[0]
-
-    @property
-    def n_kv_head(self) -> int:
-        return self.stacks[0].k.shape[-2]
+        return self.pos.shape[0]
 
     @property
     def nbytes(self) -> int:
@@ -440,7 +574,7 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position takes across all layers and rows, on average over the capacity
-        (`2 * L * B * n_kv * d * itemsize` without rings)."""
+        (`2 * L * B * n_kv * d * itemsize` without rings or states)."""
         return self.nbytes // self.capacity
 
     @property
@@ -451,12 +585,15 @@ class KVCache:
     @property
     def bytes_used(self) -> int:
         """Bytes holding written tokens, summed over the rows (host-side: reads `pos`; a ring
-        counts at most its slots)."""
+        counts at most its slots, a state its whole size once a row has begun)."""
         pos = np.asarray(self.pos)
         total = 0
         for stack in self.stacks:
+            if isinstance(stack, LinearState):
+                total += int(np.sum(pos > 0)) * (stack.conv.nbytes + stack.state.nbytes) // self.batch_size
+                continue
             slots = stack.k.shape[-3]
-            per_position = stack.k.nbytes * 2 // (self.batch_size * slots)
+            per_position = (stack.k.nbytes + stack.v.nbytes) // (self.batch_size * slots)
             total += int(np.sum(np.minimum(pos, slots))) * per_position
         return total
 
@@ -503,12 +640,13 @@ class KVCache:
           ValueError: `other` is not one row of this cache's layout, or `row` is out of range.
         """
         row = self._row(row, "insert")
-        want = tuple((1, *shape[1:]) for shape in self.layer_shapes)
-        if (other.stacked, other.layer_shapes, other.capacity) != (self.stacked, want, self.capacity):
-            raise ValueError(f"KVCache.insert: other must be a one-row cache of this layout, k shapes {want} "
-                             f"({'stacked' if self.stacked else 'per layer'}, capacity {self.capacity}), got "
-                             f"{other.layer_shapes} ({'stacked' if other.stacked else 'per layer'}, "
-                             f"capacity {other.capacity})")
+        want = tuple((1, *leaf.shape[1:]) for leaf in jax.tree.leaves(self.layers))
+        got = tuple(leaf.shape for leaf in jax.tree.leaves(other.layers))
+        if (other.stacked, got, other.capacity) != (self.stacked, want, self.capacity):
+            form = {True: "stacked", False: "per layer"}
+            raise ValueError(f"KVCache.insert: other must be a one-row cache of this layout, array shapes "
+                             f"{sorted(set(want))} ({form[self.stacked]}, capacity {self.capacity}), got "
+                             f"{sorted(set(got))} ({form[other.stacked]}, capacity {other.capacity})")
         def put(leaf, new):
             return jax.lax.dynamic_update_slice_in_dim(leaf, new.astype(leaf.dtype), row, axis=0)
 
@@ -522,7 +660,8 @@ class KVCache:
         `[rows]`, the `pos` it was given); that slot of each layer (`written[r] % slots`: a
         ring's, or a full layer's own) and the rows' `pos` are copied back, not the whole rows,
         which are this cache's already: a step of a few rows then costs their step, not a copy
-        of their caches (on XLA:CPU, 9 against 28 ms for one row of docs/serving.md's model)."""
+        of their caches (on XLA:CPU, 9 against 28 ms for one row of docs/serving.md's model). A
+        state (`LinearState`) has no slots: the rows' whole states are copied back, a few numbers."""
         axis = 2 if self.stacked else 1  # the slots' axis: [batch, slots, ...] or [batch, n_layer, slots, ...]
 
         def back(whole: jax.Array, part: jax.Array) -> jax.Array:
@@ -535,8 +674,13 @@ class KVCache:
                 whole = jax.lax.dynamic_update_slice(whole, new, index)
             return whole
 
-        return self.replace(layers=jax.tree.map(back, self.layers, head.layers),
-                            pos=jax.lax.dynamic_update_slice_in_dim(self.pos, head.pos, 0, axis=0))
+        def back_stack(whole, part):
+            if isinstance(whole, LinearState):  # rows 0 .. rows - 1 whole
+                return jax.tree.map(lambda w, p: jax.lax.dynamic_update_slice_in_dim(w, p, 0, axis=0), whole, part)
+            return jax.tree.map(back, whole, part)
+
+        layers = jax.tree.map(back_stack, self.layers, head.layers, is_leaf=is_stack)
+        return self.replace(layers=layers, pos=jax.lax.dynamic_update_slice_in_dim(self.pos, head.pos, 0, axis=0))
 
     def _poisoned_unless_in_range(self, row) -> "KVCache":
         """Under `jit` a row index cannot raise, and `dynamic_update_slice` would clamp it onto

@@ -422,6 +422,15 @@ class DecoderConfig(_ModelConfig):
         return tuple(None if kind == "full" else self.sliding_window for kind in self.attention_types)
 
     @property
+    def cache_entries(self) -> tuple[tuple[str, tuple[tuple[int, ...], tuple[int, ...]]], ...]:
+        """What each layer keeps per row between calls, `(kind, shapes)` (`jaxformer.cache.Entry`):
+        its filled spec's mixer's `cache_entry`, else a key and a value of `[n_kv_head, head_dim]` a
+        slot of its attention type."""
+        if self.layers:
+            return tuple(spec.mixer.cache_entry for spec in self.layers)
+        return tuple((kind, ((self.n_kv_head, self.head_dim),) * 2) for kind in self.attention_types)
+
+    @property
     def ffn_dim(self) -> int:
         """SwiGLU hidden width: `d_ff`, or `swiglu_hidden_dim(d_model)` when it is None."""
         return self.d_ff if self.d_ff is not None else swiglu_hidden_dim(self.d_model)

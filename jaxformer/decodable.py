@@ -25,6 +25,9 @@ class DecodingSpec:
       supports_speculative: the decoder continues the prompt itself and a step of T tokens
         scores all T, so speculative decoding may drive it or use it as a draft.
       prefill_bytes: `(batch, prompt_len, capacity) -> bytes`, the prefill's peak; None: no estimate.
+      keeps_state: a layer keeps a state of every token it has read (linear attention), so a row
+        cannot be set back to an earlier position: no speculative decoding (a round's rejected
+        proposals would stay in the state), and a cached prompt is reused only whole.
     """
 
     prompt_vocab_size: int
@@ -34,6 +37,7 @@ class DecodingSpec:
     ragged_prompts: bool
     supports_speculative: bool = False
     prefill_bytes: Callable[[int, int, int], int] | None = None
+    keeps_state: bool = False
 
 
 class Decodable(Protocol):

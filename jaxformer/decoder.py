@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.cache import KVCache, check_longrope_capacity, ring_positions
+from jaxformer.cache import Entry, KVCache, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.embeddings import OutputHead, lookup
@@ -183,7 +183,8 @@ class Decoder(nn.Module):
             check_step_inputs(group, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len)
             if group_cache is not None:
                 slots.append(cache_slots(c, group_cache))
-                want = group_cache.layout_shapes(group.shape[0], slots[-1], c.n_kv_head, c.head_dim, c.scan_layers)
+                want = group_cache.layout_shapes(group.shape[0], tuple(Entry(*e) for e in c.cache_entries),
+                                                 slots[-1], c.scan_layers)
                 check_cache_step(group, group_cache, want, c.scan_layers)
 
         init = nn.initializers.normal(0.02)
@@ -249,7 +250,8 @@ class Decoder(nn.Module):
         c = self.config
         return DecodingSpec(prompt_vocab_size=c.vocab_size, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len,
                             pad_id=0, ragged_prompts=True, supports_speculative=True,
-                            prefill_bytes=functools.partial(prefill_bytes, c))
+                            prefill_bytes=functools.partial(prefill_bytes, c),
+                            keeps_state=any(kind == "linear" for kind, _ in c.cache_entries))
 
     @nn.nowrap
     def decoder_prompt(self, prompt: np.ndarray, bos_id: int | None) -> np.ndarray:

@@ -84,8 +84,9 @@ def layer_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
     return tuple(LayerSpec(full if kind == "full" else sliding, ffn, norms) for kind in c.attention_types)
 
 
-# What every layer's mixer shares with the config: the KV cache holds one shape of keys per layer
-# (a scanned model's, one stack), and checkpoints convert every layer's RoPE pairing alike.
+# What every layer's attention shares with the config: a scanned model's cache holds one shape of
+# keys per stack, and checkpoints convert every layer's RoPE pairing alike. (A kind without the
+# field, latent or linear attention, states what it keeps in its own `cache_entry`.)
 MODEL_WIDE = ("n_kv_head", "head_dim", "rope_pairing")
 
 
@@ -95,7 +96,7 @@ def filled_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
     for i, spec in enumerate(config.layers):
         if not isinstance(spec, LayerSpec):
             raise ValueError(f"config.layers[{i}] must be a LayerSpec (got {type(spec).__name__})")
-        for field in MODEL_WIDE:
+        for field in (field for field in MODEL_WIDE if hasattr(spec.mixer, field)):
             mine, model = getattr(spec.mixer, field), getattr(config, field)
             if mine != model:
                 raise ValueError(f"config.layers[{i}].mixer.{field} must be the config's {field}={model!r}, one for "

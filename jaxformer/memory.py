@@ -8,6 +8,7 @@ fit in memory", gives the sizes and what XLA does otherwise).
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -42,7 +43,8 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
     c = config
     compute = jnp.dtype(c.dtype).itemsize
     rows = batch * prompt_len  # the positions every activation has
-    cache = 2 * c.n_layer * batch * capacity * c.n_kv_head * c.head_dim * jnp.dtype(c.cache_storage_dtype).itemsize
+    cache = batch * sum(cache_entry_bytes(entry, capacity, jnp.dtype(c.cache_storage_dtype).itemsize)
+                        for entry in c.cache_entries)
     stream = 2 * rows * c.d_model * 4  # [batch, T, d_model]: the stream and its normalised copy
     weights_cast = compute if compute != 4 else 0  # the softmax's output in the compute dtype, for `@ V`
     if in_blocks_for(c.attention_impl, prompt_len, capacity):  # one block's scores, and the output in float32
@@ -57,6 +59,15 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
     ffn = max((ffn_bytes(spec.ffn, rows) for spec in c.layers), default=3 * rows * c.ffn_dim * 4)
     logits = rows * c.vocab_size * 4  # [batch, T, vocab], float32 out of the head's matrix product
     return cache + stream + max(attention, ffn, logits)
+
+
+def cache_entry_bytes(entry: tuple, capacity: int, itemsize: int) -> int:
+    """Bytes one row of a layer keeps for `entry` (`DecoderConfig.cache_entries`' `(kind, shapes)`):
+    a key and a value for each of `capacity` slots, or a linear layer's conv inputs and float32 state."""
+    kind, (a, b) = entry
+    if kind == "linear":
+        return math.prod(a) * itemsize + math.prod(b) * 4
+    return capacity * (math.prod(a) + math.prod(b)) * itemsize
 
 
 def ffn_bytes(spec, rows: int) -> int:

@@ -309,16 +309,20 @@ def mesh_of_shardings(shardings) -> Mesh | None:
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Where a `KVCache` lives: rows over `data` (and `expert`, `batch_axes`), kv heads over `model`
-    (where they divide), as the attention that reads it is split."""
+    """Where a `KVCache` lives: rows over `data` (and `expert`, `batch_axes`), heads over `model`
+    (where they divide), as the layer that reads it is split: a slot's kv heads, a linear layer's
+    state's heads (its few conv inputs, a row's, kept whole)."""
     rows = (batch_axes(mesh) if cache.batch_size % batch_devices(mesh) == 0 else
             DATA if cache.batch_size % axis_size(mesh, DATA) == 0 else None)
-    heads = MODEL if cache.n_kv_head % axis_size(mesh, MODEL) == 0 else None
 
-    def place(leaf):  # [batch, (n_layer,) slots, n_kv, head_dim]
-        return NamedSharding(mesh, PartitionSpec(rows, *(None,) * (leaf.ndim - 3), heads, None))
+    def place(leaf, heads_axis: int):  # heads_axis counted from the end; 0: the leaf has none
+        spec = [rows] + [None] * (leaf.ndim - 1)
+        if heads_axis and leaf.shape[heads_axis] % axis_size(mesh, MODEL) == 0:
+            spec[leaf.ndim + heads_axis] = MODEL
+        return NamedSharding(mesh, PartitionSpec(*spec))
 
-    return cache.replace(layers=jax.tree.map(place, cache.layers), pos=NamedSharding(mesh, PartitionSpec(rows)),
+    return cache.replace(layers=jax.tree.map(place, cache.layers, cache.heads_axes),
+                         pos=NamedSharding(mesh, PartitionSpec(rows)),
                          stop=None if cache.stop is None else NamedSharding(mesh, PartitionSpec(rows)))
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.attention import MultiHeadAttention
-from jaxformer.cache import KVCache, LayerKV
+from jaxformer.cache import KVCache, LayerKV, attention_entry
 from jaxformer.config import VanillaConfig
 from jaxformer.decodable import DecodingSpec
 from jaxformer.dropout import Dropout
@@ -178,8 +178,8 @@ class VanillaTransformer(nn.Module):
         c = self.config
         check_step_inputs(tgt_in, vocab_size=c.tgt_vocab_size, max_seq_len=c.max_seq_len, name="tgt_in")
         if cache is not None:
-            want = cache.layout_shapes(tgt_in.shape[0], (cache.capacity,) * c.n_layer, c.n_head, c.head_dim,
-                                       stacked=False)
+            want = cache.layout_shapes(tgt_in.shape[0], (attention_entry("full", c.n_head, c.head_dim),) * c.n_layer,
+                                       (cache.capacity,) * c.n_layer, stacked=False)
             check_cache_step(tgt_in, cache, want, stacked=False, name="tgt_in")
         check_token_layout(src, "src")  # only its padding is read here: encode checked its ids
         T = tgt_in.shape[1]

@@ -8,9 +8,10 @@ import pytest
 from conftest import jit_apply, random_params
 
 from jaxformer import Decoder, DecoderConfig, KVCache, generate
-from jaxformer.cache import LayerSlice
+from jaxformer.cache import Entry, LayerSlice, Stacks, attention_entry
 from jaxformer.convert import with_scan_layers
 from jaxformer.decoding import PromptLookup
+from jaxformer.memory import cache_entry_bytes
 
 CONFIG = DecoderConfig(vocab_size=32, n_layer=3, n_head=4, n_kv_head=2, d_model=32, max_seq_len=16)
 
@@ -340,3 +341,61 @@ def test_with_steps_of_copies_back_what_a_step_of_the_first_rows_wrote(layer_typ
     slots = jax.jit(lambda c, h, w: c.with_steps_of(h, w))(cache, stepped, head.pos)
     chex.assert_trees_all_equal(slots, whole)
     np.testing.assert_array_equal(slots.pos, [10, 8, 9, 9])
+
+
+# A linear-attention hybrid's cache, at the cache alone: layers 0, 1 and 3 keep a state (conv inputs
+# [kernel - 1 = 3, 6 channels], a state [2 heads, 4, 5]), layer 2 keys and values.
+STATE = Entry("linear", ((3, 6), (2, 4, 5)))
+KV = attention_entry("full", 2, 8)
+HYBRID = dict(n_layer=4, n_kv_head=2, head_dim=8, max_seq_len=16, dtype=jnp.float32, entries=(STATE, STATE, KV, STATE))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per layer", "stacked"])
+def test_a_cache_keeps_linear_layers_states_beside_keys_and_values(stacked):
+    """States are the size their entries say, whatever the capacity, float32 whatever the cache's
+    dtype; each layer's view reads and writes its own alone; a row's state moves whole through
+    `insert`, `evict` and `with_steps_of`; `bytes_used` counts a begun row's state."""
+    cache = KVCache.zeros(3, 16, stacked=stacked, **HYBRID)
+    if stacked:  # one stack of each kind: the three states, the one layer of keys
+        assert isinstance(cache.layers, Stacks) and cache.layers.sliding is None
+        assert cache.layer_shapes == ((3, 1, 16, 2, 8), (3, 3, 3, 6))
+        chex.assert_shape(cache.layers.linear.state, (3, 3, 2, 4, 5))
+    else:
+        assert [type(layer).__name__ for layer in cache.layers] == ["LinearState"] * 2 + ["LayerKV", "LinearState"]
+        chex.assert_shape([cache.layers[0].conv, cache.layers[0].state], [(3, 3, 6), (3, 2, 4, 5)])
+    assert cache.has_state and cache.n_layer == 4
+    assert {leaf.dtype for leaf in jax.tree.leaves(KVCache.zeros(3, 16, stacked=stacked, **{
+        **HYBRID, "dtype": jnp.bfloat16}).layers)} == {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
+    per_row = 3 * (3 * 6 + 2 * 4 * 5) * 4 + 16 * 2 * 2 * 8 * 4  # three states, and layer 2's slots
+    assert cache.nbytes == 3 * per_row == 3 * sum(cache_entry_bytes(e, 16, 4) for e in HYBRID["entries"])
+
+    def index(i):
+        return jnp.int32(i) if stacked else i
+
+    def state_of(cache, i):  # layer i's (conv, state), every row
+        return cache.layer(index(i), ("linear",)).read()
+
+    conv, state = jnp.ones((3, 3, 6)), jnp.arange(3 * 40.0).reshape(3, 2, 4, 5)
+    written = jax.jit(lambda c: c.with_layer(index(1), c.layer(index(1), ("linear",)).write(conv, state)))(cache)
+    for i in (0, 3):
+        chex.assert_trees_all_equal(state_of(written, i), state_of(cache, i))  # the other states untouched
+    chex.assert_trees_all_equal(state_of(written, 1), (conv, state))
+    chex.assert_trees_all_equal(written.layer(index(2)).k if not stacked else written.layers.full.k,
+                                cache.layer(index(2)).k if not stacked else cache.layers.full.k)
+
+    begun = written.replace(pos=jnp.asarray([4, 0, 2], jnp.int32))
+    assert begun.bytes_used == 2 * 3 * (3 * 6 + 2 * 4 * 5) * 4 + (4 + 2) * 2 * 2 * 8 * 4
+    row = jax.tree.map(lambda leaf: leaf[2:], begun)  # a one-row cache: row 2's
+    inserted = begun.evict(0).insert(0, row)
+    for i in (0, 1, 3):
+        chex.assert_trees_all_equal(jax.tree.map(lambda a: a[0], state_of(inserted, i)),
+                                    jax.tree.map(lambda a: a[2], state_of(begun, i)))
+    assert float(jnp.abs(state_of(begun.evict(1), 1)[1][1]).max()) == 0.0  # a row evicted: its state zeroed
+    head = jax.tree.map(lambda leaf: leaf[:2] + 1, begun)  # "a step" of rows 0 and 1 changed every number
+    stepped = begun.with_steps_of(head.replace(pos=begun.pos[:2] + 1), begun.pos[:2])
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a[:2], state_of(stepped, 1)),
+                                jax.tree.map(lambda a: a[:2] + 1, state_of(begun, 1)))  # whole rows' states
+    chex.assert_trees_all_equal(jax.tree.map(lambda a: a[2], state_of(stepped, 1)),
+                                jax.tree.map(lambda a: a[2], state_of(begun, 1)))
+    axes = jax.tree.leaves(cache.heads_axes)  # what a mesh splits over `model`: kv heads, a state's heads
+    assert sorted(axes) == sorted([-2, -2] + [0, -3] * (1 if stacked else 3))

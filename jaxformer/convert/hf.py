@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints to and from `Decoder`: Llama 2 and 3.x, Mistral, Qwen2/2.5,
-Qwen3, Gemma 1-3 and Phi-3, each family's config and tensor names in `jaxformer.families`.
+"""Hugging Face checkpoints to and from `Decoder`: the families of `jaxformer.families`, each
+family's config and tensor names in its module; an image-text checkpoint's text model
+(`TEXT_MODELS`) is read as its family's.
 
 A torch `Linear` stores `[out, in]`; jaxformer stores `[in, out]` split into heads
 (`wq: [d_model, n_head, head_dim]`). One table per family lists each tensor once, and
@@ -10,6 +11,7 @@ what a folder may not do are in docs/parity.md.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -30,13 +32,34 @@ from jaxformer.layers import layer_specs, scanned_places
 from jaxformer.sharding import put
 from jaxformer.validation import as_int
 
+# Image-text checkpoints whose text model is a family's: their config.json's `model_type`, and its text
+# model's (`text_config`), whose tensors are `model.language_model.*` (the family's `model.*`) and
+# `lm_head.weight`. The other towers' tensors (vision, audio) are left unread.
+TEXT_MODELS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text"}
+TEXT_PREFIX = "model.language_model."
+
+
+def text_model(hf: dict) -> dict:
+    """`hf` itself, or for an image-text checkpoint (`TEXT_MODELS`) its text model's config.json
+    (`text_config`, given the outer `tie_word_embeddings` where it states none)."""
+    if hf.get("model_type") not in TEXT_MODELS:
+        return hf
+    inner, want = hf.get("text_config"), TEXT_MODELS[hf["model_type"]]
+    if not isinstance(inner, dict):
+        fail("text_config", f"must be an object: a {hf['model_type']} checkpoint's text model", inner)
+    if inner.get("model_type", want) != want:
+        fail("text_config.model_type", f"must be {want!r} in a {hf['model_type']} checkpoint", inner["model_type"])
+    outer = {"tie_word_embeddings": hf["tie_word_embeddings"]} if "tie_word_embeddings" in hf else {}
+    return {**outer, **inner, "model_type": want}
+
 
 def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float32, param_dtype=None
                    ) -> DecoderConfig:
     """The `DecoderConfig` of a Hugging Face `config.json` (as a dict).
 
     Args:
-      hf: the parsed `config.json`; its `model_type` picks the family (`jaxformer.families.FAMILIES`).
+      hf: the parsed `config.json`; its `model_type` picks the family (`jaxformer.families.FAMILIES`),
+        or for an image-text checkpoint (`TEXT_MODELS`) its text model's does.
       max_seq_len: longest sequence to accept; defaults to `max_position_embeddings`.
       dtype: compute dtype of the returned config.
       param_dtype: storage dtype of the parameters; None: `dtype`.
@@ -49,6 +72,7 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
         raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
     if max_seq_len is not None:
         max_seq_len = as_int(max_seq_len, "max_seq_len", minimum=1)
+    hf = text_model(hf)
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         fail("model_type", f"must be one of {sorted(FAMILIES)}", model_type)
@@ -216,6 +240,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
       ValueError: naming the file and what is wrong with it (docs/parity.md lists what is refused).
     """
     config = load_hf_config(path, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+    outer_type = read_json_object(os.path.join(path, "config.json")).get("model_type")
+    image_text, other_towers = outer_type in TEXT_MODELS, 0
     table: dict[str, list[Tensor]] = {}
     for t in family_of(config).tensors(config):
         table.setdefault(t.hf_key, []).append(t)
@@ -231,6 +257,11 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     stored_head, seen, unexpected = None, set(), []
     for key, w in _read_tensors(path):
         if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store them; they follow from rope_theta
+            continue
+        if image_text and key.startswith(TEXT_PREFIX):  # the text model's, named as its family names them
+            key = "model." + key[len(TEXT_PREFIX):]
+        elif image_text and key != "lm_head.weight":  # another tower's
+            other_towers += 1
             continue
         if key == "lm_head.weight" and config.tie_embeddings:  # some tied checkpoints store the head anyway
             stored_head = w
@@ -265,6 +296,9 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     if stored_head is not None and not np.array_equal(stored_head.astype(config.param_dtype), params["embed"]):
         raise ValueError(f"{path}: config.json tie_word_embeddings: is true but lm_head.weight differs from "
                          "model.embed_tokens.weight")
+    if other_towers:
+        logging.getLogger(__name__).warning(f"{path}: an image-text checkpoint ({outer_type}): its text model is "
+                                            f"read, its {other_towers} other tensors (the vision tower) are not")
     for where, (stacked, filled) in stacks.items():
         if sorted(filled) != list(np.ndindex(stacked.shape[:len(filled[0])])):  # a row never written would be garbage
             raise ValueError(f"{path}: {'/'.join(where)} is not in every layer or expert it stacks, so they cannot "

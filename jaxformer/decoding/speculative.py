@@ -326,6 +326,9 @@ def plan(model: Decodable, request: DecodeRequest, speculative) -> Speculative |
         raise ValueError(f"speculative decoding needs a model that continues its prompt "
                          f"(DecodingSpec.supports_speculative, as the decoder-only Decoder); "
                          f"{type(model).__name__} does not")
+    if spec.keeps_state or (isinstance(speculative, Draft) and speculative.model.decoding_spec().keeps_state):
+        raise ValueError("speculative decoding sets a row back past its rejected proposals, which a linear-attention "
+                         "layer's state cannot be (DecodingSpec.keeps_state): decode without `speculative`")
     if request.num_beams != 1:
         raise ValueError("speculative decoding picks one continuation per row: leave num_beams at 1")
     # The last round starts at position prompt_len + max_new_tokens - 2 and writes k + 1 slots.

@@ -229,9 +229,11 @@ class Tensor:
     jaxformer's tree.
 
     A fused tensor is listed once per part, each with the part's `rows` `(start, stop)` (Phi-3's
-    `qkv_proj`: q, k and v one after another) or `columns` `(first, step)` of its last axis
-    (gpt-oss's `gate_up_proj`: the gate at even columns, up at odd); the parts are `Tensor`s
-    of the same `hf_key`. A tensor that is one expert's of a parameter stacked over `E` experts
+    `qkv_proj`: q, k and v one after another), its `grouped` rows `(size, start, stop)`, rows
+    `start .. stop - 1` of every group of `size` (Qwen3-Next's `in_proj_qkvz`: each key head's
+    q, k, v and z together), or `columns` `(first, step)` of its last axis (gpt-oss's
+    `gate_up_proj`: the gate at even columns, up at odd); the parts are `Tensor`s of the same
+    `hf_key`. A tensor that is one expert's of a parameter stacked over `E` experts
     (`[E, ...]` in jaxformer's tree) names it by `expert` `(e, E)`.
     """
 
@@ -243,6 +245,7 @@ class Tensor:
     rows: tuple[int, int] | None = None
     columns: tuple[int, int] | None = None
     expert: tuple[int, int] | None = None
+    grouped: tuple[int, int, int] | None = None
 
     def to_jax(self, w: np.ndarray) -> np.ndarray:
         return (w.T if self.transpose else w).reshape(self.shape)
@@ -255,6 +258,10 @@ class Tensor:
         """This part of the whole checkpoint tensor, a numpy index (`()`: all of it)."""
         if self.rows is not None:
             return (slice(*self.rows),)
+        if self.grouped is not None:  # rows start .. stop - 1 of each group, the groups in order
+            size, start, stop = self.grouped
+            groups = self.hf_shape[0] // (stop - start)
+            return ((np.arange(groups)[:, None] * size + np.arange(start, stop)[None, :]).reshape(-1),)
         if self.columns is not None:
             return (..., slice(self.columns[0], None, self.columns[1]))
         return ()
@@ -263,7 +270,7 @@ class Tensor:
 def whole_shape(parts: list[Tensor]) -> tuple[int, ...]:
     """The shape of the checkpoint tensor `parts` (all of one `hf_key`) make up together."""
     first = parts[0]
-    if first.rows is not None:
+    if first.rows is not None or first.grouped is not None:
         return (sum(t.hf_shape[0] for t in parts), *first.hf_shape[1:])
     if first.columns is not None:
         return (*first.hf_shape[:-1], sum(t.hf_shape[-1] for t in parts))

@@ -258,7 +258,9 @@ class Engine:
         self._compile()
         self._cache = model.init_cache(self.max_batch, self.capacity)
         self._prefixes = PrefixCache(as_int(prefix_cache_bytes, "prefix_cache_bytes", minimum=0))
-        self._ring = min(self._cache.ring_slots, default=None)  # (an entry with rings is reused while whole)
+        # An entry with rings is reused while whole; one with states (a linear layer's) only whole: a state
+        # holds every token it read, and cannot be set back (a ring of no slots, for `PrefixCache.longest`).
+        self._ring = 0 if spec.keeps_state else min(self._cache.ring_slots, default=None)
         # Prompts started, those that began from a cached prefix, the tokens copied so and those prefilled,
         # and the pieces prefilled in the same call as a decode step.
         self._prefill_counts = collections.Counter(prompts=0, prefix_hits=0, cached_tokens=0, prefilled_tokens=0,
@@ -675,6 +677,8 @@ class Engine:
         positions `slot.prefilled` counts from), else an empty one."""
         handle = slot.handle
         entry, used = self._prefixes.longest(handle.prompt, self._ring) if self._prefixes.max_bytes else (None, 0)
+        if entry is not None and handle.prompt_logprobs and self._ring == 0:
+            entry, used = None, 0  # (it would prefill position used - 1 again, which a state has read already)
         if entry is not None and handle.prompt_logprobs:
             # A scoring request takes the entry's logprobs too: tokens 1 .. used - 1 of them, as token
             # `used` may differ from the entry's, and position used - 1 (prefilled again) scores it.

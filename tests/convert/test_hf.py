@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxformer import Decoder, RopeScaling
 from jaxformer.convert import config_from_hf, config_to_hf, load_hf, save_hf
+from jaxformer.families.common import Tensor, whole_shape
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
@@ -259,3 +260,19 @@ def test_save_refuses_params_of_another_config(tmp_path):
         save_hf(SMALL.replace(tie_embeddings=False), params, str(tmp_path))
     with pytest.raises(ValueError, match=r"params\['block_0'\]\['attn'\]\['wq'\]: expected shape \(64, 8, 8\)"):
         save_hf(SMALL.replace(n_head=8, n_kv_head=2), params, str(tmp_path))
+
+
+def test_a_tensors_parts_by_rows_of_each_group_read_and_write_back_the_whole():
+    """`Tensor.grouped`: parts that take rows `start .. stop - 1` of every group of `size` rows
+    (Qwen3-Next's `in_proj_qkvz`, each key head's q, k, v and z together) read each part's rows
+    in group order, and written back fill the whole tensor as it was."""
+    whole = np.arange(3 * 5 * 2).reshape(15, 2)  # 3 groups of 5 rows: 2 of one part, then 3 of the other
+    a = Tensor("w", (6, 2), ("a",), (6, 2), grouped=(5, 0, 2))
+    b = Tensor("w", (9, 2), ("b",), (9, 2), grouped=(5, 2, 5))
+    np.testing.assert_array_equal(whole[a.index][:, 0], [0, 2, 10, 12, 20, 22])
+    np.testing.assert_array_equal(whole[b.index][:, 0], [4, 6, 8, 14, 16, 18, 24, 26, 28])
+    assert whole_shape([a, b]) == (15, 2)
+    back = np.zeros_like(whole)
+    for part in (a, b):
+        back[part.index] = whole[part.index]
+    np.testing.assert_array_equal(back, whole)
