@@ -314,6 +314,12 @@ class AttentionSpec:
         `[n_kv_head, head_dim]` a slot, every position's or a ring's."""
         return self.attention_type, ((self.n_kv_head, self.head_dim),) * 2
 
+    @property
+    def rotation(self) -> tuple:
+        """What RoPE's angles depend on, `(channels, base, scaling)` (`decoder.views` computes one
+        RoPE for the mixers that rotate alike)."""
+        return self.rotary_dim, self.rope_theta, self.rope_scaling
+
     def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:
         """RoPE's `cos, sin` `[..., T, rotary_dim/2]` at `position` (int `[T]` or `[batch, T]`)."""
         return rope_cos_sin(position, rope_frequencies(position, self.rotary_dim, self.rope_theta, self.rope_scaling),

@@ -96,10 +96,9 @@ def views(specs: tuple[LayerSpec, ...], position: jax.Array, key_positions: dict
     negative: an empty slot) for each attention type. Mixers that rotate alike share one RoPE."""
     ropes, out = {}, {}
     for mixer in sorted({s.mixer for s in specs}, key=view_key):
-        rotation = (mixer.rotary_dim, mixer.rope_theta, mixer.rope_scaling)
-        if rotation not in ropes:
-            ropes[rotation] = mixer.rope(position)
-        out[view_key(mixer)] = mixer.view(position, key_positions[mixer.attention_type], ropes[rotation])
+        if mixer.rotation not in ropes:
+            ropes[mixer.rotation] = mixer.rope(position)
+        out[view_key(mixer)] = mixer.view(position, key_positions[mixer.attention_type], ropes[mixer.rotation])
     return out
 
 

@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention import FULL_WINDOW, Visibility
 from jaxformer.lora import project
 from jaxformer.sharding import CONV, EMBED, HEAD_DIM, HEADS, KV_HEADS, Weight, compute_param, param
 
@@ -234,6 +235,32 @@ class GatedDeltaNetSpec:
         return "linear"
 
     @property
+    def window(self) -> None:
+        """No window: a linear layer reads its whole past, through its state."""
+        return None
+
+    @property
+    def cache_entry(self) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """What a layer of this spec keeps per row (`jaxformer.cache.Entry`): its conv inputs
+        `[conv_kernel - 1, channels]` and its state `[n_value_head, key_dim, value_dim]`, at any length."""
+        return "linear", ((self.conv_kernel - 1, self.channels), (self.n_value_head, self.key_dim, self.value_dim))
+
+    @property
+    def rotation(self) -> None:
+        """No RoPE: positions reach a linear layer through its convolution and its state's order."""
+        return None
+
+    def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """No angles: `cos, sin` `[..., T, 0]`, which say the call's positions (a part's rows and length)."""
+        empty = jnp.zeros((*position.shape, 0), jnp.float32)
+        return empty, empty
+
+    def view(self, position: jax.Array, key_position: jax.Array, rope=None) -> tuple[jax.Array, jax.Array, Visibility]:
+        """The mixers' view of a call (`AttentionSpec.view`): no angles, and keys it never reads."""
+        cos, sin = self.rope(position) if rope is None else rope
+        return cos, sin, Visibility(position, key_position, jnp.int32(FULL_WINDOW))
+
+    @property
     def channels(self) -> int:
         """The convolution's channels: q's, k's and v's, `2 n_key_head key_dim + n_value_head value_dim`."""
         return 2 * self.n_key_head * self.key_dim + self.n_value_head * self.value_dim
@@ -293,8 +320,9 @@ class GatedDeltaNet(nn.Module):
     @nn.compact
     def __call__(self, x, parts, layer=None, is_sliding=None):
         """`(y [batch, T, d_model], caches)` of `x [batch, T, d_model]` (a grouped call's `[1, N,
-        d_model]`), each of the call's `attention.Part`s run from its rows' states: zeros without a
-        cache, and then none is kept (`layer`, `is_sliding`: the mixers' protocol; unread)."""
+        d_model]`), each of the call's `attention.Part`s run from its rows' states: those its cache holds
+        for layer `layer` (written back after the call: `jaxformer.cache.LinearState`), or zeros
+        without a cache, and then none is kept (`is_sliding`: the mixers' protocol; unread)."""
         c, s = self.config, self.spec
         table = s.weights(c.d_model)
 
@@ -321,13 +349,20 @@ class GatedDeltaNet(nn.Module):
         grouped = len(parts) > 1
         outs, written, start = [], [], 0
         for part in parts:  # (one, unless groups of rows share the call: each from its own states)
-            if part.cache is not None:
-                raise NotImplementedError("GatedDeltaNet: a call with a cache (its states are not kept yet)")
-            conv_state, state = s.initial_states(part.rows, qkv.dtype)
-            o, _, _ = linear_attention(s, *(part.take(p, start, grouped) for p in (qkv, g, beta)), conv_weight,
-                                       conv_state, state)
+            cache, valid = part.cache, None
+            if cache is None:  # rows with nothing before them, whose states are not kept
+                conv_state, state = s.initial_states(part.rows, qkv.dtype)
+            else:  # this layer's states in the cache; a ragged prefill's tokens from `stop` on are padding
+                view = cache.layer(layer, ("linear",))
+                conv_state, state = view.read()
+                if cache.stop is not None:
+                    valid = cache.pos[:, None] + jnp.arange(part.T)[None, :] < cache.stop[:, None]  # [rows, T]
+            o, conv_state, state = linear_attention(s, *(part.take(p, start, grouped) for p in (qkv, g, beta)),
+                                                    conv_weight, conv_state, state, valid)
+            if cache is not None:
+                cache = cache.with_layer(layer, view.write(conv_state, state))
             outs.append(o.reshape(1, -1, *o.shape[2:]) if grouped else o)
-            written.append(part.cache)
+            written.append(cache)
             start += part.rows * part.T
         o = (jnp.concatenate(outs, axis=1) if grouped else outs[0]).astype(x.dtype)  # [batch, T, heads, d_v]
         o = GatedRMSNorm(c.norm_eps, c.param_dtype, name="norm")(o, z)  # norm(o) * silu(z), per head

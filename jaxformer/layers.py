@@ -8,6 +8,7 @@ base, a width), and the module it builds (`spec.build(config, name)`), with its 
 names, shapes and sharding axes (`spec.weights(d_model)`):
 
     mixers          AttentionSpec -> GQASelfAttention    (jaxformer.attention)
+                    GatedDeltaNetSpec -> GatedDeltaNet   (jaxformer.deltanet: linear attention)
     feed-forwards   GatedMLPSpec  -> GatedMLP            (jaxformer.feedforward)
                     ExpertsSpec   -> Experts             (jaxformer.experts: a mixture of experts)
 
@@ -30,12 +31,13 @@ import jax.numpy as jnp
 
 from jaxformer.attention import AttentionSpec, Part
 from jaxformer.config import DecoderConfig
+from jaxformer.deltanet import GatedDeltaNetSpec
 from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.norms import RMSNorm
 
 NORM_PLACEMENTS = ("pre", "sandwich")  # a norm before each sublayer; or before and after it (its output's)
-MIXERS = (AttentionSpec,)  # the kinds of mixer a layer may have
+MIXERS = (AttentionSpec, GatedDeltaNetSpec)  # the kinds of mixer a layer may have
 FEED_FORWARDS = (GatedMLPSpec, ExpertsSpec)  # ... and of feed-forward
 
 
@@ -49,7 +51,7 @@ class LayerSpec:
       norms: where the RMSNorms sit, one of `NORM_PLACEMENTS`.
     """
 
-    mixer: AttentionSpec
+    mixer: AttentionSpec | GatedDeltaNetSpec
     ffn: GatedMLPSpec | ExpertsSpec
     norms: str = "pre"
 
@@ -115,7 +117,9 @@ def shareable(specs: tuple[LayerSpec, ...]) -> bool:
     norm placement, one feed-forward)."""
     kinds = _kinds(specs)
 
-    def shared(spec: LayerSpec):  # what one body holds for every layer it runs
+    def shared(spec: LayerSpec):  # what one body holds for every layer it runs (an attention's window and RoPE apart)
+        if not isinstance(spec.mixer, AttentionSpec):
+            return spec
         return dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, window=None, rope_theta=1.0,
                                                                    rope_scaling=None))
 

@@ -243,7 +243,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     outer_type = read_json_object(os.path.join(path, "config.json")).get("model_type")
     image_text, other_towers = outer_type in TEXT_MODELS, 0
     table: dict[str, list[Tensor]] = {}
-    for t in family_of(config).tensors(config):
+    family = family_of(config)
+    for t in family.tensors(config):
         table.setdefault(t.hf_key, []).append(t)
     params: dict = {}
     # scan_layers: layer i's tensor is copied into its row of its stacked parameter (`blocks/.../w[i]`
@@ -262,6 +263,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
             key = "model." + key[len(TEXT_PREFIX):]
         elif image_text and key != "lm_head.weight":  # another tower's
             other_towers += 1
+            continue
+        if key.startswith(family.skipped):  # (what the family says it leaves)
             continue
         if key == "lm_head.weight" and config.tie_embeddings:  # some tied checkpoints store the head anyway
             stored_head = w

@@ -10,10 +10,12 @@ from jaxformer.families.mixtral import MIXTRAL
 from jaxformer.families.olmoe import OLMOE
 from jaxformer.families.phi3 import PHI3
 from jaxformer.families.qwen3 import QWEN3
+from jaxformer.families.qwen3_next import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
 from jaxformer.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3,
-                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GPT_OSS)}
+                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GPT_OSS,
+                                                         QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE)}
 
 
 def family_of(config) -> Family:

@@ -367,6 +367,8 @@ class Family:
       layer_tensors: `(config, i) -> [Tensor]`, layer i's tensors (`model.layers.{i}.`).
       features: the values of `PLAIN_FEATURES` fields this format holds, a tuple or `ANY`
         per field; a field not named must have its plain value.
+      skipped: the starts of checkpoint tensor names `load_hf` leaves unread (a multi-token
+        prediction head the decoder does not run), said in the family's docstring.
     """
 
     model_type: str
@@ -375,6 +377,7 @@ class Family:
     write: Callable[[DecoderConfig], dict]
     layer_tensors: Callable[[DecoderConfig, int], list[Tensor]]
     features: dict = dataclasses.field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
 
     def tensors(self, config: DecoderConfig) -> list[Tensor]:
         """Every tensor of the checkpoint (both directions read this one table)."""
