@@ -234,6 +234,8 @@ class AttentionSpec:
       n_head, n_kv_head, head_dim: query heads, key/value heads, channels per head.
       window: keys a query reads, itself included (a "sliding" layer); None: every earlier one.
       rope_theta, rope_scaling: RoPE's base and `RopeScaling` (None: none) at this layer.
+      use_rope: whether q and k rotate at all; False: a NoPE layer (SmolLM3's every fourth),
+        whose attention sees no position but through the causal mask.
       rope_pairing: which channels RoPE rotates together ("split_half" or "interleaved").
       qk_norm: an RMSNorm over each head's channels of q and of k, before RoPE (Qwen3, Gemma 3).
       qk_norm_over: what `qk_norm` normalises over: "head", each head's channels; or
@@ -267,6 +269,7 @@ class AttentionSpec:
     o_bias: bool = False
     output_gate: bool = False
     partial_rotary_factor: float = 1.0
+    use_rope: bool = True
 
     def __post_init__(self):
         if self.qk_norm_over not in QK_NORMS:
@@ -316,12 +319,17 @@ class AttentionSpec:
 
     @property
     def rotation(self) -> tuple:
-        """What RoPE's angles depend on, `(channels, base, scaling)` (`decoder.views` computes one
-        RoPE for the mixers that rotate alike)."""
-        return self.rotary_dim, self.rope_theta, self.rope_scaling
+        """What RoPE's angles depend on, `(channels, base, scaling, use_rope)` (`decoder.views` computes
+        one RoPE for the mixers that rotate alike)."""
+        return self.rotary_dim, self.rope_theta, self.rope_scaling, self.use_rope
 
     def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """RoPE's `cos, sin` `[..., T, rotary_dim/2]` at `position` (int `[T]` or `[batch, T]`)."""
+        """RoPE's `cos, sin` `[..., T, rotary_dim/2]` at `position` (int `[T]` or `[batch, T]`); a NoPE
+        layer's are 1 and 0, the identity rotation (`a * 1 - b * 0` is `a` exactly), so that a scanned
+        body may run RoPE and NoPE layers alike, picking each layer's angles (`layers.shareable`)."""
+        if not self.use_rope:
+            shape = (*position.shape, self.rotary_dim // 2)
+            return jnp.ones(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
         return rope_cos_sin(position, rope_frequencies(position, self.rotary_dim, self.rope_theta, self.rope_scaling),
                             rope_attention_factor(self.rope_scaling))
 
@@ -380,7 +388,8 @@ class GQASelfAttention(nn.Module):
             cache, and with one those its layer's view gives (the first S slots, the cache's span,
             or a ring's then this call's).
           layer: this layer's index in the caches (traced in a scan).
-          is_sliding: bool `[]` in a scan over both types: this layer's, which picks its mask.
+          is_sliding: bool `[]` in a scan over two kinds of layer, whether this one is the second: the
+            sliding one where they are of two types, which picks its mask (of one type, one mask).
 
         Returns:
           `(y [batch, T, d_model], caches)`, each part's cache with this call's K/V written into

@@ -1,7 +1,7 @@
 """A decoder layer: a mixer, a feed-forward and a norm placement, each of a kind.
 
-    x = x + post(mixer(norm(x)))      # post: nothing ("pre"), or an RMSNorm ("sandwich": Gemma 2 and 3)
-    x = x + post(ffn(norm(x)))
+    x = x + post(mixer(norm(x)))      # "pre": norm an RMSNorm, post nothing (Llama)
+    x = x + post(ffn(norm(x)))        # "sandwich": both RMSNorms (Gemma 2 and 3); "post": norm nothing (OLMo 2)
 
 A kind is a spec, a frozen dataclass of what may vary from layer to layer (a window, a RoPE
 base, a width), and the module it builds (`spec.build(config, name)`), with its parameters'
@@ -36,7 +36,10 @@ from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.norms import RMSNorm
 
-NORM_PLACEMENTS = ("pre", "sandwich")  # a norm before each sublayer; or before and after it (its output's)
+# Where a layer's RMSNorms sit: before each sublayer; before and after it (on its output); or after it alone.
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+NORMED_INPUT = ("pre", "sandwich")  # the placements that normalise a sublayer's input ...
+NORMED_OUTPUT = ("sandwich", "post")  # ... and its output, before the sum
 MIXERS = (AttentionSpec, GatedDeltaNetSpec)  # the kinds of mixer a layer may have
 FEED_FORWARDS = (GatedMLPSpec, ExpertsSpec)  # ... and of feed-forward
 
@@ -112,19 +115,20 @@ def _kinds(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
 
 
 def shareable(specs: tuple[LayerSpec, ...]) -> bool:
-    """Whether one scanned body may run every layer of `specs`: at most two specs, one full and
-    one sliding, which differ in their window and RoPE alone (one set of parameter shapes, one
-    norm placement, one feed-forward)."""
+    """Whether one scanned body may run every layer of `specs`: at most two specs, which differ in
+    their window and RoPE alone (one set of parameter shapes, one norm placement, one feed-forward;
+    RoPE's base, scaling, or none at all: a NoPE layer's angles are the identity's), and whose masks
+    their attention types tell apart: one full and one sliding, or two of one window."""
     kinds = _kinds(specs)
 
     def shared(spec: LayerSpec):  # what one body holds for every layer it runs (an attention's window and RoPE apart)
         if not isinstance(spec.mixer, AttentionSpec):
             return spec
         return dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, window=None, rope_theta=1.0,
-                                                                   rope_scaling=None))
+                                                                   rope_scaling=None, use_rope=True))
 
-    types = {s.mixer.attention_type for s in kinds}
-    return len(kinds) <= 2 and len({shared(s) for s in kinds}) == 1 and len(types) == len(kinds)
+    types, windows = {s.mixer.attention_type for s in kinds}, {s.mixer.window for s in kinds}
+    return len(kinds) <= 2 and len({shared(s) for s in kinds}) == 1 and (len(types) == len(kinds) or len(windows) == 1)
 
 
 def distinct(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
@@ -132,8 +136,9 @@ def distinct(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
     for one scanned body: `shareable` ones. A ValueError otherwise."""
     kinds = _kinds(specs)
     if not shareable(specs):
-        raise ValueError(f"scan_layers=True: one scanned body runs layers that differ in their window and RoPE "
-                         f"alone, one full and one sliding at most; these layers are {len(kinds)} kinds")
+        raise ValueError(f"scan_layers=True: one scanned body runs two kinds of layer at most, which differ in "
+                         f"their window and RoPE alone (one full and one sliding, or two of one window); these "
+                         f"layers are {len(kinds)} kinds")
     return kinds
 
 
@@ -217,8 +222,8 @@ def view_key(mixer) -> str:
 
 
 def pick(values: tuple, which):
-    """The only entry of `values`, or of two (a scan over full and sliding layers, `distinct`'s
-    order) the second where the traced bool `which` is set, else the first (the two the same shape)."""
+    """The only entry of `values`, or of two (a scan over two kinds of layer, `distinct`'s order)
+    the second where the traced bool `which` is set, else the first (the two the same shape)."""
     if len(values) == 1:
         return values[0]
     return jax.tree.map(lambda first, second: jnp.where(which, second, first), *values)
@@ -266,12 +271,14 @@ class Block(nn.Module):
             masks = {s.mixer.attention_type: view[2] for s, view in zip(self.specs, mine)}
             return Part(*rows_T, cos, sin, masks, cache)
 
-        h, caches = spec.mixer.build(c, "attn")(norm(c, "attn_norm")(x), tuple(map(part, views, caches)), index, which)
-        if spec.norms == "sandwich":  # Gemma 2's: the sublayer's output is normalised before the sum
-            h = norm(c, "attn_post_norm")(h)
-        x = x + h  # [batch, T, d_model]
-        h = spec.ffn.build(c, "mlp")(norm(c, "mlp_norm")(x))
-        if spec.norms == "sandwich":
-            h = norm(c, "mlp_post_norm")(h)
-        x = x + h  # [batch, T, d_model]
+        def before(name: str, h):  # a sublayer's input, normalised unless the norms sit after it alone (OLMo 2)
+            return norm(c, name)(h) if spec.norms in NORMED_INPUT else h
+
+        def after(name: str, h):  # its output, normalised before the sum ("sandwich": Gemma 2's; "post": OLMo 2's)
+            return norm(c, name)(h) if spec.norms in NORMED_OUTPUT else h
+
+        h, caches = spec.mixer.build(c, "attn")(before("attn_norm", x), tuple(map(part, views, caches)), index, which)
+        x = x + after("attn_post_norm", h)  # [batch, T, d_model]
+        h = spec.ffn.build(c, "mlp")(before("mlp_norm", x))
+        x = x + after("mlp_post_norm", h)  # [batch, T, d_model]
         return (x, caches), None

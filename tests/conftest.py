@@ -221,6 +221,20 @@ FULL_TIER.update({
     **{f"tests/kernels/test_grouped_matmul.py::test_float32_equals_in_blocks_a_loop_and_the_dense_gradients"
        f"[{platform}-{case}]": "more layouts" for platform in ("triton", "mosaic") for case in ("tiles", "capacity")},
 })
+# SmolLM3, OLMo 2 and OLMo 3: the fast tier keeps OLMo 3's logits against transformers, scanned too, with each
+# feature's guard (the norms after each sublayer, q/k norms over the projection, its windows, YaRN on its full
+# layers alone), and the layer features against the float64 forward, scanned too (tests/test_layers.py: NoPE
+# layers, the "post" norms); the other two's logits, the three's cached decoding and save_hf, and OLMo 2's LoRA
+# against peft here (their greedy runs with every family's, above).
+FULL_TIER.update({
+    **{f"tests/families/test_families.py::test_logits_equal_transformers_and_each_feature_counts[{family}]":
+       "more families" for family in ("SmolLM3-3B", "OLMo-2-1124-7B")},
+    **{f"tests/families/test_families.py::{test}[{family}]": "more families"
+       for test in ("test_cached_decoding_equals_transformers_and_the_full_forward",
+                    "test_save_hf_writes_the_family_that_transformers_reopens")
+       for family in ("SmolLM3-3B", "OLMo-2-1124-7B", "Olmo-3-1025-7B")},
+    "tests/test_lora.py::test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways[olmo2]": "more families",
+})
 # (A mixture's fine-tuning run end to end; the fast tier keeps the layer's load-balancing loss against
 # transformers', tests/test_experts.py, and dense fine-tuning's runs.)
 FULL_TIER["tests/commands/test_finetune.py::test_a_mixture_of_experts_trains_with_its_load_balancing_loss"] = \
@@ -679,8 +693,9 @@ def numpy_attention(q, k, v, mask, sinks=None, *, scale=None, softcap=None) -> t
 def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list | None = None,
                          score_sizes: list | None = None) -> np.ndarray:
     """An independent float64 forward of the decoder, written the slow, obvious way:
-    RoPE as multiplication by complex exponentials, attention one query head at a time
-    with its kv head picked by index, a causal mask of -inf. A list passed as `attention`
+    RoPE as multiplication by complex exponentials (none in a NoPE layer), attention one query
+    head at a time with its kv head picked by index, a causal mask of -inf, each layer's norms
+    where its spec places them (`LayerSpec.norms`). A list passed as `attention`
     receives each layer's weights `[B, n_head, T, T]`; one passed as `score_sizes` each
     layer's `[B, n_head, T]`: the largest `sum_d |q_d k_d| / sqrt(D)` of a query's visible
     scores (the magnitudes a float32 score sums, which its rounding scales with)."""
@@ -704,14 +719,21 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
         out[..., 0::2], out[..., 1::2] = z.real, z.imag
         return out
 
+    def placed(norms: str, where: str, b: dict, name: str, h):
+        # `h` through layer b's norm `name` where its placement puts one: "pre" and "sandwich" before a
+        # sublayer, "sandwich" and "post" after it
+        return rms(h, b[name]["weight"]) if norms in {"before": ("pre", "sandwich"), "after": ("sandwich", "post")}[
+            where] else h
+
     causal = np.tril(np.ones((T, T), bool))
     x = p["embed"][tokens]
-    for i in range(config.n_layer):
+    for i, spec in enumerate(layer_specs(config)):
         b = p[f"block_{i}"]
-        h = rms(x, b["attn_norm"]["weight"])
+        turn = rope if spec.mixer.use_rope else (lambda x: x)
+        h = placed(spec.norms, "before", b, "attn_norm", x)
         bias = {name: b["attn"][name].reshape(-1) if config.qkv_bias else 0.0 for name in ("bq", "bk", "bv")}
-        q = rope((h @ b["attn"]["wq"].reshape(d, H * D) + bias["bq"]).reshape(B, T, H, D))
-        k = rope((h @ b["attn"]["wk"].reshape(d, K * D) + bias["bk"]).reshape(B, T, K, D))
+        q = turn((h @ b["attn"]["wq"].reshape(d, H * D) + bias["bq"]).reshape(B, T, H, D))
+        k = turn((h @ b["attn"]["wk"].reshape(d, K * D) + bias["bk"]).reshape(B, T, K, D))
         v = (h @ b["attn"]["wv"].reshape(d, K * D) + bias["bv"]).reshape(B, T, K, D)
         heads, weights, sizes = [], [], []
         for j in range(H):
@@ -727,10 +749,12 @@ def numpy_decoder_logits(params, tokens, config: DecoderConfig, attention: list 
             attention.append(np.stack(weights, 1))
         if score_sizes is not None:
             score_sizes.append(np.stack(sizes, 1))
-        x = x + np.concatenate(heads, -1) @ b["attn"]["wo"].reshape(H * D, d)
-        h = rms(x, b["mlp_norm"]["weight"])
+        x = x + placed(spec.norms, "after", b, "attn_post_norm",
+                       np.concatenate(heads, -1) @ b["attn"]["wo"].reshape(H * D, d))
+        h = placed(spec.norms, "before", b, "mlp_norm", x)
         gate = h @ b["mlp"]["w_gate"]
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ b["mlp"]["w_up"])) @ b["mlp"]["w_down"]
+        x = x + placed(spec.norms, "after", b, "mlp_post_norm",
+                       (gate / (1 + np.exp(-gate)) * (h @ b["mlp"]["w_up"])) @ b["mlp"]["w_down"])
     x = rms(x, p["final_norm"]["weight"])
     return x @ (p["embed"].T if config.tie_embeddings else p["lm_head"])
 

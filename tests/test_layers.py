@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, filled_layers, random_params, with_experts, with_sinks
+from conftest import SMALL, filled_layers, jit_apply, numpy_decoder_logits, random_params, with_experts, with_sinks
 
 from jaxformer import Decoder, DecoderConfig, KVCache
 from jaxformer.attention import AttentionSpec
@@ -65,7 +65,7 @@ def test_a_layer_spec_refuses_what_is_not_a_kind():
     with pytest.raises(ValueError, match="LayerSpec.ffn"):
         LayerSpec(spec.mixer, spec.mixer)
     with pytest.raises(ValueError, match="LayerSpec.norms"):
-        LayerSpec(spec.mixer, spec.ffn, "post")
+        LayerSpec(spec.mixer, spec.ffn, "after")
 
 
 def test_one_scanned_body_runs_layers_that_differ_in_window_and_rope_alone():
@@ -77,9 +77,12 @@ def test_one_scanned_body_runs_layers_that_differ_in_window_and_rope_alone():
     other_ffn = dataclasses.replace(sliding, ffn=GatedMLPSpec(64))
     with pytest.raises(ValueError, match="scan_layers=True"):
         distinct((sliding, other_ffn))
-    two_full = dataclasses.replace(full, mixer=dataclasses.replace(full.mixer, rope_theta=123.0))
-    with pytest.raises(ValueError, match="scan_layers=True"):
-        distinct((full, two_full))
+    # Two full layers that rotate otherwise (another base, or none: NoPE) share a body; the flag picks the angles.
+    for other in (dataclasses.replace(full.mixer, rope_theta=123.0), dataclasses.replace(full.mixer, use_rope=False)):
+        assert distinct((full, dataclasses.replace(full, mixer=other)))[1].mixer == other
+    wider_window = dataclasses.replace(sliding, mixer=dataclasses.replace(sliding.mixer, window=16))
+    with pytest.raises(ValueError, match="scan_layers=True"):  # two masks of one type: not told apart
+        distinct((sliding, wider_window))
 
 
 def test_attention_spec_views_rotate_at_their_own_base():
@@ -93,6 +96,37 @@ def test_attention_spec_views_rotate_at_their_own_base():
         want = position[:, None] * inv_freq[None, :]
         assert jnp.allclose(cos, jnp.cos(want), atol=1e-6) and jnp.allclose(sin, jnp.sin(want), atol=1e-6)
         assert int(seen.window) == (mixer.window or 2 ** 30)
+    nope = dataclasses.replace(specs[3].mixer, use_rope=False)  # a NoPE layer's angles: the identity rotation
+    cos, sin, _ = nope.view(jnp.arange(5)[None], position)
+    assert cos.shape == (1, 5, 8) and bool((cos == 1).all()) and bool((sin == 0).all())
+
+
+# SmolLM3's NoPE layers (the second of two: it rotates neither q nor k) and OLMo 2's norms after each
+# sublayer alone ("post"), on a small model.
+NOPE_POST = SMALL.replace(n_layer=2, layers=tuple(
+    dataclasses.replace(spec, norms="post", mixer=dataclasses.replace(spec.mixer, use_rope=i == 0))
+    for i, spec in enumerate(layer_specs(SMALL.replace(n_layer=2)))))
+
+
+def test_nope_layers_and_post_norms_compute_the_numpy_forward_scanned_or_not():
+    """Against the float64 forward that rotates no NoPE layer and places the norms where each spec
+    says (each of which moves its logits: the check has teeth), and scanned as unrolled, in one body."""
+    config, params = NOPE_POST, random_params(NOPE_POST, seed=3)
+    tokens = np.random.RandomState(0).randint(0, config.vocab_size, (2, 16))
+    want = numpy_decoder_logits(params, tokens, config)
+    rotating = config.replace(layers=tuple(dataclasses.replace(s, mixer=dataclasses.replace(s.mixer, use_rope=True))
+                                           for s in config.layers))
+    pre = rotating.replace(layers=tuple(dataclasses.replace(s, norms="pre") for s in config.layers))
+    as_pre = {key: {name.replace("_post", ""): leaf for name, leaf in block.items()} if key.startswith("block_")
+              else block for key, block in params.items()}  # (the norms after, before)
+    assert np.abs(want - numpy_decoder_logits(params, tokens, rotating)).max() > 1.0
+    assert np.abs(want - numpy_decoder_logits(as_pre, tokens, pre)).max() > 1.0
+    got, _ = jit_apply(Decoder(config), {"params": params}, tokens)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    scanned_config, scanned_params = with_scan_layers(config, params, True)
+    assert segments(layer_specs(config)) == (Segment(0, (config.layers,), 2),)  # the flag picks the angles
+    scanned, _ = jit_apply(Decoder(scanned_config), {"params": scanned_params}, tokens)
+    np.testing.assert_allclose(scanned, got, atol=1e-5, rtol=1e-5)
 
 
 forward = jax.jit(lambda model, params, tokens: model.apply({"params": params}, tokens)[0], static_argnums=0)
@@ -156,7 +190,9 @@ def test_segments_scan_each_run_of_repeated_specs():
     assert segments((a, a, a, b) * 3) == (Segment(0, ((a,), (a,), (a,), (b,)), 3),)  # a period of four bodies
     assert segments((a, a, a, b) * 3 + (a, a)) == (Segment(0, ((a,), (a,), (a,), (b,)), 3), Segment(12, ((a,),), 2))
     assert segments((a, b)) == (Segment(0, ((a,),), 1), Segment(1, ((b,),), 1))  # nothing repeats: a layer each
-    rotated = dataclasses.replace(a, mixer=dataclasses.replace(a.mixer, rope_theta=123.0))  # full too: no body of both
-    assert segments((a, rotated) * 2) == (Segment(0, ((a,), (rotated,)), 2),)
+    rotated = dataclasses.replace(a, mixer=dataclasses.replace(a.mixer, rope_theta=123.0))  # one window: one body
+    assert segments((a, rotated) * 2) == (Segment(0, ((a, rotated),), 4),)
+    eight, four = (dataclasses.replace(a, mixer=dataclasses.replace(a.mixer, window=w)) for w in (8, 4))
+    assert segments((eight, four) * 2) == (Segment(0, ((eight,), (four,)), 2),)  # two sliding masks: bodies apart
     assert scanned_places((a, a, a, b) * 2 + (a,)) == (
         *[(("blocks", f"block_{j}"), r, 2) for r in range(2) for j in range(4)], (("blocks_1",), 0, 1))

@@ -189,9 +189,10 @@ def test_dropout_drops_the_adapter_input_as_torch_does():
 
 # The families the peft comparison runs on, each a random transformers model saved and loaded,
 # with every target its format has: a tiny Llama; a tiny Gemma (GeGLU, norms that scale by
-# 1 + w, scaled embeddings); a tiny Phi-3, whose fused qkv_proj and gate_up_proj take one
-# adapter each over the matrices jaxformer keeps apart.
-PEFT_MODELS = {"llama": ("Llama-3.2-1B", LORA), "gemma": ("gemma-2b", LORA),
+# 1 + w, scaled embeddings); a tiny OLMo 2 (q and k normalised over the whole projection after
+# their adapters, the norms after each sublayer); a tiny Phi-3, whose fused qkv_proj and
+# gate_up_proj take one adapter each over the matrices jaxformer keeps apart.
+PEFT_MODELS = {"llama": ("Llama-3.2-1B", LORA), "gemma": ("gemma-2b", LORA), "olmo2": ("OLMo-2-1124-7B", LORA),
                "phi3": ("Phi-3-mini-4k-instruct", LORA.replace(targets=("qkv_proj", "o_proj", "gate_up_proj",
                                                                          "down_proj")))}
 TARGET_OF = {adapter: target for target, adapter in LORA_TARGETS.items()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxformer.config import DecoderConfig
 from jaxformer.families.common import (
     ANY,
+    DEFAULT_ROPE_THETA,
     Family,
     attention_extras,
     attention_tensors,
@@ -26,13 +27,14 @@ from jaxformer.families.moe import QWEN_NAMES, ffn_tensors
 from jaxformer.layers import layer_specs
 
 
-def read_llama(hf: dict, max_seq_len: int | None) -> dict:
-    """Llama's fields: Llama's SwiGLU without biases, one RoPE (llama3 scaling and the rest)."""
+def read_llama(hf: dict, max_seq_len: int | None, *, default_theta: float = DEFAULT_ROPE_THETA) -> dict:
+    """Llama's fields: Llama's SwiGLU without biases, one RoPE (llama3 scaling and the rest) whose
+    base is `default_theta` where config.json names none."""
     refuse_set(hf, "hidden_act", "silu", "the SwiGLU gate must be silu")
     for name in ("attention_bias", "mlp_bias"):  # they also add an o_proj / MLP bias
         if flag(hf, name, False):
             fail(name, "must be false (only Qwen2's q/k/v biases are supported)", hf[name])
-    theta, scaling = single_rope(hf)
+    theta, scaling = single_rope(hf, default_theta=default_theta)
     return dict(decoder_fields(hf, max_seq_len=max_seq_len, tie_default=False), rope_theta=theta, rope_scaling=scaling)
 
 

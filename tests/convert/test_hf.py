@@ -150,6 +150,16 @@ def test_config_round_trips_through_config_json():
     (dict(MIXTRAL, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=32), "shared_expert_intermediate_size"),
     (dict(MIXTRAL, model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
     (dict(MIXTRAL, model_type="gpt_oss", sliding_window=128, swiglu_limit=-7.0), "swiglu_limit"),
+    # SmolLM3 and OLMo: what they state per layer, and what transformers reads otherwise than it says
+    (dict(model_type="smollm3", use_sliding_window=True, sliding_window=16), "use_sliding_window"),
+    (dict(model_type="smollm3", no_rope_layers=[1, 0]), "no_rope_layers"),  # fewer than the layers
+    (dict(model_type="smollm3", no_rope_layers=[1, 0, 2]), "no_rope_layers"),
+    (dict(model_type="olmo2", attention_bias=True), "attention_bias"),
+    (dict(model_type="olmo3"), "rope_parameters"),  # flat: transformers' olmo3 ignores it
+    (dict(model_type="olmo3", rope_parameters=None, rope_theta=1e4), "rope_theta"),  # its sliding layers at 5e5
+    (dict(model_type="olmo3", rope_parameters={"full_attention": {"rope_theta": 5e5}, "sliding_attention": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}), "rope_parameters.sliding_attention.rope_type"),
+    (dict(model_type="olmo3", rope_parameters=None, sliding_window=None), "sliding_window"),
 ])
 def test_unrepresentable_configs_are_refused_by_name(changes, field):
     with pytest.raises(ValueError, match=f"config.json {field}:"):
@@ -166,6 +176,26 @@ def test_sliding_windows_are_read_per_layer_as_each_family_applies_them():
     assert config_from_hf({**qwen, "use_sliding_window": False}).sliding_window is None  # the flag rules
     listed = {**qwen, "layer_types": ["sliding_attention", "full_attention", "full_attention"]}
     assert config_from_hf(listed).attention_types == ("sliding", "full", "full")  # layer_types rules
+
+
+def test_per_layer_features_are_read_as_transformers_makes_them():
+    """SmolLM3's NoPE layers from `no_rope_layer_interval` where `no_rope_layers` is absent; OLMo 3's
+    windows three layers of four by default, YaRN on its full layers alone in either RoPE form."""
+    smol = config_from_hf({**LLAMA, "model_type": "smollm3", "no_rope_layer_interval": 2})
+    assert [spec.mixer.use_rope for spec in smol.layers] == [True, False, True] and smol.rope_theta == 500.0
+    assert config_from_hf({**LLAMA, "model_type": "smollm3", "rope_parameters": None}).rope_theta == 2e6  # its own
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8, "rope_theta": 5e5}
+    older = {**LLAMA, "model_type": "olmo3", "num_hidden_layers": 4, "rope_parameters": None, "rope_theta": 5e5,
+             "rope_scaling": {k: v for k, v in yarn.items() if k != "rope_theta"}}
+    newer = {**older, "rope_scaling": None, "rope_theta": None, "rope_parameters": {
+        "full_attention": yarn, "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}}
+    for hf in (older, newer):
+        olmo = config_from_hf(hf)
+        assert olmo.attention_types == ("sliding", "sliding", "sliding", "full") and olmo.sliding_window == 4096
+        assert (olmo.rope_scaling.kind, olmo.local_rope_theta) == ("yarn", 5e5)  # the sliding layers unscaled
+        assert {(spec.norms, spec.mixer.qk_norm_over) for spec in olmo.layers} == {("post", "projection")}
+    same = config_from_hf({**newer, "rope_parameters": {"full_attention": yarn, "sliding_attention": yarn}})
+    assert same.local_rope_theta is None and same.rope_scaling.kind == "yarn"  # every layer scaled alike
 
 
 @pytest.mark.parametrize("changes", [dict(), dict(tie_embeddings=False), dict(qkv_bias=True),

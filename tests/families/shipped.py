@@ -28,6 +28,9 @@ REPOS = {
     "Phi-3-mini-4k-instruct": "microsoft/Phi-3-mini-4k-instruct",
     "Qwen2.5-0.5B": "Qwen/Qwen2.5-0.5B",
     "SmolLM2-135M": "HuggingFaceTB/SmolLM2-135M",
+    "SmolLM3-3B": "HuggingFaceTB/SmolLM3-3B",
+    "OLMo-2-1124-7B": "allenai/OLMo-2-1124-7B",
+    "Olmo-3-1025-7B": "allenai/Olmo-3-1025-7B",
     # Mixtures of experts (their config.json in shipped_moe.py)
     "Qwen3-30B-A3B": "Qwen/Qwen3-30B-A3B",
     "Qwen3-235B-A22B": "Qwen/Qwen3-235B-A22B",
@@ -330,6 +333,103 @@ SHIPPED = {
         "use_cache": True,
         "vocab_size": 49152,
     },
+    # No verbatim copy of this file was found: its fields are those several partial copies agree on (the shapes,
+    # the NoPE list, rope_theta, the token ids), and the lines marked unconfirmed are as the file is recalled.
+    "SmolLM3-3B": {
+        "architectures": ["SmolLM3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": 128012,  # the instruct model's <|im_end|>; SmolLM3-3B-Base ships 128001
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "layer_types": ["full_attention"] * 36,  # unconfirmed: written out, as transformers >= 4.54 saves it
+        "max_position_embeddings": 65536,
+        "max_window_layers": 28,  # unconfirmed (inert: use_sliding_window is false)
+        "mlp_bias": False,
+        "model_type": "smollm3",
+        "no_rope_layer_interval": 4,
+        "no_rope_layers": [1, 1, 1, 0] * 9,  # every fourth layer NoPE: 3, 7, ..., 35
+        "num_attention_heads": 16,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 4,
+        "pad_token_id": 128004,
+        "pretraining_tp": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 5000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.54.0.dev0",  # unconfirmed
+        "use_cache": False,  # unconfirmed
+        "use_sliding_window": False,
+        "vocab_size": 128256,
+    },
+    # Checked against a mirror of the file (Megatron-Bridge's tests), the Instruct model's verbatim file (the same
+    # fields) and a line-numbered account of this one (23 fields, rope_scaling among them).
+    "OLMo-2-1124-7B": {
+        "architectures": ["Olmo2ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "eos_token_id": 100257,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 4096,
+        "model_type": "olmo2",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,  # multi-head attention, no grouping
+        "pad_token_id": 100277,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 500000,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",  # unconfirmed: the hub lists its weights as F32; the mirror says bfloat16
+        "transformers_version": "4.47.0.dev0",  # unconfirmed: the Instruct model's
+        "use_cache": True,
+        "vocab_size": 100352,
+    },
+    # No verbatim copy of this file was found: the shapes, layer_types, the window and the RoPE block (YaRN on the
+    # full layers alone) are those of several partial copies (prime-rl's and a tiny-model script aligned with
+    # Olmo-3-7B-Think's file, whose RoPE block is the same); the lines marked unconfirmed are as the file is recalled.
+    "Olmo-3-1025-7B": {
+        "architectures": ["Olmo3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "eos_token_id": 100257,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"] * 8,
+        "max_position_embeddings": 65536,
+        "model_type": "olmo3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,  # multi-head attention (the 32B groups its heads)
+        "pad_token_id": 100277,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "attention_factor": 1.2079441541679836,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "yarn",
+        },
+        "rope_theta": 500000,
+        "sliding_window": 4096,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.57.0.dev0",  # unconfirmed
+        "use_cache": True,  # unconfirmed
+        "vocab_size": 100278,
+    },
 }
 
 SHIPPED.update(SHIPPED_MOE)
@@ -338,7 +438,8 @@ SHIPPED.update(SHIPPED_HYBRID)
 # The tiny sizes. num_hidden_layers: enough layers to show the layer pattern (gemma-2's 1:1 needs 2; gemma-3's
 # sliding_window_pattern 6 needs one whole period, five sliding layers and then a global one).
 _VOCAB, _HIDDEN, _FFN, _HEADS, _WINDOW = 128, 64, 128, 4, 8
-_LAYERS = {"gemma-3-1b-it": 6, "Qwen3-Next-80B-A3B-Instruct": 8, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4}
+_LAYERS = {"gemma-3-1b-it": 6, "SmolLM3-3B": 4, "Olmo-3-1025-7B": 4,  # SmolLM3's NoPE and OLMo 3's full layers: 4th
+           "Qwen3-Next-80B-A3B-Instruct": 8, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4}  # each 3 linear layers, 1 full
 # Experts: 8 of width 32 (Mixtral's and gpt-oss's `intermediate_size` is their experts' width: _FFN), k at most 3,
 # a shared expert 48 wide.
 _EXPERTS, _TOP_K, _EXPERT_FFN, _SHARED_FFN = 8, 3, 32, 48
@@ -350,14 +451,14 @@ def tiny(name, **overrides):
 
     Kept as shipped: every other field, the RoPE dicts, max_position_embeddings, the soft-caps, the token-id
     structure (a list stays a list, equal ids stay equal). Shrunk: vocab 128, hidden 64, FFN 128, 4 heads,
-    sliding_window 8 where one is set, layers 2 (6 for gemma-3, 4 and 8 for the hybrids: each three linear
-    layers and a full one); 8 experts of 32 (Mixtral's and gpt-oss's of 128, their FFN), 3 a token at most, a
-    shared expert of 48; Gated DeltaNet 2 key heads of 8 channels, each with as many value heads as shipped; an
-    image-text checkpoint's text model so, its vision tower one block of 32. Properties of the shipped shapes are kept:
-    KV heads 4 / 2 / 1 for multi-head / grouped / multi-query attention; head_dim 32 where the shipped head_dim is
-    not hidden / heads, else 16 (written only where shipped); query_pre_attn_scalar follows head_dim as shipped;
-    max_window_layers and layer_types follow the new layer count. torch_dtype is "bfloat16" for all (gemma-2-2b
-    ships "float32").
+    sliding_window 8 where one is set, layers 2 (6 for gemma-3, 4 for SmolLM3 and OLMo 3, 4 and 8 for the
+    hybrids); 8 experts of 32 (Mixtral's and gpt-oss's of 128, their FFN), 3 a token at most, a shared expert of
+    48; Gated DeltaNet 2 key heads of 8 channels, each with as many value heads as shipped; an image-text
+    checkpoint's text model so, its vision tower one block of 32. Properties of the
+    shipped shapes are kept: KV heads 4 / 2 / 1 for multi-head / grouped / multi-query attention; head_dim 32
+    where the shipped head_dim is not hidden / heads, else 16 (written only where shipped); query_pre_attn_scalar
+    follows head_dim as shipped; max_window_layers, layer_types and no_rope_layers follow the new layer count.
+    torch_dtype is "bfloat16" for all (gemma-2-2b ships "float32").
     The result is a fresh copy: transformers edits the RoPE dict it is given in place.
     """
     if name not in SHIPPED:
@@ -409,9 +510,10 @@ def _shrunk(name, shipped, overrides):
         shipped_layers, window_layers = shipped["num_hidden_layers"], shipped["max_window_layers"]
         shrunk = window_layers * layers // shipped_layers
         config["max_window_layers"] = layers if window_layers >= shipped_layers else shrunk
-    if shipped.get("layer_types") is not None:
-        pattern = shipped["layer_types"]
-        config["layer_types"] = [pattern[i % len(pattern)] for i in range(layers)]
+    for key in ("layer_types", "no_rope_layers"):  # per-layer lists: the shipped pattern over the new layer count
+        if shipped.get(key) is not None:
+            pattern = shipped[key]
+            config[key] = [pattern[i % len(pattern)] for i in range(layers)]
 
     ids = sorted({i for key in _TOKEN_KEYS for i in _as_list(shipped.get(key))})
     small = {i: i if i < vocab else i % vocab for i in ids}

@@ -28,9 +28,9 @@ transformers = import_peer("transformers")
 pytestmark = pytest.mark.peers
 
 CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
-               "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M",
-               "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924",
-               "gpt-oss-20b"]
+               "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M", "SmolLM3-3B",
+               "OLMo-2-1124-7B", "Olmo-3-1025-7B", "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B",
+               "OLMoE-1B-7B-0924", "gpt-oss-20b"]
 MAX_SEQ_LEN = 64
 PROMPT_LEN, NEW_TOKENS = 12, 40
 TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
@@ -65,6 +65,9 @@ SWITCHED_ON = {
     "Phi-3 longrope": {"rope_scaling"},
     "Qwen2.5-0.5B": {"qkv_bias"},
     "SmolLM2-135M": set(),
+    "SmolLM3-3B": set(),
+    "OLMo-2-1124-7B": {"qk_norm"},
+    "Olmo-3-1025-7B": {"sliding_window", "local_rope_theta", "rope_scaling", "qk_norm"},
     "Qwen3-30B-A3B": {"qk_norm"},
     "Mixtral-8x7B-v0.1": set(),
     "Qwen1.5-MoE-A2.7B": {"qkv_bias"},
@@ -79,8 +82,12 @@ EXPERT_FEATURES_OFF = {
     "shared_gate": lambda spec: dataclasses.replace(spec, shared_gate=False),
     "swiglu_limit": lambda spec: dataclasses.replace(spec, swiglu_limit=1e4),
 }
-# ... and of an attention layer: gpt-oss's sinks.
-MIXER_FEATURES_OFF = {"sinks": lambda spec: dataclasses.replace(spec, sinks=False)}
+# ... and of an attention layer: gpt-oss's sinks, SmolLM3's NoPE layers (made to rotate as the others).
+MIXER_FEATURES_OFF = {"sinks": lambda spec: dataclasses.replace(spec, sinks=False),
+                      "use_rope": lambda spec: dataclasses.replace(spec, use_rope=True)}
+# ... and of a layer: OLMo's norms after each sublayer, moved before it (the same weights: `norms_before`).
+LAYER_FEATURES_OFF = {"norms": lambda spec: dataclasses.replace(spec, norms="pre")}
+LAYER_FEATURES = {"SmolLM3-3B": {"use_rope"}, "OLMo-2-1124-7B": {"norms"}, "Olmo-3-1025-7B": {"norms"}}
 EXPERT_FEATURES = {"Qwen3-30B-A3B": {"normalize", "top_k"}, "Mixtral-8x7B-v0.1": {"normalize", "top_k"},
                    "Qwen1.5-MoE-A2.7B": {"normalize", "top_k", "shared_gate"},
                    "OLMoE-1B-7B-0924": {"normalize", "top_k"},
@@ -140,15 +147,19 @@ def test_logits_equal_transformers_and_each_feature_counts(family):
     scanned_config, scanned_params = with_scan_layers(config, params, True)
     scanned, _ = jit_apply(Decoder(scanned_config), {"params": scanned_params}, tokens.numpy())
     np.testing.assert_allclose(scanned, want, atol=TOLERANCE, rtol=0)
-    for feature in sorted(switched_on | EXPERT_FEATURES.get(name, set())):
-        off_config, off_params = with_scan_layers(switched_off(config, feature), params, True)
+    for feature in sorted(switched_on | EXPERT_FEATURES.get(name, set()) | LAYER_FEATURES.get(name, set())):
+        moved = norms_before(params) if feature in LAYER_FEATURES_OFF else params
+        off_config, off_params = with_scan_layers(switched_off(config, feature), moved, True)
         off, _ = jit_apply(Decoder(off_config), {"params": off_params}, tokens.numpy())
         assert np.abs(off - want).max() > 100 * TOLERANCE, f"{name}: {feature} off leaves the logits as they were"
 
 
 def switched_off(config, feature: str):
     """`config` with `feature` switched off: a field of `FEATURES_OFF` (each filled layer's spec made
-    again from the fields, its feed-forward kept), or a routing feature of its layers of experts."""
+    again from the fields, its feed-forward and norm placement kept), a routing feature of its layers
+    of experts, or a feature of its filled layers' attention or placement."""
+    if feature in LAYER_FEATURES_OFF:
+        return config.replace(layers=tuple(map(LAYER_FEATURES_OFF[feature], config.layers)))
     if feature in EXPERT_FEATURES_OFF:
         return config.replace(layers=tuple(
             dataclasses.replace(spec, ffn=EXPERT_FEATURES_OFF[feature](spec.ffn))
@@ -160,9 +171,17 @@ def switched_off(config, feature: str):
     if not config.layers:
         return off
     return off.replace(layers=tuple(  # (the fields' attention, with what its filled spec adds: gpt-oss's sinks)
-        dataclasses.replace(spec, ffn=filled.ffn, mixer=dataclasses.replace(
-            spec.mixer, sinks=filled.mixer.sinks, o_bias=filled.mixer.o_bias, qk_norm_over=filled.mixer.qk_norm_over))
+        dataclasses.replace(spec, ffn=filled.ffn, norms=filled.norms, mixer=dataclasses.replace(
+            spec.mixer, sinks=filled.mixer.sinks, o_bias=filled.mixer.o_bias, qk_norm_over=filled.mixer.qk_norm_over,
+            use_rope=filled.mixer.use_rope))
         for spec, filled in zip(layer_specs(off), config.layers)))
+
+
+def norms_before(params: dict) -> dict:
+    """`params` with each layer's norms after its sublayers ("post") named as the norms before them ("pre")."""
+    before = {"attn_post_norm": "attn_norm", "mlp_post_norm": "mlp_norm"}
+    return {key: {before.get(name, name): leaf for name, leaf in block.items()} if key.startswith("block_") else block
+            for key, block in params.items()}
 
 
 @pytest.fixture(scope="module")

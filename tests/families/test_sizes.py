@@ -1,8 +1,8 @@
 """Each shipped mixture of experts read from its own config.json has the size its makers
 publish: its parameters all told and those a token reads (its k experts of each layer, and
 a shared expert), from the checkpoint's tensor table that `load_hf` reads (nothing is
-allocated). A reader that took a width, a count or a dense layer wrongly would be off by far
-more than the figures' rounding."""
+allocated); each shipped dense model its parameters all told. A reader that took a width, a
+count or a dense layer wrongly would be off by far more than the figures' rounding."""
 
 import math
 
@@ -53,3 +53,18 @@ def test_each_shipped_mixture_has_its_published_size(name):
     second["active without the embedding"] = second["active"] - embedding
     assert abs(total / 1e9 - total_b) <= digits(total_b), total / 1e9
     assert abs(second[what] / 1e9 - second_b) <= digits(second_b), second[what] / 1e9
+
+
+# Dense checkpoints, their parameters all told: to the parameter as the hub's safetensors index counts them
+# (OLMo 2 7B's; OLMo 3 7B's as a fine-tune of it declares), or in billions as published (SmolLM3's blog: 3.08B).
+PUBLISHED_DENSE = {"SmolLM3-3B": 3.08, "OLMo-2-1124-7B": 7_298_617_344, "Olmo-3-1025-7B": 7_298_011_136}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_DENSE))
+def test_each_shipped_dense_model_has_its_published_size(name):
+    config = config_from_hf(SHIPPED[name], max_seq_len=64)
+    total, published = sum(math.prod(t.shape) for t in family_of(config).tensors(config)), PUBLISHED_DENSE[name]
+    if isinstance(published, int):
+        assert total == published
+    else:
+        assert abs(total / 1e9 - published) <= digits(published), total / 1e9
