@@ -439,7 +439,7 @@ SHIPPED.update(SHIPPED_HYBRID)
 # sliding_window_pattern 6 needs one whole period, five sliding layers and then a global one).
 _VOCAB, _HIDDEN, _FFN, _HEADS, _WINDOW = 128, 64, 128, 4, 8
 _LAYERS = {"gemma-3-1b-it": 6, "SmolLM3-3B": 4, "Olmo-3-1025-7B": 4,  # SmolLM3's NoPE and OLMo 3's full layers: 4th
-           "Qwen3-Next-80B-A3B-Instruct": 8, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4}  # each 3 linear layers, 1 full
+           "Qwen3-Next-80B-A3B-Instruct": 4, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4}  # 3 linear layers, 1 full
 # Experts: 8 of width 32 (Mixtral's and gpt-oss's `intermediate_size` is their experts' width: _FFN), k at most 3,
 # a shared expert 48 wide.
 _EXPERTS, _TOP_K, _EXPERT_FFN, _SHARED_FFN = 8, 3, 32, 48
@@ -451,8 +451,8 @@ def tiny(name, **overrides):
 
     Kept as shipped: every other field, the RoPE dicts, max_position_embeddings, the soft-caps, the token-id
     structure (a list stays a list, equal ids stay equal). Shrunk: vocab 128, hidden 64, FFN 128, 4 heads,
-    sliding_window 8 where one is set, layers 2 (6 for gemma-3, 4 for SmolLM3 and OLMo 3, 4 and 8 for the
-    hybrids); 8 experts of 32 (Mixtral's and gpt-oss's of 128, their FFN), 3 a token at most, a shared expert of
+    sliding_window 8 where one is set, layers 2 (6 for gemma-3, 4 for SmolLM3, OLMo 3 and
+    the hybrids); 8 experts of 32 (Mixtral's and gpt-oss's of 128, their FFN), 3 a token at most, a shared expert of
     48; Gated DeltaNet 2 key heads of 8 channels, each with as many value heads as shipped; an image-text
     checkpoint's text model so, its vision tower one block of 32. Properties of the
     shipped shapes are kept: KV heads 4 / 2 / 1 for multi-head / grouped / multi-query attention; head_dim 32
