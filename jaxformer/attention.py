@@ -267,9 +267,9 @@ class AttentionSpec:
     softcap: float | None = None
     sinks: bool = False
     o_bias: bool = False
+    use_rope: bool = True
     output_gate: bool = False
     partial_rotary_factor: float = 1.0
-    use_rope: bool = True
 
     def __post_init__(self):
         if self.qk_norm_over not in QK_NORMS:
@@ -319,8 +319,8 @@ class AttentionSpec:
 
     @property
     def rotation(self) -> tuple:
-        """What RoPE's angles depend on, `(channels, base, scaling, use_rope)` (`decoder.views` computes
-        one RoPE for the mixers that rotate alike)."""
+        """What RoPE's angles depend on, `(channels, base, scaling, use_rope)` (`decoder.views`
+        computes one RoPE for the mixers that rotate alike; a NoPE layer's is the identity)."""
         return self.rotary_dim, self.rope_theta, self.rope_scaling, self.use_rope
 
     def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:

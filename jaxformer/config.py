@@ -57,6 +57,10 @@ class RopeScaling:
       attention_factor: "yarn" and "longrope": the scale of cos and sin; None: YaRN's
         `0.1 ln(factor) + 1`, LongRoPE's `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))`.
       truncate: "yarn" only: the ramp's ends rounded outwards to whole channels.
+      mscale_all_dim: "yarn" only, read by multi-head latent attention alone (as transformers'
+        `yarn_apply_mscale`): its softmax scale is multiplied by `(0.1 mscale_all_dim ln(factor)
+        + 1)^2` (`jaxformer.latent_attention`); None: not. Other mixers ignore it, as
+        transformers' do.
       short_factor, long_factor: "longrope" only (Phi-3's long context): pair i's wavelength
         is multiplied by `short_factor[i]` in a call whose positions all lie within
         `original_max_position_embeddings`, by `long_factor[i]` in one that reaches past it.
@@ -71,12 +75,14 @@ class RopeScaling:
     beta_slow: float | None = None
     attention_factor: float | None = None
     truncate: bool | None = None
+    mscale_all_dim: float | None = None
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
 
     _FIELDS: ClassVar[dict] = {
         "linear": (), "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
-        "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate"),
+        "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate",
+                 "mscale_all_dim"),
         "longrope": ("original_max_position_embeddings", "attention_factor", "short_factor", "long_factor")}
 
     def __post_init__(self):
@@ -101,10 +107,12 @@ class RopeScaling:
                      f"as long as short_factor ({len(self.short_factor)})")
             _check(self, as_float, "attention_factor", above=0, optional=True)
         if self.kind == "yarn":  # (unset fields stay None: `replace(factor=...)` moves their defaults along)
-            _check(self, as_float, "beta_fast", "beta_slow", "attention_factor", above=0, optional=True)
+            _check(self, as_float, "beta_fast", "beta_slow", "attention_factor", "mscale_all_dim", above=0,
+                   optional=True)
             _check(self, as_bool, "truncate", optional=True)
             beta_fast, beta_slow, _ = self.ramp
-            _require(self, beta_fast > beta_slow, "beta_fast", f"above beta_slow={beta_slow:g}")
+            # (equal: Kimi K2's 1 and 1, a ramp of no width, as transformers takes it)
+            _require(self, beta_fast >= beta_slow, "beta_fast", f"at least beta_slow={beta_slow:g}")
 
     def replace(self, **changes) -> "RopeScaling":
         """A copy with `changes` applied, validated again."""
@@ -136,10 +144,12 @@ class RopeScaling:
 # (peft's `target_modules`): a matrix of its own, or Phi-3's fused ones, one adapter over several
 # matrices' columns; or a parameter's (peft's `target_parameters`): a layer of experts' stacked
 # matrices, as transformers 5 holds them (`mlp.experts.gate_up_proj` `[E, 2F, d]`, the gate's
-# rows then up's, and `down_proj` `[E, d, F]`), one adapter per expert.
+# rows then up's, and `down_proj` `[E, d, F]`), one adapter per expert. A latent attention's
+# (DeepSeek's) are its low-rank query's two, its latent's down- and up-projections, and `o_proj`.
 LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
                 "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
                 "qkv_proj": "wqkv", "gate_up_proj": "w_gate_up",
+                "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a", "kv_b_proj": "wkv_b",
                 "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
 FUSED_ADAPTERS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # -> the matrices, in order
 EXPERT_ADAPTERS = {"experts_gate_up": ("w_gate", "w_up"), "experts_down": ("w_down",)}  # -> the stacked matrices

@@ -96,7 +96,7 @@ def views(specs: tuple[LayerSpec, ...], position: jax.Array, key_positions: dict
     negative: an empty slot) for each attention type. Mixers that rotate alike share one RoPE."""
     ropes, out = {}, {}
     for mixer in sorted({s.mixer for s in specs}, key=view_key):
-        if mixer.rotation not in ropes:
+        if mixer.rotation not in ropes:  # (GQA's head_dim channels, a latent attention's RoPE channels alone)
             ropes[mixer.rotation] = mixer.rope(position)
         out[view_key(mixer)] = mixer.view(position, key_positions[mixer.attention_type], ropes[mixer.rotation])
     return out

@@ -8,6 +8,7 @@ base, a width), and the module it builds (`spec.build(config, name)`), with its 
 names, shapes and sharding axes (`spec.weights(d_model)`):
 
     mixers          AttentionSpec -> GQASelfAttention    (jaxformer.attention)
+                    LatentAttentionSpec -> LatentAttention  (jaxformer.latent_attention: DeepSeek's MLA)
                     GatedDeltaNetSpec -> GatedDeltaNet   (jaxformer.deltanet: linear attention)
     feed-forwards   GatedMLPSpec  -> GatedMLP            (jaxformer.feedforward)
                     ExpertsSpec   -> Experts             (jaxformer.experts: a mixture of experts)
@@ -34,13 +35,14 @@ from jaxformer.config import DecoderConfig
 from jaxformer.deltanet import GatedDeltaNetSpec
 from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.latent_attention import LatentAttentionSpec
 from jaxformer.norms import RMSNorm
 
 # Where a layer's RMSNorms sit: before each sublayer; before and after it (on its output); or after it alone.
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 NORMED_INPUT = ("pre", "sandwich")  # the placements that normalise a sublayer's input ...
 NORMED_OUTPUT = ("sandwich", "post")  # ... and its output, before the sum
-MIXERS = (AttentionSpec, GatedDeltaNetSpec)  # the kinds of mixer a layer may have
+MIXERS = (AttentionSpec, LatentAttentionSpec, GatedDeltaNetSpec)  # the kinds of mixer a layer may have
 FEED_FORWARDS = (GatedMLPSpec, ExpertsSpec)  # ... and of feed-forward
 
 
@@ -49,12 +51,12 @@ class LayerSpec:
     """One decoder layer.
 
     Attributes:
-      mixer: how positions exchange information, one of `MIXERS` (`AttentionSpec`).
+      mixer: how positions exchange information, one of `MIXERS` (`AttentionSpec`, `LatentAttentionSpec`).
       ffn: the position-wise feed-forward, one of `FEED_FORWARDS` (`GatedMLPSpec`, `ExpertsSpec`).
       norms: where the RMSNorms sit, one of `NORM_PLACEMENTS`.
     """
 
-    mixer: AttentionSpec | GatedDeltaNetSpec
+    mixer: AttentionSpec | LatentAttentionSpec | GatedDeltaNetSpec
     ffn: GatedMLPSpec | ExpertsSpec
     norms: str = "pre"
 
@@ -121,11 +123,13 @@ def shareable(specs: tuple[LayerSpec, ...]) -> bool:
     their attention types tell apart: one full and one sliding, or two of one window."""
     kinds = _kinds(specs)
 
-    def shared(spec: LayerSpec):  # what one body holds for every layer it runs (an attention's window and RoPE apart)
-        if not isinstance(spec.mixer, AttentionSpec):
+    def shared(spec: LayerSpec):  # what one body holds for every layer it runs
+        mixer = spec.mixer  # (a latent attention's score scale, which its RoPE scaling may set, too; it always rotates)
+        if isinstance(mixer, GatedDeltaNetSpec):  # (no window, no RoPE: all of it is shared)
             return spec
-        return dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, window=None, rope_theta=1.0,
-                                                                   rope_scaling=None, use_rope=True))
+        own = dict(scale=mixer.softmax_scale) if isinstance(mixer, LatentAttentionSpec) else dict(use_rope=True)
+        mixer = dataclasses.replace(mixer, window=None, rope_theta=1.0, rope_scaling=None, **own)
+        return dataclasses.replace(spec, mixer=mixer)
 
     types, windows = {s.mixer.attention_type for s in kinds}, {s.mixer.window for s in kinds}
     return len(kinds) <= 2 and len({shared(s) for s in kinds}) == 1 and (len(types) == len(kinds) or len(windows) == 1)

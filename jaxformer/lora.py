@@ -44,16 +44,17 @@ import jax.numpy as jnp
 
 from jaxformer.config import EXPERT_ADAPTERS, FUSED_ADAPTERS, LoraConfig
 from jaxformer.dropout import drop
-from jaxformer.products import product
+from jaxformer.products import precision_for, product
 
 PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
+         "wq_a": "attn", "wq_b": "attn", "wkv_a": "attn", "wkv_b": "attn",
          "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "w_gate_up": "mlp",
          "experts_gate_up": "mlp", "experts_down": "mlp"}  # adapter -> its module in a block
 INPUT_AXES = {"wo": 2}  # o's input is its heads and their channels; every other matrix's is its first axis
 LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its adapters from
 
 __all__ = ["LORA_COLLECTION", "PARTS", "Adapted", "LoraConfig", "adapter_in_out", "adapter_matrices",
-           "adapter_shapes", "experts_adapters", "init_lora", "merge", "project"]
+           "adapter_shapes", "experts_adapters", "init_lora", "merge", "project", "with_adapter"]
 
 
 def adapter_matrices(adapter: str) -> tuple[str, ...]:
@@ -96,14 +97,9 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
         if adapter in EXPERT_ADAPTERS:
             continue  # the experts' layer's own (`experts_adapters`)
         members = [index[m] for m in adapter_matrices(adapter) if m in index]
-        if not members:
+        ab = _variables(module, adapter) if members else None
+        if ab is None:
             continue
-        if not module.has_variable(LORA_COLLECTION, adapter):
-            if module.is_initializing():
-                continue  # `init` makes the base's parameters; the adapters come from `init_lora`
-            raise ValueError(f"config.lora adapts {adapter}, but apply() was given no {LORA_COLLECTION!r} "
-                             f"variables for it: pass {{'params': ..., {LORA_COLLECTION!r}: init_lora(...)}}")
-        ab = module.get_variable(LORA_COLLECTION, adapter)
         _, equation, w = products[members[0]]
         x_spec, w_spec = equation.split("->")[0].split(",")
         n_in = sum(axis in x_spec for axis in w_spec)  # w's input axes come first
@@ -124,6 +120,41 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
     return outs
 
 
+def _variables(module: nn.Module, adapter: str) -> dict | None:
+    """The `{"a", "b"}` of `adapter`, which `module.config.lora` adapts; None while `init` runs
+    (it makes the base's parameters; the adapters come from `init_lora`).
+
+    Raises:
+      ValueError: the call has no such adapter.
+    """
+    if not module.has_variable(LORA_COLLECTION, adapter):
+        if module.is_initializing():
+            return None
+        raise ValueError(f"config.lora adapts {adapter}, but apply() was given no {LORA_COLLECTION!r} "
+                         f"variables for it: pass {{'params': ..., {LORA_COLLECTION!r}: init_lora(...)}}")
+    return module.get_variable(LORA_COLLECTION, adapter)
+
+
+def with_adapter(module: nn.Module, name: str, w: jax.Array) -> jax.Array:
+    """`w` (parameter `name` of the module's block, in the compute dtype) with its adapter's change
+    added, `W + scale * a^T b` in W's shape and dtype, where `module.config.lora` adapts it; else
+    `w`. For a matrix that a product reads other than as `x W` (a latent attention's decoding
+    reads W_KVB's two parts into its query and its output): `project`'s adapter, merged, and so
+    without the dropout on its input, which only training's `project` draws.
+
+    Raises:
+      ValueError: `config.lora` adapts it but the call has no adapter for it.
+    """
+    lora = module.config.lora
+    ab = None if lora is None or name not in lora.adapters else _variables(module, name)
+    if ab is None:
+        return w
+    wide = jnp.promote_types(w.dtype, jnp.float32)  # (summed in float32 at least, rounded once)
+    a, b = ab["a"].astype(wide), ab["b"].astype(wide)
+    delta = jnp.einsum("ri,ro->io", a, b, precision=precision_for(wide)) * lora.scale  # [n_in, n_out]
+    return (w.astype(wide) + delta.reshape(w.shape)).astype(w.dtype)
+
+
 def experts_adapters(module: nn.Module, dtype) -> dict | None:
     """A layer of experts' adapters as `jaxformer.experts.routed` takes them, `{"gate_up" or
     "down": (a [E, n_in, r], b [E, r, n_out])}` in `dtype`, `b` times the scale; None where
@@ -138,12 +169,9 @@ def experts_adapters(module: nn.Module, dtype) -> dict | None:
         return None
     adapters = {}
     for adapter in lora.expert_adapters:
-        if not module.has_variable(LORA_COLLECTION, adapter):
-            if module.is_initializing():
-                return None
-            raise ValueError(f"config.lora adapts {adapter}, but apply() was given no {LORA_COLLECTION!r} "
-                             f"variables for it: pass {{'params': ..., {LORA_COLLECTION!r}: init_lora(...)}}")
-        ab = module.get_variable(LORA_COLLECTION, adapter)
+        ab = _variables(module, adapter)
+        if ab is None:
+            return None
         a = jnp.swapaxes(ab["a"], 1, 2).astype(dtype)  # [E, n_in, r]: as the experts' matrices, input first
         adapters[adapter.removeprefix("experts_")] = (a, (lora.scale * ab["b"]).astype(dtype))
     return adapters

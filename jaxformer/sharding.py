@@ -34,6 +34,7 @@ QKV = "qkv"  # which of Q, K, V in a packed projection
 LAYERS = "layers"  # the block a stacked parameter belongs to (a scanned model); never split
 EXPERTS = "experts"  # which expert of a mixture (`jaxformer.experts`) a stacked parameter is
 ROUTES = "routes"  # a router's score per expert; never split: every device routes its own tokens
+LATENT = "latent"  # a low-rank projection's inner width (latent attention's); every head reads all of it
 CONV = "conv"  # the taps of a short convolution (Gated DeltaNet's); never split: each is a few numbers
 
 # (logical axis, mesh axis, strategies), in order of preference. A mesh axis splits at
@@ -49,7 +50,7 @@ RULES = (
     (EXPERTS, EXPERT, _BOTH),
     # FSDP: one more dimension over `data`, the larger kinds first.
     (VOCAB, DATA, _FSDP), (MLP, DATA, _FSDP), (EMBED, DATA, _FSDP), (HEADS, DATA, _FSDP),
-    (KV_HEADS, DATA, _FSDP), (HEAD_DIM, DATA, _FSDP), (QKV, DATA, _FSDP),
+    (KV_HEADS, DATA, _FSDP), (HEAD_DIM, DATA, _FSDP), (QKV, DATA, _FSDP), (LATENT, DATA, _FSDP),
 )
 AXES_COLLECTION = "param_axes"
 

@@ -302,6 +302,28 @@ FULL_TIER.update({
     # (The fast tier keeps vanilla's cached steps against teacher forcing.)
     "tests/test_vanilla.py::test_cached_greedy_equals_uncached[False-False]": "more layouts",
 })
+# Latent attention (MLA): the fast tier keeps the layer against transformers' DeepseekV3Attention (q_lora_rank,
+# interleaved RoPE, DeepSeek-V3's YaRN), a decoder of latent layers decoding over its latent cache (absorbed) as
+# its full forward (expanded), and the cache's size; the other configurations, the layer's absorbed form in
+# pieces, with LoRA and over a window, and the scanned decoder here.
+FULL_TIER.update({
+    **{f"tests/test_latent_attention.py::test_the_layer_equals_transformers_deepseek_attention[{case}]":
+       "more configurations" for case in ("v3-k2-yarn-no-q-lora", "v3-unequal-mscales", "v2-lite",
+                                          "v2-q-lora-plain-rope")},
+    "tests/test_latent_attention.py::test_absorbed_decoding_over_the_latent_cache_equals_the_expanded_form":
+        "more layouts",
+    "tests/test_latent_attention.py::test_a_decoder_of_latent_layers_decodes_over_its_cache_as_its_full_forward"
+    "[scanned]": "more layouts",
+    # (DeepSeek's families, whose layers, routing and cache the tests above keep fast: their logits against
+    # transformers with each feature's guard, 16-19 s for DeepSeek-V3's, here; tests/families/test_deepseek.py's
+    # reading of their fields stays fast.)
+    **{f"tests/families/test_families.py::test_logits_equal_transformers_and_each_feature_counts[{family}]":
+       "latent-attention families" for family in ("DeepSeek-V3", "Kimi-K2-Instruct", "DeepSeek-V2-Lite")},
+    **{f"tests/families/test_families.py::{test}[{family}]": "latent-attention families at length"
+       for test in ("test_cached_decoding_equals_transformers_and_the_full_forward",
+                    "test_save_hf_writes_the_family_that_transformers_reopens")
+       for family in ("DeepSeek-V3", "Kimi-K2-Instruct", "DeepSeek-V2-Lite")},
+})
 # The grouped-matmul kernels interpreted at the widest case, 4-16 s each (the fast tier keeps every other case on
 # both kernels, in float32 and in bfloat16).
 FULL_TIER.update({f"tests/kernels/test_grouped_matmul.py::{test}[{platform}-wide]": "the kernels interpreted, wider"
@@ -406,8 +428,10 @@ FULL_TIER.update({
     **{f"tests/test_deltanet.py::test_the_chunked_form_equals_the_recurrent_one[{T}]": "more lengths"
        for T in ("chunk-1", "chunk", "chunk+1")},
     "tests/test_deltanet.py::test_the_chunked_forms_gradients_equal_the_recurrent_ones": "the two forms' gradients",
+    "tests/test_deltanet.py::test_the_unit_lower_inverse_is_the_float64_inverse": "the chunks' inverse alone",
     "tests/test_deltanet.py::test_a_prompt_in_pieces_padded_after_their_ends_equals_it_in_one":
         "states across calls, and padding",
+    "tests/test_deltanet.py::test_the_layer_from_its_cache_continues_rows_as_one_call": "the layer's cached path",
     "tests/test_deltanet.py::test_both_forms_equal_transformers_torch_rules": "each form against transformers'",
     "tests/test_deltanet.py::test_the_layer_equals_transformers_gated_deltanet[qwen3_5]": "Qwen3.5's projections",
     "tests/test_deltanet.py::test_the_gated_norm_is_transformers_in_bfloat16": "the gated norm in bfloat16",

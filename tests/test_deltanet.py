@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import import_peer, torch_peer
 
-from jaxformer import DecoderConfig
+from jaxformer import DecoderConfig, KVCache
 from jaxformer.attention import Part
+from jaxformer.cache import Entry
 from jaxformer.deltanet import (
     GatedDeltaNet,
     GatedDeltaNetSpec,
@@ -22,6 +23,7 @@ from jaxformer.deltanet import (
     l2_normalize,
     linear_attention,
     recurrent_delta_rule,
+    unit_lower_inverse,
 )
 
 CHUNK = 8  # small chunks: the lengths below cross several at tiny sizes
@@ -77,6 +79,17 @@ def test_the_chunked_forms_gradients_equal_the_recurrent_ones(T):
 
     for got, want in zip(scalar(_chunked)(*inputs), scalar(_recurrent)(*inputs)):
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("C", [1, 7, 64])
+def test_the_unit_lower_inverse_is_the_float64_inverse(C):
+    """`unit_lower_inverse` against NumPy's float64 inverse of `I + A`: for random strictly lower `A`
+    (C not a power of two too), and for A all ones below the diagonal, whose inverse is `I` minus the
+    first subdiagonal while its series `sum (-A)^m` has terms of binomial size (~1e17 at 64)."""
+    A = jnp.tril(jax.random.uniform(jax.random.key(10), (3, C, C)), -1)
+    for a in (A, jnp.tril(jnp.ones((C, C)), -1)):
+        want = np.linalg.inv(np.eye(C) + np.asarray(a, np.float64))
+        np.testing.assert_allclose(jax.jit(unit_lower_inverse)(a), want, atol=1e-6 * np.abs(want).max(), rtol=0)
 
 
 def _states_from(spec, rows, dtype=jnp.float32):
@@ -158,6 +171,38 @@ def _random_layer(seed):
 @jax.jit
 def _layer(params, x):
     return GatedDeltaNet(CONFIG, SPEC).apply({"params": params}, x, (Part(*x.shape[:2], None, None, {}, None),))[0]
+
+
+@jax.jit
+def _cached_layer(params, x, cache):
+    part = Part(*x.shape[:2], None, None, {}, cache)
+    y, (cache,) = GatedDeltaNet(CONFIG, SPEC).apply({"params": params}, x, (part,), 0)
+    return y, cache
+
+
+def test_the_layer_from_its_cache_continues_rows_as_one_call():
+    """The layer over a cache of its states (`LinearState`, the cache's "linear" entry): two rows of
+    24 tokens, as a ragged prefill (12 tokens a row, row 0's first 9 and row 1's first 5, the rest
+    garbage past `cache.stop`), then 12 more from each row's end, then one (the recurrent form), give
+    the outputs of one uncached call over the 24 (float32 rounding: 1e-5 of outputs up to ~9)."""
+    params = _random_layer(11)
+    x = jax.random.normal(jax.random.key(12), (2, 24, D_MODEL))
+    whole = _layer(params, x)
+    cache = KVCache.zeros(2, 32, n_layer=1, n_kv_head=1, head_dim=1, max_seq_len=32, dtype=jnp.float32,
+                          entries=(Entry(*SPEC.cache_entry),))
+    garbage = 10 * jax.random.normal(jax.random.key(13), (12, D_MODEL))
+    prompt = jnp.stack([x[0, :12], jnp.concatenate([x[1, :5], garbage[5:]])])
+    y, cache = _cached_layer(params, prompt, cache.replace(stop=jnp.array([9, 5])))
+    ends = np.array([9, 5])
+    outs = [[y[0, :9]], [y[1, :5]]]
+    for T in (12, 1):
+        piece = jnp.stack([x[b, end:end + T] for b, end in enumerate(ends)])
+        y, cache = _cached_layer(params, piece, cache.replace(pos=jnp.asarray(ends), stop=None))
+        for b in range(2):
+            outs[b].append(y[b])
+        ends = ends + T
+    for b, end in enumerate(ends):
+        np.testing.assert_allclose(jnp.concatenate(outs[b]), whole[b, :end], atol=1e-5, rtol=0)
 
 
 def _as_transformers(params, layout: str) -> dict:

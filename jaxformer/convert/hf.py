@@ -240,10 +240,10 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
       ValueError: naming the file and what is wrong with it (docs/parity.md lists what is refused).
     """
     config = load_hf_config(path, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+    family = family_of(config)
     outer_type = read_json_object(os.path.join(path, "config.json")).get("model_type")
     image_text, other_towers = outer_type in TEXT_MODELS, 0
     table: dict[str, list[Tensor]] = {}
-    family = family_of(config)
     for t in family.tensors(config):
         table.setdefault(t.hf_key, []).append(t)
     params: dict = {}
@@ -264,11 +264,11 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
         elif image_text and key != "lm_head.weight":  # another tower's
             other_towers += 1
             continue
-        if key.startswith(family.skipped):  # (what the family says it leaves)
-            continue
         if key == "lm_head.weight" and config.tie_embeddings:  # some tied checkpoints store the head anyway
             stored_head = w
             continue
+        if key not in table and family.ignored is not None and family.ignored(config, key):
+            continue  # (a part of the checkpoint the family reads past, as its docstring says)
         if key not in table:
             unexpected.append(key)
             continue
@@ -315,7 +315,8 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
     """Writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads, in
     the format of the config's family (`hf_model_type`; None: Llama, or Qwen2 with q/k/v
     biases). An interleaved-RoPE model is saved permuted to split-half, the only pairing
-    transformers implements; Phi-3's fused projections are fused again.
+    transformers implements for most families (DeepSeek's keep theirs: `Family.pairings`);
+    Phi-3's fused projections are fused again.
 
     Args:
       config: the `DecoderConfig` (either `scan_layers` form).
@@ -330,7 +331,9 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
       OSError: naming the file, when the folder cannot be written (a full disk).
     """
     config, params = with_scan_layers(config, params, False)  # the checkpoint names each layer
-    config, params = with_rope_pairing(config, params, "split_half")
+    pairings = family_of(config).pairings  # (the format's own: transformers' split-half, DeepSeek's interleaved too)
+    config, params = with_rope_pairing(config, params, config.rope_pairing if config.rope_pairing in pairings
+                                       else pairings[0])
     special = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
     hf_config = config_to_hf(config, **special)  # refuses what the format cannot hold, before any file is written
     dtype = np.dtype(config.param_dtype)

@@ -104,6 +104,10 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
                 raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s MLP is its "
                                  "experts, whose matrices are parameters: mlp.experts.gate_up_proj, "
                                  "mlp.experts.down_proj)")
+            missing = [m for m in adapter_matrices(adapter) if (f"block_{i}", PARTS[adapter], m) not in tensors]
+            if missing:  # (a latent attention's targets on another attention, or the other way round)
+                raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s "
+                                 f"{PARTS[adapter]} has no {missing[0]})")
             members = [tensors[(f"block_{i}", PARTS[adapter], m)] for m in adapter_matrices(adapter)]
             fused = {t.hf_key for t in members}
             # The adapter is the tensor's: the matrices are all of it (rows, in order) or it alone.

@@ -3,6 +3,7 @@ its tensors (`common.Family`); the model itself is shared. To add a family, writ
 module and add its `Family` to `FAMILIES` (docs/architecture.md, "Checkpoint families")."""
 
 from jaxformer.families.common import Family
+from jaxformer.families.deepseek import DEEPSEEK_V2, DEEPSEEK_V3, KIMI_K2
 from jaxformer.families.gemma import GEMMA, GEMMA2, GEMMA3
 from jaxformer.families.gpt_oss import GPT_OSS
 from jaxformer.families.llama import LLAMA, MISTRAL, QWEN2
@@ -17,7 +18,8 @@ from jaxformer.families.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3,
                                                          SMOLLM3, OLMO2, OLMO3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE,
-                                                         GPT_OSS, QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE)}
+                                                         GPT_OSS, DEEPSEEK_V3, KIMI_K2, DEEPSEEK_V2, QWEN3_NEXT,
+                                                         QWEN3_5, QWEN3_5_MOE)}
 
 
 def family_of(config) -> Family:

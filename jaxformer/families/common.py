@@ -121,7 +121,8 @@ def _longrope(hf: dict, given: dict, where: str, number: Callable) -> RopeScalin
 
 def _yarn(hf: dict, given: dict, where: str, number: Callable, context: int) -> RopeScaling:
     """YaRN's fields, with transformers' defaults: `factor` from the two contexts when
-    absent, and the attention factor from `mscale` / `mscale_all_dim` when given."""
+    absent, and the attention factor from `mscale` / `mscale_all_dim` when given; `mscale_all_dim`
+    kept too, for a latent attention's softmax scale (`RopeScaling.mscale_all_dim`)."""
     factor = number("factor", default=None)
     if factor is None:
         factor = field(hf, "max_position_embeddings", python_int, "a positive int") / context
@@ -138,7 +139,7 @@ def _yarn(hf: dict, given: dict, where: str, number: Callable, context: int) -> 
         fail(f"{where}.truncate", "must be true or false", truncate)
     return RopeScaling("yarn", factor, context, beta_fast=number("beta_fast", default=None),
                        beta_slow=number("beta_slow", default=None), attention_factor=attention_factor,
-                       truncate=truncate)
+                       truncate=truncate, mscale_all_dim=mscale_all_dim)
 
 
 def single_rope(hf: dict, *, default_theta: float = DEFAULT_ROPE_THETA) -> tuple[float, RopeScaling | None]:
@@ -367,8 +368,10 @@ class Family:
       layer_tensors: `(config, i) -> [Tensor]`, layer i's tensors (`model.layers.{i}.`).
       features: the values of `PLAIN_FEATURES` fields this format holds, a tuple or `ANY`
         per field; a field not named must have its plain value.
-      skipped: the starts of checkpoint tensor names `load_hf` leaves unread (a multi-token
-        prediction head the decoder does not run), said in the family's docstring.
+      pairings: the RoPE pairings its checkpoints hold as they are (`save_hf` moves another to
+        the first): split-half alone, transformers' only one, but where a family says otherwise.
+      ignored: `(config, key) -> bool`, the checkpoint tensors `load_hf` skips (DeepSeek's
+        multi-token prediction layers); None: none, every tensor must be the table's.
     """
 
     model_type: str
@@ -377,7 +380,8 @@ class Family:
     write: Callable[[DecoderConfig], dict]
     layer_tensors: Callable[[DecoderConfig, int], list[Tensor]]
     features: dict = dataclasses.field(default_factory=dict)
-    skipped: tuple[str, ...] = ()
+    pairings: tuple[str, ...] = ("split_half",)
+    ignored: Callable[[DecoderConfig, str], bool] | None = None
 
     def tensors(self, config: DecoderConfig) -> list[Tensor]:
         """Every tensor of the checkpoint (both directions read this one table)."""

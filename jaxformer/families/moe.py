@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from jaxformer.config import DecoderConfig
 from jaxformer.experts import ExpertsSpec
-from jaxformer.families.common import fail, flag, linear, mlp_tensors, positive_int
+from jaxformer.families.common import fail, flag, linear, mlp_tensors, positive_int, vector
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.layers import layer_specs
 from jaxformer.validation import finite_float, python_int
@@ -102,12 +102,15 @@ def experts_fields(config: DecoderConfig, count_key: str, width_key: str, writte
 
 
 def experts_tensors(d_model: int, spec: ExpertsSpec, prefix: str, block: str, names: dict) -> list:
-    """A layer of experts' tensors: the router `{router}.weight [E, d]`, each expert e's three
-    `{experts}.{e}.{w_gate,w_up,w_down}.weight` (rows `e` of `{block}/mlp/w_*`), and a shared
-    expert's `{shared}.*` with its gate `{shared_gate}.weight [1, d]`, by the family's `names`."""
+    """A layer of experts' tensors: the router `{router}.weight [E, d]` (and a sigmoid_grouped
+    router's correction bias, `{router}.e_score_correction_bias [E]`, DeepSeek's name), each expert
+    e's three `{experts}.{e}.{w_gate,w_up,w_down}.weight` (rows `e` of `{block}/mlp/w_*`), and a
+    shared expert's `{shared}.*` with its gate `{shared_gate}.weight [1, d]`, by the family's `names`."""
     E, F, d = spec.n_experts, spec.width, d_model
     path = (block, "mlp")
     table = [linear(f"{prefix}{names['router']}.weight", (*path, "router"), (d, E), E, d)]
+    if "correction_bias" in spec.weights(d):
+        table.append(vector(f"{prefix}{names['router']}.e_score_correction_bias", (*path, "correction_bias"), E))
     for e in range(E):
         stem = f"{prefix}{names['experts']}.{e}."
         table += [linear(stem + names["w_gate"] + ".weight", (*path, "w_gate"), (d, F), F, d, expert=(e, E)),

@@ -48,7 +48,11 @@ from jaxformer.layers import LayerSpec, layer_specs
 from jaxformer.validation import finite_float
 
 HYBRID_TYPES = ("linear_attention", "full_attention")
-MTP = ("mtp.",)  # the multi-token prediction head's tensors: not read
+
+
+def multi_token_prediction(config: DecoderConfig, key: str) -> bool:
+    """Whether `key` is a tensor of the multi-token prediction head (`mtp.*`), which is not read."""
+    return key.startswith("mtp.")
 
 
 def _rope(hf: dict) -> tuple[float, object, float]:
@@ -217,8 +221,8 @@ def hybrid_layer(fused: bool):
 
 HYBRID_FEATURES = {"qk_norm": (True,), "norm_plus_one": (True,)}
 QWEN3_NEXT = Family("qwen3_next", "Qwen3NextForCausalLM", read_qwen3_next, write_qwen3_next, hybrid_layer(True),
-                    HYBRID_FEATURES, skipped=MTP)
+                    HYBRID_FEATURES, ignored=multi_token_prediction)
 QWEN3_5 = Family("qwen3_5_text", "Qwen3_5ForCausalLM", read_qwen3_5, write_hybrid, hybrid_layer(False),
-                 HYBRID_FEATURES, skipped=MTP)
+                 HYBRID_FEATURES, ignored=multi_token_prediction)
 QWEN3_5_MOE = Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", read_qwen3_5_moe, write_qwen3_5_moe,
-                     hybrid_layer(False), HYBRID_FEATURES, skipped=MTP)
+                     hybrid_layer(False), HYBRID_FEATURES, ignored=multi_token_prediction)

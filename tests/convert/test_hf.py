@@ -94,6 +94,10 @@ def test_yarn_as_qwen_2_5_ships_it_with_transformers_defaults():
     scaling = config_from_hf(deepseek_like).rope_scaling
     assert scaling.factor == 32.0 and scaling.cos_sin_scale == pytest.approx(
         (0.1 * math.log(32) + 1) / (0.05 * math.log(32) + 1), rel=1e-15)
+    # mscale_all_dim is kept (a latent attention's scores take its factor squared) and written back
+    deepseek = config_from_hf(deepseek_like)
+    assert scaling.mscale_all_dim == 0.5 and config_to_hf(deepseek)["rope_parameters"]["mscale_all_dim"] == 0.5
+    assert config_from_hf(config_to_hf(deepseek)) == deepseek
 
 
 def test_rope_theta_from_the_older_top_level_key():

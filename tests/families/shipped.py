@@ -438,8 +438,10 @@ SHIPPED.update(SHIPPED_HYBRID)
 # The tiny sizes. num_hidden_layers: enough layers to show the layer pattern (gemma-2's 1:1 needs 2; gemma-3's
 # sliding_window_pattern 6 needs one whole period, five sliding layers and then a global one).
 _VOCAB, _HIDDEN, _FFN, _HEADS, _WINDOW = 128, 64, 128, 4, 8
-_LAYERS = {"gemma-3-1b-it": 6, "SmolLM3-3B": 4, "Olmo-3-1025-7B": 4,  # SmolLM3's NoPE and OLMo 3's full layers: 4th
-           "Qwen3-Next-80B-A3B-Instruct": 4, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4}  # 3 linear layers, 1 full
+# SmolLM3's NoPE and OLMo 3's full layers: every 4th; DeepSeek's: 1 dense layer, then 2 of experts; the hybrids':
+# 3 linear layers, then 1 full
+_LAYERS = {"gemma-3-1b-it": 6, "SmolLM3-3B": 4, "Olmo-3-1025-7B": 4, "DeepSeek-V3": 3, "Kimi-K2-Instruct": 3,
+           "DeepSeek-V2-Lite": 3, "Qwen3-Next-80B-A3B-Instruct": 4, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4}
 # Experts: 8 of width 32 (Mixtral's and gpt-oss's `intermediate_size` is their experts' width: _FFN), k at most 3,
 # a shared expert 48 wide.
 _EXPERTS, _TOP_K, _EXPERT_FFN, _SHARED_FFN = 8, 3, 32, 48
@@ -506,6 +508,17 @@ def _shrunk(name, shipped, overrides):
         per_key = shipped["linear_num_value_heads"] // shipped["linear_num_key_heads"]
         config.update(linear_num_key_heads=2, linear_num_value_heads=2 * per_key, linear_key_head_dim=8,
                       linear_value_head_dim=8)
+    # DeepSeek's latent attention and experts: latent widths 16 (the query's 24, or none as shipped), 8 + 8 channels
+    # of q and k (plain and RoPE) and 12 of v; 8 routed experts in 4 groups of 2, the best 2 chosen, where the
+    # shipped config groups them (else one group); one dense layer first.
+    for key, size in (("kv_lora_rank", 16), ("q_lora_rank", 24), ("qk_nope_head_dim", 8), ("qk_rope_head_dim", 8),
+                      ("v_head_dim", 12), ("n_routed_experts", _EXPERTS)):
+        if shipped.get(key) is not None:
+            config[key] = size
+    if shipped.get("n_group", 1) > 1:
+        config.update(n_group=4, topk_group=2)
+    if "first_k_dense_replace" in shipped:
+        config["first_k_dense_replace"] = min(shipped["first_k_dense_replace"], 1)
     if "max_window_layers" in shipped:  # the first max_window_layers layers never slide (Qwen2/3)
         shipped_layers, window_layers = shipped["num_hidden_layers"], shipped["max_window_layers"]
         shrunk = window_layers * layers // shipped_layers

@@ -20,6 +20,7 @@ from shipped import scaled_up, tiny
 from jaxformer import Decoder, KVCache, generate
 from jaxformer.convert import load_hf, save_hf, with_scan_layers
 from jaxformer.experts import ExpertsSpec
+from jaxformer.latent_attention import LatentAttentionSpec
 from jaxformer.layers import layer_specs
 
 torch = torch_peer()
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.peers
 CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
                "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M", "SmolLM3-3B",
                "OLMo-2-1124-7B", "Olmo-3-1025-7B", "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B",
-               "OLMoE-1B-7B-0924", "gpt-oss-20b"]
+               "OLMoE-1B-7B-0924", "gpt-oss-20b", "DeepSeek-V3", "Kimi-K2-Instruct", "DeepSeek-V2-Lite"]
 MAX_SEQ_LEN = 64
 PROMPT_LEN, NEW_TOKENS = 12, 40
 TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
@@ -73,6 +74,9 @@ SWITCHED_ON = {
     "Qwen1.5-MoE-A2.7B": {"qkv_bias"},
     "OLMoE-1B-7B-0924": {"qk_norm"},
     "gpt-oss-20b": {"sliding_window", "rope_scaling", "qkv_bias"},
+    "DeepSeek-V3": {"rope_scaling"},
+    "Kimi-K2-Instruct": {"rope_scaling"},
+    "DeepSeek-V2-Lite": {"rope_scaling"},
 }
 # Each routing feature of a family of experts, its layers' `ExpertsSpec` with the feature switched
 # (off, or to its other value), and the families that have it: the logits must move.
@@ -81,17 +85,27 @@ EXPERT_FEATURES_OFF = {
     "top_k": lambda spec: dataclasses.replace(spec, top_k=spec.top_k - 1),
     "shared_gate": lambda spec: dataclasses.replace(spec, shared_gate=False),
     "swiglu_limit": lambda spec: dataclasses.replace(spec, swiglu_limit=1e4),
+    "routed_scale": lambda spec: dataclasses.replace(spec, routed_scale=1.0),
+    "topk_group": lambda spec: dataclasses.replace(spec, topk_group=spec.n_group),
 }
-# ... and of an attention layer: gpt-oss's sinks, SmolLM3's NoPE layers (made to rotate as the others).
+# ... and of an attention layer: gpt-oss's sinks, SmolLM3's NoPE layers (made to rotate as the others); a
+# latent attention's RoPE pairing (interleaved, as DeepSeek's checkpoints rotate) and its score scale's YaRN
+# factor (mscale_all_dim).
 MIXER_FEATURES_OFF = {"sinks": lambda spec: dataclasses.replace(spec, sinks=False),
-                      "use_rope": lambda spec: dataclasses.replace(spec, use_rope=True)}
+                      "use_rope": lambda spec: dataclasses.replace(spec, use_rope=True),
+                      "rope_pairing": lambda spec: dataclasses.replace(spec, rope_pairing="split_half"),
+                      "mscale_all_dim": lambda spec: dataclasses.replace(spec, scale=spec.qk_head_dim ** -0.5)}
+LATENT = {"rope_pairing", "mscale_all_dim"}
 # ... and of a layer: OLMo's norms after each sublayer, moved before it (the same weights: `norms_before`).
 LAYER_FEATURES_OFF = {"norms": lambda spec: dataclasses.replace(spec, norms="pre")}
 LAYER_FEATURES = {"SmolLM3-3B": {"use_rope"}, "OLMo-2-1124-7B": {"norms"}, "Olmo-3-1025-7B": {"norms"}}
 EXPERT_FEATURES = {"Qwen3-30B-A3B": {"normalize", "top_k"}, "Mixtral-8x7B-v0.1": {"normalize", "top_k"},
                    "Qwen1.5-MoE-A2.7B": {"normalize", "top_k", "shared_gate"},
                    "OLMoE-1B-7B-0924": {"normalize", "top_k"},
-                   "gpt-oss-20b": {"top_k", "swiglu_limit", "sinks"}}
+                   "gpt-oss-20b": {"top_k", "swiglu_limit", "sinks"},
+                   "DeepSeek-V3": {"normalize", "top_k", "routed_scale", "topk_group", *LATENT},
+                   "Kimi-K2-Instruct": {"normalize", "top_k", "routed_scale", *LATENT},  # (one group: no topk_group)
+                   "DeepSeek-V2-Lite": {"normalize", "top_k", *LATENT}}
 # Gemma 2 2B's and Gemma 3 1B's query_pre_attn_scalar is their head_dim, where it changes nothing;
 # 27B's (144, head_dim 128) is not: the tiny copies take one apart from head_dim, so its guard can tell.
 # Gemma 2's final cap (30) is shrunk as the window is, to where this tiny model's logits reach it.
@@ -99,7 +113,11 @@ OVERRIDES = {"gemma-2-2b": dict(query_pre_attn_scalar=24, final_logit_softcappin
              "gemma-3-1b-it": dict(query_pre_attn_scalar=24),
              # gpt-oss ships MXFP4 experts (the bfloat16 form is what loads); its SwiGLU clamp (7) shrunk
              # to where this tiny model's products reach it
-             "gpt-oss-20b": dict(quantization_config=None, swiglu_limit=1.0)}
+             "gpt-oss-20b": dict(quantization_config=None, swiglu_limit=1.0),
+             # DeepSeek-V3 and Kimi K2 ship FP8 blocks (a bfloat16 copy is what loads); transformers has no
+             # `kimi_k2` class (Kimi's checkpoint brings DeepSeek-V3's code): the tiny copy is made as deepseek_v3
+             "DeepSeek-V3": dict(quantization_config=None),
+             "Kimi-K2-Instruct": dict(quantization_config=None, model_type="deepseek_v3")}
 # Phi-3's long-context form as its 128k checkpoint states it (an older `rope_scaling` of type
 # "longrope" with a factor per RoPE pair, the trained context at config.json's top level), the
 # trained context shrunk to 16 so that a test's calls cross it; the factors are made up here.
@@ -164,9 +182,13 @@ def switched_off(config, feature: str):
         return config.replace(layers=tuple(
             dataclasses.replace(spec, ffn=EXPERT_FEATURES_OFF[feature](spec.ffn))
             if isinstance(spec.ffn, ExpertsSpec) else spec for spec in config.layers))
-    if feature in MIXER_FEATURES_OFF:
-        return config.replace(layers=tuple(dataclasses.replace(spec, mixer=MIXER_FEATURES_OFF[feature](spec.mixer))
-                                           for spec in config.layers))
+    if feature in MIXER_FEATURES_OFF:  # (the config's pairing follows its layers': one for the model)
+        layers = tuple(dataclasses.replace(spec, mixer=MIXER_FEATURES_OFF[feature](spec.mixer))
+                       for spec in config.layers)
+        return config.replace(layers=layers, rope_pairing=layers[0].mixer.rope_pairing)
+    if isinstance(config.layers[0].mixer if config.layers else None, LatentAttentionSpec):  # (its RoPE is its spec's)
+        return config.replace(**FEATURES_OFF[feature], layers=tuple(dataclasses.replace(spec, mixer=dataclasses.replace(
+            spec.mixer, **FEATURES_OFF[feature])) for spec in config.layers))
     off = config.replace(layers=(), **FEATURES_OFF[feature])
     if not config.layers:
         return off

@@ -28,6 +28,9 @@ PUBLISHED = {
     "Qwen2-57B-A14B": (57, 14, "active"),
     "gpt-oss-20b": (20.91, 3.61, "active without the embedding"),  # OpenAI's model card
     "gpt-oss-120b": (116.83, 5.13, "active without the embedding"),
+    # DeepSeek's weights document (README_WEIGHTS.md): the main model's "Total parameters: 671B", "Activation
+    # parameters: 36.6B (including 0.9B for the output Head)" (the multi-token prediction module apart)
+    "DeepSeek-V3": (671, 36.6, "active without the embedding"),
 }
 
 
