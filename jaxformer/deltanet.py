@@ -31,6 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxformer.attention import FULL_WINDOW, Visibility
 from jaxformer.lora import project
 from jaxformer.sharding import CONV, EMBED, HEAD_DIM, HEADS, KV_HEADS, Weight, compute_param, param
 
@@ -257,10 +258,30 @@ class GatedDeltaNetSpec:
         return "linear"
 
     @property
+    def window(self) -> None:
+        """No window: a linear layer reads its whole past, through its state."""
+        return None
+
+    @property
     def cache_entry(self) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """What a layer of this spec keeps per row (`jaxformer.cache.Entry`): its conv inputs
         `[conv_kernel - 1, channels]` and its state `[n_value_head, key_dim, value_dim]`, at any length."""
         return "linear", ((self.conv_kernel - 1, self.channels), (self.n_value_head, self.key_dim, self.value_dim))
+
+    @property
+    def rotation(self) -> None:
+        """No RoPE: positions reach a linear layer through its convolution and its state's order."""
+        return None
+
+    def rope(self, position: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """No angles: `cos, sin` `[..., T, 0]`, which say the call's positions (a part's rows and length)."""
+        empty = jnp.zeros((*position.shape, 0), jnp.float32)
+        return empty, empty
+
+    def view(self, position: jax.Array, key_position: jax.Array, rope=None) -> tuple[jax.Array, jax.Array, Visibility]:
+        """The mixers' view of a call (`AttentionSpec.view`): no angles, and keys it never reads."""
+        cos, sin = self.rope(position) if rope is None else rope
+        return cos, sin, Visibility(position, key_position, jnp.int32(FULL_WINDOW))
 
     @property
     def channels(self) -> int:

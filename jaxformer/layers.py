@@ -9,6 +9,7 @@ names, shapes and sharding axes (`spec.weights(d_model)`):
 
     mixers          AttentionSpec -> GQASelfAttention    (jaxformer.attention)
                     LatentAttentionSpec -> LatentAttention  (jaxformer.latent_attention: DeepSeek's MLA)
+                    GatedDeltaNetSpec -> GatedDeltaNet   (jaxformer.deltanet: linear attention)
     feed-forwards   GatedMLPSpec  -> GatedMLP            (jaxformer.feedforward)
                     ExpertsSpec   -> Experts             (jaxformer.experts: a mixture of experts)
 
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxformer.attention import AttentionSpec, Part
 from jaxformer.config import DecoderConfig
+from jaxformer.deltanet import GatedDeltaNetSpec
 from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.latent_attention import LatentAttentionSpec
@@ -40,7 +42,7 @@ from jaxformer.norms import RMSNorm
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 NORMED_INPUT = ("pre", "sandwich")  # the placements that normalise a sublayer's input ...
 NORMED_OUTPUT = ("sandwich", "post")  # ... and its output, before the sum
-MIXERS = (AttentionSpec, LatentAttentionSpec)  # the kinds of mixer a layer may have
+MIXERS = (AttentionSpec, LatentAttentionSpec, GatedDeltaNetSpec)  # the kinds of mixer a layer may have
 FEED_FORWARDS = (GatedMLPSpec, ExpertsSpec)  # ... and of feed-forward
 
 
@@ -54,7 +56,7 @@ class LayerSpec:
       norms: where the RMSNorms sit, one of `NORM_PLACEMENTS`.
     """
 
-    mixer: AttentionSpec | LatentAttentionSpec
+    mixer: AttentionSpec | LatentAttentionSpec | GatedDeltaNetSpec
     ffn: GatedMLPSpec | ExpertsSpec
     norms: str = "pre"
 
@@ -123,6 +125,8 @@ def shareable(specs: tuple[LayerSpec, ...]) -> bool:
 
     def shared(spec: LayerSpec):  # what one body holds for every layer it runs
         mixer = spec.mixer  # (a latent attention's score scale, which its RoPE scaling may set, too; it always rotates)
+        if isinstance(mixer, GatedDeltaNetSpec):  # (no window, no RoPE: all of it is shared)
+            return spec
         own = dict(scale=mixer.softmax_scale) if isinstance(mixer, LatentAttentionSpec) else dict(use_rope=True)
         mixer = dataclasses.replace(mixer, window=None, rope_theta=1.0, rope_scaling=None, **own)
         return dataclasses.replace(spec, mixer=mixer)

@@ -436,6 +436,24 @@ FULL_TIER.update({
     "tests/test_deltanet.py::test_the_layer_equals_transformers_gated_deltanet[qwen3_5]": "Qwen3.5's projections",
     "tests/test_deltanet.py::test_the_gated_norm_is_transformers_in_bfloat16": "the gated norm in bfloat16",
 })
+# The linear-attention hybrids' families (tests/families/test_hybrids.py): the fast tier keeps Qwen3.5's logits
+# against transformers (every mixer, the image-text checkpoint's text model, its features' guards) and the refusal
+# of speculative decoding; the other families, greedy runs, cached decoding and save_hf here, as the hybrid cache
+# through ragged prompts and beams and the engine (tests/test_cache.py keeps a state beside keys in every layout).
+FULL_TIER.update({
+    **{f"tests/families/test_hybrids.py::{test}[{family}]": "more hybrid families"
+       for test in ("test_logits_equal_transformers_and_each_feature_counts",
+                    "test_speculative_decoding_is_refused_in_one_line")
+       for family in ("Qwen3-Next-80B-A3B-Instruct", "Qwen3.6-35B-A3B")},
+    **{f"tests/families/test_hybrids.py::{test}": "hybrid families at length"
+       for test in ("test_greedy_tokens_equal_transformers",
+                    "test_cached_decoding_equals_transformers_and_the_full_forward",
+                    "test_save_hf_writes_the_text_model_that_transformers_reopens")},
+    "tests/test_cache.py::test_a_hybrid_cache_decodes_ragged_prompts_and_beams_as_each_prompt_alone":
+        "the hybrid cache through decoding",
+    "tests/serving/test_prefixes.py::test_a_linear_attention_hybrid_reuses_a_cached_prompt_only_whole":
+        "the hybrid cache in the engine",
+})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks

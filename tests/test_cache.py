@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import chex
@@ -11,6 +12,8 @@ from jaxformer import Decoder, DecoderConfig, KVCache, generate
 from jaxformer.cache import Entry, LayerSlice, Stacks, attention_entry
 from jaxformer.convert import with_scan_layers
 from jaxformer.decoding import PromptLookup
+from jaxformer.deltanet import GatedDeltaNetSpec
+from jaxformer.layers import layer_specs
 from jaxformer.memory import cache_entry_bytes
 
 CONFIG = DecoderConfig(vocab_size=32, n_layer=3, n_head=4, n_kv_head=2, d_model=32, max_seq_len=16)
@@ -399,3 +402,41 @@ def test_a_cache_keeps_linear_layers_states_beside_keys_and_values(stacked):
                                 jax.tree.map(lambda a: a[2], state_of(begun, 1)))
     axes = jax.tree.leaves(cache.heads_axes)  # what a mesh splits over `model`: kv heads, a state's heads
     assert sorted(axes) == sorted([-2, -2] + [0, -3] * (1 if stacked else 3))
+
+
+def hybrid_config(**changes) -> DecoderConfig:
+    """A linear-attention hybrid (Qwen3-Next's period): three Gated DeltaNet layers, then a full-attention
+    one, chunks of 4 so that a 12-token prompt spans three."""
+    base = DecoderConfig(vocab_size=32, n_layer=4, n_head=4, n_kv_head=2, d_model=32, max_seq_len=48, **changes)
+    attention = layer_specs(base)[0]
+    linear = dataclasses.replace(attention, mixer=GatedDeltaNetSpec(2, 4, 8, 8, chunk=4))
+    return base.replace(layers=(linear,) * 3 + (attention,))
+
+
+HYBRID_CONFIG = hybrid_config()
+
+
+@pytest.fixture(scope="module")
+def hybrid_alone():
+    """The hybrid's parameters, and each ragged prompt's 16 greedy tokens and 3 beams' decoded alone."""
+    params = random_params(HYBRID_CONFIG, seed=4, scale=0.5)
+    model = Decoder(HYBRID_CONFIG)
+    return params, [(generate(model, params, p[None], max_new_tokens=16)[0, len(p):],
+                     generate(model, params, p[None], max_new_tokens=16, num_beams=3)[0, len(p):])
+                    for p in RAGGED_PROMPTS]
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_hybrid_cache_decodes_ragged_prompts_and_beams_as_each_prompt_alone(scan_layers, hybrid_alone):
+    """Rows of 3 and 12 tokens, the shorter padded: a ragged prefill's padding changes no row's states
+    (`cache.stop`), and beams reorder the states with the keys, so each row's greedy tokens and 3 beams'
+    are those of its prompt decoded alone, per layer or scanned (its states and keys two stacks)."""
+    params, alone = hybrid_alone
+    config, params = with_scan_layers(HYBRID_CONFIG, params, scan_layers)
+    batch = np.zeros((2, 12), np.int32)
+    batch[0, :3], batch[1] = RAGGED_PROMPTS
+    for beams, column in ((1, 0), (3, 1)):
+        out = generate(Decoder(config), params, batch, prompt_lengths=np.array([3, 12]), max_new_tokens=16,
+                       num_beams=beams)
+        for row, want in enumerate(alone):
+            np.testing.assert_array_equal(out[row, 12:], want[column])

@@ -12,12 +12,14 @@ from jaxformer.families.olmo import OLMO2, OLMO3
 from jaxformer.families.olmoe import OLMOE
 from jaxformer.families.phi3 import PHI3
 from jaxformer.families.qwen3 import QWEN3
+from jaxformer.families.qwen3_next import QWEN3_5, QWEN3_5_MOE, QWEN3_NEXT
 from jaxformer.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 from jaxformer.families.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3,
                                                          SMOLLM3, OLMO2, OLMO3, QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE,
-                                                         GPT_OSS, DEEPSEEK_V3, KIMI_K2, DEEPSEEK_V2)}
+                                                         GPT_OSS, DEEPSEEK_V3, KIMI_K2, DEEPSEEK_V2, QWEN3_NEXT,
+                                                         QWEN3_5, QWEN3_5_MOE)}
 
 
 def family_of(config) -> Family:

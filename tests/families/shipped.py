@@ -14,6 +14,7 @@ value that could not be confirmed says so on its line. Nothing here touches the 
 
 import copy
 
+from tests.families.shipped_hybrid import SHIPPED_HYBRID
 from tests.families.shipped_moe import SHIPPED_MOE
 
 REPOS = {
@@ -432,13 +433,15 @@ SHIPPED = {
 }
 
 SHIPPED.update(SHIPPED_MOE)
+SHIPPED.update(SHIPPED_HYBRID)
 
 # The tiny sizes. num_hidden_layers: enough layers to show the layer pattern (gemma-2's 1:1 needs 2; gemma-3's
 # sliding_window_pattern 6 needs one whole period, five sliding layers and then a global one).
 _VOCAB, _HIDDEN, _FFN, _HEADS, _WINDOW = 128, 64, 128, 4, 8
-# SmolLM3's NoPE and OLMo 3's full layers: every 4th; DeepSeek's: 1 dense layer, then 2 of experts
+# SmolLM3's NoPE and OLMo 3's full layers: every 4th; DeepSeek's: 1 dense layer, then 2 of experts; the hybrids':
+# 3 linear layers, then 1 full
 _LAYERS = {"gemma-3-1b-it": 6, "SmolLM3-3B": 4, "Olmo-3-1025-7B": 4, "DeepSeek-V3": 3, "Kimi-K2-Instruct": 3,
-           "DeepSeek-V2-Lite": 3}
+           "DeepSeek-V2-Lite": 3, "Qwen3-Next-80B-A3B-Instruct": 4, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4}
 # Experts: 8 of width 32 (Mixtral's and gpt-oss's `intermediate_size` is their experts' width: _FFN), k at most 3,
 # a shared expert 48 wide.
 _EXPERTS, _TOP_K, _EXPERT_FFN, _SHARED_FFN = 8, 3, 32, 48
@@ -450,8 +453,10 @@ def tiny(name, **overrides):
 
     Kept as shipped: every other field, the RoPE dicts, max_position_embeddings, the soft-caps, the token-id
     structure (a list stays a list, equal ids stay equal). Shrunk: vocab 128, hidden 64, FFN 128, 4 heads,
-    sliding_window 8 where one is set, layers 2 (6 for gemma-3, 4 for SmolLM3 and OLMo 3); 8 experts of 32
-    (Mixtral's and gpt-oss's of 128, their FFN), 3 a token at most, a shared expert of 48. Properties of the
+    sliding_window 8 where one is set, layers 2 (6 for gemma-3, 4 for SmolLM3, OLMo 3 and
+    the hybrids); 8 experts of 32 (Mixtral's and gpt-oss's of 128, their FFN), 3 a token at most, a shared expert of
+    48; Gated DeltaNet 2 key heads of 8 channels, each with as many value heads as shipped; an image-text
+    checkpoint's text model so, its vision tower one block of 32. Properties of the
     shipped shapes are kept: KV heads 4 / 2 / 1 for multi-head / grouped / multi-query attention; head_dim 32
     where the shipped head_dim is not hidden / heads, else 16 (written only where shipped); query_pre_attn_scalar
     follows head_dim as shipped; max_window_layers, layer_types and no_rope_layers follow the new layer count.
@@ -461,6 +466,17 @@ def tiny(name, **overrides):
     if name not in SHIPPED:
         raise KeyError(f"no shipped config {name!r}; have {sorted(SHIPPED)}")
     shipped = SHIPPED[name]
+    if "text_config" in shipped:  # an image-text checkpoint: its text model shrunk, its vision tower to one block
+        config = copy.deepcopy(shipped)
+        config["text_config"] = _shrunk(name, shipped["text_config"], overrides)
+        config["vision_config"].update(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                       out_hidden_size=_HIDDEN)
+        return config
+    return _shrunk(name, shipped, overrides)
+
+
+def _shrunk(name, shipped, overrides):
+    """`tiny`'s copy of one model's `shipped` fields."""
     config = copy.deepcopy(shipped)
     layers = overrides.get("num_hidden_layers", _LAYERS.get(name, 2))
     vocab = overrides.get("vocab_size", _VOCAB)
@@ -488,6 +504,10 @@ def tiny(name, **overrides):
     for key in ("num_experts_per_tok", "experts_per_token"):  # top-k below the count
         if key in shipped:
             config[key] = min(shipped[key], _TOP_K)
+    if "linear_num_key_heads" in shipped:  # Gated DeltaNet: 2 key heads, as many value heads each as shipped
+        per_key = shipped["linear_num_value_heads"] // shipped["linear_num_key_heads"]
+        config.update(linear_num_key_heads=2, linear_num_value_heads=2 * per_key, linear_key_head_dim=8,
+                      linear_value_head_dim=8)
     # DeepSeek's latent attention and experts: latent widths 16 (the query's 24, or none as shipped), 8 + 8 channels
     # of q and k (plain and RoPE) and 12 of v; 8 routed experts in 4 groups of 2, the best 2 chosen, where the
     # shipped config groups them (else one group); one dense layer first.

@@ -12,6 +12,8 @@ from tiny import CONFIG, DIALOGUES, TOKENIZER
 
 from jaxformer import Decoder, generate
 from jaxformer.decoding import DecodeOptions
+from jaxformer.deltanet import GatedDeltaNetSpec
+from jaxformer.layers import layer_specs
 from jaxformer.serving import Engine
 from jaxformer.serving.prefixes import PrefixCache
 
@@ -139,3 +141,28 @@ def test_the_cache_keeps_the_most_recently_used_within_its_bytes(params):
     tiny = PrefixCache(size - 1)
     tiny.add([1], row)
     assert len(tiny) == 0 and tiny.nbytes == 0
+
+
+def test_a_linear_attention_hybrid_reuses_a_cached_prompt_only_whole(params):
+    """A hybrid's rows keep states (`cache.LinearState`), which hold every token read and cannot be
+    cut back: a prompt that goes on from a cached one starts from its whole entry; one that shares
+    only a part of it, or is the same prompt (whose last token must run again), prefills from scratch;
+    rows join and leave the batch (`insert`, `evict`) among others: each request gets its tokens alone."""
+    base = dataclasses.replace(CONFIG, n_layer=4)
+    attention = layer_specs(base)[0]
+    linear = dataclasses.replace(attention, mixer=GatedDeltaNetSpec(2, 4, 8, 8, chunk=8))
+    config = base.replace(layers=(linear,) * 3 + (attention,))
+    model, params = Decoder(config), random_params(config, 3)
+    engine = engine_of(model, params)
+    first = TOKENIZER.encode(TURN)
+    later = [TOKENIZER.encode(TURN + f"<|user|>{DIALOGUES[3][0]}\n<|assistant|>"),  # goes on: the whole entry
+             TOKENIZER.encode(TURN[:40] + "something else"),  # shares a part: none of it
+             first]  # the same prompt: none of it
+    try:
+        greedy(engine.submit(first, DecodeOptions(max_new_tokens=4)))
+        handles = [engine.submit(ids, DecodeOptions(max_new_tokens=12)) for ids in later]
+        tokens = [greedy(h) for h in handles]
+    finally:
+        engine.close()
+    assert [h.cached for h in handles] == [len(first), 0, 0]
+    assert tokens == [alone(model, params, ids, 12) for ids in later]
