@@ -34,6 +34,7 @@ QKV = "qkv"  # which of Q, K, V in a packed projection
 LAYERS = "layers"  # the block a stacked parameter belongs to (a scanned model); never split
 EXPERTS = "experts"  # which expert of a mixture (`jaxformer.experts`) a stacked parameter is
 ROUTES = "routes"  # a router's score per expert; never split: every device routes its own tokens
+SCALAR = "scalar"  # a single learned number (Gemma 4's layer scalar); never split
 
 # (logical axis, mesh axis, strategies), in order of preference. A mesh axis splits at
 # most one dimension of an array, and a dimension that does not divide evenly over it is

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import sys
 from typing import Iterator
 
 import jax
@@ -52,9 +53,10 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         fail("model_type", f"must be one of {sorted(FAMILIES)}", model_type)
-    fields = FAMILIES[model_type].read(hf, max_seq_len)
+    family = FAMILIES[model_type]
+    fields = family.read(hf, max_seq_len)
     return DecoderConfig(**fields, dtype=dtype, param_dtype=dtype if param_dtype is None else param_dtype,
-                         hf_model_type=model_type)
+                         hf_model_type=family.saved_as or model_type)
 
 
 def config_to_hf(config: DecoderConfig, *, bos_id: int | None = None, eos_id: int | list[int] | None = None,
@@ -174,6 +176,11 @@ def load_hf_config(path: str, *, max_seq_len: int | None = None, dtype=jnp.float
       FileNotFoundError: `path` or its `config.json` does not exist.
       ValueError: `path` is a file, or its `config.json` is malformed (naming the field).
     """
+    return _config_of(path, _config_json(path), max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+
+
+def _config_json(path: str) -> dict:
+    """A checkpoint folder's `config.json`, parsed (a FileNotFoundError or ValueError that says why not)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint folder")
     if not os.path.isdir(path):
@@ -182,9 +189,13 @@ def load_hf_config(path: str, *, max_seq_len: int | None = None, dtype=jnp.float
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json")
-    hf = read_json_object(config_path, "a model config (a JSON object)")
+    return read_json_object(config_path, "a model config (a JSON object)")
+
+
+def _config_of(path: str, hf: dict, **options) -> DecoderConfig:
+    """`config_from_hf(hf, **options)`, its errors naming the folder `path` too."""
     try:
-        return config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+        return config_from_hf(hf, **options)
     except ValueError as e:  # say which checkpoint; the message names the field
         raise ValueError(f"{path}: {e}") from None
 
@@ -215,9 +226,11 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
       FileNotFoundError: `path`, its `config.json` or its weights do not exist.
       ValueError: naming the file and what is wrong with it (docs/parity.md lists what is refused).
     """
-    config = load_hf_config(path, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+    hf = _config_json(path)
+    config = _config_of(path, hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+    family = FAMILIES[hf["model_type"]]  # the checkpoint's (an image-text one's names its text model's tensors)
     table: dict[str, list[Tensor]] = {}
-    for t in family_of(config).tensors(config):
+    for t in family.tensors(config):
         table.setdefault(t.hf_key, []).append(t)
     params: dict = {}
     # scan_layers: layer i's tensor is copied into its row of its stacked parameter (`blocks/.../w[i]`
@@ -228,9 +241,13 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     # (Likewise an expert's tensor into its row of the experts' stack, `.../mlp/w_up[e]`, and in a
     # scanned model `blocks/mlp/w_up[i, e]`.)
     stacks: dict[tuple[str, ...], tuple[np.ndarray, list[tuple]]] = {}  # stacked path -> (array, rows written)
-    stored_head, seen, unexpected = None, set(), []
+    stored_head, seen, unexpected, skipped = None, set(), [], {}
     for key, w in _read_tensors(path):
         if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store them; they follow from rope_theta
+            continue
+        if key.startswith(family.ignored):  # an image-text checkpoint's towers: the text model is what runs
+            prefix = next(p for p in family.ignored if key.startswith(p))
+            skipped[prefix] = skipped.get(prefix, 0) + 1
             continue
         if key == "lm_head.weight" and config.tie_embeddings:  # some tied checkpoints store the head anyway
             stored_head = w
@@ -258,6 +275,9 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
             np.copyto(stacked[lead], value, casting="unsafe")
             filled.append(lead)
         seen.add(key)
+    if skipped:
+        print(f"{path}: not read (jaxformer runs the text model alone): "
+              + ", ".join(f"{n} tensors under {prefix}" for prefix, n in sorted(skipped.items())), file=sys.stderr)
     missing = sorted(table.keys() - seen)
     if missing or unexpected:
         raise ValueError(f"{path}: tensors do not match config.json: missing {missing}, "
