@@ -4,6 +4,7 @@ module and add its `Family` to `FAMILIES` (docs/architecture.md, "Checkpoint fam
 
 from jaxformer.families.common import Family
 from jaxformer.families.gemma import GEMMA, GEMMA2, GEMMA3
+from jaxformer.families.gemma4 import GEMMA4, GEMMA4_TEXT
 from jaxformer.families.gpt_oss import GPT_OSS
 from jaxformer.families.llama import LLAMA, MISTRAL, QWEN2
 from jaxformer.families.mixtral import MIXTRAL
@@ -13,16 +14,18 @@ from jaxformer.families.qwen3 import QWEN3
 from jaxformer.families.qwen_moe import QWEN2_MOE, QWEN3_MOE
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3,
-                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GPT_OSS)}
+                                                         QWEN3_MOE, QWEN2_MOE, MIXTRAL, OLMOE, GPT_OSS, GEMMA4_TEXT,
+                                                         GEMMA4)}
 
 
 def family_of(config) -> Family:
-    """The family `save_hf` writes a `DecoderConfig` as: its `hf_model_type`, else Qwen2 with
-    q/k/v biases, else Llama."""
+    """The family `save_hf` writes a `DecoderConfig` as: its `hf_model_type` (an image-text family's
+    text family: `Family.saved_as`), else Qwen2 with q/k/v biases, else Llama."""
     model_type = config.hf_model_type or ("qwen2" if config.qkv_bias else "llama")
     if model_type not in FAMILIES:
         raise ValueError(f"config.hf_model_type must be one of {sorted(FAMILIES)} (got {model_type!r})")
-    return FAMILIES[model_type]
+    family = FAMILIES[model_type]
+    return FAMILIES[family.saved_as] if family.saved_as else family
 
 
 __all__ = ["FAMILIES", "Family", "family_of"]

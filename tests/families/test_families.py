@@ -19,8 +19,10 @@ from shipped import scaled_up, tiny
 
 from jaxformer import Decoder, KVCache, generate
 from jaxformer.convert import load_hf, save_hf, with_scan_layers
+from jaxformer.dense_experts import DenseAndExpertsSpec
 from jaxformer.experts import ExpertsSpec
-from jaxformer.layers import layer_specs
+from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.layers import layer_specs, shares_kv
 
 torch = torch_peer()
 transformers = import_peer("transformers")
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.peers
 CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
                "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M",
                "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B-0924",
-               "gpt-oss-20b"]
+               "gpt-oss-20b", "gemma-4-E2B-it", "gemma-4-26B-A4B-it"]
 MAX_SEQ_LEN = 64
 PROMPT_LEN, NEW_TOKENS = 12, 40
 TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
@@ -50,6 +52,8 @@ FEATURES_OFF = {
     "attn_logit_softcap": dict(attn_logit_softcap=None),
     "final_logit_softcap": dict(final_logit_softcap=None),
     "post_norms": dict(post_norms=False),
+    "layer_scalar": dict(layer_scalar=False),
+    "per_layer_width": dict(per_layer_width=None, per_layer_vocab_size=None),
 }
 # What each family's config switches on, as read from its config.json.
 SWITCHED_ON = {
@@ -70,6 +74,13 @@ SWITCHED_ON = {
     "Qwen1.5-MoE-A2.7B": {"qkv_bias"},
     "OLMoE-1B-7B-0924": {"qk_norm"},
     "gpt-oss-20b": {"sliding_window", "rope_scaling", "qkv_bias"},
+    # (Gemma 4: rope_scaling is its global layers' proportional RoPE; query_pre_attn_scalar 1, its unscaled scores)
+    "gemma-4-E2B-it": {"sliding_window", "local_rope_theta", "rope_scaling", "qk_norm", "mlp_activation",
+                       "embed_scale", "query_pre_attn_scalar", "final_logit_softcap", "post_norms", "layer_scalar",
+                       "per_layer_width"},
+    "gemma-4-26B-A4B-it": {"sliding_window", "local_rope_theta", "rope_scaling", "qk_norm", "mlp_activation",
+                           "embed_scale", "query_pre_attn_scalar", "final_logit_softcap", "post_norms",
+                           "layer_scalar"},
 }
 # Each routing feature of a family of experts, its layers' `ExpertsSpec` with the feature switched
 # (off, or to its other value), and the families that have it: the logits must move.
@@ -78,13 +89,22 @@ EXPERT_FEATURES_OFF = {
     "top_k": lambda spec: dataclasses.replace(spec, top_k=spec.top_k - 1),
     "shared_gate": lambda spec: dataclasses.replace(spec, shared_gate=False),
     "swiglu_limit": lambda spec: dataclasses.replace(spec, swiglu_limit=1e4),
+    "router_norm": lambda spec: dataclasses.replace(spec, router_norm=False),
+    "expert_scale": lambda spec: dataclasses.replace(spec, expert_scale=False),
 }
-# ... and of an attention layer: gpt-oss's sinks.
-MIXER_FEATURES_OFF = {"sinks": lambda spec: dataclasses.replace(spec, sinks=False)}
+# ... and of an attention layer: gpt-oss's sinks; Gemma 4's norm of the values, the keys' projection as the
+# values (off: a projection of their own, drawn for the guard), and the last layers reading earlier ones'
+# keys and values (off: their own, from projections drawn for the guard).
+MIXER_FEATURES_OFF = {"sinks": lambda spec: dataclasses.replace(spec, sinks=False),
+                      "v_norm": lambda spec: dataclasses.replace(spec, v_norm=False),
+                      "k_eq_v": lambda spec: dataclasses.replace(spec, k_eq_v=False),
+                      "kv_shared": lambda spec: dataclasses.replace(spec, kv_shared=False)}
 EXPERT_FEATURES = {"Qwen3-30B-A3B": {"normalize", "top_k"}, "Mixtral-8x7B-v0.1": {"normalize", "top_k"},
                    "Qwen1.5-MoE-A2.7B": {"normalize", "top_k", "shared_gate"},
                    "OLMoE-1B-7B-0924": {"normalize", "top_k"},
-                   "gpt-oss-20b": {"top_k", "swiglu_limit", "sinks"}}
+                   "gpt-oss-20b": {"top_k", "swiglu_limit", "sinks"},
+                   "gemma-4-E2B-it": {"v_norm", "kv_shared"},
+                   "gemma-4-26B-A4B-it": {"normalize", "top_k", "router_norm", "expert_scale", "v_norm", "k_eq_v"}}
 # Gemma 2 2B's and Gemma 3 1B's query_pre_attn_scalar is their head_dim, where it changes nothing;
 # 27B's (144, head_dim 128) is not: the tiny copies take one apart from head_dim, so its guard can tell.
 # Gemma 2's final cap (30) is shrunk as the window is, to where this tiny model's logits reach it.
@@ -92,7 +112,10 @@ OVERRIDES = {"gemma-2-2b": dict(query_pre_attn_scalar=24, final_logit_softcappin
              "gemma-3-1b-it": dict(query_pre_attn_scalar=24),
              # gpt-oss ships MXFP4 experts (the bfloat16 form is what loads); its SwiGLU clamp (7) shrunk
              # to where this tiny model's products reach it
-             "gpt-oss-20b": dict(quantization_config=None, swiglu_limit=1.0)}
+             "gpt-oss-20b": dict(quantization_config=None, swiglu_limit=1.0),
+             # Gemma 4's final cap (30) shrunk as Gemma 2's is
+             "gemma-4-E2B-it": dict(final_logit_softcapping=3.0),
+             "gemma-4-26B-A4B-it": dict(final_logit_softcapping=3.0)}
 # Phi-3's long-context form as its 128k checkpoint states it (an older `rope_scaling` of type
 # "longrope" with a factor per RoPE pair, the trained context at config.json's top level), the
 # trained context shrunk to 16 so that a test's calls cross it; the factors are made up here.
@@ -102,7 +125,8 @@ VARIANTS = {"Phi-3 longrope": ("Phi-3-mini-4k-instruct", dict(
                   "long_factor": [1.0 + 2.5 * i for i in range(8)]}))}
 PLAIN = dict(sliding_window=None, local_rope_theta=None, rope_scaling=None, qkv_bias=False, qk_norm=False,
              norm_plus_one=False, mlp_activation="silu", embed_scale=False, query_pre_attn_scalar=None,
-             attn_logit_softcap=None, final_logit_softcap=None, post_norms=False)
+             attn_logit_softcap=None, final_logit_softcap=None, post_norms=False, layer_scalar=False,
+             per_layer_width=None)
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
@@ -136,33 +160,66 @@ def test_logits_equal_transformers_and_each_feature_counts(family):
     switched_on = {f for f, plain in PLAIN.items() if getattr(config, f) != plain}
     assert switched_on == SWITCHED_ON[name]
     # Scanned, the same model computes the same logits (and each guard below runs scanned:
-    # the same math in a program a fraction the size to compile).
-    scanned_config, scanned_params = with_scan_layers(config, params, True)
-    scanned, _ = jit_apply(Decoder(scanned_config), {"params": scanned_params}, tokens.numpy())
-    np.testing.assert_allclose(scanned, want, atol=TOLERANCE, rtol=0)
+    # the same math in a program a fraction the size to compile), where its layers can be
+    # scanned: not where they share keys and values (Gemma 4's E2B).
+    scan = not shares_kv(layer_specs(config))
+    if scan:
+        scanned_config, scanned_params = with_scan_layers(config, params, True)
+        scanned, _ = jit_apply(Decoder(scanned_config), {"params": scanned_params}, tokens.numpy())
+        np.testing.assert_allclose(scanned, want, atol=TOLERANCE, rtol=0)
     for feature in sorted(switched_on | EXPERT_FEATURES.get(name, set())):
-        off_config, off_params = with_scan_layers(switched_off(config, feature), params, True)
+        off_config = switched_off(config, feature)
+        # (Layers that compute what they read otherwise need projections of their own: Gemma 4's.)
+        off_params = drawn_for(off_config, params) if feature in ("k_eq_v", "kv_shared") or not scan else params
+        off_config, off_params = with_scan_layers(off_config, off_params, scan)
         off, _ = jit_apply(Decoder(off_config), {"params": off_params}, tokens.numpy())
         assert np.abs(off - want).max() > 100 * TOLERANCE, f"{name}: {feature} off leaves the logits as they were"
+
+
+def drawn_for(config, params):
+    """`params` with each parameter `config` declares and `params` lacks drawn at random (a guard's
+    layers that compute what they read otherwise: Gemma 4's values' or shared layers' own projections)."""
+    shapes = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    flat = {path: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(shapes))))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: flat[path] if path in flat else 0.25 * jax.random.normal(next(keys), leaf.shape), shapes)
 
 
 def switched_off(config, feature: str):
     """`config` with `feature` switched off: a field of `FEATURES_OFF` (each filled layer's spec made
     again from the fields, its feed-forward kept), or a routing feature of its layers of experts."""
     if feature in EXPERT_FEATURES_OFF:
-        return config.replace(layers=tuple(
-            dataclasses.replace(spec, ffn=EXPERT_FEATURES_OFF[feature](spec.ffn))
-            if isinstance(spec.ffn, ExpertsSpec) else spec for spec in config.layers))
+        def experts_off(ffn):  # (Gemma 4's experts sit beside a dense MLP)
+            if isinstance(ffn, DenseAndExpertsSpec):
+                return dataclasses.replace(ffn, experts=EXPERT_FEATURES_OFF[feature](ffn.experts))
+            return EXPERT_FEATURES_OFF[feature](ffn) if isinstance(ffn, ExpertsSpec) else ffn
+
+        return config.replace(layers=tuple(dataclasses.replace(spec, ffn=experts_off(spec.ffn))
+                                           for spec in config.layers))
     if feature in MIXER_FEATURES_OFF:
         return config.replace(layers=tuple(dataclasses.replace(spec, mixer=MIXER_FEATURES_OFF[feature](spec.mixer))
                                            for spec in config.layers))
     off = config.replace(layers=(), **FEATURES_OFF[feature])
     if not config.layers:
         return off
-    return off.replace(layers=tuple(  # (the fields' attention, with what its filled spec adds: gpt-oss's sinks)
-        dataclasses.replace(spec, ffn=filled.ffn, mixer=dataclasses.replace(
-            spec.mixer, sinks=filled.mixer.sinks, o_bias=filled.mixer.o_bias, qk_norm_over=filled.mixer.qk_norm_over))
+    kept = ("sinks", "o_bias", "qk_norm_over", "n_kv_head", "head_dim", "v_norm", "k_eq_v", "kv_shared")
+    if feature == "sliding_window":  # (every layer full, a shared layer would read one of other heads: its own, then)
+        kept = kept[:-1]
+    return off.replace(layers=tuple(  # (the fields' attention, with what its filled spec adds: gpt-oss's sinks,
+        # Gemma 4's heads of each layer, norm of the values, k = v and shared keys and values; its feed-forward)
+        dataclasses.replace(spec, ffn=with_activation(filled.ffn, off.mlp_activation), mixer=dataclasses.replace(
+            spec.mixer, **{field: getattr(filled.mixer, field) for field in kept}))
         for spec, filled in zip(layer_specs(off), config.layers)))
+
+
+def with_activation(ffn, activation: str):
+    """`ffn` with its dense MLP's gate `activation` (and its experts' beside it: Gemma 4's); a mixture of experts as
+    it was (its activation is its own, `EXPERT_FEATURES_OFF`'s)."""
+    if isinstance(ffn, DenseAndExpertsSpec):
+        return dataclasses.replace(ffn, dense=dataclasses.replace(ffn.dense, activation=activation),
+                                   experts=dataclasses.replace(ffn.experts, activation=activation))
+    return dataclasses.replace(ffn, activation=activation) if isinstance(ffn, GatedMLPSpec) else ffn
 
 
 @pytest.fixture(scope="module")
