@@ -29,7 +29,7 @@ from jaxformer.kernels import mosaic_attention, triton_attention
 from jaxformer.kernels.decode_attention import decode_attention
 from jaxformer.kernels.decode_attention import supports as decoding_supports
 from jaxformer.lora import project
-from jaxformer.norms import RMSNorm
+from jaxformer.norms import rms_norm
 from jaxformer.positions import apply_rope, rope_attention_factor, rope_cos_sin, rope_frequencies
 from jaxformer.products import precision_for, product
 from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, QKV, Weight, compute_param, param
@@ -251,6 +251,12 @@ class AttentionSpec:
         its query's channels then its gate's (Qwen3-Next's and Qwen3.5's doubled `q_proj`).
       partial_rotary_factor: RoPE rotates each head's first `rotary_dim = int(head_dim * factor)`
         channels of q and k (split in halves among themselves) and passes the rest (Qwen3-Next: 0.25).
+      v_norm: the values pass an RMSNorm without a weight over each head's channels (Gemma 4).
+      k_eq_v: the values are the key projection's output, before its norm and RoPE: no `wv`
+        (Gemma 4's global layers, `attention_k_eq_v`).
+      kv_shared: the layer computes no keys and values: it attends over those of the last earlier
+        layer of its attention type that does, as that layer read them (Gemma 4's last
+        `num_kv_shared_layers` layers). It has no `wk`, `wv` or k norm, and keeps nothing in a cache.
     """
 
     n_head: int
@@ -270,6 +276,9 @@ class AttentionSpec:
     use_rope: bool = True
     output_gate: bool = False
     partial_rotary_factor: float = 1.0
+    v_norm: bool = False
+    k_eq_v: bool = False
+    kv_shared: bool = False
 
     def __post_init__(self):
         if self.qk_norm_over not in QK_NORMS:
@@ -277,6 +286,8 @@ class AttentionSpec:
         if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise ValueError(f"AttentionSpec.partial_rotary_factor must rotate an even number of channels, 2 .. "
                              f"head_dim={self.head_dim} (got {self.partial_rotary_factor}: {self.rotary_dim})")
+        if self.qkv_bias and (self.k_eq_v or self.kv_shared):
+            raise ValueError("AttentionSpec.qkv_bias must be False with k_eq_v or kv_shared (no checkpoint has both)")
 
     @property
     def rotary_dim(self) -> int:
@@ -292,6 +303,8 @@ class AttentionSpec:
                    "wk": Weight((d_model, K, D), (EMBED, KV_HEADS, HEAD_DIM)),
                    "wv": Weight((d_model, K, D), (EMBED, KV_HEADS, HEAD_DIM)),
                    "wo": Weight((H, D, d_model), (HEADS, HEAD_DIM, EMBED), inputs=2)}  # o reads heads x channels
+        for name in ("wk", "wv") if self.kv_shared else ("wv",) if self.k_eq_v else ():
+            del weights[name]
         if self.qkv_bias:
             weights.update(bq=Weight((H, Q), (HEADS, HEAD_DIM), inputs=0),
                            bk=Weight((K, D), (KV_HEADS, HEAD_DIM), inputs=0),
@@ -314,7 +327,10 @@ class AttentionSpec:
     @property
     def cache_entry(self) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """What a layer of this spec keeps per row (`jaxformer.cache.Entry`): a key and a value of
-        `[n_kv_head, head_dim]` a slot, every position's or a ring's."""
+        `[n_kv_head, head_dim]` a slot, every position's or a ring's; nothing ("none") where it
+        reads another layer's (`kv_shared`)."""
+        if self.kv_shared:
+            return "none", ((), ())
         return self.attention_type, ((self.n_kv_head, self.head_dim),) * 2
 
     @property
@@ -346,7 +362,9 @@ class AttentionSpec:
 class Part(NamedTuple):
     """One group of rows of a call, as a mixer reads it: `rows` rows of `T` tokens, their RoPE
     angles `cos, sin` `[rows, T, rotary_dim/2]` (or `[T, ...]`), `masks` `{attention type:
-    Visibility}` (the types its layer may be) and the model's cache for them (a `KVCache`, or None).
+    Visibility}` (the types its layer may be), the model's cache for them (a `KVCache`, or None)
+    and, for a layer that reads another's keys and values (`AttentionSpec.kv_shared`), those
+    (`(keys, values)`, `[rows, S, n_kv, head_dim]` each, as that layer read them; else None).
 
     A call is one part, whose tokens are `x`'s `[batch, T]`; a serving engine's step and a
     prompt's piece in one call are two, laid out one after the other in one row of `x`, `[1,
@@ -358,6 +376,7 @@ class Part(NamedTuple):
     sin: jax.Array
     masks: dict
     cache: Any
+    kv: tuple | None = None
 
     def take(self, a: jax.Array, start: int, grouped: bool) -> jax.Array:
         """This part's tokens of `a` (`[1, N, ...]` in a grouped call: from token `start`), `[rows, T, ...]`."""
@@ -378,7 +397,7 @@ class GQASelfAttention(nn.Module):
     spec: AttentionSpec
 
     @nn.compact
-    def __call__(self, x, parts: tuple[Part, ...], layer=None, is_sliding=None):
+    def __call__(self, x, parts: tuple[Part, ...], layer=None, is_sliding=None, keep_kv: bool = False):
         """Attends causally over `x` (and the cache), with GQA and RoPE.
 
         Args:
@@ -386,14 +405,17 @@ class GQASelfAttention(nn.Module):
           parts: the call's `Part`s: one, or several groups of rows laid out in `x` one after
             another, each with its own angles, masks and cache. A part's S keys are T without a
             cache, and with one those its layer's view gives (the first S slots, the cache's span,
-            or a ring's then this call's).
+            or a ring's then this call's); a `kv_shared` layer's are its part's `kv`.
           layer: this layer's index in the caches (traced in a scan).
           is_sliding: bool `[]` in a scan over two kinds of layer, whether this one is the second: the
             sliding one where they are of two types, which picks its mask (of one type, one mask).
+          keep_kv: give each part's keys and values as attended over, for the later layers that
+            read them (`AttentionSpec.kv_shared`).
 
         Returns:
-          `(y [batch, T, d_model], caches)`, each part's cache with this call's K/V written into
-          the layer's slots; the weights are sown into 'intermediates' as `attention_weights`
+          `(y [batch, T, d_model], caches, kv)`: each part's cache with this call's K/V written into
+          the layer's slots (a `kv_shared` layer's as it was), and with `keep_kv` each part's `(keys,
+          values)` (else None); the weights are sown into 'intermediates' as `attention_weights`
           where they were made (dense attention: `config.attention_impl` "dense", or "auto" on
           short sequences) in an ungrouped call, unless the cache keeps the two types in two
           stacks: their shapes differ.
@@ -408,47 +430,54 @@ class GQASelfAttention(nn.Module):
         def weight(name, initializer=init):
             return compute_param(self, name, initializer, *table[name][:2])
 
-        wq, wk, wv, wo = weight("wq"), weight("wk"), weight("wv"), weight("wo", residual_init)
-
         # (`project`: the einsums, plus an adapter's low-rank term where `config.lora` adds one.)
-        q, k, v = project(self, x, ("wq", "btd,dhk->bthk", wq),  # [batch, T, n_head, head_dim (x2 with a gate)]
-                          ("wk", "btd,dnk->btnk", wk), ("wv", "btd,dnk->btnk", wv))  # [batch, T, n_kv, head_dim]
+        einsums = {"wq": "btd,dhk->bthk", "wk": "btd,dnk->btnk", "wv": "btd,dnk->btnk"}
+        made = project(self, x, *((name, einsums[name], weight(name)) for name in einsums if name in table))
+        q, k, v = (*made, None, None)[:3]  # [batch, T, n_head, head_dim (x2 with a gate)]; k, v [batch, T, n_kv,
+        # head_dim] or None
+        v = k if a.k_eq_v else v  # (Gemma 4: the key projection serves as the values too, before k's norm)
+        wo = weight("wo", residual_init)
         zeros = nn.initializers.zeros
         if a.qkv_bias:  # Qwen2's q/k/v biases, added before RoPE as a Linear layer adds them
             q, k, v = q + weight("bq", zeros), k + weight("bk", zeros), v + weight("bv", zeros)
         if a.output_gate:  # each head's channels: its query's, then its output gate's
             q, gate = jnp.split(q, 2, axis=-1)  # [batch, T, n_head, head_dim] each
         if a.qk_norm and a.qk_norm_over == "head":  # each head's q and k over its channels: bounded scores (Qwen3)
-            q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="q_norm")(q)
-            k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEAD_DIM, name="k_norm")(k)
+            q = rms_norm(c, HEAD_DIM, name="q_norm")(q)
+            k = None if k is None else rms_norm(c, HEAD_DIM, name="k_norm")(k)
         elif a.qk_norm:  # OLMoE's: q over all its heads' channels at once, [batch, T, n_head * head_dim], k alike
-            q = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, HEADS, name="q_norm")(
-                q.reshape(*q.shape[:2], -1)).reshape(q.shape)
-            k = RMSNorm(c.norm_eps, c.param_dtype, c.norm_plus_one, KV_HEADS, name="k_norm")(
-                k.reshape(*k.shape[:2], -1)).reshape(k.shape)
+            q = rms_norm(c, HEADS, name="q_norm")(q.reshape(*q.shape[:2], -1)).reshape(q.shape)
+            k = rms_norm(c, KV_HEADS, name="k_norm")(k.reshape(*k.shape[:2], -1)).reshape(k.shape)
+        if a.v_norm and v is not None:  # Gemma 4's: each head's values over its channels, no weight
+            v = rms_norm(c, HEAD_DIM, name="v_norm", scaled=False)(v)
         sinks = None
         if a.sinks:  # gpt-oss's, float32 [n_head]: logits compared with the float32 scores, whatever the compute dtype
             sinks = param(self, "sinks", zeros, *table["sinks"][:2], c.param_dtype).astype(jnp.float32)
         scores = dict(scale=a.scale, softcap=a.softcap, sinks=sinks)
         grouped = len(parts) > 1
-        outs, written, start = [], [], 0
+        outs, written, kept, start = [], [], [], 0
         for part in parts:  # (one, unless groups of rows share the call: each attends in its own cache)
             # Rotate q and k (never v) before caching: a cached key keeps its position.
             part_q = apply_rope(part.take(q, start, grouped), part.cos, part.sin, a.rope_pairing)
-            part_k = apply_rope(part.take(k, start, grouped), part.cos, part.sin, a.rope_pairing)
 
             def read(keys, values, kind=None, part_q=part_q, masks=part.masks):
                 # -> (out [rows, T, n_head, head_dim], weights or None). `keys` read as a layer of `kind`
                 # reads them (a cache of two stacks names the kind of each); None: this layer's own
                 # type, picked by its flag in a scan over both.
                 seen = masks[kind] if kind else of_type(masks, is_sliding)
+                if keep_kv:
+                    kept.append((keys, values))
                 return attend(part_q, keys, values, seen, kind=c.attention_impl, **scores)
 
             cache = part.cache
-            if cache is None:
+            if a.kv_shared:  # another layer's keys and values, as it read them: nothing of this layer's to keep
+                out, weights = read(*part.kv)
+            elif cache is None:
+                part_k = apply_rope(part.take(k, start, grouped), part.cos, part.sin, a.rope_pairing)
                 out, weights = read(part_k, part.take(v, start, grouped))
             else:  # the layer's view writes this call's K/V and gives the keys it reads: [rows, S, n_kv, head_dim]
                 # (`part.masks` has a key per type the layer may be: a view of two stacks attends in those alone)
+                part_k = apply_rope(part.take(k, start, grouped), part.cos, part.sin, a.rope_pairing)
                 view = cache.layer(layer, tuple(part.masks))
                 (out, weights), view = view.attend(read, part_k, part.take(v, start, grouped), cache.pos, cache.stop,
                                                    cache.read_slots)
@@ -464,7 +493,7 @@ class GQASelfAttention(nn.Module):
         (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # concat heads, then W_O: [batch, T, d_model]
         if a.o_bias:  # gpt-oss's o_proj bias, added as a Linear layer adds it
             y = y + weight("bo", zeros)
-        return y, tuple(written)
+        return y, tuple(written), (tuple(kept) if keep_kv else None)
 
 
 class MultiHeadAttention(nn.Module):

@@ -151,10 +151,11 @@ class Entry(NamedTuple):
 
     Attributes:
       kind: the layer's attention type: "full" or "sliding" (keys and values per slot: every
-        position's, or a ring's), or "linear" (a state of fixed size, whatever the length).
+        position's, or a ring's), "linear" (a state of fixed size, whatever the length), or "none"
+        (nothing: a layer that reads another layer's keys and values, Gemma 4's KV-shared layers).
       shapes: "full" and "sliding": the shapes of a slot's key and value, `(k, v)` (GQA's
         `(n_kv_head, head_dim)` each; latent attention's latent and RoPE key, `(1, width)` each);
-        "linear": a row's conv inputs and recurrent state, `(conv, state)`.
+        "linear": a row's conv inputs and recurrent state, `(conv, state)`; "none": `((), ())`.
     """
 
     kind: str
@@ -260,10 +261,10 @@ STORES = (("full", LayerKV), ("sliding", RingKV), ("linear", LinearState))  # ho
 
 def store(entry: Entry, slots: int, capacity: int) -> str:
     """Where a layer of `entry` keeping `slots` slots lives: "sliding" (a ring) when its slots are
-    fewer than `capacity`, "linear" for a state, else "full" (a sliding layer whose window holds the
-    whole capacity keeps every slot, as a full one)."""
-    if entry.kind == "linear":
-        return "linear"
+    fewer than `capacity`, "linear" for a state, "none" for nothing, else "full" (a sliding layer
+    whose window holds the whole capacity keeps every slot, as a full one)."""
+    if entry.kind in ("linear", "none"):
+        return entry.kind
     return "sliding" if slots < capacity else "full"
 
 
@@ -303,10 +304,10 @@ class Stacks:
 
 
 def layer_shapes(batch_size: int, capacity: int, entries: tuple[Entry, ...], slots: tuple[int, ...],
-                 stacked: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+                 stacked: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]] | None]:
     """The shapes of the two arrays of each layer of `entries` keeping `slots` slots (k and v, or
-    conv and state), or of each stack (`STORES`' order) of a stacked cache; a stack holds one
-    shape of entry, and one ring size."""
+    conv and state; None for a layer that keeps nothing), or of each stack (`STORES`' order) of a
+    stacked cache; a stack holds one shape of entry, and one ring size."""
     def one(entry: Entry, n: int, layers: tuple[int, ...] = ()):
         a, b = entry.shapes
         if entry.kind == "linear":
@@ -314,7 +315,10 @@ def layer_shapes(batch_size: int, capacity: int, entries: tuple[Entry, ...], slo
         return (batch_size, *layers, n, *a), (batch_size, *layers, n, *b)
 
     if not stacked:
-        return [one(entry, n) for entry, n in zip(entries, slots)]
+        return [None if entry.kind == "none" else one(entry, n) for entry, n in zip(entries, slots)]
+    if any(entry.kind == "none" for entry in entries):
+        raise ValueError("KVCache: a stacked cache holds no layer that keeps nothing (a kv_shared layer's); "
+                         "make it per layer (scan_layers=False)")
     out = []
     for name, _ in STORES:
         mine = [(entry, n) for entry, n in zip(entries, slots) if store(entry, n, capacity) == name]
@@ -371,7 +375,8 @@ class KVCache:
 
     Attributes:
       layers: one `LayerKV` per block (a `RingKV` for a sliding layer whose ring is shorter
-        than the capacity, a `LinearState` for a linear-attention layer), or, for a scanned
+        than the capacity, a `LinearState` for a linear-attention layer, None for a layer that
+        keeps nothing: one that reads another layer's keys and values), or, for a scanned
         model, one of them whose arrays stack every block's, `[batch, n_layer, slots, n_kv_head,
         head_dim]`, or `Stacks` of each kind where the layers are kept in several ways.
       pos: int32 `[batch]`, the slots written in each row: row b's next token goes to slot
@@ -453,10 +458,12 @@ class KVCache:
         stores = tuple(store(entry, n, capacity) for entry, n in zip(entries, slots))
         shapes = layer_shapes(batch_size, capacity, entries, slots, stacked)
         # A checkpoint's max_seq_len (the default capacity) may be 10**12: refuse, do not allocate.
-        check_fits(sum(np.prod(shape) * storage.itemsize for pair in shapes for shape in pair),
+        check_fits(sum(np.prod(shape) * storage.itemsize for pair in shapes if pair for shape in pair),
                    f"KVCache.create: a cache of {capacity:,} positions (capacity, default max_seq_len)")
 
-        def layer(name: str, shape: tuple[tuple[int, ...], tuple[int, ...]]):
+        def layer(name: str, shape: tuple[tuple[int, ...], tuple[int, ...]] | None):
+            if name == "none":  # (a kv_shared layer reads another's keys and values: it keeps nothing)
+                return None
             a, b = shape
             if name == "linear":  # (the recurrent state a running sum in float32, whatever the cache's dtype)
                 return LinearState(conv=jnp.zeros(a, storage), state=jnp.zeros(b, jnp.float32))
@@ -476,7 +483,8 @@ class KVCache:
         """The shapes of the arrays (k, v, k, v, ... in the layers' order) a model with these layers'
         `entries` and `slots` reads in a cache of `batch_size` rows and this one's capacity: what
         `check_cache_step` compares."""
-        return [shape for pair in layer_shapes(batch_size, self.capacity, entries, slots, stacked) for shape in pair]
+        return [shape for pair in layer_shapes(batch_size, self.capacity, entries, slots, stacked) if pair
+                for shape in pair]
 
     @property
     def read_slots(self) -> int:
@@ -495,11 +503,11 @@ class KVCache:
 
     @property
     def stacks(self) -> tuple[LayerKV | RingKV | LinearState, ...]:
-        """A scanned model's stacks (one, or those of `Stacks`), else the layers."""
+        """A scanned model's stacks (one, or those of `Stacks`), else the layers that keep something."""
         if isinstance(self.layers, Stacks):
             return tuple(stack for stack in (self.layers.full, self.layers.sliding, self.layers.linear)
                          if stack is not None)
-        return (self.layers,) if self.stacked else self.layers
+        return (self.layers,) if self.stacked else tuple(layer for layer in self.layers if layer is not None)
 
     @property
     def ring_slots(self) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxformer.validation import as_bool, as_float, as_floating_dtype, as_int, check_fields, one_of, require
 
 ROPE_PAIRINGS = ("split_half", "interleaved")
-ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "longrope", "proportional")
 ATTENTION_TYPES = ("full", "sliding")  # a layer reads every earlier position, or the last `sliding_window`
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # the compute dtypes a command takes by name
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # the gate's nonlinearity: SwiGLU (Llama), GeGLU with tanh GELU (Gemma)
@@ -64,6 +64,10 @@ class RopeScaling:
       short_factor, long_factor: "longrope" only (Phi-3's long context): pair i's wavelength
         is multiplied by `short_factor[i]` in a call whose positions all lie within
         `original_max_position_embeddings`, by `long_factor[i]` in one that reaches past it.
+      partial_rotary_factor: "proportional" only (Gemma 4's global layers): the first
+        `int(partial_rotary_factor * head_dim // 2)` pairs turn at the unscaled frequencies of the
+        whole head, `theta ** (-2i / head_dim)`, the other pairs not at all; every frequency is then
+        divided by `factor` (1: none).
     """
 
     kind: str
@@ -78,20 +82,25 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+    partial_rotary_factor: float | None = None
 
     _FIELDS: ClassVar[dict] = {
         "linear": (), "llama3": ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
         "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate",
                  "mscale_all_dim"),
-        "longrope": ("original_max_position_embeddings", "attention_factor", "short_factor", "long_factor")}
+        "longrope": ("original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
+        "proportional": ("partial_rotary_factor",)}
 
     def __post_init__(self):
         _check(self, one_of, "kind", choices=ROPE_SCALINGS)
         _check(self, as_float, "factor", above=0)
         for field in {f for fields in self._FIELDS.values() for f in fields} - set(self._FIELDS[self.kind]):
             _require(self, getattr(self, field) is None, field, f"None for kind={self.kind!r}")
-        if self.kind != "linear":
+        if self.kind not in ("linear", "proportional"):
             _check(self, as_int, "original_max_position_embeddings", minimum=1)
+        if self.kind == "proportional":
+            _check(self, as_float, "partial_rotary_factor", above=0)
+            _require(self, self.partial_rotary_factor <= 1, "partial_rotary_factor", "at most 1")
         if self.kind == "llama3":
             _check(self, as_float, "low_freq_factor", "high_freq_factor", above=0)
             _require(self, self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
@@ -290,6 +299,8 @@ class DecoderConfig(_ModelConfig):
         frequency); None: they rotate as the full layers do.
       qk_norm: an RMSNorm over each head's channels of q and of k, before RoPE (Qwen3, Gemma 3).
       norm_plus_one: every RMSNorm scales by `1 + weight`, in float32 (Gemma); weights start at 0.
+      norm_float32_scale: every RMSNorm scales by its weight in float32, then casts (Gemma 4's
+        order; without it the normalised value is cast first, Llama's).
       mlp_activation: the gate's nonlinearity, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
       embed_scale: the token embeddings are multiplied by `sqrt(d_model)` (Gemma).
       query_pre_attn_scalar: scores are scaled by `query_pre_attn_scalar ** -0.5` instead of
@@ -298,6 +309,12 @@ class DecoderConfig(_ModelConfig):
       final_logit_softcap: the logits pass through `cap * tanh(logit / cap)` (Gemma 2).
       post_norms: an RMSNorm on each sublayer's output before it joins the residual stream
         (Gemma 2 and 3: `x + norm(attn(norm(x)))`).
+      layer_scalar: each layer's output stream is multiplied by a learned number of its own
+        (Gemma 4's `layer_scalar`, stored in its checkpoints).
+      per_layer_width: each layer reads an input of its own of this width per token, made
+        from the token's row of a second embedding table and a projection of its embedding
+        (Gemma 4's per-layer embeddings: `jaxformer.per_layer`); None: none.
+      per_layer_vocab_size: the rows of that table (`vocab_size_per_layer_input`); None: `vocab_size`.
       hf_model_type: the checkpoint family (config.json's `model_type`) `load_hf` read, which
         `save_hf` writes again; None: "qwen2" with q/k/v biases, else "llama".
       lora: a `LoraConfig`: the model then adds each adapter of the `lora` variable
@@ -348,6 +365,10 @@ class DecoderConfig(_ModelConfig):
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     post_norms: bool = False
+    norm_float32_scale: bool = False
+    layer_scalar: bool = False
+    per_layer_width: int | None = None
+    per_layer_vocab_size: int | None = None
     hf_model_type: str | None = None
     lora: LoraConfig | None = None
     remat: bool = False
@@ -360,10 +381,13 @@ class DecoderConfig(_ModelConfig):
         _require(self, self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling), "rope_scaling",
                  "None or a RopeScaling")
         _check(self, as_int, "vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len", minimum=1)
-        _check(self, as_int, "d_ff", "head_dim_override", minimum=1, optional=True)
+        _check(self, as_int, "d_ff", "head_dim_override", "per_layer_width", "per_layer_vocab_size", minimum=1,
+               optional=True)
         _check(self, as_float, "rope_theta", "norm_eps", above=0)
         _check(self, as_bool, "tie_embeddings", "qkv_bias", "scan_layers", "qk_norm", "norm_plus_one", "embed_scale",
-               "post_norms", "remat")
+               "post_norms", "norm_float32_scale", "layer_scalar", "remat")
+        _require(self, self.per_layer_vocab_size is None or self.per_layer_width is not None, "per_layer_vocab_size",
+                 "None without per_layer_width")
         _require(self, self.lora is None or isinstance(self.lora, LoraConfig), "lora", "None or a LoraConfig")
         _require(self, self.lora is None or not self.scan_layers, "lora",
                  "None with scan_layers=True: adapters are kept per block (block_{i})")

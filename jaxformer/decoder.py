@@ -23,10 +23,23 @@ import numpy as np
 from jaxformer.cache import Entry, KVCache, check_longrope_capacity, ring_positions
 from jaxformer.config import DecoderConfig
 from jaxformer.decodable import DecodingSpec
+from jaxformer.dense_experts import DenseAndExpertsSpec
 from jaxformer.embeddings import OutputHead, lookup
 from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec, expert_counts
-from jaxformer.layers import Block, LayerSpec, Segment, layer_specs, norm, scan_name, scanned_places, segments, view_key
+from jaxformer.layers import (
+    Block,
+    LayerSpec,
+    Segment,
+    layer_specs,
+    norm,
+    scan_name,
+    scanned_places,
+    segments,
+    shares_kv,
+    view_key,
+)
 from jaxformer.memory import prefill_bytes
+from jaxformer.per_layer import PerLayerInputs
 from jaxformer.sharding import AXES_COLLECTION, EMBED, LAYERS, VOCAB, param
 from jaxformer.validation import check_cache_step, check_step_inputs
 
@@ -57,11 +70,13 @@ class Pattern(nn.Module):
 
     @nn.compact
     def __call__(self, carry, views, layer):
-        """`(carry, None)` after the period's layers; `layer` is `(which, index)`, body j's flag
-        `which[j]` (or None) and its index in the model `index[j]` (int32 `[len(pattern)]`)."""
-        which, index = layer
+        """`(carry, None)` after the period's layers; `layer` is `(which, index, own)`, body j's flag
+        `which[j]` (or None), its index in the model `index[j]` (int32 `[len(pattern)]`) and its
+        per-layer input `own[j]` (or None)."""
+        which, index, own = layer
         for j, body in enumerate(self.pattern):
-            carry, _ = block_type(self.config)(self.config, body, name=f"block_{j}")(carry, views, (which[j], index[j]))
+            mine = (which[j], index[j], None if own is None else own[j])
+            carry, _ = block_type(self.config)(self.config, body, name=f"block_{j}")(carry, views, mine)
         return carry, None
 
 
@@ -78,15 +93,22 @@ def scanned_blocks(config: DecoderConfig, segment: Segment, name: str) -> nn.Mod
     return scanned(config, segment.pattern[0] if one else segment.pattern, name=name)
 
 
-def scan_inputs(specs: tuple[LayerSpec, ...], segment: Segment) -> tuple:
-    """What a segment's scan reads per period, `(which, index)`: each body's flag, bool `[repeats]`
-    (whether the layer is its body's second spec; None for a body of one), and each layer's
-    index in the model (int32 `[repeats]`), as a tuple over the bodies, or for a body alone itself."""
+def scan_inputs(specs: tuple[LayerSpec, ...], segment: Segment, per_layer: jax.Array | None = None) -> tuple:
+    """What a segment's scan reads per period, `(which, index, own)`: each body's flag, bool `[repeats]`
+    (whether the layer is its body's second spec; None for a body of one), each layer's index in the
+    model (int32 `[repeats]`) and its per-layer input (`[repeats, batch, T, width]` of `per_layer`
+    `[batch, T, n_layer, width]`; None without), as a tuple over the bodies, or for a body alone itself."""
     which = tuple(jnp.asarray([body.index(specs[i]) == 1 for i in segment.layers(j)]) if len(body) > 1 else None
                   for j, body in enumerate(segment.pattern))
     period = len(segment.pattern)
     index = segment.first_layer + jnp.arange(segment.repeats * period).reshape(segment.repeats, period)
-    return (which[0], index[:, 0]) if period == 1 else (which, index)  # index[r, j]: layer first + r * period + j
+    own = None
+    if per_layer is not None:  # [repeats, period, batch, T, width]: own[r, j] is layer first + r * period + j's
+        rows = per_layer[:, :, segment.first_layer:segment.first_layer + segment.repeats * period]
+        own = jnp.moveaxis(rows, 2, 0).reshape(segment.repeats, period, *rows.shape[:2], rows.shape[-1])
+    if period == 1:
+        return which[0], index[:, 0], None if own is None else own[:, 0]
+    return which, index, own  # index[r, j]: layer first + r * period + j
 
 
 def views(specs: tuple[LayerSpec, ...], position: jax.Array, key_positions: dict) -> dict:
@@ -194,6 +216,10 @@ class Decoder(nn.Module):
         x = x.astype(c.dtype)
         if c.embed_scale:  # Gemma: embeddings of std ~1/sqrt(d) brought to the stream's scale, in its dtype
             x = x * jnp.asarray(math.sqrt(c.d_model), c.dtype)
+        per_layer = None  # Gemma 4's per-layer inputs, [batch, T, n_layer, width] (a grouped call's [1, N, ...])
+        if c.per_layer_width:
+            ids = jnp.concatenate([group.reshape(1, -1) for group in groups], axis=1) if grouped else tokens
+            per_layer = PerLayerInputs(c, name="per_layer_inputs")(ids, x)
 
         specs = layer_specs(c)
         if cache is None:
@@ -204,14 +230,17 @@ class Decoder(nn.Module):
             part_views = tuple(cached_views(specs, group.shape[1], group_cache, group_slots)
                                for group, group_cache, group_slots in zip(groups, caches, slots))
 
-        written = caches
+        # The carry: the stream, the caches, and where layers share keys and values, the last of each type.
+        carry = (x, caches, {} if shares_kv(specs) else None)
         if c.scan_layers:  # each run of repeated specs one scan (`segments`), in order
             for k, segment in enumerate(segments(specs)):
-                (x, written), _ = scanned_blocks(c, segment, scan_name(k))((x, written), part_views,
-                                                                           scan_inputs(specs, segment))
+                carry, _ = scanned_blocks(c, segment, scan_name(k))(carry, part_views,
+                                                                    scan_inputs(specs, segment, per_layer))
         else:
             for i, spec in enumerate(specs):
-                (x, written), _ = block_type(c)(c, (spec,), name=f"block_{i}")((x, written), part_views, (None, i))
+                own = None if per_layer is None else per_layer[:, :, i]
+                carry, _ = block_type(c)(c, (spec,), name=f"block_{i}")(carry, part_views, (None, i, own))
+        x, written, _ = carry
         x = norm(c, "final_norm")(x)
         weight = embed if c.tie_embeddings else param(self, "lm_head", init, (c.d_model, c.vocab_size),
                                                       (EMBED, VOCAB), c.param_dtype)
@@ -299,8 +328,12 @@ def expert_load(model: Decoder, variables: dict, tokens: jax.Array, mask: jax.Ar
     _, sown = model.apply(variables, tokens, mutable=[ROUTER_COLLECTION])
     loads = {}
     for i, spec in enumerate(layer_specs(config)):
-        if isinstance(spec.ffn, ExpertsSpec):
-            (logits,) = layer_tree(sown[ROUTER_COLLECTION], config, i)["mlp"]["logits"]  # [batch, T, E]
-            bias = layer_tree(variables["params"], config, i)["mlp"].get("correction_bias")
-            loads[i] = expert_counts(logits, spec.ffn, bias, mask)
+        beside = isinstance(spec.ffn, DenseAndExpertsSpec)  # (Gemma 4's experts, beside a dense MLP: mlp/experts)
+        if isinstance(spec.ffn, ExpertsSpec) or beside:
+            sown_mlp, mlp = (layer_tree(tree, config, i)["mlp"] for tree in (sown[ROUTER_COLLECTION],
+                                                                             variables["params"]))
+            sown_mlp, mlp = (sown_mlp["experts"], mlp["experts"]) if beside else (sown_mlp, mlp)
+            (logits,) = sown_mlp["logits"]  # [batch, T, E]
+            loads[i] = expert_counts(logits, spec.ffn.experts if beside else spec.ffn, mlp.get("correction_bias"),
+                                     mask)
     return loads

@@ -305,9 +305,9 @@ class GatedDeltaNetSpec:
                 "wz": Weight((d_model, Hv, Dv), (EMBED, HEADS, HEAD_DIM)),  # the output gate's
                 "wb": Weight((d_model, Hv), (EMBED, HEADS)),  # beta's
                 "wa": Weight((d_model, Hv), (EMBED, HEADS)),  # the decay's
-                "conv_q": Weight((K, Hk, Dk), (CONV, KV_HEADS, HEAD_DIM), inputs=0),
-                "conv_k": Weight((K, Hk, Dk), (CONV, KV_HEADS, HEAD_DIM), inputs=0),
-                "conv_v": Weight((K, Hv, Dv), (CONV, HEADS, HEAD_DIM), inputs=0),
+                "conv_q": Weight((Hk, Dk, K), (KV_HEADS, HEAD_DIM, CONV), inputs=0),  # (a channel's taps together,
+                "conv_k": Weight((Hk, Dk, K), (KV_HEADS, HEAD_DIM, CONV), inputs=0),  # as a checkpoint's conv1d
+                "conv_v": Weight((Hv, Dv, K), (HEADS, HEAD_DIM, CONV), inputs=0),  # holds them: [channels, 1, K])
                 "a_log": Weight((Hv,), (HEADS,), inputs=0),
                 "dt_bias": Weight((Hv,), (HEADS,), inputs=0),
                 "wo": Weight((Hv, Dv, d_model), (HEADS, HEAD_DIM, EMBED), inputs=2)}
@@ -341,7 +341,7 @@ class GatedDeltaNet(nn.Module):
     spec: GatedDeltaNetSpec
 
     @nn.compact
-    def __call__(self, x, parts, layer=None, is_sliding=None):
+    def __call__(self, x, parts, layer=None, is_sliding=None, keep_kv: bool = False):
         """`(y [batch, T, d_model], caches)` of `x [batch, T, d_model]` (a grouped call's `[1, N,
         d_model]`), each of the call's `attention.Part`s run from its rows' states: layer `layer`'s
         in its cache (`cache.layer(layer, ("linear",))`, written back after the call; a row's tokens
@@ -363,8 +363,8 @@ class GatedDeltaNet(nn.Module):
             ("wv", "btd,dhv->bthv"), ("wz", "btd,dhv->bthv"),  # [batch, T, n_value_head, value_dim]
             ("wb", "btd,dh->bth"), ("wa", "btd,dh->bth"))))  # [batch, T, n_value_head]
         qkv = jnp.concatenate([p.reshape(*p.shape[:2], -1) for p in (q, k, v)], axis=-1)  # [batch, T, channels]
-        taps = [weight(f"conv_{p}", uniform(s.conv_kernel ** -0.5)) for p in "qkv"]  # [K, heads, channels/head]
-        conv_weight = jnp.concatenate([w.reshape(s.conv_kernel, -1) for w in taps], axis=-1)  # [K, channels]
+        taps = [weight(f"conv_{p}", uniform(s.conv_kernel ** -0.5)) for p in "qkv"]  # [heads, channels/head, K]
+        conv_weight = jnp.concatenate([w.reshape(-1, s.conv_kernel) for w in taps], axis=0).T  # [K, channels]
         a_log = param(self, "a_log", lambda key, shape, dtype: jnp.log(jax.random.uniform(key, shape, dtype, 0.01, 16)),
                       *table["a_log"][:2], c.param_dtype)  # A in [0.01, 16] (transformers' init)
         dt_bias = param(self, "dt_bias", nn.initializers.ones, *table["dt_bias"][:2], c.param_dtype)
@@ -391,4 +391,4 @@ class GatedDeltaNet(nn.Module):
         o = (jnp.concatenate(outs, axis=1) if grouped else outs[0]).astype(x.dtype)  # [batch, T, heads, d_v]
         o = GatedRMSNorm(c.norm_eps, c.param_dtype, name="norm")(o, z)  # norm(o) * silu(z), per head
         (y,) = project(self, o, ("wo", "bthv,hvd->btd", wo))  # [batch, T, d_model]
-        return y, tuple(written)
+        return y, tuple(written), None  # (the mixers' protocol: no layer reads a linear layer's keys)

@@ -46,6 +46,7 @@ from jaxformer.grouped import (
     scatter_rows,
 )
 from jaxformer.lora import experts_adapters
+from jaxformer.norms import RMSNorm
 from jaxformer.products import product
 from jaxformer.sharding import DATA, EMBED, EXPERT, EXPERTS, MLP, ROUTES, Weight, compute_param
 
@@ -79,6 +80,10 @@ class ExpertsSpec:
         `ceil(capacity_factor * N * k / E)` of a call's N tokens' pairs, the rest dropped.
       aux_loss_coef: the weight of the router's load-balancing loss in training
         (`router_aux_loss_coef`; `load_balancing_loss`).
+      router_norm: the router reads its input through an RMSNorm without a weight, times a
+        learned scale per channel (`router_scale`) and `d_model ** -0.5` (Gemma 4).
+      expert_scale: each chosen expert's weight, after routing, times a learned scale of that
+        expert (`expert_scale`, Gemma 4's `per_expert_scale`).
     """
 
     n_experts: int
@@ -98,6 +103,8 @@ class ExpertsSpec:
     shared_gate: bool = False
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.001
+    router_norm: bool = False
+    expert_scale: bool = False
 
     def __post_init__(self):
         def need(ok: bool, field: str, rule: str):
@@ -154,6 +161,10 @@ class ExpertsSpec:
                            b_down=Weight((E, d_model), (EXPERTS, EMBED), inputs=1))
         if self.shared_gate:
             weights["shared_gate"] = Weight((d_model, 1), (EMBED, ROUTES))
+        if self.router_norm:
+            weights["router_scale"] = Weight((d_model,), (EMBED,), inputs=0)
+        if self.expert_scale:
+            weights["expert_scale"] = Weight((E,), (ROUTES,), inputs=0)
         return weights
 
     @property
@@ -331,7 +342,10 @@ class Experts(nn.Module):
     spec: ExpertsSpec
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, router_input: jax.Array | None = None) -> jax.Array:
+        """`[batch, T, d_model]`: each token of `x` `[batch, T, d_model]` through its experts, chosen
+        by the router from `router_input` (Gemma 4's reads the stream, the experts a norm of it;
+        None: `x`)."""
         c, s = self.config, self.spec
         if c.lora is not None and c.lora.matrices & {"w_gate", "w_up", "w_down"}:
             raise ValueError(f"LoraConfig.targets={c.lora.targets}: the MLP's projections are experts in this layer; "
@@ -342,17 +356,24 @@ class Experts(nn.Module):
         residual_init = nn.initializers.normal(0.02 / math.sqrt(2 * c.n_layer))  # see GQASelfAttention
         inits = {"w_down": residual_init, "router_bias": nn.initializers.zeros,
                  "correction_bias": nn.initializers.zeros, "b_gate": nn.initializers.zeros,
-                 "b_up": nn.initializers.zeros, "b_down": nn.initializers.zeros}
+                 "b_up": nn.initializers.zeros, "b_down": nn.initializers.zeros,
+                 "router_scale": nn.initializers.ones, "expert_scale": nn.initializers.ones}
         w = {name: compute_param(self, name, inits.get(name, init), *declared[name][:2]) for name in declared}
 
         batch, T, d = x.shape
         tokens = x.reshape(batch * T, d)  # [N, d_model]
-        logits = product("nd,de->ne", tokens, w["router"])  # [N, E] in the compute dtype, as the families' routers
+        routed_on = tokens if router_input is None else router_input.reshape(batch * T, d)
+        if s.router_norm:  # Gemma 4's: a weightless norm, a scale per channel, and 1/sqrt(d), in the compute dtype
+            routed_on = RMSNorm(c.norm_eps, scaled=False)(routed_on) * w["router_scale"]
+            routed_on = (routed_on.astype(jnp.float32) * jnp.float32(d ** -0.5)).astype(x.dtype)
+        logits = product("nd,de->ne", routed_on, w["router"])  # [N, E] in the compute dtype, as the families' routers
         if s.router_bias:
             logits = logits + w["router_bias"]
         logits = logits.astype(jnp.float32)
         self.sow(ROUTER_COLLECTION, "logits", logits.reshape(batch, T, -1))
         gates, ids = route(logits, s, w.get("correction_bias"))
+        if s.expert_scale:  # Gemma 4's: each chosen expert's own scale, on the routed weights
+            gates = gates * jnp.take(w["expert_scale"].astype(jnp.float32), ids)
         gates = gates.astype(x.dtype)  # the weights in the compute dtype, as the families apply them
 
         N = batch * T

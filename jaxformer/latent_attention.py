@@ -178,7 +178,7 @@ class LatentAttention(nn.Module):
     spec: LatentAttentionSpec
 
     @nn.compact
-    def __call__(self, x, parts: tuple[Part, ...], layer=None, is_sliding=None):
+    def __call__(self, x, parts: tuple[Part, ...], layer=None, is_sliding=None, keep_kv: bool = False):
         """Attends causally over `x` (and the cache).
 
         Args:
@@ -188,9 +188,10 @@ class LatentAttention(nn.Module):
             `[rows, slots, 1, qk_rope_head_dim]`.
           layer: this layer's index in the caches (traced in a scan).
           is_sliding: bool `[]` in a scan over both types: this layer's, which picks its mask.
+          keep_kv: the mixers' protocol (`GQASelfAttention`'s); no layer reads a latent layer's keys.
 
         Returns:
-          `(y [batch, T, d_model], caches)`, each part's cache with this call's latents and RoPE
+          `(y [batch, T, d_model], caches, None)`, each part's cache with this call's latents and RoPE
           keys written; the weights `[batch, H, T, S]` sown as `GQASelfAttention` sows them.
         """
         c, a = self.config, self.spec
@@ -260,4 +261,4 @@ class LatentAttention(nn.Module):
             start += part.rows * part.T
         out = jnp.concatenate(outs, axis=1) if grouped else outs[0]  # [batch, T, H, dv]
         (y,) = project(self, out, ("wo", "bthk,hkd->btd", wo))  # [batch, T, d_model]
-        return y, tuple(written)
+        return y, tuple(written), None

@@ -1,7 +1,9 @@
 """A decoder layer: a mixer, a feed-forward and a norm placement, each of a kind.
 
     x = x + post(mixer(norm(x)))      # "pre": norm an RMSNorm, post nothing (Llama)
-    x = x + post(ffn(norm(x)))        # "sandwich": both RMSNorms (Gemma 2 and 3); "post": norm nothing (OLMo 2)
+    x = x + post(ffn(norm(x)))        # "sandwich": both RMSNorms (Gemma 2 to 4); "post": norm nothing (OLMo 2)
+    x = x + per_layer(x, in_l)        # where the model has per-layer inputs (Gemma 4: jaxformer.per_layer)
+    x = x * scalar                    # where it has layer scalars (Gemma 4)
 
 A kind is a spec, a frozen dataclass of what may vary from layer to layer (a window, a RoPE
 base, a width), and the module it builds (`spec.build(config, name)`), with its parameters'
@@ -12,6 +14,7 @@ names, shapes and sharding axes (`spec.weights(d_model)`):
                     GatedDeltaNetSpec -> GatedDeltaNet   (jaxformer.deltanet: linear attention)
     feed-forwards   GatedMLPSpec  -> GatedMLP            (jaxformer.feedforward)
                     ExpertsSpec   -> Experts             (jaxformer.experts: a mixture of experts)
+                    DenseAndExpertsSpec -> DenseAndExperts (jaxformer.dense_experts: both, Gemma 4)
 
 A mixer's spec also says what a layer reads in a call besides its input (`spec.view`: RoPE's
 angles and which keys each query sees) and which slots it keeps per row between calls
@@ -33,17 +36,20 @@ import jax.numpy as jnp
 from jaxformer.attention import AttentionSpec, Part
 from jaxformer.config import DecoderConfig
 from jaxformer.deltanet import GatedDeltaNetSpec
+from jaxformer.dense_experts import DenseAndExpertsSpec
 from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.latent_attention import LatentAttentionSpec
-from jaxformer.norms import RMSNorm
+from jaxformer.norms import RMSNorm, rms_norm
+from jaxformer.per_layer import PerLayerInput
+from jaxformer.sharding import SCALAR, param
 
 # Where a layer's RMSNorms sit: before each sublayer; before and after it (on its output); or after it alone.
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 NORMED_INPUT = ("pre", "sandwich")  # the placements that normalise a sublayer's input ...
 NORMED_OUTPUT = ("sandwich", "post")  # ... and its output, before the sum
 MIXERS = (AttentionSpec, LatentAttentionSpec, GatedDeltaNetSpec)  # the kinds of mixer a layer may have
-FEED_FORWARDS = (GatedMLPSpec, ExpertsSpec)  # ... and of feed-forward
+FEED_FORWARDS = (GatedMLPSpec, ExpertsSpec, DenseAndExpertsSpec)  # ... and of feed-forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +57,15 @@ class LayerSpec:
     """One decoder layer.
 
     Attributes:
-      mixer: how positions exchange information, one of `MIXERS` (`AttentionSpec`, `LatentAttentionSpec`).
-      ffn: the position-wise feed-forward, one of `FEED_FORWARDS` (`GatedMLPSpec`, `ExpertsSpec`).
+      mixer: how positions exchange information, one of `MIXERS` (`AttentionSpec`, `LatentAttentionSpec`,
+        `GatedDeltaNetSpec`).
+      ffn: the position-wise feed-forward, one of `FEED_FORWARDS` (`GatedMLPSpec`, `ExpertsSpec`,
+        `DenseAndExpertsSpec`).
       norms: where the RMSNorms sit, one of `NORM_PLACEMENTS`.
     """
 
     mixer: AttentionSpec | LatentAttentionSpec | GatedDeltaNetSpec
-    ffn: GatedMLPSpec | ExpertsSpec
+    ffn: GatedMLPSpec | ExpertsSpec | DenseAndExpertsSpec
     norms: str = "pre"
 
     def __post_init__(self):
@@ -91,15 +99,18 @@ def layer_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
     return tuple(LayerSpec(full if kind == "full" else sliding, ffn, norms) for kind in c.attention_types)
 
 
-# What every layer's attention shares with the config: a scanned model's cache holds one shape of
-# keys per stack, and checkpoints convert every layer's RoPE pairing alike. (A kind without the
-# field, latent or linear attention, states what it keeps in its own `cache_entry`.)
-MODEL_WIDE = ("n_kv_head", "head_dim", "rope_pairing")
+# What every layer's attention shares with the config: checkpoints convert every layer's RoPE pairing
+# alike. (Its heads and their width may differ from layer to layer, Gemma 4's global layers'; the
+# cache keeps each layer's `cache_entry`, and a scanned model's one shape per stack, which
+# `jaxformer.cache.layer_shapes` checks.)
+MODEL_WIDE = ("rope_pairing",)
 
 
 def filled_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
-    """`config.layers`, each a `LayerSpec` whose mixer agrees with the config on `MODEL_WIDE`;
-    a ValueError naming the first entry that is not."""
+    """`config.layers`, each a `LayerSpec` whose mixer agrees with the config on `MODEL_WIDE`, and
+    whose `kv_shared` attention (if it is) follows a layer of its type that computes keys and values,
+    in a model not scanned; a ValueError naming the first entry that is not."""
+    computed = {}  # the attention type of each layer so far that computes keys and values: the last one's mixer
     for i, spec in enumerate(config.layers):
         if not isinstance(spec, LayerSpec):
             raise ValueError(f"config.layers[{i}] must be a LayerSpec (got {type(spec).__name__})")
@@ -108,7 +119,27 @@ def filled_specs(config: DecoderConfig) -> tuple[LayerSpec, ...]:
             if mine != model:
                 raise ValueError(f"config.layers[{i}].mixer.{field} must be the config's {field}={model!r}, one for "
                                  f"every layer (got {mine!r})")
+        mixer = spec.mixer
+        if not getattr(mixer, "kv_shared", False):
+            computed[mixer.attention_type] = mixer
+            continue
+        source = computed.get(mixer.attention_type)
+        if source is None:
+            raise ValueError(f"config.layers[{i}].mixer.kv_shared: no earlier layer of its type "
+                             f"({mixer.attention_type}) computes the keys and values it reads")
+        if (mixer.n_kv_head, mixer.head_dim) != (source.n_kv_head, source.head_dim):
+            raise ValueError(f"config.layers[{i}].mixer.kv_shared: its heads ({mixer.n_kv_head} of {mixer.head_dim}) "
+                             f"must be those whose keys and values it reads ({source.n_kv_head} of {source.head_dim})")
+        if config.scan_layers:
+            raise ValueError(f"config.layers[{i}].mixer.kv_shared with scan_layers=True: a scanned body does not pass "
+                             "keys and values from layer to layer (not implemented); use scan_layers=False")
     return config.layers
+
+
+def shares_kv(specs: tuple[LayerSpec, ...]) -> bool:
+    """Whether a layer of `specs` reads another's keys and values (`AttentionSpec.kv_shared`): the
+    layers then pass theirs on, by attention type, in the call's carry."""
+    return any(getattr(spec.mixer, "kv_shared", False) for spec in specs)
 
 
 def _kinds(specs: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
@@ -235,7 +266,7 @@ def pick(values: tuple, which):
 
 def norm(config: DecoderConfig, name: str) -> RMSNorm:
     """The decoder's RMSNorm over `d_model` channels, named `name`."""
-    return RMSNorm(config.norm_eps, config.param_dtype, config.norm_plus_one, name=name)
+    return rms_norm(config, name=name)
 
 
 class Block(nn.Module):
@@ -253,27 +284,31 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, carry, views, layer):
-        """`((x, caches), None)` after the layer.
+        """`((x, caches, shared), None)` after the layer.
 
         Args:
-          carry: `(x [batch, T, d_model], caches)`, a tuple of the call's caches (None without
-            one; several for groups of rows in one call: `Part`), each of which the layer writes.
+          carry: `(x [batch, T, d_model], caches, shared)`: a tuple of the call's caches (None without
+            one; several for groups of rows in one call: `Part`), each of which the layer writes; and
+            in a model whose layers share keys and values (`shares_kv`), `{attention type: each
+            part's (keys, values)}` of the last layer of that type that computed them (else None).
           views: `({view_key(mixer spec): (cos, sin, seen)}, ...)`, one dict per part, every distinct
             mixer's view of the part's tokens (`jaxformer.decoder.views`), the same for every layer.
-          layer: `(which, index)`: in a scan over two specs bool `[]`, whether this layer is the
-            second of `specs` (else None), and its index in the model (int32 `[]` in a scan).
+          layer: `(which, index, own)`: in a scan over two specs bool `[]`, whether this layer is the
+            second of `specs` (else None); its index in the model (int32 `[]` in a scan); and its
+            per-layer input `[batch, T, per_layer_width]` (`jaxformer.per_layer`; None without).
         """
-        x, caches = carry
+        x, caches, shared = carry
         c = self.config
-        which, index = layer
+        which, index, own = layer
         spec = self.specs[0]
+        mixer = spec.mixer
 
-        def part(part_views: dict, cache) -> Part:
+        def part(part_views: dict, cache, kv) -> Part:
             mine = [part_views[view_key(s.mixer)] for s in self.specs]  # (cos, sin, seen) of each spec
             cos, sin = pick(tuple(view[:2] for view in mine), which)
             rows_T = cos.shape[:2] if cos.ndim == 3 else (x.shape[0], cos.shape[0])
             masks = {s.mixer.attention_type: view[2] for s, view in zip(self.specs, mine)}
-            return Part(*rows_T, cos, sin, masks, cache)
+            return Part(*rows_T, cos, sin, masks, cache, kv)
 
         def before(name: str, h):  # a sublayer's input, normalised unless the norms sit after it alone (OLMo 2)
             return norm(c, name)(h) if spec.norms in NORMED_INPUT else h
@@ -281,8 +316,20 @@ class Block(nn.Module):
         def after(name: str, h):  # its output, normalised before the sum ("sandwich": Gemma 2's; "post": OLMo 2's)
             return norm(c, name)(h) if spec.norms in NORMED_OUTPUT else h
 
-        h, caches = spec.mixer.build(c, "attn")(before("attn_norm", x), tuple(map(part, views, caches)), index, which)
+        # A layer that shares keys and values reads its type's last ones; one that computes them passes them on.
+        kvs = shared[mixer.attention_type] if getattr(mixer, "kv_shared", False) else (None,) * len(views)
+        keep = shared is not None and kvs[0] is None
+        h, caches, kept = mixer.build(c, "attn")(before("attn_norm", x), tuple(map(part, views, caches, kvs)), index,
+                                                 which, keep_kv=keep)
+        if keep:
+            shared = {**shared, mixer.attention_type: kept}
         x = x + after("attn_post_norm", h)  # [batch, T, d_model]
-        h = spec.ffn.build(c, "mlp")(before("mlp_norm", x))
+        ffn = spec.ffn.build(c, "mlp")
+        normed = before("mlp_norm", x)
+        h = ffn(normed, x) if getattr(spec.ffn, "reads_stream", False) else ffn(normed)
         x = x + after("mlp_post_norm", h)  # [batch, T, d_model]
-        return (x, caches), None
+        if c.per_layer_width:  # Gemma 4: what the layer makes of its own input
+            x = x + PerLayerInput(c, name="per_layer")(x, own)
+        if c.layer_scalar:  # Gemma 4: the whole stream scaled by the layer's number
+            x = x * param(self, "layer_scalar", nn.initializers.ones, (1,), (SCALAR,), c.param_dtype).astype(c.dtype)
+        return (x, caches, shared), None

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxformer.blockwise import BLOCK, in_blocks_for
 from jaxformer.config import DecoderConfig
+from jaxformer.dense_experts import DenseAndExpertsSpec
 from jaxformer.experts import ExpertsSpec
 
 # The files where Linux reports a cgroup's memory limit and use (v2, then v1): in a
@@ -36,9 +37,10 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
     and the logits come in phases XLA frees one by one, so the peak is the largest phase on
     top. The float32 scores `[batch, n_head, T, S]` dominate dense attention (XLA on a CPU
     keeps three such arrays, and the bool mask `[batch, T, S]`); attention in blocks holds one
-    block's, `[batch, n_head, 512, 512]`, and the output it builds. The feed-forward is each
-    layer's own (`ffn_bytes`), the widest of them counted. The parameters are not counted: the
-    free memory excludes them.
+    block's, `[batch, n_head, 512, 512]`, and the output it builds. The attention and the
+    feed-forward are each layer's own (its heads and their width: Gemma 4's global layers' are
+    wider; `ffn_bytes`), the largest of them counted. The parameters are not counted: the free
+    memory excludes them. (With per-layer inputs, `[batch, T, n_layer, width]` live throughout too.)
     """
     c = config
     compute = jnp.dtype(c.dtype).itemsize
@@ -46,15 +48,24 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
     cache = batch * sum(cache_entry_bytes(entry, capacity, jnp.dtype(c.cache_storage_dtype).itemsize)
                         for entry in c.cache_entries)
     stream = 2 * rows * c.d_model * 4  # [batch, T, d_model]: the stream and its normalised copy
+    if c.per_layer_width:
+        stream += rows * c.n_layer * c.per_layer_width * 4
     weights_cast = compute if compute != 4 else 0  # the softmax's output in the compute dtype, for `@ V`
-    if in_blocks_for(c.attention_impl, prompt_len, capacity):  # one block's scores, and the output in float32
-        scores = batch * c.n_head * min(prompt_len, BLOCK) * min(capacity, BLOCK) * (3 * 4 + weights_cast) \
-            + rows * c.n_head * c.head_dim * 4
-    else:  # every score, and the bool mask [batch, T, S]
-        scores = batch * c.n_head * prompt_len * capacity * (3 * 4 + weights_cast) + batch * prompt_len * capacity
-    attention = (scores
-                 + 2 * rows * (c.n_head + 2 * c.n_kv_head) * c.head_dim * 4  # q, k, v and their rotations
-                 + 2 * (capacity + rows) * (c.head_dim // 2) * 4)  # the RoPE tables, and the rows read from them
+
+    def attention_bytes(n_head: int, n_kv_head: int, head_dim: int) -> int:
+        if in_blocks_for(c.attention_impl, prompt_len, capacity):  # one block's scores, and the output in float32
+            scores = batch * n_head * min(prompt_len, BLOCK) * min(capacity, BLOCK) * (3 * 4 + weights_cast) \
+                + rows * n_head * head_dim * 4
+        else:  # every score, and the bool mask [batch, T, S]
+            scores = batch * n_head * prompt_len * capacity * (3 * 4 + weights_cast) + batch * prompt_len * capacity
+        return (scores
+                + 2 * rows * (n_head + 2 * n_kv_head) * head_dim * 4  # q, k, v and their rotations
+                + 2 * (capacity + rows) * (head_dim // 2) * 4)  # the RoPE tables, and the rows read from them
+
+    # Each filled layer's heads (`DecoderConfig.layers`), else those the fields state for all.
+    heads = {(getattr(m, "n_head", c.n_head), getattr(m, "n_kv_head", c.n_kv_head), getattr(m, "head_dim", c.head_dim))
+             for m in [spec.mixer for spec in c.layers] or [None]}
+    attention = max(attention_bytes(*shape) for shape in heads)
     # Each filled layer's feed-forward (`DecoderConfig.layers`), else the gated MLP the fields state for all.
     ffn = max((ffn_bytes(spec.ffn, rows) for spec in c.layers), default=3 * rows * c.ffn_dim * 4)
     logits = rows * c.vocab_size * 4  # [batch, T, vocab], float32 out of the head's matrix product
@@ -65,6 +76,8 @@ def cache_entry_bytes(entry: tuple, capacity: int, itemsize: int) -> int:
     """Bytes one row of a layer keeps for `entry` (`DecoderConfig.cache_entries`' `(kind, shapes)`):
     a key and a value for each of `capacity` slots, or a linear layer's conv inputs and float32 state."""
     kind, (a, b) = entry
+    if kind == "none":  # (a layer that reads another's keys and values)
+        return 0
     if kind == "linear":
         return math.prod(a) * itemsize + math.prod(b) * 4
     return capacity * (math.prod(a) + math.prod(b)) * itemsize
@@ -74,7 +87,10 @@ def ffn_bytes(spec, rows: int) -> int:
     """Bytes a layer's feed-forward of `spec` holds for `rows` positions, in float32: a gated MLP's
     gate, up and their product, `[rows, width]` each; a mixture of experts' (`ExpertsSpec`) the
     same for each of a token's k experts, `[rows * k, width]` each, with its router's logits
-    `[rows, E]`, and its shared expert's, as a gated MLP's, where it has one."""
+    `[rows, E]`, and its shared expert's, as a gated MLP's, where it has one; a gated MLP and experts
+    side by side (`DenseAndExpertsSpec`), both."""
+    if isinstance(spec, DenseAndExpertsSpec):
+        return ffn_bytes(spec.dense, rows) + ffn_bytes(spec.experts, rows)
     if not isinstance(spec, ExpertsSpec):
         return 3 * rows * spec.width * 4
     shared = 0 if spec.shared is None else ffn_bytes(spec.shared, rows)

@@ -58,6 +58,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     if scaling.kind == "longrope":  # each wavelength stretched by its own searched factor
         factors = np.asarray(scaling.long_factor if long else scaling.short_factor, np.float32)
         return np.float32(1.0) / (factors * powers)
+    if scaling.kind == "proportional":  # the first pairs at the whole head's frequencies, the rest unturned
+        turning = int(scaling.partial_rotary_factor * head_dim // 2)
+        return np.where(np.arange(head_dim // 2) < turning, inv_freq, np.float32(0)) / np.float32(scaling.factor)
     # llama3: wavelengths past the trained context's `/ low_freq_factor` are stretched by
     # `factor`; those below its `/ high_freq_factor` (local detail) are kept; in between,
     # a blend that is linear in (context / wavelength).

@@ -36,6 +36,7 @@ EXPERTS = "experts"  # which expert of a mixture (`jaxformer.experts`) a stacked
 ROUTES = "routes"  # a router's score per expert; never split: every device routes its own tokens
 LATENT = "latent"  # a low-rank projection's inner width (latent attention's); every head reads all of it
 CONV = "conv"  # the taps of a short convolution (Gated DeltaNet's); never split: each is a few numbers
+SCALAR = "scalar"  # a single learned number (Gemma 4's layer scalar); never split
 
 # (logical axis, mesh axis, strategies), in order of preference. A mesh axis splits at
 # most one dimension of an array, and a dimension that does not divide evenly over it is

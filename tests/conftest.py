@@ -239,6 +239,24 @@ FULL_TIER.update({
 # transformers', tests/test_experts.py, and dense fine-tuning's runs.)
 FULL_TIER["tests/commands/test_finetune.py::test_a_mixture_of_experts_trains_with_its_load_balancing_loss"] = \
     "a mixture's fine-tuning run"
+# Gemma 4: the fast tier keeps its config.json read in both forms, its refusals, its published sizes, a tiny
+# E2B's logits against transformers (per-layer inputs, shared keys and values, the wider global heads and their
+# proportional RoPE: tests/families/test_gemma4.py) and a cache over layers of their own heads whose last ones
+# share keys and values (tests/test_layers.py); every family test of both checkpoints, the image-text checkpoint,
+# the experts' load, and the layers' other cases here.
+FULL_TIER.update({
+    **{f"tests/families/test_families.py::{test}[{family}]": "Gemma 4 against transformers at length"
+       for test in ("test_logits_equal_transformers_and_each_feature_counts", "test_greedy_tokens_equal_transformers",
+                    "test_cached_decoding_equals_transformers_and_the_full_forward",
+                    "test_save_hf_writes_the_family_that_transformers_reopens")
+       for family in ("gemma-4-E2B-it", "gemma-4-26B-A4B-it")},
+    "tests/families/test_gemma4.py::test_an_image_text_checkpoint_loads_its_text_model_and_saves_it_as_gemma4_text":
+        "Gemma 4's image-text checkpoint",
+    "tests/families/test_gemma4.py::test_the_experts_beside_each_mlp_report_their_load": "Gemma 4's experts' load",
+    "tests/test_layers.py::test_layers_of_their_own_head_widths_and_shared_keys_decode_through_the_cache_as_the_full_"
+    "forward[own]": "more layouts",
+    "tests/test_layers.py::test_a_scanned_model_of_per_layer_head_widths_stacks_one_shape_per_kind": "more layouts",
+})
 # Variants whose test stays in the fast tier on its other parametrisations: speculative greedy keeps
 # a proposer on each config, lookup on gqa and mha, a draft model of its own on mqa (the gqa model as its
 # own draft: the file's other tests); vanilla's cached greedy is in the full tier on each model (the

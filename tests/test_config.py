@@ -66,7 +66,13 @@ def test_each_rule_names_field_and_rule(changes, field, rule):
 
 
 @pytest.mark.parametrize("fields, message", [
-    (dict(kind="dynamic", factor=2.0), r"RopeScaling.kind must be one of \('linear', 'llama3', 'yarn', 'longrope'\)"),
+    (dict(kind="dynamic", factor=2.0),
+     r"RopeScaling.kind must be one of \('linear', 'llama3', 'yarn', 'longrope', 'proportional'\)"),
+    (dict(kind="proportional", factor=1.0), r"RopeScaling.partial_rotary_factor must be a finite number > 0"),
+    (dict(kind="proportional", factor=1.0, partial_rotary_factor=1.5),
+     r"RopeScaling.partial_rotary_factor must be at most 1 \(got 1.5\)"),
+    (dict(kind="linear", factor=2.0, partial_rotary_factor=0.5),
+     r"RopeScaling.partial_rotary_factor must be None for kind='linear'"),
     (dict(kind="longrope", factor=2.0, original_max_position_embeddings=64, short_factor=[1.0], long_factor=[0.0]),
      r"RopeScaling.long_factor must be a list of finite numbers > 0, one per RoPE pair"),
     (dict(kind="longrope", factor=2.0, original_max_position_embeddings=64, short_factor=[1.0], long_factor=[1, 2]),

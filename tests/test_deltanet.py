@@ -217,7 +217,7 @@ def _as_transformers(params, layout: str) -> dict:
     def linear(w):  # ours [d, out...] -> a Linear's weight [out, d]
         return w.reshape(d, -1).T
 
-    state = {"conv1d.weight": np.concatenate([p[f"conv_{x}"].reshape(K, -1) for x in "qkv"], axis=-1).T[:, None],
+    state = {"conv1d.weight": np.concatenate([p[f"conv_{x}"].reshape(-1, K) for x in "qkv"])[:, None],
              "dt_bias": p["dt_bias"], "A_log": p["a_log"], "norm.weight": p["norm"]["weight"],
              "out_proj.weight": p["wo"].reshape(-1, d).T}
     if layout == "qwen3_next":

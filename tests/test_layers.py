@@ -167,15 +167,78 @@ def test_bad_filled_specs_are_refused():
         SMALL.replace(layers=spec)
     with pytest.raises(ValueError, match=r"config.layers\[1\] must be a LayerSpec \(got AttentionSpec\)"):
         layer_specs(SMALL.replace(layers=(spec, spec.mixer, spec)))
-    wide = dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, head_dim=32))
-    with pytest.raises(ValueError, match=r"config.layers\[2\].mixer.head_dim must be the config's head_dim=16"):
-        Decoder(SMALL.replace(layers=(spec, spec, wide))).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    fewer_kv = dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, n_kv_head=1))
-    with pytest.raises(ValueError, match=r"config.layers\[0\].mixer.n_kv_head must be the config's n_kv_head=2"):
-        layer_specs(SMALL.replace(layers=(fewer_kv, spec, spec)))
+    interleaved = dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, rope_pairing="interleaved"))
+    with pytest.raises(ValueError, match=r"config.layers\[2\].mixer.rope_pairing must be the config's rope_pairing"):
+        layer_specs(SMALL.replace(layers=(spec, spec, interleaved)))
+    shared = dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, kv_shared=True))
+    with pytest.raises(ValueError, match=r"config.layers\[0\].mixer.kv_shared: no earlier layer of its type \(full\)"):
+        layer_specs(SMALL.replace(layers=(shared, spec, spec)))
+    with pytest.raises(ValueError, match=r"config.layers\[2\].mixer.kv_shared with scan_layers=True"):
+        layer_specs(SMALL.replace(layers=(spec, spec, shared), scan_layers=True))
     with pytest.raises(ValueError, match="config.layers cannot be written as a llama checkpoint"):
         config_to_hf(filled_layers(SMALL, widths=[32, 32, 96]))
     config_to_hf(filled_layers(SMALL))  # the specs the fields state: a llama checkpoint holds them
+
+
+def wider_global_heads(config: DecoderConfig, shared_from: int | None = None) -> DecoderConfig:
+    """`config` (sliding and full layers) with its full layers' attention of Gemma 4's form: twice the
+    head width, one kv head, the keys' projection as the values; layers from `shared_from` on read
+    the keys and values of the last earlier layer of their type."""
+    def layer(i, spec):
+        mixer = spec.mixer
+        if mixer.window is None:
+            mixer = dataclasses.replace(mixer, head_dim=2 * mixer.head_dim, n_kv_head=1, k_eq_v=True)
+        mixer = dataclasses.replace(mixer, v_norm=True, kv_shared=shared_from is not None and i >= shared_from)
+        return dataclasses.replace(spec, mixer=mixer)
+
+    return config.replace(layers=tuple(layer(i, spec) for i, spec in enumerate(layer_specs(config))))
+
+
+ALTERNATING = GEMMA3_LIKE.replace(n_layer=6, layer_types=("sliding", "full") * 3)
+GEMMA4_LIKE = wider_global_heads(ALTERNATING)
+
+
+@pytest.mark.parametrize("shared_from", [None, 2], ids=["own", "shared"])
+def test_layers_of_their_own_head_widths_and_shared_keys_decode_through_the_cache_as_the_full_forward(shared_from):
+    """Per-layer heads (the full layers' twice as wide, one kv head, k = v) and the last layers
+    reading their type's keys and values: the cache keeps each layer's own shape, nothing for a
+    sharing layer, and a prefill then one token a step gives the full forward's logits."""
+    config = wider_global_heads(ALTERNATING.replace(n_layer=4, layer_types=("sliding", "full") * 2), shared_from)
+    params = random_params(config, seed=0)
+    assert "wv" not in params["block_1"]["attn"] and params["block_1"]["attn"]["wk"].shape == (32, 1, 32)
+    tokens = np.random.RandomState(0).randint(0, config.vocab_size, (2, 14))
+    full = forward(Decoder(config), params, tokens)
+    cache = KVCache.create(config, 2, 16)
+    kept = [None if layer is None else layer.k.shape for layer in cache.layers]
+    assert kept[:2] == [(2, 7, 1, 16), (2, 16, 1, 32)]
+    assert kept[2:] == ([None, None] if shared_from else [(2, 7, 1, 16), (2, 16, 1, 32)])
+    step = jax.jit(lambda tokens, cache: Decoder(config).apply({"params": params}, tokens, cache))
+    logits, cache = step(jnp.asarray(tokens[:, :10]), cache)
+    got = [logits]
+    for t in range(10, 14):
+        logits, cache = step(jnp.asarray(tokens[:, t:t + 1]), cache)
+        got.append(logits)
+    np.testing.assert_allclose(np.concatenate(got, axis=1), full, atol=2e-5, rtol=0)
+
+
+def test_a_scanned_model_of_per_layer_head_widths_stacks_one_shape_per_kind():
+    """Scanned, the wider full layers are a body of their own and a stack of the cache of their own:
+    the same logits, and a prefill through the stacked cache the same."""
+    config = GEMMA4_LIKE
+    params = random_params(config, seed=1)
+    tokens = np.random.RandomState(1).randint(0, config.vocab_size, (1, 12))
+    scanned, scanned_params = with_scan_layers(config, params, True)
+    want = forward(Decoder(config), params, tokens)
+    np.testing.assert_allclose(forward(Decoder(scanned), scanned_params, tokens), want, atol=2e-5, rtol=0)
+    cache = KVCache.create(scanned, 1, 16)
+    assert cache.layer_shapes == ((1, 3, 16, 1, 32), (1, 3, 7, 1, 16))  # the full stack, then the rings
+    logits, _ = jax.jit(lambda t, c: Decoder(scanned).apply({"params": scanned_params}, t, c))(jnp.asarray(tokens),
+                                                                                              cache)
+    np.testing.assert_allclose(logits, want, atol=2e-5, rtol=0)
+    mixed = config.replace(layer_types=None, sliding_window=None, local_rope_theta=None, layers=tuple(
+        dataclasses.replace(spec, mixer=dataclasses.replace(spec.mixer, window=None)) for spec in config.layers))
+    with pytest.raises(ValueError, match="a stacked cache holds one shape of full layer"):
+        KVCache.create(mixed.replace(scan_layers=True), 1, 16)
 
 
 def test_segments_scan_each_run_of_repeated_specs():

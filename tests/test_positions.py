@@ -57,6 +57,16 @@ def test_linear_scaling_divides_every_frequency():
     np.testing.assert_array_equal(rope_inv_freq(HEAD_DIM, 10000.0, RopeScaling("linear", 4.0)), plain / np.float32(4))
 
 
+def test_proportional_rope_turns_its_first_pairs_at_the_whole_heads_frequencies_and_no_others():
+    """Gemma 4's global layers: of a 512-wide head, pairs 0 .. 63 (a quarter) turn by `theta ** (-2i / 512)`
+    (float64 formula), the other 192 not at all; a factor divides them all."""
+    scaling = RopeScaling("proportional", 1.0, partial_rotary_factor=0.25)
+    want = np.where(np.arange(256) < 64, 1e6 ** (-2 * np.arange(256) / 512), 0.0)
+    np.testing.assert_allclose(rope_inv_freq(512, 1e6, scaling), want, rtol=2e-7, atol=0)
+    np.testing.assert_array_equal(rope_inv_freq(512, 1e6, scaling.replace(factor=8.0)),
+                                  rope_inv_freq(512, 1e6, scaling) / np.float32(8))
+
+
 def test_llama3_scaling_keeps_short_wavelengths_stretches_long_ones_and_blends_between():
     """Llama 3.1's rule, written out per frequency in float64: wavelength 2 pi / f below
     context / high_freq_factor kept, above context / low_freq_factor divided by factor,

@@ -26,7 +26,7 @@ from jaxformer.config import DTYPES, DecoderConfig
 from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
 from jaxformer.families import family_of
-from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
+from jaxformer.memory import cache_entry_bytes, format_bytes, free_bytes, prefill_bytes
 from jaxformer.runtime import enable_compilation_cache
 from jaxformer.serving.engine import Engine
 from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
@@ -97,7 +97,8 @@ def serving_bytes(config: DecoderConfig, max_seq_len: int, max_batch: int, prefi
     prefill work (`prefill_bytes` of one row, less that row's cache, counted already)."""
     c = config
     weights = sum(math.prod(t.shape) for t in family_of(c).tensors(c)) * jnp.dtype(c.param_dtype).itemsize
-    row_cache = 2 * c.n_layer * max_seq_len * c.n_kv_head * c.head_dim * jnp.dtype(c.cache_storage_dtype).itemsize
+    itemsize = jnp.dtype(c.cache_storage_dtype).itemsize
+    row_cache = sum(cache_entry_bytes(entry, max_seq_len, itemsize) for entry in c.cache_entries)  # each layer's own
     work = prefill_bytes(c, 1, min(prefill_chunk, max_seq_len), max_seq_len) - row_cache
     return weights + (2 * max_batch + 1) * row_cache + work
 

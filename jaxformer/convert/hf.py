@@ -72,11 +72,16 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
         raise ValueError(f"config.json must hold a JSON object, got {type(hf).__name__}")
     if max_seq_len is not None:
         max_seq_len = as_int(max_seq_len, "max_seq_len", minimum=1)
-    hf = text_model(hf)
+    wrapped, hf = hf.get("model_type") in TEXT_MODELS, text_model(hf)
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         fail("model_type", f"must be one of {sorted(FAMILIES)}", model_type)
-    fields = FAMILIES[model_type].read(hf, max_seq_len)
+    try:
+        fields = FAMILIES[model_type].read(hf, max_seq_len)
+    except ValueError as e:  # (an image-text checkpoint's text model: its fields are text_config's)
+        if not wrapped:
+            raise
+        raise ValueError(str(e).replace("config.json ", "config.json text_config.", 1)) from None
     return DecoderConfig(**fields, dtype=dtype, param_dtype=dtype if param_dtype is None else param_dtype,
                          hf_model_type=model_type)
 
@@ -198,6 +203,11 @@ def load_hf_config(path: str, *, max_seq_len: int | None = None, dtype=jnp.float
       FileNotFoundError: `path` or its `config.json` does not exist.
       ValueError: `path` is a file, or its `config.json` is malformed (naming the field).
     """
+    return _config_of(path, _config_json(path), max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+
+
+def _config_json(path: str) -> dict:
+    """A checkpoint folder's `config.json`, parsed (a FileNotFoundError or ValueError that says why not)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint folder")
     if not os.path.isdir(path):
@@ -206,9 +216,13 @@ def load_hf_config(path: str, *, max_seq_len: int | None = None, dtype=jnp.float
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path}: missing; a Hugging Face checkpoint folder holds config.json")
-    hf = read_json_object(config_path, "a model config (a JSON object)")
+    return read_json_object(config_path, "a model config (a JSON object)")
+
+
+def _config_of(path: str, hf: dict, **options) -> DecoderConfig:
+    """`config_from_hf(hf, **options)`, its errors naming the folder `path` too."""
     try:
-        return config_from_hf(hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+        return config_from_hf(hf, **options)
     except ValueError as e:  # say which checkpoint; the message names the field
         raise ValueError(f"{path}: {e}") from None
 
@@ -239,10 +253,11 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
       FileNotFoundError: `path`, its `config.json` or its weights do not exist.
       ValueError: naming the file and what is wrong with it (docs/parity.md lists what is refused).
     """
-    config = load_hf_config(path, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
+    hf = _config_json(path)
+    config = _config_of(path, hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
     family = family_of(config)
-    outer_type = read_json_object(os.path.join(path, "config.json")).get("model_type")
-    image_text, other_towers = outer_type in TEXT_MODELS, 0
+    outer_type = hf.get("model_type")
+    image_text, other_towers = outer_type in TEXT_MODELS, {}
     table: dict[str, list[Tensor]] = {}
     for t in family.tensors(config):
         table.setdefault(t.hf_key, []).append(t)
@@ -261,8 +276,9 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
             continue
         if image_text and key.startswith(TEXT_PREFIX):  # the text model's, named as its family names them
             key = "model." + key[len(TEXT_PREFIX):]
-        elif image_text and key != "lm_head.weight":  # another tower's
-            other_towers += 1
+        elif image_text and key != "lm_head.weight":  # another tower's (`model.visual.`, `model.audio_tower.`, ...)
+            tower = ".".join(key.split(".")[:2]) + "."
+            other_towers[tower] = other_towers.get(tower, 0) + 1
             continue
         if key == "lm_head.weight" and config.tie_embeddings:  # some tied checkpoints store the head anyway
             stored_head = w
@@ -299,9 +315,10 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     if stored_head is not None and not np.array_equal(stored_head.astype(config.param_dtype), params["embed"]):
         raise ValueError(f"{path}: config.json tie_word_embeddings: is true but lm_head.weight differs from "
                          "model.embed_tokens.weight")
-    if other_towers:
-        logging.getLogger(__name__).warning(f"{path}: an image-text checkpoint ({outer_type}): its text model is "
-                                            f"read, its {other_towers} other tensors (the vision tower) are not")
+    if other_towers:  # (one line: what of an image-text checkpoint is left)
+        logging.getLogger(__name__).warning(
+            f"{path}: not read (jaxformer runs the text model alone, {outer_type}'s): "
+            + ", ".join(f"{n} tensors under {tower}" for tower, n in sorted(other_towers.items())))
     for where, (stacked, filled) in stacks.items():
         if sorted(filled) != list(np.ndindex(stacked.shape[:len(filled[0])])):  # a row never written would be garbage
             raise ValueError(f"{path}: {'/'.join(where)} is not in every layer or expert it stacks, so they cannot "

@@ -74,12 +74,18 @@ def rope(given: dict, where: str, hf: dict, *, default_theta: float = DEFAULT_RO
     rope_type = given.get("rope_type", given.get("type", "default"))
     if rope_type not in ("default", *ROPE_SCALINGS):
         fail(f"{where}.rope_type", f"must be one of {('default', *ROPE_SCALINGS)}", rope_type)
-    if given.get("partial_rotary_factor", 1.0) != 1.0:
-        fail(f"{where}.partial_rotary_factor", "RoPE must rotate every channel (1.0)", given["partial_rotary_factor"])
     theta = field(given, "rope_theta", finite_float, "a finite number > 0", where=where, default=default_theta)
 
     def number(key: str, convert=finite_float, rule: str = "a finite number > 0", default: Any = REQUIRED):
         return field(given, key, convert, rule, where=where, default=default)
+
+    if rope_type == "proportional":  # (Gemma 4's: its own reading of partial_rotary_factor, 1.0 when absent)
+        fraction = number("partial_rotary_factor", rule="a number in (0, 1]", default=1.0)
+        if fraction > 1:
+            fail(f"{where}.partial_rotary_factor", "must be a number in (0, 1]", fraction)
+        return theta, RopeScaling("proportional", number("factor", default=1.0), partial_rotary_factor=fraction)
+    if given.get("partial_rotary_factor", 1.0) != 1.0:
+        fail(f"{where}.partial_rotary_factor", "RoPE must rotate every channel (1.0)", given["partial_rotary_factor"])
 
     if rope_type == "default":
         return theta, None
@@ -229,36 +235,40 @@ class Tensor:
     """One checkpoint tensor, or a part of it: its name and shape there, its place and shape in
     jaxformer's tree.
 
-    A fused tensor is listed once per part, each with the part's `rows` `(start, stop)` (Phi-3's
-    `qkv_proj`: q, k and v one after another), its `grouped` rows `(size, start, stop)`, rows
-    `start .. stop - 1` of every group of `size` (Qwen3-Next's `in_proj_qkvz`: each key head's
-    q, k, v and z together), or `columns` `(first, step)` of its last axis (gpt-oss's
-    `gate_up_proj`: the gate at even columns, up at odd); the parts are `Tensor`s of the same
-    `hf_key`. A tensor that is one expert's of a parameter stacked over `E` experts
-    (`[E, ...]` in jaxformer's tree) names it by `expert` `(e, E)`.
+    A fused tensor is listed once per part, each with the part's `rows` `(start, stop)` of its
+    second-to-last axis (Phi-3's `qkv_proj`: q, k and v one after another; Gemma 4's experts'
+    `gate_up_proj` `[E, 2F, d]`: the gate's rows then up's), its `grouped` rows `(size, start,
+    stop)` of its first axis, rows `start .. stop - 1` of every group of `size` (Qwen3-Next's
+    `in_proj_qkvz`: each key head's q, k, v and z together), or `columns` `(first, step)` of its
+    last axis (gpt-oss's `gate_up_proj`: the gate at even columns, up at odd); the parts are
+    `Tensor`s of the same `hf_key`. A tensor that is one expert's of a parameter stacked over `E`
+    experts (`[E, ...]` in jaxformer's tree) names it by `expert` `(e, E)`.
     """
 
     hf_key: str
     hf_shape: tuple[int, ...]  # of this part: [out, in] for a torch Linear
     path: tuple[str, ...]
     shape: tuple[int, ...]  # of this part, in jaxformer's layout (without the experts' axis)
-    transpose: bool = False  # a torch Linear weight: [out, in] there, [in, out] (split into heads) here
+    transpose: bool = False  # a torch Linear weight: [..., out, in] there, [..., in, out] (split into heads) here
     rows: tuple[int, int] | None = None
     columns: tuple[int, int] | None = None
     expert: tuple[int, int] | None = None
     grouped: tuple[int, int, int] | None = None
 
     def to_jax(self, w: np.ndarray) -> np.ndarray:
-        return (w.T if self.transpose else w).reshape(self.shape)
+        return (np.swapaxes(w, -1, -2) if self.transpose else w).reshape(self.shape)
 
     def to_hf(self, w: np.ndarray) -> np.ndarray:
-        return w.reshape(self.hf_shape[::-1]).T if self.transpose else w.reshape(self.hf_shape)
+        if not self.transpose:
+            return w.reshape(self.hf_shape)
+        *stack, n_out, n_in = self.hf_shape
+        return np.swapaxes(w.reshape(*stack, n_in, n_out), -1, -2)
 
     @property
     def index(self) -> tuple:
         """This part of the whole checkpoint tensor, a numpy index (`()`: all of it)."""
         if self.rows is not None:
-            return (slice(*self.rows),)
+            return (..., slice(*self.rows), slice(None))
         if self.grouped is not None:  # rows start .. stop - 1 of each group, the groups in order
             size, start, stop = self.grouped
             groups = self.hf_shape[0] // (stop - start)
@@ -271,7 +281,9 @@ class Tensor:
 def whole_shape(parts: list[Tensor]) -> tuple[int, ...]:
     """The shape of the checkpoint tensor `parts` (all of one `hf_key`) make up together."""
     first = parts[0]
-    if first.rows is not None or first.grouped is not None:
+    if first.rows is not None:
+        return (*first.hf_shape[:-2], sum(t.hf_shape[-2] for t in parts), first.hf_shape[-1])
+    if first.grouped is not None:
         return (sum(t.hf_shape[0] for t in parts), *first.hf_shape[1:])
     if first.columns is not None:
         return (*first.hf_shape[:-1], sum(t.hf_shape[-1] for t in parts))
@@ -306,14 +318,14 @@ HF_MLP = {"w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_
 
 
 def kind_tensors(weights: dict, names: dict, prefix: str, path: tuple[str, ...]) -> list[Tensor]:
-    """A layer kind's matrices (`spec.weights(d_model)`, those `names` lists) as torch `Linear`
+    """A layer kind's matrices (`spec.weights(d_model)`, those of `names` it has) as torch `Linear`
     weights `{prefix}{name}.weight` `[out, in]`, at `path + (name,)` in the parameter tree."""
     def linear_of(name: str) -> Tensor:
         shape, _, inputs = weights[name]
         return linear(f"{prefix}{names[name]}.weight", (*path, name), shape, math.prod(shape[inputs:]),
                       math.prod(shape[:inputs]))
 
-    return [linear_of(name) for name in names]
+    return [linear_of(name) for name in names if name in weights]
 
 
 def attention_tensors(d_model: int, spec: AttentionSpec, prefix: str, block: str) -> list[Tensor]:
@@ -330,9 +342,9 @@ def attention_extras(d_model: int, spec: AttentionSpec, prefix: str, block: str)
                     weights[f"b{x}"].shape) for x in "qkvo" if f"b{x}" in weights]
     if spec.sinks:
         table.append(vector(f"{prefix}self_attn.sinks", (block, "attn", "sinks"), spec.n_head))
-    if spec.qk_norm:  # over each head's channels; OLMoE's over the whole projection
+    if spec.qk_norm:  # over each head's channels; OLMoE's over the whole projection (no k's where k is another's)
         whole = spec.qk_norm_over == "projection"
-        for x, heads in (("q", spec.n_head), ("k", spec.n_kv_head)):
+        for x, heads in (("q", spec.n_head), ("k", spec.n_kv_head))[:1 if spec.kv_shared else 2]:
             table.append(vector(f"{prefix}self_attn.{x}_norm.weight", (block, "attn", f"{x}_norm", "weight"),
                                 spec.head_dim * (heads if whole else 1)))
     return table
@@ -351,7 +363,8 @@ def norm_tensor(c: DecoderConfig, hf_key: str, block: str, name: str) -> Tensor:
 # The features of `DecoderConfig` a family may or may not hold, at their plain (Llama) values.
 PLAIN_FEATURES = dict(qkv_bias=False, qk_norm=False, norm_plus_one=False, mlp_activation="silu", embed_scale=False,
                       query_pre_attn_scalar=None, attn_logit_softcap=None, final_logit_softcap=None,
-                      post_norms=False, sliding_window=None, local_rope_theta=None)
+                      post_norms=False, sliding_window=None, local_rope_theta=None, norm_float32_scale=False,
+                      layer_scalar=False, per_layer_width=None)
 ANY = "any"  # `Family.features`: every value of the field
 
 
@@ -372,6 +385,8 @@ class Family:
         the first): split-half alone, transformers' only one, but where a family says otherwise.
       ignored: `(config, key) -> bool`, the checkpoint tensors `load_hf` skips (DeepSeek's
         multi-token prediction layers); None: none, every tensor must be the table's.
+      model_tensors: `config -> [Tensor]`, the model's own tensors besides the embedding, the
+        final norm and the head (Gemma 4's per-layer embeddings); None: none.
     """
 
     model_type: str
@@ -382,10 +397,12 @@ class Family:
     features: dict = dataclasses.field(default_factory=dict)
     pairings: tuple[str, ...] = ("split_half",)
     ignored: Callable[[DecoderConfig, str], bool] | None = None
+    model_tensors: Callable[[DecoderConfig], list[Tensor]] | None = None
 
     def tensors(self, config: DecoderConfig) -> list[Tensor]:
         """Every tensor of the checkpoint (both directions read this one table)."""
-        return outer_tensors(config) + [t for i in range(config.n_layer) for t in self.layer_tensors(config, i)]
+        return outer_tensors(config) + (self.model_tensors(config) if self.model_tensors else []) + [
+            t for i in range(config.n_layer) for t in self.layer_tensors(config, i)]
 
     def check_fits(self, config: DecoderConfig) -> None:
         """A ValueError naming the first feature of `config` this format cannot hold."""

@@ -195,10 +195,10 @@ def _linear_attention_tensors(d: int, s: GatedDeltaNetSpec, hf: str, block: str,
                  linear(qkv, (*path, "wv"), shapes["wv"], v, d, rows=(2 * q, 2 * q + v)),
                  *(linear(f"{stem}in_proj_{x}.weight", (*path, f"w{x}"), shapes[f"w{x}"], Hv * (Dv if x == "z" else 1),
                           d) for x in "zba")]
-    conv = stem + "conv1d.weight"  # [channels, 1, K]: q's channels, then k's, then v's
+    conv, channels = stem + "conv1d.weight", s.channels  # [channels, 1, K]: q's channels, then k's, then v's
     starts = {"q": (0, Hk, Dk), "k": (Hk * Dk, Hk, Dk), "v": (2 * Hk * Dk, Hv, Dv)}
-    table += [Tensor(conv, (heads * width, 1, K), (*path, f"conv_{x}"), (K, heads, width), transpose=True,
-                     rows=(start, start + heads * width)) for x, (start, heads, width) in starts.items()]
+    table += [Tensor(conv, (heads * width, 1, K), (*path, f"conv_{x}"), (heads, width, K),
+                     grouped=(channels, start, start + heads * width)) for x, (start, heads, width) in starts.items()]
     return table + [vector(stem + "dt_bias", (*path, "dt_bias"), Hv), vector(stem + "A_log", (*path, "a_log"), Hv),
                     vector(stem + "norm.weight", (*path, "norm", "weight"), Dv),
                     linear(stem + "out_proj.weight", (*path, "wo"), (Hv, Dv, d), d, Hv * Dv)]

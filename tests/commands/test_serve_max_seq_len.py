@@ -94,3 +94,25 @@ def test_serving_bytes_of_a_mixture_of_experts_counts_every_expert():
     row = 2 * 2 * 4096 * 2 * 16 * 4
     work = serve.prefill_bytes(MOE, 1, 64, 4096) - row
     assert serve.serving_bytes(MOE, 4096, 4, 64) == 4 * MOE_PARAMS + 9 * row + work
+
+
+def test_each_layers_own_heads_count_in_its_cache_and_the_widest_in_the_prefill():
+    """A layer of one kv head 64 wide (Gemma 4's global layers' form) keeps 2 x 64 x 1 x 64 float32 a row, and
+    its attention, the widest, is the prefill's largest phase: q, k, v of 6 heads x 64 and RoPE tables 32 wide
+    where CONFIG's layers have 8 x 16 and 8 (the float32 scores, 4 heads x 64 x 64, and the mask, the same).
+    A layer that reads another's keys and values keeps nothing, and holds no k or v projection."""
+    wide = dataclasses.replace(layer_specs(CONFIG)[1].mixer, n_kv_head=1, head_dim=64)
+    shared = dataclasses.replace(layer_specs(CONFIG)[1].mixer, kv_shared=True)
+    wider, sharing = (CONFIG.replace(layers=(layer_specs(CONFIG)[0], dataclasses.replace(layer_specs(CONFIG)[1],
+                                                                                         mixer=mixer)))
+                      for mixer in (wide, shared))
+    rows = 64
+    cache_of = {"config": 2 * 64 * 2 * 16 * 4, "wide": 2 * 64 * 1 * 64 * 4}  # one row's layer 1, 64 slots
+    attention_of = {name: 2 * rows * (4 + 2 * kv) * width * 4 + 2 * (64 + rows) * (width // 2) * 4
+                    for name, kv, width in (("config", 2, 16), ("wide", 1, 64))}
+    assert serve.prefill_bytes(wider, 1, 64, 64) - serve.prefill_bytes(CONFIG, 1, 64, 64) == (
+        cache_of["wide"] - cache_of["config"] + attention_of["wide"] - attention_of["config"])
+    assert serve.prefill_bytes(CONFIG, 1, 64, 64) - serve.prefill_bytes(sharing, 1, 64, 64) == cache_of["config"]
+    projections = 2 * 64 * 2 * 16 * 4  # its k and v, float32
+    assert serve.serving_bytes(CONFIG, 64, 4, 64) - serve.serving_bytes(sharing, 64, 4, 64) == (
+        9 * cache_of["config"] + projections)

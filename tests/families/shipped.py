@@ -41,6 +41,9 @@ REPOS = {
     "Qwen2-57B-A14B": "Qwen/Qwen2-57B-A14B",
     "gpt-oss-20b": "openai/gpt-oss-20b",
     "gpt-oss-120b": "openai/gpt-oss-120b",
+    # Gemma 4: the hub's config.json is the image-text model's; these are its text_config
+    "gemma-4-E2B-it": "google/gemma-4-E2B-it",
+    "gemma-4-26B-A4B-it": "google/gemma-4-26B-A4B-it",
 }
 
 SHIPPED = {
@@ -435,13 +438,109 @@ SHIPPED = {
 SHIPPED.update(SHIPPED_MOE)
 SHIPPED.update(SHIPPED_HYBRID)
 
+# Gemma 4's checkpoints are image-text models (`Gemma4ForConditionalGeneration`, model_type "gemma4"); each
+# dict is the `text_config` of its config.json, the text model, as transformers 5.5 writes it (its keys
+# sorted). The top level besides it (`audio_config`, `vision_config`, the image/audio token ids,
+# `tie_word_embeddings: true`) is the towers', which jaxformer does not read.
+_GEMMA4_LAYERS = {"gemma-4-E2B-it": ["sliding_attention"] * 4 + ["full_attention"],
+                  "gemma-4-26B-A4B-it": ["sliding_attention"] * 5 + ["full_attention"]}
+_GEMMA4_ROPE = {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}
+SHIPPED.update({
+    # Sources: mlc-ai-style generate-configs.py's TEXT_CONFIG for the E2B (every field; it has an older
+    # `expert_intermediate_size: None` where 5.5 writes the three MoE fields null); the same values in a Swift
+    # port's E2B test (Gemma4Swift), a Rust server's "real E2B config" test, vllm-metal's and a Go port's.
+    "gemma-4-E2B-it": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attention_k_eq_v": False,
+        "bos_token_id": 2,
+        "dtype": "bfloat16",
+        "enable_moe_block": False,
+        "eos_token_id": 1,
+        "final_logit_softcapping": 30.0,
+        "global_head_dim": 512,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1536,
+        "hidden_size_per_layer_input": 256,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "layer_types": _GEMMA4_LAYERS["gemma-4-E2B-it"] * 7,
+        "max_position_embeddings": 131072,
+        "model_type": "gemma4_text",
+        "moe_intermediate_size": None,  # (null as the dense models' 5.5 dumps have it; not confirmed for the E2B)
+        "num_attention_heads": 8,
+        "num_experts": None,  # (as above)
+        "num_global_key_value_heads": None,  # (null in two E2B copies; absent in others: the same to transformers)
+        "num_hidden_layers": 35,
+        "num_key_value_heads": 1,
+        "num_kv_shared_layers": 20,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": _GEMMA4_ROPE,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+        "top_k_experts": None,  # (as above)
+        "use_bidirectional_attention": None,  # (null in the TEXT_CONFIG copy; the 26B and 31B ship "vision")
+        "use_cache": True,
+        "use_double_wide_mlp": True,
+        "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144,
+    },
+    # Sources: a transformers 5.5.0.dev0 config.json dump of a derivative of this checkpoint (every key, in
+    # this order; its num_experts pruned to 98), and for the values Gemma4Swift's 26B-A4B test, a Rust
+    # server's 26B-A4B test, vllm-metal's (num_global_key_value_heads 2) and an MLX engine's geometry check
+    # (128 experts, 8 a token, 704 wide, use_bidirectional_attention "vision").
+    "gemma-4-26B-A4B-it": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attention_k_eq_v": True,
+        "bos_token_id": 2,
+        "dtype": "bfloat16",
+        "enable_moe_block": True,
+        "eos_token_id": 1,
+        "final_logit_softcapping": 30.0,
+        "global_head_dim": 512,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2816,
+        "hidden_size_per_layer_input": 0,
+        "initializer_range": 0.02,
+        "intermediate_size": 2112,
+        "layer_types": _GEMMA4_LAYERS["gemma-4-26B-A4B-it"] * 5,
+        "max_position_embeddings": 262144,
+        "model_type": "gemma4_text",
+        "moe_intermediate_size": 704,
+        "num_attention_heads": 16,
+        "num_experts": 128,
+        "num_global_key_value_heads": 2,
+        "num_hidden_layers": 30,
+        "num_key_value_heads": 8,
+        "num_kv_shared_layers": 0,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": _GEMMA4_ROPE,
+        "sliding_window": 1024,
+        "tie_word_embeddings": True,
+        "top_k_experts": 8,
+        "use_bidirectional_attention": "vision",
+        "use_cache": True,
+        "use_double_wide_mlp": False,
+        "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144,
+    },
+})
+
 # The tiny sizes. num_hidden_layers: enough layers to show the layer pattern (gemma-2's 1:1 needs 2; gemma-3's
 # sliding_window_pattern 6 needs one whole period, five sliding layers and then a global one).
 _VOCAB, _HIDDEN, _FFN, _HEADS, _WINDOW = 128, 64, 128, 4, 8
 # SmolLM3's NoPE and OLMo 3's full layers: every 4th; DeepSeek's: 1 dense layer, then 2 of experts; the hybrids':
-# 3 linear layers, then 1 full
+# 3 linear layers, then 1 full; Gemma 4's E2B: two periods of its 4:1 pattern, so that its shared layers (the last
+# 20 of 35: here 5 of 10) have layers of both types before them to read; the 26B one period of its 5:1.
 _LAYERS = {"gemma-3-1b-it": 6, "SmolLM3-3B": 4, "Olmo-3-1025-7B": 4, "DeepSeek-V3": 3, "Kimi-K2-Instruct": 3,
-           "DeepSeek-V2-Lite": 3, "Qwen3-Next-80B-A3B-Instruct": 4, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4}
+           "DeepSeek-V2-Lite": 3, "Qwen3-Next-80B-A3B-Instruct": 4, "Qwen3.5-9B": 4, "Qwen3.6-35B-A3B": 4,
+           "gemma-4-E2B-it": 10, "gemma-4-26B-A4B-it": 6}
 # Experts: 8 of width 32 (Mixtral's and gpt-oss's `intermediate_size` is their experts' width: _FFN), k at most 3,
 # a shared expert 48 wide.
 _EXPERTS, _TOP_K, _EXPERT_FFN, _SHARED_FFN = 8, 3, 32, 48
@@ -499,10 +598,10 @@ def _shrunk(name, shipped, overrides):
         config["sliding_window"] = _WINDOW
     for key, size in (("num_experts", _EXPERTS), ("num_local_experts", _EXPERTS),
                       ("moe_intermediate_size", _EXPERT_FFN), ("shared_expert_intermediate_size", _SHARED_FFN)):
-        if key in shipped:
+        if shipped.get(key) is not None:
             config[key] = size
-    for key in ("num_experts_per_tok", "experts_per_token"):  # top-k below the count
-        if key in shipped:
+    for key in ("num_experts_per_tok", "experts_per_token", "top_k_experts"):  # top-k below the count
+        if shipped.get(key) is not None:
             config[key] = min(shipped[key], _TOP_K)
     if "linear_num_key_heads" in shipped:  # Gated DeltaNet: 2 key heads, as many value heads each as shipped
         per_key = shipped["linear_num_value_heads"] // shipped["linear_num_key_heads"]
@@ -519,6 +618,14 @@ def _shrunk(name, shipped, overrides):
         config.update(n_group=4, topk_group=2)
     if "first_k_dense_replace" in shipped:
         config["first_k_dense_replace"] = min(shipped["first_k_dense_replace"], 1)
+    if shipped.get("global_head_dim") is not None:  # Gemma 4's global layers: as many times wider as shipped
+        config["global_head_dim"] = tiny_head_dim * shipped["global_head_dim"] // head_dim
+    if shipped.get("num_global_key_value_heads") is not None:  # fewer than the sliding layers' 2, as shipped
+        config["num_global_key_value_heads"] = 1
+    if shipped.get("hidden_size_per_layer_input"):  # Gemma 4's per-layer inputs, 8 wide over the tiny vocabulary
+        config.update(hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab)
+    if shipped.get("num_kv_shared_layers"):  # the same share of the layers reads earlier ones' keys and values
+        config["num_kv_shared_layers"] = shipped["num_kv_shared_layers"] * layers // shipped["num_hidden_layers"]
     if "max_window_layers" in shipped:  # the first max_window_layers layers never slide (Qwen2/3)
         shipped_layers, window_layers = shipped["num_hidden_layers"], shipped["max_window_layers"]
         shrunk = window_layers * layers // shipped_layers
@@ -553,14 +660,19 @@ def scaled_up(model, seed: int):
     by sqrt(d_model), at 0.4 / sqrt(d_model) (at 0.25 its greedy continuations repeat one token)."""
     import torch  # (the peers extra; this module's dicts need no torch)
 
-    gemma = "gemma" in model.config.model_type
+    text = model.config.get_text_config()  # (an image-text model's: its text model's config)
+    gemma = "gemma" in text.model_type
+    plus_one = gemma and text.model_type != "gemma4_text"  # (Gemma 4's norms scale by the weight itself)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(0.5 * torch.randn_like(p) + (0.0 if gemma else 1.0))
+                p.copy_(0.5 * torch.randn_like(p) + (0.0 if plus_one else 1.0))
             elif gemma and "embed_tokens" in name:
-                p.copy_(0.4 / model.config.hidden_size ** 0.5 * torch.randn_like(p))
+                p.copy_(0.4 / text.hidden_size ** 0.5 * torch.randn_like(p))
             else:
                 p.copy_(0.25 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # Gemma 4's scalar per layer, stored in its checkpoints
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
     return model

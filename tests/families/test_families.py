@@ -19,9 +19,11 @@ from shipped import scaled_up, tiny
 
 from jaxformer import Decoder, KVCache, generate
 from jaxformer.convert import load_hf, save_hf, with_scan_layers
+from jaxformer.dense_experts import DenseAndExpertsSpec
 from jaxformer.experts import ExpertsSpec
+from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.latent_attention import LatentAttentionSpec
-from jaxformer.layers import layer_specs
+from jaxformer.layers import layer_specs, shares_kv
 
 torch = torch_peer()
 transformers = import_peer("transformers")
@@ -31,7 +33,8 @@ pytestmark = pytest.mark.peers
 CHECKPOINTS = ["Llama-3.2-1B", "Qwen3-0.6B", "Mistral-7B-v0.1", "gemma-2b", "gemma-2-2b", "gemma-3-1b-it",
                "Phi-3-mini-4k-instruct", "Phi-3 longrope", "Qwen2.5-0.5B", "SmolLM2-135M", "SmolLM3-3B",
                "OLMo-2-1124-7B", "Olmo-3-1025-7B", "Qwen3-30B-A3B", "Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B",
-               "OLMoE-1B-7B-0924", "gpt-oss-20b", "DeepSeek-V3", "Kimi-K2-Instruct", "DeepSeek-V2-Lite"]
+               "OLMoE-1B-7B-0924", "gpt-oss-20b", "DeepSeek-V3", "Kimi-K2-Instruct", "DeepSeek-V2-Lite",
+               "gemma-4-E2B-it", "gemma-4-26B-A4B-it"]
 MAX_SEQ_LEN = 64
 PROMPT_LEN, NEW_TOKENS = 12, 40
 TOLERANCE = 1e-4  # float32, logits of magnitude ~10 (as tests/convert/test_hf_parity.py)
@@ -51,6 +54,8 @@ FEATURES_OFF = {
     "attn_logit_softcap": dict(attn_logit_softcap=None),
     "final_logit_softcap": dict(final_logit_softcap=None),
     "post_norms": dict(post_norms=False),
+    "layer_scalar": dict(layer_scalar=False),
+    "per_layer_width": dict(per_layer_width=None, per_layer_vocab_size=None),
 }
 # What each family's config switches on, as read from its config.json.
 SWITCHED_ON = {
@@ -77,6 +82,13 @@ SWITCHED_ON = {
     "DeepSeek-V3": {"rope_scaling"},
     "Kimi-K2-Instruct": {"rope_scaling"},
     "DeepSeek-V2-Lite": {"rope_scaling"},
+    # (Gemma 4: rope_scaling is its global layers' proportional RoPE; query_pre_attn_scalar 1, its unscaled scores)
+    "gemma-4-E2B-it": {"sliding_window", "local_rope_theta", "rope_scaling", "qk_norm", "mlp_activation",
+                       "embed_scale", "query_pre_attn_scalar", "final_logit_softcap", "post_norms", "layer_scalar",
+                       "per_layer_width"},
+    "gemma-4-26B-A4B-it": {"sliding_window", "local_rope_theta", "rope_scaling", "qk_norm", "mlp_activation",
+                           "embed_scale", "query_pre_attn_scalar", "final_logit_softcap", "post_norms",
+                           "layer_scalar"},
 }
 # Each routing feature of a family of experts, its layers' `ExpertsSpec` with the feature switched
 # (off, or to its other value), and the families that have it: the logits must move.
@@ -87,14 +99,21 @@ EXPERT_FEATURES_OFF = {
     "swiglu_limit": lambda spec: dataclasses.replace(spec, swiglu_limit=1e4),
     "routed_scale": lambda spec: dataclasses.replace(spec, routed_scale=1.0),
     "topk_group": lambda spec: dataclasses.replace(spec, topk_group=spec.n_group),
+    "router_norm": lambda spec: dataclasses.replace(spec, router_norm=False),
+    "expert_scale": lambda spec: dataclasses.replace(spec, expert_scale=False),
 }
 # ... and of an attention layer: gpt-oss's sinks, SmolLM3's NoPE layers (made to rotate as the others); a
 # latent attention's RoPE pairing (interleaved, as DeepSeek's checkpoints rotate) and its score scale's YaRN
-# factor (mscale_all_dim).
+# factor (mscale_all_dim); Gemma 4's norm of the values, the keys' projection as the values (off: a projection
+# of their own, drawn for the guard), and the last layers reading earlier ones' keys and values (off: their
+# own, from projections drawn for the guard).
 MIXER_FEATURES_OFF = {"sinks": lambda spec: dataclasses.replace(spec, sinks=False),
                       "use_rope": lambda spec: dataclasses.replace(spec, use_rope=True),
                       "rope_pairing": lambda spec: dataclasses.replace(spec, rope_pairing="split_half"),
-                      "mscale_all_dim": lambda spec: dataclasses.replace(spec, scale=spec.qk_head_dim ** -0.5)}
+                      "mscale_all_dim": lambda spec: dataclasses.replace(spec, scale=spec.qk_head_dim ** -0.5),
+                      "v_norm": lambda spec: dataclasses.replace(spec, v_norm=False),
+                      "k_eq_v": lambda spec: dataclasses.replace(spec, k_eq_v=False),
+                      "kv_shared": lambda spec: dataclasses.replace(spec, kv_shared=False)}
 LATENT = {"rope_pairing", "mscale_all_dim"}
 # ... and of a layer: OLMo's norms after each sublayer, moved before it (the same weights: `norms_before`).
 LAYER_FEATURES_OFF = {"norms": lambda spec: dataclasses.replace(spec, norms="pre")}
@@ -105,7 +124,9 @@ EXPERT_FEATURES = {"Qwen3-30B-A3B": {"normalize", "top_k"}, "Mixtral-8x7B-v0.1":
                    "gpt-oss-20b": {"top_k", "swiglu_limit", "sinks"},
                    "DeepSeek-V3": {"normalize", "top_k", "routed_scale", "topk_group", *LATENT},
                    "Kimi-K2-Instruct": {"normalize", "top_k", "routed_scale", *LATENT},  # (one group: no topk_group)
-                   "DeepSeek-V2-Lite": {"normalize", "top_k", *LATENT}}
+                   "DeepSeek-V2-Lite": {"normalize", "top_k", *LATENT},
+                   "gemma-4-E2B-it": {"v_norm", "kv_shared"},
+                   "gemma-4-26B-A4B-it": {"normalize", "top_k", "router_norm", "expert_scale", "v_norm", "k_eq_v"}}
 # Gemma 2 2B's and Gemma 3 1B's query_pre_attn_scalar is their head_dim, where it changes nothing;
 # 27B's (144, head_dim 128) is not: the tiny copies take one apart from head_dim, so its guard can tell.
 # Gemma 2's final cap (30) is shrunk as the window is, to where this tiny model's logits reach it.
@@ -117,7 +138,10 @@ OVERRIDES = {"gemma-2-2b": dict(query_pre_attn_scalar=24, final_logit_softcappin
              # DeepSeek-V3 and Kimi K2 ship FP8 blocks (a bfloat16 copy is what loads); transformers has no
              # `kimi_k2` class (Kimi's checkpoint brings DeepSeek-V3's code): the tiny copy is made as deepseek_v3
              "DeepSeek-V3": dict(quantization_config=None),
-             "Kimi-K2-Instruct": dict(quantization_config=None, model_type="deepseek_v3")}
+             "Kimi-K2-Instruct": dict(quantization_config=None, model_type="deepseek_v3"),
+             # Gemma 4's final cap (30) shrunk as Gemma 2's is
+             "gemma-4-E2B-it": dict(final_logit_softcapping=3.0),
+             "gemma-4-26B-A4B-it": dict(final_logit_softcapping=3.0)}
 # Phi-3's long-context form as its 128k checkpoint states it (an older `rope_scaling` of type
 # "longrope" with a factor per RoPE pair, the trained context at config.json's top level), the
 # trained context shrunk to 16 so that a test's calls cross it; the factors are made up here.
@@ -127,7 +151,8 @@ VARIANTS = {"Phi-3 longrope": ("Phi-3-mini-4k-instruct", dict(
                   "long_factor": [1.0 + 2.5 * i for i in range(8)]}))}
 PLAIN = dict(sliding_window=None, local_rope_theta=None, rope_scaling=None, qkv_bias=False, qk_norm=False,
              norm_plus_one=False, mlp_activation="silu", embed_scale=False, query_pre_attn_scalar=None,
-             attn_logit_softcap=None, final_logit_softcap=None, post_norms=False)
+             attn_logit_softcap=None, final_logit_softcap=None, post_norms=False, layer_scalar=False,
+             per_layer_width=None)
 
 
 @pytest.fixture(scope="module", params=CHECKPOINTS)
@@ -161,15 +186,31 @@ def test_logits_equal_transformers_and_each_feature_counts(family):
     switched_on = {f for f, plain in PLAIN.items() if getattr(config, f) != plain}
     assert switched_on == SWITCHED_ON[name]
     # Scanned, the same model computes the same logits (and each guard below runs scanned:
-    # the same math in a program a fraction the size to compile).
-    scanned_config, scanned_params = with_scan_layers(config, params, True)
-    scanned, _ = jit_apply(Decoder(scanned_config), {"params": scanned_params}, tokens.numpy())
-    np.testing.assert_allclose(scanned, want, atol=TOLERANCE, rtol=0)
+    # the same math in a program a fraction the size to compile), where its layers can be
+    # scanned: not where they share keys and values (Gemma 4's E2B).
+    scan = not shares_kv(layer_specs(config))
+    if scan:
+        scanned_config, scanned_params = with_scan_layers(config, params, True)
+        scanned, _ = jit_apply(Decoder(scanned_config), {"params": scanned_params}, tokens.numpy())
+        np.testing.assert_allclose(scanned, want, atol=TOLERANCE, rtol=0)
     for feature in sorted(switched_on | EXPERT_FEATURES.get(name, set()) | LAYER_FEATURES.get(name, set())):
         moved = norms_before(params) if feature in LAYER_FEATURES_OFF else params
-        off_config, off_params = with_scan_layers(switched_off(config, feature), moved, True)
+        off_config = switched_off(config, feature)
+        # (Layers that compute what they read otherwise need projections of their own: Gemma 4's.)
+        off_params = drawn_for(off_config, moved) if feature in ("k_eq_v", "kv_shared") or not scan else moved
+        off_config, off_params = with_scan_layers(off_config, off_params, scan)
         off, _ = jit_apply(Decoder(off_config), {"params": off_params}, tokens.numpy())
         assert np.abs(off - want).max() > 100 * TOLERANCE, f"{name}: {feature} off leaves the logits as they were"
+
+
+def drawn_for(config, params):
+    """`params` with each parameter `config` declares and `params` lacks drawn at random (a guard's
+    layers that compute what they read otherwise: Gemma 4's values' or shared layers' own projections)."""
+    shapes = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    flat = {path: leaf for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(shapes))))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: flat[path] if path in flat else 0.25 * jax.random.normal(next(keys), leaf.shape), shapes)
 
 
 def switched_off(config, feature: str):
@@ -179,9 +220,13 @@ def switched_off(config, feature: str):
     if feature in LAYER_FEATURES_OFF:
         return config.replace(layers=tuple(map(LAYER_FEATURES_OFF[feature], config.layers)))
     if feature in EXPERT_FEATURES_OFF:
-        return config.replace(layers=tuple(
-            dataclasses.replace(spec, ffn=EXPERT_FEATURES_OFF[feature](spec.ffn))
-            if isinstance(spec.ffn, ExpertsSpec) else spec for spec in config.layers))
+        def experts_off(ffn):  # (Gemma 4's experts sit beside a dense MLP)
+            if isinstance(ffn, DenseAndExpertsSpec):
+                return dataclasses.replace(ffn, experts=EXPERT_FEATURES_OFF[feature](ffn.experts))
+            return EXPERT_FEATURES_OFF[feature](ffn) if isinstance(ffn, ExpertsSpec) else ffn
+
+        return config.replace(layers=tuple(dataclasses.replace(spec, ffn=experts_off(spec.ffn))
+                                           for spec in config.layers))
     if feature in MIXER_FEATURES_OFF:  # (the config's pairing follows its layers': one for the model)
         layers = tuple(dataclasses.replace(spec, mixer=MIXER_FEATURES_OFF[feature](spec.mixer))
                        for spec in config.layers)
@@ -192,10 +237,15 @@ def switched_off(config, feature: str):
     off = config.replace(layers=(), **FEATURES_OFF[feature])
     if not config.layers:
         return off
-    return off.replace(layers=tuple(  # (the fields' attention, with what its filled spec adds: gpt-oss's sinks)
-        dataclasses.replace(spec, ffn=filled.ffn, norms=filled.norms, mixer=dataclasses.replace(
-            spec.mixer, sinks=filled.mixer.sinks, o_bias=filled.mixer.o_bias, qk_norm_over=filled.mixer.qk_norm_over,
-            use_rope=filled.mixer.use_rope))
+    kept = ("sinks", "o_bias", "qk_norm_over", "use_rope", "n_kv_head", "head_dim", "v_norm", "k_eq_v", "kv_shared")
+    if feature == "sliding_window":  # (every layer full, a shared layer would read one of other heads: its own, then)
+        kept = kept[:-1]
+    return off.replace(layers=tuple(  # (the fields' attention, with what its filled spec adds: gpt-oss's sinks,
+        # Gemma 4's heads of each layer, norm of the values, k = v and shared keys and values; its feed-forward,
+        # and its norms' placement: OLMo's)
+        dataclasses.replace(spec, ffn=with_activation(filled.ffn, off.mlp_activation), norms=filled.norms,
+                            mixer=dataclasses.replace(spec.mixer, **{field: getattr(filled.mixer, field)
+                                                                     for field in kept}))
         for spec, filled in zip(layer_specs(off), config.layers)))
 
 
@@ -204,6 +254,15 @@ def norms_before(params: dict) -> dict:
     before = {"attn_post_norm": "attn_norm", "mlp_post_norm": "mlp_norm"}
     return {key: {before.get(name, name): leaf for name, leaf in block.items()} if key.startswith("block_") else block
             for key, block in params.items()}
+
+
+def with_activation(ffn, activation: str):
+    """`ffn` with its dense MLP's gate `activation` (and its experts' beside it: Gemma 4's); a mixture of experts as
+    it was (its activation is its own, `EXPERT_FEATURES_OFF`'s)."""
+    if isinstance(ffn, DenseAndExpertsSpec):
+        return dataclasses.replace(ffn, dense=dataclasses.replace(ffn.dense, activation=activation),
+                                   experts=dataclasses.replace(ffn.experts, activation=activation))
+    return dataclasses.replace(ffn, activation=activation) if isinstance(ffn, GatedMLPSpec) else ffn
 
 
 @pytest.fixture(scope="module")
