@@ -317,7 +317,7 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
                          "model.embed_tokens.weight")
     if other_towers:  # (one line: what of an image-text checkpoint is left)
         logging.getLogger(__name__).warning(
-            f"{path}: not read (jaxformer runs the text model alone, {outer_type}'s): "
+            f"{path}: not read (jaxformer runs the text model alone): "
             + ", ".join(f"{n} tensors under {tower}" for tower, n in sorted(other_towers.items())))
     for where, (stacked, filled) in stacks.items():
         if sorted(filled) != list(np.ndindex(stacked.shape[:len(filled[0])])):  # a row never written would be garbage

@@ -4,6 +4,7 @@ what it refuses, the sizes its makers publish, its image-text checkpoints' text 
 its per-layer inputs, shared keys and values and wider global heads against transformers."""
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -110,7 +111,7 @@ def test_what_is_not_implemented_is_refused_naming_the_field(change, match):
         config_from_hf({"model_type": "gemma4"})
 
 
-def test_an_image_text_checkpoint_loads_its_text_model_and_saves_it_as_gemma4_text(tmp_path, capfd):
+def test_an_image_text_checkpoint_loads_its_text_model_and_saves_it_as_gemma4_text(tmp_path, caplog):
     """`Gemma4ForConditionalGeneration` (tiny towers beside the tiny E2B): its text model's logits are
     transformers' of the whole model on text; the towers are skipped in one line; `save_hf` writes a
     `gemma4_text` checkpoint that transformers reopens. And the loader follows `global_head_dim`: a
@@ -124,8 +125,9 @@ def test_an_image_text_checkpoint_loads_its_text_model_and_saves_it_as_gemma4_te
     hf_model = scaled_up(transformers.Gemma4ForConditionalGeneration(config), seed=0).to(torch.bfloat16)
     folder = tmp_path / "image-text"
     hf_model.save_pretrained(folder, max_shard_size="40KB")
-    loaded, params = load_hf(str(folder), max_seq_len=64)
-    skipped = capfd.readouterr().err
+    with caplog.at_level(logging.WARNING):
+        loaded, params = load_hf(str(folder), max_seq_len=64)
+    skipped = caplog.text
     assert re.search(r"not read \(jaxformer runs the text model alone\): \d+ tensors under model.audio_tower., .*"
                      r"\d+ tensors under model.vision_tower.", skipped)
     assert loaded.hf_model_type == "gemma4_text" and loaded == config_from_hf(text, max_seq_len=64)
