@@ -24,13 +24,12 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, 
 
 
 def family_of(config) -> Family:
-    """The family `save_hf` writes a `DecoderConfig` as: its `hf_model_type` (an image-text family's
-    text family: `Family.saved_as`), else Qwen2 with q/k/v biases, else Llama."""
+    """The family `save_hf` writes a `DecoderConfig` as: its `hf_model_type` (an image-text
+    checkpoint's text model's), else Qwen2 with q/k/v biases, else Llama."""
     model_type = config.hf_model_type or ("qwen2" if config.qkv_bias else "llama")
     if model_type not in FAMILIES:
         raise ValueError(f"config.hf_model_type must be one of {sorted(FAMILIES)} (got {model_type!r})")
-    family = FAMILIES[model_type]
-    return FAMILIES[family.saved_as] if family.saved_as else family
+    return FAMILIES[model_type]
 
 
 __all__ = ["FAMILIES", "Family", "family_of"]
