@@ -454,6 +454,13 @@ FULL_TIER.update({
     "tests/serving/test_prefixes.py::test_a_linear_attention_hybrid_reuses_a_cached_prompt_only_whole":
         "the hybrid cache in the engine",
 })
+# The new mixers on every other path (the fast tier keeps each one's cached decoding and its cache's layout, above
+# and in tests/test_cache.py): meshes (tests/sharding/eight_devices.py, in the full tier already), speculative
+# decoding and the engine over latent attention, perplexity and full fine-tuning of a hybrid's and an MLA's folders.
+FULL_TIER.update({
+    "tests/decoding/test_speculative.py::test_greedy_on_latent_attention_gives_generates_tokens": "latent attention",
+    "tests/serving/test_engine.py::test_latent_attention_serves_each_request_what_it_gets_alone": "latent attention",
+})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
