@@ -461,6 +461,8 @@ FULL_TIER.update({
 FULL_TIER.update({
     "tests/decoding/test_speculative.py::test_greedy_on_latent_attention_gives_generates_tokens": "latent attention",
     "tests/serving/test_engine.py::test_latent_attention_serves_each_request_what_it_gets_alone": "latent attention",
+    "tests/test_latent_attention.py::test_ragged_prompts_and_beams_over_the_latent_cache_decode_as_each_prompt_alone":
+        "latent attention's cache through ragged rows and beams",
     **{f"tests/text/test_perplexity.py::test_the_new_mixers_perplexity_is_the_formula_and_the_command[{kind}]":
        "the new mixers' folders" for kind in ("latent", "hybrid")},
     **{f"tests/commands/test_finetune.py::test_full_fine_tuning_of_the_new_mixers_lowers_the_loss_and_reloads[{kind}]":
