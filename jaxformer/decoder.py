@@ -165,7 +165,7 @@ class Decoder(nn.Module):
 
     With a cache, row b's T tokens are the next T of its sequence (positions `cache.pos[b]
     ..`), so a prefill and a one-token step are the same call, and one jitted function
-    serves every step (docs/architecture.md, "How data flows"). Every layer's attention weights
+    serves every step (docs/architecture.md, "How data flows"). Every attending layer's weights
     are sown (`sown_attention_weights` stacks them), and every router's logits (`expert_load`
     counts what they chose).
     """
@@ -296,14 +296,22 @@ class Decoder(nn.Module):
         return self(tokens, cache)
 
 
+def attending_layers(config: DecoderConfig) -> tuple[int, ...]:
+    """The layers of `config` that sow attention weights: all but linear attention's (Gated DeltaNet
+    weighs no keys)."""
+    return tuple(i for i, spec in enumerate(layer_specs(config)) if spec.mixer.attention_type != "linear")
+
+
 def sown_attention_weights(intermediates, config: DecoderConfig) -> jax.Array:
-    """`[n_layer, batch, n_head, T, S]` float32: the attention weights a `Decoder` of `config`
-    sowed, from `apply(..., mutable=['intermediates'])`'s second output."""
+    """`[len(attending_layers), batch, n_head, T, S]` float32: the attention weights a `Decoder` of
+    `config` sowed, from `apply(..., mutable=['intermediates'])`'s second output, each attending
+    layer's in order."""
     sown = intermediates["intermediates"]
     if not config.scan_layers:
-        return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in range(config.n_layer)])
+        return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in attending_layers(config)])
+    places = scanned_places(layer_specs(config))
     layers = []
-    for path, row, _ in scanned_places(layer_specs(config)):  # layer i: row `row` of its body's stack
+    for path, row, _ in (places[i] for i in attending_layers(config)):  # layer i: row `row` of its body's stack
         body = functools.reduce(lambda tree, name: tree[name], path, sown)
         layers.append(body["attn"]["attention_weights"][0][row])
     return jnp.stack(layers)

@@ -43,33 +43,63 @@ def prefill_bytes(config: DecoderConfig, batch: int, prompt_len: int, capacity: 
     memory excludes them. (With per-layer inputs, `[batch, T, n_layer, width]` live throughout too.)
     """
     c = config
-    compute = jnp.dtype(c.dtype).itemsize
     rows = batch * prompt_len  # the positions every activation has
     cache = batch * sum(cache_entry_bytes(entry, capacity, jnp.dtype(c.cache_storage_dtype).itemsize)
                         for entry in c.cache_entries)
     stream = 2 * rows * c.d_model * 4  # [batch, T, d_model]: the stream and its normalised copy
     if c.per_layer_width:
         stream += rows * c.n_layer * c.per_layer_width * 4
-    weights_cast = compute if compute != 4 else 0  # the softmax's output in the compute dtype, for `@ V`
-
-    def attention_bytes(n_head: int, n_kv_head: int, head_dim: int) -> int:
-        if in_blocks_for(c.attention_impl, prompt_len, capacity):  # one block's scores, and the output in float32
-            scores = batch * n_head * min(prompt_len, BLOCK) * min(capacity, BLOCK) * (3 * 4 + weights_cast) \
-                + rows * n_head * head_dim * 4
-        else:  # every score, and the bool mask [batch, T, S]
-            scores = batch * n_head * prompt_len * capacity * (3 * 4 + weights_cast) + batch * prompt_len * capacity
-        return (scores
-                + 2 * rows * (n_head + 2 * n_kv_head) * head_dim * 4  # q, k, v and their rotations
-                + 2 * (capacity + rows) * (head_dim // 2) * 4)  # the RoPE tables, and the rows read from them
-
-    # Each filled layer's heads (`DecoderConfig.layers`), else those the fields state for all.
-    heads = {(getattr(m, "n_head", c.n_head), getattr(m, "n_kv_head", c.n_kv_head), getattr(m, "head_dim", c.head_dim))
-             for m in [spec.mixer for spec in c.layers] or [None]}
-    attention = max(attention_bytes(*shape) for shape in heads)
-    # Each filled layer's feed-forward (`DecoderConfig.layers`), else the gated MLP the fields state for all.
+    # Each filled layer's mixer (`DecoderConfig.layers`: its own heads), else the attention the fields state for all.
+    attention = max((mixer_bytes(c, spec.mixer, batch, prompt_len, capacity) for spec in c.layers),
+                    default=mixer_bytes(c, None, batch, prompt_len, capacity))
+    # Each filled layer's feed-forward, else the gated MLP the fields state for all.
     ffn = max((ffn_bytes(spec.ffn, rows) for spec in c.layers), default=3 * rows * c.ffn_dim * 4)
     logits = rows * c.vocab_size * 4  # [batch, T, vocab], float32 out of the head's matrix product
     return cache + stream + max(attention, ffn, logits)
+
+
+def mixer_bytes(config: DecoderConfig, spec, batch: int, prompt_len: int, capacity: int) -> int:
+    """Bytes one layer's mixer of `spec` (None: the attention `config`'s fields state) holds in a
+    prefill of `batch` rows of `prompt_len` (T) tokens into `capacity` (S) slots, in float32.
+
+    Attention: its scores, `[batch, heads, T, S]` or a block's (`prefill_bytes`), and its q, k, v.
+    Latent attention (`LatentAttentionSpec`) attends absorbed over the latent cache: its H heads'
+    scores, and per position and head its query, the query's RoPE part, its latent `[r]` and
+    `[r | rope]` forms, the output in the latent and in v; the keys `[batch, S, r + rope]` once.
+    Gated DeltaNet (`GatedDeltaNetSpec`, chunked over C = min(chunk, T) tokens, the prompt padded to
+    n whole chunks): per value head the four `[C, C]` arrays of every chunk (decays, A, its
+    inverse, the scores), six `[d_k]` and three `[d_v]` arrays a position (q, k, k beta, w, q and
+    k decayed; v, u, the output), and the projections a position, before and after the
+    convolution; its state a few `[d_k, d_v]` arrays."""
+    # (Imported here: through jaxformer.attention they import jaxformer.cache, which imports this module.)
+    from jaxformer.deltanet import GatedDeltaNetSpec
+    from jaxformer.latent_attention import LatentAttentionSpec
+
+    c, T, S = config, prompt_len, capacity
+    rows = batch * T
+    if isinstance(spec, GatedDeltaNetSpec):
+        C = min(spec.chunk, T)
+        padded = batch * -(-T // C) * C  # [batch, n * C]
+        Hk, Hv, dk, dv = spec.n_key_head, spec.n_value_head, spec.key_dim, spec.value_dim
+        chunks = 4 * padded * Hv * C * 4 + padded * Hv * (6 * dk + 3 * dv) * 4
+        projections = rows * (2 * Hk * dk + 2 * Hv * dv + 2 * Hv) * 4 + rows * (2 * Hk * dk + Hv * dv) * 4
+        return chunks + projections + 2 * batch * Hv * dk * dv * 4
+    latent = isinstance(spec, LatentAttentionSpec)
+    attention = c if spec is None or latent else spec  # (GQA's heads: a filled layer's own, else the fields')
+    heads = spec.n_head if latent else attention.n_head
+    weights_cast = jnp.dtype(c.dtype).itemsize if jnp.dtype(c.dtype).itemsize != 4 else 0  # softmax's, for `@ V`
+    if in_blocks_for(c.attention_impl, T, S):  # one block's scores, and the output in float32
+        width = spec.kv_lora_rank if latent else attention.head_dim
+        scores = batch * heads * min(T, BLOCK) * min(S, BLOCK) * (3 * 4 + weights_cast) + rows * heads * width * 4
+    else:  # every score, and the bool mask [batch, T, S]
+        scores = batch * heads * T * S * (3 * 4 + weights_cast) + batch * T * S
+    if latent:
+        r, nope, rope = spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim
+        qkv = rows * heads * (nope + 3 * rope + 3 * r + spec.v_head_dim) * 4 + 2 * batch * S * (r + rope) * 4
+    else:
+        rope = attention.head_dim
+        qkv = 2 * rows * (attention.n_head + 2 * attention.n_kv_head) * attention.head_dim * 4  # q, k, v, rotations
+    return scores + qkv + 2 * (S + rows) * (rope // 2) * 4  # the RoPE tables, and the rows read from them
 
 
 def cache_entry_bytes(entry: tuple, capacity: int, itemsize: int) -> int:

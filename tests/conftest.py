@@ -472,6 +472,23 @@ FULL_TIER.update({
     "tests/serving/test_prefixes.py::test_a_linear_attention_hybrid_reuses_a_cached_prompt_only_whole":
         "the hybrid cache in the engine",
 })
+# The new mixers on every other path (the fast tier keeps each one's cached decoding and its cache's layout, above
+# and in tests/test_cache.py): meshes (tests/sharding/eight_devices.py, in the full tier already), speculative
+# decoding and the engine over latent attention, perplexity and full fine-tuning of a hybrid's and an MLA's folders,
+# and their prefills' memory against XLA's count.
+FULL_TIER.update({
+    "tests/decoding/test_speculative.py::test_greedy_on_latent_attention_gives_generates_tokens": "latent attention",
+    "tests/serving/test_engine.py::test_latent_attention_serves_each_request_what_it_gets_alone": "latent attention",
+    "tests/test_latent_attention.py::test_ragged_prompts_and_beams_over_the_latent_cache_decode_as_each_prompt_alone":
+        "latent attention's cache through ragged rows and beams",
+    **{f"tests/text/test_perplexity.py::test_the_new_mixers_perplexity_is_the_formula_and_the_command[{kind}]":
+       "the new mixers' folders" for kind in ("latent", "hybrid")},
+    **{f"tests/commands/test_finetune.py::test_full_fine_tuning_of_the_new_mixers_lowers_the_loss_and_reloads[{kind}]":
+       "the new mixers' folders" for kind in ("latent", "hybrid")},
+    # (The fast tier keeps latent attention's dense prefill against XLA's count, 3 s.)
+    **{f"tests/faults/test_untrusted.py::test_xla_needs_no_more_than_the_estimate_for_the_new_mixers[{name}]":
+       "more mixers" for name in ("linear", "latent-blocks")},
+})
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks

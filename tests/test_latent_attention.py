@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMALL, import_peer, jit_apply, torch_peer
+from conftest import random_params as random_params_of
 
-from jaxformer import Decoder, DecoderConfig, KVCache
+from jaxformer import Decoder, DecoderConfig, KVCache, generate
 from jaxformer.attention import Part
 from jaxformer.cache import Entry
 from jaxformer.config import LoraConfig
@@ -229,3 +230,23 @@ def test_moving_the_rope_pairing_refuses_latent_layers():
     config = decoder_of(spec_of(None, Q_RANK, "interleaved"))
     with pytest.raises(ValueError, match="a mixer other than attention rotating all of q and k"):
         with_rope_pairing(config, {}, "split_half")
+
+
+def test_ragged_prompts_and_beams_over_the_latent_cache_decode_as_each_prompt_alone():
+    """A decoder of latent layers (a ring of 6 keys, then a full layer): rows of 3 and 12 tokens, the
+    shorter padded, decoded greedily and by 3 beams (which reorder the latents and rope keys with the
+    rows) give each row's tokens of its prompt decoded alone."""
+    spec = spec_of(None, Q_RANK, "split_half")
+    config = CONFIG.replace(n_layer=2, max_seq_len=64, layers=(LayerSpec(dataclasses.replace(spec, window=6),
+                                                                         GatedMLPSpec(48)),
+                                                               LayerSpec(spec, GatedMLPSpec(48))))
+    model, params = Decoder(config), random_params_of(config, seed=4, scale=0.5)
+    prompts = [np.arange(3) % 64, (np.arange(12) * 7) % 64]
+    batch = np.zeros((2, 12), np.int32)
+    batch[0, :3], batch[1] = prompts
+    for options in (dict(), dict(num_beams=3)):
+        out = generate(model, params, batch, prompt_lengths=np.array([3, 12]), max_new_tokens=16, **options)
+        for row, prompt in enumerate(prompts):
+            alone = generate(model, params, prompt[None], max_new_tokens=16, **options)
+            np.testing.assert_array_equal(out[row, 12:], alone[0, len(prompt):], err_msg=str(options))
+        assert len(np.unique(np.asarray(out[:, 12:]))) > 5

@@ -101,3 +101,37 @@ def test_the_mesh_check_reads_each_layers_heads():
     with pytest.raises(ValueError, match=r"DecoderConfig.layers\[1\].mixer.n_head=3 is not divisible by the mesh's "
                                          r"model axis \(2\)"):
         check_mesh_fits(odd, two)
+
+
+def test_the_new_mixers_weights_name_their_axes_and_split_by_heads():
+    """A hybrid's Gated DeltaNet layers and latent attention layers: every parameter names its axes, and
+    on a model axis of 2 the rules split whole heads (value heads as query heads, key heads as kv heads)
+    and never a latent's width or a convolution's taps."""
+    import dataclasses
+    import types
+
+    from jaxformer.deltanet import GatedDeltaNetSpec
+    from jaxformer.feedforward import GatedMLPSpec
+    from jaxformer.latent_attention import LatentAttentionSpec
+    from jaxformer.layers import LayerSpec, layer_specs
+    from jaxformer.sharding import partition_spec
+
+    linear = dataclasses.replace(layer_specs(DECODER)[0], mixer=GatedDeltaNetSpec(2, 4, 8, 8))
+    latent = LayerSpec(LatentAttentionSpec(n_head=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8,
+                                           qk_rope_head_dim=8, v_head_dim=6, rope_theta=1e4, rope_scaling=None,
+                                           rope_pairing="split_half"), GatedMLPSpec(24))
+    mesh = types.SimpleNamespace(shape={"data": 2, "model": 2})
+    P = PartitionSpec
+    for layer, want in [(linear, {"wq": P(None, "model", None), "wv": P(None, "model", None),
+                                  "conv_k": P(None, "model", None), "a_log": P("model"), "wo": P("model", None, None)}),
+                        (latent, {"wq_b": P(None, "model", None), "wkv_a": P(None, None),
+                                  "wkv_b": P(None, "model", None), "wo": P("model", None, None)})]:
+        model = Decoder(DECODER.replace(layers=(layer,) * 2))
+        axes = param_axes(model)  # (refuses a parameter without names)
+        params = jax.eval_shape(model.init, jax.random.key(0), *model.init_inputs())["params"]
+        for (path, leaf), names in zip(jax.tree_util.tree_leaves_with_path(params),
+                                       jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)), strict=True):
+            assert len(names) == leaf.ndim, (jax.tree_util.keystr(path), names, leaf.shape)
+        attn = params["block_0"]["attn"]
+        got = {name: partition_spec(axes["block_0"]["attn"][name], attn[name].shape, mesh) for name in want}
+        assert got == want

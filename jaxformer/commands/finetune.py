@@ -33,7 +33,7 @@ from jaxformer.config import DTYPES, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.convert.peft import adapter_shapes_of, adapter_sizes, all_targets, check_targets, save_peft
 from jaxformer.decodable import Decodable
-from jaxformer.decoder import Decoder, expert_load, sown_attention_weights
+from jaxformer.decoder import Decoder, attending_layers, expert_load, sown_attention_weights
 from jaxformer.decoding import generate
 from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec, dropped_pairs, load_balancing_loss, router_logits
 from jaxformer.families import family_of
@@ -398,14 +398,15 @@ def snapshotter(setup: runs.Setup, settings: Settings):
     example = first[None, :length]  # [1, T]
     labels = token_labels(tokenizer, example[0])
     config = setup.model.config
-    layers = sorted({0, config.n_layer - 1})
+    attending = attending_layers(config)  # (a hybrid's linear layers weigh no keys: none to map)
+    layers = sorted({attending[0], attending[-1]})
     prompt = jnp.asarray(example[:, :max(1, length // 2)])
     model = Decoder(config.replace(remat=False))
 
     @jax.jit  # one program, whatever the mesh: op by op, each operation on a split base would be one
     def attention_weights(variables, tokens):
         _, inter = model.apply(variables, tokens, mutable=["intermediates"])
-        return sown_attention_weights(inter, config)  # [n_layer, 1, H, T, T]
+        return sown_attention_weights(inter, config)  # [len(attending), 1, H, T, T]
 
     experts = [spec.ffn for spec in layer_specs(config) if isinstance(spec.ffn, ExpertsSpec)]
     routed = data.validation_batches(LOAD_ROWS)[0]  # [LOAD_ROWS, seq_len] (rows past the split's score nothing)
@@ -415,7 +416,8 @@ def snapshotter(setup: runs.Setup, settings: Settings):
 
     def snapshot(trained) -> dict:
         weights = to_host(attention_weights(variables(setup, trained), example))
-        attention = [attention_group("self-attention (causal)", layer, weights[layer, 0], labels, labels)
+        attention = [attention_group("self-attention (causal)", layer, weights[attending.index(layer), 0], labels,
+                                     labels)
                      for layer in layers]
         new = min(SAMPLE_TOKENS, config.max_seq_len - prompt.shape[1])
         out = to_host(generate(*decodable(setup, trained), prompt, max_new_tokens=new))[0]

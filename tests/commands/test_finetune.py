@@ -369,3 +369,27 @@ def test_a_missing_checkpoint_or_a_merge_folder_in_use_is_refused_before_trainin
     done = run_main(finetune.main, ["--checkpoint", str(checkpoint), "--data", str(data), "--merge",
                                     str(tmp_path / "busy"), "--run-dir", str(tmp_path / "run")])
     assert done.returncode == 2 and "--merge" in done.stderr and "notes.txt" in done.stderr
+
+
+@pytest.mark.parametrize("shipped", ["DeepSeek-V3", "Qwen3-Next-80B-A3B-Instruct"], ids=["latent", "hybrid"])
+def test_full_fine_tuning_of_the_new_mixers_lowers_the_loss_and_reloads(shipped, tmp_path):
+    """Full fine-tuning of a tiny DeepSeek-V3 (latent attention, its experts) and a tiny Qwen3-Next (Gated
+    DeltaNet layers beside full attention): the training loss falls over 8 steps, every parameter moves
+    (but DeepSeek's correction bias, which only chooses experts: no gradient reaches it, as in DeepSeek's
+    training, where a rule of its own updates it), and the folder saved reloads with `load_hf` to the
+    same family."""
+    save_random_checkpoint(tmp_path / "checkpoint", shipped=shipped)
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    done = run_main(finetune.main, ["--checkpoint", str(tmp_path / "checkpoint"), "--data", str(data), "--steps", "8",
+                                    "--full", "--lr", "3e-3", "--run-dir", str(tmp_path / "run"),
+                                    "--merge", str(tmp_path / "tuned"), *FAST, "--log-every", "1"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    losses = [row["loss"] for row in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in row]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+    before_config, before = load_hf(str(tmp_path / "checkpoint"))
+    config, after = load_hf(str(tmp_path / "tuned"))
+    assert config == before_config
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after), strict=True):
+        moves = "correction_bias" not in jax.tree_util.keystr(path)
+        assert x.shape == y.shape and np.array_equal(x, y) != moves, jax.tree_util.keystr(path)

@@ -1,6 +1,8 @@
 """Speculative decoding: greedy's exact tokens, sampling's exact distribution, the cache
 after rejections, and one compile however many proposals are accepted."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,9 @@ from jaxformer.decoding import (
 from jaxformer.decoding.speculative import plan
 from jaxformer.decoding.steps import host_reach, with_span
 from jaxformer.experts import ExpertsSpec
+from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.latent_attention import LatentAttentionSpec
+from jaxformer.layers import LayerSpec
 
 TINY = DecoderConfig(vocab_size=48, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64)
 # (One layer where two add nothing but compile time; the cache test checks both layers.)
@@ -348,3 +353,31 @@ def test_each_row_advances_by_its_own_acceptance():
     assert stats.tokens_per_row_round == pytest.approx((4 * 19 + 4 * 19) / row_rounds)
     streamed = np.stack(list(stream(model, params, prompt, speculative=spec, **options)), axis=1)
     np.testing.assert_array_equal(streamed, np.asarray(got)[:, 9:])
+
+
+# Latent attention (MLA) on TINY's widths: a layer sliding over 6 keys (its latent cache a ring) and a full one.
+# Its cache holds no state past the keys, so a round's rejected proposals are rewound as attention's are.
+_LATENT = LatentAttentionSpec(n_head=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                              v_head_dim=6, rope_theta=10000.0, rope_scaling=None, rope_pairing="split_half")
+LATENT = TINY.replace(layers=(LayerSpec(dataclasses.replace(_LATENT, window=6), GatedMLPSpec(48)),
+                              LayerSpec(_LATENT, GatedMLPSpec(48))))
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "itself"])
+def test_greedy_on_latent_attention_gives_generates_tokens(proposer):
+    """Over latent attention's cache (a ring and a full layer): token for token plain greedy decoding's, on a
+    ragged batch and with an EOS met mid-run; the model as its own draft has every proposal accepted."""
+    model, params = Decoder(LATENT), random_params(LATENT, seed=1, scale=0.5)
+    prompt = repetitive_prompts(*SHARED_PROMPT)
+    options = dict(max_new_tokens=SHARED_NEW, prompt_lengths=[12, 7, 9])
+    spec = PromptLookup(k=LOOKUP_K, n=2) if proposer == "lookup" else Draft(model, params, k=DRAFT_K)
+    want = generate(model, params, prompt, **options)
+    got, stats = speculative_generate(model, params, prompt, spec, **options)
+    np.testing.assert_array_equal(got, want)
+    assert stats.acceptance == 1.0 if proposer == "itself" else 0 < stats.acceptance < 1
+    eos = int(want[0, 12 + 6])
+    want = generate(model, params, prompt, eos_id=eos, pad_id=47, **options)
+    assert (want == 47).any()
+    np.testing.assert_array_equal(generate(model, params, prompt, eos_id=eos, pad_id=47, speculative=spec, **options),
+                                  want)
+    assert len(np.unique(np.asarray(want)[:, 12:])) > 5

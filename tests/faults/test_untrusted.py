@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_compiles, init_params
+from conftest import count_compiles, init_params, random_params
 from harness import REPO, snapshot
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -59,6 +59,10 @@ from jaxformer import Decoder, DecoderConfig, KVCache, generate, stream
 from jaxformer.commands import generate as cli
 from jaxformer.convert import load_hf, save_hf
 from jaxformer.decoding import DecodeRequest, start
+from jaxformer.deltanet import GatedDeltaNetSpec
+from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.latent_attention import LatentAttentionSpec
+from jaxformer.layers import LayerSpec, layer_specs
 from jaxformer.memory import format_bytes, free_bytes, prefill_bytes
 from jaxformer.text import chat, render_chat, save_tokenizer, train_bpe
 from jaxformer.text.sandbox import MAX_BUILT, MAX_INT_BITS, MAX_SIZE, MAX_TEMPLATE_CHARS
@@ -417,6 +421,31 @@ def test_a_long_prompt_that_fits_decodes_and_xla_needs_no_more_than_the_estimate
     memory = start.lower(model, params, request).compile().memory_analysis()
     xla = memory.temp_size_in_bytes + memory.output_size_in_bytes
     estimate = prefill_bytes(config, 1, 3000, 3003)
+    assert xla <= estimate <= 2 * xla, (format_bytes(xla), format_bytes(estimate))
+
+
+# The new mixers' prefills, each layer's own term: Gated DeltaNet layers (chunks of 64: their [C, C] arrays and
+# per-position arrays, linear in T), latent attention over its latent cache (8 heads of a 64-wide latent, more
+# than the config's 4), dense and in blocks.
+_PLAIN = DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=HUGE, d_ff=64)
+_LINEAR = dataclasses.replace(layer_specs(_PLAIN)[0], mixer=GatedDeltaNetSpec(2, 8, 32, 32, chunk=64))
+_LATENT = LayerSpec(LatentAttentionSpec(n_head=8, q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=32,
+                                        qk_rope_head_dim=16, v_head_dim=32, rope_theta=1e4, rope_scaling=None,
+                                        rope_pairing="split_half"), GatedMLPSpec(64))
+NEW_MIXERS = {"linear": (_PLAIN.replace(layers=(_LINEAR,) * 2), 3000),
+              "latent-dense": (_PLAIN.replace(layers=(_LATENT,) * 2, attention_impl="dense"), 1500),
+              "latent-blocks": (_PLAIN.replace(layers=(_LATENT,) * 2), 3000)}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_MIXERS))
+def test_xla_needs_no_more_than_the_estimate_for_the_new_mixers(name):
+    """XLA's own count of the prefill's buffers is within `prefill_bytes`, and not far below it."""
+    config, length = NEW_MIXERS[name]
+    model = Decoder(config)
+    request = DecodeRequest.create(model, np.ones((1, length), np.int32), max_new_tokens=4)
+    memory = start.lower(model, random_params(config, seed=0), request).compile().memory_analysis()
+    xla = memory.temp_size_in_bytes + memory.output_size_in_bytes
+    estimate = prefill_bytes(config, 1, length, length + 3)
     assert xla <= estimate <= 2 * xla, (format_bytes(xla), format_bytes(estimate))
 
 

@@ -2,6 +2,7 @@
 while requests come and go; nothing recompiles after `warmup`; faults stay with their request."""
 
 import collections
+import dataclasses
 import threading
 
 import jax
@@ -14,6 +15,9 @@ from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate
 from jaxformer.decoding import DecodeOptions
 from jaxformer.experts import ExpertsSpec
+from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.latent_attention import LatentAttentionSpec
+from jaxformer.layers import LayerSpec
 from jaxformer.serving import Engine, EngineClosed, QueueFull
 from jaxformer.serving.engine import pieces
 
@@ -283,3 +287,29 @@ def test_engine_arguments_are_checked(params):
     with pytest.raises(ValueError, match=r"the engine serves a model that continues its prompt"):
         Engine(VanillaTransformer(VanillaConfig(src_vocab_size=32, tgt_vocab_size=32, d_model=16, n_head=2, d_ff=32,
                                                 n_layer=1)), params)  # (an encoder-decoder: its decoder starts at BOS)
+
+
+def test_latent_attention_serves_each_request_what_it_gets_alone():
+    """Continuous batching on a model of latent attention layers (a ring of 6 keys, then a full layer): 8
+    requests of random prompts on 4 rows, chunks of 8 riding with the batch's step, each row's latent
+    cache inserted and evicted as a slot: each greedy request gets the tokens `generate` gives it alone,
+    and a seeded sampled one the tokens it draws with the engine to itself."""
+    latent = LatentAttentionSpec(n_head=4, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                 v_head_dim=6, rope_theta=10000.0, rope_scaling=None, rope_pairing="split_half")
+    config = DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64,
+                           layers=(LayerSpec(dataclasses.replace(latent, window=6), GatedMLPSpec(48)),
+                                   LayerSpec(latent, GatedMLPSpec(48))))
+    model, params = Decoder(config), random_params(config, seed=3, scale=0.5)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 64, n).tolist() for n in (3, 7, 11, 13, 21, 5, 17, 9)]
+    engine = Engine(model, params, max_batch=4, prefill_chunk=8)
+    try:
+        sampled = dict(temperature=1.0, top_k=20)
+        lone = engine.submit(prompts[1], options(12, seed=7, **sampled)).result()[0]
+        handles = [engine.submit(row, options(12)) for row in prompts]
+        crowded = engine.submit(prompts[1], options(12, seed=7, **sampled))
+        for row, handle in zip(prompts, handles):
+            assert handle.result()[0] == padded_alone(model, params, row, 21, 12)
+        assert crowded.result()[0] == lone
+    finally:
+        engine.close()

@@ -15,8 +15,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate, label_smoothed_cross_entropy
 from jaxformer.convert import unstack_layers
 from jaxformer.decoding import DecodeRequest, advance, start
+from jaxformer.deltanet import GatedDeltaNetSpec
 from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec
-from jaxformer.layers import layer_specs
+from jaxformer.feedforward import GatedMLPSpec
+from jaxformer.latent_attention import LatentAttentionSpec
+from jaxformer.layers import LayerSpec, layer_specs
 from jaxformer.sharding import (
     batch_sharding,
     check_mesh_fits,
@@ -512,3 +515,63 @@ def test_generation_on_an_expert_mesh_matches_one_device():
     cache = start(Decoder(MOE), placed, request, mesh).cache
     assert cache.layers[0].k.sharding.is_equivalent_to(
         NamedSharding(mesh, PartitionSpec(("data", "expert"), None, None, None)), 4)
+
+
+# The new mixer kinds on meshes: a hybrid (three Gated DeltaNet layers, then a full-attention one; 2 key and 4
+# value heads) and a decoder of latent attention layers (8 query heads over one latent).
+_LINEAR = GatedDeltaNetSpec(2, 4, 8, 8, chunk=4)
+HYBRID = DECODER.replace(n_layer=4, layers=(dataclasses.replace(layer_specs(DECODER)[0], mixer=_LINEAR),) * 3
+                         + (layer_specs(DECODER)[0],))
+_LATENT = LatentAttentionSpec(n_head=8, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                              v_head_dim=6, rope_theta=10000.0, rope_scaling=None, rope_pairing="split_half")
+LATENT = DECODER.replace(layers=(LayerSpec(_LATENT, GatedMLPSpec(48)),) * DECODER.n_layer)
+NEW_KINDS = [HYBRID, LATENT]
+NEW_MESHES = [("dp", 2, 4), ("fsdp", 4, 2)]
+
+
+def _cache_specs(config: DecoderConfig, data: int, model: int) -> list:
+    """The specs `cache_shardings` must give each cache array: rows over `data`; a slot's kv heads and a
+    state's value heads over `model` where they divide it (a latent slot's one "head": rows only); a
+    state's conv inputs' rows over `data` (None: their other axes are left to XLA, which splits their
+    channels over `model` after the prefill, where `cache_shardings` keeps them whole)."""
+    P, rows = PartitionSpec, "data" if data > 1 else None
+    if config is LATENT:  # each layer's latent [batch, slots, 1, r] and rope key [batch, slots, 1, rope]
+        return [P(rows, None, "model" if model == 1 else None, None)] * 2 * config.n_layer
+    kv = "model" if 2 % model == 0 else None
+    state = "model" if 4 % model == 0 else None
+    return [None, P(rows, state, None, None)] * 3 + [P(rows, None, kv, None)] * 2
+
+
+@pytest.mark.parametrize("config", NEW_KINDS, ids=["hybrid", "latent"])
+@pytest.mark.parametrize("strategy, data, model", NEW_MESHES, ids=[f"{s}-{d}x{m}" for s, d, m in NEW_MESHES])
+def test_the_new_mixers_train_and_generate_on_a_mesh_as_on_one_device(config, strategy, data, model):
+    """A train step (each new weight's logical axes split by `RULES`) and greedy generation on the mesh give
+    one device's; the cache's arrays lie where `cache_shardings` says and stay there through the steps."""
+    params, batch, loss_fn, axes = _decoder_setup(config)
+    want_state, want_losses = _one_device_steps(_decoder_setup, config)
+    mesh = make_mesh(data=data, model=model)
+    state, losses = _two_steps(params, batch, loss_fn, axes, mesh, strategy)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5), state.params,
+                 want_state.params)
+
+    decoder, params = Decoder(config), _sharp(params)
+    prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, config.vocab_size)
+    want = generate(decoder, params, prompt, max_new_tokens=12)
+    placed = jax.device_put(params, tree_shardings(params, axes, mesh, strategy))
+    got = generate(decoder, placed, jax.device_put(prompt, batch_sharding(mesh)), max_new_tokens=12)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(np.asarray(want[:, 5:]))) > 5
+    request = DecodeRequest.create(decoder, prompt, max_new_tokens=4)
+    state = start(decoder, placed, request, mesh)
+    for _ in range(2):
+        arrays = jax.tree.leaves(state.cache.layers)
+        specs = _cache_specs(config, data, model)
+        assert len(arrays) == len(specs)
+        for array, spec in zip(arrays, specs):
+            if spec is None:  # a conv's inputs: rows over data
+                assert array.sharding.spec[0] == ("data" if data > 1 else None), array.sharding
+                continue
+            assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), (array.shape, spec,
+                                                                                           array.sharding)
+        state, _, _ = advance(decoder, placed, request, state)

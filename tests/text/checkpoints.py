@@ -66,16 +66,19 @@ def set_eos(path: str, eos_ids: list[int]) -> None:
         json.dump(config, f)
 
 
-def save_random_checkpoint(path, experts: bool = False) -> None:
+def save_random_checkpoint(path, experts: bool = False, shipped: str | None = None) -> None:
     """A random Llama-shaped checkpoint folder written by jaxformer (2 layers of 32, small
     weights), with `bpe_tokenizer` and `CHAT_TEMPLATE`: what fine-tuning tests adapt. With
-    `experts`, a Qwen3-MoE of the same shape: each feed-forward 4 experts of 16, 2 a token."""
+    `experts`, a Qwen3-MoE of the same shape: each feed-forward 4 experts of 16, 2 a token.
+    With `shipped`, that shipped config's family at `tests/families/shipped.py`'s tiny sizes
+    (e.g. "DeepSeek-V3": latent attention; "Qwen3-Next-80B-A3B-Instruct": a Gated DeltaNet hybrid)."""
     import dataclasses
 
     from conftest import random_params
 
     from jaxformer import DecoderConfig
     from jaxformer.convert import save_hf
+    from jaxformer.convert.hf import config_from_hf
     from jaxformer.experts import ExpertsSpec
     from jaxformer.layers import layer_specs
     from jaxformer.text import Tokenizer as Framed
@@ -85,7 +88,13 @@ def save_random_checkpoint(path, experts: bool = False) -> None:
                        chat_template=CHAT_TEMPLATE)
     config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
                            max_seq_len=64)
-    if experts:
+    if shipped is not None:
+        from tests.families.shipped import tiny
+
+        hf = tiny(shipped, vocab_size=tokenizer.vocab_size)
+        hf.pop("quantization_config", None)  # (DeepSeek-V3's FP8: these random weights are float32's)
+        config = config_from_hf(hf, max_seq_len=64)
+    elif experts:
         config = config.replace(qk_norm=True, hf_model_type="qwen3_moe")
         config = config.replace(layers=tuple(dataclasses.replace(spec, ffn=ExpertsSpec(4, 2, 16))
                                              for spec in layer_specs(config)))

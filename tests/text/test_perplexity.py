@@ -164,3 +164,21 @@ def test_bad_arguments_are_refused_in_one_line(folders, extra, message):
     done = run_main(command.main, ["--checkpoint", str(folders / "base"), "--data", str(folders / "text.txt"),
                                    *extra])
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("shipped", ["DeepSeek-V3", "Qwen3-Next-80B-A3B-Instruct"], ids=["latent", "hybrid"])
+def test_the_new_mixers_perplexity_is_the_formula_and_the_command(shipped, tmp_path):
+    """A tiny DeepSeek-V3 (latent attention) and Qwen3-Next (Gated DeltaNet layers, chunked over each
+    window's prompt) folder saved by `save_hf`: the perplexity is the formula on each window's own
+    logits, the last window padded, and the command prints that number."""
+    save_random_checkpoint(tmp_path / "model", shipped=shipped)
+    (tmp_path / "text.txt").write_text(TEXT)
+    config, params = load_hf(str(tmp_path / "model"))
+    ids = load_tokenizer(str(tmp_path / "model")).encode(TEXT)
+    model = Decoder(config)
+    result = perplexity(model, params, ids, 32, 12)
+    np.testing.assert_allclose(result.nll, slow_nll(model, params, ids, 32, 12), rtol=1e-5)
+    done = run_main(command.main, ["--checkpoint", str(tmp_path / "model"), "--data", str(tmp_path / "text.txt"),
+                                   "--window", "32", "--stride", "12", "--json"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["nll"] == pytest.approx(result.nll, rel=1e-6)
