@@ -31,10 +31,11 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import EXPERT_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
+from jaxformer.config import EXPERT_ADAPTERS, LINEAR_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert.safetensors_file import SafetensorsFile
 from jaxformer.experts import ExpertsSpec
 from jaxformer.families import family_of
+from jaxformer.families.common import Tensor, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs
 from jaxformer.lora import PARTS, adapter_in_out, adapter_matrices, adapter_shapes
@@ -82,10 +83,18 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
     """`(block, part, adapter) -> peft's key stem` (`base_model.model.model.layers.0.self_attn.q_proj`):
     the checkpoint tensor that holds the adapter's matrices, all of it; an experts' adapter's,
     its `ParamWrapper` in transformers' experts module (the module's docstring), in each layer
-    of experts."""
+    of experts. A target applies to the layers that have its module, and only those (a hybrid's
+    `q_proj` to its attention layers, `in_proj_qkv` to its Gated DeltaNet layers).
+
+    Raises:
+      ValueError: a target that no layer has, one whose matrices a layer keeps in another
+        module, or an MLP's target on a layer of experts.
+    """
     tensors = {t.path: t for t in family_of(config).tensors(config)}
     model_type = config.hf_model_type or "llama"
-    experts = [isinstance(spec.ffn, ExpertsSpec) for spec in layer_specs(config)]
+    specs = layer_specs(config)
+    experts = [isinstance(spec.ffn, ExpertsSpec) for spec in specs]
+    linear = [spec.mixer.attention_type == "linear" for spec in specs]
     wrapped = [name for name in EXPERTS_PARAMETERS if f"mlp.experts.{name}" in lora.parameter_targets]
     stems = {}
     for target in lora.parameter_targets:
@@ -104,24 +113,50 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
                 raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s MLP is its "
                                  "experts, whose matrices are parameters: mlp.experts.gate_up_proj, "
                                  "mlp.experts.down_proj)")
-            missing = [m for m in adapter_matrices(adapter) if (f"block_{i}", PARTS[adapter], m) not in tensors]
-            if missing:  # (a latent attention's targets on another attention, or the other way round)
-                raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s "
-                                 f"{PARTS[adapter]} has no {missing[0]})")
-            members = [tensors[(f"block_{i}", PARTS[adapter], m)] for m in adapter_matrices(adapter)]
-            fused = {t.hf_key for t in members}
-            # The adapter is the tensor's: the matrices are all of it (rows, in order) or it alone.
-            whole = len(fused) == 1 and (
-                (len(members) == 1 and members[0].rows is None)
-                or [t.rows for t in members] == [(sum(x.hf_shape[0] for x in members[:k]),
-                                                  sum(x.hf_shape[0] for x in members[:k + 1]))
-                                                 for k in range(len(members))])
+            if PARTS[adapter] == "attn" and (adapter in LINEAR_ADAPTERS) != linear[i]:
+                continue  # (a Gated DeltaNet layer's module in an attention layer, or the other way round)
+            members = [tensors.get((f"block_{i}", PARTS[adapter], m)) for m in adapter_matrices(adapter)]
+            if None in members:
+                continue  # (a latent attention's targets on another attention, or the other way round)
+            parts = [t for t in tensors.values() if t.hf_key == members[0].hf_key]
+            # The adapter is the tensor's: its matrices are all of it (its parts, each once) or it alone.
+            whole = len(members) == len(parts) and all(t.hf_key == members[0].hf_key for t in members) and (
+                len(members) == 1 or sorted(np.concatenate([_rows_of(t) for t in members]).tolist())
+                == list(range(whole_shape(parts)[0])))
             hf_key = members[0].hf_key
             if not whole or not hf_key.endswith(f".{target}.weight"):
                 raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s "
                                  f"{'/'.join(members[0].path[1:])} is in {hf_key})")
             stems[(f"block_{i}", PARTS[adapter], adapter)] = PEFT_PREFIX + hf_key.removesuffix(".weight")
+    for target, adapter in zip(lora.targets, lora.adapters):
+        if not any(key[2] == adapter for key in stems):
+            why = ("it has no Gated DeltaNet layer" if adapter in LINEAR_ADAPTERS and not any(linear)
+                   else f"no layer's {PARTS[adapter]} has {' and '.join(adapter_matrices(adapter))}")
+            raise ValueError(f"{target} is not a module of a {model_type} checkpoint ({why})")
     return stems
+
+
+def _rows_of(part: Tensor) -> np.ndarray:
+    """The rows of its whole checkpoint tensor (a torch Linear's outputs) that a part of it is, in
+    the order of the part's output channels as jaxformer's matrix holds them."""
+    if part.rows is not None:
+        return np.arange(*part.rows)
+    if part.grouped is not None:
+        return part.index[0]
+    return np.arange(part.hf_shape[0])
+
+
+def _peft_rows(config: DecoderConfig, block: str, part: str, adapter: str) -> np.ndarray | None:
+    """For a module adapter whose matrices are rows of one checkpoint tensor not one after
+    another (Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`: each key head's rows together), the
+    columns of its `b` (its matrices' one after another) in the order of peft's rows of
+    `lora_B`, the tensor's; None where they are that order already."""
+    tensors = {t.path: t for t in family_of(config).tensors(config)}
+    members = [tensors[(block, part, m)] for m in adapter_matrices(adapter)]
+    if all(t.grouped is None for t in members):
+        return None
+    rows = np.concatenate([_rows_of(t) for t in members])  # our column -> the tensor's row
+    return np.argsort(rows)  # the tensor's row -> our column
 
 
 def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str, *,
@@ -139,7 +174,8 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
             b = b[:, :, _peft_columns(config, block, name)]
             a, b = a.reshape(-1, a.shape[-1]), b.transpose(2, 1, 0).reshape(b.shape[-1], -1)
         else:
-            b = b.T  # [n_out, r]
+            order = _peft_rows(config, block, part, name)
+            b = (b if order is None else b[:, order]).T  # [n_out, r], the tensor's rows
         tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a)  # [r, n_in]
         tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b)
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
@@ -249,7 +285,8 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
                              "damaged file)")
         pair = adapters.setdefault(block, {}).setdefault(part, {}).setdefault(adapter, {})
         if adapter not in EXPERT_ADAPTERS:
-            value = value if letter == "a" else value.T  # a [r, n_in], b [r, n_out]
+            order = None if letter == "a" else _peft_rows(config, block, part, adapter)
+            value = value if letter == "a" else value.T if order is None else value[np.argsort(order)].T
         elif letter == "a":
             value = value.reshape(-1, lora.rank, shape[-1])  # [E, r, n_in]
         else:  # [n_out, r * E] -> [E, r, n_out], the columns back in ours (gate's, then up's)
