@@ -48,7 +48,8 @@ PEFT_PREFIX = "base_model.model."
 EXPERTS_MODULE = "model.layers.{i}.mlp.experts"
 EXPERTS_PARAMETERS = ("gate_up_proj", "down_proj")
 
-__all__ = ["adapter_shapes_of", "adapter_sizes", "all_targets", "check_targets", "load_peft", "save_peft"]
+__all__ = ["adapter_shapes_of", "adapter_sizes", "all_targets", "check_targets", "load_peft", "peft_tensors",
+           "save_peft"]
 
 
 def all_targets(config: DecoderConfig, parameters: bool = False) -> tuple[str, ...]:
@@ -166,18 +167,7 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
     from safetensors.numpy import save
 
     os.makedirs(path, exist_ok=True)
-    tensors = {}
-    for (block, part, name), stem in _peft_keys(config, lora).items():
-        ab = adapters[block][part][name]
-        a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)
-        if name in EXPERT_ADAPTERS:  # [E, r, n_in] and [E, r, n_out] as peft's [E * r, n_in] and [n_out, r * E]
-            b = b[:, :, _peft_columns(config, block, name)]
-            a, b = a.reshape(-1, a.shape[-1]), b.transpose(2, 1, 0).reshape(b.shape[-1], -1)
-        else:
-            order = _peft_rows(config, block, part, name)
-            b = (b if order is None else b[:, order]).T  # [n_out, r], the tensor's rows
-        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a)  # [r, n_in]
-        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b)
+    tensors = {name: np.asarray(x, np.float32) for name, x in peft_tensors(config, adapters, lora).items()}
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
                       "target_modules": sorted(lora.module_targets),
                       "target_parameters": sorted(lora.parameter_targets) or None, "lora_dropout": lora.dropout,
@@ -186,6 +176,25 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
     data = save(tensors, metadata={"format": "pt"})
     write_atomically(os.path.join(path, ADAPTER_WEIGHTS_FILE), lambda tmp: tmp.write_bytes(data))
     write_text_atomically(os.path.join(path, ADAPTER_CONFIG_FILE), json.dumps(adapter_config, indent=2) + "\n")
+
+
+def peft_tensors(config: DecoderConfig, adapters: dict, lora: LoraConfig) -> dict[str, np.ndarray]:
+    """`adapters` (or anything shaped as them: their gradients) as peft's tensors, by the names
+    `adapter_model.safetensors` holds them under (`...lora_A.weight`, `...lora_B.weight`), in
+    their dtype."""
+    tensors = {}
+    for (block, part, name), stem in _peft_keys(config, lora).items():
+        ab = adapters[block][part][name]
+        a, b = np.asarray(ab["a"]), np.asarray(ab["b"])
+        if name in EXPERT_ADAPTERS:  # [E, r, n_in] and [E, r, n_out] as peft's [E * r, n_in] and [n_out, r * E]
+            b = b[:, :, _peft_columns(config, block, name)]
+            a, b = a.reshape(-1, a.shape[-1]), b.transpose(2, 1, 0).reshape(b.shape[-1], -1)
+        else:
+            order = _peft_rows(config, block, part, name)
+            b = (b if order is None else b[:, order]).T  # [n_out, r], the tensor's rows
+        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a)  # [r, n_in]
+        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b)
+    return tensors
 
 
 def _peft_columns(config: DecoderConfig, block: str, adapter: str) -> np.ndarray:
