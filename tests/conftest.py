@@ -239,6 +239,10 @@ FULL_TIER.update({
 # transformers', tests/test_experts.py, and dense fine-tuning's runs.)
 FULL_TIER["tests/commands/test_finetune.py::test_a_mixture_of_experts_trains_with_its_load_balancing_loss"] = \
     "a mixture's fine-tuning run"
+# (LoRA on the newer mixers: the fast tier keeps which layers each target adapts, the refusals, and Qwen3-Next's
+# grouped rows into peft's files and back, test_a_target_adapts_the_layers_whose_module_it_names.)
+FULL_TIER["tests/test_lora_mixers.py::test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways"] = \
+    "Qwen3.5's, Qwen3-Next's and DeepSeek-V3's LoRA against peft"
 # Variants whose test stays in the fast tier on its other parametrisations: speculative greedy keeps
 # a proposer on each config, lookup on gqa and mha, a draft model of its own on mqa (the gqa model as its
 # own draft: the file's other tests); vanilla's cached greedy is in the full tier on each model (the

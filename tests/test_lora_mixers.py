@@ -19,10 +19,9 @@ from families.shipped import tiny
 from jaxformer import Decoder, label_smoothed_cross_entropy
 from jaxformer.config import LoraConfig
 from jaxformer.convert import load_hf
+from jaxformer.convert.hf import config_from_hf
 from jaxformer.convert.peft import all_targets, check_targets, load_peft, peft_tensors, save_peft
 from jaxformer.lora import init_lora, merge
-
-pytestmark = pytest.mark.peers
 
 TOLERANCE = 1e-4  # float32 logits (tests/test_lora.py's)
 # name -> (config.json: a text model's, targets)
@@ -59,6 +58,7 @@ def saved(request, tmp_path_factory):
     return request.param, transformers, config, params, path
 
 
+@pytest.mark.peers
 def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(saved):
     torch = torch_peer()
     peft = import_peer("peft")
@@ -116,23 +116,50 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(saved):
     np.testing.assert_allclose(np.asarray(merged), want, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-def test_a_target_adapts_the_layers_whose_module_it_names(saved):
+def test_a_target_adapts_the_layers_whose_module_it_names(tmp_path):
     """A hybrid's `q_proj` is its attention layers' `self_attn.q_proj`, not the Gated DeltaNet's q
-    (part of `in_proj_qkv`); a target no layer has is refused, naming those it has."""
-    name, _, config, base, _ = saved
-    if name != "qwen3_5":
-        pytest.skip("the hybrid's own check")
+    (part of `in_proj_qkv`); a target no layer has is refused, naming those it has; Qwen3-Next's
+    `in_proj_qkvz` adapter's `b` goes to peft's `lora_B` in the checkpoint's rows, each key head's q,
+    k, then its value heads' v and z, and comes back. (From the configs alone: no model is run.)"""
+    config = config_from_hf(MODELS["qwen3_5"][0], max_seq_len=32)
+    base = jax.eval_shape(lambda: Decoder(config).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))["params"]
     lora = LoraConfig(targets=("q_proj", "in_proj_qkv", "out_proj"))
-    adapters = init_lora(base, lora, jax.random.key(0))
+    adapters = jax.eval_shape(lambda: init_lora(base, lora, jax.random.key(0)))  # (shapes: nothing compiled)
     assert {block: sorted(adapters[block]["attn"]) for block in adapters} == {
         "block_0": ["linear_o", "linear_qkv"], "block_1": ["linear_o", "linear_qkv"],
         "block_2": ["linear_o", "linear_qkv"], "block_3": ["wq"]}
     assert all_targets(config) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                                    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
     with pytest.raises(ValueError, match="in_proj_qkvz is not a module of a qwen3_5_text checkpoint \\(layer 0's "
-                                         "attn/wq is in model.layers.0.linear_attn.in_proj_qkv.weight\\); its targets: "
-                                         "q_proj, k_proj"):
+                                         "attn/wq is in model.layers.0.linear_attn.in_proj_qkv.weight\\); its "
+                                         "targets: q_proj, k_proj"):
         check_targets(config, lora.replace(targets=("in_proj_qkvz",)))
     with pytest.raises(ValueError, match="q_a_proj is not a module of a qwen3_5_text checkpoint \\(no layer's attn "
                                          "has wq_a\\)"):
         check_targets(config, lora.replace(targets=("q_a_proj",)))
+
+    hf = MODELS["qwen3_next"][0]
+    config = config_from_hf(hf, max_seq_len=32)
+    Hk, Dk, Dv = hf["linear_num_key_heads"], hf["linear_key_head_dim"], hf["linear_value_head_dim"]
+    r = hf["linear_num_value_heads"] // Hk
+    lora = LoraConfig(rank=2, targets=("in_proj_qkvz", "in_proj_ba"))
+    with pytest.raises(ValueError, match="in_proj_qkv is not a module of a qwen3_next checkpoint \\(layer 0's "
+                                         "attn/wq is in model.layers.0.linear_attn.in_proj_qkvz.weight\\)"):
+        check_targets(config, lora.replace(targets=("in_proj_qkv",)))
+    adapters = {f"block_{i}": {"attn": {
+        "linear_qkvz": {"a": np.zeros((2, 64)), "b": np.tile(np.arange(2 * Hk * Dk + 2 * r * Hk * Dv), (2, 1))},
+        "linear_ba": {"a": np.zeros((2, 64)), "b": np.tile(np.arange(2 * r * Hk), (2, 1))}}} for i in range(3)}
+    q, k = np.arange(Hk * Dk).reshape(Hk, Dk), Hk * Dk + np.arange(Hk * Dk).reshape(Hk, Dk)  # our columns
+    v = 2 * Hk * Dk + np.arange(r * Hk * Dv).reshape(Hk, r * Dv)  # value head h's channels: key head h // r's
+    z = v + r * Hk * Dv
+    b_, a_ = np.arange(r * Hk).reshape(Hk, r), r * Hk + np.arange(r * Hk).reshape(Hk, r)
+    tensors = peft_tensors(config, adapters, lora)
+    stem = "base_model.model.model.layers.0.linear_attn."
+    np.testing.assert_array_equal(tensors[stem + "in_proj_qkvz.lora_B.weight"][:, 0],
+                                  np.concatenate([q, k, v, z], axis=1).reshape(-1))
+    np.testing.assert_array_equal(tensors[stem + "in_proj_ba.lora_B.weight"][:, 0],
+                                  np.concatenate([b_, a_], axis=1).reshape(-1))
+    save_peft(config, adapters, lora, str(tmp_path))
+    loaded, _ = load_peft(config, str(tmp_path))
+    np.testing.assert_array_equal(loaded["block_0"]["attn"]["linear_qkvz"]["b"], adapters["block_0"]["attn"]
+                                  ["linear_qkvz"]["b"])
