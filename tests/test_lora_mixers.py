@@ -28,7 +28,8 @@ TOLERANCE = 1e-4  # float32 logits (tests/test_lora.py's)
 MODELS = {
     "qwen3_5": (tiny("Qwen3.5-9B")["text_config"], ("q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj")),
     "qwen3_next": (tiny("Qwen3-Next-80B-A3B-Instruct"), ("q_proj", "in_proj_qkvz", "in_proj_ba", "out_proj")),
-    "deepseek_v3": (tiny("DeepSeek-V3", quantization_config=None), ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")),
+    "deepseek_v3": (tiny("DeepSeek-V3", quantization_config=None),  # (bfloat16 weights, not its FP8)
+                    ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")),
 }
 
 
