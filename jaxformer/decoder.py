@@ -267,17 +267,21 @@ class Decoder(nn.Module):
         return self(tokens, cache)
 
 
-def sown_attention_weights(intermediates, config: DecoderConfig) -> jax.Array:
-    """`[n_layer, batch, n_head, T, S]` float32: the attention weights a `Decoder` of `config`
-    sowed, from `apply(..., mutable=['intermediates'])`'s second output."""
+def sown_attention_weights(intermediates, config: DecoderConfig, layers: list[int] | None = None) -> jax.Array:
+    """`[len(layers), batch, n_head, T, S]` float32: the attention weights a `Decoder` of `config`
+    sowed in each of `layers` (None: every layer; a Gated DeltaNet layer has none), from
+    `apply(..., mutable=['intermediates'])`'s second output."""
     sown = intermediates["intermediates"]
+    layers = range(config.n_layer) if layers is None else layers
     if not config.scan_layers:
-        return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in range(config.n_layer)])
-    layers = []
-    for path, row, _ in scanned_places(layer_specs(config)):  # layer i: row `row` of its body's stack
+        return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in layers])
+    places = scanned_places(layer_specs(config))  # layer i: row `row` of its body's stack
+    weights = []
+    for i in layers:
+        path, row, _ = places[i]
         body = functools.reduce(lambda tree, name: tree[name], path, sown)
-        layers.append(body["attn"]["attention_weights"][0][row])
-    return jnp.stack(layers)
+        weights.append(body["attn"]["attention_weights"][0][row])
+    return jnp.stack(weights)
 
 
 def layer_tree(tree: dict, config: DecoderConfig, i: int):

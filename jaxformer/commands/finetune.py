@@ -398,14 +398,15 @@ def snapshotter(setup: runs.Setup, settings: Settings):
     example = first[None, :length]  # [1, T]
     labels = token_labels(tokenizer, example[0])
     config = setup.model.config
-    layers = sorted({0, config.n_layer - 1})
+    attending = [i for i, spec in enumerate(layer_specs(config)) if spec.mixer.attention_type != "linear"]
+    layers = sorted({attending[0], attending[-1]})  # (a Gated DeltaNet layer weighs no keys)
     prompt = jnp.asarray(example[:, :max(1, length // 2)])
     model = Decoder(config.replace(remat=False))
 
     @jax.jit  # one program, whatever the mesh: op by op, each operation on a split base would be one
     def attention_weights(variables, tokens):
         _, inter = model.apply(variables, tokens, mutable=["intermediates"])
-        return sown_attention_weights(inter, config)  # [n_layer, 1, H, T, T]
+        return sown_attention_weights(inter, config, layers)  # [len(layers), 1, H, T, T]
 
     experts = [spec.ffn for spec in layer_specs(config) if isinstance(spec.ffn, ExpertsSpec)]
     routed = data.validation_batches(LOAD_ROWS)[0]  # [LOAD_ROWS, seq_len] (rows past the split's score nothing)
@@ -415,8 +416,8 @@ def snapshotter(setup: runs.Setup, settings: Settings):
 
     def snapshot(trained) -> dict:
         weights = to_host(attention_weights(variables(setup, trained), example))
-        attention = [attention_group("self-attention (causal)", layer, weights[layer, 0], labels, labels)
-                     for layer in layers]
+        attention = [attention_group("self-attention (causal)", layer, weights[k, 0], labels, labels)
+                     for k, layer in enumerate(layers)]
         new = min(SAMPLE_TOKENS, config.max_seq_len - prompt.shape[1])
         out = to_host(generate(*decodable(setup, trained), prompt, max_new_tokens=new))[0]
         figures = {"attention": attention,
