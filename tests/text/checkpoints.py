@@ -66,10 +66,12 @@ def set_eos(path: str, eos_ids: list[int]) -> None:
         json.dump(config, f)
 
 
-def save_random_checkpoint(path, experts: bool = False) -> None:
+def save_random_checkpoint(path, experts: bool = False, hybrid: bool = False) -> None:
     """A random Llama-shaped checkpoint folder written by jaxformer (2 layers of 32, small
     weights), with `bpe_tokenizer` and `CHAT_TEMPLATE`: what fine-tuning tests adapt. With
-    `experts`, a Qwen3-MoE of the same shape: each feed-forward 4 experts of 16, 2 a token."""
+    `experts`, a Qwen3-MoE of the same shape: each feed-forward 4 experts of 16, 2 a token. With
+    `hybrid`, a tiny Qwen3.5 text model (`shipped.tiny`'s: 3 Gated DeltaNet layers, then 1 of
+    attention, width 64)."""
     import dataclasses
 
     from conftest import random_params
@@ -85,6 +87,13 @@ def save_random_checkpoint(path, experts: bool = False) -> None:
                        chat_template=CHAT_TEMPLATE)
     config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
                            max_seq_len=64)
+    if hybrid:
+        from families.shipped import tiny
+
+        from jaxformer.convert.hf import config_from_hf
+
+        hf = dict(tiny("Qwen3.5-9B")["text_config"], vocab_size=tokenizer.vocab_size)
+        config = config_from_hf(hf, max_seq_len=config.max_seq_len)
     if experts:
         config = config.replace(qk_norm=True, hf_model_type="qwen3_moe")
         config = config.replace(layers=tuple(dataclasses.replace(spec, ffn=ExpertsSpec(4, 2, 16))
