@@ -164,3 +164,51 @@ def test_a_target_adapts_the_layers_whose_module_it_names(tmp_path):
     loaded, _ = load_peft(config, str(tmp_path))
     np.testing.assert_array_equal(loaded["block_0"]["attn"]["linear_qkvz"]["b"], adapters["block_0"]["attn"]
                                   ["linear_qkvz"]["b"])
+
+
+@pytest.mark.peers
+def test_an_image_text_checkpoints_adapters_go_both_ways(tmp_path):
+    """Qwen3.5 ships as an image-text model, whose text model's modules peft names under
+    `model.language_model`: adapters saved for it (`image_text`) load in peft on transformers'
+    image-text class and compute what ours do; peft's load in ours."""
+    torch = torch_peer()
+    transformers = import_peer("transformers")
+    peft = import_peer("peft")
+    torch.manual_seed(0)
+    hf_config = transformers.AutoConfig.for_model(**tiny("Qwen3.5-9B"))
+    transformers.Qwen3_5ForConditionalGeneration(hf_config).save_pretrained(tmp_path / "base")
+    config, base = load_hf(str(tmp_path / "base"), max_seq_len=32)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=MODELS["qwen3_5"][1])
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 12))
+    adapters = trained_looking(init_lora(base, lora, jax.random.key(0)), seed=2)
+    save_peft(config, adapters, lora, str(tmp_path / "ours"), image_text=True)
+
+    def model():
+        return transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "base"),
+                                                                            dtype=torch.float32)
+
+    peer = peft.PeftModel.from_pretrained(model(), str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        want = peer(input_ids=torch.tensor(tokens)).logits.numpy()
+    ours = adapted_logits(config, base, adapters, lora, tokens)
+    plain = jit_apply(Decoder(config), {"params": base}, jnp.asarray(tokens))[0]
+    assert np.abs(ours - np.asarray(plain)).max() > 100 * TOLERANCE  # peft read them: they count
+    np.testing.assert_allclose(ours, want, rtol=TOLERANCE, atol=TOLERANCE)
+    loaded, again = load_peft(config, str(tmp_path / "ours"))
+    assert sorted(again.targets) == sorted(lora.targets)
+    for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(adapters)):
+        np.testing.assert_array_equal(x, y)
+
+    theirs = peft.get_peft_model(model(), peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(lora.targets),
+                                                          init_lora_weights="gaussian"))
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    loaded, lora = load_peft(config, str(tmp_path / "theirs"))
+    theirs.eval()
+    with torch.no_grad():
+        want = theirs(input_ids=torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(adapted_logits(config, base, loaded, lora, tokens), want, rtol=TOLERANCE,
+                               atol=TOLERANCE)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.config import EXPERT_ADAPTERS, LINEAR_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
+from jaxformer.convert.hf import TEXT_PREFIX
 from jaxformer.convert.safetensors_file import SafetensorsFile
 from jaxformer.experts import ExpertsSpec
 from jaxformer.families import family_of
@@ -43,6 +44,9 @@ from jaxformer.validation import as_float, as_int, refuse
 
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# An image-text checkpoint's (`jaxformer.convert.hf.TEXT_MODELS`: Qwen3.5's) text model's modules, as peft
+# names them on transformers' image-text class: `base_model.model.model.language_model.layers.0...`.
+IMAGE_TEXT_PREFIX = PEFT_PREFIX + TEXT_PREFIX
 # transformers 5's module of a layer's experts (every family of experts), and its parameters peft
 # can adapt, in the module's order (which nests their wrappers: the first innermost).
 EXPERTS_MODULE = "model.layers.{i}.mlp.experts"
@@ -161,13 +165,16 @@ def _peft_rows(config: DecoderConfig, block: str, part: str, adapter: str) -> np
 
 
 def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str, *,
-              base_model: str | None = None) -> None:
+              base_model: str | None = None, image_text: bool = False) -> None:
     """Writes `adapter_config.json` and `adapter_model.safetensors` as peft writes them, so that
-    `peft.PeftModel.from_pretrained(base, path)` loads the adapters (each file atomically)."""
+    `peft.PeftModel.from_pretrained(base, path)` loads the adapters (each file atomically); with
+    `image_text`, named for transformers' image-text class of the base (Qwen3.5's shipped
+    checkpoints: its text model's modules under `model.language_model`)."""
     from safetensors.numpy import save
 
     os.makedirs(path, exist_ok=True)
-    tensors = {name: np.asarray(x, np.float32) for name, x in peft_tensors(config, adapters, lora).items()}
+    tensors = {name: np.asarray(x, np.float32)
+               for name, x in peft_tensors(config, adapters, lora, image_text=image_text).items()}
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
                       "target_modules": sorted(lora.module_targets),
                       "target_parameters": sorted(lora.parameter_targets) or None, "lora_dropout": lora.dropout,
@@ -178,12 +185,15 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
     write_text_atomically(os.path.join(path, ADAPTER_CONFIG_FILE), json.dumps(adapter_config, indent=2) + "\n")
 
 
-def peft_tensors(config: DecoderConfig, adapters: dict, lora: LoraConfig) -> dict[str, np.ndarray]:
+def peft_tensors(config: DecoderConfig, adapters: dict, lora: LoraConfig, image_text: bool = False
+                 ) -> dict[str, np.ndarray]:
     """`adapters` (or anything shaped as them: their gradients) as peft's tensors, by the names
-    `adapter_model.safetensors` holds them under (`...lora_A.weight`, `...lora_B.weight`), in
-    their dtype."""
+    `adapter_model.safetensors` holds them under (`...lora_A.weight`, `...lora_B.weight`; with
+    `image_text`, an image-text base's, `save_peft`), in their dtype."""
     tensors = {}
     for (block, part, name), stem in _peft_keys(config, lora).items():
+        if image_text:
+            stem = IMAGE_TEXT_PREFIX + stem.removeprefix(PEFT_PREFIX + "model.")
         ab = adapters[block][part][name]
         a, b = np.asarray(ab["a"]), np.asarray(ab["b"])
         if name in EXPERT_ADAPTERS:  # [E, r, n_in] and [E, r, n_out] as peft's [E * r, n_in] and [n_out, r * E]
@@ -278,7 +288,10 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
         want[f"{stem}.lora_A.weight"] = (key, "a", (rows, n_in))
         want[f"{stem}.lora_B.weight"] = (key, "b", (n_out, rows))
     stored = SafetensorsFile(file)
-    for names, what in ((sorted(want.keys() - stored.keys), "lacks"), (sorted(stored.keys - want.keys()), "holds")):
+    # (An image-text base's names, `save_peft`'s `image_text`, read as its text model's.)
+    named = {PEFT_PREFIX + "model." + k.removeprefix(IMAGE_TEXT_PREFIX) if k.startswith(IMAGE_TEXT_PREFIX) else k: k
+             for k in stored.keys}
+    for names, what in ((sorted(want.keys() - named.keys()), "lacks"), (sorted(named.keys() - want.keys()), "holds")):
         if names:
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             raise ValueError(f"{file} {what} {names[0]}{more}: not the adapters its adapter_config.json describes for "
@@ -286,12 +299,12 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
                              f"{', '.join(lora.targets)}, r={lora.rank})")
     adapters: dict = {}
     for name, ((block, part, adapter), letter, shape) in want.items():
-        if stored.shape(name) != shape:
-            raise ValueError(f"{file}: {name} is {stored.shape(name)}, not {shape}")
-        value = np.asarray(stored.tensor(name), np.float32)
+        if stored.shape(named[name]) != shape:
+            raise ValueError(f"{file}: {named[name]} is {stored.shape(named[name])}, not {shape}")
+        value = np.asarray(stored.tensor(named[name]), np.float32)
         if not np.isfinite(value).all():
-            raise ValueError(f"{file}: {name} holds NaN or inf: not a usable adapter (a run that diverged, or a "
-                             "damaged file)")
+            raise ValueError(f"{file}: {named[name]} holds NaN or inf: not a usable adapter (a run that diverged, "
+                             "or a damaged file)")
         pair = adapters.setdefault(block, {}).setdefault(part, {}).setdefault(adapter, {})
         if adapter not in EXPERT_ADAPTERS:
             order = None if letter == "a" else _peft_rows(config, block, part, adapter)
