@@ -3,7 +3,12 @@
 (`q_proj`, ..., Phi-3's fused `qkv_proj`) each checkpoint family's format has.
 
 The adapters themselves, and their math, are `jaxformer.lora`'s: `a` `[r, n_in]` is peft's
-`lora_A.weight` as it is, `b` `[r, n_out]` its `lora_B.weight` transposed.
+`lora_A.weight` as it is, `b` `[r, n_out]` its `lora_B.weight` transposed. A fused module's `b`
+holds its matrices' columns one after another; where the checkpoint groups their rows
+otherwise (Qwen3-Next's `in_proj_qkvz`: each key head's q, k, v and z together), peft's
+`lora_B` rows are the checkpoint's, and `_peft_rows` reorders them. A target adapts the layers
+whose checkpoint has its module (a hybrid's `q_proj` its attention layers', `in_proj_qkv` its
+Gated DeltaNet layers').
 
 The experts' adapters are peft's of transformers 5's fused expert parameters
 (`target_parameters`: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, the same in every
