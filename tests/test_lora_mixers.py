@@ -23,7 +23,7 @@ from jaxformer.convert.hf import config_from_hf
 from jaxformer.convert.peft import all_targets, check_targets, load_peft, peft_tensors, save_peft
 from jaxformer.lora import init_lora, merge
 
-TOLERANCE = 1e-4  # float32 logits (tests/test_lora.py's)
+TOLERANCE = 1e-5  # float32 logits of magnitude ~0.5 (the small bases: measured within 6e-7)
 # name -> (config.json: a text model's, targets)
 MODELS = {
     "qwen3_5": (tiny("Qwen3.5-9B")["text_config"], ("q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj")),
