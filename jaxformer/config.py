@@ -155,13 +155,30 @@ class RopeScaling:
 # matrices, as transformers 5 holds them (`mlp.experts.gate_up_proj` `[E, 2F, d]`, the gate's
 # rows then up's, and `down_proj` `[E, d, F]`), one adapter per expert. A latent attention's
 # (DeepSeek's) are its low-rank query's two, its latent's down- and up-projections, and `o_proj`.
+# A Gated DeltaNet layer's (`linear_attn.*`) are adapters of their own (`LINEAR_ADAPTERS`), which
+# adapt that kind of layer alone: its `wq` and `wo` are other modules than an attention layer's
+# `q_proj` and `o_proj`. Each target applies to the layers whose checkpoint has its module.
 LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
                 "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
                 "qkv_proj": "wqkv", "gate_up_proj": "w_gate_up",
                 "q_a_proj": "wq_a", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a", "kv_b_proj": "wkv_b",
+                "in_proj_qkv": "linear_qkv", "in_proj_z": "linear_z", "in_proj_b": "linear_b",
+                "in_proj_a": "linear_a", "out_proj": "linear_o", "in_proj_qkvz": "linear_qkvz",
+                "in_proj_ba": "linear_ba",
                 "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
 FUSED_ADAPTERS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # -> the matrices, in order
+# -> the Gated DeltaNet's matrices each changes, in the order of `b`'s columns (Qwen3.5's `in_proj_qkv`:
+# every head's q, then k, then v, as its rows; Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` group their
+# rows per key head, which peft's files keep: `jaxformer.convert.peft` reorders them).
+LINEAR_ADAPTERS = {"linear_qkv": ("wq", "wk", "wv"), "linear_z": ("wz",), "linear_b": ("wb",), "linear_a": ("wa",),
+                   "linear_o": ("wo",), "linear_qkvz": ("wq", "wk", "wv", "wz"), "linear_ba": ("wb", "wa")}
 EXPERT_ADAPTERS = {"experts_gate_up": ("w_gate", "w_up"), "experts_down": ("w_down",)}  # -> the stacked matrices
+
+
+def adapter_matrices(adapter: str) -> tuple[str, ...]:
+    """The matrices an adapter changes, in the order of its `b`'s columns: itself, or a fused
+    adapter's, a Gated DeltaNet's or an experts' adapter's."""
+    return EXPERT_ADAPTERS.get(adapter) or FUSED_ADAPTERS.get(adapter) or LINEAR_ADAPTERS.get(adapter, (adapter,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +188,10 @@ class LoraConfig:
     Attributes:
       rank: r, the adapters' inner size, >= 1.
       alpha: the scale's numerator (peft's `lora_alpha`), > 0.
-      targets: peft's names of the adapted matrices (`LORA_TARGETS`' keys), in every block;
-        Phi-3's `qkv_proj` and `gate_up_proj` are one adapter over the fused matrices; a layer
+      targets: peft's names of the adapted matrices (`LORA_TARGETS`' keys), in each block whose
+        checkpoint has that module (a hybrid's `q_proj` its attention layers', `in_proj_qkv` its
+        Gated DeltaNet layers'); Phi-3's `qkv_proj` and `gate_up_proj` are one adapter over the
+        fused matrices, as are Qwen3.5's `in_proj_qkv`, Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`; a layer
         of experts' `mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (peft's
         `target_parameters`) an adapter per expert, in every layer of experts.
       dropout: the rate of the dropout on each adapter's input (peft's `lora_dropout`), in
@@ -194,10 +213,12 @@ class LoraConfig:
                  and all(t in LORA_TARGETS for t in targets), "targets",
                  f"distinct names among {', '.join(LORA_TARGETS)}")
         object.__setattr__(self, "targets", tuple(targets))
-        matrices = [m for adapter in self.adapters if adapter not in EXPERT_ADAPTERS
-                    for m in FUSED_ADAPTERS.get(adapter, (adapter,))]
-        _require(self, len(set(matrices)) == len(matrices), "targets",
-                 "names of distinct matrices (qkv_proj holds q, k and v; gate_up_proj gate and up)")
+        for linear in (False, True):  # (a Gated DeltaNet layer's matrices are not an attention layer's)
+            matrices = [m for adapter in self.adapters if adapter not in EXPERT_ADAPTERS
+                        and (adapter in LINEAR_ADAPTERS) == linear for m in adapter_matrices(adapter)]
+            _require(self, len(set(matrices)) == len(matrices), "targets",
+                     "names of distinct matrices (qkv_proj holds q, k and v; gate_up_proj gate and up; "
+                     "in_proj_qkvz q, k, v and z; in_proj_ba b and a)")
         _require(self, self.dropout == 0 or not self.expert_adapters, "dropout",
                  f"0 with the experts' targets ({', '.join(self.parameter_targets)}): peft adapts a parameter "
                  "without dropout")
@@ -218,10 +239,10 @@ class LoraConfig:
 
     @property
     def matrices(self) -> frozenset[str]:
-        """The parameters a module's adapter changes (`wq`, ...; `wqkv` changes wq, wk and wv): the
-        attention's and a dense MLP's, never the experts' (`expert_adapters`)."""
+        """The parameters an attention layer's or a dense MLP's adapter changes (`wq`, ...; `wqkv`
+        changes wq, wk and wv), never the experts' (`expert_adapters`) nor a Gated DeltaNet's."""
         return frozenset(m for adapter in self.adapters if adapter not in EXPERT_ADAPTERS
-                         for m in FUSED_ADAPTERS.get(adapter, (adapter,)))
+                         and adapter not in LINEAR_ADAPTERS for m in adapter_matrices(adapter))
 
     @property
     def expert_adapters(self) -> tuple[str, ...]:

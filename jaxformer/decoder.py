@@ -302,19 +302,21 @@ def attending_layers(config: DecoderConfig) -> tuple[int, ...]:
     return tuple(i for i, spec in enumerate(layer_specs(config)) if spec.mixer.attention_type != "linear")
 
 
-def sown_attention_weights(intermediates, config: DecoderConfig) -> jax.Array:
-    """`[len(attending_layers), batch, n_head, T, S]` float32: the attention weights a `Decoder` of
-    `config` sowed, from `apply(..., mutable=['intermediates'])`'s second output, each attending
-    layer's in order."""
+def sown_attention_weights(intermediates, config: DecoderConfig, layers: list[int] | None = None) -> jax.Array:
+    """`[len(layers), batch, n_head, T, S]` float32: the attention weights a `Decoder` of `config`
+    sowed in each of `layers` (None: every layer that attends, `attending_layers`), from
+    `apply(..., mutable=['intermediates'])`'s second output."""
+    layers = attending_layers(config) if layers is None else layers
     sown = intermediates["intermediates"]
     if not config.scan_layers:
-        return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in attending_layers(config)])
-    places = scanned_places(layer_specs(config))
-    layers = []
-    for path, row, _ in (places[i] for i in attending_layers(config)):  # layer i: row `row` of its body's stack
+        return jnp.stack([sown[f"block_{i}"]["attn"]["attention_weights"][0] for i in layers])
+    places = scanned_places(layer_specs(config))  # layer i: row `row` of its body's stack
+    weights = []
+    for i in layers:
+        path, row, _ = places[i]
         body = functools.reduce(lambda tree, name: tree[name], path, sown)
-        layers.append(body["attn"]["attention_weights"][0][row])
-    return jnp.stack(layers)
+        weights.append(body["attn"]["attention_weights"][0][row])
+    return jnp.stack(weights)
 
 
 def layer_tree(tree: dict, config: DecoderConfig, i: int):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
@@ -339,6 +340,7 @@ class GatedDeltaNet(nn.Module):
 
     config: "DecoderConfig"  # noqa: F821 (jaxformer.config)
     spec: GatedDeltaNetSpec
+    linear_adapters: ClassVar[bool] = True  # LoRA: `project` gives its products `LINEAR_ADAPTERS` alone
 
     @nn.compact
     def __call__(self, x, parts, layer=None, is_sliding=None, keep_kv: bool = False):

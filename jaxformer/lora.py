@@ -42,25 +42,20 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxformer.config import EXPERT_ADAPTERS, FUSED_ADAPTERS, LoraConfig
+from jaxformer.config import EXPERT_ADAPTERS, LINEAR_ADAPTERS, LoraConfig, adapter_matrices
 from jaxformer.dropout import drop
 from jaxformer.products import precision_for, product
 
 PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
          "wq_a": "attn", "wq_b": "attn", "wkv_a": "attn", "wkv_b": "attn",
          "w_gate": "mlp", "w_up": "mlp", "w_down": "mlp", "w_gate_up": "mlp",
-         "experts_gate_up": "mlp", "experts_down": "mlp"}  # adapter -> its module in a block
-INPUT_AXES = {"wo": 2}  # o's input is its heads and their channels; every other matrix's is its first axis
+         "experts_gate_up": "mlp", "experts_down": "mlp",
+         **{adapter: "attn" for adapter in LINEAR_ADAPTERS}}  # adapter -> its module in a block
+INPUT_AXES = {"wo": 2, "linear_o": 2}  # o's input: its heads and their channels; every other's: its first axis
 LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its adapters from
 
 __all__ = ["LORA_COLLECTION", "PARTS", "Adapted", "LoraConfig", "adapter_in_out", "adapter_matrices",
            "adapter_shapes", "experts_adapters", "init_lora", "merge", "project", "with_adapter"]
-
-
-def adapter_matrices(adapter: str) -> tuple[str, ...]:
-    """The matrices an adapter changes: itself, or a fused adapter's or an experts' adapter's, in
-    their column order."""
-    return EXPERT_ADAPTERS.get(adapter) or FUSED_ADAPTERS.get(adapter, (adapter,))
 
 
 def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Array]) -> list[jax.Array]:
@@ -73,7 +68,9 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
     them as `[in..., r]` and `[r, out...]`. A fused adapter (Phi-3's `wqkv`) has one `a`,
     and its `b`'s columns are its matrices' one after another. Dropout applies where the
     call has a `dropout` rng (`apply(..., rngs={"dropout": key})`), each adapter drawing its
-    own mask, as peft's modules do.
+    own mask, as peft's modules do. A Gated DeltaNet's calls (a module whose `linear_adapters`
+    is True) take its adapters alone (`LINEAR_ADAPTERS`), every other module's none of them: the
+    two kinds share the names `wq` and `wo` but not the checkpoint's modules.
 
     Args:
       module: the calling module (`GQASelfAttention`, `SwiGLU`), with its `config`.
@@ -93,9 +90,10 @@ def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Arra
     if lora is None:
         return outs  # the model's plain products: nothing else is traced
     index = {name: i for i, (name, _, _) in enumerate(products)}
+    linear = getattr(module, "linear_adapters", False)
     for adapter in lora.adapters:
-        if adapter in EXPERT_ADAPTERS:
-            continue  # the experts' layer's own (`experts_adapters`)
+        if adapter in EXPERT_ADAPTERS or (adapter in LINEAR_ADAPTERS) != linear:
+            continue  # the experts' layer's own (`experts_adapters`), or another kind of layer's
         members = [index[m] for m in adapter_matrices(adapter) if m in index]
         ab = _variables(module, adapter) if members else None
         if ab is None:
@@ -183,27 +181,44 @@ def _is_stacked(params, block: str) -> bool:
     return "w_gate" in mlp and mlp["w_gate"].ndim == 3
 
 
+def _is_linear(params, block: str) -> bool:
+    """Whether `block`'s mixer is a Gated DeltaNet (its parameters hold the decay's `a_log`)."""
+    return "a_log" in params[block].get("attn", {})
+
+
 def _adapted(params, lora: LoraConfig):
     """`(block, part, adapter, [W...])` for each adapter of a per-layer parameter tree, with
-    the matrices it changes (one; a fused adapter's several): the experts' adapters in each
-    layer of experts alone (a dense layer among them has none).
+    the matrices it changes (one; a fused adapter's several), in the blocks that hold them: the
+    experts' adapters in each layer of experts alone (a dense layer among them has none), a
+    Gated DeltaNet's in those layers alone, the others in every other layer with the matrices
+    (a latent attention's `wq_a`, where it has one).
 
     Raises:
-      ValueError: a scanned tree, or a module's adapter of the MLP on a layer of experts.
+      ValueError: a scanned tree, a module's adapter of the MLP on a layer of experts, or an
+        adapter that no block holds.
     """
     if "blocks" in params:
         raise ValueError("LoRA takes the per-layer parameter tree: unstack a scanned one first "
                          "(jaxformer.convert.unstack_layers)")
     blocks = sorted((k for k in params if k.startswith("block_")), key=lambda k: int(k.split("_")[1]))
+    found = set()
     for block in blocks:
-        for adapter in lora.adapters:
+        for target, adapter in zip(lora.targets, lora.adapters):
             part = PARTS[adapter]
             if (adapter in EXPERT_ADAPTERS) != (part == "mlp" and _is_stacked(params, block)):
                 if adapter in EXPERT_ADAPTERS:
                     continue
                 raise ValueError(f"LoraConfig.targets={lora.targets}: {block}'s MLP is a layer of experts; adapt "
                                  "its matrices with mlp.experts.gate_up_proj and mlp.experts.down_proj")
-            yield block, part, adapter, [params[block][part][m] for m in adapter_matrices(adapter)]
+            module = params[block].get(part, {})
+            mixers_kind = part == "attn" and (adapter in LINEAR_ADAPTERS) != _is_linear(params, block)
+            if mixers_kind or not all(m in module for m in adapter_matrices(adapter)):
+                continue  # (another kind of mixer's, or a matrix this layer lacks)
+            found.add(target)
+            yield block, part, adapter, [module[m] for m in adapter_matrices(adapter)]
+    for target in lora.targets:
+        if target not in found:
+            raise ValueError(f"LoraConfig.targets={lora.targets}: no layer of this parameter tree has {target}")
 
 
 def adapter_in_out(adapter: str, shapes: list[tuple[int, ...]]) -> tuple[int, int]:

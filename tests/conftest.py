@@ -257,6 +257,14 @@ FULL_TIER.update({
     "forward[own]": "more layouts",
     "tests/test_layers.py::test_a_scanned_model_of_per_layer_head_widths_stacks_one_shape_per_kind": "more layouts",
 })
+# (LoRA on the newer mixers: the fast tier keeps which layers each target adapts, the refusals, and Qwen3-Next's
+# grouped rows into peft's files and back, test_a_target_adapts_the_layers_whose_module_it_names.)
+FULL_TIER["tests/test_lora_mixers.py::test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways"] = \
+    "Qwen3.5's, Qwen3-Next's and DeepSeek-V3's LoRA against peft"
+FULL_TIER["tests/test_lora_mixers.py::test_an_image_text_checkpoints_adapters_go_both_ways"] = \
+    "Qwen3.5's image-text adapters against peft"
+FULL_TIER["tests/commands/test_finetune.py::test_lora_on_a_hybrid_trains_its_linear_and_attention_layers_adapters"] = \
+    "a hybrid's fine-tuning run"
 # Variants whose test stays in the fast tier on its other parametrisations: speculative greedy keeps
 # a proposer on each config, lookup on gqa and mha, a draft model of its own on mqa (the gqa model as its
 # own draft: the file's other tests); vanilla's cached greedy is in the full tier on each model (the

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import shlex
 from typing import ClassVar
 
@@ -31,13 +32,14 @@ import optax
 from jaxformer.command_line import FAILED, exit_process, fail, run_command
 from jaxformer.config import DTYPES, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
+from jaxformer.convert.hf import TEXT_MODELS
 from jaxformer.convert.peft import adapter_shapes_of, adapter_sizes, all_targets, check_targets, save_peft
 from jaxformer.decodable import Decodable
 from jaxformer.decoder import Decoder, attending_layers, expert_load, sown_attention_weights
 from jaxformer.decoding import generate
 from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec, dropped_pairs, load_balancing_loss, router_logits
 from jaxformer.families import family_of
-from jaxformer.files import write_folder_atomically
+from jaxformer.files import read_json_object, write_folder_atomically
 from jaxformer.layers import layer_specs
 from jaxformer.lora import Adapted, init_lora, merge
 from jaxformer.losses import chunk_positions, chunked_cross_entropy
@@ -406,7 +408,7 @@ def snapshotter(setup: runs.Setup, settings: Settings):
     @jax.jit  # one program, whatever the mesh: op by op, each operation on a split base would be one
     def attention_weights(variables, tokens):
         _, inter = model.apply(variables, tokens, mutable=["intermediates"])
-        return sown_attention_weights(inter, config)  # [len(attending), 1, H, T, T]
+        return sown_attention_weights(inter, config, layers)  # [len(layers), 1, H, T, T]
 
     experts = [spec.ffn for spec in layer_specs(config) if isinstance(spec.ffn, ExpertsSpec)]
     routed = data.validation_batches(LOAD_ROWS)[0]  # [LOAD_ROWS, seq_len] (rows past the split's score nothing)
@@ -416,9 +418,8 @@ def snapshotter(setup: runs.Setup, settings: Settings):
 
     def snapshot(trained) -> dict:
         weights = to_host(attention_weights(variables(setup, trained), example))
-        attention = [attention_group("self-attention (causal)", layer, weights[attending.index(layer), 0], labels,
-                                     labels)
-                     for layer in layers]
+        attention = [attention_group("self-attention (causal)", layer, weights[k, 0], labels, labels)
+                     for k, layer in enumerate(layers)]
         new = min(SAMPLE_TOKENS, config.max_seq_len - prompt.shape[1])
         out = to_host(generate(*decodable(setup, trained), prompt, max_new_tokens=new))[0]
         figures = {"attention": attention,
@@ -440,8 +441,10 @@ def write_outputs(setup: runs.Setup, settings: Settings, trained: runs.Trained, 
     if config.lora is not None:
         folder = run.run_dir / ADAPTER_DIR
         if is_primary():
+            outer = read_json_object(os.path.join(settings.checkpoint, "config.json")).get("model_type")
             write_folder_atomically(folder, lambda tmp: save_peft(config, trained.params, config.lora, str(tmp),
-                                                                  base_model=settings.checkpoint))
+                                                                  base_model=settings.checkpoint,
+                                                                  image_text=outer in TEXT_MODELS))
         print(f"adapters (peft's format): {folder}: jaxformer-generate --checkpoint "
               f"{shlex.quote(settings.checkpoint)} --adapter {shlex.quote(str(folder))} --prompt ...")
     merge_dir = run.export

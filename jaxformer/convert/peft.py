@@ -3,7 +3,12 @@
 (`q_proj`, ..., Phi-3's fused `qkv_proj`) each checkpoint family's format has.
 
 The adapters themselves, and their math, are `jaxformer.lora`'s: `a` `[r, n_in]` is peft's
-`lora_A.weight` as it is, `b` `[r, n_out]` its `lora_B.weight` transposed.
+`lora_A.weight` as it is, `b` `[r, n_out]` its `lora_B.weight` transposed. A fused module's `b`
+holds its matrices' columns one after another; where the checkpoint groups their rows
+otherwise (Qwen3-Next's `in_proj_qkvz`: each key head's q, k, v and z together), peft's
+`lora_B` rows are the checkpoint's, and `_peft_rows` reorders them. A target adapts the layers
+whose checkpoint has its module (a hybrid's `q_proj` its attention layers', `in_proj_qkv` its
+Gated DeltaNet layers').
 
 The experts' adapters are peft's of transformers 5's fused expert parameters
 (`target_parameters`: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, the same in every
@@ -31,10 +36,12 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from jaxformer.config import EXPERT_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
+from jaxformer.config import EXPERT_ADAPTERS, LINEAR_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
+from jaxformer.convert.hf import TEXT_PREFIX
 from jaxformer.convert.safetensors_file import SafetensorsFile
 from jaxformer.experts import ExpertsSpec
 from jaxformer.families import family_of
+from jaxformer.families.common import Tensor, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs
 from jaxformer.lora import PARTS, adapter_in_out, adapter_matrices, adapter_shapes
@@ -42,12 +49,16 @@ from jaxformer.validation import as_float, as_int, refuse
 
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
+# An image-text checkpoint's (`jaxformer.convert.hf.TEXT_MODELS`: Qwen3.5's) text model's modules, as peft
+# names them on transformers' image-text class: `base_model.model.model.language_model.layers.0...`.
+IMAGE_TEXT_PREFIX = PEFT_PREFIX + TEXT_PREFIX
 # transformers 5's module of a layer's experts (every family of experts), and its parameters peft
 # can adapt, in the module's order (which nests their wrappers: the first innermost).
 EXPERTS_MODULE = "model.layers.{i}.mlp.experts"
 EXPERTS_PARAMETERS = ("gate_up_proj", "down_proj")
 
-__all__ = ["adapter_shapes_of", "adapter_sizes", "all_targets", "check_targets", "load_peft", "save_peft"]
+__all__ = ["adapter_shapes_of", "adapter_sizes", "all_targets", "check_targets", "load_peft", "peft_tensors",
+           "save_peft"]
 
 
 def all_targets(config: DecoderConfig, parameters: bool = False) -> tuple[str, ...]:
@@ -82,10 +93,18 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
     """`(block, part, adapter) -> peft's key stem` (`base_model.model.model.layers.0.self_attn.q_proj`):
     the checkpoint tensor that holds the adapter's matrices, all of it; an experts' adapter's,
     its `ParamWrapper` in transformers' experts module (the module's docstring), in each layer
-    of experts."""
+    of experts. A target applies to the layers that have its module, and only those (a hybrid's
+    `q_proj` to its attention layers, `in_proj_qkv` to its Gated DeltaNet layers).
+
+    Raises:
+      ValueError: a target that no layer has, one whose matrices a layer keeps in another
+        module, or an MLP's target on a layer of experts.
+    """
     tensors = {t.path: t for t in family_of(config).tensors(config)}
     model_type = config.hf_model_type or "llama"
-    experts = [isinstance(spec.ffn, ExpertsSpec) for spec in layer_specs(config)]
+    specs = layer_specs(config)
+    experts = [isinstance(spec.ffn, ExpertsSpec) for spec in specs]
+    linear = [spec.mixer.attention_type == "linear" for spec in specs]
     wrapped = [name for name in EXPERTS_PARAMETERS if f"mlp.experts.{name}" in lora.parameter_targets]
     stems = {}
     for target in lora.parameter_targets:
@@ -104,44 +123,63 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
                 raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s MLP is its "
                                  "experts, whose matrices are parameters: mlp.experts.gate_up_proj, "
                                  "mlp.experts.down_proj)")
-            missing = [m for m in adapter_matrices(adapter) if (f"block_{i}", PARTS[adapter], m) not in tensors]
-            if missing:  # (a latent attention's targets on another attention, or the other way round)
-                raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s "
-                                 f"{PARTS[adapter]} has no {missing[0]})")
-            members = [tensors[(f"block_{i}", PARTS[adapter], m)] for m in adapter_matrices(adapter)]
-            fused = {t.hf_key for t in members}
-            # The adapter is the tensor's: the matrices are all of it (rows, in order) or it alone.
-            whole = len(fused) == 1 and (
-                (len(members) == 1 and members[0].rows is None)
-                or [t.rows for t in members] == [(sum(x.hf_shape[0] for x in members[:k]),
-                                                  sum(x.hf_shape[0] for x in members[:k + 1]))
-                                                 for k in range(len(members))])
+            if PARTS[adapter] == "attn" and (adapter in LINEAR_ADAPTERS) != linear[i]:
+                continue  # (a Gated DeltaNet layer's module in an attention layer, or the other way round)
+            members = [tensors.get((f"block_{i}", PARTS[adapter], m)) for m in adapter_matrices(adapter)]
+            if None in members:
+                continue  # (a latent attention's targets on another attention, or the other way round)
+            parts = [t for t in tensors.values() if t.hf_key == members[0].hf_key]
+            # The adapter is the tensor's: its matrices are all of it (its parts, each once) or it alone.
+            whole = len(members) == len(parts) and all(t.hf_key == members[0].hf_key for t in members) and (
+                len(members) == 1 or sorted(np.concatenate([_rows_of(t) for t in members]).tolist())
+                == list(range(whole_shape(parts)[0])))
             hf_key = members[0].hf_key
             if not whole or not hf_key.endswith(f".{target}.weight"):
                 raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s "
                                  f"{'/'.join(members[0].path[1:])} is in {hf_key})")
             stems[(f"block_{i}", PARTS[adapter], adapter)] = PEFT_PREFIX + hf_key.removesuffix(".weight")
+    for target, adapter in zip(lora.targets, lora.adapters):
+        if not any(key[2] == adapter for key in stems):
+            why = ("it has no Gated DeltaNet layer" if adapter in LINEAR_ADAPTERS and not any(linear)
+                   else f"no layer's {PARTS[adapter]} has {' and '.join(adapter_matrices(adapter))}")
+            raise ValueError(f"{target} is not a module of a {model_type} checkpoint ({why})")
     return stems
 
 
+def _rows_of(part: Tensor) -> np.ndarray:
+    """The rows of its whole checkpoint tensor (a torch Linear's outputs) that a part of it is, in
+    the order of the part's output channels as jaxformer's matrix holds them."""
+    if part.rows is not None:
+        return np.arange(*part.rows)
+    if part.grouped is not None:
+        return part.index[0]
+    return np.arange(part.hf_shape[0])
+
+
+def _peft_rows(config: DecoderConfig, block: str, part: str, adapter: str) -> np.ndarray | None:
+    """For a module adapter whose matrices are rows of one checkpoint tensor not one after
+    another (Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`: each key head's rows together), the
+    columns of its `b` (its matrices' one after another) in the order of peft's rows of
+    `lora_B`, the tensor's; None where they are that order already."""
+    tensors = {t.path: t for t in family_of(config).tensors(config)}
+    members = [tensors[(block, part, m)] for m in adapter_matrices(adapter)]
+    if all(t.grouped is None for t in members):
+        return None
+    rows = np.concatenate([_rows_of(t) for t in members])  # our column -> the tensor's row
+    return np.argsort(rows)  # the tensor's row -> our column
+
+
 def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str, *,
-              base_model: str | None = None) -> None:
+              base_model: str | None = None, image_text: bool = False) -> None:
     """Writes `adapter_config.json` and `adapter_model.safetensors` as peft writes them, so that
-    `peft.PeftModel.from_pretrained(base, path)` loads the adapters (each file atomically)."""
+    `peft.PeftModel.from_pretrained(base, path)` loads the adapters (each file atomically); with
+    `image_text`, named for transformers' image-text class of the base (Qwen3.5's shipped
+    checkpoints: its text model's modules under `model.language_model`)."""
     from safetensors.numpy import save
 
     os.makedirs(path, exist_ok=True)
-    tensors = {}
-    for (block, part, name), stem in _peft_keys(config, lora).items():
-        ab = adapters[block][part][name]
-        a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)
-        if name in EXPERT_ADAPTERS:  # [E, r, n_in] and [E, r, n_out] as peft's [E * r, n_in] and [n_out, r * E]
-            b = b[:, :, _peft_columns(config, block, name)]
-            a, b = a.reshape(-1, a.shape[-1]), b.transpose(2, 1, 0).reshape(b.shape[-1], -1)
-        else:
-            b = b.T  # [n_out, r]
-        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a)  # [r, n_in]
-        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b)
+    tensors = {name: np.asarray(x, np.float32)
+               for name, x in peft_tensors(config, adapters, lora, image_text=image_text).items()}
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
                       "target_modules": sorted(lora.module_targets),
                       "target_parameters": sorted(lora.parameter_targets) or None, "lora_dropout": lora.dropout,
@@ -150,6 +188,28 @@ def save_peft(config: DecoderConfig, adapters: dict, lora: LoraConfig, path: str
     data = save(tensors, metadata={"format": "pt"})
     write_atomically(os.path.join(path, ADAPTER_WEIGHTS_FILE), lambda tmp: tmp.write_bytes(data))
     write_text_atomically(os.path.join(path, ADAPTER_CONFIG_FILE), json.dumps(adapter_config, indent=2) + "\n")
+
+
+def peft_tensors(config: DecoderConfig, adapters: dict, lora: LoraConfig, image_text: bool = False
+                 ) -> dict[str, np.ndarray]:
+    """`adapters` (or anything shaped as them: their gradients) as peft's tensors, by the names
+    `adapter_model.safetensors` holds them under (`...lora_A.weight`, `...lora_B.weight`; with
+    `image_text`, an image-text base's, `save_peft`), in their dtype."""
+    tensors = {}
+    for (block, part, name), stem in _peft_keys(config, lora).items():
+        if image_text:
+            stem = IMAGE_TEXT_PREFIX + stem.removeprefix(PEFT_PREFIX + "model.")
+        ab = adapters[block][part][name]
+        a, b = np.asarray(ab["a"]), np.asarray(ab["b"])
+        if name in EXPERT_ADAPTERS:  # [E, r, n_in] and [E, r, n_out] as peft's [E * r, n_in] and [n_out, r * E]
+            b = b[:, :, _peft_columns(config, block, name)]
+            a, b = a.reshape(-1, a.shape[-1]), b.transpose(2, 1, 0).reshape(b.shape[-1], -1)
+        else:
+            order = _peft_rows(config, block, part, name)
+            b = (b if order is None else b[:, order]).T  # [n_out, r], the tensor's rows
+        tensors[f"{stem}.lora_A.weight"] = np.ascontiguousarray(a)  # [r, n_in]
+        tensors[f"{stem}.lora_B.weight"] = np.ascontiguousarray(b)
+    return tensors
 
 
 def _peft_columns(config: DecoderConfig, block: str, adapter: str) -> np.ndarray:
@@ -233,7 +293,10 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
         want[f"{stem}.lora_A.weight"] = (key, "a", (rows, n_in))
         want[f"{stem}.lora_B.weight"] = (key, "b", (n_out, rows))
     stored = SafetensorsFile(file)
-    for names, what in ((sorted(want.keys() - stored.keys), "lacks"), (sorted(stored.keys - want.keys()), "holds")):
+    # (An image-text base's names, `save_peft`'s `image_text`, read as its text model's.)
+    named = {PEFT_PREFIX + "model." + k.removeprefix(IMAGE_TEXT_PREFIX) if k.startswith(IMAGE_TEXT_PREFIX) else k: k
+             for k in stored.keys}
+    for names, what in ((sorted(want.keys() - named.keys()), "lacks"), (sorted(named.keys() - want.keys()), "holds")):
         if names:
             more = f" and {len(names) - 1} more" if len(names) > 1 else ""
             raise ValueError(f"{file} {what} {names[0]}{more}: not the adapters its adapter_config.json describes for "
@@ -241,15 +304,16 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
                              f"{', '.join(lora.targets)}, r={lora.rank})")
     adapters: dict = {}
     for name, ((block, part, adapter), letter, shape) in want.items():
-        if stored.shape(name) != shape:
-            raise ValueError(f"{file}: {name} is {stored.shape(name)}, not {shape}")
-        value = np.asarray(stored.tensor(name), np.float32)
+        if stored.shape(named[name]) != shape:
+            raise ValueError(f"{file}: {named[name]} is {stored.shape(named[name])}, not {shape}")
+        value = np.asarray(stored.tensor(named[name]), np.float32)
         if not np.isfinite(value).all():
-            raise ValueError(f"{file}: {name} holds NaN or inf: not a usable adapter (a run that diverged, or a "
-                             "damaged file)")
+            raise ValueError(f"{file}: {named[name]} holds NaN or inf: not a usable adapter (a run that diverged, "
+                             "or a damaged file)")
         pair = adapters.setdefault(block, {}).setdefault(part, {}).setdefault(adapter, {})
         if adapter not in EXPERT_ADAPTERS:
-            value = value if letter == "a" else value.T  # a [r, n_in], b [r, n_out]
+            order = None if letter == "a" else _peft_rows(config, block, part, adapter)
+            value = value if letter == "a" else value.T if order is None else value[np.argsort(order)].T
         elif letter == "a":
             value = value.reshape(-1, lora.rank, shape[-1])  # [E, r, n_in]
         else:  # [n_out, r * E] -> [E, r, n_out], the columns back in ours (gate's, then up's)

@@ -292,6 +292,27 @@ def test_a_mixture_of_experts_refuses_the_mlps_module_targets_in_one_line(moe_ch
 
 
 
+def test_lora_on_a_hybrid_trains_its_linear_and_attention_layers_adapters(tmp_path):
+    # A Qwen3.5-shaped checkpoint (3 Gated DeltaNet layers, then a gated attention layer) with the
+    # fine-tuning tokenizer: LoRA on the attention layers' q_proj and o_proj and the linear layers'
+    # in_proj_qkv, in_proj_z and out_proj trains, and its adapter folder loads with those targets.
+    save_random_checkpoint(tmp_path / "checkpoint", shipped="Qwen3.5-9B")
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    targets = "q_proj,o_proj,in_proj_qkv,in_proj_z,out_proj"
+    done = run_main(finetune.main, ["--checkpoint", str(tmp_path / "checkpoint"), "--data", str(data), "--steps", "8",
+                                    "--lr", "1e-2", "--lora-targets", targets, "--run-dir", str(tmp_path / "run"),
+                                    *FAST])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert results["validation_perplexity"] < 0.8 * results["validation_perplexity_before"], results
+    config, _ = load_hf(str(tmp_path / "checkpoint"))
+    adapters, lora = load_peft(config, str(tmp_path / "run" / "adapter"))
+    assert sorted(lora.targets) == sorted(targets.split(","))
+    assert sorted(adapters["block_0"]["attn"]) == ["linear_o", "linear_qkv", "linear_z"]
+    assert sorted(adapters["block_3"]["attn"]) == ["wo", "wq"]
+
+
 def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpoint, tmp_path):
     data = tmp_path / "new.txt"
     data.write_text(NEW_TEXT)
