@@ -123,7 +123,7 @@ def test_the_new_mixers_weights_name_their_axes_and_split_by_heads():
     mesh = types.SimpleNamespace(shape={"data": 2, "model": 2})
     P = PartitionSpec
     for layer, want in [(linear, {"wq": P(None, "model", None), "wv": P(None, "model", None),
-                                  "conv_k": P(None, "model", None), "a_log": P("model"), "wo": P("model", None, None)}),
+                                  "conv_k": P("model", None, None), "a_log": P("model"), "wo": P("model", None, None)}),
                         (latent, {"wq_b": P(None, "model", None), "wkv_a": P(None, None),
                                   "wkv_b": P(None, "model", None), "wo": P("model", None, None)})]:
         model = Decoder(DECODER.replace(layers=(layer,) * 2))
