@@ -226,6 +226,8 @@ def line(row: dict, first: dict, timeout: float) -> str:
         value, base = row[program].get(key), first[program].get(key)
         if value is None:
             return f"- ({missing(row[program], timeout)})"
+        if key == "rss_mb" and not row[program]["times_s"]:  # (a peak of loading and compiling alone)
+            return f"{value:,.0f} {unit} (compiling only)"
         ratio = f" ({value / base:.1f}x)" if base else ""
         return f"{value / scale:,.{2 if unit == 's' else 0}f} {unit}{ratio}"
 
@@ -239,7 +241,8 @@ def line(row: dict, first: dict, timeout: float) -> str:
                  f"RSS {figure('torch', 'rss_mb', 'MiB')}")
     mine, theirs = row["prefill"], row["torch"]
     if "seconds" in mine and "seconds" in theirs:
-        parts.append(f"; transformers / jaxformer prefill {theirs['seconds'] / mine['seconds']:.2f}x")
+        parts.append(f"; transformers / jaxformer prefill {theirs['seconds'] / mine['seconds']:.2f}x, "
+                     f"CPU {theirs['cpu_seconds'] / mine['cpu_seconds']:.2f}x")
     if "logits" in mine and "logits" in theirs:
         a, b = np.asarray(mine["logits"]), np.asarray(theirs["logits"])
         parts.append(f"; last logits differ by {np.max(np.abs(a - b)):.1e} (of max {np.max(np.abs(b)):.1e})")
