@@ -71,20 +71,18 @@ def mixer_bytes(config: DecoderConfig, spec, batch: int, prompt_len: int, capaci
     inverse, the scores), six `[d_k]` and three `[d_v]` arrays a position (q, k, k beta, w, q and
     k decayed; v, u, the output), and the projections a position, before and after the
     convolution; its state a few `[d_k, d_v]` arrays."""
-    # (Imported here: through jaxformer.attention they import jaxformer.cache, which imports this module.)
-    from jaxformer.deltanet import GatedDeltaNetSpec
-    from jaxformer.latent_attention import LatentAttentionSpec
-
+    # (The kinds are told apart by what they are, not imported: their modules import the cache, which
+    # imports this one. A linear layer's attention type is "linear"; latent attention has a latent.)
     c, T, S = config, prompt_len, capacity
     rows = batch * T
-    if isinstance(spec, GatedDeltaNetSpec):
+    if spec is not None and spec.attention_type == "linear":
         C = min(spec.chunk, T)
         padded = batch * -(-T // C) * C  # [batch, n * C]
         Hk, Hv, dk, dv = spec.n_key_head, spec.n_value_head, spec.key_dim, spec.value_dim
         chunks = 4 * padded * Hv * C * 4 + padded * Hv * (6 * dk + 3 * dv) * 4
         projections = rows * (2 * Hk * dk + 2 * Hv * dv + 2 * Hv) * 4 + rows * (2 * Hk * dk + Hv * dv) * 4
         return chunks + projections + 2 * batch * Hv * dk * dv * 4
-    latent = isinstance(spec, LatentAttentionSpec)
+    latent = hasattr(spec, "kv_lora_rank")
     attention = c if spec is None or latent else spec  # (GQA's heads: a filled layer's own, else the fields')
     heads = spec.n_head if latent else attention.n_head
     weights_cast = jnp.dtype(c.dtype).itemsize if jnp.dtype(c.dtype).itemsize != 4 else 0  # softmax's, for `@ V`
