@@ -176,7 +176,7 @@ def _layer(params, x):
 @jax.jit
 def _cached_layer(params, x, cache):
     part = Part(*x.shape[:2], None, None, {}, cache)
-    y, (cache,) = GatedDeltaNet(CONFIG, SPEC).apply({"params": params}, x, (part,), 0)
+    y, (cache,), _ = GatedDeltaNet(CONFIG, SPEC).apply({"params": params}, x, (part,), 0)
     return y, cache
 
 

@@ -150,7 +150,7 @@ def cached_calls(spec, variables, x, pieces, config=CONFIG, slots=24):
 
     cache, outs, start = latent_cache(x.shape[0], slots, spec), [], 0
     for n in pieces:
-        y, (cache,) = call(variables, x[:, start:start + n], cache)
+        y, (cache,), _ = call(variables, x[:, start:start + n], cache)
         cache, start = cache.advance(n), start + n
         outs.append(y)
     return jnp.concatenate(outs, axis=1)

@@ -243,7 +243,8 @@ def switched_off(config, feature: str):
     return off.replace(layers=tuple(  # (the fields' attention, with what its filled spec adds: gpt-oss's sinks,
         # Gemma 4's heads of each layer, norm of the values, k = v and shared keys and values; its feed-forward,
         # and its norms' placement: OLMo's)
-        dataclasses.replace(spec, ffn=with_activation(filled.ffn, off.mlp_activation), norms=filled.norms,
+        dataclasses.replace(spec, ffn=with_activation(filled.ffn, off.mlp_activation),
+                            norms=spec.norms if feature == "post_norms" else filled.norms,
                             mixer=dataclasses.replace(spec.mixer, **{field: getattr(filled.mixer, field)
                                                                      for field in kept}))
         for spec, filled in zip(layer_specs(off), config.layers)))
