@@ -462,6 +462,10 @@ FULL_TIER.update({
     "tests/test_deltanet.py::test_the_layer_equals_transformers_gated_deltanet[qwen3_5]": "Qwen3.5's projections",
     "tests/test_deltanet.py::test_the_gated_norm_is_transformers_in_bfloat16": "the gated norm in bfloat16",
 })
+# (Scanned segments: the fast tier keeps layers of differing widths cut into segments; a period of several bodies
+# here, as the hybrids' scanned tests run one.)
+FULL_TIER["tests/test_scan.py::test_segments_of_differing_layers_compute_the_unrolled_model[periodic]"] = \
+    "segments of a period of bodies"
 # The linear-attention hybrids' families (tests/families/test_hybrids.py): the fast tier keeps Qwen3.5's logits
 # against transformers (every mixer, the image-text checkpoint's text model, its features' guards) and the refusal
 # of speculative decoding; the other families, greedy runs, cached decoding and save_hf here, as the hybrid cache
