@@ -149,40 +149,39 @@ def chunked_delta_rule(q, k, v, g, beta, state, valid=None, chunk: int = 64) -> 
         S_C     = e^gamma_C S_0 + sum_j e^(gamma_C - gamma_j) k_j delta_j^T
 
     The first is a unit lower-triangular system, `(I + A) delta = beta v - beta e^gamma K S_0` with
-    `A_ij = beta_i e^(gamma_i - gamma_j) k_i . k_j` (j < i): solved once for every chunk at once
-    (`unit_lower_inverse`), `delta = u - w S_0`; the scan then carries S through the chunks. Every
-    exponent is <= 0."""
+    `A_ij = beta_i e^(gamma_i - gamma_j) k_i . k_j` (j < i), solved by `unit_lower_inverse`:
+    `delta = u - w S_0`. Every exponent is <= 0. Each step of the scan is one chunk's whole work,
+    rematerialised (`jax.checkpoint`): the backward pass keeps each chunk's S_0 alone and recomputes
+    the chunk's `[C, C]` arrays, so memory is linear in T with a small constant (the arrays of every
+    chunk at once cost ~3x the memory and, on a CPU, more time)."""
     q, k, v, g, beta = _per_value_head(q, k, v, g, beta, valid)
     batch, T, heads, _ = q.shape
     C = min(chunk, T)
     pad = -T % C  # tokens of g = beta = 0 that complete the last chunk: they change nothing
 
-    def chunks(x):  # [batch, T, heads, ...] -> [batch, heads, n, C, ...]
+    def chunks(x):  # [batch, T, heads, ...] -> [n, batch, heads, C, ...]: the chunk axis first, for the scan
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(batch, -1, C, *x.shape[2:]), 3, 1)
+        return jnp.moveaxis(x.reshape(batch, -1, C, *x.shape[2:]), (1, 3), (0, 2))
 
-    q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
-    gamma = jnp.cumsum(g, axis=-1)  # [batch, heads, n, C]
     seen = jnp.tril(jnp.ones((C, C), bool))  # [i, j]: j <= i
-    decays = jnp.exp(jnp.where(seen, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))  # e^(gamma_i - gamma_j)
-    k_beta = k * beta[..., None]
-    A = _dot("bhnik,bhnjk->bhnij", k_beta, k) * decays * (1 - jnp.eye(C))  # [batch, heads, n, C, C], j < i
-    inverse = unit_lower_inverse(A)
-    u = _dot("bhnij,bhnjv->bhniv", inverse, v * beta[..., None])  # [batch, heads, n, C, d_v]: delta were S_0 zero
-    w = _dot("bhnij,bhnjk->bhnik", inverse, k_beta * jnp.exp(gamma)[..., None])  # [..., C, d_k]: delta = u - w S_0
-    scores = _dot("bhnik,bhnjk->bhnij", q, k) * decays  # [batch, heads, n, C, C]: e^(gamma_i - gamma_j) q_i . k_j
-    q_start = q * jnp.exp(gamma)[..., None]  # q_i reads S_0 decayed to token i
-    k_end = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]  # token j's write decayed to the chunk's end
-    to_end = jnp.exp(gamma[..., -1])[..., None, None]  # [batch, heads, n, 1, 1]: S_0's decay over the chunk
 
-    def step(S, each):  # S [batch, heads, d_k, d_v]: S_0 of this chunk
-        u, w, scores, q_start, k_end, to_end = each
-        delta = u - _dot("bhik,bhkv->bhiv", w, S)  # [batch, heads, C, d_v]
-        o = _dot("bhik,bhkv->bhiv", q_start, S) + _dot("bhij,bhjv->bhiv", scores, delta)
-        return to_end * S + _dot("bhjk,bhjv->bhkv", k_end, delta), o
+    @jax.checkpoint
+    def step(S, each):  # S [batch, heads, d_k, d_v]: S_0 of this chunk; each [batch, heads, C, ...]
+        q, k, v, g, beta = each
+        gamma = jnp.cumsum(g, axis=-1)  # [batch, heads, C]
+        decays = jnp.exp(jnp.where(seen, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))  # e^(gamma_i - gamma_j)
+        k_beta = k * beta[..., None]
+        A = _dot("bhik,bhjk->bhij", k_beta, k) * decays * (1 - jnp.eye(C))  # [batch, heads, C, C], j < i
+        inverse = unit_lower_inverse(A)
+        u = _dot("bhij,bhjv->bhiv", inverse, v * beta[..., None])  # [batch, heads, C, d_v]: delta were S_0 zero
+        w = _dot("bhij,bhjk->bhik", inverse, k_beta * jnp.exp(gamma)[..., None])  # [..., C, d_k]: delta = u - w S_0
+        delta = u - _dot("bhik,bhkv->bhiv", w, S)
+        scores = _dot("bhik,bhjk->bhij", q, k) * decays  # e^(gamma_i - gamma_j) q_i . k_j
+        o = _dot("bhik,bhkv->bhiv", q * jnp.exp(gamma)[..., None], S) + _dot("bhij,bhjv->bhiv", scores, delta)
+        k_end = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]  # token j's write decayed to the chunk's end
+        return jnp.exp(gamma[..., -1])[..., None, None] * S + _dot("bhjk,bhjv->bhkv", k_end, delta), o
 
-    each = [jnp.moveaxis(x, 2, 0) for x in (u, w, scores, q_start, k_end, to_end)]  # the chunk axis first
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), each)  # o [n, batch, heads, C, d_v]
+    state, o = jax.lax.scan(step, state.astype(jnp.float32), [chunks(x) for x in (q, k, v, g, beta)])
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(batch, -1, heads, o.shape[-1])  # [batch, n * C, heads, d_v]
     return o[:, :T], state
 
