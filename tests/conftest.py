@@ -260,7 +260,8 @@ FULL_TIER.update({
 # (LoRA on the newer mixers: the fast tier keeps which layers each target adapts, the refusals, and Qwen3-Next's
 # grouped rows into peft's files and back, test_a_target_adapts_the_layers_whose_module_it_names.)
 FULL_TIER["tests/test_lora_mixers.py::test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways"] = \
-    "Qwen3.5's, Qwen3-Next's and DeepSeek-V3's LoRA against peft"
+    ("Qwen3.5's, Qwen3.5-MoE's, Qwen3-Next's, DeepSeek-V3's, Kimi K2's and DeepSeek-V2-Lite's LoRA against peft "
+     "(~1 min each)")
 FULL_TIER["tests/test_lora_mixers.py::test_an_image_text_checkpoints_adapters_go_both_ways"] = \
     "Qwen3.5's image-text adapters against peft"
 FULL_TIER["tests/commands/test_finetune.py::test_lora_on_a_hybrid_trains_its_linear_and_attention_layers_adapters"] = \

@@ -1,13 +1,18 @@
 """LoRA on the newer mixers against HF peft on torch: a tiny Qwen3.5 (Gated DeltaNet layers and gated
 attention layers: a hybrid's `q_proj` adapts its attention layers alone, `in_proj_qkv` its linear
-ones), a tiny Qwen3-Next (`in_proj_qkvz`, `in_proj_ba`: rows grouped per key head, as peft's `lora_B`
-keeps them) and a tiny DeepSeek-V3 (multi-head latent attention's five modules): logits with random
+ones), a tiny Qwen3.5-MoE (Qwen3.6's image-text checkpoint: its text model's modules, and peft's names
+of them, under `model.language_model`), a tiny Qwen3-Next (`in_proj_qkvz`, `in_proj_ba`: rows grouped
+per key head, as peft's `lora_B` keeps them), a tiny DeepSeek-V3 and Kimi K2 (multi-head latent
+attention's five modules; Kimi's checkpoint states `kimi_k2` and brings DeepSeek-V3's code) and a tiny
+DeepSeek-V2-Lite (no query latent: `q_proj` beside the key-value latent's two): logits with random
 adapters, one step's gradients, and the adapter files both ways.
 
 The bases keep transformers' own initialisation (std 0.02): small weights, whose float32 logits lie
 within the suite's tolerance of each other (`tests/families/test_hybrids.py` says why the hybrids'
 float32 error grows with large ones).
 """
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +29,20 @@ from jaxformer.convert.peft import all_targets, check_targets, load_peft, peft_t
 from jaxformer.lora import init_lora, merge
 
 TOLERANCE = 1e-5  # float32 logits of magnitude ~0.5 (the small bases: measured within 6e-7)
-# name -> (config.json: a text model's, targets)
+LATENT_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+IMAGE_TEXT = "image-text"  # a checkpoint of transformers' image-text class: adapters under model.language_model
+# name -> (config.json as transformers builds the model, targets, how the checkpoint differs: None; IMAGE_TEXT;
+# or the model_type its config.json states, whose code is the one transformers builds it with)
 MODELS = {
-    "qwen3_5": (tiny("Qwen3.5-9B")["text_config"], ("q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj")),
-    "qwen3_next": (tiny("Qwen3-Next-80B-A3B-Instruct"), ("q_proj", "in_proj_qkvz", "in_proj_ba", "out_proj")),
-    "deepseek_v3": (tiny("DeepSeek-V3", quantization_config=None),  # (bfloat16 weights, not its FP8)
-                    ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")),
+    "qwen3_5": (tiny("Qwen3.5-9B")["text_config"], ("q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj"), None),
+    "qwen3_5_moe": (tiny("Qwen3.6-35B-A3B"), ("q_proj", "v_proj", "in_proj_qkv", "in_proj_b", "in_proj_a",
+                                              "out_proj"), IMAGE_TEXT),
+    "qwen3_next": (tiny("Qwen3-Next-80B-A3B-Instruct"), ("q_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"), None),
+    "deepseek_v3": (tiny("DeepSeek-V3", quantization_config=None), LATENT_TARGETS, None),  # (bfloat16, not its FP8)
+    "kimi_k2": (tiny("Kimi-K2-Instruct", quantization_config=None, model_type="deepseek_v3"), LATENT_TARGETS,
+                "kimi_k2"),
+    "deepseek_v2_lite": (tiny("DeepSeek-V2-Lite"), ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"), None),
 }
-
 
 def trained_looking(adapters, seed: int):
     """`adapters` with `b` drawn too (a new adapter's `b` is zero: nothing to compare), gently."""
@@ -48,29 +59,42 @@ def adapted_logits(config, params, adapters, lora, tokens):
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def saved(request, tmp_path_factory):
-    """(name, transformers, config, params, path of the saved base)."""
+    """(name, a function giving transformers' float32 model of the base, config, params, path of the
+    saved base)."""
     torch = torch_peer()
     transformers = import_peer("transformers")
-    hf_config = transformers.AutoConfig.for_model(**MODELS[request.param][0])
+    hf, _, layout = MODELS[request.param]
+    hf_config = transformers.AutoConfig.for_model(**hf)
+    cls = (transformers.Qwen3_5MoeForConditionalGeneration if layout == IMAGE_TEXT
+           else transformers.AutoModelForCausalLM)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp(request.param)
-    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(path / "base")
+    (cls(hf_config) if layout == IMAGE_TEXT else cls.from_config(hf_config)).save_pretrained(path / "base")
+    stated = layout not in (None, IMAGE_TEXT)
+    if stated:  # the model_type the checkpoint states (transformers has no class of it)
+        written = json.loads((path / "base" / "config.json").read_text())
+        (path / "base" / "config.json").write_text(json.dumps({**written, "model_type": layout}))
     config, params = load_hf(str(path / "base"), max_seq_len=32)
-    return request.param, transformers, config, params, path
+    assert not stated or config.hf_model_type == layout  # (so the adapters are read and written as its)
+
+    def peer_base():  # (read with the config it was built from: the code the checkpoint brings)
+        return cls.from_pretrained(str(path / "base"), config=hf_config, dtype=torch.float32)
+
+    return request.param, peer_base, config, params, path
 
 
 @pytest.mark.peers
 def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(saved):
     torch = torch_peer()
     peft = import_peer("peft")
-    name, transformers, config, base, path = saved
+    name, peer_base, config, base, path = saved
+    image_text = MODELS[name][2] == IMAGE_TEXT
     lora = LoraConfig(rank=4, alpha=8.0, targets=MODELS[name][1])
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 12))
     adapters = trained_looking(init_lora(base, lora, jax.random.key(0)), seed=2)
-    save_peft(config, adapters, lora, str(path / "ours"))
+    save_peft(config, adapters, lora, str(path / "ours"), image_text=image_text)
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path / "base"), dtype=torch.float32)
-    peer = peft.PeftModel.from_pretrained(model, str(path / "ours"), is_trainable=True)
+    peer = peft.PeftModel.from_pretrained(peer_base(), str(path / "ours"), is_trainable=True)
     labels = torch.tensor(tokens)
     labels[0, :5] = -100  # a masked prompt: its positions carry no loss
     out = peer(input_ids=torch.tensor(tokens), labels=labels)
@@ -91,16 +115,15 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(saved):
     out.loss.backward()
     np.testing.assert_allclose(float(value), out.loss.item(), rtol=1e-5)
     named = {n.replace(".default.", "."): p for n, p in peer.named_parameters()}
-    ours = peft_tensors(config, grads, lora)
+    ours = peft_tensors(config, grads, lora, image_text=image_text)
     assert set(ours) == {n for n, p in named.items() if p.requires_grad}
     scale = max(float(np.abs(g).max()) for g in ours.values())
     for key, got in ours.items():
         np.testing.assert_allclose(got, named[key].grad.numpy(), rtol=0, atol=1e-5 * scale, err_msg=key)
 
     # peft's own adapters (drawn by peft, saved by peft) into jaxformer, unmerged and merged.
-    fresh = transformers.AutoModelForCausalLM.from_pretrained(str(path / "base"), dtype=torch.float32)
-    theirs = peft.get_peft_model(fresh, peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(lora.targets),
-                                                        init_lora_weights="gaussian"))
+    theirs = peft.get_peft_model(peer_base(), peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(lora.targets),
+                                                              init_lora_weights="gaussian"))
     with torch.no_grad():
         for n, p in theirs.named_parameters():
             if "lora_B" in n:
