@@ -36,19 +36,26 @@ from jaxformer.attention import FULL_WINDOW, Visibility
 from jaxformer.lora import project
 from jaxformer.sharding import CONV, EMBED, HEAD_DIM, HEADS, KV_HEADS, Weight, compute_param, param
 
-_dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)  # every product here is float32
+_dot = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)  # every product here is float32 at least
+
+
+def wide(dtype) -> jnp.dtype:
+    """The dtype the layer computes in from inputs of `dtype`: float32, or float64 in a float64 model (whose
+    results are then a float32 model's float64 twin, as the tests' error bounds take them)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """`x / sqrt(sum(x^2) + eps)` over the last axis, float32 (transformers' `l2norm`, its eps)."""
-    x = x.astype(jnp.float32)
+    """`x / sqrt(sum(x^2) + eps)` over the last axis, float32 at least (transformers' `l2norm`, its eps)."""
+    x = x.astype(wide(x.dtype))
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def decay(a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
-    """`g = -exp(A_log) * softplus(a + dt_bias)`, float32 `[batch, T, heads]` from `a` of the same
+    """`g = -exp(A_log) * softplus(a + dt_bias)`, float32 (`wide`) `[batch, T, heads]` from `a` of the same
     shape and `a_log`, `dt_bias` `[heads]`: the log of each token's forget factor, <= 0."""
-    return -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    dtype = wide(a.dtype)
+    return -jnp.exp(a_log.astype(dtype)) * jax.nn.softplus(a.astype(dtype) + dt_bias.astype(dtype))
 
 
 def short_convolution(x: jax.Array, weight: jax.Array, state: jax.Array, valid: jax.Array | None = None
@@ -68,8 +75,8 @@ def short_convolution(x: jax.Array, weight: jax.Array, state: jax.Array, valid: 
     """
     K, T = weight.shape[0], x.shape[1]
     window = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [batch, K - 1 + T, channels]
-    taps = weight.astype(jnp.float32)
-    y = sum(window[:, j:j + T].astype(jnp.float32) * taps[j] for j in range(K))  # [batch, T, channels]
+    taps = weight.astype(wide(x.dtype))
+    y = sum(window[:, j:j + T].astype(taps.dtype) * taps[j] for j in range(K))  # [batch, T, channels]
     if valid is None:
         return jax.nn.silu(y).astype(x.dtype), window[:, T:]
     kept = jnp.sum(valid, axis=1)  # [batch]: the window's last K - 1 up to the row's end, window[kept : kept + K - 1]
@@ -78,15 +85,15 @@ def short_convolution(x: jax.Array, weight: jax.Array, state: jax.Array, valid: 
 
 
 def _per_value_head(q, k, v, g, beta, valid):
-    """The rule's inputs in float32 with q and k repeated to v's heads (head h reads key head h // r),
-    q scaled by `1 / sqrt(d_k)`, and on padding (`valid` False) a decay of 1 (`g = 0`) and no write
+    """The rule's inputs in float32 (at least: `wide`) with q and k repeated to v's heads (head h reads key
+    head h // r), q scaled by `1 / sqrt(d_k)`, and on padding (`valid` False) a decay of 1 (`g = 0`) and no write
     (`beta = 0`): such a token leaves the state as it was."""
-    r = v.shape[2] // q.shape[2]
-    q, k = (jnp.repeat(x.astype(jnp.float32), r, axis=2) for x in (q, k))  # [batch, T, heads, d_k]
-    g, beta = g.astype(jnp.float32), beta.astype(jnp.float32)  # [batch, T, heads]
+    r, dtype = v.shape[2] // q.shape[2], wide(v.dtype)
+    q, k = (jnp.repeat(x.astype(dtype), r, axis=2) for x in (q, k))  # [batch, T, heads, d_k]
+    g, beta = g.astype(dtype), beta.astype(dtype)  # [batch, T, heads]
     if valid is not None:
         g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
-    return q * q.shape[-1] ** -0.5, k, v.astype(jnp.float32), g, beta
+    return q * q.shape[-1] ** -0.5, k, v.astype(dtype), g, beta
 
 
 def unit_lower_inverse(A: jax.Array) -> jax.Array:
@@ -133,7 +140,7 @@ def recurrent_delta_rule(q, k, v, g, beta, state, valid=None) -> tuple[jax.Array
         S = S + k_t[..., :, None] * delta[..., None, :]  # + k delta^T
         return S, _dot("bhkv,bhk->bhv", S, q_t)  # o_t = S^T q
 
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)])
+    state, o = jax.lax.scan(step, state.astype(q.dtype), [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)])
     return jnp.moveaxis(o, 0, 1), state
 
 
@@ -171,7 +178,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, valid=None, chunk: int = 64) -> 
         gamma = jnp.cumsum(g, axis=-1)  # [batch, heads, C]
         decays = jnp.exp(jnp.where(seen, gamma[..., :, None] - gamma[..., None, :], -jnp.inf))  # e^(gamma_i - gamma_j)
         k_beta = k * beta[..., None]
-        A = _dot("bhik,bhjk->bhij", k_beta, k) * decays * (1 - jnp.eye(C))  # [batch, heads, C, C], j < i
+        A = _dot("bhik,bhjk->bhij", k_beta, k) * decays * (1 - jnp.eye(C, dtype=q.dtype))  # [batch, heads, C, C], j < i
         inverse = unit_lower_inverse(A)
         u = _dot("bhij,bhjv->bhiv", inverse, v * beta[..., None])  # [batch, heads, C, d_v]: delta were S_0 zero
         w = _dot("bhij,bhjk->bhik", inverse, k_beta * jnp.exp(gamma)[..., None])  # [..., C, d_k]: delta = u - w S_0
@@ -181,7 +188,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, valid=None, chunk: int = 64) -> 
         k_end = k * jnp.exp(gamma[..., -1:] - gamma)[..., None]  # token j's write decayed to the chunk's end
         return jnp.exp(gamma[..., -1])[..., None, None] * S + _dot("bhjk,bhjv->bhkv", k_end, delta), o
 
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), [chunks(x) for x in (q, k, v, g, beta)])
+    state, o = jax.lax.scan(step, state.astype(q.dtype), [chunks(x) for x in (q, k, v, g, beta)])
     o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(batch, -1, heads, o.shape[-1])  # [batch, n * C, heads, d_v]
     return o[:, :T], state
 
@@ -190,9 +197,10 @@ def gated_rms_norm(x: jax.Array, z: jax.Array, weight: jax.Array, eps: float) ->
     """`norm(x) * silu(z)` over the last axis: `x / sqrt(mean(x^2) + eps)`, cast to x's dtype, times
     `weight` as stored (ones at init: not `1 + weight`), times `silu(z)` in float32, cast to x's
     dtype (transformers' `Qwen3NextRMSNormGated`, in its order)."""
-    x32 = x.astype(jnp.float32)
+    dtype = wide(x.dtype)
+    x32 = x.astype(dtype)
     normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    return ((weight.astype(x.dtype) * normed).astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+    return ((weight.astype(x.dtype) * normed).astype(dtype) * jax.nn.silu(z.astype(dtype))).astype(x.dtype)
 
 
 def linear_attention(spec: GatedDeltaNetSpec, qkv: jax.Array, g: jax.Array, beta: jax.Array, conv_weight: jax.Array,
