@@ -549,12 +549,12 @@ class KVCache:
 
     @property
     def heads_axes(self):
-        """A tree like `layers` giving each array's heads axis, counted from its end (a slot's kv
-        heads, -2; a state's heads, -3), or 0 where it has none (a state's conv inputs): what a
-        mesh splits over its `model` axis."""
+        """A tree like `layers` giving the axis of each array that a mesh splits over its `model`
+        axis (`sharding.cache_shardings`), counted from its end: a slot's kv heads, -2; a state's
+        value heads, -3, and its conv inputs' channels, -1."""
         def axes(stack):
             if isinstance(stack, LinearState):
-                return stack.replace(conv=0, state=-3)
+                return stack.replace(conv=-1, state=-3)
             return stack.replace(k=-2, v=-2)
 
         return jax.tree.map(axes, self.layers, is_leaf=is_stack)

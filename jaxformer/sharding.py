@@ -311,19 +311,35 @@ def mesh_of_shardings(shardings) -> Mesh | None:
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Where a `KVCache` lives: rows over `data` (and `expert`, `batch_axes`), heads over `model`
-    (where they divide), as the layer that reads it is split: a slot's kv heads, a linear layer's
-    state's heads (its few conv inputs, a row's, kept whole)."""
+    """Where a `KVCache` lives: rows over `data` (and `expert`, `batch_axes`), and each layer's
+    arrays over `model` as the layer that reads them is split, where all of them divide it (else
+    they are whole on each device): a slot's kv heads; a linear layer's state's value heads and its
+    conv inputs' channels.
+
+    A Gated DeltaNet layer whose value heads split runs split: its q, k and v channels come out of
+    their projections over `model`, and XLA places the conv inputs a prefill keeps by their channels
+    there. Placed by rows alone, they would be gathered onto every device after the prefill (each
+    holding `model` times the bytes) and the new token's channels at every step; split, each device
+    keeps and updates its own channels in place. Each channel's convolution is its own (nothing is
+    summed across devices), so decoding computes the same numbers either way."""
+    from jaxformer.cache import is_stack  # (here: the cache's module imports the layers, which import this one)
+
     rows = (batch_axes(mesh) if cache.batch_size % batch_devices(mesh) == 0 else
             DATA if cache.batch_size % axis_size(mesh, DATA) == 0 else None)
+    model = axis_size(mesh, MODEL)
 
-    def place(leaf, heads_axis: int):  # heads_axis counted from the end; 0: the leaf has none
-        spec = [rows] + [None] * (leaf.ndim - 1)
-        if heads_axis and leaf.shape[heads_axis] % axis_size(mesh, MODEL) == 0:
-            spec[leaf.ndim + heads_axis] = MODEL
-        return NamedSharding(mesh, PartitionSpec(*spec))
+    def place(stack, axes):  # one layer's (or stack's) arrays, and the axis of each that `model` splits
+        split = all(leaf.shape[axis] % model == 0 for leaf, axis in zip(jax.tree.leaves(stack), jax.tree.leaves(axes)))
 
-    return cache.replace(layers=jax.tree.map(place, cache.layers, cache.heads_axes),
+        def sharding(leaf, axis: int):  # axis counted from the end
+            spec = [rows] + [None] * (leaf.ndim - 1)
+            if split:
+                spec[leaf.ndim + axis] = MODEL
+            return NamedSharding(mesh, PartitionSpec(*spec))
+
+        return jax.tree.map(sharding, stack, axes)
+
+    return cache.replace(layers=jax.tree.map(place, cache.layers, cache.heads_axes, is_leaf=is_stack),
                          pos=NamedSharding(mesh, PartitionSpec(rows)),
                          stop=None if cache.stop is None else NamedSharding(mesh, PartitionSpec(rows)))
 

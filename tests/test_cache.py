@@ -400,8 +400,8 @@ def test_a_cache_keeps_linear_layers_states_beside_keys_and_values(stacked):
                                 jax.tree.map(lambda a: a[:2] + 1, state_of(begun, 1)))  # whole rows' states
     chex.assert_trees_all_equal(jax.tree.map(lambda a: a[2], state_of(stepped, 1)),
                                 jax.tree.map(lambda a: a[2], state_of(begun, 1)))
-    axes = jax.tree.leaves(cache.heads_axes)  # what a mesh splits over `model`: kv heads, a state's heads
-    assert sorted(axes) == sorted([-2, -2] + [0, -3] * (1 if stacked else 3))
+    axes = jax.tree.leaves(cache.heads_axes)  # what a mesh splits over `model`: kv heads, a state's heads, its channels
+    assert sorted(axes) == sorted([-2, -2] + [-1, -3] * (1 if stacked else 3))
 
 
 def hybrid_config(**changes) -> DecoderConfig:

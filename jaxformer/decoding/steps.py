@@ -41,6 +41,8 @@ def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_c
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
     prompt_len = request.decoder_prompt.shape[1]
     logits, cache = step_fn(model, params, context)(request.decoder_prompt, with_span(cache, prompt_len))
+    if mesh is not None:  # what the prompt wrote, placed so too (not left to XLA: a linear layer's conv inputs)
+        cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
     last = jnp.take_along_axis(logits, (request.lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
     return context, last, with_span(cache, None).replace(pos=lengths, stop=None)
 

@@ -22,6 +22,7 @@ from jaxformer.latent_attention import LatentAttentionSpec
 from jaxformer.layers import LayerSpec, layer_specs
 from jaxformer.sharding import (
     batch_sharding,
+    cache_shardings,
     check_mesh_fits,
     make_mesh,
     param_axes,
@@ -40,6 +41,17 @@ VANILLA = VanillaConfig(src_vocab_size=24, tgt_vocab_size=24, n_layer=1, d_model
                         dropout=0.1, max_seq_len=16)
 MESHES = [("dp", 8, 1), ("fsdp", 8, 1), ("dp", 1, 8), ("dp", 2, 4), ("fsdp", 2, 4)]
 BATCH = 8
+
+# The new mixer kinds on meshes: a hybrid (three Gated DeltaNet layers, then a full-attention one; 2 key and 4
+# value heads) and a decoder of latent attention layers (8 query heads over one latent).
+_LINEAR = GatedDeltaNetSpec(2, 4, 8, 8, chunk=4)
+HYBRID = DECODER.replace(n_layer=4, layers=(dataclasses.replace(layer_specs(DECODER)[0], mixer=_LINEAR),) * 3
+                         + (layer_specs(DECODER)[0],))
+_LATENT = LatentAttentionSpec(n_head=8, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                              v_head_dim=6, rope_theta=10000.0, rope_scaling=None, rope_pairing="split_half")
+LATENT = DECODER.replace(layers=(LayerSpec(_LATENT, GatedMLPSpec(48)),) * DECODER.n_layer)
+NEW_KINDS = [HYBRID, LATENT]
+NEW_MESHES = [("dp", 2, 4), ("fsdp", 4, 2)]
 
 
 @functools.cache  # each setup is made once, and its one-device steps (below) run once
@@ -277,8 +289,16 @@ def test_train_lm_refuses_a_mesh_that_does_not_fit(tmp_path, capsys, flags, mess
 
 
 
-@pytest.mark.parametrize("strategy, data, model", MESHES[:3], ids=[f"{s}-{d}x{m}" for s, d, m in MESHES[:3]])
-def test_lora_gradients_on_a_mesh_match_one_device(strategy, data, model):
+# (config, targets, mesh): Llama's modules on the dense decoder; on the hybrid, its Gated DeltaNet layers' five and
+# its attention layer's q and o, on the meshes that split its value heads (and its kv heads, 2 x 4 not) over `model`.
+LORA_CASES = ([("decoder", DECODER, ("q_proj", "o_proj", "up_proj", "down_proj"), *mesh) for mesh in MESHES[:3]]
+              + [("hybrid", HYBRID, ("q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                     "out_proj", "up_proj"), *mesh) for mesh in NEW_MESHES])
+
+
+@pytest.mark.parametrize("config, targets, strategy, data, model", [case[1:] for case in LORA_CASES],
+                         ids=[f"{name}-{s}-{d}x{m}" for name, _, _, s, d, m in LORA_CASES])
+def test_lora_gradients_on_a_mesh_match_one_device(config, targets, strategy, data, model):
     """The frozen base placed by the rules, the adapters whole on every device (as
     jaxformer-finetune places them), dropout on: the loss and the adapters' gradients are one
     device's (the same masks drawn; only the reductions' order differs).
@@ -290,8 +310,8 @@ def test_lora_gradients_on_a_mesh_match_one_device(strategy, data, model):
     float64 twin; a wrong mask or a mis-split base moves an entry by its own size."""
     from jaxformer.lora import LoraConfig, init_lora
 
-    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "o_proj", "up_proj", "down_proj"), dropout=0.1)
-    base, batch, _, axes = _decoder_setup()
+    lora = LoraConfig(rank=4, alpha=8.0, targets=targets, dropout=0.1)
+    base, batch, _, axes = _decoder_setup(config)
     adapters = jax.tree.map(lambda x: x + 0.1, init_lora(base, lora, jax.random.key(2)))  # b away from zero
 
     def loss_and_grads(config, base, adapters, batch):
@@ -301,13 +321,13 @@ def test_lora_gradients_on_a_mesh_match_one_device(strategy, data, model):
             return label_smoothed_cross_entropy(logits, batch["targets"], 0.0)
         return jax.value_and_grad(loss)(adapters)
 
-    program = jax.jit(functools.partial(loss_and_grads, DECODER))
+    program = jax.jit(functools.partial(loss_and_grads, config))
     want_loss, want_grads = program(base, adapters, batch)
     mesh = make_mesh(data=data, model=model)
     placed = jax.device_put(base, tree_shardings(base, axes, mesh, strategy))
     loss, grads = program(placed, adapters, jax.device_put(batch, batch_sharding(mesh)))
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)  # the same masks, the same forward
-    _, grads64 = in_float64(functools.partial(loss_and_grads, float64_config(DECODER)), base, adapters, batch)
+    _, grads64 = in_float64(functools.partial(loss_and_grads, float64_config(config)), base, adapters, batch)
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want_grads))
     for got, want, want64 in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), jax.tree.leaves(grads64)):
         bound = 2 * REORDERED * float(np.abs(np.asarray(want, np.float64) - want64).max())
@@ -517,29 +537,18 @@ def test_generation_on_an_expert_mesh_matches_one_device():
         NamedSharding(mesh, PartitionSpec(("data", "expert"), None, None, None)), 4)
 
 
-# The new mixer kinds on meshes: a hybrid (three Gated DeltaNet layers, then a full-attention one; 2 key and 4
-# value heads) and a decoder of latent attention layers (8 query heads over one latent).
-_LINEAR = GatedDeltaNetSpec(2, 4, 8, 8, chunk=4)
-HYBRID = DECODER.replace(n_layer=4, layers=(dataclasses.replace(layer_specs(DECODER)[0], mixer=_LINEAR),) * 3
-                         + (layer_specs(DECODER)[0],))
-_LATENT = LatentAttentionSpec(n_head=8, q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                              v_head_dim=6, rope_theta=10000.0, rope_scaling=None, rope_pairing="split_half")
-LATENT = DECODER.replace(layers=(LayerSpec(_LATENT, GatedMLPSpec(48)),) * DECODER.n_layer)
-NEW_KINDS = [HYBRID, LATENT]
-NEW_MESHES = [("dp", 2, 4), ("fsdp", 4, 2)]
 
 
 def _cache_specs(config: DecoderConfig, data: int, model: int) -> list:
-    """The specs `cache_shardings` must give each cache array: rows over `data`; a slot's kv heads and a
-    state's value heads over `model` where they divide it (a latent slot's one "head": rows only); a
-    state's conv inputs' rows over `data` (None: their other axes are left to XLA, which splits their
-    channels over `model` after the prefill, where `cache_shardings` keeps them whole)."""
+    """The specs `cache_shardings` must give each cache array: rows over `data`; a slot's kv heads, and a
+    state's value heads with its conv inputs' channels, over `model` where they divide it (a latent slot's
+    one "head": rows only)."""
     P, rows = PartitionSpec, "data" if data > 1 else None
     if config is LATENT:  # each layer's latent [batch, slots, 1, r] and rope key [batch, slots, 1, rope]
         return [P(rows, None, "model" if model == 1 else None, None)] * 2 * config.n_layer
     kv = "model" if 2 % model == 0 else None
-    state = "model" if 4 % model == 0 else None
-    return [None, P(rows, state, None, None)] * 3 + [P(rows, None, kv, None)] * 2
+    state = "model" if 4 % model == 0 else None  # 4 value heads; 2 * 2 * 8 + 4 * 8 = 64 conv channels
+    return [P(rows, None, state), P(rows, state, None, None)] * 3 + [P(rows, None, kv, None)] * 2
 
 
 @pytest.mark.parametrize("config", NEW_KINDS, ids=["hybrid", "latent"])
@@ -569,9 +578,22 @@ def test_the_new_mixers_train_and_generate_on_a_mesh_as_on_one_device(config, st
         specs = _cache_specs(config, data, model)
         assert len(arrays) == len(specs)
         for array, spec in zip(arrays, specs):
-            if spec is None:  # a conv's inputs: rows over data
-                assert array.sharding.spec[0] == ("data" if data > 1 else None), array.sharding
-                continue
             assert array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim), (array.shape, spec,
                                                                                            array.sharding)
         state, _, _ = advance(decoder, placed, request, state)
+
+
+@pytest.mark.parametrize("data, model, conv", [(2, 4, PartitionSpec("data", None, "model")),
+                                               (1, 8, PartitionSpec(None, None, None))])
+def test_a_hybrids_cache_after_the_prefill_lies_where_cache_shardings_says(data, model, conv):
+    """The prefill's cache, every array of it, where `cache_shardings` says: a Gated DeltaNet layer's conv inputs
+    `[rows, 3, 64 channels]` over `model` by their channels where its 4 value heads split (2 x 4), whole where they
+    do not (1 x 8, though 64 channels would split 8 ways: the layer runs whole there)."""
+    decoder, params = Decoder(HYBRID), _decoder_setup(HYBRID)[0]
+    mesh = make_mesh(data=data, model=model)
+    placed = jax.device_put(params, tree_shardings(params, param_axes(decoder), mesh, "dp"))
+    prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, HYBRID.vocab_size)
+    cache = start(decoder, placed, DecodeRequest.create(decoder, prompt, max_new_tokens=4), mesh).cache
+    for array, sharding in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_shardings(cache, mesh))):
+        assert array.sharding.is_equivalent_to(sharding, array.ndim), (array.shape, array.sharding, sharding)
+    assert cache.layers[0].conv.sharding.is_equivalent_to(NamedSharding(mesh, conv), 3), cache.layers[0].conv.sharding
