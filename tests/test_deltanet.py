@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_peer, torch_peer
+from conftest import import_peer, in_float64, torch_peer
 
 from jaxformer import DecoderConfig, KVCache
 from jaxformer.attention import Part
@@ -79,6 +79,23 @@ def test_the_chunked_forms_gradients_equal_the_recurrent_ones(T):
 
     for got, want in zip(scalar(_chunked)(*inputs), scalar(_recurrent)(*inputs)):
         np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_a_float64_model_computes_the_rule_in_float64():
+    """Float64 inputs (a float64 model, the float32 one's twin in the tests' error bounds) are computed in
+    float64: both forms agree to float64's rounding (float32's would leave ~1e-7), and the decay, the
+    normalised keys and the gated norm stay float64."""
+    inputs = _rule_inputs(0, CHUNK + 1)
+
+    def both(q, k, v, g, beta, state):
+        return (chunked_delta_rule(q, k, v, g, beta, state, chunk=CHUNK), recurrent_delta_rule(q, k, v, g, beta, state),
+                decay(g, v[0, 0, :, 0], v[0, 0, :, 1]), l2_normalize(q), gated_rms_norm(v, v, v[0, 0, 0], 1e-6))
+
+    (chunked, recurrent, *others) = in_float64(both, *inputs)
+    for got, want in zip(chunked, recurrent):
+        assert got.dtype == want.dtype == np.float64
+        np.testing.assert_allclose(got, want, atol=1e-12, rtol=0)
+    assert [x.dtype for x in others] == [np.float64] * 3
 
 
 @pytest.mark.parametrize("C", [1, 7, 64])
