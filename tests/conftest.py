@@ -504,14 +504,15 @@ FULL_TIER.update({
 
 # Gemma 4's tiny E2B and 26B-A4B (conftest.GEMMA4) on the decoding paths: beam search, sampled steps against the
 # full forward, speculative decoding, the engine and perplexity, each compiling the models' programs at several
-# shapes: 21-115 s each on 2 shared cores (the 26B-A4B's experts the slower).
+# shapes; and LoRA against peft: 12-115 s each on 2 shared cores (the 26B-A4B's experts the slower).
 FULL_TIER.update({
-    **{f"{test}[{name}": "Gemma 4 on the decoding paths"
+    **{f"{test}[{name}": "Gemma 4 on the decoding paths and LoRA"
        for test in ("tests/decoding/test_beam_search.py::test_beam_search_on_gemma_4",
                     "tests/decoding/test_generation.py::test_gemma_4_sampled_steps_give_the_full_forwards_logits",
                     "tests/decoding/test_speculative.py::test_greedy_on_gemma_4_gives_generates_tokens",
                     "tests/serving/test_engine.py::test_gemma_4_serves_each_request_what_it_gets_alone",
-                    "tests/text/test_perplexity.py::test_gemma_4_perplexity_is_the_formula")
+                    "tests/text/test_perplexity.py::test_gemma_4_perplexity_is_the_formula",
+                    "tests/test_lora_mixers.py::test_lora_on_gemma_4_equals_peft_in_float64")
        for name in ("gemma-4-E2B-it", "gemma-4-26B-A4B-it")},
 })
 
@@ -643,7 +644,7 @@ def without_modules(names: tuple[str, ...]):
     """A context in which each flax module named in `names` (e.g. a latent attention's norms, `q_a_norm` and
     `kv_a_norm`) returns its input unchanged: the model as if it had no such module, for a guard that the
     module counts. A program must be traced inside it: `jit_apply`'s, traced before for the model with its
-    modules, would be served again."""
+    modules, would be served again (`jit_apply_anew`)."""
     import flax.linen as nn
 
     def skipped(call, args, kwargs, context):
@@ -652,6 +653,12 @@ def without_modules(names: tuple[str, ...]):
         return call(*args, **kwargs)
 
     return nn.intercept_methods(skipped)
+
+
+def jit_apply_anew(model, variables, *args):
+    """`jit_apply(model, variables, *args)` from a program traced at this call: inside a context that changes
+    how the model computes (`without_modules`), where `jit_apply`'s program of before would be served again."""
+    return jax.jit(lambda variables, *args: model.apply(variables, *args))(variables, *args)
 
 
 def scaled_random_params(params, seed: int, scale: float = 0.3):
