@@ -503,8 +503,8 @@ FULL_TIER.update({
 })
 
 # Gemma 4's tiny E2B and 26B-A4B (conftest.GEMMA4) on the decoding paths: beam search, sampled steps against the
-# full forward, speculative decoding, the engine and perplexity, each compiling the models' programs at several
-# shapes; and LoRA against peft: 12-115 s each on 2 shared cores (the 26B-A4B's experts the slower).
+# full forward, speculative decoding, the engine (its prefix cache too) and perplexity, each compiling the models'
+# programs at several shapes; and LoRA against peft: 12-115 s each on 2 shared cores (the 26B-A4B's the slower).
 FULL_TIER.update({
     **{f"{test}[{name}": "Gemma 4 on the decoding paths and LoRA"
        for test in ("tests/decoding/test_beam_search.py::test_beam_search_on_gemma_4",
@@ -512,6 +512,7 @@ FULL_TIER.update({
                     "tests/decoding/test_speculative.py::test_greedy_on_gemma_4_gives_generates_tokens",
                     "tests/serving/test_engine.py::test_gemma_4_serves_each_request_what_it_gets_alone",
                     "tests/text/test_perplexity.py::test_gemma_4_perplexity_is_the_formula",
+                    "tests/serving/test_prefixes.py::test_gemma_4_reuses_a_cached_prompt_and_decodes_the_same",
                     "tests/test_lora_mixers.py::test_lora_on_gemma_4_equals_peft_in_float64")
        for name in ("gemma-4-E2B-it", "gemma-4-26B-A4B-it")},
 })
