@@ -517,6 +517,7 @@ FULL_TIER.update({
        for name in ("gemma-4-E2B-it", "gemma-4-26B-A4B-it")},
 })
 
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
 def pytest_collection_modifyitems(config, items):
     """The full tier's tests marked `full`; the files of `LONGEST_FIRST` first, in that
