@@ -503,6 +503,21 @@ FULL_TIER.update({
        "more mixers" for name in ("linear", "latent-blocks")},
 })
 
+# Gemma 4's tiny E2B and 26B-A4B (conftest.GEMMA4) on the decoding paths: beam search, sampled steps against the
+# full forward, speculative decoding, the engine (its prefix cache too) and perplexity, each compiling the models'
+# programs at several shapes; and LoRA against peft: 12-115 s each on 2 shared cores (the 26B-A4B's the slower).
+FULL_TIER.update({
+    **{f"{test}[{name}": "Gemma 4 on the decoding paths and LoRA"
+       for test in ("tests/decoding/test_beam_search.py::test_beam_search_on_gemma_4",
+                    "tests/decoding/test_generation.py::test_gemma_4_sampled_steps_give_the_full_forwards_logits",
+                    "tests/decoding/test_speculative.py::test_greedy_on_gemma_4_gives_generates_tokens",
+                    "tests/serving/test_engine.py::test_gemma_4_serves_each_request_what_it_gets_alone",
+                    "tests/text/test_perplexity.py::test_gemma_4_perplexity_is_the_formula",
+                    "tests/serving/test_prefixes.py::test_gemma_4_reuses_a_cached_prompt_and_decodes_the_same",
+                    "tests/test_lora_mixers.py::test_lora_on_gemma_4_equals_peft_in_float64")
+       for name in ("gemma-4-E2B-it", "gemma-4-26B-A4B-it")},
+})
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks
 def pytest_collection_modifyitems(config, items):
@@ -601,6 +616,52 @@ def with_experts(config: DecoderConfig, spec) -> DecoderConfig:
     """`config` with its specs filled in as `layers` (`layer_specs`), every layer's feed-forward
     `spec` (an `ExpertsSpec`: a mixture of experts)."""
     return config.replace(layers=tuple(dataclasses.replace(s, ffn=spec) for s in layer_specs(config)))
+
+
+# Gemma 4 at tests/families/shipped.py's tiny sizes, cut to a few layers (seconds to compile) for the decoding paths:
+# the E2B's per-layer inputs with a sliding and a global layer that compute keys and values, then one of each that
+# reads theirs; the 26B-A4B's experts beside each MLP, on a sliding layer and a global one. Its final cap (30)
+# shrunk to where these tiny models' logits reach it (as tests/families/test_families.py's).
+GEMMA4 = {"gemma-4-E2B-it": dict(num_hidden_layers=5, num_kv_shared_layers=2, final_logit_softcapping=3.0,
+                                 layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                              "sliding_attention", "full_attention"]),
+          "gemma-4-26B-A4B-it": dict(num_hidden_layers=2, final_logit_softcapping=3.0,
+                                     layer_types=["sliding_attention", "full_attention"])}
+
+
+@functools.cache
+def tiny_gemma4(name: str):
+    """`(Decoder, params)` of `GEMMA4[name]`: random weights (each model's seed and scale one whose greedy
+    continuations vary rather than repeat a token), the embeddings at 0.4 / sqrt(d_model), as `shipped.scaled_up`
+    draws Gemma's (Gemma multiplies them by sqrt(d_model): larger, each token's own embedding decides its next)."""
+    from jaxformer.convert import config_from_hf
+    from tests.families.shipped import tiny
+
+    config = config_from_hf(tiny(name, **GEMMA4[name]), max_seq_len=64)
+    seed, scale = {"gemma-4-E2B-it": (1, 0.6), "gemma-4-26B-A4B-it": (2, 0.4)}[name]
+    params = random_params(config, seed=seed, scale=scale)
+    return Decoder(config), {**params, "embed": params["embed"] * (0.4 / config.d_model ** 0.5) / scale}
+
+
+def without_modules(names: tuple[str, ...]):
+    """A context in which each flax module named in `names` (e.g. a latent attention's norms, `q_a_norm` and
+    `kv_a_norm`) returns its input unchanged: the model as if it had no such module, for a guard that the
+    module counts. A program must be traced inside it: `jit_apply`'s, traced before for the model with its
+    modules, would be served again (`jit_apply_anew`)."""
+    import flax.linen as nn
+
+    def skipped(call, args, kwargs, context):
+        if context.module.name in names and context.method_name == "__call__":
+            return args[0]
+        return call(*args, **kwargs)
+
+    return nn.intercept_methods(skipped)
+
+
+def jit_apply_anew(model, variables, *args):
+    """`jit_apply(model, variables, *args)` from a program traced at this call: inside a context that changes
+    how the model computes (`without_modules`), where `jit_apply`'s program of before would be served again."""
+    return jax.jit(lambda variables, *args: model.apply(variables, *args))(variables, *args)
 
 
 def scaled_random_params(params, seed: int, scale: float = 0.3):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, import_peer, jit_apply, torch_peer
+from conftest import SMALL, import_peer, jit_apply, jit_apply_anew, torch_peer, without_modules
 from conftest import random_params as random_params_of
 
 from jaxformer import Decoder, DecoderConfig, KVCache, generate
@@ -60,11 +60,11 @@ def part_at(spec, position, key_position, rows, cache=None) -> Part:
     return Part(rows, position.shape[-1], cos, sin, {spec.attention_type: seen}, cache)
 
 
-def expanded(spec, variables, x, config=CONFIG, start=START):
+def expanded(spec, variables, x, config=CONFIG, start=START, apply=jit_apply):
     """The layer's output over `x [batch, T, d]` at positions `start ..`, uncached (the expanded form)."""
     position = start + jnp.arange(x.shape[1])
     part = part_at(spec, position, position, x.shape[0])
-    return jit_apply(LatentAttention(config, spec), variables, x, (part,))[0]
+    return apply(LatentAttention(config, spec), variables, x, (part,))[0]
 
 
 def torch_state(spec, params) -> dict:
@@ -96,7 +96,9 @@ def test_the_layer_equals_transformers_deepseek_attention(case):
     (eager, torch float32) with its weights copied over, each side's own YaRN rope from the same
     config.json fields, positions from 3000 on, the causal mask written out: within float32
     rounding. The softmax scale and the cos/sin scale are transformers' numbers, and the score
-    scale's mscale_all_dim factor counts: the scores scaled by qk_head_dim ** -0.5 alone differ."""
+    scale's mscale_all_dim factor counts: the scores scaled by qk_head_dim ** -0.5 alone differ. So do
+    the latents' norms (q_a_layernorm, kv_a_layernorm): without either one, the layer is transformers'
+    layer without it, and not the layer with it."""
     torch = torch_peer()
     name, q_lora_rank, interleave, rope_scaling = PEERS[case]
     module = import_peer(f"transformers.models.{name}.modeling_{name}")
@@ -129,6 +131,17 @@ def test_the_layer_equals_transformers_deepseek_attention(case):
     if spec.softmax_scale != spec.qk_head_dim ** -0.5:
         plain = np.asarray(expanded(dataclasses.replace(spec, scale=spec.qk_head_dim ** -0.5), {"params": params}, x))
         assert np.abs(plain - want).max() > 100 * 1e-5 * np.abs(want).max()
+    # Each latent's norm removed from both layers: they agree again, and differ from the layer with it.
+    for norm, hf_norm in [("kv_a_norm", "kv_a_layernorm")] + ([("q_a_norm", "q_a_layernorm")] if q_lora_rank else []):
+        with without_modules((norm,)):
+            unnormed = np.asarray(expanded(spec, {"params": params}, x, apply=jit_apply_anew))
+        kept = getattr(layer, hf_norm)
+        setattr(layer, hf_norm, torch.nn.Identity())
+        with torch.no_grad():
+            want_unnormed = layer(x_torch, position_embeddings=angles, attention_mask=causal)[0].numpy()
+        setattr(layer, hf_norm, kept)
+        np.testing.assert_allclose(unnormed, want_unnormed, rtol=1e-5, atol=1e-5 * np.abs(want_unnormed).max())
+        assert np.abs(unnormed - want).max() > 100 * 1e-5 * np.abs(want).max(), f"{norm} removed changes nothing"
 
 
 def latent_cache(batch: int, slots: int, spec: LatentAttentionSpec, dtype=jnp.float32) -> KVCache:

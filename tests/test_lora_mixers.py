@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import import_peer, jit_apply, torch_peer
+from conftest import GEMMA4, float64_config, import_peer, in_float64, jit_apply, torch_peer
 from families.shipped import tiny
 
 from jaxformer import Decoder, label_smoothed_cross_entropy
@@ -187,6 +187,106 @@ def test_a_target_adapts_the_layers_whose_module_it_names(tmp_path):
     loaded, _ = load_peft(config, str(tmp_path))
     np.testing.assert_array_equal(loaded["block_0"]["attn"]["linear_qkvz"]["b"], adapters["block_0"]["attn"]
                                   ["linear_qkvz"]["b"])
+
+
+# Gemma 4's targets: the E2B's seven (its layers that read earlier ones' keys and values have no k_proj or
+# v_proj to adapt), the 26B-A4B's attention's four (its global layers have no v_proj: their keys' projection is
+# the values'; its MLP sits beside experts, refused below).
+GEMMA4_TARGETS = {"gemma-4-E2B-it": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                  "gemma-4-26B-A4B-it": ("q_proj", "k_proj", "v_proj", "o_proj")}
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("name", sorted(GEMMA4))
+def test_lora_on_gemma_4_equals_peft_in_float64(name, tmp_path):
+    """LoRA on Gemma 4's tiny E2B and 26B-A4B (conftest.GEMMA4, transformers' initialisation) against peft:
+    the logits with random adapters saved by `save_peft`, one step's loss and gradients, and peft's own
+    adapters loaded by `load_peft`, unmerged and merged. In float64 on both sides: at this initialisation
+    Gemma 4's unscaled scores (q and k normed, scale 1) make a few logits and the first layer's gradients
+    as far from their float64 values in float32 as the tolerance, in transformers' float32 as in ours
+    (measured: 1.2e-5 of logits of 0.55). (transformers' Gemma 4 norms compute in float32 whatever the
+    dtype: its float64 logits lie 2e-6 from ours.)"""
+    torch = torch_peer()
+    transformers = import_peer("transformers")
+    peft = import_peer("peft")
+    torch.manual_seed(0)
+    hf_config = transformers.AutoConfig.for_model(**tiny(name, **GEMMA4[name]))
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "base")
+    config, base = load_hf(str(tmp_path / "base"), max_seq_len=32)
+    wide = float64_config(config)
+
+    def peer(adapters: str, **options):  # (the experts' eager loop: torch's grouped product takes no float64)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float64,
+                                                                  experts_implementation="eager")
+        return peft.PeftModel.from_pretrained(model, str(tmp_path / adapters), **options).to(torch.float64)
+
+    def logits(config, params, adapters, lora, tokens):
+        return in_float64(lambda params, adapters: Decoder(float64_config(config).replace(lora=lora)).apply(
+            {"params": params, "lora": adapters}, jnp.asarray(tokens))[0], params, adapters)
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets=GEMMA4_TARGETS[name])
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 12))
+    adapters = trained_looking(init_lora(base, lora, jax.random.key(0)), seed=2)
+    save_peft(config, adapters, lora, str(tmp_path / "ours"))
+    labels = torch.tensor(tokens)
+    labels[0, :5] = -100  # a masked prompt: its positions carry no loss
+    ours = peer("ours", is_trainable=True)
+    out = ours(input_ids=torch.tensor(tokens), labels=labels)
+    got = logits(config, base, adapters, lora, tokens)
+    plain = in_float64(lambda params: Decoder(wide).apply({"params": params}, jnp.asarray(tokens))[0], base)
+    assert np.abs(got - plain).max() > 100 * TOLERANCE  # the adapters count
+    np.testing.assert_allclose(out.logits.detach().numpy(), got, rtol=TOLERANCE, atol=TOLERANCE)
+
+    targets = jnp.asarray(np.where(labels.numpy() == -100, -100, tokens)[:, 1:])
+
+    def loss(params, adapters):
+        logits = Decoder(wide.replace(lora=lora)).apply({"params": params, "lora": adapters},
+                                                        jnp.asarray(tokens[:, :-1]))[0]
+        return label_smoothed_cross_entropy(logits, targets, 0.0, ignore_id=-100)
+
+    value, grads = in_float64(lambda params, adapters: jax.value_and_grad(loss, argnums=1)(params, adapters), base,
+                              adapters)
+    out.loss.backward()
+    np.testing.assert_allclose(float(value), out.loss.item(), rtol=1e-5)
+    named = {n.replace(".default.", "."): p for n, p in ours.named_parameters()}
+    mine = peft_tensors(config, grads, lora)
+    assert set(mine) == {n for n, p in named.items() if p.requires_grad}
+    scale = max(float(np.abs(g).max()) for g in mine.values())
+    for key, grad in mine.items():
+        np.testing.assert_allclose(grad, named[key].grad.numpy(), rtol=0, atol=1e-5 * scale, err_msg=key)
+
+    # peft's own adapters (drawn by peft, saved by peft) into jaxformer, unmerged and merged.
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+    theirs = peft.get_peft_model(fresh, peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(lora.targets),
+                                                        init_lora_weights="gaussian"))
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # (peft starts B at zero even for "gaussian")
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    loaded, lora = load_peft(config, str(tmp_path / "theirs"))
+    assert (lora.rank, lora.alpha, sorted(lora.targets)) == (3, 5, sorted(GEMMA4_TARGETS[name]))
+    with torch.no_grad():
+        want = peer("theirs").eval()(input_ids=torch.tensor(tokens)).logits.numpy()
+    np.testing.assert_allclose(logits(config, base, loaded, lora, tokens), want, rtol=TOLERANCE, atol=TOLERANCE)
+    merged = in_float64(lambda params: Decoder(wide).apply({"params": params}, jnp.asarray(tokens))[0],
+                        merge(base, loaded, lora))
+    np.testing.assert_allclose(merged, want, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+def test_the_mlp_beside_gemma_4s_experts_is_refused_naming_the_target():
+    """The 26B-A4B's layers hold a gated MLP and experts side by side: a target of either is refused in one
+    line that names it and the targets the checkpoint takes (its attention's); the E2B's MLP takes all seven.
+    (From the configs alone: no model is run.)"""
+    config = config_from_hf(tiny("gemma-4-26B-A4B-it", **GEMMA4["gemma-4-26B-A4B-it"]), max_seq_len=32)
+    assert all_targets(config, parameters=True) == GEMMA4_TARGETS["gemma-4-26B-A4B-it"]
+    for target in ("gate_proj", "down_proj", "mlp.experts.gate_up_proj"):
+        with pytest.raises(ValueError, match=f"^{target}: the MLP and the experts beside it in a gemma4_text "
+                                             "checkpoint's layers take no adapter yet; its targets: q_proj, k_proj, "
+                                             "v_proj, o_proj$"):
+            check_targets(config, LoraConfig(targets=("q_proj", target)))
+    e2b = config_from_hf(tiny("gemma-4-E2B-it", **GEMMA4["gemma-4-E2B-it"]), max_seq_len=32)
+    assert all_targets(e2b) == GEMMA4_TARGETS["gemma-4-E2B-it"]
 
 
 @pytest.mark.peers

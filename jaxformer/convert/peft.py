@@ -39,6 +39,7 @@ import numpy as np
 from jaxformer.config import EXPERT_ADAPTERS, LINEAR_ADAPTERS, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert.hf import TEXT_PREFIX
 from jaxformer.convert.safetensors_file import SafetensorsFile
+from jaxformer.dense_experts import DenseAndExpertsSpec
 from jaxformer.experts import ExpertsSpec
 from jaxformer.families import family_of
 from jaxformer.families.common import Tensor, whole_shape
@@ -98,7 +99,8 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
 
     Raises:
       ValueError: a target that no layer has, one whose matrices a layer keeps in another
-        module, or an MLP's target on a layer of experts.
+        module, an MLP's target on a layer of experts, or an MLP's or the experts' target on
+        a model whose layers hold both side by side (Gemma 4's: not adapted yet).
     """
     tensors = {t.path: t for t in family_of(config).tensors(config)}
     model_type = config.hf_model_type or "llama"
@@ -107,6 +109,10 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
     linear = [spec.mixer.attention_type == "linear" for spec in specs]
     wrapped = [name for name in EXPERTS_PARAMETERS if f"mlp.experts.{name}" in lora.parameter_targets]
     stems = {}
+    for target, adapter in zip(lora.targets, lora.adapters):
+        if PARTS[adapter] == "mlp" and any(isinstance(spec.ffn, DenseAndExpertsSpec) for spec in specs):
+            raise ValueError(f"{target}: the MLP and the experts beside it in a {model_type} checkpoint's layers "
+                             "take no adapter yet")
     for target in lora.parameter_targets:
         if not any(experts):
             raise ValueError(f"{target} is not a parameter of a {model_type} checkpoint (it has no layer of experts)")

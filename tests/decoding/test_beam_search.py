@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
-from conftest import SMALL, jit_apply, random_params, with_experts
+from conftest import GEMMA4, SMALL, jit_apply, random_params, tiny_gemma4, with_experts
 
 from jaxformer import Decoder, DecoderConfig, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.decoding.beam import beam_search, gather_beams, length_norm
@@ -175,6 +175,41 @@ def test_beam_search_on_a_mixture_of_experts():
     np.testing.assert_allclose(score, log_probs[:2], atol=1e-4, rtol=1e-5)
     assert np.all(np.asarray(score) >= log_probs[2:] - 1e-5)
     assert not np.array_equal(out, greedy)  # the beams found likelier tokens than greedy's
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4))
+def test_beam_search_on_gemma_4(name):
+    """Gemma 4's tiny E2B (per-layer inputs; its last two layers read the keys and values that the
+    layers of their type before them keep) and 26B-A4B (experts beside each MLP), each with a ring
+    of 8 slots for its sliding layers: one beam is greedy; 4 beams' tokens are generate's, their
+    score the log-probability of those tokens under an independent full forward, no worse than
+    greedy's; and a ragged batch decoded by 3 beams (which reorder the rows of the caches the shared
+    layers read) gives each prompt the tokens it gets alone."""
+    model, params = tiny_gemma4(name)
+    prompt = jax.random.randint(jax.random.key(1), (2, 5), 0, model.config.vocab_size)
+    greedy = np.asarray(generate(model, params, prompt, max_new_tokens=10))
+    logits, cache = _prefilled(prompt, 1, 10, model, params)
+    one, _ = _model_beam_search(params, logits, cache, jnp.int32(-1), num_beams=1, max_new_tokens=10, model=model)
+    np.testing.assert_array_equal(one, greedy[:, 5:])
+    out = np.asarray(generate(model, params, prompt, max_new_tokens=10, num_beams=4))
+    logits, cache = _prefilled(prompt, 4, 10, model, params)
+    tokens, score = _model_beam_search(params, logits, cache, jnp.int32(-1), num_beams=4, max_new_tokens=10,
+                                       model=model)
+    np.testing.assert_array_equal(tokens, out[:, 5:])
+    log_probs = _log_prob(np.concatenate([out, greedy]), 5, model, params)  # (one program, as the MoE test's)
+    np.testing.assert_allclose(score, log_probs[:2], atol=1e-4, rtol=1e-5)
+    assert np.all(np.asarray(score) >= log_probs[2:] - 1e-5)
+    assert not np.array_equal(out, greedy)  # the beams found likelier tokens than greedy's
+
+    lengths = [3, 12]  # (each prompt alone right-padded to 12 as well: one program for the two)
+    batch = np.asarray(jax.random.randint(jax.random.key(2), (2, 12), 0, model.config.vocab_size))
+    options = dict(max_new_tokens=16, num_beams=3)
+    together = np.asarray(generate(model, params, batch, prompt_lengths=lengths, **options))[:, 12:]
+    for row, n in enumerate(lengths):
+        alone = generate(model, params, np.where(np.arange(12) < n, batch[row], 0)[None], prompt_lengths=[n],
+                         **options)
+        np.testing.assert_array_equal(together[row], np.asarray(alone)[0, 12:])
+    assert len(np.unique(together)) > 5
 
 
 def test_encoder_decoder_beam_search_runs():

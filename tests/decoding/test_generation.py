@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    GEMMA4,
     REORDERED,
     SMALL,
     count_compiles,
@@ -14,6 +15,7 @@ from conftest import (
     in_float64,
     jit_apply,
     random_params,
+    tiny_gemma4,
     with_experts,
 )
 
@@ -366,7 +368,22 @@ def test_a_mixture_of_experts_cached_steps_give_the_full_forwards_logits(sampled
     step a token) are those of one forward of the whole rows, teacher-forced; greedy's tokens are their
     argmax. (The prefill routes the padding too, and each step one token a row: dropless, none of it
     changes a real token's experts.)"""
-    model, params, lengths = Decoder(MOE), moe_params(), [4, 9]
+    assert_cached_steps_give_the_full_forwards_logits(Decoder(MOE), moe_params(), sampled)
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4))
+def test_gemma_4_sampled_steps_give_the_full_forwards_logits(name):
+    """The same on Gemma 4's tiny E2B (per-layer inputs; its last two layers read the keys and values of
+    the layers before them, from the cache at each step) and 26B-A4B (experts beside each MLP), the
+    rows past their sliding layers' ring of 8: sampled at temperature 1, each token was drawn from the
+    logits the full forward gives at its position."""
+    assert_cached_steps_give_the_full_forwards_logits(*tiny_gemma4(name), sampled=True)
+
+
+def assert_cached_steps_give_the_full_forwards_logits(model, params, sampled: bool):
+    """The tests above: `generate`'s tokens, then the logits they were picked from, recomputed by the
+    prefill and a cached step a token, against one teacher-forced forward of the whole rows."""
+    lengths = [4, 9]
     prompt = _ragged(lengths, 9, seed=30)
     options = dict(max_new_tokens=12, prompt_lengths=lengths)
     if sampled:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.special
 import scipy.stats
-from conftest import count_compiles, jit_apply, random_params, with_experts
+from conftest import GEMMA4, count_compiles, jit_apply, random_params, tiny_gemma4, with_experts
 
 from jaxformer import Decoder, DecoderConfig, generate, stream
 from jaxformer.decoding import (
@@ -367,7 +367,21 @@ LATENT = TINY.replace(layers=(LayerSpec(dataclasses.replace(_LATENT, window=6), 
 def test_greedy_on_latent_attention_gives_generates_tokens(proposer):
     """Over latent attention's cache (a ring and a full layer): token for token plain greedy decoding's, on a
     ragged batch and with an EOS met mid-run; the model as its own draft has every proposal accepted."""
-    model, params = Decoder(LATENT), random_params(LATENT, seed=1, scale=0.5)
+    assert_greedy_tokens_of_generate(Decoder(LATENT), random_params(LATENT, seed=1, scale=0.5), proposer)
+
+
+@pytest.mark.parametrize("proposer", ["lookup", "itself"])
+@pytest.mark.parametrize("name", sorted(GEMMA4))
+def test_greedy_on_gemma_4_gives_generates_tokens(name, proposer):
+    """The same on Gemma 4's tiny E2B (per-layer inputs; its last two layers read the keys and values of the
+    layers before them, which a round's rejected proposals set back) and 26B-A4B (experts beside each MLP),
+    their sliding layers' window of 8 shorter than a round's 9 tokens when the model is its own draft."""
+    assert_greedy_tokens_of_generate(*tiny_gemma4(name), proposer)
+
+
+def assert_greedy_tokens_of_generate(model, params, proposer: str):
+    """The tests above: speculative greedy decoding by prompt lookup or by the model as its own draft
+    gives `generate`'s tokens, on a ragged batch and with an EOS met mid-run."""
     prompt = repetitive_prompts(*SHARED_PROMPT)
     options = dict(max_new_tokens=SHARED_NEW, prompt_lengths=[12, 7, 9])
     spec = PromptLookup(k=LOOKUP_K, n=2) if proposer == "lookup" else Draft(model, params, k=DRAFT_K)

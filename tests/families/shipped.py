@@ -644,7 +644,7 @@ def _shrunk(name, shipped, overrides):
         if value is not None:
             config[key] = [small[i] for i in value] if isinstance(value, list) else small[value]
 
-    config.update(overrides)
+    config.update(copy.deepcopy(overrides))  # (a fresh copy: the caller's lists and dicts stay its own)
     return config
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import greedy_tokens_compared, import_peer, jit_apply, torch_peer
+from conftest import greedy_tokens_compared, import_peer, jit_apply, jit_apply_anew, torch_peer, without_modules
 from shipped import scaled_up, tiny
 
 from jaxformer import Decoder, KVCache, generate
@@ -115,6 +115,9 @@ MIXER_FEATURES_OFF = {"sinks": lambda spec: dataclasses.replace(spec, sinks=Fals
                       "k_eq_v": lambda spec: dataclasses.replace(spec, k_eq_v=False),
                       "kv_shared": lambda spec: dataclasses.replace(spec, kv_shared=False)}
 LATENT = {"rope_pairing", "mscale_all_dim"}
+# ... and a latent attention's norms of its latents (DeepSeek's q_a_layernorm, where the query has a latent, and
+# kv_a_layernorm), each removed: its module returns its input (`without_modules`).
+LATENT_NORMS = {"q_a_norm", "kv_a_norm"}
 # ... and of a layer: OLMo's norms after each sublayer, moved before it (the same weights: `norms_before`).
 LAYER_FEATURES_OFF = {"norms": lambda spec: dataclasses.replace(spec, norms="pre")}
 LAYER_FEATURES = {"SmolLM3-3B": {"use_rope"}, "OLMo-2-1124-7B": {"norms"}, "Olmo-3-1025-7B": {"norms"}}
@@ -122,9 +125,10 @@ EXPERT_FEATURES = {"Qwen3-30B-A3B": {"normalize", "top_k"}, "Mixtral-8x7B-v0.1":
                    "Qwen1.5-MoE-A2.7B": {"normalize", "top_k", "shared_gate"},
                    "OLMoE-1B-7B-0924": {"normalize", "top_k"},
                    "gpt-oss-20b": {"top_k", "swiglu_limit", "sinks"},
-                   "DeepSeek-V3": {"normalize", "top_k", "routed_scale", "topk_group", *LATENT},
-                   "Kimi-K2-Instruct": {"normalize", "top_k", "routed_scale", *LATENT},  # (one group: no topk_group)
-                   "DeepSeek-V2-Lite": {"normalize", "top_k", *LATENT},
+                   "DeepSeek-V3": {"normalize", "top_k", "routed_scale", "topk_group", *LATENT, *LATENT_NORMS},
+                   # (one group: no topk_group)
+                   "Kimi-K2-Instruct": {"normalize", "top_k", "routed_scale", *LATENT, *LATENT_NORMS},
+                   "DeepSeek-V2-Lite": {"normalize", "top_k", *LATENT, "kv_a_norm"},  # (no query latent)
                    "gemma-4-E2B-it": {"v_norm", "kv_shared"},
                    "gemma-4-26B-A4B-it": {"normalize", "top_k", "router_norm", "expert_scale", "v_norm", "k_eq_v"}}
 # Gemma 2 2B's and Gemma 3 1B's query_pre_attn_scalar is their head_dim, where it changes nothing;
@@ -195,11 +199,15 @@ def test_logits_equal_transformers_and_each_feature_counts(family):
         np.testing.assert_allclose(scanned, want, atol=TOLERANCE, rtol=0)
     for feature in sorted(switched_on | EXPERT_FEATURES.get(name, set()) | LAYER_FEATURES.get(name, set())):
         moved = norms_before(params) if feature in LAYER_FEATURES_OFF else params
-        off_config = switched_off(config, feature)
+        off_config = config if feature in LATENT_NORMS else switched_off(config, feature)
         # (Layers that compute what they read otherwise need projections of their own: Gemma 4's.)
         off_params = drawn_for(off_config, moved) if feature in ("k_eq_v", "kv_shared") or not scan else moved
         off_config, off_params = with_scan_layers(off_config, off_params, scan)
-        off, _ = jit_apply(Decoder(off_config), {"params": off_params}, tokens.numpy())
+        if feature in LATENT_NORMS:
+            with without_modules((feature,)):
+                off, _ = jit_apply_anew(Decoder(off_config), {"params": off_params}, tokens.numpy())
+        else:
+            off, _ = jit_apply(Decoder(off_config), {"params": off_params}, tokens.numpy())
         assert np.abs(off - want).max() > 100 * TOLERANCE, f"{name}: {feature} off leaves the logits as they were"
 
 

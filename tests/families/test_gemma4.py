@@ -11,7 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import import_peer, jit_apply, torch_peer
+from conftest import GEMMA4, import_peer, jit_apply, torch_peer
 from shipped import SHIPPED, scaled_up, tiny
 
 from jaxformer import Decoder
@@ -24,10 +24,8 @@ transformers = import_peer("transformers")
 pytestmark = pytest.mark.peers
 TOLERANCE = 1e-4  # as tests/families/test_families.py
 # The tiny E2B of test_families.py cut to one sliding and one global layer that compute keys and values, then one
-# of each that reads theirs: what the quick check below compiles in a few seconds.
-SHORT_E2B = dict(num_hidden_layers=5, num_kv_shared_layers=2, final_logit_softcapping=3.0,
-                 layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
-                              "full_attention"])
+# of each that reads theirs: what the quick check below compiles in a few seconds (and the decoding paths' tests run).
+SHORT_E2B = GEMMA4["gemma-4-E2B-it"]
 
 
 def test_per_layer_inputs_shared_keys_and_global_heads_give_transformers_logits(tmp_path):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import count_compiles, jit_apply, random_params, with_experts
+from conftest import GEMMA4, count_compiles, jit_apply, random_params, tiny_gemma4, with_experts
 from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate
@@ -299,7 +299,21 @@ def test_latent_attention_serves_each_request_what_it_gets_alone():
     config = DecoderConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=64,
                            layers=(LayerSpec(dataclasses.replace(latent, window=6), GatedMLPSpec(48)),
                                    LayerSpec(latent, GatedMLPSpec(48))))
-    model, params = Decoder(config), random_params(config, seed=3, scale=0.5)
+    assert_serves_each_request_what_it_gets_alone(Decoder(config), random_params(config, seed=3, scale=0.5))
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4))
+def test_gemma_4_serves_each_request_what_it_gets_alone(name):
+    """The same on Gemma 4's tiny E2B (per-layer inputs; its last two layers read the keys and values of the
+    layers before them, which a slot's insert and evict carry) and 26B-A4B (experts beside each MLP), prompts
+    past their sliding layers' window of 8."""
+    assert_serves_each_request_what_it_gets_alone(*tiny_gemma4(name))
+
+
+def assert_serves_each_request_what_it_gets_alone(model, params):
+    """The tests above: 8 requests of random prompts (3 to 21 tokens) on 4 rows, chunks of 8 riding with the
+    batch's step: each greedy request gets the tokens `generate` gives it alone, and a seeded sampled one the
+    tokens it draws with the engine to itself."""
     rng = np.random.RandomState(0)
     prompts = [rng.randint(0, 64, n).tolist() for n in (3, 7, 11, 13, 21, 5, 17, 9)]
     engine = Engine(model, params, max_batch=4, prefill_chunk=8)

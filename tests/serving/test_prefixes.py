@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import random_params
+from conftest import GEMMA4, random_params, tiny_gemma4
 from tiny import CONFIG, DIALOGUES, TOKENIZER
 
 from jaxformer import Decoder, generate
@@ -158,6 +158,28 @@ def test_a_linear_attention_hybrid_reuses_a_cached_prompt_only_whole(params):
     later = [TOKENIZER.encode(TURN + f"<|user|>{DIALOGUES[3][0]}\n<|assistant|>"),  # goes on: the whole entry
              TOKENIZER.encode(TURN[:40] + "something else"),  # shares a part: none of it
              first]  # the same prompt: none of it
+    try:
+        greedy(engine.submit(first, DecodeOptions(max_new_tokens=4)))
+        handles = [engine.submit(ids, DecodeOptions(max_new_tokens=12)) for ids in later]
+        tokens = [greedy(h) for h in handles]
+    finally:
+        engine.close()
+    assert [h.cached for h in handles] == [len(first), 0, 0]
+    assert tokens == [alone(model, params, ids, 12) for ids in later]
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4))
+def test_gemma_4_reuses_a_cached_prompt_and_decodes_the_same(name):
+    """Gemma 4's tiny E2B (its last two layers read the keys and values of the layers before them, which an
+    entry holds for them) and 26B-A4B (experts beside each MLP): a prompt that goes on from a cached one of 20
+    tokens starts from its whole entry; one that shares a part of it past its sliding layers' window of 8, or
+    is the same prompt, prefills from scratch; rows join and leave the batch among others: each request gets
+    its tokens alone."""
+    model, params = tiny_gemma4(name)
+    rng = np.random.RandomState(0)
+    first = rng.randint(1, model.config.vocab_size, 20).tolist()
+    later = [first + rng.randint(1, model.config.vocab_size, 5).tolist(), first[:15] + [3, 4, 5], first]
+    engine = engine_of(model, params)
     try:
         greedy(engine.submit(first, DecodeOptions(max_new_tokens=4)))
         handles = [engine.submit(ids, DecodeOptions(max_new_tokens=12)) for ids in later]
