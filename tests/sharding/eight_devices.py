@@ -552,6 +552,20 @@ def _cache_specs(config: DecoderConfig, data: int, model: int) -> list:
     return [P(rows, None, state), P(rows, state, None, None)] * 3 + [P(rows, None, kv, None)] * 2
 
 
+def _two_steps_params(config, axes, params, batch):
+    """`_two_steps`' parameters on one device, traceable (no losses read out): for `in_float64`."""
+    model = Decoder(config.replace(dtype=params["embed"].dtype, param_dtype=params["embed"].dtype))
+
+    def loss_fn(params, batch, dropout_key):
+        logits, _ = model.apply({"params": params}, batch["tokens"])
+        return label_smoothed_cross_entropy(logits, batch["targets"], 0.0), {}
+
+    state, step = TrainState.create(params, OPTIMIZER), make_train_step(loss_fn, OPTIMIZER)
+    for i in range(2):
+        state, _ = step(state, batch, jax.random.key(10 + i))
+    return state.params
+
+
 @pytest.mark.parametrize("config", NEW_KINDS, ids=["hybrid", "latent"])
 @pytest.mark.parametrize("strategy, data, model", NEW_MESHES, ids=[f"{s}-{d}x{m}" for s, d, m in NEW_MESHES])
 def test_the_new_mixers_train_and_generate_on_a_mesh_as_on_one_device(config, strategy, data, model):
@@ -562,8 +576,15 @@ def test_the_new_mixers_train_and_generate_on_a_mesh_as_on_one_device(config, st
     mesh = make_mesh(data=data, model=model)
     state, losses = _two_steps(params, batch, loss_fn, axes, mesh, strategy)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    jax.tree.map(lambda got, want: np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5), state.params,
-                 want_state.params)
+    # The mesh sums the gradients in another order; Adam turns each component's float noise into
+    # an update of up to lr * noise / eps. Held to the suite's error model (`REORDERED`): within
+    # REORDERED times the one-device steps' own rounding, measured against their float64 twin.
+    want64 = in_float64(functools.partial(_two_steps_params, config, axes), params, batch)
+    for got, want, wide in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_state.params),
+                               jax.tree.leaves(want64), strict=True):
+        bound = 2 * REORDERED * float(np.abs(np.asarray(want, np.float64) - wide).max())
+        assert bound <= 1e-3, bound  # float32's rounding: a tenth of one Adam step's move (lr 1e-2), not another result
+        np.testing.assert_allclose(got, want, rtol=0, atol=bound)
 
     decoder, params = Decoder(config), _sharp(params)
     prompt = jax.random.randint(jax.random.key(4), (BATCH, 5), 0, config.vocab_size)
