@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.special
-from conftest import GEMMA4, SMALL, jit_apply, random_params, tiny_gemma4, with_experts
+from conftest import GEMMA4_DECODING, SMALL, jit_apply, random_params, tiny_gemma4, with_experts
 
 from jaxformer import Decoder, DecoderConfig, KVCache, VanillaConfig, VanillaTransformer, generate
 from jaxformer.decoding.beam import beam_search, gather_beams, length_norm
@@ -177,10 +177,10 @@ def test_beam_search_on_a_mixture_of_experts():
     assert not np.array_equal(out, greedy)  # the beams found likelier tokens than greedy's
 
 
-@pytest.mark.parametrize("name", sorted(GEMMA4))
+@pytest.mark.parametrize("name", GEMMA4_DECODING)
 def test_beam_search_on_gemma_4(name):
     """Gemma 4's tiny E2B (per-layer inputs; its last two layers read the keys and values that the
-    layers of their type before them keep) and 26B-A4B (experts beside each MLP), each with a ring
+    layers of their type before them keep; `conftest.GEMMA4_DECODING`), with a ring
     of 8 slots for its sliding layers: one beam is greedy; 4 beams' tokens are generate's, their
     score the log-probability of those tokens under an independent full forward, no worse than
     greedy's; and a ragged batch decoded by 3 beams (which reorder the rows of the caches the shared

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
-    GEMMA4,
+    GEMMA4_DECODING,
     REORDERED,
     SMALL,
     count_compiles,
@@ -371,10 +371,10 @@ def test_a_mixture_of_experts_cached_steps_give_the_full_forwards_logits(sampled
     assert_cached_steps_give_the_full_forwards_logits(Decoder(MOE), moe_params(), sampled)
 
 
-@pytest.mark.parametrize("name", sorted(GEMMA4))
+@pytest.mark.parametrize("name", GEMMA4_DECODING)
 def test_gemma_4_sampled_steps_give_the_full_forwards_logits(name):
     """The same on Gemma 4's tiny E2B (per-layer inputs; its last two layers read the keys and values of
-    the layers before them, from the cache at each step) and 26B-A4B (experts beside each MLP), the
+    the layers before them, from the cache at each step; `conftest.GEMMA4_DECODING`), the
     rows past their sliding layers' ring of 8: sampled at temperature 1, each token was drawn from the
     logits the full forward gives at its position."""
     assert_cached_steps_give_the_full_forwards_logits(*tiny_gemma4(name), sampled=True)

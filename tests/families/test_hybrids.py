@@ -189,27 +189,38 @@ def test_greedy_tokens_equal_transformers(hybrid, hf_greedy):
 DECODED_SEEDS = {"Qwen3-Next-80B-A3B-Instruct": 6, "Qwen3.5-9B": 2, "Qwen3.6-35B-A3B": 6}
 
 
+_DECODED = {}  # family -> _transformers_decoding's result (both forms of a test read one)
+
+
+def _transformers_decoding(hybrid):
+    """`(fed, want32, want, hf_steps)`: the tokens (`DECODED_SEEDS`' draw), transformers' float32 and
+    float64 forwards' logits, and its float32 logits prefilling 12 tokens through its cache, then a step each."""
+    name, hf32, hf64, config, _, _ = hybrid
+    if name not in _DECODED:
+        fed = torch.randint(0, config.vocab_size, (2, PROMPT_LEN + NEW_TOKENS),
+                            generator=torch.Generator().manual_seed(DECODED_SEEDS[name]))
+        with torch.no_grad():
+            assert routing_gap(hf64, fed) > 1e-4
+            want32, want = (hf(fed, use_cache=False).logits.numpy() for hf in (hf32, hf64))
+            out = hf32(fed[:, :PROMPT_LEN], use_cache=True)
+            hf_steps, past = [out.logits.numpy()], out.past_key_values
+            for t in range(PROMPT_LEN, fed.shape[1]):
+                out = hf32(fed[:, t:t + 1], past_key_values=past, use_cache=True)
+                hf_steps.append(out.logits.numpy())
+                past = out.past_key_values
+        _DECODED[name] = fed.numpy(), want32, want, np.concatenate(hf_steps, axis=1)
+    return _DECODED[name]
+
+
 @pytest.mark.parametrize("scan", [False, True], ids=["per layer", "scanned"])
 def test_cached_decoding_equals_transformers_and_the_full_forward(hybrid, scan):
     """Prefill 12 tokens (chunked), then one token a step (recurrent) over the cache of states and
     keys, per layer or scanned (a stack of each: `cache.Stacks`): the logits of every step, and of
     the full forward, are transformers' float64 forward's within float32's error for that form
     (transformers' own float32 steps, through its cache, and its float32 forward)."""
-    name, hf32, hf64, config, params, _ = hybrid
-    config, params = with_scan_layers(config, params, scan)
-    fed = torch.randint(0, config.vocab_size, (2, PROMPT_LEN + NEW_TOKENS),
-                        generator=torch.Generator().manual_seed(DECODED_SEEDS[name]))
-    with torch.no_grad():
-        assert routing_gap(hf64, fed) > 1e-4
-        want32, want = (hf(fed, use_cache=False).logits.numpy() for hf in (hf32, hf64))
-        out = hf32(fed[:, :PROMPT_LEN], use_cache=True)
-        hf_steps, past = [out.logits.numpy()], out.past_key_values
-        for t in range(PROMPT_LEN, fed.shape[1]):
-            out = hf32(fed[:, t:t + 1], past_key_values=past, use_cache=True)
-            hf_steps.append(out.logits.numpy())
-            past = out.past_key_values
-    hf_steps = np.concatenate(hf_steps, axis=1)
-    model, fed = Decoder(config), fed.numpy()
+    config, params = with_scan_layers(*hybrid[3:5], scan)
+    fed, want32, want, hf_steps = _transformers_decoding(hybrid)
+    model = Decoder(config)
     step = jax.jit(lambda tokens, cache: model.apply({"params": params}, tokens, cache))
     logits, cache = step(jnp.asarray(fed[:, :PROMPT_LEN]), KVCache.create(config, 2, fed.shape[1]))
     assert cache.has_state and KVCache.create(config, 2, 8).nbytes < KVCache.create(config, 2, 16).nbytes

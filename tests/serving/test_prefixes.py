@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GEMMA4, random_params, tiny_gemma4
+from conftest import GEMMA4_DECODING, random_params, tiny_gemma4
 from tiny import CONFIG, DIALOGUES, TOKENIZER
 
 from jaxformer import Decoder, generate
@@ -168,10 +168,10 @@ def test_a_linear_attention_hybrid_reuses_a_cached_prompt_only_whole(params):
     assert tokens == [alone(model, params, ids, 12) for ids in later]
 
 
-@pytest.mark.parametrize("name", sorted(GEMMA4))
+@pytest.mark.parametrize("name", GEMMA4_DECODING)
 def test_gemma_4_reuses_a_cached_prompt_and_decodes_the_same(name):
     """Gemma 4's tiny E2B (its last two layers read the keys and values of the layers before them, which an
-    entry holds for them) and 26B-A4B (experts beside each MLP): a prompt that goes on from a cached one of 20
+    entry holds for them; `conftest.GEMMA4_DECODING`): a prompt that goes on from a cached one of 20
     tokens starts from its whole entry; one that shares a part of it past its sliding layers' window of 8, or
     is the same prompt, prefills from scratch; rows join and leave the batch among others: each request gets
     its tokens alone."""

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer, save_random_checkpoint
-from conftest import GEMMA4, count_compiles, import_peer, jit_apply, random_params, run_main, tiny_gemma4
+from conftest import GEMMA4_DECODING, count_compiles, import_peer, jit_apply, random_params, run_main, tiny_gemma4
 
 from benchmarks.perplexity import transformers_nll
 from jaxformer import Decoder, DecoderConfig
@@ -184,10 +184,10 @@ def test_the_new_mixers_perplexity_is_the_formula_and_the_command(shipped, tmp_p
     assert json.loads(done.stdout)["nll"] == pytest.approx(result.nll, rel=1e-6)
 
 
-@pytest.mark.parametrize("name", sorted(GEMMA4))
+@pytest.mark.parametrize("name", GEMMA4_DECODING)
 def test_gemma_4_perplexity_is_the_formula(name):
     """Gemma 4's tiny E2B (per-layer inputs, its last two layers reading the keys and values of the layers
-    before them) and 26B-A4B (experts beside each MLP), windows of 32 past their sliding layers' 8: the
+    before them; `conftest.GEMMA4_DECODING`), windows of 32 past their sliding layers' 8: the
     perplexity is the formula on each window's own logits, the last window padded."""
     model, params = tiny_gemma4(name)
     ids = np.random.RandomState(0).randint(0, model.config.vocab_size, 70).tolist()
