@@ -67,10 +67,11 @@ def mixer_bytes(config: DecoderConfig, spec, batch: int, prompt_len: int, capaci
     scores, and per position and head its query, the query's RoPE part, its latent `[r]` and
     `[r | rope]` forms, the output in the latent and in v; the keys `[batch, S, r + rope]` once.
     Gated DeltaNet (`GatedDeltaNetSpec`, chunked over C = min(chunk, T) tokens, the prompt padded to
-    n whole chunks): per value head the four `[C, C]` arrays of every chunk (decays, A, its
-    inverse, the scores), six `[d_k]` and three `[d_v]` arrays a position (q, k, k beta, w, q and
-    k decayed; v, u, the output), and the projections a position, before and after the
-    convolution; its state a few `[d_k, d_v]` arrays."""
+    n whole chunks, one chunk a step): per value head the four `[C, C]` arrays of one chunk (decays,
+    A, its inverse, the scores), four `[d_k]` and four `[d_v]` arrays a position (q and k repeated to
+    the value heads, and their copies in chunks; v, its copy in chunks, the output and its copy in
+    positions' order), and the projections a position, before and after the convolution; its state a
+    few `[d_k, d_v]` arrays."""
     # (The kinds are told apart by what they are, not imported: their modules import the cache, which
     # imports this one. A linear layer's attention type is "linear"; latent attention has a latent.)
     c, T, S = config, prompt_len, capacity
@@ -79,7 +80,7 @@ def mixer_bytes(config: DecoderConfig, spec, batch: int, prompt_len: int, capaci
         C = min(spec.chunk, T)
         padded = batch * -(-T // C) * C  # [batch, n * C]
         Hk, Hv, dk, dv = spec.n_key_head, spec.n_value_head, spec.key_dim, spec.value_dim
-        chunks = 4 * padded * Hv * C * 4 + padded * Hv * (6 * dk + 3 * dv) * 4
+        chunks = 4 * batch * Hv * C * C * 4 + padded * Hv * (4 * dk + 4 * dv) * 4
         projections = rows * (2 * Hk * dk + 2 * Hv * dv + 2 * Hv) * 4 + rows * (2 * Hk * dk + Hv * dv) * 4
         return chunks + projections + 2 * batch * Hv * dk * dv * 4
     latent = hasattr(spec, "kv_lora_rank")
