@@ -503,19 +503,18 @@ FULL_TIER.update({
        "more mixers" for name in ("linear", "latent-blocks")},
 })
 
-# Gemma 4's tiny E2B and 26B-A4B (conftest.GEMMA4) on the decoding paths: beam search, sampled steps against the
-# full forward, speculative decoding, the engine (its prefix cache too) and perplexity, each compiling the models'
-# programs at several shapes; and LoRA against peft: 12-115 s each on 2 shared cores (the 26B-A4B's the slower).
+# Gemma 4's tiny E2B (GEMMA4_DECODING) on the decoding paths: beam search, sampled steps against the full forward,
+# speculative decoding, the engine (its prefix cache too) and perplexity, each compiling the model's programs at
+# several shapes; and LoRA against peft on the E2B and the 26B-A4B: 12-70 s each on 2 shared cores.
 FULL_TIER.update({
     **{f"{test}[gemma-4-E2B-it": "Gemma 4 on the decoding paths"
        for test in ("tests/decoding/test_beam_search.py::test_beam_search_on_gemma_4",
                     "tests/decoding/test_generation.py::test_gemma_4_sampled_steps_give_the_full_forwards_logits",
                     "tests/decoding/test_speculative.py::test_greedy_on_gemma_4_gives_generates_tokens",
                     "tests/text/test_perplexity.py::test_gemma_4_perplexity_is_the_formula",
-                    "tests/serving/test_prefixes.py::test_gemma_4_reuses_a_cached_prompt_and_decodes_the_same")},
-    **{f"{test}[{name}": "Gemma 4 in the engine and LoRA"
-       for test in ("tests/serving/test_engine.py::test_gemma_4_serves_each_request_what_it_gets_alone",
-                    "tests/test_lora_mixers.py::test_lora_on_gemma_4_equals_peft_in_float64")
+                    "tests/serving/test_prefixes.py::test_gemma_4_reuses_a_cached_prompt_and_decodes_the_same",
+                    "tests/serving/test_engine.py::test_gemma_4_serves_each_request_what_it_gets_alone")},
+    **{f"tests/test_lora_mixers.py::test_lora_on_gemma_4_equals_peft_in_float64[{name}": "Gemma 4's LoRA"
        for name in ("gemma-4-E2B-it", "gemma-4-26B-A4B-it")},
 })
 
@@ -631,9 +630,10 @@ GEMMA4 = {"gemma-4-E2B-it": dict(num_hidden_layers=5, num_kv_shared_layers=2, fi
 
 
 # The decoding paths that move, reorder, rewind or reuse a cache's rows (beams, sampled steps, speculative decoding,
-# the prefix cache, perplexity's windows) run on the E2B: its layers that read others' keys and values are what those
-# paths could get wrong. The 26B-A4B's layers cache as a plain sliding and global layer do (its experts and shared
-# keys and values compute, tested against transformers in tests/families): it runs the engine and LoRA.
+# the prefix cache, perplexity's windows, the engine's slots) run on the E2B: its layers that read others' keys and
+# values are what those paths could get wrong. The 26B-A4B's layers cache as a plain sliding and global layer do (its
+# experts beside each MLP and its keys that are its values compute, tested against transformers in tests/families;
+# rows of experts in the engine: test_engine's mixture of experts): it runs LoRA against peft.
 GEMMA4_DECODING = ["gemma-4-E2B-it"]
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GEMMA4, count_compiles, jit_apply, random_params, tiny_gemma4, with_experts
+from conftest import GEMMA4_DECODING, count_compiles, jit_apply, random_params, tiny_gemma4, with_experts
 from tiny import CONFIG, DIALOGUES, TOKENIZER, trained_params
 
 from jaxformer import Decoder, DecoderConfig, VanillaConfig, VanillaTransformer, generate
@@ -302,11 +302,11 @@ def test_latent_attention_serves_each_request_what_it_gets_alone():
     assert_serves_each_request_what_it_gets_alone(Decoder(config), random_params(config, seed=3, scale=0.5))
 
 
-@pytest.mark.parametrize("name", sorted(GEMMA4))
+@pytest.mark.parametrize("name", GEMMA4_DECODING)
 def test_gemma_4_serves_each_request_what_it_gets_alone(name):
     """The same on Gemma 4's tiny E2B (per-layer inputs; its last two layers read the keys and values of the
-    layers before them, which a slot's insert and evict carry) and 26B-A4B (experts beside each MLP), prompts
-    past their sliding layers' window of 8."""
+    layers before them, which a slot's insert and evict carry; `conftest.GEMMA4_DECODING`), prompts past its
+    sliding layers' window of 8."""
     assert_serves_each_request_what_it_gets_alone(*tiny_gemma4(name))
 
 
