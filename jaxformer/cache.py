@@ -557,7 +557,12 @@ class KVCache:
                 return stack.replace(conv=-1, state=-3)
             return stack.replace(k=-2, v=-2)
 
-        return jax.tree.map(axes, self.layers, is_leaf=is_stack)
+        return self.map_stacks(axes)
+
+    def map_stacks(self, fn, *trees):
+        """`fn(stack, *its nodes of trees)` for each layer's (or stack's) arrays of `layers` (each
+        kind's whole: `is_stack`), `trees` being like `layers`: a tree like them."""
+        return jax.tree.map(fn, self.layers, *trees, is_leaf=is_stack)
 
     @property
     def n_layer(self) -> int:

@@ -322,8 +322,6 @@ def cache_shardings(cache, mesh: Mesh):
     holding `model` times the bytes) and the new token's channels at every step; split, each device
     keeps and updates its own channels in place. Each channel's convolution is its own (nothing is
     summed across devices), so decoding computes the same numbers either way."""
-    from jaxformer.cache import is_stack  # (here: the cache's module imports the layers, which import this one)
-
     rows = (batch_axes(mesh) if cache.batch_size % batch_devices(mesh) == 0 else
             DATA if cache.batch_size % axis_size(mesh, DATA) == 0 else None)
     model = axis_size(mesh, MODEL)
@@ -339,7 +337,7 @@ def cache_shardings(cache, mesh: Mesh):
 
         return jax.tree.map(sharding, stack, axes)
 
-    return cache.replace(layers=jax.tree.map(place, cache.layers, cache.heads_axes, is_leaf=is_stack),
+    return cache.replace(layers=cache.map_stacks(place, cache.heads_axes),
                          pos=NamedSharding(mesh, PartitionSpec(rows)),
                          stop=None if cache.stop is None else NamedSharding(mesh, PartitionSpec(rows)))
 
