@@ -153,11 +153,17 @@ def test_a_linear_attention_hybrid_reuses_a_cached_prompt_only_whole(params):
     linear = dataclasses.replace(attention, mixer=GatedDeltaNetSpec(2, 4, 8, 8, chunk=8))
     config = base.replace(layers=(linear,) * 3 + (attention,))
     model, params = Decoder(config), random_params(config, 3)
-    engine = engine_of(model, params)
     first = TOKENIZER.encode(TURN)
     later = [TOKENIZER.encode(TURN + f"<|user|>{DIALOGUES[3][0]}\n<|assistant|>"),  # goes on: the whole entry
              TOKENIZER.encode(TURN[:40] + "something else"),  # shares a part: none of it
              first]  # the same prompt: none of it
+    assert_reuses_whole_entries_alone(model, params, first, later)
+
+
+def assert_reuses_whole_entries_alone(model, params, first, later):
+    """`first` decoded, then `later` (one going on from it, one sharing a part, `first` again) among each
+    other: the first starts from `first`'s whole entry, the others from nothing; each gets its tokens alone."""
+    engine = engine_of(model, params)
     try:
         greedy(engine.submit(first, DecodeOptions(max_new_tokens=4)))
         handles = [engine.submit(ids, DecodeOptions(max_new_tokens=12)) for ids in later]
@@ -179,12 +185,4 @@ def test_gemma_4_reuses_a_cached_prompt_and_decodes_the_same(name):
     rng = np.random.RandomState(0)
     first = rng.randint(1, model.config.vocab_size, 20).tolist()
     later = [first + rng.randint(1, model.config.vocab_size, 5).tolist(), first[:15] + [3, 4, 5], first]
-    engine = engine_of(model, params)
-    try:
-        greedy(engine.submit(first, DecodeOptions(max_new_tokens=4)))
-        handles = [engine.submit(ids, DecodeOptions(max_new_tokens=12)) for ids in later]
-        tokens = [greedy(h) for h in handles]
-    finally:
-        engine.close()
-    assert [h.cached for h in handles] == [len(first), 0, 0]
-    assert tokens == [alone(model, params, ids, 12) for ids in later]
+    assert_reuses_whole_entries_alone(model, params, first, later)
