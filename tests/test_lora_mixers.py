@@ -122,13 +122,7 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(saved):
         np.testing.assert_allclose(got, named[key].grad.numpy(), rtol=0, atol=1e-5 * scale, err_msg=key)
 
     # peft's own adapters (drawn by peft, saved by peft) into jaxformer, unmerged and merged.
-    theirs = peft.get_peft_model(peer_base(), peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(lora.targets),
-                                                              init_lora_weights="gaussian"))
-    with torch.no_grad():
-        for n, p in theirs.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)  # (peft starts B at zero even for "gaussian")
-    theirs.save_pretrained(str(path / "theirs"))
+    theirs = save_peft_drawn(peft, peer_base(), lora.targets, path / "theirs")
     loaded, lora = load_peft(config, str(path / "theirs"))
     assert (lora.rank, lora.alpha, sorted(lora.targets)) == (3, 5, sorted(MODELS[name][1]))
     theirs.eval()
@@ -257,13 +251,7 @@ def test_lora_on_gemma_4_equals_peft_in_float64(name, tmp_path):
 
     # peft's own adapters (drawn by peft, saved by peft) into jaxformer, unmerged and merged.
     fresh = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
-    theirs = peft.get_peft_model(fresh, peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(lora.targets),
-                                                        init_lora_weights="gaussian"))
-    with torch.no_grad():
-        for n, p in theirs.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)  # (peft starts B at zero even for "gaussian")
-    theirs.save_pretrained(str(tmp_path / "theirs"))
+    save_peft_drawn(peft, fresh, lora.targets, tmp_path / "theirs")
     loaded, lora = load_peft(config, str(tmp_path / "theirs"))
     assert (lora.rank, lora.alpha, sorted(lora.targets)) == (3, 5, sorted(GEMMA4_TARGETS[name]))
     with torch.no_grad():
@@ -335,3 +323,18 @@ def test_an_image_text_checkpoints_adapters_go_both_ways(tmp_path):
         want = theirs(input_ids=torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(adapted_logits(config, base, loaded, lora, tokens), want, rtol=TOLERANCE,
                                atol=TOLERANCE)
+
+
+def save_peft_drawn(peft, base, targets, path):
+    """peft's own adapters of rank 3, alpha 5 on `base`'s `targets`, drawn by peft (B too: peft starts it at
+    zero even for "gaussian") and saved by peft in `path`: the peft model."""
+    import torch
+
+    theirs = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(targets),
+                                                       init_lora_weights="gaussian"))
+    with torch.no_grad():
+        for n, p in theirs.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    theirs.save_pretrained(str(path))
+    return theirs
