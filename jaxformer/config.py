@@ -153,7 +153,9 @@ class RopeScaling:
 # (peft's `target_modules`): a matrix of its own, or Phi-3's fused ones, one adapter over several
 # matrices' columns; or a parameter's (peft's `target_parameters`): a layer of experts' stacked
 # matrices, as transformers 5 holds them (`mlp.experts.gate_up_proj` `[E, 2F, d]`, the gate's
-# rows then up's, and `down_proj` `[E, d, F]`), one adapter per expert. A latent attention's
+# rows then up's, and `down_proj` `[E, d, F]`), one adapter per expert; peft's name of a parameter
+# is its own or a dotted tail of it, and Gemma 4's experts, beside its MLP, are `experts.*`, not
+# `mlp.experts.*` (each family's spelling first: `jaxformer.convert.peft.all_targets`). A latent attention's
 # (DeepSeek's) are its low-rank query's two, its latent's down- and up-projections, and `o_proj`.
 # A Gated DeltaNet layer's (`linear_attn.*`) are adapters of their own (`LINEAR_ADAPTERS`), which
 # adapt that kind of layer alone: its `wq` and `wo` are other modules than an attention layer's
@@ -165,7 +167,8 @@ LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
                 "in_proj_qkv": "linear_qkv", "in_proj_z": "linear_z", "in_proj_b": "linear_b",
                 "in_proj_a": "linear_a", "out_proj": "linear_o", "in_proj_qkvz": "linear_qkvz",
                 "in_proj_ba": "linear_ba",
-                "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down"}
+                "mlp.experts.gate_up_proj": "experts_gate_up", "mlp.experts.down_proj": "experts_down",
+                "experts.gate_up_proj": "experts_gate_up", "experts.down_proj": "experts_down"}
 FUSED_ADAPTERS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}  # -> the matrices, in order
 # -> the Gated DeltaNet's matrices each changes, in the order of `b`'s columns (Qwen3.5's `in_proj_qkv`:
 # every head's q, then k, then v, as its rows; Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` group their
@@ -193,7 +196,8 @@ class LoraConfig:
         Gated DeltaNet layers'); Phi-3's `qkv_proj` and `gate_up_proj` are one adapter over the
         fused matrices, as are Qwen3.5's `in_proj_qkv`, Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`; a layer
         of experts' `mlp.experts.gate_up_proj` and `mlp.experts.down_proj` (peft's
-        `target_parameters`) an adapter per expert, in every layer of experts.
+        `target_parameters`; Gemma 4's `experts.gate_up_proj`, `experts.down_proj`) an adapter per
+        expert, in every layer of experts.
       dropout: the rate of the dropout on each adapter's input (peft's `lora_dropout`), in
         [0, 1); it applies only where a `dropout` rng is given, as in training. 0 with the
         experts' targets (peft adapts a parameter with none).
@@ -213,6 +217,9 @@ class LoraConfig:
                  and all(t in LORA_TARGETS for t in targets), "targets",
                  f"distinct names among {', '.join(LORA_TARGETS)}")
         object.__setattr__(self, "targets", tuple(targets))
+        _require(self, len(set(self.adapters)) == len(self.adapters), "targets",
+                 "names of distinct parameters (experts.gate_up_proj is a tail of mlp.experts.gate_up_proj: "
+                 "one parameter)")
         for linear in (False, True):  # (a Gated DeltaNet layer's matrices are not an attention layer's)
             matrices = [m for adapter in self.adapters if adapter not in EXPERT_ADAPTERS
                         and (adapter in LINEAR_ADAPTERS) == linear for m in adapter_matrices(adapter)]

@@ -6,7 +6,8 @@
 `norm(x)` is the layer's own norm before its feed-forward (`mlp_norm`, the `Block`'s); the
 experts read the stream `x` through a norm of their own, and the router reads `x` itself
 (through its weightless norm and scale, `ExpertsSpec.router_norm`). The block's norm after the
-feed-forward then takes the sum.
+feed-forward then takes the sum. LoRA's adapters nest as the parameters do: the MLP's targets
+(`gate_proj`, ...) adapt `dense`, the experts' parameters `experts` (`jaxformer.lora.adapter_part`).
 """
 
 from __future__ import annotations
@@ -68,5 +69,6 @@ class DenseAndExperts(nn.Module):
     def __call__(self, normed: jax.Array, x: jax.Array) -> jax.Array:
         c, s = self.config, self.spec
         dense = rms_norm(c, name="dense_post_norm")(GatedMLP(c, s.dense, name="dense")(normed))
-        experts = Experts(c, s.experts, name="experts")(rms_norm(c, name="experts_norm")(x), router_input=x)
+        experts = Experts(c, s.experts, beside_mlp=True, name="experts")(rms_norm(c, name="experts_norm")(x),
+                                                                         router_input=x)
         return dense + rms_norm(c, name="experts_post_norm")(experts)  # [batch, T, d_model]

@@ -336,10 +336,13 @@ class Experts(nn.Module):
     Attributes:
       config: the model's `DecoderConfig` (`d_model`, `n_layer`, LoRA, dtypes).
       spec: this layer's `ExpertsSpec`.
+      beside_mlp: whether a gated MLP sits beside it (`jaxformer.dense_experts`, Gemma 4's), which
+        the MLP's LoRA targets (`gate_proj`, ...) adapt.
     """
 
     config: "DecoderConfig"  # noqa: F821
     spec: ExpertsSpec
+    beside_mlp: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, router_input: jax.Array | None = None) -> jax.Array:
@@ -347,7 +350,7 @@ class Experts(nn.Module):
         by the router from `router_input` (Gemma 4's reads the stream, the experts a norm of it;
         None: `x`)."""
         c, s = self.config, self.spec
-        if c.lora is not None and c.lora.matrices & {"w_gate", "w_up", "w_down"}:
+        if c.lora is not None and c.lora.matrices & {"w_gate", "w_up", "w_down"} and not self.beside_mlp:
             raise ValueError(f"LoraConfig.targets={c.lora.targets}: the MLP's projections are experts in this layer; "
                              "adapt the attention's (q_proj, k_proj, v_proj, o_proj) or the experts' matrices "
                              "(mlp.experts.gate_up_proj, mlp.experts.down_proj)")

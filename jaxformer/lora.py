@@ -8,7 +8,9 @@ first so that their gradients, `dlow^T x` and `low^T dy`, contract the positions
 CPU backend copies every transposed operand, and the FFN's are 2.75 d_model wide). As in peft, `a` starts uniform in
 `±1/sqrt(n_in)` (kaiming-uniform with a = sqrt(5)) and `b` at zero, so a new adapter changes
 nothing. The adapters are a tree shaped like the blocks' parameters, `{block: {part: {name:
-{"a", "b"}}}}`, and take part in two ways:
+{"a", "b"}}}}` (a feed-forward of an MLP and experts side by side, Gemma 4's, nests its two as its
+parameters do: `{block: {"mlp": {"dense": {"w_gate": ...}, "experts": {"experts_down": ...}}}}`,
+`adapter_part`), and take part in two ways:
 
 - unmerged, in training: a model whose `DecoderConfig.lora` is set reads them as the `lora`
   variable collection, `apply({"params": base, "lora": adapters}, tokens, rngs={"dropout":
@@ -55,7 +57,28 @@ INPUT_AXES = {"wo": 2, "linear_o": 2}  # o's input: its heads and their channels
 LORA_COLLECTION = "lora"  # the variable collection an adapted model reads its adapters from
 
 __all__ = ["LORA_COLLECTION", "PARTS", "Adapted", "LoraConfig", "adapter_in_out", "adapter_matrices",
-           "adapter_shapes", "experts_adapters", "init_lora", "merge", "project", "with_adapter"]
+           "adapter_part", "adapter_shapes", "experts_adapters", "init_lora", "merge", "module_at", "project",
+           "with_adapter"]
+
+
+def adapter_part(adapter: str, beside: bool = False) -> str:
+    """The module of a block that holds `adapter`'s matrices, as a path of names (`attn`, `mlp`): in
+    a block whose feed-forward is an MLP and experts side by side (`beside`: Gemma 4's
+    `DenseAndExperts`, whose parameters are `mlp/dense/*` and `mlp/experts/*`), the MLP's targets'
+    `mlp/dense`, the experts' `mlp/experts`."""
+    part = PARTS[adapter]
+    if beside and part == "mlp":
+        return "mlp/experts" if adapter in EXPERT_ADAPTERS else "mlp/dense"
+    return part
+
+
+def module_at(tree: dict, block: str, part: str, create: bool = False) -> dict:
+    """The subtree of `tree` (parameters or adapters) at `block`'s module `part` (`adapter_part`'s
+    path); `{}` where it has none, or with `create`, new dicts made on the way."""
+    node = tree.get(block, {}) if not create else tree.setdefault(block, {})
+    for name in part.split("/"):
+        node = node.get(name, {}) if not create else node.setdefault(name, {})
+    return node
 
 
 def project(module: nn.Module, x: jax.Array, *products: tuple[str, str, jax.Array]) -> list[jax.Array]:
@@ -175,10 +198,15 @@ def experts_adapters(module: nn.Module, dtype) -> dict | None:
     return adapters
 
 
-def _is_stacked(params, block: str) -> bool:
-    """Whether `block`'s feed-forward is a layer of experts (its matrices stacked `[E, ...]`)."""
+def _is_stacked(module: dict) -> bool:
+    """Whether a feed-forward's parameters are a layer of experts' (its matrices stacked `[E, ...]`)."""
+    return "w_gate" in module and module["w_gate"].ndim == 3
+
+
+def _is_beside(params, block: str) -> bool:
+    """Whether `block`'s feed-forward is an MLP and experts side by side (`mlp/dense`, `mlp/experts`)."""
     mlp = params[block].get("mlp", {})
-    return "w_gate" in mlp and mlp["w_gate"].ndim == 3
+    return "dense" in mlp and "experts" in mlp
 
 
 def _is_linear(params, block: str) -> bool:
@@ -189,7 +217,8 @@ def _is_linear(params, block: str) -> bool:
 def _adapted(params, lora: LoraConfig):
     """`(block, part, adapter, [W...])` for each adapter of a per-layer parameter tree, with
     the matrices it changes (one; a fused adapter's several), in the blocks that hold them: the
-    experts' adapters in each layer of experts alone (a dense layer among them has none), a
+    experts' adapters in each layer of experts alone (a dense layer among them has none; beside an
+    MLP, Gemma 4's, the MLP's `mlp/dense` and the experts' `mlp/experts`, `adapter_part`), a
     Gated DeltaNet's in those layers alone, the others in every other layer with the matrices
     (a latent attention's `wq_a`, where it has one).
 
@@ -203,14 +232,15 @@ def _adapted(params, lora: LoraConfig):
     blocks = sorted((k for k in params if k.startswith("block_")), key=lambda k: int(k.split("_")[1]))
     found = set()
     for block in blocks:
+        beside = _is_beside(params, block)
         for target, adapter in zip(lora.targets, lora.adapters):
-            part = PARTS[adapter]
-            if (adapter in EXPERT_ADAPTERS) != (part == "mlp" and _is_stacked(params, block)):
+            part = adapter_part(adapter, beside)
+            module = module_at(params, block, part)
+            if (adapter in EXPERT_ADAPTERS) != (PARTS[adapter] == "mlp" and _is_stacked(module)):
                 if adapter in EXPERT_ADAPTERS:
                     continue
                 raise ValueError(f"LoraConfig.targets={lora.targets}: {block}'s MLP is a layer of experts; adapt "
                                  "its matrices with mlp.experts.gate_up_proj and mlp.experts.down_proj")
-            module = params[block].get(part, {})
             mixers_kind = part == "attn" and (adapter in LINEAR_ADAPTERS) != _is_linear(params, block)
             if mixers_kind or not all(m in module for m in adapter_matrices(adapter)):
                 continue  # (another kind of mixer's, or a matrix this layer lacks)
@@ -248,7 +278,7 @@ def init_lora(params, lora: LoraConfig, key: jax.Array) -> dict:
     for key_i, (block, part, adapter, ws) in zip(jax.random.split(key, len(found)), found):
         a_shape, b_shape = adapter_shapes(adapter, [w.shape for w in ws], lora.rank)
         bound = 1.0 / math.sqrt(a_shape[-1])
-        adapters.setdefault(block, {}).setdefault(part, {})[adapter] = {
+        module_at(adapters, block, part, create=True)[adapter] = {
             "a": jax.random.uniform(key_i, a_shape, jnp.float32, -bound, bound),
             "b": jnp.zeros(b_shape, jnp.float32)}
     return adapters
@@ -285,14 +315,14 @@ def merge(params, adapters: dict, lora: LoraConfig):
     `adapters`."""
     merged = jax.tree.map(lambda x: x, params)  # new dicts, the same leaves
     for block, part, adapter, ws in _adapted(params, lora):
-        ab = adapters[block][part][adapter]
+        ab, module = module_at(adapters, block, part)[adapter], module_at(merged, block, part)
         start = 0
         for name, w in zip(adapter_matrices(adapter), ws):
             if adapter in EXPERT_ADAPTERS:
-                merged[block][part][name] = _merged_experts(w, ab["a"], ab["b"], lora.scale, start)
+                module[name] = _merged_experts(w, ab["a"], ab["b"], lora.scale, start)
                 start += w.shape[-1]
             else:
-                merged[block][part][name] = _merged(w, ab["a"], ab["b"], lora.scale, start)
+                module[name] = _merged(w, ab["a"], ab["b"], lora.scale, start)
                 start += w.size // ab["a"].shape[1]
     return merged
 

@@ -122,7 +122,7 @@ def test_one_lora_step_equals_peft_and_the_adapter_files_go_both_ways(saved):
         np.testing.assert_allclose(got, named[key].grad.numpy(), rtol=0, atol=1e-5 * scale, err_msg=key)
 
     # peft's own adapters (drawn by peft, saved by peft) into jaxformer, unmerged and merged.
-    theirs = save_peft_drawn(peft, peer_base(), lora.targets, path / "theirs")
+    theirs = save_peft_drawn(peft, peer_base(), lora, path / "theirs")
     loaded, lora = load_peft(config, str(path / "theirs"))
     assert (lora.rank, lora.alpha, sorted(lora.targets)) == (3, 5, sorted(MODELS[name][1]))
     theirs.eval()
@@ -184,10 +184,12 @@ def test_a_target_adapts_the_layers_whose_module_it_names(tmp_path):
 
 
 # Gemma 4's targets: the E2B's seven (its layers that read earlier ones' keys and values have no k_proj or
-# v_proj to adapt), the 26B-A4B's attention's four (its global layers have no v_proj: their keys' projection is
-# the values'; its MLP sits beside experts, refused below).
+# v_proj to adapt), the 26B-A4B's seven too (its global layers have no v_proj: their keys' projection is the
+# values'; gate_proj, up_proj and down_proj are its MLP's, beside the experts) and its experts' two parameters,
+# peft's target_parameters by the tail of transformers' name, model.layers.i.experts.* (not mlp.experts.*).
 GEMMA4_TARGETS = {"gemma-4-E2B-it": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                  "gemma-4-26B-A4B-it": ("q_proj", "k_proj", "v_proj", "o_proj")}
+                  "gemma-4-26B-A4B-it": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                                         "experts.gate_up_proj", "experts.down_proj")}
 
 
 @pytest.mark.peers
@@ -195,11 +197,13 @@ GEMMA4_TARGETS = {"gemma-4-E2B-it": ("q_proj", "k_proj", "v_proj", "o_proj", "ga
 def test_lora_on_gemma_4_equals_peft_in_float64(name, tmp_path):
     """LoRA on Gemma 4's tiny E2B and 26B-A4B (conftest.GEMMA4, transformers' initialisation) against peft:
     the logits with random adapters saved by `save_peft`, one step's loss and gradients, and peft's own
-    adapters loaded by `load_peft`, unmerged and merged. In float64 on both sides: at this initialisation
-    Gemma 4's unscaled scores (q and k normed, scale 1) make a few logits and the first layer's gradients
-    as far from their float64 values in float32 as the tolerance, in transformers' float32 as in ours
-    (measured: 1.2e-5 of logits of 0.55). (transformers' Gemma 4 norms compute in float32 whatever the
-    dtype: its float64 logits lie 2e-6 from ours.)"""
+    adapters loaded by `load_peft`, unmerged and merged. The 26B-A4B's adapters: its MLP's three modules
+    beside the experts (peft's `mlp.gate_proj`, ...; ours `mlp/dense`) and each expert's own on the experts'
+    two parameters (peft's `ParamWrapper`s of `experts.gate_up_proj`, `experts.down_proj`; ours `mlp/experts`).
+    In float64 on both sides: at this initialisation Gemma 4's unscaled scores (q and k normed, scale 1)
+    make a few logits and the first layer's gradients as far from their float64 values in float32 as the
+    tolerance, in transformers' float32 as in ours (measured: 1.2e-5 of logits of 0.55). (transformers' Gemma 4
+    norms compute in float32 whatever the dtype: its float64 logits lie 2e-6 from ours.)"""
     torch = torch_peer()
     transformers = import_peer("transformers")
     peft = import_peer("peft")
@@ -249,9 +253,12 @@ def test_lora_on_gemma_4_equals_peft_in_float64(name, tmp_path):
     for key, grad in mine.items():
         np.testing.assert_allclose(grad, named[key].grad.numpy(), rtol=0, atol=1e-5 * scale, err_msg=key)
 
-    # peft's own adapters (drawn by peft, saved by peft) into jaxformer, unmerged and merged.
+    # peft's own adapters (drawn by peft, saved by peft) into jaxformer, unmerged and merged. B gently, as
+    # trained_looking's changes (peft's A, std 1/r, is 3x theirs): with B at 0.1 the 26B-A4B has a position whose
+    # float32 logits lie 1e-5 from its float64 ones in ours (1.8e-5 in transformers', whose norms, rope and
+    # router softmax stay float32), and there ours and peft's differ by 1.5e-5, 3e-7 or less elsewhere (measured).
     fresh = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
-    save_peft_drawn(peft, fresh, lora.targets, tmp_path / "theirs")
+    save_peft_drawn(peft, fresh, lora, tmp_path / "theirs", b_std=0.03)
     loaded, lora = load_peft(config, str(tmp_path / "theirs"))
     assert (lora.rank, lora.alpha, sorted(lora.targets)) == (3, 5, sorted(GEMMA4_TARGETS[name]))
     with torch.no_grad():
@@ -262,19 +269,23 @@ def test_lora_on_gemma_4_equals_peft_in_float64(name, tmp_path):
     np.testing.assert_allclose(merged, want, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-def test_the_mlp_beside_gemma_4s_experts_is_refused_naming_the_target():
-    """The 26B-A4B's layers hold a gated MLP and experts side by side: a target of either is refused in one
-    line that names it and the targets the checkpoint takes (its attention's); the E2B's MLP takes all seven.
-    (From the configs alone: no model is run.)"""
+def test_gemma_4s_targets_are_its_modules_and_its_experts_parameters_by_transformers_names():
+    """The 26B-A4B takes its MLP's targets (beside the experts) and its experts' parameters by the names peft
+    matches in transformers' Gemma 4, `model.layers.i.experts.gate_up_proj` (no `mlp.` before `experts`): the
+    `mlp.experts.*` of the other families of experts is refused in one line naming the parameter and the
+    targets it takes; the E2B, without experts, takes no parameter. (From the configs alone: no model is run.)"""
     config = config_from_hf(tiny("gemma-4-26B-A4B-it", **GEMMA4["gemma-4-26B-A4B-it"]), max_seq_len=32)
     assert all_targets(config, parameters=True) == GEMMA4_TARGETS["gemma-4-26B-A4B-it"]
-    for target in ("gate_proj", "down_proj", "mlp.experts.gate_up_proj"):
-        with pytest.raises(ValueError, match=f"^{target}: the MLP and the experts beside it in a gemma4_text "
-                                             "checkpoint's layers take no adapter yet; its targets: q_proj, k_proj, "
-                                             "v_proj, o_proj$"):
-            check_targets(config, LoraConfig(targets=("q_proj", target)))
+    with pytest.raises(ValueError, match="^mlp.experts.gate_up_proj is not a parameter of a gemma4_text checkpoint "
+                                         "\\(layer 0's experts hold model.layers.0.experts.gate_up_proj\\); its "
+                                         "targets: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+                                         "experts.gate_up_proj, experts.down_proj$"):
+        check_targets(config, LoraConfig(targets=("q_proj", "mlp.experts.gate_up_proj")))
     e2b = config_from_hf(tiny("gemma-4-E2B-it", **GEMMA4["gemma-4-E2B-it"]), max_seq_len=32)
-    assert all_targets(e2b) == GEMMA4_TARGETS["gemma-4-E2B-it"]
+    assert all_targets(e2b, parameters=True) == GEMMA4_TARGETS["gemma-4-E2B-it"]
+    with pytest.raises(ValueError, match="^experts.down_proj is not a parameter of a gemma4_text checkpoint \\(it "
+                                         "has no layer of experts\\); its targets: q_proj"):
+        check_targets(e2b, LoraConfig(targets=("experts.down_proj",)))
 
 
 @pytest.mark.peers
@@ -325,16 +336,18 @@ def test_an_image_text_checkpoints_adapters_go_both_ways(tmp_path):
                                atol=TOLERANCE)
 
 
-def save_peft_drawn(peft, base, targets, path):
-    """peft's own adapters of rank 3, alpha 5 on `base`'s `targets`, drawn by peft (B too: peft starts it at
-    zero even for "gaussian") and saved by peft in `path`: the peft model."""
+def save_peft_drawn(peft, base, lora, path, b_std: float = 0.1):
+    """peft's own adapters of rank 3, alpha 5 on `base`'s targets of `lora` (its modules, and the experts'
+    parameters), drawn by peft (B too, normal with std `b_std`: peft starts it at zero even for "gaussian") and
+    saved by peft in `path`: the peft model."""
     import torch
 
-    theirs = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(targets),
+    theirs = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=5, target_modules=list(lora.module_targets),
+                                                       target_parameters=list(lora.parameter_targets) or None,
                                                        init_lora_weights="gaussian"))
     with torch.no_grad():
         for n, p in theirs.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.1)
+                p.normal_(0, b_std)
     theirs.save_pretrained(str(path))
     return theirs

@@ -172,8 +172,9 @@ def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
                    help="the adapters' scale is alpha / r")
     p.add_argument("--lora-targets", default=defaults.lora_targets,
                    help=f"'{ALL_TARGETS}' (every module: a model of experts' attention, not its experts) or a "
-                        f"comma-separated list of {', '.join(LORA_TARGETS)} (the last two: a layer of experts' "
-                        "stacked matrices, peft's target_parameters, an adapter per expert)")
+                        f"comma-separated list of {', '.join(LORA_TARGETS)} (the last four: a layer of experts' "
+                        "stacked matrices, peft's target_parameters, an adapter per expert; Gemma 4's are "
+                        "experts.*, beside its MLP)")
     p.add_argument("--lora-dropout", type=float, default=defaults.lora_dropout,
                    help="dropout rate on the adapters' input, in training")
     p.add_argument("--base-dtype", default=defaults.base_dtype, choices=DTYPES,
@@ -321,7 +322,7 @@ def check_rank(config: DecoderConfig, lora: LoraConfig) -> None:
     sizes = adapter_sizes(config, lora)
     adapter, (n_in, n_out) = min(((key[2], size) for key, size in sizes.items()), key=lambda item: min(item[1]))
     if lora.rank > min(n_in, n_out):
-        target = next(t for t, a in LORA_TARGETS.items() if a == adapter)
+        target = next(t for t, a in zip(lora.targets, lora.adapters) if a == adapter)
         shapes = adapter_shapes_of(config, lora).values()
         adapters = 4 * sum(math.prod(a) + math.prod(b) for a, b in shapes)  # float32 a and b
         refuse("--lora-rank", f"at most {min(n_in, n_out)}, the narrow side of {target} ({n_in} in, {n_out} out): "

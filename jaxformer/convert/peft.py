@@ -12,7 +12,10 @@ Gated DeltaNet layers').
 
 The experts' adapters are peft's of transformers 5's fused expert parameters
 (`target_parameters`: `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, the same in every
-family of experts), each a `ParamWrapper` holding all E experts' in one pair of matrices:
+family of experts but Gemma 4, whose experts sit beside its MLP, `model.layers.i.experts` beside
+`model.layers.i.mlp`: `experts.gate_up_proj`, `experts.down_proj`, which peft matches as a tail of
+the parameter's name; its MLP's `gate_proj`, ... are modules as any MLP's), each a `ParamWrapper`
+holding all E experts' in one pair of matrices:
 
     lora_A.weight  [E * r, n_in]    rows e * r + j: expert e's a[e][j]
     lora_B.weight  [n_out, r * E]   columns j * E + e: expert e's b[e][j] (rank first, then expert)
@@ -25,6 +28,8 @@ up's) and gpt-oss's `[E, d, 2F]` (`is_transposed`; its columns gate and up by tu
 wrapped one inside the other in the module's order, so with both targeted `gate_up_proj`'s
 tensors are `...mlp.experts.base_layer.lora_{A,B}.weight` and `down_proj`'s
 `...mlp.experts.lora_{A,B}.weight`; one alone is `...mlp.experts.lora_{A,B}.weight`.
+Adapter trees nest as the parameters do (`jaxformer.lora.adapter_part`): the keys here are
+`(block, part, adapter)`, `part` a module's path (`attn`, `mlp`, Gemma 4's `mlp/dense`, `mlp/experts`).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from jaxformer.families import family_of
 from jaxformer.families.common import Tensor, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs
-from jaxformer.lora import PARTS, adapter_in_out, adapter_matrices, adapter_shapes
+from jaxformer.lora import PARTS, adapter_in_out, adapter_matrices, adapter_part, adapter_shapes, module_at
 from jaxformer.validation import as_float, as_int, refuse
 
 ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -53,10 +58,11 @@ PEFT_PREFIX = "base_model.model."
 # An image-text checkpoint's (`jaxformer.convert.hf.TEXT_MODELS`: Qwen3.5's) text model's modules, as peft
 # names them on transformers' image-text class: `base_model.model.model.language_model.layers.0...`.
 IMAGE_TEXT_PREFIX = PEFT_PREFIX + TEXT_PREFIX
-# transformers 5's module of a layer's experts (every family of experts), and its parameters peft
-# can adapt, in the module's order (which nests their wrappers: the first innermost).
+# transformers 5's module of a layer's experts (every family of experts; beside an MLP, `_experts_module`),
+# and its parameters peft can adapt, by adapter, in the module's order (which nests their wrappers: the first
+# innermost).
 EXPERTS_MODULE = "model.layers.{i}.mlp.experts"
-EXPERTS_PARAMETERS = ("gate_up_proj", "down_proj")
+EXPERTS_PARAMETERS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj"}
 
 __all__ = ["adapter_shapes_of", "adapter_sizes", "all_targets", "check_targets", "load_peft", "peft_tensors",
            "save_peft"]
@@ -65,12 +71,14 @@ __all__ = ["adapter_shapes_of", "adapter_sizes", "all_targets", "check_targets",
 def all_targets(config: DecoderConfig, parameters: bool = False) -> tuple[str, ...]:
     """Every module target `config`'s checkpoint format has (peft's `target_modules`): Llama's
     seven projections, Phi-3's four (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`), a
-    model of experts' attention's four (and those of its dense layers' MLP, if all are); with
-    `parameters`, then the parameters (peft's `target_parameters`): a model of experts'
-    `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`."""
+    model of experts' attention's four (and those of its dense layers' MLP, if all are; Gemma 4's
+    26B-A4B's MLP beside its experts, too); with `parameters`, then the parameters (peft's
+    `target_parameters`): a model of experts' `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`
+    (Gemma 4's `experts.gate_up_proj`, `experts.down_proj`: one name of each, the longest its
+    checkpoint's parameters end in)."""
     targets = []
     for target, adapter in LORA_TARGETS.items():
-        if adapter in EXPERT_ADAPTERS and not parameters:
+        if (adapter in EXPERT_ADAPTERS and not parameters) or adapter in {LORA_TARGETS[t] for t in targets}:
             continue
         try:
             _peft_keys(config, LoraConfig(targets=(target,)))
@@ -83,7 +91,8 @@ def all_targets(config: DecoderConfig, parameters: bool = False) -> tuple[str, .
 def check_targets(config: DecoderConfig, lora: LoraConfig) -> None:
     """Raises ValueError unless each of `lora.targets` is a module of `config`'s checkpoint
     format, as peft names it (Phi-3 has `qkv_proj` and `gate_up_proj`, the others `q_proj`,
-    ...), or a parameter of its layers of experts (`mlp.experts.gate_up_proj`, ...)."""
+    ...), or a parameter of its layers of experts as peft matches it (`mlp.experts.gate_up_proj`,
+    or a dotted tail of the parameter's name: Gemma 4's `experts.gate_up_proj`, ...)."""
     try:
         _peft_keys(config, lora)
     except ValueError as e:
@@ -99,31 +108,32 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
 
     Raises:
       ValueError: a target that no layer has, one whose matrices a layer keeps in another
-        module, an MLP's target on a layer of experts, or an MLP's or the experts' target on
-        a model whose layers hold both side by side (Gemma 4's: not adapted yet).
+        module, an MLP's target on a layer of experts, or an experts' parameter whose name
+        the layers' is not nor ends in (Gemma 4's are not `mlp.experts.*`).
     """
     tensors = {t.path: t for t in family_of(config).tensors(config)}
     model_type = config.hf_model_type or "llama"
     specs = layer_specs(config)
     experts = [isinstance(spec.ffn, ExpertsSpec) for spec in specs]
+    beside = [isinstance(spec.ffn, DenseAndExpertsSpec) for spec in specs]  # an MLP and experts (Gemma 4's)
     linear = [spec.mixer.attention_type == "linear" for spec in specs]
-    wrapped = [name for name in EXPERTS_PARAMETERS if f"mlp.experts.{name}" in lora.parameter_targets]
+    wrapped = [adapter for adapter in EXPERTS_PARAMETERS if adapter in lora.adapters]
     stems = {}
-    for target, adapter in zip(lora.targets, lora.adapters):
-        if PARTS[adapter] == "mlp" and any(isinstance(spec.ffn, DenseAndExpertsSpec) for spec in specs):
-            raise ValueError(f"{target}: the MLP and the experts beside it in a {model_type} checkpoint's layers "
-                             "take no adapter yet")
     for target in lora.parameter_targets:
-        if not any(experts):
+        if not any(experts) and not any(beside):
             raise ValueError(f"{target} is not a parameter of a {model_type} checkpoint (it has no layer of experts)")
     for i in range(config.n_layer):
         for target, adapter in zip(lora.targets, lora.adapters):
+            part = adapter_part(adapter, beside[i])
             if adapter in EXPERT_ADAPTERS:
-                if experts[i]:  # (a dense layer among them has no such parameter)
-                    name = target.removeprefix("mlp.experts.")
-                    nesting = ".base_layer" * (len(wrapped) - 1 - wrapped.index(name))
-                    stems[(f"block_{i}", PARTS[adapter], adapter)] = (PEFT_PREFIX + EXPERTS_MODULE.format(i=i)
-                                                                      + nesting)
+                if experts[i] or beside[i]:  # (a dense layer among them has no such parameter)
+                    module = _experts_module(tensors, i, beside[i])
+                    parameter = f"{module}.{EXPERTS_PARAMETERS[adapter]}"
+                    if not (parameter == target or parameter.endswith("." + target)):  # (peft's match)
+                        raise ValueError(f"{target} is not a parameter of a {model_type} checkpoint (layer {i}'s "
+                                         f"experts hold {parameter})")
+                    nesting = ".base_layer" * (len(wrapped) - 1 - wrapped.index(adapter))
+                    stems[(f"block_{i}", part, adapter)] = PEFT_PREFIX + module + nesting
                 continue
             if experts[i] and PARTS[adapter] == "mlp":
                 raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s MLP is its "
@@ -131,7 +141,7 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
                                  "mlp.experts.down_proj)")
             if PARTS[adapter] == "attn" and (adapter in LINEAR_ADAPTERS) != linear[i]:
                 continue  # (a Gated DeltaNet layer's module in an attention layer, or the other way round)
-            members = [tensors.get((f"block_{i}", PARTS[adapter], m)) for m in adapter_matrices(adapter)]
+            members = [tensors.get((f"block_{i}", *part.split("/"), m)) for m in adapter_matrices(adapter)]
             if None in members:
                 continue  # (a latent attention's targets on another attention, or the other way round)
             parts = [t for t in tensors.values() if t.hf_key == members[0].hf_key]
@@ -143,13 +153,21 @@ def _peft_keys(config: DecoderConfig, lora: LoraConfig) -> dict:
             if not whole or not hf_key.endswith(f".{target}.weight"):
                 raise ValueError(f"{target} is not a module of a {model_type} checkpoint (layer {i}'s "
                                  f"{'/'.join(members[0].path[1:])} is in {hf_key})")
-            stems[(f"block_{i}", PARTS[adapter], adapter)] = PEFT_PREFIX + hf_key.removesuffix(".weight")
+            stems[(f"block_{i}", part, adapter)] = PEFT_PREFIX + hf_key.removesuffix(".weight")
     for target, adapter in zip(lora.targets, lora.adapters):
         if not any(key[2] == adapter for key in stems):
             why = ("it has no Gated DeltaNet layer" if adapter in LINEAR_ADAPTERS and not any(linear)
                    else f"no layer's {PARTS[adapter]} has {' and '.join(adapter_matrices(adapter))}")
             raise ValueError(f"{target} is not a module of a {model_type} checkpoint ({why})")
     return stems
+
+
+def _experts_module(tensors: dict, i: int, beside: bool) -> str:
+    """transformers' module of layer i's experts: `EXPERTS_MODULE`, or beside an MLP the one its
+    checkpoint keeps them in (Gemma 4's `model.layers.i.experts`, beside `model.layers.i.mlp`)."""
+    if not beside:
+        return EXPERTS_MODULE.format(i=i)
+    return tensors[(f"block_{i}", "mlp", "experts", "w_down")].hf_key.removesuffix(".down_proj")
 
 
 def _rows_of(part: Tensor) -> np.ndarray:
@@ -168,7 +186,7 @@ def _peft_rows(config: DecoderConfig, block: str, part: str, adapter: str) -> np
     columns of its `b` (its matrices' one after another) in the order of peft's rows of
     `lora_B`, the tensor's; None where they are that order already."""
     tensors = {t.path: t for t in family_of(config).tensors(config)}
-    members = [tensors[(block, part, m)] for m in adapter_matrices(adapter)]
+    members = [tensors[(block, *part.split("/"), m)] for m in adapter_matrices(adapter)]
     if all(t.grouped is None for t in members):
         return None
     rows = np.concatenate([_rows_of(t) for t in members])  # our column -> the tensor's row
@@ -205,10 +223,10 @@ def peft_tensors(config: DecoderConfig, adapters: dict, lora: LoraConfig, image_
     for (block, part, name), stem in _peft_keys(config, lora).items():
         if image_text:
             stem = IMAGE_TEXT_PREFIX + stem.removeprefix(PEFT_PREFIX + "model.")
-        ab = adapters[block][part][name]
+        ab = module_at(adapters, block, part)[name]
         a, b = np.asarray(ab["a"]), np.asarray(ab["b"])
         if name in EXPERT_ADAPTERS:  # [E, r, n_in] and [E, r, n_out] as peft's [E * r, n_in] and [n_out, r * E]
-            b = b[:, :, _peft_columns(config, block, name)]
+            b = b[:, :, _peft_columns(config, block, part, name)]
             a, b = a.reshape(-1, a.shape[-1]), b.transpose(2, 1, 0).reshape(b.shape[-1], -1)
         else:
             order = _peft_rows(config, block, part, name)
@@ -218,12 +236,12 @@ def peft_tensors(config: DecoderConfig, adapters: dict, lora: LoraConfig, image_
     return tensors
 
 
-def _peft_columns(config: DecoderConfig, block: str, adapter: str) -> np.ndarray:
+def _peft_columns(config: DecoderConfig, block: str, part: str, adapter: str) -> np.ndarray:
     """The columns of an experts' adapter's `b` (gate's, then up's) in the order of peft's rows
     of `lora_B`: transformers' fused parameter's (gpt-oss's gate and up by turns, as its
     checkpoint tensor's `columns`; every other family's the gate's, then up's)."""
     tensors = {t.path: t for t in family_of(config).tensors(config)}
-    parts = [tensors[(block, "mlp", m)] for m in EXPERT_ADAPTERS[adapter]]
+    parts = [tensors[(block, *part.split("/"), m)] for m in EXPERT_ADAPTERS[adapter]]
     width = parts[0].shape[-1]
     if parts[0].columns is None:
         return np.arange(width * len(parts))
@@ -242,10 +260,11 @@ def _stacked_shapes(config: DecoderConfig, lora: LoraConfig) -> dict:
     out = {}
     for block, part, name in _peft_keys(config, lora):
         if name in EXPERT_ADAPTERS:
-            weights = specs[int(block.split("_")[1])].ffn.weights(config.d_model)
+            ffn = specs[int(block.split("_")[1])].ffn
+            weights = (ffn.experts if isinstance(ffn, DenseAndExpertsSpec) else ffn).weights(config.d_model)
             out[(block, part, name)] = [weights[m].shape for m in adapter_matrices(name)]
         else:
-            out[(block, part, name)] = [shapes[(block, part, m)] for m in adapter_matrices(name)]
+            out[(block, part, name)] = [shapes[(block, *part.split("/"), m)] for m in adapter_matrices(name)]
     return out
 
 
@@ -282,7 +301,7 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
         read (not LoRA, rsLoRA, per-module ranks, biases), a tensor missing, unexpected, of
         the wrong dtype or shape, or holding NaN or inf.
     """
-    lora = _read_adapter_config(os.path.join(path, ADAPTER_CONFIG_FILE), path)
+    lora = _read_adapter_config(os.path.join(path, ADAPTER_CONFIG_FILE), path, config)
     file = os.path.join(path, ADAPTER_WEIGHTS_FILE)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{file}: missing (a peft adapter folder holds it; adapter_model.bin, torch's pickle "
@@ -316,7 +335,7 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
         if not np.isfinite(value).all():
             raise ValueError(f"{file}: {named[name]} holds NaN or inf: not a usable adapter (a run that diverged, "
                              "or a damaged file)")
-        pair = adapters.setdefault(block, {}).setdefault(part, {}).setdefault(adapter, {})
+        pair = module_at(adapters, block, part, create=True).setdefault(adapter, {})
         if adapter not in EXPERT_ADAPTERS:
             order = None if letter == "a" else _peft_rows(config, block, part, adapter)
             value = value if letter == "a" else value.T if order is None else value[np.argsort(order)].T
@@ -324,15 +343,16 @@ def load_peft(config: DecoderConfig, path: str) -> tuple[dict, LoraConfig]:
             value = value.reshape(-1, lora.rank, shape[-1])  # [E, r, n_in]
         else:  # [n_out, r * E] -> [E, r, n_out], the columns back in ours (gate's, then up's)
             value = value.reshape(shape[0], lora.rank, -1).transpose(2, 1, 0)
-            value = value[:, :, np.argsort(_peft_columns(config, block, adapter))]
+            value = value[:, :, np.argsort(_peft_columns(config, block, part, adapter))]
         pair[letter] = jnp.asarray(value)
     return adapters, lora
 
 
-def _read_adapter_config(file: str, path: str) -> LoraConfig:
+def _read_adapter_config(file: str, path: str, config: DecoderConfig) -> LoraConfig:
     """The `LoraConfig` of a peft `adapter_config.json`, its JSON types checked: its
     `target_modules`, and its `target_parameters` by the names peft matches them with (a
-    dotted tail of `mlp.experts.gate_up_proj` or `mlp.experts.down_proj`)."""
+    dotted tail of `mlp.experts.gate_up_proj` or `mlp.experts.down_proj`), each read as the
+    target `config`'s checkpoint spells it where it has one (Gemma 4's `experts.gate_up_proj`)."""
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{path}: no {ADAPTER_CONFIG_FILE} there: not a peft adapter folder")
     given = read_json_object(file)
@@ -349,12 +369,14 @@ def _read_adapter_config(file: str, path: str) -> LoraConfig:
     if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
         refuse(f"{file}: target_modules", "a module name or a list of them", given.get("target_modules"))
     known = [t for t, adapter in LORA_TARGETS.items() if adapter in EXPERT_ADAPTERS]
+    longest = [t for t in known if not any(other.endswith("." + t) for other in known)]  # (the rest: their tails)
+    spelled = all_targets(config, parameters=True) if parameters else ()
     for name in parameters:  # peft adapts the parameters whose name is it or ends in "." + it
         matched = [t for t in known if t == name or t.endswith("." + name)]
         if not matched:
             raise ValueError(f"{file}: target_parameters: {name!r} is not read here (only the experts' "
-                             f"{', '.join(known)}, or a dotted tail of one)")
-        targets.append(matched[0])
+                             f"{', '.join(longest)}, or a dotted tail of one)")
+        targets.append(next((t for t in matched if t in spelled), matched[0]))
     rank = as_int(given.get("r"), f"{file}: r", minimum=1)
     alpha = as_float(given.get("lora_alpha"), f"{file}: lora_alpha", above=0)
     dropout = as_float(given.get("lora_dropout") or 0.0, f"{file}: lora_dropout", at_least=0, below=1)
