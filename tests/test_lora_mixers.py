@@ -273,7 +273,8 @@ def test_gemma_4s_targets_are_its_modules_and_its_experts_parameters_by_transfor
     """The 26B-A4B takes its MLP's targets (beside the experts) and its experts' parameters by the names peft
     matches in transformers' Gemma 4, `model.layers.i.experts.gate_up_proj` (no `mlp.` before `experts`): the
     `mlp.experts.*` of the other families of experts is refused in one line naming the parameter and the
-    targets it takes; the E2B, without experts, takes no parameter. (From the configs alone: no model is run.)"""
+    targets it takes; the E2B, without experts, takes no parameter; both spellings of one parameter are one
+    target. (From the configs alone: no model is run.)"""
     config = config_from_hf(tiny("gemma-4-26B-A4B-it", **GEMMA4["gemma-4-26B-A4B-it"]), max_seq_len=32)
     assert all_targets(config, parameters=True) == GEMMA4_TARGETS["gemma-4-26B-A4B-it"]
     with pytest.raises(ValueError, match="^mlp.experts.gate_up_proj is not a parameter of a gemma4_text checkpoint "
@@ -286,6 +287,9 @@ def test_gemma_4s_targets_are_its_modules_and_its_experts_parameters_by_transfor
     with pytest.raises(ValueError, match="^experts.down_proj is not a parameter of a gemma4_text checkpoint \\(it "
                                          "has no layer of experts\\); its targets: q_proj"):
         check_targets(e2b, LoraConfig(targets=("experts.down_proj",)))
+    with pytest.raises(ValueError, match="targets must be names of distinct parameters \\(experts.gate_up_proj is a "
+                                         "tail of mlp.experts.gate_up_proj: one parameter\\)"):
+        LoraConfig(targets=("experts.down_proj", "mlp.experts.down_proj"))
 
 
 @pytest.mark.peers
