@@ -24,8 +24,10 @@ PEAK = ("import atexit, runpy, sys; atexit.register(lambda: print('peak_rss_kib'
 
 
 def run_measured(module: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
-    """`python -m module *args` in a fresh process: its result and its peak RSS in bytes."""
-    done = subprocess.run([sys.executable, "-c", PEAK, module, *args], capture_output=True, text=True, timeout=900,
+    """`python -m module *args` in a fresh process: its result and its peak RSS in bytes. (Stopped after 30
+    minutes: the OLMoE-shaped decode takes 6 on two quiet cores, compiling most of it, and past 15 beside the
+    eight-device tests.)"""
+    done = subprocess.run([sys.executable, "-c", PEAK, module, *args], capture_output=True, text=True, timeout=1800,
                           cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     peak = [line.split()[1] for line in done.stderr.splitlines() if line.startswith("peak_rss_kib")]
