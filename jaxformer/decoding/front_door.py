@@ -24,10 +24,13 @@ from jaxformer.decoding.steps import as_given, check_picked, checked_steps, host
 from jaxformer.sharding import mesh_of
 
 PLAIN = Plain()
-# XLA:CPU gathers bfloat16 rows through a float32 copy of the table; in a decoding loop XLA's
-# loop-invariant code motion lifts that copy out of the loop, so a run would hold the
-# embedding table again at twice its bytes (1 GB for a 128k x 2048 bf16 table). Kept in the
-# loop, the conversion folds into the gather of the rows it needs. The programs below loop.
+# XLA:CPU gathers bfloat16 rows, or slices a bfloat16 array, through a float32 copy of the
+# whole array; in a loop XLA's loop-invariant code motion lifts the copy of an array the loop
+# does not change out of the loop, so the program holds the array again at twice its bytes:
+# the embedding table a decoding loop gathers from (1 GB for a 128k x 2048 bf16 table), and
+# the stacked weights a scanned model's loop over its layers slices (OLMoE-1B-7B's prefill
+# asked for 27.7 GB). Kept in the loop, the conversion folds into the rows or the layer read.
+# The programs below loop (`start` over a scanned model's layers).
 NO_LOOP_HOISTING = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
 
 
@@ -50,7 +53,7 @@ def run(model: Decodable, params, request: DecodeRequest, strategy=PLAIN, mesh=N
     return jnp.concatenate([request.decoder_prompt, tokens], axis=1), figures
 
 
-@functools.partial(jax.jit, static_argnames=("model", "mesh"))
+@functools.partial(jax.jit, static_argnames=("model", "mesh"), compiler_options=NO_LOOP_HOISTING)
 def start(model: Decodable, params, request: DecodeRequest, mesh=None, strategy=PLAIN):
     """The strategy's prefill and first tokens: its state (`Plain`'s: `PlainState`)."""
     return strategy.start(model, params, request, mesh)
