@@ -384,10 +384,10 @@ class Experts(nn.Module):
 
         def grouped(tokens, ids, gates, w):  # (y, dropped) of the pairs (ids, gates) of `tokens`
             weights, adapters = {k: v for k, v in w.items() if k != "adapters"}, w.get("adapters")
-            run = functools.partial(routed, s, how="in_blocks", capacity=limit,
+            run = functools.partial(routed, s, how="unrolled" if T == 1 else "in_blocks", capacity=limit,
                                     block=limit or block_size(ids.size, s.n_experts))
-            # A CPU multiplies block by block; a GPU or TPU with the Pallas kernels where they take the shapes,
-            # else with ragged_dot (`grouped.device_products`).
+            # A CPU multiplies block by block (a decoding step's few blocks unrolled); a GPU or TPU with the
+            # Pallas kernels where they take the shapes, else with ragged_dot (`grouped.device_products`).
             return jax.lax.platform_dependent(
                 tokens, ids, gates, weights, adapters, cpu=run,
                 **{platform: functools.partial(run, **options) for platform, options in

@@ -16,6 +16,7 @@ Ways to multiply the blocks (`PRODUCTS`), chosen per platform (`jaxformer.expert
     in_blocks   a scan over the blocks, each `[block, d] @ w[e]` reading its one expert's
                 matrix, an unused block skipped: a CPU's way (its `ragged_dot` computes every
                 row against every expert and masks: `E` times the work)
+    unrolled    the same, the scan unrolled (a decoding step's few blocks)
     triton      the Pallas kernels of `jaxformer.kernels.grouped_matmul` on this layout, a tile
     mosaic      of rows one expert's, its matrix picked from the block table: a GPU's (Triton)
                 and a TPU's (Mosaic) way, where the kernels take the shapes and the blocks
@@ -35,7 +36,7 @@ from jaxformer.kernels import grouped_matmul as kernels
 from jaxformer.products import precision_for
 
 LARGEST_BLOCK = 128  # rows per block at most (`block_size`)
-UNROLLED_BLOCKS = 64  # `in_blocks` unrolls its loop over this many blocks or fewer
+UNROLLED_BLOCKS = 64  # `in_blocks(unroll=True)` unrolls its loop over this many blocks or fewer
 
 
 def block_size(rows: int, n_experts: int) -> int:
@@ -135,10 +136,17 @@ def ragged(x: jax.Array, w: jax.Array, layout: Layout) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def in_blocks(x: jax.Array, w: jax.Array, layout: Layout) -> jax.Array:
-    """`y [rows, F]`, `y[r] = x[r] @ w[e(r)]`, a block at a time (`_blocked`)."""
+def in_blocks(x: jax.Array, w: jax.Array, layout: Layout, unroll: bool = False) -> jax.Array:
+    """`y [rows, F]`, `y[r] = x[r] @ w[e(r)]`, a block at a time (`_blocked`); with `unroll`, the loop
+    over the blocks unrolled where they are `UNROLLED_BLOCKS` or fewer.
+
+    Unrolled for a decoding step alone: there a step's one-row products are short against XLA:CPU's
+    loop (docs/performance.md, "Mixtures of experts"), while a prompt's blocks, unrolled, make a
+    program of three products per block and layer that compiles several times as long for little
+    gain (an OLMoE-shaped layer's 5-token prompt, 40 blocks: 30.4 s against 10.5 s)."""
     blocks = layout.block_expert.shape[0]
-    y = _blocked(x.reshape(blocks, layout.block, x.shape[-1]), w, layout.block_expert)
+    y = _blocked(x.reshape(blocks, layout.block, x.shape[-1]), w, layout.block_expert,
+                 unroll and blocks <= UNROLLED_BLOCKS)
     return y.reshape(layout.rows, w.shape[-1])
 
 
@@ -155,29 +163,28 @@ def _block_product(equation: str, x_block: jax.Array, w: jax.Array, e: jax.Array
     return jax.lax.cond(e < n_experts, used, lambda: jnp.zeros(out_shape, x_block.dtype))
 
 
-@jax.custom_vjp
-def _blocked(x: jax.Array, w: jax.Array, block_expert: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _blocked(x: jax.Array, w: jax.Array, block_expert: jax.Array, unroll: bool) -> jax.Array:
     """`[blocks, block, F]`: block j of `x [blocks, block, d]` times `w[block_expert[j]]`."""
-    return _blocked_product("bd,df->bf", x, w, block_expert, (x.shape[1], w.shape[-1]))
+    return _blocked_product("bd,df->bf", x, w, block_expert, (x.shape[1], w.shape[-1]), unroll)
 
 
-def _blocked_product(equation: str, x: jax.Array, w: jax.Array, block_expert: jax.Array, shape) -> jax.Array:
+def _blocked_product(equation: str, x: jax.Array, w: jax.Array, block_expert: jax.Array, shape,
+                     unroll: bool = False) -> jax.Array:
     """`[blocks, *shape]`: `einsum(equation, x[j], w[block_expert[j]])` for each block j."""
 
     def step(_, inputs):
         x_block, e = inputs
         return None, _block_product(equation, x_block, w, e, shape)
 
-    # A decoding step's few blocks run unrolled: XLA:CPU's loop costs more a step than a block's
-    # product with one row (docs/performance.md, "Mixtures of experts").
-    return jax.lax.scan(step, None, (x, block_expert), unroll=x.shape[0] <= UNROLLED_BLOCKS)[1]
+    return jax.lax.scan(step, None, (x, block_expert), unroll=unroll)[1]
 
 
-def _blocked_fwd(x, w, block_expert):
-    return _blocked(x, w, block_expert), (x, w, block_expert)
+def _blocked_fwd(x, w, block_expert, unroll):
+    return _blocked(x, w, block_expert, unroll), (x, w, block_expert)
 
 
-def _blocked_bwd(residuals, dy):
+def _blocked_bwd(unroll, residuals, dy):
     """`y_j = x_j w_e`: `dx_j = dy_j w_e^T`, and `dw_e` the sum of `x_j^T dy_j` over e's blocks,
     each block adding into its expert's rows of one `[E, d, F]` carry (autodiff of the scan
     would build a whole `[E, d, F]` per block). Two loops, so that where `w` is frozen (LoRA's
@@ -211,7 +218,7 @@ def in_kernels(x: jax.Array, w: jax.Array, layout: Layout, *, platform: str, int
     return kernels.grouped_matmul(x, w, layout.block_expert, platform=platform, interpret=interpret)
 
 
-PRODUCTS = {"ragged": ragged, "in_blocks": in_blocks,
+PRODUCTS = {"ragged": ragged, "in_blocks": in_blocks, "unrolled": functools.partial(in_blocks, unroll=True),
             "triton": functools.partial(in_kernels, platform="triton"),
             "mosaic": functools.partial(in_kernels, platform="mosaic")}
 KERNEL_PRODUCTS = ("mosaic", "triton")  # the kernels' products: compiled for a GPU or TPU (a CPU: `interpret`)

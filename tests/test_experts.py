@@ -3,6 +3,7 @@ the grouped product against a per-expert loop, the load-balancing loss against t
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,20 @@ def test_expert_parallel_on_a_one_device_mesh_is_the_plain_layer(capacity_factor
 def test_block_size_follows_the_rows_per_expert():
     assert [block_size(rows, 64) for rows in (8, 64, 512, 4096, 10 ** 6)] == [1, 1, 8, 64, 128]
 
+
+def test_a_decoding_step_unrolls_its_blocks_and_a_prompt_loops_over_them():
+    """On a CPU the layer's loop over its blocks is unrolled for one position a row (a decoding step) and
+    left a loop for more (a prompt, a training batch): read from the scans of the layer's program."""
+    spec = ExpertsSpec(E, 3, F)
+    model = Experts(CONFIG, spec)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 1, D)))["params"]
+
+    def unrolls(x):  # the `unroll` of each scan in the layer's program (its three products' loops over the blocks)
+        return re.findall(r"unroll=(\w+)", str(jax.make_jaxpr(lambda p, x: model.apply({"params": p}, x))(params, x)))
+
+    blocks = 4 * spec.top_k  # 4 tokens' 12 pairs over 8 experts: blocks of one row (`block_size`)
+    assert sorted(unrolls(jnp.ones((4, 1, D))), key=int)[-3:] == [str(blocks)] * 3  # each loop unrolled whole
+    assert set(unrolls(jnp.ones((1, 4, D)))) == {"1"}
 
 # Each family's MoE block in transformers, its config's fields and our spec of the same layer.
 PEERS = {
