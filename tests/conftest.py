@@ -96,10 +96,14 @@ def pytest_unconfigure(config):
 
 # The files whose time is longest, most of it one piece a worker cannot share: a process of
 # their own (test_sharding.py's 8 devices), a module fixture, or many compiles. With
-# `--dist loadfile` a file goes to one worker whole; these are handed out first, so that
-# they run beside the many short files rather than alone at the end.
-LONGEST_FIRST = ("tests/test_real_size.py", "tests/test_real_size_experts.py", "tests/training/test_processes.py",
-                 "tests/test_sharding.py",
+# `--dist loadfile` a file goes to one worker whole; these are handed out first, in this order
+# (pyproject's `--no-loadscope-reorder`: else pytest-xdist hands out the files with the most
+# tests first, and these one-test files ran last, one worker idle beside the longest), so that
+# they run beside the many short files rather than alone at the end. Two workers start on the
+# first two, then take the next two: the OLMoE-shaped decode (15 GB) runs beside the
+# eight-device process, and the 1B tests after it.
+LONGEST_FIRST = ("tests/test_sharding.py", "tests/test_real_size_experts.py", "tests/test_real_size.py",
+                 "tests/training/test_processes.py",
                  "tests/test_docs.py", "tests/serving/test_engine.py", "tests/serving/test_app.py",
                  "tests/decoding/test_speculative.py", "tests/test_decoder.py", "tests/families/test_families.py")
 
