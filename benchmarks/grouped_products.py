@@ -6,7 +6,8 @@ ways against one dense product of the same rows, in one run.
 
 For each number of tokens N (a decoding step's batch, a prefill's length): the `N * k` pairs
 of a uniform random routing through `grouped.grouped_product`, "in_blocks" (a scan over
-blocks of one expert each: the CPU's way) and "ragged" (`jax.lax.ragged_dot`), against the
+blocks of one expert each: the CPU's way), "unrolled" (that scan unrolled, as a decoding step
+runs it, up to `grouped.UNROLLED_BLOCKS` blocks) and "ragged" (`jax.lax.ragged_dot`), against the
 same `N * k` rows times ONE `[d_model, width]` matrix (the work without the routing; at
 small N the weights' bytes: one matrix, where the experts' product reads up to k of them per
 token). The median of `--reps` calls after one untimed one.

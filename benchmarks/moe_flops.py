@@ -11,9 +11,9 @@ own products (scores and values over the few positions) come on top. Dropless, t
 products are grouped by expert and cost what the chosen experts cost: the ratio stays near
 1, where computing every expert would be `parameters / active`, about 5.4.
 
-A few tokens a call, as a decoding step has: XLA's cost analysis counts a loop's body once,
-and `jaxformer.grouped` unrolls its loop over blocks for up to `grouped.UNROLLED_BLOCKS` blocks,
-so these calls' every block is counted; with one row a block (`grouped.block_size`) every
+A few tokens a call, one position a row, as a decoding step has: XLA's cost analysis counts a
+loop's body once, and `jaxformer.grouped` unrolls a decoding step's loop over blocks for up to
+`grouped.UNROLLED_BLOCKS` blocks, so these calls' every block is counted; with one row a block (`grouped.block_size`) every
 block is a pair, none padding.
 """
 
@@ -31,11 +31,12 @@ from jaxformer.convert import config_from_hf
 
 
 def flops(config, tokens: int) -> float:
-    """XLA's count of the FLOPs of one forward of `tokens` tokens (a batch of 1)."""
+    """XLA's count of the FLOPs of one forward of `tokens` tokens, one position in each of `tokens` rows: a
+    decoding step's (its blocks unrolled, each counted)."""
     model = Decoder(config)
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     forward = jax.jit(lambda params, ids: model.apply({"params": params}, ids)[0])
-    compiled = forward.lower(shapes, jax.ShapeDtypeStruct((1, tokens), jnp.int32)).compile()
+    compiled = forward.lower(shapes, jax.ShapeDtypeStruct((tokens, 1), jnp.int32)).compile()
     return float(compiled.cost_analysis()["flops"])
 
 
