@@ -13,8 +13,8 @@ products are grouped by expert and cost what the chosen experts cost: the ratio 
 
 A few tokens a call, one position a row, as a decoding step has: XLA's cost analysis counts a
 loop's body once, and `jaxformer.grouped` unrolls a decoding step's loop over blocks for up to
-`grouped.UNROLLED_BLOCKS` blocks, so these calls' every block is counted; with one row a block (`grouped.block_size`) every
-block is a pair, none padding.
+`grouped.UNROLLED_BLOCKS` blocks, so these calls' every block is counted; with one row a block
+(`grouped.block_size`) every block is a pair, none padding.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ def test_each_way_is_timed_against_the_dense_product(tmp_path, capsys):
                            "16", "--reps", "1", "--dtype", "float32", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 16]
-    assert all(set(r["vs_dense"]) == {"in_blocks", "unrolled", "ragged"} and min(r["seconds"].values()) > 0 for r in rows)
+    assert all(set(r["vs_dense"]) == {"in_blocks", "unrolled", "ragged"} and min(r["seconds"].values()) > 0
+               for r in rows)
     assert all(set(r["read_gb_per_s"]) == {"in_blocks", "dense_active_row"} and min(r["read_gb_per_s"].values()) > 0
                for r in rows)
     printed = capsys.readouterr().out
