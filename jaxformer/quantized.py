@@ -1,0 +1,214 @@
+"""Quantized weights: a matrix held as narrow numbers and the scales that map them back.
+
+A quantized matrix is a `QArray` (qwix's, Google's JAX quantization library): `qvalue` of the
+matrix's own shape in a narrow dtype, `scale` of the same rank, each of its dimensions dividing
+the matrix's (a scale is shared by a tile of values), an optional `zero_point` alike, and the
+`qtype` that says how `qvalue` reads. It stands where the float matrix stood in a parameter tree:
+a pytree whose first leaf has the matrix's shape, sliced by `nn.scan` and indexed per expert like
+one, and the one weight product (`jaxformer.products.product`) multiplies it. Its value is
+
+    W = (qvalue - zero_point) * scale        (scale and zero_point repeated over their tile)
+
+with `qvalue` read through the format's code book (NF4's sixteen numbers) where it has one. The
+formats, each defined over a matrix's input axes (the ones a product sums over; "the group" is a
+run of consecutive inputs along the last of them, within one output channel):
+
+- `int8`: one scale per output channel, `s = max|W| / 127` over its inputs, `q = round(W / s)`
+  in [-127, 127].
+- `int4`: one scale per group of `group` inputs (64; 32 and 128 allowed). Symmetric: `s =
+  max|W| / 7`, `q = round(W / s)` in [-7, 7]; `affine` (GPTQ's and AWQ's integer zero point):
+  over the group's range widened to hold 0, `lo = min(min W, 0)`, `hi = max(max W, 0)`, `s = (hi
+  - lo) / 15`, `zero_point = round(-lo / s)` and `q = round(W / s) + zero_point`, both in [0, 15]
+  (a range off centre, such as an all-positive group's, spends all sixteen levels on it).
+- `nf4` (QLoRA's NormalFloat): one scale per group, `s = max|W|`, and `q` the index of the code
+  nearest to `W / s` among `NF4`, sixteen quantiles of a normal distribution scaled into [-1, 1].
+- `mxfp4` (as gpt-oss ships it, read by `from_mxfp4`): float4 e2m1 values, one power of two per
+  32 inputs.
+- `fp8` (as DeepSeek-V3 and Qwen3's `-FP8` checkpoints ship them, `from_fp8`): float8 e4m3
+  values, one scale per 128 x 128 block.
+
+`round` is to the nearest, ties to even. Scales are stored in the model's parameter dtype. Which
+product each format takes on each platform, and its error, is in docs/precision.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from qwix import QArray
+from qwix import dequantize as qwix_dequantize
+
+from jaxformer.validation import as_int
+
+FORMATS = ("int8", "int4", "nf4")  # what `quantize` makes (on load: `load_hf(quantize=...)`)
+GROUPS = (32, 64, 128)  # the group sizes int4 and nf4 allow
+SHIPPED = ("mxfp4", "fp8")  # read as the checkpoints ship them (`quantization_config.quant_method`)
+
+# NF4's code book (Dettmers et al., QLoRA, appendix E): 0, then eight quantiles of N(0, 1) above the
+# median and seven below, each side scaled so that its outermost is 1 (tests/test_quantized.py derives
+# them again from the normal distribution).
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                0.7229568362236023, 1.0], np.float32)
+
+__all__ = ["FORMATS", "GROUPS", "NF4", "SHIPPED", "QArray", "Quantization", "dequantize", "format_of",
+           "from_fp8", "from_mxfp4", "quantize"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """How `quantize` stores a matrix.
+
+    Attributes:
+      format: one of `FORMATS`.
+      group: int4's and nf4's inputs per scale, one of `GROUPS` (int8's scale covers all of them).
+      affine: int4 only: a zero point per group (min..max onto 0..15) instead of a symmetric range.
+    """
+
+    format: str
+    group: int = 64
+    affine: bool = False
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"quantize must be one of {FORMATS}, got {self.format!r}")
+        group = as_int(self.group, "group_size")
+        if group not in GROUPS:
+            raise ValueError(f"group_size must be one of {GROUPS}, got {self.group!r}")
+        object.__setattr__(self, "group", group)
+        if self.affine and self.format != "int4":
+            raise ValueError(f"affine applies to int4 alone, not {self.format}")
+
+
+def format_of(w: QArray) -> str:
+    """The format of a quantized matrix, by its stored dtype (`FORMATS` or `SHIPPED`)."""
+    if w.qtype == "nf4":
+        return "nf4"
+    return {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.int4): "int4", jnp.dtype(jnp.uint4): "int4",
+            jnp.dtype(jnp.float4_e2m1fn): "mxfp4", jnp.dtype(jnp.float8_e4m3fn): "fp8"}[jnp.dtype(w.qtype)]
+
+
+def _grouped(w: jax.Array, inputs: tuple[int, ...], group: int) -> tuple[jax.Array, tuple[int, ...]]:
+    """`w` with its last input axis split into `[n / group, group]` and the axes a group's statistics
+    reduce over (the new `group` axis); a ValueError unless `group` divides it."""
+    axis = inputs[-1]
+    n = w.shape[axis]
+    if n % group:
+        raise ValueError(f"group_size: {group} does not divide the matrix's input axis of {n} (shape {w.shape}); "
+                         f"pick one of {tuple(g for g in GROUPS if n % g == 0) or GROUPS} that does")
+    return w.reshape(*w.shape[:axis], n // group, group, *w.shape[axis + 1:]), (axis + 1,)
+
+
+def _safe(scale: jax.Array) -> jax.Array:
+    """A scale of 1 where a channel or group is all zeros (its values are then 0 however scaled)."""
+    return jnp.where(scale > 0, scale, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("how", "inputs", "dtype"))
+def quantize(w: jax.Array, how: Quantization, inputs: tuple[int, ...], dtype=jnp.float32) -> QArray:
+    """`w` quantized as `how` says, over its input axes `inputs` (ascending; the last one grouped).
+
+    Args:
+      w: the float matrix (any float dtype; its statistics are taken in float32).
+      how: the format and its options.
+      inputs: the axes of `w` that a product sums over (`[d, H, D]`'s `(0,)`, `[H, D, d]`'s `(0, 1)`);
+        every other axis (outputs, experts, layers) keeps a scale per index.
+      dtype: the scales' (and an affine zero point's) dtype.
+
+    Returns:
+      A `QArray` of `w`'s shape.
+    """
+    w = w.astype(jnp.float32)
+    if how.format == "int8":  # per output channel: the max over every input axis
+        scale = _safe(jnp.max(jnp.abs(w), axis=inputs, keepdims=True) / 127)
+        return QArray(jnp.round(w / scale).astype(jnp.int8), scale.astype(dtype))
+    groups, over = _grouped(w, inputs, how.group)
+    shape = list(w.shape)
+    shape[inputs[-1]] //= how.group  # the scale's: one per group
+
+    def squeezed(a):  # [.., n / group, 1, ..] -> the scale's shape
+        return a.reshape(shape)
+
+    if how.format == "nf4":
+        scale = _safe(jnp.max(jnp.abs(groups), axis=over, keepdims=True))
+        midpoints = jnp.asarray((NF4[1:] + NF4[:-1]) / 2)  # the code nearest to v: how many midpoints lie below v
+        q = jnp.searchsorted(midpoints, groups / scale, side="left")
+        return QArray(q.reshape(w.shape).astype(jnp.uint4), squeezed(scale).astype(dtype), qtype="nf4")
+    if how.affine:
+        low = jnp.minimum(jnp.min(groups, axis=over, keepdims=True), 0)
+        high = jnp.maximum(jnp.max(groups, axis=over, keepdims=True), 0)
+        scale = _safe((high - low) / 15)
+        zero = jnp.round(-low / scale)  # in [0, 15]: the level that stands for 0
+        q = jnp.clip(jnp.round(groups / scale) + zero, 0, 15)
+        return QArray(q.reshape(w.shape).astype(jnp.uint4), squeezed(scale).astype(dtype),
+                      squeezed(zero).astype(jnp.uint4))
+    scale = _safe(jnp.max(jnp.abs(groups), axis=over, keepdims=True) / 7)
+    q = jnp.clip(jnp.round(groups / scale), -7, 7)
+    return QArray(q.reshape(w.shape).astype(jnp.int4), squeezed(scale).astype(dtype))
+
+
+def dequantize(w: QArray, dtype=None) -> jax.Array:
+    """The float matrix `w` stands for, `(qvalue - zero_point) * scale`, in `dtype` (None: the
+    scale's); computed in float32 at least, rounded once."""
+    wide = jnp.promote_types(w.scale.dtype, jnp.float32)
+    return qwix_dequantize(w.astype(wide)).astype(w.scale.dtype if dtype is None else dtype)
+
+
+def from_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=jnp.float32) -> QArray:
+    """An MXFP4 matrix as gpt-oss ships it, `[..., out, in]` as `QArray` `[..., in, out]`.
+
+    Args:
+      blocks: uint8 `[..., out, in / 32, 16]`: each byte two e2m1 values, the low nibble first.
+      scales: uint8 `[..., out, in / 32]`: each block of 32 inputs' exponent (e8m0), `2 ** (s - 127)`.
+      dtype: the scales' dtype (a power of two, exact in float32 and bfloat16).
+
+    Raises:
+      ValueError: the shapes do not agree, or a scale is 255 (e8m0's NaN).
+    """
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {blocks.shape} must be the scales' {scales.shape} and 16 bytes")
+    if np.any(scales == 255):
+        raise ValueError("MXFP4 scales: 255 (e8m0's NaN) is not a scale")
+    nibbles = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., out, in / 32, 16, 2]: low first
+    values = nibbles.reshape(*blocks.shape[:-2], -1).view(ml_dtypes.float4_e2m1fn)  # [..., out, in]
+    exponents = scales.astype(np.int32) - 127
+    scale = np.ldexp(np.ones((), np.float32), exponents).astype(dtype)  # [..., out, in / 32]
+    return QArray(jnp.asarray(np.swapaxes(values, -1, -2)), jnp.asarray(np.swapaxes(scale, -1, -2)))
+
+
+def from_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], dtype=jnp.float32) -> QArray:
+    """A block-scaled FP8 matrix as DeepSeek-V3 ships it, `[out, in]`, as `QArray` `[in, out]`.
+
+    Args:
+      weight: float8 e4m3 `[out, in]`.
+      scale_inv: float `[ceil(out / bo), ceil(in / bi)]`: what each block's values are multiplied by.
+      block: `(bo, bi)`, `quantization_config.weight_block_size` (128, 128).
+      dtype: the scales' dtype.
+
+    The scale is kept per output channel (each row its block's) and per tile of `gcd(in, bi)`
+    inputs, so that a matrix whose last block is partial, or which a layer splits into heads, keeps
+    a scale that tiles it evenly.
+
+    Raises:
+      ValueError: the shapes do not agree.
+    """
+    weight, scale_inv = np.asarray(weight), np.asarray(scale_inv, np.float32)
+    if weight.dtype != ml_dtypes.float8_e4m3fn:
+        raise ValueError(f"FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    (n_out, n_in), (bo, bi) = weight.shape, block
+    want = (-(-n_out // bo), -(-n_in // bi))
+    if scale_inv.shape != want:
+        raise ValueError(f"FP8 weight_scale_inv must be {want} for a {weight.shape} weight in {block} blocks, "
+                         f"got {scale_inv.shape}")
+    tile = np.gcd(n_in, bi)
+    scale = np.repeat(np.repeat(scale_inv, bo, axis=0)[:n_out], bi // tile, axis=1)[:, :n_in // tile]
+    return QArray(jnp.asarray(weight.T), jnp.asarray(scale.T.astype(dtype)))

@@ -1,0 +1,214 @@
+"""Quantized matrices: each format's values against a NumPy reference written from its definition
+(NF4's code book derived again from the normal distribution; MXFP4 and FP8 decoded as their
+checkpoints define them, and against transformers' own decoder), and their products against the
+dequantized float product (int8's W8A8 against its formula in exact integers)."""
+
+import itertools
+from statistics import NormalDist
+
+import chex
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxformer.products import product
+from jaxformer.quantized import NF4, QArray, Quantization, dequantize, format_of, from_fp8, from_mxfp4, quantize
+
+
+def matrix(shape, seed=0):
+    return np.array(jax.random.normal(jax.random.key(seed), shape), np.float32)
+
+
+def groups_of(w, inputs, group):
+    """Every (output channel, group) of `w` as index tuples: the runs of `group` consecutive
+    inputs along the last input axis, one index of every other axis (slow, plain)."""
+    axis = inputs[-1]
+    others = [range(n) if i != axis else range(0, n, group) for i, n in enumerate(w.shape)]
+    for start in itertools.product(*others):
+        yield tuple(slice(s, s + group) if i == axis else s for i, s in enumerate(start))
+
+
+def reference(w, how, inputs):
+    """The dequantized matrix, from the module docstring's definitions, one group at a time."""
+    out = np.empty_like(w, dtype=np.float64)
+    if how.format == "int8":
+        s = np.abs(w).max(axis=inputs, keepdims=True) / 127
+        s[s == 0] = 1  # an all-zero channel: zeros, whatever the scale
+        return np.round(w / s) * s
+    for g in groups_of(w, inputs, how.group):
+        v = w[g].astype(np.float64)
+        if how.format == "nf4":
+            s = np.abs(v).max() or 1
+            out[g] = NF4[np.argmin(np.abs(v[..., None] / s - NF4), axis=-1)] * s
+        elif how.affine:
+            lo, hi = min(v.min(), 0), max(v.max(), 0)
+            s = (hi - lo) / 15 or 1
+            zero = np.round(-lo / s)
+            q = np.clip(np.round(v / s) + zero, 0, 15)
+            out[g] = (q - zero) * s
+        else:
+            s = np.abs(v).max() / 7 or 1
+            out[g] = np.clip(np.round(v / s), -7, 7) * s
+    return out
+
+
+HOWS = [Quantization("int8"), Quantization("int4"), Quantization("int4", 32), Quantization("int4", 128, affine=True),
+        Quantization("int4", 64, affine=True), Quantization("nf4"), Quantization("nf4", 32)]
+SHAPES = [((256, 4, 32), (0,)), ((4, 64, 96), (0, 1)), ((3, 128, 40), (1,))]  # q's, o's, an expert stack's
+
+
+def test_the_nf4_code_book_is_qloras_normal_quantiles():
+    """QLoRA's construction: 8 quantiles of N(0, 1) from p = 0.9677 down to the median (exclusive)
+    and 7 mirrored below, with 0 between, each side scaled to end at +-1."""
+    ppf, offset = NormalDist().inv_cdf, 0.9677083
+    above = [ppf(p) for p in np.linspace(offset, 0.5, 9)[:-1]]
+    below = [-ppf(p) for p in np.linspace(offset, 0.5, 8)[:-1]]
+    codes = np.sort(np.array(above + [0.0] + below))
+    np.testing.assert_allclose(NF4, codes / np.abs(codes).max(), atol=2e-7)
+
+
+@pytest.mark.parametrize("how,shape,inputs", [(how, shape, inputs) for how in HOWS for shape, inputs in SHAPES
+                                               if how.format == "int8" or shape[inputs[-1]] % how.group == 0],
+                         ids=str)  # (a group that does not divide is refused: the next test)
+def test_each_format_is_its_definition(how, shape, inputs):
+    w = matrix(shape)
+    w[(1,) * len(shape)] = 0  # a zero among the values, and a whole group (int8: channel) of zeros
+    w[tuple(slice(None) if i in inputs else 0 for i in range(len(shape))) if how.format == "int8"
+      else next(groups_of(w, inputs, how.group))] = 0
+    q = quantize(jnp.asarray(w), how, inputs)
+    chex.assert_shape(q.qvalue, w.shape)
+    assert format_of(q) == how.format
+    np.testing.assert_allclose(np.asarray(dequantize(q), np.float64), reference(w, how, inputs), rtol=1e-6,
+                               atol=1e-7)
+    bits = {"int8": 8, "int4": 4, "nf4": 4}[how.format]
+    assert jnp.dtype(q.qvalue.dtype).itemsize * 8 >= bits and q.scale.dtype == jnp.float32
+
+
+def test_bad_quantizations_are_refused_naming_the_argument():
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        Quantization("int3")
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        Quantization("int4", 48)
+    with pytest.raises(ValueError, match="affine applies to int4 alone"):
+        Quantization("nf4", affine=True)
+    with pytest.raises(ValueError, match="group_size: 64 does not divide the matrix's input axis of 96"):
+        quantize(jnp.ones((96, 8)), Quantization("int4"), (0,))
+
+
+def test_scales_take_the_dtype_asked_for():
+    q = quantize(jnp.asarray(matrix((64, 8))), Quantization("int4", 32, affine=True), (0,), jnp.bfloat16)
+    assert q.scale.dtype == jnp.bfloat16 and q.zero_point.dtype == jnp.uint4 and dequantize(q).dtype == jnp.bfloat16
+
+
+def test_mxfp4_is_decoded_as_gpt_oss_ships_it():
+    """Byte b of a block holds values 2b (low nibble) and 2b + 1 (high), each e2m1 (sign, two exponent
+    bits with bias 1, one mantissa bit), times 2^(scale - 127); and `[out, in]` becomes `[in, out]`."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 5, 2, 16), dtype=np.uint8)  # [E, out, in / 32, 16]
+    scales = rng.integers(118, 134, (3, 5, 2), dtype=np.uint8)
+
+    def e2m1(n):
+        sign, exponent, mantissa = (-1) ** (n >> 3), (n >> 1) & 3, n & 1
+        return sign * (mantissa / 2 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1))
+
+    want = np.empty((3, 5, 64))
+    for e, o, b, i in itertools.product(range(3), range(5), range(2), range(16)):
+        byte, scale = int(blocks[e, o, b, i]), 2.0 ** (int(scales[e, o, b]) - 127)
+        want[e, o, 32 * b + 2 * i] = e2m1(byte & 15) * scale
+        want[e, o, 32 * b + 2 * i + 1] = e2m1(byte >> 4) * scale
+    q = from_mxfp4(blocks, scales)
+    assert q.qvalue.dtype == jnp.float4_e2m1fn and q.qvalue.shape == (3, 64, 5) and q.scale.shape == (3, 2, 5)
+    np.testing.assert_array_equal(np.asarray(dequantize(q)), want.transpose(0, 2, 1))
+    with pytest.raises(ValueError, match="255"):
+        from_mxfp4(blocks, np.full_like(scales, 255))
+
+
+def test_mxfp4_is_decoded_as_transformers_decodes_it():
+    torch = pytest.importorskip("torch")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # the peer's decoder
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 40, 4, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (3, 40, 4), dtype=np.uint8)
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    np.testing.assert_array_equal(np.asarray(dequantize(from_mxfp4(blocks, scales))), theirs.numpy())
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (320, 200)])  # whole 128 x 128 blocks; partial last ones
+def test_block_fp8_is_decoded_as_deepseek_ships_it(shape):
+    """Value [o, i] times weight_scale_inv[o // 128, i // 128]; `[out, in]` becomes `[in, out]`."""
+    rng = np.random.default_rng(1)
+    weight = rng.normal(0, 100, shape).astype(ml_dtypes.float8_e4m3fn)
+    scale_inv = rng.uniform(1e-4, 1e-2, (-(-shape[0] // 128), -(-shape[1] // 128))).astype(np.float32)
+    want = np.empty(shape)
+    for o, i in itertools.product(range(shape[0]), range(shape[1])):
+        want[o, i] = float(weight[o, i]) * float(scale_inv[o // 128, i // 128])
+    q = from_fp8(weight, scale_inv, (128, 128))
+    assert q.qvalue.dtype == jnp.float8_e4m3fn and q.qvalue.shape == shape[::-1]
+    np.testing.assert_allclose(np.asarray(dequantize(q), np.float64), want.T, rtol=1e-7)
+    with pytest.raises(ValueError, match="weight_scale_inv must be"):
+        from_fp8(weight, scale_inv[:1], (128, 128))
+
+
+EQUATIONS = [("btd,dhk->bthk", (2, 3, 256), (256, 4, 32), (0,)), ("bthk,hkd->btd", (2, 3, 4, 64), (4, 64, 96), (0, 1)),
+             ("bd,df->bf", (5, 128), (128, 40), (0,))]
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape,inputs", EQUATIONS)
+def test_int8_is_w8a8_the_rows_quantized_and_summed_in_exact_integers(equation, x_shape, w_shape, inputs):
+    """y = (sum of q_x q_w in integers) s_x s_w, each row of x quantized with s_x = max|row| / 127;
+    so within sum |x - x^| |W^| of the dequantized matrix's float product."""
+    x, w = matrix(x_shape, 1), matrix(w_shape, 2)
+    q = quantize(jnp.asarray(w), Quantization("int8"), inputs)
+    x_spec = equation.split(",")[0]
+    summed = tuple(i for i, a in enumerate(x_spec) if a in equation.split(",")[1].split("->")[0])
+    s_x = np.abs(x).max(axis=summed, keepdims=True) / 127
+    q_x = np.round(x / s_x)
+    q_w, s_w = np.asarray(q.qvalue, np.int64), np.asarray(q.scale, np.float64)
+    ints = np.einsum(equation, q_x.astype(np.int64), q_w)
+    # the scales' grid, s_x of the row times s_w of the channel: both are constant over the summed
+    # axes, so their product summed over them is that many times it
+    grid = np.einsum(equation, np.broadcast_to(s_x, x.shape), np.broadcast_to(s_w, w.shape)) / np.prod(
+        [x.shape[i] for i in summed])
+    want = ints * grid
+    got = np.asarray(product(equation, jnp.asarray(x), q), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
+    w_hat = np.asarray(dequantize(q), np.float64)
+    error = np.einsum(equation, np.abs(x - q_x * s_x), np.abs(w_hat))
+    assert np.all(np.abs(got - np.einsum(equation, x.astype(np.float64), w_hat)) <= error + 1e-5)
+
+
+@pytest.mark.parametrize("how", [Quantization("int4"), Quantization("int4", 32, affine=True), Quantization("nf4")],
+                         ids=str)
+def test_other_formats_multiply_the_dequantized_matrix(how):
+    x, w = jnp.asarray(matrix((2, 3, 256), 1)), jnp.asarray(matrix((256, 4, 32), 2))
+    q = quantize(w, how, (0,))
+    np.testing.assert_array_equal(product("btd,dhk->bthk", x, q), product("btd,dhk->bthk", x, dequantize(q)))
+    xb, qb = x.astype(jnp.bfloat16), q.astype(jnp.bfloat16)  # bf16: the dequantized bf16 matrix's product
+    np.testing.assert_array_equal(product("btd,dhk->bthk", xb, qb),
+                                  product("btd,dhk->bthk", xb, dequantize(qb)))
+
+
+@pytest.mark.parametrize("how", [Quantization("int8"), Quantization("nf4")], ids=str)
+def test_a_quantized_matrix_is_frozen_and_x_gets_the_dequantized_gradient(how):
+    x, w = jnp.asarray(matrix((2, 3, 128), 1)), jnp.asarray(matrix((128, 40), 2))
+    q = quantize(w, how, (0,))
+    dy = jnp.asarray(matrix((2, 3, 40), 3))
+    dx, dq = jax.grad(lambda x, q: jnp.sum(product("btd,df->btf", x, q) * dy), argnums=(0, 1), allow_int=True)(x, q)
+    np.testing.assert_allclose(dx, jnp.einsum("btf,df->btd", dy, dequantize(q), precision="highest"), rtol=1e-5,
+                               atol=1e-5)
+    assert not np.any(np.asarray(dq.scale)) and dq.qvalue.dtype == jax.dtypes.float0
+
+
+def test_one_int8_row_is_that_row_of_two():
+    x, w = jnp.asarray(matrix((2, 1, 128), 1)), jnp.asarray(matrix((128, 40), 2))
+    q = quantize(w, Quantization("int8"), (0,))
+    np.testing.assert_array_equal(product("btd,df->btf", x[:1], q), product("btd,df->btf", x, q)[:1])
+
+
+def test_a_quantized_matrix_is_a_qwix_qarray_of_its_shape():
+    q = quantize(jnp.ones((64, 4, 8)), Quantization("nf4", 32), (0,))
+    assert isinstance(q, QArray) and q.shape == (64, 4, 8) and jax.tree.leaves(q)[0].shape == (64, 4, 8)
+    assert q[..., 0].shape == (64, 4) and q.astype(jnp.bfloat16).scale.dtype == jnp.bfloat16
