@@ -10,6 +10,7 @@ import jax
 from jaxformer.dropout import Dropout
 from jaxformer.lora import project
 from jaxformer.products import product
+from jaxformer.quantized import QArray
 from jaxformer.sharding import EMBED, MLP, Weight, compute_param
 
 
@@ -29,6 +30,8 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) 
     Returns:
       `[batch, T, d_model]`.
     """
+    if any(isinstance(w, QArray) for w in (w_gate, w_up, w_down)):  # frozen: `product`'s gradient is its own
+        return gated(jax.nn.silu, x, w_gate, w_up, w_down)
     return jax.lax.platform_dependent(x, w_gate, w_up, w_down, cpu=written_swiglu,
                                       default=functools.partial(gated, jax.nn.silu))
 

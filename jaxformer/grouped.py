@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxformer.kernels import grouped_matmul as kernels
-from jaxformer.products import precision_for
+from jaxformer.products import precision_for, product
+from jaxformer.quantized import QArray, dequantize, frozen_cotangent
 
 LARGEST_BLOCK = 128  # rows per block at most (`block_size`)
 UNROLLED_BLOCKS = 64  # `in_blocks(unroll=True)` unrolls its loop over this many blocks or fewer
@@ -130,7 +131,8 @@ def row_experts(layout: Layout) -> jax.Array:
 
 def ragged(x: jax.Array, w: jax.Array, layout: Layout) -> jax.Array:
     """`y [rows, F]`, `y[r] = x[r] @ w[e(r)]`, by `jax.lax.ragged_dot` over the padded groups
-    (the rows past the last group, zeros, stay zeros)."""
+    (the rows past the last group, zeros, stay zeros); a quantized stack dequantized for the call."""
+    w = dequantize(w, x.dtype) if isinstance(w, QArray) else w
     y = jax.lax.ragged_dot(x, w, layout.group_sizes, precision=precision_for(x.dtype),
                            preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
@@ -152,11 +154,14 @@ def in_blocks(x: jax.Array, w: jax.Array, layout: Layout, unroll: bool = False) 
 
 def _block_product(equation: str, x_block: jax.Array, w: jax.Array, e: jax.Array, out_shape) -> jax.Array:
     """`einsum(equation, x_block, w[e])` in `x_block`'s dtype, or zeros for a block past the last
-    group (`e == E`): its expert's matrix alone is read."""
+    group (`e == E`): its expert's matrix alone is read (a quantized one multiplied as `product`
+    multiplies it: int8's W8A8, another format dequantized for this block)."""
     n_experts = w.shape[0]
 
     def used():
-        w_e = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+        w_e = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, e, keepdims=False), w)  # (a QArray's leaves)
+        if isinstance(w_e, QArray):
+            return product(equation, x_block, w_e)
         return jnp.einsum(equation, x_block, w_e, precision=precision_for(x_block.dtype),
                           preferred_element_type=jnp.float32).astype(x_block.dtype)
 
@@ -192,6 +197,8 @@ def _blocked_bwd(unroll, residuals, dy):
     x, w, block_expert = residuals
     n_experts = w.shape[0]
     dx = _blocked_product("bf,df->bd", dy, w, block_expert, x.shape[1:])
+    if isinstance(w, QArray):  # frozen, as `product`'s quantized matrices
+        return dx, frozen_cotangent(w), None
 
     def add_block(dw, inputs):
         x_block, dy_block, e = inputs

@@ -35,10 +35,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import qwix
 
-from jaxformer.quantized import QArray, dequantize, format_of
+from jaxformer.quantized import QArray, dequantize, format_of, frozen_cotangent
 
 
 def product(equation: str, x: jax.Array, w: jax.Array, wide: bool = False) -> jax.Array:
@@ -132,14 +131,13 @@ def _w8a8(equation: str, x: jax.Array, w: QArray) -> jax.Array:
         one_row = x_spec[0] not in w_spec and q_x.size == math.prod(q_x.shape[i] for i in x_axes)  # as two
         q_x2 = jnp.concatenate([q_x, jnp.zeros_like(q_x)]) if one_row else q_x
         summed_ints = jnp.einsum(equation, q_x2, q_w, preferred_element_type=jnp.int32)
-        return summed_ints[:1] if one_row else summed_ints
+        return (summed_ints[:1] if one_row else summed_ints).astype(jnp.float32)  # (exact below 2^24)
 
     def elsewhere(q_x, q_w):  # qwix's product of the two quantized operands, unscaled
         return qwix.einsum(equation, QArray(q_x, jnp.ones_like(s_x)), QArray(q_w, jnp.ones_like(s_w)),
                            preferred_element_type=jnp.float32)
 
-    summed_ints = jax.lax.platform_dependent(q_x, w.qvalue, cpu=on_cpu, default=elsewhere)
-    return summed_ints.astype(jnp.float32) * scales
+    return jax.lax.platform_dependent(q_x, w.qvalue, cpu=on_cpu, default=elsewhere) * scales
 
 
 def _quantized_forward(equation: str, wide: bool, x: jax.Array, w: QArray) -> jax.Array:
@@ -164,9 +162,7 @@ def _quantized_bwd(equation, wide, residuals, dy):
     x, w = residuals
     x_spec, w_spec, out, _ = _letters(equation)
     dx = product(f"{out},{w_spec}->{x_spec}", dy.astype(x.dtype), dequantize(w, x.dtype))
-    zero = jax.tree.map(lambda a: jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.floating)
-                        else np.zeros(a.shape, jax.dtypes.float0), w)
-    return dx.astype(x.dtype), zero
+    return dx.astype(x.dtype), frozen_cotangent(w)
 
 
 _quantized.defvjp(_quantized_fwd, _quantized_bwd)

@@ -15,7 +15,8 @@ run of consecutive inputs along the last of them, within one output channel):
 
 - `int8`: one scale per output channel, `s = max|W| / 127` over its inputs, `q = round(W / s)`
   in [-127, 127].
-- `int4`: one scale per group of `group` inputs (64; 32 and 128 allowed). Symmetric: `s =
+- `int4`: one scale per group of `group` inputs (64; 32 and 128 allowed; where the last input
+  axis is shorter, as o's head channels may be, a group spans its heads). Symmetric: `s =
   max|W| / 7`, `q = round(W / s)` in [-7, 7]; `affine` (GPTQ's and AWQ's integer zero point):
   over the group's range widened to hold 0, `lo = min(min W, 0)`, `hi = max(max W, 0)`, `s = (hi
   - lo) / 15`, `zero_point = round(-lo / s)` and `q = round(W / s) + zero_point`, both in [0, 15]
@@ -43,11 +44,20 @@ import numpy as np
 from qwix import QArray
 from qwix import dequantize as qwix_dequantize
 
+from jaxformer.sharding import EXPERTS, LAYERS
 from jaxformer.validation import as_int
 
 FORMATS = ("int8", "int4", "nf4")  # what `quantize` makes (on load: `load_hf(quantize=...)`)
 GROUPS = (32, 64, 128)  # the group sizes int4 and nf4 allow
 SHIPPED = ("mxfp4", "fp8")  # read as the checkpoints ship them (`quantization_config.quant_method`)
+
+# The matrices a model's products read, by parameter name: attention's projections (latent and
+# linear attention's too) and the feed-forwards' (dense and experts'). The embedding, the output
+# head, norms, routers, biases and convolutions stay as they are: small, or read other than by a
+# product, and where quantizing costs the most accuracy.
+MATRICES = frozenset({"wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "wz", "wb", "wa", "w_gate",
+                      "w_up", "w_down"})
+_INPUTS = {"wo": 2}  # o reads heads x channels; every other matrix its first axis
 
 # NF4's code book (Dettmers et al., QLoRA, appendix E): 0, then eight quantiles of N(0, 1) above the
 # median and seven below, each side scaled so that its outermost is 1 (tests/test_quantized.py derives
@@ -57,8 +67,8 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                 0.7229568362236023, 1.0], np.float32)
 
-__all__ = ["FORMATS", "GROUPS", "NF4", "SHIPPED", "QArray", "Quantization", "dequantize", "format_of",
-           "from_fp8", "from_mxfp4", "quantize"]
+__all__ = ["FORMATS", "GROUPS", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "dequantize",
+           "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "input_axes", "quantize", "quantize_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +96,42 @@ class Quantization:
             raise ValueError(f"affine applies to int4 alone, not {self.format}")
 
 
+def input_axes(name: str, axes: tuple[str, ...]) -> tuple[int, ...] | None:
+    """The axes a product sums over of the parameter `name` whose dimensions are the logical `axes`
+    (`jaxformer.sharding`'s names; a scanned stack's `LAYERS` and an expert stack's `EXPERTS` are
+    never summed); None: not one of `MATRICES`."""
+    if name not in MATRICES:
+        return None
+    own = [i for i, axis in enumerate(axes) if axis not in (LAYERS, EXPERTS)]
+    return tuple(own[:_INPUTS.get(name, 1)])
+
+
+def quantize_params(params: dict, axes: dict, how: Quantization, dtype=None) -> dict:
+    """`params` with each of `MATRICES` quantized as `how` says, one at a time.
+
+    Args:
+      params: a model's parameter tree (float).
+      axes: its logical axes, a tree shaped like it (`jaxformer.sharding.param_axes(model)`).
+      how: the format.
+      dtype: the scales' dtype; None: each matrix's own.
+
+    Returns:
+      A new tree: the quantized matrices in their places, every other leaf the same array.
+    """
+    def one(path, w, names):
+        inputs = input_axes(path[-1].key, names)
+        return w if inputs is None else quantize(w, how, inputs, w.dtype if dtype is None else dtype)
+
+    return jax.tree_util.tree_map_with_path(one, params, axes)
+
+
+def frozen_cotangent(w: QArray) -> QArray:
+    """The gradient of a frozen quantized matrix: zeros (float0 for its integer leaves, as JAX
+    gives an integer input's)."""
+    return jax.tree.map(lambda a: jnp.zeros_like(a) if jnp.issubdtype(a.dtype, jnp.floating)
+                        else np.zeros(a.shape, jax.dtypes.float0), w)
+
+
 def format_of(w: QArray) -> str:
     """The format of a quantized matrix, by its stored dtype (`FORMATS` or `SHIPPED`)."""
     if w.qtype == "nf4":
@@ -94,15 +140,27 @@ def format_of(w: QArray) -> str:
             jnp.dtype(jnp.float4_e2m1fn): "mxfp4", jnp.dtype(jnp.float8_e4m3fn): "fp8"}[jnp.dtype(w.qtype)]
 
 
-def _grouped(w: jax.Array, inputs: tuple[int, ...], group: int) -> tuple[jax.Array, tuple[int, ...]]:
-    """`w` with its last input axis split into `[n / group, group]` and the axes a group's statistics
-    reduce over (the new `group` axis); a ValueError unless `group` divides it."""
-    axis = inputs[-1]
-    n = w.shape[axis]
-    if n % group:
-        raise ValueError(f"group_size: {group} does not divide the matrix's input axis of {n} (shape {w.shape}); "
-                         f"pick one of {tuple(g for g in GROUPS if n % g == 0) or GROUPS} that does")
-    return w.reshape(*w.shape[:axis], n // group, group, *w.shape[axis + 1:]), (axis + 1,)
+def _grouped(w: jax.Array, inputs: tuple[int, ...], group: int) -> tuple[jax.Array, tuple[int, ...], tuple]:
+    """`w` with its input axes (contiguous) read as one, split into `[n / group, group]`; the axis
+    the groups' statistics reduce over; and the scale's shape: the input axes tiled, from the last,
+    by `group` values (o's `[H, D, d]` with D = 16 in groups of 32: a scale per two heads' channels).
+
+    Raises:
+      ValueError: `group` does not divide the inputs so (the last input axis and `group` must
+        divide one another, and `group` the product of the input axes).
+    """
+    first, n = inputs[0], int(np.prod([w.shape[i] for i in inputs]))
+    last = w.shape[inputs[-1]]
+    if n % group or (last % group and group % last):
+        raise ValueError(f"group_size: {group} does not divide the matrix's inputs {[w.shape[i] for i in inputs]} "
+                         f"(shape {w.shape}); pick one of {tuple(g for g in GROUPS if n % g == 0) or GROUPS} that does")
+    scale_shape, left = list(w.shape), group  # the tiles, taken from the last input axis back
+    for i in reversed(inputs):
+        tile = min(left, w.shape[i])
+        scale_shape[i] //= tile
+        left //= tile
+    split = w.reshape(*w.shape[:first], n // group, group, *w.shape[inputs[-1] + 1:])
+    return split, (first + 1,), tuple(scale_shape)
 
 
 def _safe(scale: jax.Array) -> jax.Array:
@@ -128,9 +186,7 @@ def quantize(w: jax.Array, how: Quantization, inputs: tuple[int, ...], dtype=jnp
     if how.format == "int8":  # per output channel: the max over every input axis
         scale = _safe(jnp.max(jnp.abs(w), axis=inputs, keepdims=True) / 127)
         return QArray(jnp.round(w / scale).astype(jnp.int8), scale.astype(dtype))
-    groups, over = _grouped(w, inputs, how.group)
-    shape = list(w.shape)
-    shape[inputs[-1]] //= how.group  # the scale's: one per group
+    groups, over, shape = _grouped(w, inputs, how.group)
 
     def squeezed(a):  # [.., n / group, 1, ..] -> the scale's shape
         return a.reshape(shape)
