@@ -48,6 +48,7 @@ from jaxformer.grouped import (
 from jaxformer.lora import experts_adapters
 from jaxformer.norms import RMSNorm
 from jaxformer.products import product
+from jaxformer.quantized import QArray
 from jaxformer.sharding import DATA, EMBED, EXPERT, EXPERTS, MLP, ROUTES, Weight, compute_param
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
@@ -391,7 +392,8 @@ class Experts(nn.Module):
             return jax.lax.platform_dependent(
                 tokens, ids, gates, weights, adapters, cpu=run,
                 **{platform: functools.partial(run, **options) for platform, options in
-                   device_products(d, s.width, x.dtype, ids.size, s.n_experts, limit).items()})
+                   device_products(d, s.width, x.dtype, ids.size, s.n_experts, limit,
+                                   quantized=isinstance(weights["w_up"], QArray)).items()})
 
         adapters = experts_adapters(self, tokens.dtype)  # LoRA's on the experts' matrices, or None
         w = w if adapters is None else {**w, "adapters": adapters}

@@ -232,19 +232,21 @@ KERNEL_PRODUCTS = ("mosaic", "triton")  # the kernels' products: compiled for a 
 KERNEL_ROWS = kernels.ROW_TILES[-1]  # the kernels' least block: smaller layouts' blocks grow to it
 
 
-def device_products(d: int, F: int, dtype, pairs: int, n_experts: int, capacity: int | None) -> dict[str, dict]:
+def device_products(d: int, F: int, dtype, pairs: int, n_experts: int, capacity: int | None,
+                    quantized: bool = False) -> dict[str, dict]:
     """How a GPU and a TPU multiply the experts' blocks, `{"cuda": options, "tpu": options,
     "default": options}`, each `dict(how=..., block=...)` for the products of a layer of width d
     and experts' width F in `dtype` over `pairs` (token, choice) pairs: the Pallas kernels where
     they take those shapes (`kernels.supports`) and blocks (`kernels.row_tile`), `ragged_dot`
     elsewhere. A dropless layout's blocks are `block_size`'s, at least `KERNEL_ROWS` for the
     kernels (an expert's last block padded further), and a block of one row for `ragged_dot`;
-    with a capacity, one block of `capacity` rows per expert either way."""
+    with a capacity, one block of `capacity` rows per expert either way. `quantized` matrices take
+    `ragged_dot` everywhere (`ragged`: dequantized for the call; the kernels read float matrices)."""
     ragged_options = dict(how="ragged", block=capacity or 1)
     block = capacity or max(KERNEL_ROWS, block_size(pairs, n_experts))
 
     def on(platform):
-        takes = kernels.supports(d, F, dtype, platform) and kernels.row_tile(block) is not None
+        takes = not quantized and kernels.supports(d, F, dtype, platform) and kernels.row_tile(block) is not None
         return dict(how=platform, block=block) if takes else ragged_options
 
     return {"cuda": on("triton"), "tpu": on("mosaic"), "default": ragged_options}

@@ -25,11 +25,14 @@ from jaxformer.config import DecoderConfig
 from jaxformer.convert.layers import block_name, with_scan_layers
 from jaxformer.convert.rope_pairing import with_rope_pairing
 from jaxformer.convert.safetensors_file import SafetensorsFile, write_safetensors
+from jaxformer.decoder import Decoder
 from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs, scanned_places
-from jaxformer.sharding import put
+from jaxformer.quantized import Quantization, input_axes
+from jaxformer.quantized import quantize as quantize_matrix
+from jaxformer.sharding import param_axes, put
 from jaxformer.validation import as_int
 
 # Image-text checkpoints whose text model is a family's: their config.json's `model_type`, and its text
@@ -228,7 +231,7 @@ def _config_of(path: str, hf: dict, **options) -> DecoderConfig:
 
 
 def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, param_dtype=None,
-            scan_layers: bool = False, shardings=None):
+            scan_layers: bool = False, shardings=None, quantize: str | Quantization | None = None):
     """Loads a Hugging Face checkpoint folder of one of `jaxformer.families.FAMILIES`.
 
     Args:
@@ -244,6 +247,11 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
         `jaxformer.sharding.tree_shardings` makes for the model), or None for the default
         device. Each tensor is placed in its sharding as it is read, so the model is never
         whole on one device first (a model larger than one device's memory loads onto a mesh).
+      quantize: "int8", "int4" or "nf4" (or a `jaxformer.quantized.Quantization` for a group size
+        or int4's zero point): each of the model's matrices (`quantized.MATRICES`; not the
+        embedding, the head, norms or routers) quantized as it is read, tensor by tensor, so that
+        loading holds the quantized model and one float tensor at most; its scales in
+        `param_dtype`. None: as stored.
 
     Returns:
       `(config, params)`: a `DecoderConfig` (its `hf_model_type` the family) and the
@@ -256,6 +264,10 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     hf = _config_json(path)
     config = _config_of(path, hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
     family = family_of(config)
+    how = Quantization(quantize) if isinstance(quantize, str) else quantize
+    if how is not None and shardings is not None:
+        raise ValueError("quantize: a quantized model is loaded onto one device; leave shardings None")
+    inputs = _quantized_inputs(config, scan_layers, how, family)  # path -> a row's input axes: checked before reading
     outer_type = hf.get("model_type")
     image_text, other_towers = outer_type in TEXT_MODELS, {}
     table: dict[str, list[Tensor]] = {}
@@ -300,6 +312,19 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
             if t.path[0] in places:  # its layer's row of a scanned stack
                 stacked_path, row, rows = places[t.path[0]]
                 lead, shape, where = (row, *lead), (rows, *shape), (*stacked_path, *t.path[1:])
+            if where in inputs:  # quantized as read: the float tensor lives no longer than this
+                row = quantize_matrix(jnp.asarray(value, config.param_dtype), how,
+                                      tuple(i - len(lead) for i in inputs[where]), config.param_dtype)  # (a row's)
+                if not lead:
+                    _set(params, where, row)
+                    continue
+                rows = shape[:len(lead)]  # the stack's leading axes: its layers, its experts
+                stacked, filled = stacks.setdefault(where, (jax.tree.map(
+                    lambda leaf, rows=rows: np.empty((*rows, *leaf.shape), leaf.dtype), row), []))
+                for buffer, leaf in zip(jax.tree.leaves(stacked), jax.tree.leaves(row)):
+                    buffer[lead] = np.asarray(leaf)
+                filled.append(lead)
+                continue
             if not lead:
                 _set(params, where, _placed(value, config.param_dtype,
                                             None if shardings is None else _get(shardings, where)))
@@ -325,6 +350,34 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
                              "stack")
         _set(params, where, jax.device_put(stacked) if shardings is None else put(stacked, _get(shardings, where)))
     return (config.replace(scan_layers=True) if scan_layers else config), params
+
+
+def _quantized_inputs(config: DecoderConfig, scan_layers: bool, how: Quantization | None, family
+                      ) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Each parameter `load_hf` quantizes (its path in the tree it returns) and the axes its
+    products sum over (`quantized.input_axes`, counted in the whole stacked parameter); {} when
+    `how` is None.
+
+    Raises:
+      ValueError: `how`'s group does not divide a matrix's inputs (before any tensor is read).
+    """
+    if how is None:
+        return {}
+    model = Decoder(config.replace(scan_layers=True) if scan_layers else config)
+    found = {}
+    for path, axes in jax.tree_util.tree_flatten_with_path(param_axes(model), is_leaf=lambda x: isinstance(x, tuple)
+                                                           )[0]:
+        where = tuple(key.key for key in path)
+        axes_in = input_axes(where[-1], axes)
+        if axes_in is not None:
+            found[where] = axes_in
+    shapes = {tuple(key.key for key in path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(
+        jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs())["params"]))[0]}
+    for where, axes_in in found.items():
+        if how.format != "int8":  # (the group must divide each matrix's inputs: refused here, not midway)
+            jax.eval_shape(lambda where=where, axes_in=axes_in: quantize_matrix(
+                jnp.zeros(shapes[where], jnp.float32), how, axes_in))
+    return found
 
 
 def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = None,
