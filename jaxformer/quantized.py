@@ -67,7 +67,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                 0.7229568362236023, 1.0], np.float32)
 
-__all__ = ["FORMATS", "GROUPS", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "dequantize",
+__all__ = ["FORMATS", "GROUPS", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "check_group", "dequantize",
            "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "input_axes", "quantize", "quantize_params"]
 
 
@@ -140,20 +140,23 @@ def format_of(w: QArray) -> str:
             jnp.dtype(jnp.float4_e2m1fn): "mxfp4", jnp.dtype(jnp.float8_e4m3fn): "fp8"}[jnp.dtype(w.qtype)]
 
 
+def check_group(shape: tuple[int, ...], inputs: tuple[int, ...], how: Quantization) -> None:
+    """A ValueError unless `how`'s group tiles the inputs of a matrix of `shape`: it divides their
+    product, and the last input axis and the group divide one another (int8 has no group)."""
+    if how.format == "int8":
+        return
+    n, last = int(np.prod([shape[i] for i in inputs])), shape[inputs[-1]]
+    if n % how.group or (last % how.group and how.group % last):
+        fits = tuple(g for g in GROUPS if n % g == 0 and (last % g == 0 or g % last == 0))
+        raise ValueError(f"group_size: {how.group} does not divide the matrix's inputs {[shape[i] for i in inputs]} "
+                         f"(shape {tuple(shape)}); " + (f"pick one of {fits}" if fits else "quantize it to int8"))
+
+
 def _grouped(w: jax.Array, inputs: tuple[int, ...], group: int) -> tuple[jax.Array, tuple[int, ...], tuple]:
     """`w` with its input axes (contiguous) read as one, split into `[n / group, group]`; the axis
     the groups' statistics reduce over; and the scale's shape: the input axes tiled, from the last,
-    by `group` values (o's `[H, D, d]` with D = 16 in groups of 32: a scale per two heads' channels).
-
-    Raises:
-      ValueError: `group` does not divide the inputs so (the last input axis and `group` must
-        divide one another, and `group` the product of the input axes).
-    """
+    by `group` values (o's `[H, D, d]` with D = 16 in groups of 32: a scale per two heads' channels)."""
     first, n = inputs[0], int(np.prod([w.shape[i] for i in inputs]))
-    last = w.shape[inputs[-1]]
-    if n % group or (last % group and group % last):
-        raise ValueError(f"group_size: {group} does not divide the matrix's inputs {[w.shape[i] for i in inputs]} "
-                         f"(shape {w.shape}); pick one of {tuple(g for g in GROUPS if n % g == 0) or GROUPS} that does")
     scale_shape, left = list(w.shape), group  # the tiles, taken from the last input axis back
     for i in reversed(inputs):
         tile = min(left, w.shape[i])
@@ -168,7 +171,6 @@ def _safe(scale: jax.Array) -> jax.Array:
     return jnp.where(scale > 0, scale, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("how", "inputs", "dtype"))
 def quantize(w: jax.Array, how: Quantization, inputs: tuple[int, ...], dtype=jnp.float32) -> QArray:
     """`w` quantized as `how` says, over its input axes `inputs` (ascending; the last one grouped).
 
@@ -181,7 +183,16 @@ def quantize(w: jax.Array, how: Quantization, inputs: tuple[int, ...], dtype=jnp
 
     Returns:
       A `QArray` of `w`'s shape.
+
+    Raises:
+      ValueError: `how`'s group does not tile the inputs (`check_group`).
     """
+    check_group(w.shape, inputs, how)
+    return _quantize(w, how, tuple(inputs), dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("how", "inputs", "dtype"))
+def _quantize(w: jax.Array, how: Quantization, inputs: tuple[int, ...], dtype) -> QArray:
     w = w.astype(jnp.float32)
     if how.format == "int8":  # per output channel: the max over every input axis
         scale = _safe(jnp.max(jnp.abs(w), axis=inputs, keepdims=True) / 127)

@@ -30,7 +30,7 @@ from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs, scanned_places
-from jaxformer.quantized import Quantization, input_axes
+from jaxformer.quantized import Quantization, check_group, input_axes
 from jaxformer.quantized import quantize as quantize_matrix
 from jaxformer.sharding import param_axes, put
 from jaxformer.validation import as_int
@@ -373,10 +373,8 @@ def _quantized_inputs(config: DecoderConfig, scan_layers: bool, how: Quantizatio
             found[where] = axes_in
     shapes = {tuple(key.key for key in path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(
         jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs())["params"]))[0]}
-    for where, axes_in in found.items():
-        if how.format != "int8":  # (the group must divide each matrix's inputs: refused here, not midway)
-            jax.eval_shape(lambda where=where, axes_in=axes_in: quantize_matrix(
-                jnp.zeros(shapes[where], jnp.float32), how, axes_in))
+    for where, axes_in in found.items():  # (a group that does not tile a matrix: refused here, not midway)
+        check_group(shapes[where], axes_in, how)
     return found
 
 
