@@ -132,6 +132,37 @@ def frozen_cotangent(w: QArray) -> QArray:
                         else np.zeros(a.shape, jax.dtypes.float0), w)
 
 
+def reshape(w: QArray, shape: tuple[int, ...]) -> QArray:
+    """`w` with each axis split as `shape` splits it (a checkpoint's `[out, in]` into heads: `[in, H, D]`,
+    `[H, D, out]`); each split axis's scale tile narrowed, where it must be, to divide the split's last
+    dimension (FP8's 16 inputs a scale in a matrix split into heads of 12: 4), its scales repeated.
+
+    Raises:
+      ValueError: `shape` does more than split `w`'s axes.
+    """
+    groups, new = [], list(shape)
+    for n in w.shape:  # the new dimensions each axis splits into, in order
+        group = []
+        while new and (not group or int(np.prod(group)) < n):
+            group.append(new.pop(0))
+        if int(np.prod(group)) != n:
+            raise ValueError(f"a quantized matrix of shape {w.shape} cannot be reshaped to {tuple(shape)}: only "
+                             "splitting its axes keeps each scale's tile")
+        groups.append(group)
+
+    def split(a):  # a scale (or zero point): each tiled axis narrowed to divide its group's last dimension
+        out = []
+        for axis, (n, group) in enumerate(zip(w.shape, groups)):
+            tile = n // a.shape[axis]
+            fine = int(np.gcd(tile, group[-1]))
+            a = jnp.repeat(a, tile // fine, axis=axis) if fine < tile else a
+            out += [*group[:-1], group[-1] // fine]
+        return a.reshape(out)
+
+    return QArray(w.qvalue.reshape(shape), split(w.scale), None if w.zero_point is None else split(w.zero_point),
+                  w.qtype)
+
+
 def format_of(w: QArray) -> str:
     """The format of a quantized matrix, by its stored dtype (`FORMATS` or `SHIPPED`)."""
     if w.qtype == "nf4":
@@ -228,7 +259,8 @@ def dequantize(w: QArray, dtype=None) -> jax.Array:
 
 
 def from_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=jnp.float32) -> QArray:
-    """An MXFP4 matrix as gpt-oss ships it, `[..., out, in]` as `QArray` `[..., in, out]`.
+    """An MXFP4 matrix as gpt-oss ships it, `[..., out, in]`, as a `QArray` `[..., in, out]`: the
+    layout of the tensor a dequantized checkpoint holds under its name (`gate_up_proj` `[E, d, 2F]`).
 
     Args:
       blocks: uint8 `[..., out, in / 32, 16]`: each byte two e2m1 values, the low nibble first.
@@ -253,7 +285,7 @@ def from_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=jnp.float32) -> QAr
 
 
 def from_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], dtype=jnp.float32) -> QArray:
-    """A block-scaled FP8 matrix as DeepSeek-V3 ships it, `[out, in]`, as `QArray` `[in, out]`.
+    """A block-scaled FP8 matrix as DeepSeek-V3 ships it, `[out, in]`, as a `QArray` of that layout.
 
     Args:
       weight: float8 e4m3 `[out, in]`.
@@ -278,4 +310,4 @@ def from_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], 
                          f"got {scale_inv.shape}")
     tile = np.gcd(n_in, bi)
     scale = np.repeat(np.repeat(scale_inv, bo, axis=0)[:n_out], bi // tile, axis=1)[:, :n_in // tile]
-    return QArray(jnp.asarray(weight.T), jnp.asarray(scale.T.astype(dtype)))
+    return QArray(jnp.asarray(weight), jnp.asarray(scale.astype(dtype)))

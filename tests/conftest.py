@@ -112,6 +112,8 @@ LONGEST_FIRST = ("tests/test_sharding.py", "tests/test_real_size_experts.py", "t
 # sizes): the tests that start processes, run the demos and benchmarks end to end, or span
 # meshes of 8 devices. `pytest` alone runs the rest: every module's core checks, in minutes.
 FULL_TIER = {
+    "tests/convert/test_shipped_quantized.py::test_a_shipped_checkpoint_is": "whole MoE models compiled, per format",
+    "tests/convert/test_shipped_quantized.py::test_a_shipped_checkpoint_equals": "transformers' dequantized peer",
     "tests/convert/test_quantize_on_load.py::test_every_format_family_and_form": "ten more loads, each compiled",
     "tests/test_quantized.py::test_mxfp4_is_decoded_as_transformers_decodes_it": "torch imported for the peer",
     "tests/test_constants.py": "every user path compiled in a process of its own",

@@ -139,7 +139,8 @@ def test_mxfp4_is_decoded_as_transformers_decodes_it():
 
 @pytest.mark.parametrize("shape", [(256, 384), (320, 200)])  # whole 128 x 128 blocks; partial last ones
 def test_block_fp8_is_decoded_as_deepseek_ships_it(shape):
-    """Value [o, i] times weight_scale_inv[o // 128, i // 128]; `[out, in]` becomes `[in, out]`."""
+    """Value [o, i] times weight_scale_inv[o // 128, i // 128]; kept `[out, in]`, and transposed as a
+    torch Linear's weight is on load."""
     rng = np.random.default_rng(1)
     weight = rng.normal(0, 100, shape).astype(ml_dtypes.float8_e4m3fn)
     scale_inv = rng.uniform(1e-4, 1e-2, (-(-shape[0] // 128), -(-shape[1] // 128))).astype(np.float32)
@@ -147,8 +148,9 @@ def test_block_fp8_is_decoded_as_deepseek_ships_it(shape):
     for o, i in itertools.product(range(shape[0]), range(shape[1])):
         want[o, i] = float(weight[o, i]) * float(scale_inv[o // 128, i // 128])
     q = from_fp8(weight, scale_inv, (128, 128))
-    assert q.qvalue.dtype == jnp.float8_e4m3fn and q.qvalue.shape == shape[::-1]
-    np.testing.assert_allclose(np.asarray(dequantize(q), np.float64), want.T, rtol=1e-7)
+    assert q.qvalue.dtype == jnp.float8_e4m3fn and q.qvalue.shape == shape
+    np.testing.assert_allclose(np.asarray(dequantize(q), np.float64), want, rtol=1e-7)
+    np.testing.assert_allclose(np.asarray(dequantize(q.swapaxes(0, 1)), np.float64), want.T, rtol=1e-7)
     with pytest.raises(ValueError, match="weight_scale_inv must be"):
         from_fp8(weight, scale_inv[:1], (128, 128))
 

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jaxformer.config import DecoderConfig
@@ -30,7 +31,7 @@ from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs, scanned_places
-from jaxformer.quantized import Quantization, check_group, input_axes
+from jaxformer.quantized import QArray, Quantization, check_group, dequantize, from_fp8, from_mxfp4, input_axes
 from jaxformer.quantized import quantize as quantize_matrix
 from jaxformer.sharding import param_axes, put
 from jaxformer.validation import as_int
@@ -79,6 +80,7 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         fail("model_type", f"must be one of {sorted(FAMILIES)}", model_type)
+    shipped_quantization(hf)  # (refuses a quantization_config that is not read)
     try:
         fields = FAMILIES[model_type].read(hf, max_seq_len)
     except ValueError as e:  # (an image-text checkpoint's text model: its fields are text_config's)
@@ -87,6 +89,34 @@ def config_from_hf(hf: dict, *, max_seq_len: int | None = None, dtype=jnp.float3
         raise ValueError(str(e).replace("config.json ", "config.json text_config.", 1)) from None
     return DecoderConfig(**fields, dtype=dtype, param_dtype=dtype if param_dtype is None else param_dtype,
                          hf_model_type=model_type)
+
+
+def shipped_quantization(hf: dict) -> tuple[str, tuple[int, int] | None] | None:
+    """The format a checkpoint's matrices ship in, from its `quantization_config`: `("mxfp4", None)`
+    (gpt-oss: `X_blocks` and `X_scales` for a matrix `X`), `("fp8", (bo, bi))` (DeepSeek-V3, Qwen3's
+    `-FP8`: float8 e4m3 `X.weight` and `X.weight_scale_inv` a block of `bo x bi`), or None (none).
+
+    Raises:
+      ValueError: naming the field, for another method or an FP8 block or format not read.
+    """
+    quant = hf.get("quantization_config")
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        fail("quantization_config", "must be an object", quant)
+    method = quant.get("quant_method")
+    if method == "mxfp4":
+        return "mxfp4", None
+    if method != "fp8":
+        fail("quantization_config.quant_method", "must be 'mxfp4' or 'fp8' (read as shipped), or no "
+             "quantization_config (quantize on load instead: load_hf(quantize=...))", method)
+    if quant.get("fmt", "e4m3") != "e4m3":
+        fail("quantization_config.fmt", "must be 'e4m3'", quant["fmt"])
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        fail("quantization_config.weight_block_size", "must be two positive ints (a scale per block of a "
+             "weight's rows and columns; per-tensor FP8 is not read)", block)
+    return "fp8", tuple(block)
 
 
 def config_to_hf(config: DecoderConfig, *, bos_id: int | None = None, eos_id: int | list[int] | None = None,
@@ -147,6 +177,36 @@ def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
             yield key, shard.tensor(key)
             shard.release(key)  # the caller has made its copy: the mapped pages need not stay resident
         del shard  # unmapped once the last view of it is dropped
+
+
+def _shipped_tensors(path: str, shipped, dtype) -> Iterator[tuple[str, np.ndarray | QArray]]:
+    """`_read_tensors`, each matrix a checkpoint ships quantized (`shipped_quantization`) given as one
+    `QArray` under the name its dequantized checkpoint holds it by (MXFP4's `X_blocks` and `X_scales`
+    as `X`, FP8's `X.weight` and `X.weight_scale_inv` as `X.weight`), its scales in `dtype`.
+
+    Raises:
+      ValueError: a matrix's part without the other.
+    """
+    method, block = shipped or (None, None)
+    pending: dict[str, dict[str, np.ndarray]] = {}  # a matrix's first part read, until its other is
+    for key, w in _read_tensors(path):
+        if method == "mxfp4" and key.endswith(("_blocks", "_scales")):
+            name, part = key.rsplit("_", 1)
+        elif method == "fp8" and (key.endswith(".weight_scale_inv") or w.dtype == ml_dtypes.float8_e4m3fn):
+            name, part = key.removesuffix("_scale_inv"), "scales" if key.endswith("_scale_inv") else "blocks"
+        else:
+            yield key, w
+            continue
+        parts = pending.setdefault(name, {})
+        parts[part] = w
+        if len(parts) == 2:
+            del pending[name]
+            yield name, (from_mxfp4(parts["blocks"], parts["scales"], dtype) if method == "mxfp4"
+                         else from_fp8(parts["blocks"], parts["scales"], block, dtype))
+    if pending:
+        name, parts = next(iter(pending.items()))
+        raise ValueError(f"{path}: {name}: {'its scales' if 'blocks' in parts else 'its values'} are missing "
+                         f"(a {method} matrix ships as two tensors)")
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -283,9 +343,12 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     # scanned model `blocks/mlp/w_up[i, e]`.)
     stacks: dict[tuple[str, ...], tuple[np.ndarray, list[tuple]]] = {}  # stacked path -> (array, rows written)
     stored_head, seen, unexpected = None, set(), []
-    for key, w in _read_tensors(path):
+    for key, w in _shipped_tensors(path, shipped_quantization(text_model(hf)), config.param_dtype):
         if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store them; they follow from rope_theta
             continue
+        if not isinstance(w, QArray) and w.dtype.name in ("uint8", "float8_e4m3fn"):
+            raise ValueError(f"{path}: {key}: stored as {w.dtype.name}, a quantized matrix's part, but config.json's "
+                             "quantization_config does not ship one by that name (it needs dequantizing, not a cast)")
         if image_text and key.startswith(TEXT_PREFIX):  # the text model's, named as its family names them
             key = "model." + key[len(TEXT_PREFIX):]
         elif image_text and key != "lm_head.weight":  # another tower's (`model.visual.`, `model.audio_tower.`, ...)
@@ -312,9 +375,11 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
             if t.path[0] in places:  # its layer's row of a scanned stack
                 stacked_path, row, rows = places[t.path[0]]
                 lead, shape, where = (row, *lead), (rows, *shape), (*stacked_path, *t.path[1:])
-            if where in inputs:  # quantized as read: the float tensor lives no longer than this
-                row = quantize_matrix(jnp.asarray(value, config.param_dtype), how,
-                                      tuple(i - len(lead) for i in inputs[where]), config.param_dtype)  # (a row's)
+            if isinstance(value, QArray) or where in inputs:  # as shipped, or quantized as read (the float
+                # tensor lives no longer than this)
+                row = value if isinstance(value, QArray) else quantize_matrix(
+                    jnp.asarray(value, config.param_dtype), how, tuple(i - len(lead) for i in inputs[where]),
+                    config.param_dtype)  # (a row's input axes)
                 if not lead:
                     _set(params, where, row)
                     continue
@@ -416,6 +481,7 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
         out = np.empty(whole_shape(parts[key]), dtype)
         for t in parts[key]:
             w = _get(params, t.path) if t.expert is None else _get(params, t.path)[t.expert[0]]
+            w = dequantize(w, jnp.float32) if isinstance(w, QArray) else w  # (a quantized model saved dequantized)
             out[t.index] = t.to_hf(np.asarray(w).astype(dtype))
         return out
 

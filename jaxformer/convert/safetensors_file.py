@@ -15,12 +15,16 @@ import mmap
 from typing import Callable, Iterable
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-# The dtypes a tensor may be stored in (safetensors' names): the floating ones. Anything
-# else (int8 or fp8 weights of a quantised checkpoint) needs dequantising, not a cast.
+# The dtypes a tensor may be stored in (safetensors' names): the floating ones, and the parts of a
+# matrix a checkpoint ships quantized (MXFP4's bytes, FP8's values), which `load_hf` reads as one
+# `QArray` (never cast: they need dequantizing).
 FLOATING_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16}
+QUANTIZED_DTYPES = {"U8": np.uint8, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+READ_DTYPES = {**FLOATING_DTYPES, **QUANTIZED_DTYPES}
 
 
 class SafetensorsFile:
@@ -51,13 +55,14 @@ class SafetensorsFile:
 
     def tensor(self, key: str) -> np.ndarray:
         """Tensor `key` as a read-only view in its stored dtype; a ValueError naming the file
-        and the tensor unless that dtype is floating (`FLOATING_DTYPES`)."""
+        and the tensor unless that dtype is one `READ_DTYPES` names."""
         entry = self._header[key]
-        if entry["dtype"] not in FLOATING_DTYPES:
+        if entry["dtype"] not in READ_DTYPES:
             raise ValueError(f"{self.file}: {key} is stored as {entry['dtype']}; only floating tensors "
-                             f"({', '.join(FLOATING_DTYPES)}) load")
+                             f"({', '.join(FLOATING_DTYPES)}) and shipped quantized ones "
+                             f"({', '.join(QUANTIZED_DTYPES)}) load")
         begin, end = entry["data_offsets"]
-        return self._data[self._start + begin:self._start + end].view(FLOATING_DTYPES[entry["dtype"]]).reshape(
+        return self._data[self._start + begin:self._start + end].view(READ_DTYPES[entry["dtype"]]).reshape(
             entry["shape"])
 
     def release(self, key: str) -> None:

@@ -17,6 +17,7 @@ from jaxformer.attention import AttentionSpec
 from jaxformer.config import ROPE_SCALINGS, DecoderConfig, RopeScaling
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.layers import layer_specs
+from jaxformer.quantized import QArray, reshape
 from jaxformer.validation import finite_float, python_int
 
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default when config.json names none
@@ -256,7 +257,9 @@ class Tensor:
     grouped: tuple[int, int, int] | None = None
 
     def to_jax(self, w: np.ndarray) -> np.ndarray:
-        return (np.swapaxes(w, -1, -2) if self.transpose else w).reshape(self.shape)
+        """`w` (an array, or a checkpoint's quantized matrix: a `QArray`) in jaxformer's layout."""
+        w = w.swapaxes(-1, -2) if self.transpose else w
+        return reshape(w, self.shape) if isinstance(w, QArray) else w.reshape(self.shape)
 
     def to_hf(self, w: np.ndarray) -> np.ndarray:
         if not self.transpose:

@@ -10,8 +10,8 @@ wide). V3 routes by sigmoid scores within the best `topk_group` of `n_group` gro
 `mlp.gate.e_score_correction_bias`, weighted `routed_scaling_factor` times; V2 by a softmax's
 top k (`topk_method` "greedy"; V2's "group_limited_greedy" and its scaled weights are refused).
 
-Not read, each refused or skipped in one line: `quantization_config` (the shipped V3, R1 and K2
-hold FP8 blocks with scales: a bfloat16 copy loads); the multi-token prediction module
+The shipped V3, R1 and K2 hold FP8 blocks with scales (`quantization_config`), read as shipped
+(`jaxformer.convert.hf`, `jaxformer.quantized.from_fp8`). Not read: the multi-token prediction module
 (`num_nextn_predict_layers`, the layers after the last, `model.layers.{n}.*`): read and its
 tensors skipped, not used as a speculative draft; `save_hf` writes 0 of them.
 """
@@ -64,11 +64,6 @@ def _refusals(hf: dict, v3: bool) -> None:
     refuse_set(hf, "hidden_act", "silu", "the SwiGLU gate must be silu")
     if flag(hf, "attention_bias", False):
         fail("attention_bias", "must be false (the latent projections' biases are not implemented)", True)
-    if hf.get("quantization_config") is not None:
-        quant = hf["quantization_config"]
-        fail("quantization_config", "must be null: quantized (FP8) weights are not read yet; load a bfloat16 copy "
-             "(DeepSeek's fp8_cast_bf16.py, or transformers' dequantized save_pretrained)",
-             quant.get("quant_method", "?") if isinstance(quant, dict) else quant)
     refuse_set(hf, "moe_layer_freq", 1, "every layer from first_k_dense_replace on is experts (transformers' rule)")
     refuse_set(hf, "scoring_func", "sigmoid" if v3 else "softmax", "the router's scores as transformers computes them")
     refuse_set(hf, "topk_method", "noaux_tc" if v3 else "greedy",

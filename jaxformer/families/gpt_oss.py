@@ -6,8 +6,8 @@ products with biases and the clamped SwiGLU `(clip(up, -L, L) + 1) * g sigmoid(1
 min(gate, L)`. The experts are stored stacked: `mlp.experts.gate_up_proj` `[E, d_model, 2F]`,
 the gate at even columns and up at odd, `down_proj` `[E, F, d_model]`, and their biases.
 
-The checkpoints openai ships hold the experts in MXFP4 (`quantization_config`), refused here;
-a bfloat16 copy (transformers' dequantized `save_pretrained`) loads."""
+The checkpoints openai ships hold the experts in MXFP4 (`quantization_config`), read as shipped
+(`jaxformer.convert.hf`, `jaxformer.quantized.from_mxfp4`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from jaxformer.families.common import (
     attention_extras,
     attention_tensors,
     decoder_fields,
-    fail,
     field,
     flag,
     hf_layer_types,
@@ -39,10 +38,6 @@ from jaxformer.validation import finite_float
 
 
 def read_gpt_oss(hf: dict, max_seq_len: int | None) -> dict:
-    if hf.get("quantization_config") is not None:
-        fail("quantization_config", "must be null: quantized (MXFP4) experts are not read yet; save a bfloat16 copy "
-             "with transformers and load that", hf["quantization_config"].get("quant_method", "?")
-             if isinstance(hf["quantization_config"], dict) else hf["quantization_config"])
     theta, scaling = single_rope(hf)
     bias = flag(hf, "attention_bias", True)
     fields = dict(decoder_fields(hf, max_seq_len=max_seq_len, tie_default=False), rope_theta=theta,
