@@ -24,7 +24,8 @@ def test_kimi_k2_is_read_as_deepseek_v3_under_its_own_name():
 
 
 @pytest.mark.parametrize("name, changes, message", [
-    ("DeepSeek-V3", {}, "quantization_config: must be null: quantized \\(FP8\\) weights are not read yet"),
+    ("DeepSeek-V3", dict(quantization_config={"quant_method": "fp8", "weight_block_size": None}),
+     "quantization_config.weight_block_size: must be two positive ints"),
     ("DeepSeek-V2-Lite", dict(topk_method="group_limited_greedy"), "topk_method: must be 'greedy'"),
     ("DeepSeek-V2-Lite", dict(routed_scaling_factor=16.0), "routed_scaling_factor: must be 1.0"),
     ("DeepSeek-V3", dict(quantization_config=None, scoring_func="softmax"), "scoring_func: must be 'sigmoid'"),
