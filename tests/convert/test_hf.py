@@ -152,7 +152,8 @@ def test_config_round_trips_through_config_json():
     (dict(MIXTRAL, model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32, mlp_only_layers=[3]),
      "mlp_only_layers"),
     (dict(MIXTRAL, model_type="qwen2_moe", num_experts=4, moe_intermediate_size=32), "shared_expert_intermediate_size"),
-    (dict(MIXTRAL, model_type="gpt_oss", quantization_config={"quant_method": "gptq"}), "quantization_config.quant_method"),
+    (dict(MIXTRAL, model_type="gpt_oss", quantization_config={"quant_method": "gptq"}),
+     "quantization_config.quant_method"),
     (dict(MIXTRAL, model_type="gpt_oss", sliding_window=128, swiglu_limit=-7.0), "swiglu_limit"),
     # SmolLM3 and OLMo: what they state per layer, and what transformers reads otherwise than it says
     (dict(model_type="smollm3", use_sliding_window=True, sliding_window=16), "use_sliding_window"),
