@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jaxformer.config import EXPERT_ADAPTERS, LINEAR_ADAPTERS, LoraConfig, adapter_matrices
 from jaxformer.dropout import drop
 from jaxformer.products import precision_for, product
+from jaxformer.quantized import QArray, dequantize
 
 PARTS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "wqkv": "attn",
          "wq_a": "attn", "wq_b": "attn", "wkv_a": "attn", "wkv_b": "attn",
@@ -312,12 +313,14 @@ class Adapted:
 def merge(params, adapters: dict, lora: LoraConfig):
     """`params` with each adapted matrix replaced by `W + scale * (a @ b)` (its columns of
     `b`, in W's shape and dtype); every other leaf is the same array. Differentiable in
-    `adapters`."""
-    merged = jax.tree.map(lambda x: x, params)  # new dicts, the same leaves
+    `adapters`. A quantized `W` (QLoRA's base) is dequantized first: the merged matrix is
+    float, in its scales' dtype."""
+    merged = jax.tree.map(lambda x: x, params, is_leaf=lambda x: isinstance(x, QArray))  # new dicts, same leaves
     for block, part, adapter, ws in _adapted(params, lora):
         ab, module = module_at(adapters, block, part)[adapter], module_at(merged, block, part)
         start = 0
         for name, w in zip(adapter_matrices(adapter), ws):
+            w = dequantize(w) if isinstance(w, QArray) else w
             if adapter in EXPERT_ADAPTERS:
                 module[name] = _merged_experts(w, ab["a"], ab["b"], lora.scale, start)
                 start += w.shape[-1]

@@ -31,6 +31,8 @@ from jaxformer.experts import ExpertsSpec, route, routed
 from jaxformer.grouped import KERNEL_PRODUCTS, PRODUCTS
 from jaxformer.layers import layer_specs
 from jaxformer.lora import Adapted, LoraConfig, init_lora, merge, project
+from jaxformer.quantized import QArray, Quantization, dequantize, quantize_params
+from jaxformer.sharding import param_axes
 from jaxformer.training import TrainState, make_train_step
 
 CONFIG = DecoderConfig(vocab_size=96, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=32)
@@ -517,3 +519,43 @@ def test_lora_on_the_experts_equals_peft_one_step_and_the_adapter_files_go_both_
     np.testing.assert_allclose(adapted_logits(config, base, loaded, lora, tokens), want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(jit_apply(Decoder(config), {"params": merge(base, loaded, lora)},
                                                     jnp.asarray(tokens))[0]), want, rtol=1e-4, atol=1e-4)
+
+
+# QLoRA: LoRA over a quantized frozen base (`jaxformer.quantized`). With a format multiplied as its
+# dequantized matrix (int4, NF4), a step is LoRA's step on that dequantized base: the same loss and
+# adapter gradients, to float32 rounding; the merge is the float merge of the dequantized base.
+QLORA_MOE = CONFIG.replace(qk_norm=True, layers=tuple(
+    dataclasses.replace(spec, ffn=ExpertsSpec(4, 2, 32)) if i == 0 else spec
+    for i, spec in enumerate(layer_specs(CONFIG.replace(qk_norm=True)))))
+
+
+def dequantized(params):
+    return jax.tree.map(lambda w: dequantize(w) if isinstance(w, QArray) else w, params,
+                        is_leaf=lambda w: isinstance(w, QArray))
+
+
+@pytest.mark.parametrize("how", [Quantization("nf4", 32), Quantization("int4", 32, affine=True)], ids=str)
+@pytest.mark.parametrize("config,lora", [(CONFIG, LORA), (QLORA_MOE, MOE_LORA)], ids=["dense", "experts"])
+def test_a_qlora_step_is_loras_step_on_the_dequantized_base(config, lora, how):
+    float_base = random_params(config, seed=0)
+    base = quantize_params(float_base, param_axes(Decoder(config)), how)
+    assert any(isinstance(w, QArray) for w in jax.tree.leaves(base, is_leaf=lambda w: isinstance(w, QArray)))
+    adapters = trained_looking(init_lora(base, lora, jax.random.key(0)))
+    model = Decoder(config.replace(lora=lora))
+
+    @jax.jit
+    def loss_and_grads(base, adapters):  # the base an argument, as jaxformer-finetune's step takes it
+        def loss(adapters):
+            out = model.apply({"params": base, "lora": adapters}, jnp.asarray(TOKENS[:, :-1]))[0]
+            return label_smoothed_cross_entropy(out, jnp.asarray(TOKENS[:, 1:]), 0.0)
+        return jax.value_and_grad(loss)(adapters)
+
+    got, grads = loss_and_grads(base, adapters)
+    want, want_grads = loss_and_grads(dequantized(base), adapters)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.abs(w).max()))
+    assert float(np.abs(jax.tree.leaves(grads)[0]).max()) > 0  # the adapters learn through the quantized base
+    merged = merge(base, adapters, lora)  # float where adapted; the other quantized matrices as they were
+    for m, w in zip(jax.tree.leaves(dequantized(merged)), jax.tree.leaves(merge(dequantized(base), adapters, lora))):
+        np.testing.assert_allclose(m, w, rtol=1e-6, atol=1e-6)
