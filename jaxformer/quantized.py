@@ -163,6 +163,15 @@ def reshape(w: QArray, shape: tuple[int, ...]) -> QArray:
                   w.qtype)
 
 
+def stored_bytes(tree) -> int:
+    """The bytes a parameter tree's arrays occupy, a sub-byte dtype's values (int4, NF4's uint4,
+    e2m1) at their bits (`.nbytes` counts them a byte each, though XLA packs them two a byte)."""
+    def bits(dtype):
+        dtype = jnp.dtype(dtype)
+        return jnp.iinfo(dtype).bits if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).bits
+    return sum(a.size * bits(a.dtype) // 8 for a in jax.tree.leaves(tree))
+
+
 def format_of(w: QArray) -> str:
     """The format of a quantized matrix, by its stored dtype (`FORMATS` or `SHIPPED`)."""
     if w.qtype == "nf4":

@@ -1,0 +1,34 @@
+"""`python -m benchmarks.quantized_decode` on a tiny random checkpoint (no timing asserted): each kind of
+weights decodes in a process of its own, reports its rows, its stored bytes (int8 a quarter of
+float32's matrices, int4 and NF4 about an eighth) and its peak memory; transformers' rows beside."""
+
+import json
+
+import pytest
+from conftest import import_peer
+
+from benchmarks import finetune, quantized_decode
+
+pytestmark = pytest.mark.peers  # transformers writes the checkpoint
+
+
+def test_each_kind_of_weights_decodes_in_its_own_process(tmp_path, capsys):
+    import_peer("transformers")
+    torch = import_peer("torch")
+    path = str(tmp_path / "checkpoint")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        finetune.make_checkpoint(path, d_model=128, layers=1, vocab=512, seq_len=64)
+    out = tmp_path / "q.json"
+    quantized_decode.main([path, "--batch", "1", "2", "--prompt", "4", "--new", "3", "--reps", "1", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [(r["impl"], r["weights"]) for r in results] == [
+        ("jaxformer", w) for w in ("float32", "bfloat16", "int8", "int4", "nf4")] + [
+        ("transformers", "float32"), ("transformers", "bfloat16")]
+    assert all("failed" not in r and [row["batch"] for row in r["rows"]] == [1, 2] for r in results)
+    assert all(len(row["tokens"]) == row["batch"] and len(row["tokens"][0]) == 3 for r in results for row in r["rows"])
+    size = {r["weights"]: r["weight_bytes"] for r in results if r["impl"] == "jaxformer"}
+    assert size["bfloat16"] * 2 == size["float32"] and size["int8"] < size["float32"] and size["int4"] < size["int8"]
+    assert size["nf4"] == size["int4"]  # (both: 4-bit values and a float32 scale per 64)
+    printed = capsys.readouterr().out
+    assert "x jaxformer float32" in printed and "x transformers' best" in printed and "RSS / (weights + cache)" in printed
