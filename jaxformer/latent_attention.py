@@ -34,6 +34,7 @@ from jaxformer.lora import project, with_adapter
 from jaxformer.norms import RMSNorm
 from jaxformer.positions import apply_rope, rope_attention_factor, rope_cos_sin, rope_frequencies
 from jaxformer.products import product
+from jaxformer.quantized import QArray, dequantize
 from jaxformer.sharding import EMBED, HEAD_DIM, HEADS, LATENT, Weight, compute_param
 
 # The latents' RMSNorms take DeepSeek's epsilon whatever the checkpoint's `rms_norm_eps` (its
@@ -217,7 +218,8 @@ class LatentAttention(nn.Module):
         wkv_b, wo = weight("wkv_b"), weight("wo", residual_init)  # [r, H, nope + dv], [H, dv, d_model]
         options = dict(kind=c.attention_impl, scale=a.softmax_scale)
         if any(part.cache is not None for part in parts):  # W_KVB's halves, read apart (an adapter's change merged)
-            w_kv_b = with_adapter(self, "wkv_b", wkv_b)
+            w_kv_b = with_adapter(self, "wkv_b", dequantize(wkv_b, wkv_b.dtype) if isinstance(wkv_b, QArray) else wkv_b)
+            # (a quantized W_KVB dequantized for the call: its two parts read other than as `x W`)
             w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]  # [r, H, nope], [r, H, dv]
 
         grouped = len(parts) > 1

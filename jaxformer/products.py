@@ -20,9 +20,10 @@ pays in (docs/precision.md):
 - int8 (one scale per output channel): `x` is quantized too, each row to int8 with its own scale
   (`s_x = max|x| / 127`), the product is int8 x int8 summed exactly in int32, and one multiply by
   `s_x s_w` gives it back: W8A8, as llama.cpp computes it. On a CPU it is written here, since
-  XLA:CPU's integer product is fast only in this operand order (qwix's einsum puts the matrix
-  first, which ran 11x slower than this on a 2048 x 8192 matrix); elsewhere it is qwix's einsum of
-  the same two quantized operands (the platforms' int8 dots).
+  XLA:CPU's integer product is fast only with `x` first and the matrix stored `[out, in]` (as a
+  `Quantized` is: `[in, out]` ran 2.7x slower, and qwix's einsum, which puts the matrix first,
+  11x; docs/precision.md); elsewhere it is qwix's einsum of the same two quantized operands (the
+  platforms' int8 dots).
 - every other format: the matrix is dequantized where it is used, inside the product's program,
   and multiplied as a float one of `x`'s dtype.
 
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
-from jaxformer.quantized import QArray, dequantize, format_of, frozen_cotangent
+from jaxformer.quantized import QArray, Quantized, dequantize_stored, format_of, frozen_cotangent
 
 
 def product(equation: str, x: jax.Array, w: jax.Array, wide: bool = False) -> jax.Array:
@@ -140,11 +141,20 @@ def _w8a8(equation: str, x: jax.Array, w: QArray) -> jax.Array:
     return jax.lax.platform_dependent(q_x, w.qvalue, cpu=on_cpu, default=elsewhere) * scales
 
 
+def _stored(equation: str, w: QArray) -> str:
+    """`equation` with `w`'s letters in its stored order (a `Quantized`'s inputs last)."""
+    x_spec, w_spec, out, _ = _letters(equation)
+    return f"{x_spec},{w.letters(w_spec) if isinstance(w, Quantized) else w_spec}->{out}"
+
+
 def _quantized_forward(equation: str, wide: bool, x: jax.Array, w: QArray) -> jax.Array:
-    if format_of(w) == "int8":
+    equation = _stored(equation, w)
+    _, w_spec, _, summed = _letters(equation)
+    if format_of(w) == "int8" and all(w.scale.shape[w_spec.index(a)] == 1 for a in summed):  # (summed over
+        # its inputs: one scale per output channel; a product over its outputs takes the dequantized matrix)
         y = _w8a8(equation, x, w)
         return y if wide or jnp.finfo(x.dtype).bits > 32 else y.astype(x.dtype)
-    return product(equation, x, dequantize(w, x.dtype), wide)
+    return product(equation, x, dequantize_stored(w, x.dtype), wide)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -160,8 +170,8 @@ def _quantized_bwd(equation, wide, residuals, dy):
     """`dx = dy . W` with the dequantized `W` (through `x`'s rounding as if it were not there);
     the frozen matrix's cotangent is zero (float0 for its integer leaves)."""
     x, w = residuals
-    x_spec, w_spec, out, _ = _letters(equation)
-    dx = product(f"{out},{w_spec}->{x_spec}", dy.astype(x.dtype), dequantize(w, x.dtype))
+    x_spec, w_spec, out, _ = _letters(_stored(equation, w))
+    dx = product(f"{out},{w_spec}->{x_spec}", dy.astype(x.dtype), dequantize_stored(w, x.dtype))
     return dx.astype(x.dtype), frozen_cotangent(w)
 
 

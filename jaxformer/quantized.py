@@ -1,11 +1,13 @@
 """Quantized weights: a matrix held as narrow numbers and the scales that map them back.
 
-A quantized matrix is a `QArray` (qwix's, Google's JAX quantization library): `qvalue` of the
-matrix's own shape in a narrow dtype, `scale` of the same rank, each of its dimensions dividing
-the matrix's (a scale is shared by a tile of values), an optional `zero_point` alike, and the
-`qtype` that says how `qvalue` reads. It stands where the float matrix stood in a parameter tree:
-a pytree whose first leaf has the matrix's shape, sliced by `nn.scan` and indexed per expert like
-one, and the one weight product (`jaxformer.products.product`) multiplies it. Its value is
+A quantized matrix is a `QArray` (qwix's, Google's JAX quantization library): `qvalue` in a
+narrow dtype, `scale` of the same rank, each of its dimensions dividing `qvalue`'s (a scale is
+shared by a tile of values), an optional `zero_point` alike, and the `qtype` that says how
+`qvalue` reads. In a parameter tree it is a `Quantized`, a `QArray` stored with the matrix's input
+axes last (`[out, in]` for the model's `[in, out]`: XLA:CPU multiplies int8 matrices several times
+faster that way, docs/precision.md), whose `shape` is still the model's; it stands where the
+float matrix stood, sliced by `nn.scan` and indexed per expert like one, and the one weight
+product (`jaxformer.products.product`) multiplies it. Its value is
 
     W = (qvalue - zero_point) * scale        (scale and zero_point repeated over their tile)
 
@@ -41,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import struct
 from qwix import QArray
 from qwix import dequantize as qwix_dequantize
 
@@ -67,8 +70,59 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                 0.7229568362236023, 1.0], np.float32)
 
-__all__ = ["FORMATS", "GROUPS", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "check_group", "dequantize",
+__all__ = ["FORMATS", "GROUPS", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "Quantized", "check_group",
+           "dequantize", "dequantize_stored", "stored",
            "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "input_axes", "quantize", "quantize_params"]
+
+
+@struct.dataclass
+class Quantized(QArray):
+    """A quantized matrix as a parameter tree holds it: the `QArray` of the model's `[lead..., in...,
+    out...]` matrix (`lead`: a scanned stack's layers, a mixture's experts) stored as `[lead...,
+    out..., in...]`, its last `n_in` axes the inputs. `shape` is the model's; `qvalue.shape` the
+    stored one. Leading axes index as an array's (`w[e]`, `nn.scan`'s slices); `letters` maps a
+    product's letters for the model's layout to the stored one's."""
+
+    n_in: int = struct.field(pytree_node=False, default=1)
+    n_out: int = struct.field(pytree_node=False, default=1)
+
+    shape = property(lambda self: self._logical(self.qvalue.shape))
+    ndim = property(lambda self: self.qvalue.ndim)
+
+    def _logical(self, stored_axes):
+        """The model's order of `stored_axes` (a shape, or a product's letters)."""
+        lead, k = stored_axes[:-(self.n_in + self.n_out)], len(stored_axes) - self.n_in
+        return lead + stored_axes[k:] + stored_axes[len(lead):k]
+
+    def letters(self, spec: str) -> str:
+        """The stored order of `spec`, a product's letters for the model's `[lead, in, out]`."""
+        lead, k = spec[:-(self.n_in + self.n_out)], len(spec) - self.n_out
+        return lead + spec[k:] + spec[len(lead):k]
+
+    def logical(self) -> QArray:
+        """The same matrix as a `QArray` in the model's layout `[lead..., in..., out...]`."""
+        lead, k = self.ndim - self.n_in - self.n_out, self.ndim - self.n_in
+        order = (*range(lead), *range(k, self.ndim), *range(lead, k))
+        moved = jax.tree.map(lambda a: jnp.transpose(a, order), self)
+        return QArray(moved.qvalue, moved.scale, moved.zero_point, self.qtype)
+
+    def __getitem__(self, index):
+        """The matrices at `index` of the leading axes (`w[e]`: expert e's)."""
+        lead = self.ndim - self.n_in - self.n_out
+        if len(index if isinstance(index, tuple) else (index,)) > lead or index is Ellipsis:
+            raise IndexError(f"a quantized matrix indexes its {lead} leading axes alone, got {index!r}")
+        return jax.tree.map(lambda a: a[index], self)
+
+
+def stored(w: QArray, inputs: tuple[int, ...]) -> Quantized:
+    """`w` (the model's layout) as a parameter tree holds it, its input axes `inputs` (a run of
+    consecutive axes, only outputs after it) moved last."""
+    n_out = w.qvalue.ndim - inputs[-1] - 1
+    if list(inputs) != list(range(inputs[0], inputs[-1] + 1)):
+        raise ValueError(f"a quantized matrix's inputs must be consecutive axes, got {inputs}")
+    order = (*range(inputs[0]), *range(inputs[-1] + 1, w.qvalue.ndim), *inputs)
+    moved = jax.tree.map(lambda a: jnp.transpose(a, order), w)
+    return Quantized(moved.qvalue, moved.scale, moved.zero_point, w.qtype, len(inputs), n_out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,13 +276,13 @@ def quantize(w: jax.Array, how: Quantization, inputs: tuple[int, ...], dtype=jnp
       dtype: the scales' (and an affine zero point's) dtype.
 
     Returns:
-      A `QArray` of `w`'s shape.
+      A `Quantized` of `w`'s shape (stored with `inputs` last).
 
     Raises:
       ValueError: `how`'s group does not tile the inputs (`check_group`).
     """
     check_group(w.shape, inputs, how)
-    return _quantize(w, how, tuple(inputs), dtype)
+    return stored(_quantize(w, how, tuple(inputs), dtype), tuple(inputs))
 
 
 @functools.partial(jax.jit, static_argnames=("how", "inputs", "dtype"))
@@ -262,7 +316,13 @@ def _quantize(w: jax.Array, how: Quantization, inputs: tuple[int, ...], dtype) -
 
 def dequantize(w: QArray, dtype=None) -> jax.Array:
     """The float matrix `w` stands for, `(qvalue - zero_point) * scale`, in `dtype` (None: the
-    scale's); computed in float32 at least, rounded once."""
+    scale's), in the model's layout (a `Quantized`'s `shape`); computed in float32 at least,
+    rounded once."""
+    return dequantize_stored(w.logical() if isinstance(w, Quantized) else w, dtype)
+
+
+def dequantize_stored(w: QArray, dtype=None) -> jax.Array:
+    """`dequantize` in `w`'s stored layout (`qvalue.shape`): what a product reads."""
     wide = jnp.promote_types(w.scale.dtype, jnp.float32)
     return qwix_dequantize(w.astype(wide)).astype(w.scale.dtype if dtype is None else dtype)
 

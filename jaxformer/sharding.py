@@ -16,6 +16,7 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from qwix import QArray
 
 from jaxformer.validation import python_int
 
@@ -92,6 +93,13 @@ def param(module: nn.Module, name: str, init: Callable, shape: tuple[int, ...], 
         raise ValueError(f"{name}: {len(axes)} axis names {axes} for a {len(shape)}-D parameter")
     if module.is_mutable_collection(AXES_COLLECTION):
         module.variable(AXES_COLLECTION, name, LogicalAxes, tuple(axes))
+    if module.has_variable("params", name):
+        value = module.get_variable("params", name)
+        if isinstance(value, QArray):  # (`jaxformer.quantized.Quantized`: stored with its inputs last, which
+            # flax's shape check would compare)
+            if value.shape != tuple(shape):
+                raise ValueError(f"{name}: a quantized matrix of shape {value.shape} where {tuple(shape)} is declared")
+            return value
     return module.param(name, init, shape, dtype)
 
 

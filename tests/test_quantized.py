@@ -78,8 +78,9 @@ def test_each_format_is_its_definition(how, shape, inputs):
     w[tuple(slice(None) if i in inputs else 0 for i in range(len(shape))) if how.format == "int8"
       else next(groups_of(w, inputs, how.group))] = 0
     q = quantize(jnp.asarray(w), how, inputs)
-    chex.assert_shape(q.qvalue, w.shape)
-    assert format_of(q) == how.format
+    lead, outputs = tuple(range(inputs[0])), tuple(range(inputs[-1] + 1, w.ndim))
+    chex.assert_shape(q.qvalue, tuple(w.shape[i] for i in (*lead, *outputs, *inputs)))  # stored: inputs last
+    assert q.shape == w.shape and format_of(q) == how.format
     np.testing.assert_allclose(np.asarray(dequantize(q), np.float64), reference(w, how, inputs), rtol=1e-6,
                                atol=1e-7)
     bits = {"int8": 8, "int4": 4, "nf4": 4}[how.format]
@@ -169,7 +170,7 @@ def test_int8_is_w8a8_the_rows_quantized_and_summed_in_exact_integers(equation, 
     summed = tuple(i for i, a in enumerate(x_spec) if a in equation.split(",")[1].split("->")[0])
     s_x = np.abs(x).max(axis=summed, keepdims=True) / 127
     q_x = np.round(x / s_x)
-    q_w, s_w = np.asarray(q.qvalue, np.int64), np.asarray(q.scale, np.float64)
+    q_w, s_w = np.asarray(q.logical().qvalue, np.int64), np.asarray(q.logical().scale, np.float64)
     ints = np.einsum(equation, q_x.astype(np.int64), q_w)
     # the scales' grid, s_x of the row times s_w of the channel: both are constant over the summed
     # axes, so their product summed over them is that many times it
@@ -211,7 +212,12 @@ def test_one_int8_row_is_that_row_of_two():
     np.testing.assert_array_equal(product("btd,df->btf", x[:1], q), product("btd,df->btf", x, q)[:1])
 
 
-def test_a_quantized_matrix_is_a_qwix_qarray_of_its_shape():
-    q = quantize(jnp.ones((64, 4, 8)), Quantization("nf4", 32), (0,))
-    assert isinstance(q, QArray) and q.shape == (64, 4, 8) and jax.tree.leaves(q)[0].shape == (64, 4, 8)
-    assert q[..., 0].shape == (64, 4) and q.astype(jnp.bfloat16).scale.dtype == jnp.bfloat16
+def test_a_quantized_matrix_is_a_qwix_qarray_stored_inputs_last_of_the_models_shape():
+    w = jnp.asarray(matrix((3, 64, 4, 8)))  # an expert stack of [d, H, K] matrices
+    q = quantize(w, Quantization("nf4", 32), (1,))
+    assert isinstance(q, QArray) and q.shape == (3, 64, 4, 8) and q.qvalue.shape == (3, 4, 8, 64)
+    assert q.letters("edhk") == "ehkd" and q.logical().qvalue.shape == (3, 64, 4, 8)
+    np.testing.assert_array_equal(dequantize(q[1]), dequantize(q)[1])  # leading axes index as an array's
+    with pytest.raises(IndexError, match="indexes its 1 leading axes alone"):
+        q[..., 0]
+    assert q.astype(jnp.bfloat16).scale.dtype == jnp.bfloat16 and type(q.astype(jnp.bfloat16)) is type(q)

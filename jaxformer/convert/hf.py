@@ -31,7 +31,7 @@ from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs, scanned_places
-from jaxformer.quantized import QArray, Quantization, check_group, dequantize, from_fp8, from_mxfp4, input_axes
+from jaxformer.quantized import QArray, Quantization, check_group, dequantize, from_fp8, from_mxfp4, input_axes, stored
 from jaxformer.quantized import quantize as quantize_matrix
 from jaxformer.sharding import param_axes, put
 from jaxformer.validation import as_int
@@ -327,7 +327,10 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     how = Quantization(quantize) if isinstance(quantize, str) else quantize
     if how is not None and shardings is not None:
         raise ValueError("quantize: a quantized model is loaded onto one device; leave shardings None")
-    inputs = _quantized_inputs(config, scan_layers, how, family)  # path -> a row's input axes: checked before reading
+    shipped = shipped_quantization(text_model(hf))
+    # Each matrix's input axes (path -> axes), where any is quantized: on load (its groups checked
+    # against every matrix before a tensor is read), or as the checkpoint ships them.
+    inputs = _matrix_inputs(config, scan_layers, how) if how is not None or shipped is not None else {}
     outer_type = hf.get("model_type")
     image_text, other_towers = outer_type in TEXT_MODELS, {}
     table: dict[str, list[Tensor]] = {}
@@ -343,7 +346,7 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     # scanned model `blocks/mlp/w_up[i, e]`.)
     stacks: dict[tuple[str, ...], tuple[np.ndarray, list[tuple]]] = {}  # stacked path -> (array, rows written)
     stored_head, seen, unexpected = None, set(), []
-    for key, w in _shipped_tensors(path, shipped_quantization(text_model(hf)), config.param_dtype):
+    for key, w in _shipped_tensors(path, shipped, config.param_dtype):
         if key.endswith("rotary_emb.inv_freq"):  # older checkpoints store them; they follow from rope_theta
             continue
         if not isinstance(w, QArray) and w.dtype.name in ("uint8", "float8_e4m3fn"):
@@ -375,11 +378,11 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
             if t.path[0] in places:  # its layer's row of a scanned stack
                 stacked_path, row, rows = places[t.path[0]]
                 lead, shape, where = (row, *lead), (rows, *shape), (*stacked_path, *t.path[1:])
-            if isinstance(value, QArray) or where in inputs:  # as shipped, or quantized as read (the float
-                # tensor lives no longer than this)
-                row = value if isinstance(value, QArray) else quantize_matrix(
-                    jnp.asarray(value, config.param_dtype), how, tuple(i - len(lead) for i in inputs[where]),
-                    config.param_dtype)  # (a row's input axes)
+            if isinstance(value, QArray) or (how is not None and where in inputs):  # as shipped, or quantized
+                # as read (the float tensor lives no longer than this)
+                row_inputs = tuple(i - len(lead) for i in inputs[where])  # (a row's: without the stack's axes)
+                row = stored(value, row_inputs) if isinstance(value, QArray) else quantize_matrix(
+                    jnp.asarray(value, config.param_dtype), how, row_inputs, config.param_dtype)
                 if not lead:
                     _set(params, where, row)
                     continue
@@ -417,17 +420,15 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     return (config.replace(scan_layers=True) if scan_layers else config), params
 
 
-def _quantized_inputs(config: DecoderConfig, scan_layers: bool, how: Quantization | None, family
-                      ) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Each parameter `load_hf` quantizes (its path in the tree it returns) and the axes its
-    products sum over (`quantized.input_axes`, counted in the whole stacked parameter); {} when
-    `how` is None.
+def _matrix_inputs(config: DecoderConfig, scan_layers: bool, how: Quantization | None
+                   ) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Each of the model's matrices that may be quantized (`quantized.MATRICES`: its path in the
+    tree `load_hf` returns) and the axes its products sum over (`quantized.input_axes`, counted in
+    the whole stacked parameter).
 
     Raises:
       ValueError: `how`'s group does not divide a matrix's inputs (before any tensor is read).
     """
-    if how is None:
-        return {}
     model = Decoder(config.replace(scan_layers=True) if scan_layers else config)
     found = {}
     for path, axes in jax.tree_util.tree_flatten_with_path(param_axes(model), is_leaf=lambda x: isinstance(x, tuple)
@@ -439,7 +440,8 @@ def _quantized_inputs(config: DecoderConfig, scan_layers: bool, how: Quantizatio
     shapes = {tuple(key.key for key in path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(
         jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs())["params"]))[0]}
     for where, axes_in in found.items():  # (a group that does not tile a matrix: refused here, not midway)
-        check_group(shapes[where], axes_in, how)
+        if how is not None:
+            check_group(shapes[where], axes_in, how)
     return found
 
 
