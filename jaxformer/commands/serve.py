@@ -21,7 +21,16 @@ import time
 
 import jax.numpy as jnp
 
-from jaxformer.command_line import OneLineParser, exit_process, fail, run_command
+from jaxformer.command_line import (
+    OneLineParser,
+    add_quantize_flags,
+    check_quantization,
+    exit_process,
+    fail,
+    quantization,
+    quantized_formats,
+    run_command,
+)
 from jaxformer.config import DTYPES, DecoderConfig
 from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
@@ -61,6 +70,7 @@ def parse_args(argv=None):
                    help="memory for prefilled prompts, which later prompts that begin the same way copy "
                         "(each costs one row of the cache; least recently used out first); 0: off")
     p.add_argument("--dtype", default="float32", help=f"compute and weight dtype, one of {', '.join(DTYPES)}")
+    add_quantize_flags(p)
     p.add_argument("--api-key", default=os.environ.get("JAXFORMER_API_KEY"),
                    help="a key every /v1 request must send as 'Authorization: Bearer KEY' "
                         "(default: $JAXFORMER_API_KEY, else none)")
@@ -84,6 +94,7 @@ def parse_args(argv=None):
             as_int(args.max_seq_len, "--max-seq-len", minimum=2)
         if args.api_key is not None and not args.api_key:
             raise ValueError("--api-key must not be empty")
+        args.quantization = quantization(args)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -149,10 +160,12 @@ def load(args):
     """The engine and the tokenizer of --checkpoint, every limit checked (`ValueError`, `OSError`)."""
     tokenizer = load_tokenizer(args.checkpoint)
     config = load_hf_config(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
+    check_quantization(config, args.quantization)
     max_seq_len, note = choose_max_seq_len(config, args)
     if note is not None:
         say(note)
-    config, params = load_hf(args.checkpoint, max_seq_len=max_seq_len, dtype=DTYPES[args.dtype])
+    config, params = load_hf(args.checkpoint, max_seq_len=max_seq_len, dtype=DTYPES[args.dtype],
+                             quantize=args.quantization)
     check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
     engine = Engine(Decoder(config), params, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                     max_queue=args.max_queue, stop_ids=tokenizer.stop_ids,
@@ -199,8 +212,10 @@ def _main(argv) -> int:
     except (OSError, ValueError) as e:
         fail(PROG, str(e))
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    say(f"{name} loaded in {time.perf_counter() - started:.1f} s; compiling the engine's programs for max_seq_len "
-        f"{engine.capacity} (the longer the context, the longer this takes)")
+    quantized = quantized_formats(engine.params)
+    quantized = f" ({quantized})" if quantized else ""
+    say(f"{name}{quantized} loaded in {time.perf_counter() - started:.1f} s; compiling the engine's programs for "
+        f"max_seq_len {engine.capacity} (the longer the context, the longer this takes)")
     engine.warmup(lambda done, total, what: say(f"compiled {done} of {total}: {what}"))  # before the first request
     say(f"{name} ready in {time.perf_counter() - started:.1f} s: batch {engine.max_batch}, max_seq_len "
         f"{engine.capacity}, prefill chunk {engine.prefill_chunk}")
