@@ -289,19 +289,25 @@ def quantized_formats(params) -> str:
     return f"{', '.join(sorted(formats))} matrices" if formats else ""
 
 
-def check_quantization(config: DecoderConfig, how: Quantization | None) -> None:
+def check_quantization(config: DecoderConfig, how: Quantization | None) -> int | None:
     """Refuses, from config.json alone, a --quantize-group that does not tile one of the model's
     matrices: the rule `quantize_params` applies, run on the parameters' shapes (`jax.eval_shape`:
     nothing computed), before a weight is read.
+
+    Returns:
+      The bytes the quantized parameters take, each array's values at its dtype's itemsize (an
+      int4 value one byte, as a CPU holds it; an accelerator that packs two a byte holds less);
+      None without `how`.
 
     Raises:
       ValueError: naming --quantize-group, the matrix's inputs and the groups that fit.
     """
     if how is None:
-        return
+        return None
     model = Decoder(config)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs())["params"])
     try:
-        jax.eval_shape(lambda params: quantize_params(params, param_axes(model), how), shapes)
+        quantized = jax.eval_shape(lambda params: quantize_params(params, param_axes(model), how), shapes)
     except ValueError as e:  # `quantized.check_group`'s "group_size: 128 does not divide the matrix's inputs ..."
         raise ValueError("--quantize-group" + str(e).removeprefix("group_size:")) from None
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(quantized))
