@@ -1,5 +1,6 @@
 """What every jaxformer command line shares: one way to end (`run_command`), errors as
-one line, and help texts that state their defaults.
+one line, help texts that state their defaults, and the flags of a model quantized as it
+is read (`add_quantize_flags`).
 
 The exit statuses, and what each prints, are tabled in docs/training.md ("How a run
 ends"). SIGTERM keeps Python's default: the process ends at once, as `kill` expects.
@@ -17,6 +18,13 @@ import sys
 import threading
 import time
 from typing import Callable, Iterator, NoReturn
+
+import jax
+
+from jaxformer.config import DecoderConfig
+from jaxformer.decoder import Decoder
+from jaxformer.quantized import FORMATS, GROUPS, QArray, Quantization, format_of, quantize_params
+from jaxformer.sharding import param_axes
 
 FAILED, REFUSED, INTERRUPTED, BROKEN_PIPE = 1, 2, 128 + signal.SIGINT, 128 + signal.SIGPIPE
 
@@ -229,3 +237,77 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message) -> NoReturn:
         fail(self.prog, message)
+
+
+def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
+    """`--quantize`, `--quantize-group` and `--quantize-affine`: the model's matrices quantized as
+    they are read (`load_hf(quantize=...)`); `quantization` turns them into a `Quantization`."""
+    parser.add_argument("--quantize", choices=FORMATS, default=None,
+                        help="hold attention's and the feed-forwards' matrices quantized, each as it is read "
+                             "(the embedding, head and norms stay as stored): int8, one scale per output channel; "
+                             "int4 or nf4, one per --quantize-group inputs (docs/precision.md); default: as stored")
+    parser.add_argument("--quantize-group", type=int, choices=GROUPS, default=None,
+                        help=f"with --quantize int4 or nf4: the inputs that share a scale (default: "
+                             f"{Quantization.group})")
+    parser.add_argument("--quantize-affine", action="store_true",
+                        help="with --quantize int4: a zero point per group, its range from min to max, instead "
+                             "of a symmetric one")
+
+
+def quantization(flags) -> Quantization | None:
+    """The `Quantization` that `add_quantize_flags`' flags ask for, or None without --quantize.
+
+    Args:
+      flags: the parsed flags, or any object with `quantize`, `quantize_group` and `quantize_affine`
+        (a command's settings).
+
+    Raises:
+      ValueError: naming the flag, for a combination that means nothing: --quantize-group or
+        --quantize-affine without --quantize, a group for int8 (one scale per channel), an affine nf4.
+    """
+    if flags.quantize is None:
+        for flag, given in (("--quantize-group", flags.quantize_group is not None),
+                            ("--quantize-affine", flags.quantize_affine)):
+            if given:
+                raise ValueError(f"{flag} needs --quantize")
+        return None
+    if flags.quantize == "int8" and flags.quantize_group is not None:
+        raise ValueError("--quantize-group does not go with --quantize int8, which has one scale per output channel "
+                         "(int4 and nf4 have one per group)")
+    if flags.quantize_affine and flags.quantize != "int4":
+        raise ValueError(f"--quantize-affine goes with --quantize int4 alone, not {flags.quantize}")
+    group = Quantization.group if flags.quantize_group is None else flags.quantize_group
+    return Quantization(flags.quantize, group, flags.quantize_affine)
+
+
+def quantized_formats(params) -> str:
+    """The formats of a parameter tree's quantized matrices (`quantized.format_of`), as the line
+    that says what a command loaded names them: "int8 matrices", "fp8, int8 matrices" (a
+    checkpoint's as shipped, and --quantize's), or "" where none is quantized."""
+    formats = {format_of(x) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray))
+               if isinstance(x, QArray)}
+    return f"{', '.join(sorted(formats))} matrices" if formats else ""
+
+
+def check_quantization(config: DecoderConfig, how: Quantization | None) -> int | None:
+    """Refuses, from config.json alone, a --quantize-group that does not tile one of the model's
+    matrices: the rule `quantize_params` applies, run on the parameters' shapes (`jax.eval_shape`:
+    nothing computed), before a weight is read.
+
+    Returns:
+      The bytes the quantized parameters take, each array's values at its dtype's itemsize (an
+      int4 value one byte, as a CPU holds it; an accelerator that packs two a byte holds less);
+      None without `how`.
+
+    Raises:
+      ValueError: naming --quantize-group, the matrix's inputs and the groups that fit.
+    """
+    if how is None:
+        return None
+    model = Decoder(config)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs())["params"])
+    try:
+        quantized = jax.eval_shape(lambda params: quantize_params(params, param_axes(model), how), shapes)
+    except ValueError as e:  # `quantized.check_group`'s "group_size: 128 does not divide the matrix's inputs ..."
+        raise ValueError("--quantize-group" + str(e).removeprefix("group_size:")) from None
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(quantized))

@@ -116,6 +116,9 @@ FULL_TIER = {
     "tests/convert/test_shipped_quantized.py::test_a_shipped_checkpoint_is": "whole MoE models compiled, per format",
     "tests/convert/test_shipped_quantized.py::test_a_shipped_checkpoint_equals": "transformers' dequantized peer",
     "tests/convert/test_quantize_on_load.py::test_every_format_family_and_form": "ten more loads, each compiled",
+    # (The commands' --quantize: the fast tier keeps perplexity's, the adapter's and the server's load.)
+    "tests/commands/test_quantize_flags.py::test_generate_int8_prints": "the decoding programs compiled three times",
+    "tests/commands/test_quantize_flags.py::test_generate_end_to_end": "a process of its own",
     "tests/test_quantized.py::test_mxfp4_is_decoded_as_transformers_decodes_it": "torch imported for the peer",
     "tests/test_constants.py": "every user path compiled in a process of its own",
     "tests/test_sharding.py::test_sharding_cases_on_eight_devices": "meshes of 8 devices",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from typing import Iterator
@@ -20,7 +21,17 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from jaxformer.command_line import FAILED, OneLineParser, exit_process, fail, run_command
+from jaxformer.command_line import (
+    FAILED,
+    OneLineParser,
+    add_quantize_flags,
+    check_quantization,
+    exit_process,
+    fail,
+    quantization,
+    quantized_formats,
+    run_command,
+)
 from jaxformer.config import DTYPES
 from jaxformer.convert import load_hf, load_hf_config, with_scan_layers
 from jaxformer.convert.peft import load_peft
@@ -42,7 +53,9 @@ from jaxformer.decoding.front_door import choose
 from jaxformer.decoding.request import FLAGS, check_prefill_memory
 from jaxformer.lora import merge
 from jaxformer.memory import format_bytes, free_bytes
+from jaxformer.quantized import QArray, quantize_params
 from jaxformer.runtime import enable_compilation_cache
+from jaxformer.sharding import param_axes
 from jaxformer.text.chat import render_chat
 from jaxformer.text.streaming import TextStream, completion_text
 from jaxformer.text.tokenizer import Tokenizer, check_fits_model, load_tokenizer
@@ -78,6 +91,7 @@ def parse_args(argv=None):
                         "the checkpoint's weights before decoding")
     p.add_argument("--seed", type=int, default=0, help="the sampling's seed")
     p.add_argument("--dtype", default="float32", help=f"compute and weight dtype, one of {', '.join(DTYPES)}")
+    add_quantize_flags(p)
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="longest prompt + completion (default: the checkpoint's max_position_embeddings)")
     p.add_argument("--scan-layers", action="store_true",
@@ -92,6 +106,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     try:
         _check(args)
+        args.quantization = quantization(args)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -396,15 +411,22 @@ def load(args, prompts: list[str]):
     (`FileNotFoundError`, `ValueError` naming the file, prompt or flag)."""
     tokenizer = load_tokenizer(args.checkpoint)
     ids = encode_prompts(tokenizer, prompts, args)
-    # The adapter is read and checked first, against config.json; it is merged into the
-    # per-layer tree, which is then stacked.
-    adapter = None if args.adapter is None else load_peft(load_hf_config(args.checkpoint), args.adapter)
+    # The adapter and --quantize-group are checked first, against config.json. An adapter is
+    # merged into the per-layer float tree, which is then stacked and, with --quantize, quantized:
+    # its update `alpha / r * A @ B` is added to float matrices, and the merged matrix is rounded
+    # once, as a merged checkpoint loaded with --quantize is.
+    how, hf_config = args.quantization, load_hf_config(args.checkpoint)
+    check_quantization(hf_config, how)
+    adapter = None if args.adapter is None else load_peft(hf_config, args.adapter)
     config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
-                             scan_layers=args.scan_layers and adapter is None)
+                             scan_layers=args.scan_layers and adapter is None,
+                             quantize=how if adapter is None else None)
     if adapter is not None:
         params = merge(params, *adapter)
         if args.scan_layers:
             config, params = with_scan_layers(config, params, True)
+        if how is not None:
+            params = quantize_params(params, param_axes(Decoder(config)), how)
     check_prompts(ids, prompts, args.max_new_tokens, config.max_seq_len, config.vocab_size)
     options(args).check(config.vocab_size, names=FLAG_NAMES)
     check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
@@ -430,9 +452,12 @@ def report(args, config, params, stats: Stats, clock: Clock, load_seconds: float
     def plural(n: int, noun: str) -> str:
         return f"{n:,} {noun}{'s' * (n != 1)}"
 
+    weights = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray))  # (a quantized matrix is one)
+    quantized = quantized_formats(params)  # (--quantize's, or as the checkpoint ships them)
+    quantized = f", {quantized}" if quantized else ""
     say(f"loaded {args.checkpoint} in {load_seconds:.2f} s: {plural(config.n_layer, 'layer')} x {config.d_model}, "
-        f"vocab {config.vocab_size:,}, {plural(sum(x.size for x in jax.tree.leaves(params)), 'parameter')}, "
-        f"{args.dtype}")
+        f"vocab {config.vocab_size:,}, {plural(sum(math.prod(x.shape) for x in weights), 'parameter')}, "
+        f"{args.dtype}{quantized}")
     say(f"compile: {clock.compile:.2f} s (tracing and XLA; a repeated run loads the programs from {cache_dir})")
     prompts = f"{plural(stats.prompt_tokens, 'token')} of {plural(rows, 'prompt')}"
     if args.num_beams > 1:

@@ -14,13 +14,24 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from jaxformer.command_line import FAILED, OneLineParser, exit_process, fail, run_command
+from jaxformer.command_line import (
+    FAILED,
+    OneLineParser,
+    add_quantize_flags,
+    check_quantization,
+    exit_process,
+    fail,
+    quantization,
+    run_command,
+)
 from jaxformer.config import DTYPES
 from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.convert.peft import load_peft
 from jaxformer.decoder import Decoder
 from jaxformer.files import read_text
 from jaxformer.lora import merge
+from jaxformer.quantized import quantize_params
+from jaxformer.sharding import param_axes
 from jaxformer.text.perplexity import perplexity
 from jaxformer.text.tokenizer import check_fits_model, load_tokenizer
 from jaxformer.validation import NotFinite, as_int
@@ -39,6 +50,7 @@ def parse_args(argv=None):
                    help=f"ids a window reads (default: {DEFAULT_WINDOW}, or the model's context if shorter)")
     p.add_argument("--stride", type=int, default=None, help="ids between window starts (default: half the window)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute and weight dtype")
+    add_quantize_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     try:
@@ -46,6 +58,7 @@ def parse_args(argv=None):
             as_int(args.window, "--window", minimum=2)
         if args.stride is not None:
             as_int(args.stride, "--stride", minimum=1, maximum=args.window, maximum_name="--window")
+        args.quantization = quantization(args)
     except ValueError as e:
         p.error(str(e))
     return args
@@ -69,12 +82,17 @@ def _main(argv) -> int:
         ids = tokenizer.encode(text)  # framed as the tokenizer frames a text (BOS first, for Llama's)
         if len(ids) < 2:
             raise ValueError(f"--data {args.data} holds {len(ids)} token(s): at least 2 are needed")
+        check_quantization(config, args.quantization)
         adapter = None if args.adapter is None else load_peft(config, args.adapter)
-        _, params = load_hf(args.checkpoint, dtype=DTYPES[args.dtype])
+        # (An adapter is merged into the float matrices, which --quantize then rounds once: as jaxformer-generate.)
+        _, params = load_hf(args.checkpoint, dtype=DTYPES[args.dtype],
+                            quantize=args.quantization if adapter is None else None)
     except (OSError, ValueError) as e:
         fail(PROG, str(e))
     if adapter is not None:
         params = merge(params, *adapter)
+        if args.quantization is not None:
+            params = quantize_params(params, param_axes(Decoder(config)), args.quantization)
     try:
         result = perplexity(Decoder(config), params, ids, window, stride)
     except NotFinite as e:

@@ -21,7 +21,16 @@ import time
 
 import jax.numpy as jnp
 
-from jaxformer.command_line import OneLineParser, exit_process, fail, run_command
+from jaxformer.command_line import (
+    OneLineParser,
+    add_quantize_flags,
+    check_quantization,
+    exit_process,
+    fail,
+    quantization,
+    quantized_formats,
+    run_command,
+)
 from jaxformer.config import DTYPES, DecoderConfig
 from jaxformer.convert import load_hf, load_hf_config
 from jaxformer.decoder import Decoder
@@ -61,6 +70,7 @@ def parse_args(argv=None):
                    help="memory for prefilled prompts, which later prompts that begin the same way copy "
                         "(each costs one row of the cache; least recently used out first); 0: off")
     p.add_argument("--dtype", default="float32", help=f"compute and weight dtype, one of {', '.join(DTYPES)}")
+    add_quantize_flags(p)
     p.add_argument("--api-key", default=os.environ.get("JAXFORMER_API_KEY"),
                    help="a key every /v1 request must send as 'Authorization: Bearer KEY' "
                         "(default: $JAXFORMER_API_KEY, else none)")
@@ -84,56 +94,62 @@ def parse_args(argv=None):
             as_int(args.max_seq_len, "--max-seq-len", minimum=2)
         if args.api_key is not None and not args.api_key:
             raise ValueError("--api-key must not be empty")
+        args.quantization = quantization(args)
     except ValueError as e:
         p.error(str(e))
     return args
 
 
-def serving_bytes(config: DecoderConfig, max_seq_len: int, max_batch: int, prefill_chunk: int) -> int:
+def serving_bytes(config: DecoderConfig, max_seq_len: int, max_batch: int, prefill_chunk: int,
+                  weights: int | None = None) -> int:
     """Bytes the server holds at its peak with `max_seq_len` positions a row, by its parts:
-    the weights; the cache (k and v of every layer) of `max_batch` rows, the row a prompt is
+    the weights (`weights`: a quantized model's, `check_quantization`; None: every tensor in the
+    parameter dtype); the cache (k and v of every layer) of `max_batch` rows, the row a prompt is
     prefilled into, and as many rows again for a step's copy of the rows it decodes (a step of
     fewer rows than the batch reads them out and writes them back); and one prompt chunk's
     prefill work (`prefill_bytes` of one row, less that row's cache, counted already)."""
     c = config
-    weights = sum(math.prod(t.shape) for t in family_of(c).tensors(c)) * jnp.dtype(c.param_dtype).itemsize
+    if weights is None:
+        weights = sum(math.prod(t.shape) for t in family_of(c).tensors(c)) * jnp.dtype(c.param_dtype).itemsize
     itemsize = jnp.dtype(c.cache_storage_dtype).itemsize
     row_cache = sum(cache_entry_bytes(entry, max_seq_len, itemsize) for entry in c.cache_entries)  # each layer's own
     work = prefill_bytes(c, 1, min(prefill_chunk, max_seq_len), max_seq_len) - row_cache
     return weights + (2 * max_batch + 1) * row_cache + work
 
 
-def largest_fitting(config: DecoderConfig, free: int, max_batch: int, prefill_chunk: int) -> int:
+def largest_fitting(config: DecoderConfig, free: int, max_batch: int, prefill_chunk: int,
+                    weights: int | None = None) -> int:
     """The largest multiple of `LENGTH_STEP` (or the model's own context, if less) whose
     `serving_bytes` fit in `free`; 0 if not even the smallest does."""
     top = config.max_seq_len // LENGTH_STEP
-    if serving_bytes(config, config.max_seq_len, max_batch, prefill_chunk) <= free:
+    if serving_bytes(config, config.max_seq_len, max_batch, prefill_chunk, weights) <= free:
         return config.max_seq_len
     low, high = 0, top  # the bytes grow with the length: bisect on the multiples
     while low < high:
         mid = (low + high + 1) // 2
-        if serving_bytes(config, mid * LENGTH_STEP, max_batch, prefill_chunk) <= free:
+        if serving_bytes(config, mid * LENGTH_STEP, max_batch, prefill_chunk, weights) <= free:
             low = mid
         else:
             high = mid - 1
     return low * LENGTH_STEP
 
 
-def choose_max_seq_len(config: DecoderConfig, args) -> tuple[int, str | None]:
+def choose_max_seq_len(config: DecoderConfig, args, weights: int | None = None) -> tuple[int, str | None]:
     """`(max_seq_len, what to tell)`, from config.json alone, before a weight is read: --max-seq-len
     if it fits (else a ValueError naming the largest that does), or without it the largest
-    that fits, saying so when that is less than the checkpoint's context."""
+    that fits, saying so when that is less than the checkpoint's context. `weights`: as
+    `serving_bytes`'."""
     free = free_bytes()
     wanted = config.max_seq_len if args.max_seq_len is None else args.max_seq_len
     if free is None:
         return wanted, None
     free = (int(free[0] * USABLE), f"{free[1]} ({USABLE:.0%} of {format_bytes(free[0])} free)")
     sized = config.replace(max_seq_len=wanted)
-    if serving_bytes(sized, wanted, args.max_batch, args.prefill_chunk) <= free[0]:
+    if serving_bytes(sized, wanted, args.max_batch, args.prefill_chunk, weights) <= free[0]:
         return wanted, None
-    fits = largest_fitting(sized, free[0], args.max_batch, args.prefill_chunk)
+    fits = largest_fitting(sized, free[0], args.max_batch, args.prefill_chunk, weights)
     where = f"{format_bytes(free[0])} usable on {free[1]}"
-    needs = format_bytes(serving_bytes(sized, wanted, args.max_batch, args.prefill_chunk))
+    needs = format_bytes(serving_bytes(sized, wanted, args.max_batch, args.prefill_chunk, weights))
     if fits == 0:
         raise ValueError(f"--checkpoint {args.checkpoint}: its weights and a cache of {min(LENGTH_STEP, wanted):,} "
                          f"positions for --max-batch {args.max_batch} rows do not fit in the {where}: try a smaller "
@@ -149,10 +165,12 @@ def load(args):
     """The engine and the tokenizer of --checkpoint, every limit checked (`ValueError`, `OSError`)."""
     tokenizer = load_tokenizer(args.checkpoint)
     config = load_hf_config(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype])
-    max_seq_len, note = choose_max_seq_len(config, args)
+    weights = check_quantization(config, args.quantization)  # (the quantized model's bytes, which the cache sizes by)
+    max_seq_len, note = choose_max_seq_len(config, args, weights)
     if note is not None:
         say(note)
-    config, params = load_hf(args.checkpoint, max_seq_len=max_seq_len, dtype=DTYPES[args.dtype])
+    config, params = load_hf(args.checkpoint, max_seq_len=max_seq_len, dtype=DTYPES[args.dtype],
+                             quantize=args.quantization)
     check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
     engine = Engine(Decoder(config), params, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                     max_queue=args.max_queue, stop_ids=tokenizer.stop_ids,
@@ -199,8 +217,10 @@ def _main(argv) -> int:
     except (OSError, ValueError) as e:
         fail(PROG, str(e))
     name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-    say(f"{name} loaded in {time.perf_counter() - started:.1f} s; compiling the engine's programs for max_seq_len "
-        f"{engine.capacity} (the longer the context, the longer this takes)")
+    quantized = quantized_formats(engine.params)
+    quantized = f" ({quantized})" if quantized else ""
+    say(f"{name}{quantized} loaded in {time.perf_counter() - started:.1f} s; compiling the engine's programs for "
+        f"max_seq_len {engine.capacity} (the longer the context, the longer this takes)")
     engine.warmup(lambda done, total, what: say(f"compiled {done} of {total}: {what}"))  # before the first request
     say(f"{name} ready in {time.perf_counter() - started:.1f} s: batch {engine.max_batch}, max_seq_len "
         f"{engine.capacity}, prefill chunk {engine.prefill_chunk}")

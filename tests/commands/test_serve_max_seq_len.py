@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import pytest
 
 from jaxformer import DecoderConfig
+from jaxformer.command_line import check_quantization
 from jaxformer.commands import serve
 from jaxformer.experts import ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.layers import layer_specs
+from jaxformer.quantized import Quantization
 
 CONFIG = DecoderConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=65536)
 ARGS = dict(checkpoint="ckpt", max_batch=4, prefill_chunk=64)
@@ -116,3 +118,25 @@ def test_each_layers_own_heads_count_in_its_cache_and_the_widest_in_the_prefill(
     projections = 2 * 64 * 2 * 16 * 4  # its k and v, float32
     assert serve.serving_bytes(CONFIG, 64, 4, 64) - serve.serving_bytes(sharing, 64, 4, 64) == (
         9 * cache_of["config"] + projections)
+
+
+# CONFIG's matrices, each layer's: q and o 64 x 64, k and v 64 x 32, SwiGLU's three 64 x ffn_dim; and their
+# output channels (a scale each in int8).
+MATRICES = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * CONFIG.ffn_dim
+OUTPUTS = 64 + 32 + 32 + 64 + 2 * CONFIG.ffn_dim + 64
+
+
+def test_quantized_weights_count_a_byte_a_value_and_their_scales(monkeypatch):
+    """--quantize: each matrix's values a byte (an int4 or nf4 value too, as a CPU holds it), its float32
+    scales (int8's per output channel, nf4's per 32 inputs), the rest float32; the context chosen by them."""
+    rest = 4 * (PARAMS - 2 * MATRICES)
+    int8 = check_quantization(CONFIG, Quantization("int8"))
+    assert int8 == rest + 2 * (MATRICES + 4 * OUTPUTS)
+    assert check_quantization(CONFIG, Quantization("nf4", 32)) == rest + 2 * (MATRICES + 4 * MATRICES // 32)
+    assert check_quantization(CONFIG, None) is None
+    assert serve.serving_bytes(CONFIG, 4096, 4, 64, int8) == direct_bytes(4096) - 4 * PARAMS + int8
+    # Memory that holds 2,816 positions beside the int8 weights: the float32 weights leave room for 2,560.
+    free(monkeypatch, math.ceil(serve.serving_bytes(CONFIG, 2816, 4, 64, int8) / serve.USABLE))
+    args = types.SimpleNamespace(max_seq_len=None, **ARGS)
+    assert serve.choose_max_seq_len(CONFIG, args, int8)[0] == 2816
+    assert serve.choose_max_seq_len(CONFIG, args)[0] == 2560
