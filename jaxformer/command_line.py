@@ -23,7 +23,7 @@ import jax
 
 from jaxformer.config import DecoderConfig
 from jaxformer.decoder import Decoder
-from jaxformer.quantized import FORMATS, GROUPS, QArray, Quantization, format_of, quantize_params
+from jaxformer.quantized import FORMATS, GROUPS, QArray, Quantization, format_of, quantize_params, stored_bytes
 from jaxformer.sharding import param_axes
 
 FAILED, REFUSED, INTERRUPTED, BROKEN_PIPE = 1, 2, 128 + signal.SIGINT, 128 + signal.SIGPIPE
@@ -295,9 +295,8 @@ def check_quantization(config: DecoderConfig, how: Quantization | None) -> int |
     nothing computed), before a weight is read.
 
     Returns:
-      The bytes the quantized parameters take, each array's values at its dtype's itemsize (an
-      int4 value one byte, as a CPU holds it; an accelerator that packs two a byte holds less);
-      None without `how`.
+      The bytes the quantized parameters take (`quantized.stored_bytes`: an int4 value half a
+      byte, as XLA packs them on a CPU too); None without `how`.
 
     Raises:
       ValueError: naming --quantize-group, the matrix's inputs and the groups that fit.
@@ -310,4 +309,4 @@ def check_quantization(config: DecoderConfig, how: Quantization | None) -> int |
         quantized = jax.eval_shape(lambda params: quantize_params(params, param_axes(model), how), shapes)
     except ValueError as e:  # `quantized.check_group`'s "group_size: 128 does not divide the matrix's inputs ..."
         raise ValueError("--quantize-group" + str(e).removeprefix("group_size:")) from None
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(quantized))
+    return stored_bytes(quantized)

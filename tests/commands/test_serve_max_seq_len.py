@@ -126,13 +126,14 @@ MATRICES = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * CONFIG.ffn_dim
 OUTPUTS = 64 + 32 + 32 + 64 + 2 * CONFIG.ffn_dim + 64
 
 
-def test_quantized_weights_count_a_byte_a_value_and_their_scales(monkeypatch):
-    """--quantize: each matrix's values a byte (an int4 or nf4 value too, as a CPU holds it), its float32
-    scales (int8's per output channel, nf4's per 32 inputs), the rest float32; the context chosen by them."""
+def test_quantized_weights_count_their_bits_and_their_scales(monkeypatch):
+    """--quantize: each matrix's values at their bits (an int4 or nf4 value half a byte: XLA packs them on a
+    CPU too), its float32 scales (int8's per output channel, nf4's per 32 inputs), the rest float32; the
+    context chosen by them."""
     rest = 4 * (PARAMS - 2 * MATRICES)
     int8 = check_quantization(CONFIG, Quantization("int8"))
     assert int8 == rest + 2 * (MATRICES + 4 * OUTPUTS)
-    assert check_quantization(CONFIG, Quantization("nf4", 32)) == rest + 2 * (MATRICES + 4 * MATRICES // 32)
+    assert check_quantization(CONFIG, Quantization("nf4", 32)) == rest + 2 * (MATRICES // 2 + 4 * MATRICES // 32)
     assert check_quantization(CONFIG, None) is None
     assert serve.serving_bytes(CONFIG, 4096, 4, 64, int8) == direct_bytes(4096) - 4 * PARAMS + int8
     # Memory that holds 2,816 positions beside the int8 weights: the float32 weights leave room for 2,560.
