@@ -29,7 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxformer.command_line import FAILED, exit_process, fail, run_command
+from jaxformer.command_line import (
+    FAILED,
+    add_quantize_flags,
+    check_quantization,
+    exit_process,
+    fail,
+    quantization,
+    run_command,
+)
 from jaxformer.config import DTYPES, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.convert.hf import TEXT_MODELS
@@ -90,6 +98,9 @@ class Settings:
       capacity_factor: a mixture of experts' capacity (`ExpertsSpec.capacity_factor`): each
         expert takes at most `ceil(factor * tokens * k / E)` of a call's pairs, the rest dropped
         and counted; None (the default) drops none.
+      quantize, quantize_group, quantize_affine: QLoRA: the frozen base's matrices quantized as
+        they are read (`jaxformer.command_line.quantization`; "int8", "int4" or "nf4"), under LoRA
+        alone.
 
     Raises:
       ValueError: naming the flag of a value out of range.
@@ -114,11 +125,14 @@ class Settings:
     dtype: str = "float32"
     remat: bool = False
     capacity_factor: float | None = None
+    quantize: str | None = None
+    quantize_group: int | None = None
+    quantize_affine: bool = False
 
     RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data", "full", "lora_rank", "lora_alpha",
                                                 "lora_targets", "lora_dropout", "base_dtype", "steps", "batch_size",
                                                 "lr", "warmup", "weight_decay", "clip", "seq_len", "seed",
-                                                "capacity_factor")
+                                                "capacity_factor", "quantize", "quantize_group", "quantize_affine")
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data")
 
     def __post_init__(self):
@@ -132,6 +146,10 @@ class Settings:
         require(self.base_dtype in DTYPES, "--base-dtype", f"one of {', '.join(DTYPES)}", self.base_dtype)
         require(not self.full or self.base_dtype == "float32", "--base-dtype",
                 "float32 with --full, which trains (and so keeps in float32) every parameter", self.base_dtype)
+        quantization(self)  # (a ValueError naming the flag)
+        require(not self.full or self.quantize is None, "--quantize",
+                "none with --full, which trains every parameter in float32 (QLoRA quantizes the frozen base of "
+                "LoRA's adapters)", self.quantize)
         if self.lora_targets != ALL_TARGETS:
             try:
                 lora = LoraConfig(targets=self.targets(None))
@@ -187,6 +205,7 @@ def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
     p.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per row")
     p.add_argument("--remat", action="store_true",
                    help="recompute each block's activations in the backward pass (less memory, more compute)")
+    add_quantize_flags(p)  # QLoRA: the frozen base quantized
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="a mixture of experts: each expert takes at most factor * tokens * k / E of a step's "
                         "pairs (static shapes), the rest dropped and logged; default: none dropped")
@@ -247,7 +266,9 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         except ValueError as e:
             raise ValueError(f"--lora-targets {settings.lora_targets}: {e}") from None
         check_rank(config, config.lora)
-    check_memory(config, settings.batch_size, settings.seq_len)
+    how = quantization(settings)
+    quantized_bytes = check_quantization(config, how)  # (a group that does not tile a matrix: refused here)
+    check_memory(config, settings.batch_size, settings.seq_len, quantized_bytes)
     if mesh is not None:
         mesh = make_mesh(**parse_mesh(mesh))
         check_mesh_fits(config, mesh)
@@ -260,7 +281,8 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs()))["params"]
         shardings = tree_shardings(shapes, param_axes(model), mesh, "fsdp" if fsdp else "dp")
     try:
-        _, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=base_dtype, shardings=shardings)
+        _, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=base_dtype, shardings=shardings,
+                          quantize=how)
     except FileNotFoundError as e:
         raise ValueError(f"--checkpoint: {e}") from None
     lora = config.lora
@@ -330,9 +352,10 @@ def check_rank(config: DecoderConfig, lora: LoraConfig) -> None:
                "at this rank, 4x that with their gradients and Adam's moments) but no freedom", lora.rank)
 
 
-def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
+def check_memory(config: DecoderConfig, batch_size: int, seq_len: int, quantized_bytes: int | None = None) -> None:
     """Refuses, before anything is allocated, a run that cannot fit the free memory, by a
-    lower bound of what a step holds: LoRA's frozen base; the trained parameters (the
+    lower bound of what a step holds: LoRA's frozen base (`quantized_bytes` where QLoRA quantizes
+    it); the trained parameters (the
     adapters, or with `--full` the whole model) in float32 with their gradients and Adam's
     two moments; and of the activations, each block's input (which the backward pass reads,
     `--remat` or not), `[batch, seq_len, n_layer * d_model]` in the compute dtype, and the
@@ -341,15 +364,15 @@ def check_memory(config: DecoderConfig, batch_size: int, seq_len: int) -> None:
     trained = base if config.lora is None else sum(
         math.prod(a) + math.prod(b) for a, b in adapter_shapes_of(config, config.lora).values())
     state = 4 * 4 * trained  # parameters, gradients, Adam's mu and nu, each float32
-    frozen = 0 if config.lora is None else base * jnp.dtype(config.param_dtype).itemsize
+    frozen = 0 if config.lora is None else quantized_bytes or base * jnp.dtype(config.param_dtype).itemsize
     positions = batch_size * seq_len
     activations = (positions * config.n_layer * config.d_model * jnp.dtype(config.dtype).itemsize
                    + min(positions, chunk_positions(config.vocab_size)) * config.vocab_size * 4)
+    held = "quantized matrices" if quantized_bytes else jnp.dtype(config.param_dtype).name
     check_fits(state + frozen + activations,
-               f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in "
-               f"{jnp.dtype(config.param_dtype).name}, {format_bytes(state)} of trained parameters with their "
-               f"gradients and Adam's moments, and at least {format_bytes(activations)} of activations for "
-               f"--batch-size {batch_size} x --seq-len {seq_len})")
+               f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in {held}, "
+               f"{format_bytes(state)} of trained parameters with their gradients and Adam's moments, and at least "
+               f"{format_bytes(activations)} of activations for --batch-size {batch_size} x --seq-len {seq_len})")
 
 
 def validation_loss(setup: runs.Setup, trained, batch_size: int) -> float:

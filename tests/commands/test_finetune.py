@@ -325,6 +325,35 @@ def test_a_bfloat16_base_is_held_in_bfloat16_and_the_adapters_in_float32(checkpo
     assert np.isfinite(float(loss))
 
 
+def test_qlora_trains_adapters_over_a_quantized_base_and_merges_into_a_float_folder(checkpoint, tmp_path):
+    """--quantize nf4: the base is held quantized (its matrices NF4, the rest as stored), the adapters
+    learn through it, and --merge writes a float folder equal to the adapters merged into the
+    dequantized base."""
+    from jaxformer.quantized import QArray, Quantization, dequantize, format_of
+
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    setup = finetune.build(finetune.Settings(checkpoint=str(checkpoint), data=str(data), seq_len=32,
+                                              quantize="nf4", quantize_group=32))
+    base = finetune.base_of(setup)
+    quantized = [w for w in jax.tree.leaves(base, is_leaf=lambda w: isinstance(w, QArray)) if isinstance(w, QArray)]
+    assert quantized and {format_of(w) for w in quantized} == {"nf4"}
+    done = run_main(finetune.main, ["--checkpoint", str(checkpoint), "--data", str(data), "--steps", "12",
+                                    "--lr", "1e-2", "--run-dir", str(tmp_path / "run"), "--merge",
+                                    str(tmp_path / "merged"), "--quantize", "nf4", "--quantize-group", "32", *FAST])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert results["validation_perplexity"] < 0.8 * results["validation_perplexity_before"], results
+    config, _ = load_hf(str(checkpoint))
+    _, quantized_base = load_hf(str(checkpoint), quantize=Quantization("nf4", 32))
+    adapters, lora = load_peft(config, str(tmp_path / "run" / "adapter"))
+    want = merge(jax.tree.map(lambda w: dequantize(w) if isinstance(w, QArray) else w, quantized_base,
+                              is_leaf=lambda w: isinstance(w, QArray)), adapters, lora)
+    _, merged = load_hf(str(tmp_path / "merged"))
+    for got, expected in zip(jax.tree.leaves(merged), jax.tree.leaves(want)):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, tmp_path):
     """The evaluation after training reuses the one before's program (the parameters are its
     argument), and the loss is the direct mean over the scored tokens."""
@@ -369,6 +398,8 @@ def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, 
      "--capacity-factor must be given only for a checkpoint whose layers are experts"),
     (["--capacity-factor", "0"], "--capacity-factor must be"),
     (["--lora-dropout", "1"], "--lora-dropout must be"),
+    (["--full", "--quantize", "nf4"], "--quantize must be none with --full"),
+    (["--quantize", "int8", "--quantize-group", "32"], "--quantize-group"),
 ])
 def test_bad_flags_are_refused_in_one_line(checkpoint, tmp_path, extra, message):
     data = tmp_path / "new.txt"
