@@ -144,7 +144,7 @@ def _w8a8(equation: str, x: jax.Array, w: QArray) -> jax.Array:
 def _stored(equation: str, w: QArray) -> str:
     """`equation` with `w`'s letters in its stored order (a `Quantized`'s inputs last)."""
     x_spec, w_spec, out, _ = _letters(equation)
-    return f"{x_spec},{w.letters(w_spec) if isinstance(w, Quantized) else w_spec}->{out}"
+    return f"{x_spec},{w.stored_order(w_spec) if isinstance(w, Quantized) else w_spec}->{out}"
 
 
 def _quantized_forward(equation: str, wide: bool, x: jax.Array, w: QArray) -> jax.Array:
@@ -154,7 +154,12 @@ def _quantized_forward(equation: str, wide: bool, x: jax.Array, w: QArray) -> ja
         # its inputs: one scale per output channel; a product over its outputs takes the dequantized matrix)
         y = _w8a8(equation, x, w)
         return y if wide or jnp.finfo(x.dtype).bits > 32 else y.astype(x.dtype)
-    return product(equation, x, dequantize_stored(w, x.dtype), wide)
+    # The matrix dequantized once `x` is there. A dequantization reads parameters alone, and XLA:CPU
+    # schedules every layer's first, holding the whole model in float at once (it drops an optimization
+    # barrier); a zero times one of x's numbers (which it does not fold: x may not be finite) makes each
+    # wait for its layer.
+    tie = jnp.zeros((), w.scale.dtype) * x.reshape(-1)[0].astype(w.scale.dtype)
+    return product(equation, x, dequantize_stored(w.replace(scale=w.scale + tie), x.dtype), wide)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -8,6 +8,7 @@ strategies and the rules are described in docs/sharding.md.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import flax.linen as nn
@@ -256,7 +257,8 @@ def tree_shardings(tree, axes: dict, mesh: Mesh, strategy: str = "dp"):
     """A `NamedSharding` for every leaf of a parameter tree, a `TrainState` or an optimizer state.
 
     A leaf whose path ends with a parameter's path (an optimizer moment) is placed as that
-    parameter; a scalar is replicated.
+    parameter; a scalar is replicated; a quantized matrix (a `QArray`, `jaxformer.quantized`)
+    gets a `QArray` of shardings, `quantized_shardings` of its float matrix's.
 
     Args:
       tree: the arrays to place (their shapes are read, not their values).
@@ -271,6 +273,9 @@ def tree_shardings(tree, axes: dict, mesh: Mesh, strategy: str = "dp"):
                 jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0]}
 
     def place(path, leaf):
+        if isinstance(leaf, QArray):  # (taken whole: its own leaves' paths end in .qvalue, .scale): its float
+            # matrix's sharding (the model's shape: a `Quantized`'s `shape`) followed by its arrays
+            return quantized_shardings(place(path, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)), leaf)
         shape = np.shape(leaf)
         if not shape:  # a step count, or a scalar an optimizer keeps per parameter
             return NamedSharding(mesh, PartitionSpec())
@@ -282,7 +287,39 @@ def tree_shardings(tree, axes: dict, mesh: Mesh, strategy: str = "dp"):
             raise ValueError(f"{jax.tree_util.keystr(path)}: {len(shape)}-D, but its logical axes are {names}")
         return NamedSharding(mesh, partition_spec(names, shape, mesh, strategy))
 
-    return jax.tree_util.tree_map_with_path(place, tree)
+    return jax.tree_util.tree_map_with_path(place, tree, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def quantized_shardings(sharding: jax.sharding.Sharding, w: QArray) -> QArray:
+    """Where a quantized matrix `w`'s arrays live (a `QArray` of shardings), given `sharding`, its
+    float matrix's: its values there; its scales and zero point split as the values are, but whole
+    along a dimension that does not divide over its mesh axes (int8's one scale over the inputs, an
+    int4 scale's `n_in / 64` rows over more devices than that), so each device holds the scales of
+    the values it holds, or all of them.
+
+    Raises:
+      ValueError: `sharding` splits an array but is not a `NamedSharding` (its spec is what is followed).
+    """
+    if not isinstance(sharding, NamedSharding):
+        if not sharding.is_fully_replicated:
+            raise ValueError(f"shardings: a quantized matrix's must be a NamedSharding or replicated, got {sharding}")
+        return w.replace(qvalue=sharding, scale=sharding, zero_point=None if w.zero_point is None else sharding)
+    spec = tuple(sharding.spec) + (None,) * (w.ndim - len(sharding.spec))  # the model's axes
+    if hasattr(w, "stored_order"):  # a `jaxformer.quantized.Quantized`: its arrays hold the inputs last
+        spec = w.stored_order(spec)
+    values = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+    def like_values(a):
+        def kept(dim, axes):  # the mesh axes that split dimension `dim` of the values, if they divide `a`'s
+            if axes is None:
+                return None
+            n = math.prod(axis_size(sharding.mesh, axis) for axis in (axes if isinstance(axes, tuple) else (axes,)))
+            return axes if a.shape[dim] % n == 0 else None
+
+        return NamedSharding(sharding.mesh, PartitionSpec(*(kept(dim, axes) for dim, axes in enumerate(spec))))
+
+    return w.replace(qvalue=values, scale=like_values(w.scale),
+                     zero_point=None if w.zero_point is None else like_values(w.zero_point))
 
 
 def mesh_of(params) -> Mesh | None:

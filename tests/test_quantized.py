@@ -216,8 +216,28 @@ def test_a_quantized_matrix_is_a_qwix_qarray_stored_inputs_last_of_the_models_sh
     w = jnp.asarray(matrix((3, 64, 4, 8)))  # an expert stack of [d, H, K] matrices
     q = quantize(w, Quantization("nf4", 32), (1,))
     assert isinstance(q, QArray) and q.shape == (3, 64, 4, 8) and q.qvalue.shape == (3, 4, 8, 64)
-    assert q.letters("edhk") == "ehkd" and q.logical().qvalue.shape == (3, 64, 4, 8)
+    assert q.stored_order("edhk") == "ehkd" and q.logical().qvalue.shape == (3, 64, 4, 8)
     np.testing.assert_array_equal(dequantize(q[1]), dequantize(q)[1])  # leading axes index as an array's
     with pytest.raises(IndexError, match="indexes its 1 leading axes alone"):
         q[..., 0]
     assert q.astype(jnp.bfloat16).scale.dtype == jnp.bfloat16 and type(q.astype(jnp.bfloat16)) is type(q)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nf4"])
+def test_a_model_dequantizes_one_matrix_at_a_time(fmt):
+    """A format multiplied dequantized (int4, NF4) dequantizes each matrix where its layer reads it: the
+    forward's temporaries hold two float32 matrices at most, not the model (XLA would otherwise run every
+    layer's dequantization first: 8 layers' 36 MiB)."""
+    from jaxformer import Decoder, DecoderConfig
+    from jaxformer.quantized import quantize_params
+    from jaxformer.sharding import param_axes
+
+    config = DecoderConfig(vocab_size=256, n_layer=8, n_head=8, n_kv_head=2, d_model=512, d_ff=1024, max_seq_len=16)
+    model, tokens = Decoder(config), jnp.zeros((1, 4), jnp.int32)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens)["params"])
+    params = quantize_params(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), param_axes(model),
+                             Quantization(fmt))
+    temp = jax.jit(lambda p, t: model.apply({"params": p}, t)[0]).lower(params, tokens).compile() \
+        .memory_analysis().temp_size_in_bytes
+    largest = 4 * 512 * 1024  # w_gate's float32 bytes
+    assert temp <= 2 * largest + (1 << 20), temp

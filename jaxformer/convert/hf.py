@@ -33,7 +33,7 @@ from jaxformer.files import read_json_object, write_atomically, write_text_atomi
 from jaxformer.layers import layer_specs, scanned_places
 from jaxformer.quantized import QArray, Quantization, check_group, dequantize, from_fp8, from_mxfp4, input_axes, stored
 from jaxformer.quantized import quantize as quantize_matrix
-from jaxformer.sharding import param_axes, put
+from jaxformer.sharding import param_axes, put, quantized_shardings
 from jaxformer.validation import as_int
 
 # Image-text checkpoints whose text model is a family's: their config.json's `model_type`, and its text
@@ -307,11 +307,17 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
         `jaxformer.sharding.tree_shardings` makes for the model), or None for the default
         device. Each tensor is placed in its sharding as it is read, so the model is never
         whole on one device first (a model larger than one device's memory loads onto a mesh).
+        A quantized matrix's entry (`quantize`, or a checkpoint that ships quantized) may be its
+        float matrix's sharding, as `tree_shardings` gives for the float model's shapes, or a
+        `QArray` of shardings, as it gives for the quantized model's; from the former each matrix
+        takes `jaxformer.sharding.quantized_shardings`: its values split as the float matrix,
+        its scales too where they divide.
       quantize: "int8", "int4" or "nf4" (or a `jaxformer.quantized.Quantization` for a group size
         or int4's zero point): each of the model's matrices (`quantized.MATRICES`; not the
         embedding, the head, norms or routers) quantized as it is read, tensor by tensor, so that
         loading holds the quantized model and one float tensor at most; its scales in
-        `param_dtype`. None: as stored.
+        `param_dtype`. Each matrix is quantized on the default device, then placed in its
+        sharding (a stacked one's rows are gathered on the host first). None: as stored.
 
     Returns:
       `(config, params)`: a `DecoderConfig` (its `hf_model_type` the family) and the
@@ -325,8 +331,6 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     config = _config_of(path, hf, max_seq_len=max_seq_len, dtype=dtype, param_dtype=param_dtype)
     family = family_of(config)
     how = Quantization(quantize) if isinstance(quantize, str) else quantize
-    if how is not None and shardings is not None:
-        raise ValueError("quantize: a quantized model is loaded onto one device; leave shardings None")
     shipped = shipped_quantization(text_model(hf))
     # Each matrix's input axes (path -> axes), where any is quantized: on load (its groups checked
     # against every matrix before a tensor is read), or as the checkpoint ships them.
@@ -384,7 +388,7 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
                 row = stored(value, row_inputs) if isinstance(value, QArray) else quantize_matrix(
                     jnp.asarray(value, config.param_dtype), how, row_inputs, config.param_dtype)
                 if not lead:
-                    _set(params, where, row)
+                    _set(params, where, row if shardings is None else put(row, _sharding(shardings, where, row)))
                     continue
                 rows = shape[:len(lead)]  # the stack's leading axes: its layers, its experts
                 stacked, filled = stacks.setdefault(where, (jax.tree.map(
@@ -416,7 +420,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
         if sorted(filled) != list(np.ndindex(stacked.shape[:len(filled[0])])):  # a row never written would be garbage
             raise ValueError(f"{path}: {'/'.join(where)} is not in every layer or expert it stacks, so they cannot "
                              "stack")
-        _set(params, where, jax.device_put(stacked) if shardings is None else put(stacked, _get(shardings, where)))
+        _set(params, where, jax.device_put(stacked) if shardings is None else put(stacked, _sharding(
+            shardings, where, stacked)))
     return (config.replace(scan_layers=True) if scan_layers else config), params
 
 
@@ -494,6 +499,15 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
     generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     write_text_atomically(os.path.join(path, "generation_config.json"), json.dumps(generation, indent=2))
     write_text_atomically(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2))
+
+
+def _sharding(shardings, where: tuple[str, ...], value):
+    """`shardings`' entry for the parameter at `where`; for a quantized matrix given as its float
+    matrix's sharding, the `QArray` of shardings that follows from it (`quantized_shardings`)."""
+    sharding = _get(shardings, where)
+    if isinstance(value, QArray) and isinstance(sharding, jax.sharding.Sharding):
+        return quantized_shardings(sharding, value)
+    return sharding
 
 
 def _get(tree, path: tuple[str, ...]):

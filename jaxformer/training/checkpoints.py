@@ -19,6 +19,7 @@ import types
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxformer.runtime import barrier, is_primary
@@ -28,6 +29,11 @@ CHECKPOINT_DIR = "checkpoints"
 # Where a checkpoint that does not restore is moved when the run continues from an older
 # one: out of orbax's sight (it would refuse to save that step again), and not deleted.
 UNRESTORABLE_DIR = "unrestorable_checkpoints"
+# Tensorstore (orbax's writer) has no uint4, though it has int4, float4_e2m1fn and float8_e4m3fn:
+# uint4 arrays (a quantized matrix's values in affine int4 and NF4, `jaxformer.quantized`) are
+# saved as uint8, the same numbers 0..15, and cast back to the uint4 of the state restored onto.
+_UNSTORED = jnp.dtype(jnp.uint4)
+_STORED_AS = jnp.dtype(jnp.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +126,7 @@ class Checkpointer:
         if latest is not None and step <= latest:
             raise ValueError(f"cannot save step {step}: {self.directory} already holds step {latest}")
         with self._writing():
-            self._manager.save(step, args=ocp.args.StandardSave(state))
+            self._manager.save(step, args=ocp.args.StandardSave(jax.tree.map(_storable, state)))
 
     def restore(self, target_state: TrainState, step: int | None = None) -> TrainState:
         """The saved state of `step` (default: the latest), laid out like `target_state`.
@@ -137,7 +143,9 @@ class Checkpointer:
         if step is None:
             raise ValueError(f"{self.directory} holds no checkpoint to restore")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target_state)
-        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        stored = jax.tree.map(lambda x: x.update(dtype=_STORED_AS) if _unstored(x) else x, abstract)
+        restored = self._manager.restore(step, args=ocp.args.StandardRestore(stored))
+        return jax.tree.map(lambda x, want: x.astype(_UNSTORED) if _unstored(want) else x, restored, abstract)
 
     def restore_newest(self, target_state: TrainState) -> Restored:
         """The newest checkpoint that restores, as `Restored`, trying older ones when a newer one fails.
@@ -231,6 +239,16 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _unstored(x) -> bool:
+    """Whether `x` (an array, or its shape and dtype) is of the dtype orbax cannot store (`_UNSTORED`)."""
+    return getattr(x, "dtype", None) == _UNSTORED
+
+
+def _storable(x):
+    """`x` as orbax saves it: a uint4 array as uint8, anything else as it is."""
+    return x.astype(_STORED_AS) if _unstored(x) else x
 
 
 def committed_steps(run_dir) -> list[int]:

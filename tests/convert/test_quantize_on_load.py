@@ -75,5 +75,3 @@ def test_bad_quantize_options_are_refused_before_any_tensor_is_read(tmp_path):
         load_hf(str(tmp_path), quantize="int2")
     with pytest.raises(ValueError, match="group_size: 128 does not divide the matrix's inputs"):
         load_hf(str(tmp_path), quantize=Quantization("int4", 128))
-    with pytest.raises(ValueError, match="quantize: a quantized model is loaded onto one device"):
-        load_hf(str(tmp_path), quantize="int8", shardings={})

@@ -20,6 +20,7 @@ from jaxformer.experts import ROUTER_COLLECTION, ExpertsSpec
 from jaxformer.feedforward import GatedMLPSpec
 from jaxformer.latent_attention import LatentAttentionSpec
 from jaxformer.layers import LayerSpec, layer_specs
+from jaxformer.quantized import QArray, Quantization
 from jaxformer.sharding import (
     batch_sharding,
     cache_shardings,
@@ -394,6 +395,57 @@ def test_load_hf_places_each_tensor_in_its_sharding_as_it_reads_it(tmp_path, mon
     assert {shape for shape, _, _ in handed} == {w.shape for w in jax.tree.leaves(want)}  # every tensor so read
     assert all(given == block for _, given, block in handed)
     assert any(given != shape for shape, given, _ in handed)  # and blocks smaller than their tensors
+
+
+@pytest.mark.parametrize("how, scan_layers", [("int8", False), (Quantization("int4", 32, affine=True), True)],
+                         ids=["int8", "int4-affine-scanned"])
+def test_a_quantized_model_loads_onto_a_mesh_and_gives_one_devices_logits(tmp_path, how, scan_layers):
+    """`load_hf(quantize=, shardings=)` given the float model's shardings (FSDP, data 2 x model 4): every
+    array equals one device's load and lies where `tree_shardings` puts the quantized tree: the values as
+    the float weights, the scales and zero points so too where they divide, whole where not (int8's one
+    scale over the inputs; int4's 6 groups of w_down's 192 inputs over 4 devices). The logits are one
+    device's. (The scanned form reads each layer into a stacked buffer, placed at the end.)"""
+    from jaxformer.convert import load_hf, save_hf
+
+    save_hf(DECODER, _sharp(_decoder_setup()[0]), str(tmp_path))
+    config, want = load_hf(str(tmp_path), quantize=how, scan_layers=scan_layers)
+    model, mesh = Decoder(config), make_mesh(data=2, model=4)
+    axes = param_axes(model)
+    floats = tree_shardings(jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs())["params"]),
+                            axes, mesh, "fsdp")
+    _, got = load_hf(str(tmp_path), quantize=how, scan_layers=scan_layers, shardings=floats)
+    for g, w, s in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(tree_shardings(
+            want, axes, mesh, "fsdp")), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert g.sharding == s, (g.shape, g.sharding, s)
+    quantized = [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(
+        got, is_leaf=lambda x: isinstance(x, QArray)) if isinstance(leaf, QArray)]
+    assert len(quantized) == 7 * (1 if scan_layers else DECODER.n_layer)
+    P, stack = PartitionSpec, (None,) * scan_layers  # (the layers axis: never split)
+    for path, w in quantized:  # each matrix's values split as its float weight, in their stored order (inputs last)
+        spec = tuple(_get(floats, path).spec)
+        assert w.qvalue.sharding.spec == P(*w.stored_order(spec + (None,) * (w.ndim - len(spec)))), path
+    layer = got["blocks"] if scan_layers else got["block_0"]
+    wq, w_down = layer["attn"]["wq"], layer["mlp"]["w_down"]  # stored [H, D, d] and [d, F]
+    assert {shard.data.shape for shard in wq.qvalue.addressable_shards} == {(2,) * scan_layers + (2, 8, 32)}
+    assert w_down.qvalue.sharding.spec == P(*stack, "data", "model")
+    if how == "int8":  # scales [8, 8, 1] and [64, 1]
+        assert wq.scale.sharding.spec == P(*stack, "model", None, None)
+        assert w_down.scale.sharding.spec == P(*stack, "data", None)
+    else:  # scales and zero points [8, 8, 2] (64 inputs in groups of 32) and [64, 6]
+        for part in (wq.scale, wq.zero_point):
+            assert part.sharding.spec == P(*stack, "model", None, "data")
+        assert w_down.scale.sharding.spec == w_down.zero_point.sharding.spec == P(*stack, "data", None)
+    tokens = jax.random.randint(jax.random.key(4), (BATCH, 8), 0, DECODER.vocab_size)
+    apply = jax.jit(lambda params, tokens: model.apply({"params": params}, tokens)[0])
+    np.testing.assert_allclose(apply(got, jax.device_put(tokens, batch_sharding(mesh))), apply(want, tokens),
+                               atol=1e-6, rtol=1e-5)
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
 
 
 def test_a_train_state_is_born_in_its_sharding():

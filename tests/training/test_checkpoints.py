@@ -4,12 +4,14 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
 from linear_regression import LR, init_state, loss_fn, make_batch
 
-from jaxformer.training import UNRESTORABLE_DIR, Checkpointer, checkpoints, make_train_step
+from jaxformer.quantized import QArray
+from jaxformer.training import UNRESTORABLE_DIR, Checkpointer, TrainState, checkpoints, make_train_step
 
 
 def test_half_written_checkpoint_is_never_restored(tmp_path):
@@ -44,6 +46,35 @@ def test_restore_keeps_structure_and_values(tmp_path):
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_quantized_matrices_restore_bit_for_bit(tmp_path):
+    """A `QArray` of each stored form restores with its values, scales and zero point bit for bit, each in its
+    own dtype: int8; int4; uint4 (affine int4's values and zero points, NF4's code indices: 0..15, which
+    orbax cannot store as uint4: they travel as uint8); MXFP4's float4 e2m1 and FP8's float8 e4m3."""
+    rng = np.random.default_rng(0)
+
+    def values(dtype, low, high):  # [16, 8], every value of the range drawn
+        return jnp.asarray(rng.integers(low, high, (16, 8)).astype(dtype))
+
+    def scale(rows):
+        return jnp.asarray(rng.random((rows, 8)) + 0.5, jnp.bfloat16)
+
+    params = {"int8": QArray(values(np.int8, -127, 128), scale(1)),
+              "int4": QArray(values(ml_dtypes.int4, -7, 8), scale(2)),
+              "int4-affine": QArray(values(ml_dtypes.uint4, 0, 16), scale(2), values(ml_dtypes.uint4, 0, 16)[:2]),
+              "nf4": QArray(values(ml_dtypes.uint4, 0, 16), scale(2), qtype="nf4"),
+              "mxfp4": QArray(jnp.asarray(rng.normal(size=(16, 8)).astype(ml_dtypes.float4_e2m1fn)), scale(1)),
+              "fp8": QArray(jnp.asarray(rng.normal(size=(16, 8)).astype(ml_dtypes.float8_e4m3fn)), scale(1))}
+    assert int(np.asarray(params["nf4"].qvalue).max()) == 15  # (a uint4 read back as int4 would not hold it)
+    state = TrainState(step=jnp.array(7, jnp.int32), params=params, opt_state=())
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(state)
+        ckpt.wait()
+        restored = ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+    assert jax.tree.structure(restored) == jax.tree.structure(state)  # (each QArray's format, nf4's, with it)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(state), strict=True):
+        assert x.dtype == y.dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes(), jax.tree_util.keystr(path)
 
 
 def saved_run(tmp_path, steps=(5, 10, 15)):
