@@ -129,10 +129,16 @@ def _w8a8(equation: str, x: jax.Array, w: QArray) -> jax.Array:
                         jnp.squeeze(s_w, tuple(w_spec.index(a) for a in summed)))
 
     def on_cpu(q_x, q_w):  # x first: XLA:CPU's fast integer product (module docstring)
-        one_row = x_spec[0] not in w_spec and q_x.size == math.prod(q_x.shape[i] for i in x_axes)  # as two
-        q_x2 = jnp.concatenate([q_x, jnp.zeros_like(q_x)]) if one_row else q_x
-        summed_ints = jnp.einsum(equation, q_x2, q_w, preferred_element_type=jnp.int32)
-        return (summed_ints[:1] if one_row else summed_ints).astype(jnp.float32)  # (exact below 2^24)
+        k = len(summed)
+        if x_spec.endswith(summed) and w_spec.endswith(summed) and out == x_rest + w_rest:
+            # As one 2-D product `[rows, K] x [N, K]`, the form XLA:CPU's int8 kernel runs fast (with
+            # several output or summed axes it took ~6x as long), one row as two (one alone: 10x).
+            rows = math.prod(q_x.shape[:-k])
+            flat_x, flat_w = q_x.reshape(rows, -1), q_w.reshape(math.prod(q_w.shape[:-k]), -1)
+            flat_x = jnp.concatenate([flat_x, jnp.zeros_like(flat_x)]) if rows == 1 else flat_x
+            ints = jnp.einsum("rk,nk->rn", flat_x, flat_w, preferred_element_type=jnp.int32)[:rows]
+            return ints.reshape(*q_x.shape[:-k], *q_w.shape[:-k]).astype(jnp.float32)  # (exact below 2^24)
+        return jnp.einsum(equation, q_x, q_w, preferred_element_type=jnp.int32).astype(jnp.float32)
 
     def elsewhere(q_x, q_w):  # qwix's product of the two quantized operands, unscaled
         return qwix.einsum(equation, QArray(q_x, jnp.ones_like(s_x)), QArray(q_w, jnp.ones_like(s_w)),
