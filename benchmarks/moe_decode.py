@@ -78,11 +78,12 @@ def jaxformer_side(folder: str, batches: list[int], prompt_len: int, new: int, r
     return {"rows": rows, "peak_rss": peak_rss(), "weights_bytes": weights}
 
 
-def transformers_side(folder: str, batches: list[int], prompt_len: int, new: int, reps: int) -> dict:
+def transformers_side(folder: str, batches: list[int], prompt_len: int, new: int, reps: int,
+                      dtype: str = "bfloat16") -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for batch in batches:

@@ -25,29 +25,11 @@ import time
 
 import numpy as np
 
+from benchmarks.decode_1b import seconds
+from benchmarks.moe_decode import peak_rss, prompts, transformers_side
+
 FLOATS = ("float32", "bfloat16")
 FORMATS = ("int8", "int4", "nf4")
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes (VmHWM)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def seconds(run, reps: int) -> float:
-    """The median wall time of `run()` over `reps` calls (after one untimed call)."""
-    run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def prompts(batch: int, length: int) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 400, (batch, length))
 
 
 def jaxformer_row(folder: str, weights: str, batches: list[int], prompt_len: int, new: int, reps: int) -> dict:
@@ -80,23 +62,9 @@ def jaxformer_row(folder: str, weights: str, batches: list[int], prompt_len: int
 
 
 def transformers_row(folder: str, weights: str, batches: list[int], prompt_len: int, new: int, reps: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, weights)).eval()
-    rows = []
-    for batch in batches:
-        prompt = torch.as_tensor(prompts(batch, prompt_len))
-
-        def run(prompt=prompt):
-            with torch.no_grad():
-                return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False)
-        took = seconds(run, reps)
-        rows.append({"batch": batch, "tokens_per_s": batch * new / took, "tokens": run()[:, prompt_len:].tolist()})
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"impl": "transformers", "weights": weights, "weight_bytes": weight_bytes, "rows": rows,
-            "peak_rss": peak_rss()}
+    side = transformers_side(folder, batches, prompt_len, new, reps, dtype=weights)
+    return {"impl": "transformers", "weights": weights, "weight_bytes": side["weights_bytes"], "rows": side["rows"],
+            "peak_rss": side["peak_rss"]}
 
 
 def in_a_process(args, impl: str, weights: str) -> dict:
