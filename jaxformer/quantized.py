@@ -25,10 +25,10 @@ run of consecutive inputs along the last of them, within one output channel):
   (a range off centre, such as an all-positive group's, spends all sixteen levels on it).
 - `nf4` (QLoRA's NormalFloat): one scale per group, `s = max|W|`, and `q` the index of the code
   nearest to `W / s` among `NF4`, sixteen quantiles of a normal distribution scaled into [-1, 1].
-- `mxfp4` (as gpt-oss ships it, read by `from_mxfp4`): float4 e2m1 values, one power of two per
-  32 inputs.
-- `fp8` (as DeepSeek-V3 and Qwen3's `-FP8` checkpoints ship them, `from_fp8`): float8 e4m3
-  values, one scale per 128 x 128 block.
+- `mxfp4` (as gpt-oss ships it, read by `from_mxfp4`, written back by `to_mxfp4`): float4 e2m1
+  values, one power of two per 32 inputs.
+- `fp8` (as DeepSeek-V3 and Qwen3's `-FP8` checkpoints ship them, `from_fp8`, `to_fp8`): float8
+  e4m3 values, one scale per 128 x 128 block.
 
 `round` is to the nearest, ties to even. Scales are stored in the model's parameter dtype. Which
 product each format takes on each platform, and its error, is in docs/precision.md.
@@ -72,7 +72,8 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
 
 __all__ = ["FORMATS", "GROUPS", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "Quantized", "check_group",
            "dequantize", "dequantize_stored", "stored",
-           "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "input_axes", "quantize", "quantize_params"]
+           "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "full_scale", "input_axes", "quantize",
+           "quantize_params", "to_fp8", "to_mxfp4"]
 
 
 @struct.dataclass
@@ -383,3 +384,56 @@ def from_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], 
     tile = np.gcd(n_in, bi)
     scale = np.repeat(np.repeat(scale_inv, bo, axis=0)[:n_out], bi // tile, axis=1)[:, :n_in // tile]
     return QArray(jnp.asarray(weight), jnp.asarray(scale.astype(dtype)))
+
+
+def full_scale(w: QArray) -> np.ndarray:
+    """Each value's scale: `w.scale` repeated over its tile, of `w.shape` (a `QArray` in the model's
+    layout or a checkpoint's, not a `Quantized`)."""
+    scale = np.asarray(w.scale)
+    for axis, tile in enumerate(w.scale_tile_shape):
+        scale = np.repeat(scale, tile, axis=axis) if tile > 1 else scale
+    return scale
+
+
+def to_mxfp4(w: QArray) -> tuple[np.ndarray, np.ndarray]:
+    """`from_mxfp4`'s inverse: an MXFP4 matrix `[..., in, out]` as gpt-oss ships it, `(blocks, scales)`:
+    uint8 `[..., out, in / 32, 16]` (two e2m1 values a byte, the low nibble first) and uint8
+    `[..., out, in / 32]` (`s` for a scale of `2 ** (s - 127)`). Bit for bit the tensors `w` was read from.
+
+    Raises:
+      ValueError: `w` is not MXFP4, or its scales are not one power of two within e8m0's range per 32
+        inputs (its values would not be written exactly).
+    """
+    if format_of(w) != "mxfp4":
+        raise ValueError(f"to_mxfp4 writes an MXFP4 matrix, got {format_of(w)}")
+    values = np.swapaxes(np.asarray(w.qvalue), -1, -2)  # [..., out, in]
+    scale = np.swapaxes(full_scale(w), -1, -2).astype(np.float32)
+    n_in = values.shape[-1]
+    per_block = scale.reshape(*scale.shape[:-1], -1, 32) if n_in % 32 == 0 else None
+    if per_block is None or np.any(per_block != per_block[..., :1]):
+        raise ValueError(f"an MXFP4 matrix of shape {w.shape} must hold one scale per 32 inputs")
+    mantissa, exponent = np.frexp(per_block[..., 0])  # scale = mantissa * 2 ** exponent: a power of two at 0.5
+    biased = exponent.astype(np.int32) - 1 + 127
+    if np.any(mantissa != 0.5) or np.any((biased < 0) | (biased > 254)):
+        raise ValueError("MXFP4 scales must be powers of two from 2 ** -127 to 2 ** 127 (e8m0's)")
+    codes = values.view(np.uint8).reshape(*values.shape[:-1], n_in // 32, 16, 2)  # each value's 4-bit code
+    return codes[..., 0] | (codes[..., 1] << 4), biased.astype(np.uint8)
+
+
+def to_fp8(w: QArray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """`from_fp8`'s inverse: a block-scaled FP8 matrix `[out, in]` as DeepSeek-V3 ships it,
+    `(weight, scale_inv)`: float8 e4m3 `[out, in]` and float32 `[ceil(out / bo), ceil(in / bi)]`.
+    Bit for bit the tensors `w` was read from (its scales in float32; in bfloat16 they are rounded).
+
+    Raises:
+      ValueError: `w` is not FP8, or its scale is not one per `block` (its values would not be
+        written exactly).
+    """
+    if format_of(w) != "fp8":
+        raise ValueError(f"to_fp8 writes an FP8 matrix, got {format_of(w)}")
+    (n_out, n_in), (bo, bi) = w.shape, block
+    scale = full_scale(w).astype(np.float32)
+    scale_inv = scale[::bo, ::bi]  # each block's first value's
+    if not np.array_equal(np.repeat(np.repeat(scale_inv, bo, axis=0)[:n_out], bi, axis=1)[:, :n_in], scale):
+        raise ValueError(f"an FP8 matrix of shape {w.shape} must hold one scale per {bo} x {bi} block")
+    return np.asarray(w.qvalue), scale_inv

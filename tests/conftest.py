@@ -117,6 +117,7 @@ FULL_TIER = {
     "tests/test_lora.py::test_a_qlora_step_is_loras_step_on_the_dequantized_base[experts": "a MoE step, per format",
     "tests/convert/test_shipped_quantized.py::test_a_shipped_checkpoint_is": "whole MoE models compiled, per format",
     "tests/convert/test_shipped_quantized.py::test_a_shipped_checkpoint_equals": "transformers' dequantized peer",
+    "tests/convert/test_shipped_quantized.py::test_save_hf_as_shipped_is": "transformers' peer, two folders a format",
     "tests/convert/test_quantize_on_load.py::test_every_format_family_and_form": "ten more loads, each compiled",
     # (The commands' --quantize: the fast tier keeps perplexity's, the adapter's and the server's load.)
     "tests/commands/test_quantize_flags.py::test_generate_int8_prints": "the decoding programs compiled three times",

@@ -1,7 +1,8 @@
 """Quantized matrices: each format's values against a NumPy reference written from its definition
 (NF4's code book derived again from the normal distribution; MXFP4 and FP8 decoded as their
-checkpoints define them, and against transformers' own decoder), and their products against the
-dequantized float product (int8's W8A8 against its formula in exact integers)."""
+checkpoints define them, and against transformers' own decoder; written back as shipped bit for bit),
+and their products against the dequantized float product (int8's W8A8 against its formula in exact
+integers)."""
 
 import itertools
 from statistics import NormalDist
@@ -14,7 +15,18 @@ import numpy as np
 import pytest
 
 from jaxformer.products import product
-from jaxformer.quantized import NF4, QArray, Quantization, dequantize, format_of, from_fp8, from_mxfp4, quantize
+from jaxformer.quantized import (
+    NF4,
+    QArray,
+    Quantization,
+    dequantize,
+    format_of,
+    from_fp8,
+    from_mxfp4,
+    quantize,
+    to_fp8,
+    to_mxfp4,
+)
 
 
 def matrix(shape, seed=0):
@@ -154,6 +166,41 @@ def test_block_fp8_is_decoded_as_deepseek_ships_it(shape):
     np.testing.assert_allclose(np.asarray(dequantize(q.swapaxes(0, 1)), np.float64), want.T, rtol=1e-7)
     with pytest.raises(ValueError, match="weight_scale_inv must be"):
         from_fp8(weight, scale_inv[:1], (128, 128))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mxfp4_is_written_back_as_shipped(dtype):
+    """`to_mxfp4(from_mxfp4(blocks, scales))` is the same bytes (every byte, e8m0's least and greatest
+    scales, either scale dtype); scales that are not one power of two per 32 inputs are refused."""
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, (2, 6, 3, 16), dtype=np.uint8)
+    scales = rng.integers(0, 255, (2, 6, 3), dtype=np.uint8)
+    scales[0, 0, :2] = 0, 254
+    q = from_mxfp4(blocks, scales, dtype)
+    again = to_mxfp4(q)
+    assert [a.dtype for a in again] == [np.uint8, np.uint8]
+    np.testing.assert_array_equal(again[0], blocks)
+    np.testing.assert_array_equal(again[1], scales)
+    with pytest.raises(ValueError, match="one scale per 32 inputs"):  # a scale per 16 inputs
+        to_mxfp4(QArray(q.qvalue, jnp.repeat(q.scale, 2, axis=1).at[0, 0, 0].multiply(2)))
+    with pytest.raises(ValueError, match="powers of two"):
+        to_mxfp4(QArray(q.qvalue, q.scale.at[0, 0, 0].multiply(3)))
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (320, 200)])
+def test_block_fp8_is_written_back_as_shipped(shape):
+    """`to_fp8(from_fp8(weight, scale_inv))` is the same values and float32 scales, partial blocks too;
+    a scale that differs within a block is refused."""
+    rng = np.random.default_rng(3)
+    weight = rng.normal(0, 100, shape).astype(ml_dtypes.float8_e4m3fn)
+    scale_inv = rng.uniform(1e-4, 1e-2, (-(-shape[0] // 128), -(-shape[1] // 128))).astype(np.float32)
+    q = from_fp8(weight, scale_inv, (128, 128))
+    values, scales = to_fp8(q, (128, 128))
+    assert values.dtype == ml_dtypes.float8_e4m3fn and scales.dtype == np.float32
+    np.testing.assert_array_equal(values.view(np.uint8), weight.view(np.uint8))
+    np.testing.assert_array_equal(scales, scale_inv)
+    with pytest.raises(ValueError, match="one scale per 128 x 128 block"):
+        to_fp8(QArray(q.qvalue, q.scale.at[1, 0].multiply(2)), (128, 128))
 
 
 EQUATIONS = [("btd,dhk->bthk", (2, 3, 256), (256, 4, 32), (0,)), ("bthk,hkd->btd", (2, 3, 4, 64), (4, 64, 96), (0, 1)),

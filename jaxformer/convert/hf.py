@@ -31,7 +31,22 @@ from jaxformer.families import FAMILIES, family_of
 from jaxformer.families.common import Tensor, common_hf_fields, fail, whole_shape
 from jaxformer.files import read_json_object, write_atomically, write_text_atomically
 from jaxformer.layers import layer_specs, scanned_places
-from jaxformer.quantized import QArray, Quantization, check_group, dequantize, from_fp8, from_mxfp4, input_axes, stored
+from jaxformer.quantized import (
+    MATRICES,
+    QArray,
+    Quantization,
+    Quantized,
+    check_group,
+    format_of,
+    from_fp8,
+    from_mxfp4,
+    full_scale,
+    input_axes,
+    stored,
+    to_fp8,
+    to_mxfp4,
+)
+from jaxformer.quantized import dequantize as dequantize_matrix
 from jaxformer.quantized import quantize as quantize_matrix
 from jaxformer.sharding import param_axes, put, quantized_shardings
 from jaxformer.validation import as_int
@@ -450,13 +465,32 @@ def _matrix_inputs(config: DecoderConfig, scan_layers: bool, how: Quantization |
     return found
 
 
+# The `quantization_config` of a folder `save_hf` writes as shipped: gpt-oss's (MXFP4: its experts alone;
+# the modules transformers leaves as they are named) and DeepSeek-V3's (FP8 in 128 x 128 blocks).
+SHIPPED_CONFIGS = {
+    "mxfp4": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
+
+
 def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = None,
-            eos_id: int | list[int] | None = None, pad_id: int | None = None) -> None:
+            eos_id: int | list[int] | None = None, pad_id: int | None = None, dequantize: bool = False) -> None:
     """Writes a folder that `transformers.AutoModelForCausalLM.from_pretrained` loads, in
     the format of the config's family (`hf_model_type`; None: Llama, or Qwen2 with q/k/v
     biases). An interleaved-RoPE model is saved permuted to split-half, the only pairing
     transformers implements for most families (DeepSeek's keep theirs: `Family.pairings`);
     Phi-3's fused projections are fused again.
+
+    A quantized model (`jaxformer.quantized`) is written as shipped where its matrices are as a
+    shipped checkpoint holds them: every quantized matrix MXFP4 (gpt-oss's experts: `X_blocks`,
+    `X_scales`), or every matrix FP8 (`X.weight` float8 e4m3 and `X.weight_scale_inv` per 128 x 128
+    block: transformers reads each linear layer but the head of an FP8 folder as FP8), with the
+    `quantization_config` those checkpoints ship (`SHIPPED_CONFIGS`). The values and scales are
+    written as held, so a folder `load_hf` read is written back bit for bit; a matrix split or fused
+    on the way in (gpt-oss's `gate_up_proj`, a projection split into heads) is put together again
+    exactly. Any other quantized model (int8, int4 or NF4 anywhere, both shipped formats, an FP8
+    model with a float matrix) is written dequantized to the parameter dtype, which transformers
+    opens as a float checkpoint.
 
     Args:
       config: the `DecoderConfig` (either `scan_layers` form).
@@ -464,10 +498,13 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
       path: the folder (created if needed); each file in it is replaced atomically.
       bos_id, eos_id, pad_id: the tokenizer's special ids (`eos_id` may list several), for
         `config.json` and `generation_config.json`, where readers find the stop ids.
+      dequantize: write every quantized matrix dequantized, MXFP4 and FP8 too.
 
     Raises:
       ValueError: the config has a feature its family's format cannot hold, or `params` is
-        not its tree.
+        not its tree, or an MXFP4 or FP8 matrix's scales are not one per block of its format
+        (`quantized.to_mxfp4`, `to_fp8`; the folder's files left as they were: write it with
+        `dequantize=True`).
       OSError: naming the file, when the folder cannot be written (a full disk).
     """
     config, params = with_scan_layers(config, params, False)  # the checkpoint names each layer
@@ -483,22 +520,75 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
         if shape != want:
             raise ValueError(f"params{''.join(f'[{p!r}]' for p in t.path)}: expected shape {want}, got {shape}")
         parts.setdefault(t.hf_key, []).append(t)
+    shipped = None if dequantize else _shipped_format(params)
+    if shipped is not None:
+        hf_config["quantization_config"] = SHIPPED_CONFIGS[shipped]
+    block = tuple(SHIPPED_CONFIGS["fp8"]["weight_block_size"])
+    as_shipped = {key for key, pieces in parts.items() if shipped is not None
+                  and all(isinstance(_get(params, t.path), QArray) for t in pieces)}
 
-    def hf_tensor(key: str) -> np.ndarray:  # one tensor at a time, in the config's parameter dtype
-        out = np.empty(whole_shape(parts[key]), dtype)
+    def whole(key: str, part, part_dtype) -> np.ndarray:  # checkpoint tensor `key`, each part's `part(w)` in place
+        out = np.empty(whole_shape(parts[key]), part_dtype)
         for t in parts[key]:
             w = _get(params, t.path) if t.expert is None else _get(params, t.path)[t.expert[0]]
-            w = dequantize(w, jnp.float32) if isinstance(w, QArray) else w  # (a quantized model saved dequantized)
-            out[t.index] = t.to_hf(np.asarray(w).astype(dtype))
+            out[t.index] = t.to_hf(part(w))
         return out
 
-    shapes = [(key, whole_shape(pieces), dtype) for key, pieces in parts.items()]
+    def dequantized(w) -> np.ndarray:  # (a quantized matrix written dequantized)
+        return np.asarray(dequantize_matrix(w, jnp.float32) if isinstance(w, QArray) else w).astype(dtype)
+
+    def files(key: str) -> list[tuple[str, tuple[int, ...], np.dtype]]:  # the tensors `key` is written as
+        shape = whole_shape(parts[key])
+        if key not in as_shipped:
+            return [(key, shape, dtype)]
+        if shipped == "mxfp4":  # `to_mxfp4`'s [..., out, in / 32, 16] bytes and [..., out, in / 32] exponents
+            *lead, n_in, n_out = shape
+            return [(f"{key}_blocks", (*lead, n_out, n_in // 32, 16), np.dtype(np.uint8)),
+                    (f"{key}_scales", (*lead, n_out, n_in // 32), np.dtype(np.uint8))]
+        return [(key, shape, np.dtype(ml_dtypes.float8_e4m3fn)),  # `to_fp8`'s values and a scale per block
+                (f"{key}_scale_inv", tuple(-(-n // b) for n, b in zip(shape, block)), np.dtype(np.float32))]
+
+    written = {name: key for key in parts for name, _, _ in files(key)}  # each file tensor's checkpoint tensor
+    second: dict[str, np.ndarray] = {}  # a shipped matrix's scales, made with its values and asked for next
+
+    def hf_tensor(name: str) -> np.ndarray:  # one tensor at a time
+        key = written[name]
+        if key not in as_shipped:
+            return whole(key, dequantized, dtype)
+        if name in second:
+            return second.pop(name)
+        # The checkpoint's matrix: its values, and each value's scale (`full_scale`: parts' tiles may differ)
+        narrow = _get(params, parts[key][0].path).qvalue.dtype
+        matrix = QArray(whole(key, lambda w: np.asarray(_logical(w).qvalue), narrow),
+                        whole(key, lambda w: full_scale(_logical(w)), np.float32))
+        try:
+            values, scales = to_mxfp4(matrix) if shipped == "mxfp4" else to_fp8(matrix, block)
+        except ValueError as e:  # (its scales are not its format's: it cannot be written exactly as shipped)
+            raise ValueError(f"{key}: {e}; save_hf(dequantize=True) writes it dequantized") from None
+        second[files(key)[1][0]] = scales
+        return values
+
+    shapes = [entry for key in parts for entry in files(key)]
     os.makedirs(path, exist_ok=True)
     write_atomically(os.path.join(path, "model.safetensors"),
                      lambda tmp: write_safetensors(tmp, shapes, hf_tensor, {"format": "pt"}))
     generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id}
     write_text_atomically(os.path.join(path, "generation_config.json"), json.dumps(generation, indent=2))
     write_text_atomically(os.path.join(path, "config.json"), json.dumps(hf_config, indent=2))
+
+
+def _logical(w: QArray) -> QArray:
+    """A quantized matrix in the model's layout (a parameter tree's `Quantized` holds its inputs last)."""
+    return w.logical() if isinstance(w, Quantized) else w
+
+
+def _shipped_format(params) -> str | None:
+    """The format `save_hf` writes a model's quantized matrices in as shipped (one of `SHIPPED`): every
+    quantized matrix MXFP4, or every matrix (`MATRICES`) FP8; None: none, the model written dequantized."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QArray))[0]
+    formats = {format_of(w) for _, w in leaves if isinstance(w, QArray)}
+    float_matrix = any(path[-1].key in MATRICES and not isinstance(w, QArray) for path, w in leaves)
+    return formats.pop() if formats == {"mxfp4"} or (formats == {"fp8"} and not float_matrix) else None
 
 
 def _sharding(shardings, where: tuple[str, ...], value):

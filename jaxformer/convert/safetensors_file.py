@@ -84,14 +84,14 @@ def write_safetensors(file, tensors: Iterable[tuple[str, tuple[int, ...], np.dty
     Args:
       file: the path to write.
       tensors: `(name, shape, dtype)` of each tensor, in the order they are stored; the
-        dtype one of `FLOATING_DTYPES`'.
+        dtype one of `READ_DTYPES`' (a shipped quantized matrix's parts: uint8, float8 e4m3).
       read: `read(name)` -> the tensor, of the shape and dtype given.
       metadata: the header's `__metadata__` strings.
 
     Raises:
       ValueError: a tensor `read` gives is not the shape or dtype announced.
     """
-    names = {np.dtype(v): k for k, v in FLOATING_DTYPES.items()}
+    names = {np.dtype(v): k for k, v in READ_DTYPES.items()}
     header, offset = {"__metadata__": metadata or {}}, 0
     entries = [(name, tuple(shape), np.dtype(dtype)) for name, shape, dtype in tensors]
     for name, shape, dtype in entries:

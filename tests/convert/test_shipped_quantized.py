@@ -3,7 +3,9 @@
 float8 e4m3, `X.weight_scale_inv`), each with its `quantization_config`, written in the test as those
 checkpoints ship. jaxformer's model equals the same folder dequantized in NumPy (fast tier) and
 transformers' (which dequantizes both on a CPU) to 1e-3 of the largest logit, with the same greedy
-tokens (full tier)."""
+tokens (full tier). `save_hf` writes each back as shipped, bit for bit, which `load_hf` reads as the
+same parameters and transformers opens as the same model (full tier); or dequantized, as the NumPy
+folder."""
 
 import json
 import os
@@ -17,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxformer import Decoder
 from jaxformer.convert import config_from_hf, load_hf, save_hf
+from jaxformer.convert.safetensors_file import SafetensorsFile
 from jaxformer.quantized import QArray, format_of
 from tests.families.shipped import tiny
 
@@ -117,6 +120,83 @@ def test_a_shipped_checkpoint_equals_transformers_dequantized_model(tmp_path, na
         with torch.no_grad():
             theirs.append(int(reference(torch.tensor([theirs])).logits[0, -1].argmax()))
     assert ours == theirs
+
+
+def stored_tensors(folder):
+    """Every tensor of `folder`'s model.safetensors as stored: `{name: (dtype, shape, bytes)}` (FP8's
+    too, which safetensors' NumPy reader does not read)."""
+    file = SafetensorsFile(os.path.join(folder, "model.safetensors"))
+    return {key: (file.tensor(key).dtype, file.tensor(key).shape, file.tensor(key).tobytes()) for key in file.keys}
+
+
+def quantization_config(folder):
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f).get("quantization_config")
+
+
+def same_bits(a, b):
+    """Two parameter trees of the same structure, each leaf the same dtype and bytes (a QArray's too)."""
+    is_q = lambda x: isinstance(x, QArray)  # noqa: E731
+    return (jax.tree.structure(a, is_leaf=is_q) == jax.tree.structure(b, is_leaf=is_q)
+            and all(np.asarray(x).dtype == np.asarray(y).dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+                    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "DeepSeek-V3"])
+def test_save_hf_writes_a_shipped_checkpoint_back_bit_for_bit(tmp_path, name):
+    """Its tensors (MXFP4's blocks and scales, FP8's values and block scales, DeepSeek's split into heads
+    and gpt-oss's gate and up interleaved again, the float ones) and quantization_config are the
+    folder's; load_hf reads the same parameters; with `dequantize=True`, the NumPy-dequantized folder."""
+    shipped, plain = shipped_folder(tmp_path, name)
+    config, params = load_hf(str(shipped))
+    save_hf(config, params, str(tmp_path / "saved"))
+    assert stored_tensors(tmp_path / "saved") == stored_tensors(shipped)
+    assert quantization_config(tmp_path / "saved") == quantization_config(shipped)
+    assert same_bits(load_hf(str(tmp_path / "saved"))[1], params)
+    save_hf(config, params, str(tmp_path / "dequantized"), dequantize=True)
+    assert stored_tensors(tmp_path / "dequantized") == stored_tensors(plain)
+    assert quantization_config(tmp_path / "dequantized") is None
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "DeepSeek-V3"])
+def test_save_hf_as_shipped_is_the_same_model_in_transformers(tmp_path, name):
+    torch, transformers = import_peer("torch"), import_peer("transformers")
+    shipped, _ = shipped_folder(tmp_path, name)
+    save_hf(*load_hf(str(shipped)), str(tmp_path / "saved"))
+    logits = {}
+    for folder in (shipped, tmp_path / "saved"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits[folder] = model(torch.from_numpy(TOKENS)).logits.numpy()
+    assert np.all(np.isfinite(logits[shipped])) and np.abs(logits[shipped]).max() > 0.1
+    np.testing.assert_array_equal(logits[tmp_path / "saved"], logits[shipped])
+
+
+def test_save_hf_dequantizes_a_model_mixing_formats(tmp_path):
+    """gpt-oss's MXFP4 experts beside its attention quantized to int8 on load: written float, each expert
+    tensor the NumPy-dequantized folder's."""
+    shipped, plain = shipped_folder(tmp_path, "gpt-oss-20b")
+    config, params = load_hf(str(shipped), quantize="int8")
+    save_hf(config, params, str(tmp_path / "saved"))
+    saved, want = stored_tensors(tmp_path / "saved"), stored_tensors(plain)
+    assert quantization_config(tmp_path / "saved") is None and saved.keys() == want.keys()
+    assert all(dtype == np.float32 for dtype, _, _ in saved.values())
+    experts = [key for key in want if key.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert experts and all(saved[key] == want[key] for key in experts)
+
+
+def test_save_hf_refuses_by_name_a_matrix_whose_scales_are_not_its_blocks(tmp_path):
+    """An FP8 matrix whose scale differs within a 128 x 128 block cannot be written as shipped: refused,
+    naming the tensor, the folder's files as they were."""
+    shipped, _ = shipped_folder(tmp_path, "DeepSeek-V3")
+    config, params = load_hf(str(shipped))
+    before = {f: (shipped / f).read_bytes() for f in ("model.safetensors", "config.json")}
+    w = params["block_0"]["attn"]["wq_b"]
+    params["block_0"]["attn"]["wq_b"] = w.replace(scale=w.scale.at[0, 0, 0].multiply(2))  # one row's
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_b_proj\.weight: an FP8 matrix .* one scale "
+                                         r"per 128 x 128 block; save_hf\(dequantize=True\)"):
+        save_hf(config, params, str(shipped))  # (over the folder it was read from)
+    assert {f: (shipped / f).read_bytes() for f in before} == before
 
 
 def test_a_matrix_shipped_without_its_scales_is_refused(tmp_path):
