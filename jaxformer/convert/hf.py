@@ -471,6 +471,10 @@ SHIPPED_CONFIGS = {
     "mxfp4": {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}}
+# The matrices (by parameter name) a folder written as shipped holds in each format, all of them:
+# transformers reads every gpt-oss feed-forward (its experts) of an MXFP4 folder as MXFP4, and every
+# linear layer but the head of an FP8 folder as FP8.
+SHIPPED_MATRICES = {"mxfp4": {"w_gate", "w_up", "w_down"}, "fp8": MATRICES}
 
 
 def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = None,
@@ -482,15 +486,16 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
     Phi-3's fused projections are fused again.
 
     A quantized model (`jaxformer.quantized`) is written as shipped where its matrices are as a
-    shipped checkpoint holds them: every quantized matrix MXFP4 (gpt-oss's experts: `X_blocks`,
-    `X_scales`), or every matrix FP8 (`X.weight` float8 e4m3 and `X.weight_scale_inv` per 128 x 128
-    block: transformers reads each linear layer but the head of an FP8 folder as FP8), with the
-    `quantization_config` those checkpoints ship (`SHIPPED_CONFIGS`). The values and scales are
-    written as held, so a folder `load_hf` read is written back bit for bit; a matrix split or fused
-    on the way in (gpt-oss's `gate_up_proj`, a projection split into heads) is put together again
-    exactly. Any other quantized model (int8, int4 or NF4 anywhere, both shipped formats, an FP8
-    model with a float matrix) is written dequantized to the parameter dtype, which transformers
-    opens as a float checkpoint.
+    shipped checkpoint holds them, which is how transformers reads such a folder
+    (`SHIPPED_MATRICES`): every quantized matrix MXFP4, the feed-forwards all of them (gpt-oss's
+    experts: `X_blocks`, `X_scales`), or every matrix FP8 (`X.weight` float8 e4m3 and
+    `X.weight_scale_inv` per 128 x 128 block); `config.json` then holds those checkpoints'
+    `quantization_config` (`SHIPPED_CONFIGS`). The values and scales are written as held, so a
+    folder `load_hf` read is written back bit for bit; a matrix split or fused on the way in
+    (gpt-oss's `gate_up_proj`, a projection split into heads) is put together again exactly. Any
+    other quantized model (int8, int4 or NF4 anywhere, both shipped formats, a float matrix among
+    those: an adapter merged into one) is written dequantized to the parameter dtype, which
+    transformers opens as a float checkpoint.
 
     Args:
       config: the `DecoderConfig` (either `scan_layers` form).
@@ -583,12 +588,16 @@ def _logical(w: QArray) -> QArray:
 
 
 def _shipped_format(params) -> str | None:
-    """The format `save_hf` writes a model's quantized matrices in as shipped (one of `SHIPPED`): every
-    quantized matrix MXFP4, or every matrix (`MATRICES`) FP8; None: none, the model written dequantized."""
+    """The format `save_hf` writes a model's quantized matrices in as shipped (`SHIPPED_CONFIGS`): the one
+    every quantized matrix holds, where every matrix of the kinds its checkpoints hold in it
+    (`SHIPPED_MATRICES`) is quantized; None: none, the model written dequantized."""
     leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, QArray))[0]
     formats = {format_of(w) for _, w in leaves if isinstance(w, QArray)}
-    float_matrix = any(path[-1].key in MATRICES and not isinstance(w, QArray) for path, w in leaves)
-    return formats.pop() if formats == {"mxfp4"} or (formats == {"fp8"} and not float_matrix) else None
+    if len(formats) != 1 or formats.isdisjoint(SHIPPED_CONFIGS):
+        return None
+    shipped = formats.pop()
+    whole = all(isinstance(w, QArray) for path, w in leaves if path[-1].key in SHIPPED_MATRICES[shipped])
+    return shipped if whole else None
 
 
 def _sharding(shardings, where: tuple[str, ...], value):

@@ -9,6 +9,7 @@ folder."""
 
 import json
 import os
+import shutil
 
 import jax
 import ml_dtypes
@@ -20,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 from jaxformer import Decoder
 from jaxformer.convert import config_from_hf, load_hf, save_hf
 from jaxformer.convert.safetensors_file import SafetensorsFile
-from jaxformer.quantized import QArray, format_of
+from jaxformer.quantized import QArray, dequantize, format_of
 from tests.families.shipped import tiny
 
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
@@ -122,6 +123,19 @@ def test_a_shipped_checkpoint_equals_transformers_dequantized_model(tmp_path, na
     assert ours == theirs
 
 
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """`folders(name)`: `shipped_folder(name)`, made once for the tests that only read them."""
+    made = {}
+
+    def folder(name):
+        if name not in made:
+            made[name] = shipped_folder(tmp_path_factory.mktemp(name), name)
+        return made[name]
+
+    return folder
+
+
 def stored_tensors(folder):
     """Every tensor of `folder`'s model.safetensors as stored: `{name: (dtype, shape, bytes)}` (FP8's
     too, which safetensors' NumPy reader does not read)."""
@@ -143,7 +157,7 @@ def same_bits(a, b):
 
 
 @pytest.mark.parametrize("name", ["gpt-oss-20b", "DeepSeek-V3"])
-def test_save_hf_writes_a_shipped_checkpoint_back_bit_for_bit(tmp_path, name):
+def test_save_hf_writes_a_shipped_checkpoint_back_bit_for_bit(tmp_path, folders, name):
     """Its tensors (MXFP4's blocks and scales, FP8's values and block scales, DeepSeek's split into heads
     and gpt-oss's gate and up interleaved again, the float ones) and quantization_config are the
     folder's; load_hf reads the same parameters; with `dequantize=True`, the NumPy-dequantized folder."""
@@ -172,11 +186,15 @@ def test_save_hf_as_shipped_is_the_same_model_in_transformers(tmp_path, name):
     np.testing.assert_array_equal(logits[tmp_path / "saved"], logits[shipped])
 
 
-def test_save_hf_dequantizes_a_model_mixing_formats(tmp_path):
-    """gpt-oss's MXFP4 experts beside its attention quantized to int8 on load: written float, each expert
-    tensor the NumPy-dequantized folder's."""
-    shipped, plain = shipped_folder(tmp_path, "gpt-oss-20b")
-    config, params = load_hf(str(shipped), quantize="int8")
+@pytest.mark.parametrize("mixed", ["int8 attention", "a float expert matrix"])
+def test_save_hf_dequantizes_a_model_mixing_formats(tmp_path, folders, mixed):
+    """gpt-oss's MXFP4 experts beside its attention quantized to int8 on load, or with one layer's
+    `w_down` float (as an adapter merged into it leaves it; transformers would read it as MXFP4):
+    written float, each expert tensor the NumPy-dequantized folder's."""
+    shipped, plain = folders("gpt-oss-20b")
+    config, params = load_hf(str(shipped), quantize="int8" if mixed == "int8 attention" else None)
+    if mixed == "a float expert matrix":
+        params["block_0"]["mlp"]["w_down"] = dequantize(params["block_0"]["mlp"]["w_down"])
     save_hf(config, params, str(tmp_path / "saved"))
     saved, want = stored_tensors(tmp_path / "saved"), stored_tensors(plain)
     assert quantization_config(tmp_path / "saved") is None and saved.keys() == want.keys()
@@ -185,10 +203,10 @@ def test_save_hf_dequantizes_a_model_mixing_formats(tmp_path):
     assert experts and all(saved[key] == want[key] for key in experts)
 
 
-def test_save_hf_refuses_by_name_a_matrix_whose_scales_are_not_its_blocks(tmp_path):
+def test_save_hf_refuses_by_name_a_matrix_whose_scales_are_not_its_blocks(tmp_path, folders):
     """An FP8 matrix whose scale differs within a 128 x 128 block cannot be written as shipped: refused,
     naming the tensor, the folder's files as they were."""
-    shipped, _ = shipped_folder(tmp_path, "DeepSeek-V3")
+    shipped = shutil.copytree(folders("DeepSeek-V3")[0], tmp_path / "copy")
     config, params = load_hf(str(shipped))
     before = {f: (shipped / f).read_bytes() for f in ("model.safetensors", "config.json")}
     w = params["block_0"]["attn"]["wq_b"]
