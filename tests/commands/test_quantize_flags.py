@@ -13,20 +13,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import random_params, run_main
+from conftest import run_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
-from checkpoints import bpe_tokenizer  # noqa: E402
+from checkpoints import bpe_tokenizer, save_adapted_checkpoint  # noqa: E402
 
 from jaxformer import Decoder, DecoderConfig, generate  # noqa: E402
 from jaxformer.commands import generate as generate_command  # noqa: E402
 from jaxformer.commands import perplexity as perplexity_command  # noqa: E402
 from jaxformer.commands import serve as serve_command  # noqa: E402
-from jaxformer.convert import load_hf, save_hf  # noqa: E402
-from jaxformer.convert.peft import save_peft  # noqa: E402
-from jaxformer.lora import LoraConfig, init_lora, merge  # noqa: E402
+from jaxformer.convert import load_hf  # noqa: E402
 from jaxformer.quantized import QArray, Quantization  # noqa: E402
-from jaxformer.text import Tokenizer, save_tokenizer  # noqa: E402
+from jaxformer.text import Tokenizer  # noqa: E402
 from jaxformer.text.perplexity import perplexity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,16 +41,8 @@ NEW = 16
 def folders(tmp_path_factory):
     """The random checkpoint, an adapter for it, the two merged, and a text file."""
     root = tmp_path_factory.mktemp("quantize-flags")
-    params = random_params(CONFIG, seed=0)
-    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
-    adapters = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(1), x.shape),
-                            init_lora(params, lora, jax.random.key(0)))
-    for name, weights in (("base", params), ("merged", merge(params, adapters, lora))):
-        save_hf(CONFIG, weights, str(root / name), bos_id=TOKENIZER.bos_id, eos_id=TOKENIZER.eos_id,
-                pad_id=TOKENIZER.pad_id)
-        save_tokenizer(TOKENIZER, str(root / name))
-    save_peft(CONFIG, adapters, lora, str(root / "adapter"))
-    (root / "text.txt").write_text("the cat sat on the mat, and the dog sat on the log. " * 3)
+    save_adapted_checkpoint(root, CONFIG, TOKENIZER, "the cat sat on the mat, and the dog sat on the log. " * 3,
+                            scale=0.3)
     return root
 
 

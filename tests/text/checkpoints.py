@@ -101,3 +101,27 @@ def save_random_checkpoint(path, experts: bool = False, shipped: str | None = No
     save_hf(config, random_params(config, seed=0, scale=0.1), str(path), bos_id=tokenizer.bos_id,
             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     save_tokenizer(tokenizer, str(path))
+
+
+def save_adapted_checkpoint(root, config, tokenizer, text: str, *, scale: float) -> None:
+    """Under `root`: a random checkpoint of `config` (`base`: `random_params(config, seed=0, scale=scale)`),
+    a random LoRA adapter for it in peft's format (`adapter`: rank 4, alpha 8, on q, v and down), the two
+    merged (`merged`), each checkpoint with `tokenizer`; and `text.txt` holding `text`."""
+    import jax
+    from conftest import random_params
+
+    from jaxformer.convert import save_hf
+    from jaxformer.convert.peft import save_peft
+    from jaxformer.lora import LoraConfig, init_lora, merge
+    from jaxformer.text import save_tokenizer
+
+    params = random_params(config, seed=0, scale=scale)
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+    adapters = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(1), x.shape),
+                            init_lora(params, lora, jax.random.key(0)))
+    for name, weights in (("base", params), ("merged", merge(params, adapters, lora))):
+        save_hf(config, weights, str(root / name), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                pad_id=tokenizer.pad_id)
+        save_tokenizer(tokenizer, str(root / name))
+    save_peft(config, adapters, lora, str(root / "adapter"))
+    (root / "text.txt").write_text(text)

@@ -4,22 +4,19 @@ peft, merged folder), one compile for every window, and the command's refusals."
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer, save_random_checkpoint
-from conftest import GEMMA4_DECODING, count_compiles, import_peer, jit_apply, random_params, run_main, tiny_gemma4
+from checkpoints import CHAT_TEMPLATE, CORPUS, bpe_tokenizer, save_adapted_checkpoint, save_random_checkpoint
+from conftest import GEMMA4_DECODING, count_compiles, import_peer, jit_apply, run_main, tiny_gemma4
 
 from benchmarks.perplexity import transformers_nll
 from jaxformer import Decoder, DecoderConfig
 from jaxformer.commands import perplexity as command
-from jaxformer.convert import load_hf, save_hf
-from jaxformer.convert.peft import save_peft
+from jaxformer.convert import load_hf
 from jaxformer.experts import ExpertsSpec
 from jaxformer.layers import layer_specs
-from jaxformer.lora import LoraConfig, init_lora, merge
-from jaxformer.text import Tokenizer, load_tokenizer, save_tokenizer
+from jaxformer.text import Tokenizer, load_tokenizer
 from jaxformer.text.perplexity import perplexity, window_spans
 
 TEXT = CORPUS[:900]
@@ -33,16 +30,7 @@ def folders(tmp_path_factory):
                           chat_template=CHAT_TEMPLATE)
     config = DecoderConfig(vocab_size=tokenizer.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=32,
                            max_seq_len=48, tie_embeddings=False)
-    params = random_params(config, seed=0, scale=0.2)
-    lora = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
-    adapters = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(1), x.shape),
-                            init_lora(params, lora, jax.random.key(0)))
-    for name, weights in (("base", params), ("merged", merge(params, adapters, lora))):
-        save_hf(config, weights, str(root / name), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                pad_id=tokenizer.pad_id)
-        save_tokenizer(tokenizer, str(root / name))
-    save_peft(config, adapters, lora, str(root / "adapter"))
-    (root / "text.txt").write_text(TEXT)
+    save_adapted_checkpoint(root, config, tokenizer, TEXT, scale=0.2)
     return root
 
 
