@@ -406,17 +406,16 @@ def to_mxfp4(w: QArray) -> tuple[np.ndarray, np.ndarray]:
     """
     if format_of(w) != "mxfp4":
         raise ValueError(f"to_mxfp4 writes an MXFP4 matrix, got {format_of(w)}")
-    values = np.swapaxes(np.asarray(w.qvalue), -1, -2)  # [..., out, in]
-    scale = np.swapaxes(full_scale(w), -1, -2).astype(np.float32)
-    n_in = values.shape[-1]
-    per_block = scale.reshape(*scale.shape[:-1], -1, 32) if n_in % 32 == 0 else None
-    if per_block is None or np.any(per_block != per_block[..., :1]):
+    *lead, n_in, n_out = w.shape
+    scale = full_scale(w)
+    per_block = scale.reshape(*lead, n_in // 32, 32, n_out) if n_in % 32 == 0 else None  # (a view)
+    if per_block is None or np.any(per_block != per_block[..., :1, :]):
         raise ValueError(f"an MXFP4 matrix of shape {w.shape} must hold one scale per 32 inputs")
-    mantissa, exponent = np.frexp(per_block[..., 0])  # scale = mantissa * 2 ** exponent: a power of two at 0.5
-    biased = exponent.astype(np.int32) - 1 + 127
+    mantissa, exponent = np.frexp(np.swapaxes(per_block[..., 0, :], -1, -2).astype(np.float32))  # [..., out, in / 32]
+    biased = exponent - 1 + 127  # (a power of two is 0.5 * 2 ** exponent)
     if np.any(mantissa != 0.5) or np.any((biased < 0) | (biased > 254)):
         raise ValueError("MXFP4 scales must be powers of two from 2 ** -127 to 2 ** 127 (e8m0's)")
-    codes = values.view(np.uint8).reshape(*values.shape[:-1], n_in // 32, 16, 2)  # each value's 4-bit code
+    codes = np.swapaxes(np.asarray(w.qvalue), -1, -2).view(np.uint8).reshape(*lead, n_out, n_in // 32, 16, 2)
     return codes[..., 0] | (codes[..., 1] << 4), biased.astype(np.uint8)
 
 
@@ -432,7 +431,7 @@ def to_fp8(w: QArray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     if format_of(w) != "fp8":
         raise ValueError(f"to_fp8 writes an FP8 matrix, got {format_of(w)}")
     (n_out, n_in), (bo, bi) = w.shape, block
-    scale = full_scale(w).astype(np.float32)
+    scale = full_scale(w).astype(np.float32, copy=False)
     scale_inv = scale[::bo, ::bi]  # each block's first value's
     if not np.array_equal(np.repeat(np.repeat(scale_inv, bo, axis=0)[:n_out], bi, axis=1)[:, :n_in], scale):
         raise ValueError(f"an FP8 matrix of shape {w.shape} must hold one scale per {bo} x {bi} block")

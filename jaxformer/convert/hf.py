@@ -563,9 +563,9 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
         if name in second:
             return second.pop(name)
         # The checkpoint's matrix: its values, and each value's scale (`full_scale`: parts' tiles may differ)
-        narrow = _get(params, parts[key][0].path).qvalue.dtype
-        matrix = QArray(whole(key, lambda w: np.asarray(_logical(w).qvalue), narrow),
-                        whole(key, lambda w: full_scale(_logical(w)), np.float32))
+        first = _get(params, parts[key][0].path)
+        matrix = QArray(whole(key, lambda w: np.asarray(_logical(w).qvalue), first.qvalue.dtype),
+                        whole(key, lambda w: full_scale(_logical(w)), first.scale.dtype))
         try:
             values, scales = to_mxfp4(matrix) if shipped == "mxfp4" else to_fp8(matrix, block)
         except ValueError as e:  # (its scales are not its format's: it cannot be written exactly as shipped)
