@@ -119,6 +119,7 @@ FULL_TIER = {
     "tests/convert/test_shipped_quantized.py::test_a_shipped_checkpoint_equals": "transformers' dequantized peer",
     "tests/convert/test_shipped_quantized.py::test_save_hf_as_shipped_is": "transformers' peer, two folders a format",
     "tests/convert/test_quantize_on_load.py::test_every_format_family_and_form": "ten more loads, each compiled",
+    "tests/convert/test_quantized_accuracy.py": "a model trained by the demo, then measured in five formats",
     # (The commands' --quantize: the fast tier keeps perplexity's, the adapter's and the server's load.)
     "tests/commands/test_quantize_flags.py::test_generate_int8_prints": "the decoding programs compiled three times",
     "tests/commands/test_quantize_flags.py::test_generate_end_to_end": "a process of its own",
