@@ -5,6 +5,7 @@ and their products against the dequantized float product (int8's W8A8 against it
 integers)."""
 
 import itertools
+import math
 from statistics import NormalDist
 
 import chex
@@ -14,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jaxformer import products
 from jaxformer.products import product
 from jaxformer.quantized import (
     NF4,
@@ -231,15 +233,29 @@ def test_int8_is_w8a8_the_rows_quantized_and_summed_in_exact_integers(equation, 
     assert np.all(np.abs(got - np.einsum(equation, x.astype(np.float64), w_hat)) <= error + 1e-5)
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["one block", "blocks"])
+@pytest.mark.parametrize("equation,x_shape,w_shape,inputs", EQUATIONS[:2], ids=["q", "o"])
 @pytest.mark.parametrize("how", [Quantization("int4"), Quantization("int4", 32, affine=True), Quantization("nf4")],
                          ids=str)
-def test_other_formats_multiply_the_dequantized_matrix(how):
-    x, w = jnp.asarray(matrix((2, 3, 256), 1)), jnp.asarray(matrix((256, 4, 32), 2))
-    q = quantize(w, how, (0,))
-    np.testing.assert_array_equal(product("btd,dhk->bthk", x, q), product("btd,dhk->bthk", x, dequantize(q)))
-    xb, qb = x.astype(jnp.bfloat16), q.astype(jnp.bfloat16)  # bf16: the dequantized bf16 matrix's product
-    np.testing.assert_array_equal(product("btd,dhk->bthk", xb, qb),
-                                  product("btd,dhk->bthk", xb, dequantize(qb)))
+def test_other_formats_multiply_the_dequantized_matrix(how, equation, x_shape, w_shape, inputs, blocks, monkeypatch):
+    """On a CPU by blocks of output rows, each dequantized as it is multiplied (with a small
+    `BLOCK_VALUES`, many blocks): the dequantized matrix's product, within float32's error bound for
+    a sum of K products, K u sum |x||W^| (u = 2^-24), of its exact value; and bfloat16's rounded
+    once more (2^-8 of it). In one block, the very numbers of the whole dequantized matrix's."""
+    if blocks:
+        monkeypatch.setattr(products, "BLOCK_VALUES", 2**10)  # (24 or 32 blocks of 3 or 4 rows)
+    x, w = jnp.asarray(matrix(x_shape, 1)), jnp.asarray(matrix(w_shape, 2))
+    q = quantize(w, how, inputs)
+    k = math.prod(w_shape[i] for i in inputs)
+    for dtype, rounding in ((jnp.float32, 0), (jnp.bfloat16, 2**-8)):  # bf16: the dequantized bf16 matrix's
+        xd, qd = x.astype(dtype), q.astype(dtype)
+        x64, w64 = np.asarray(xd, np.float64), np.asarray(dequantize(qd), np.float64)
+        exact = np.einsum(equation, x64, w64)
+        got = np.asarray(product(equation, xd, qd), np.float64)
+        assert np.all(np.abs(got - exact) <= k * 2**-24 * np.einsum(equation, np.abs(x64), np.abs(w64))
+                      + rounding * np.abs(exact))
+        if not blocks:
+            np.testing.assert_array_equal(got, product(equation, xd, dequantize(qd)))
 
 
 @pytest.mark.parametrize("how", [Quantization("int8"), Quantization("nf4")], ids=str)
