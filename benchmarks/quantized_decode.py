@@ -121,6 +121,10 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.one:
         impl, weights = args.one
+        if impl == "jaxformer":  # (imported here: transformers' process holds no jax)
+            from jaxformer.command_line import return_large_blocks
+
+            return_large_blocks()  # as jaxformer's commands set their process up
         run = jaxformer_row if impl == "jaxformer" else transformers_row
         print(json.dumps(run(args.checkpoint, weights, args.batch, args.prompt, args.new, args.reps)))
         return
