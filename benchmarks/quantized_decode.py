@@ -37,14 +37,16 @@ def jaxformer_row(folder: str, weights: str, batches: list[int], prompt_len: int
     import jax.numpy as jnp
 
     from jaxformer import Decoder, generate
+    from jaxformer.command_line import loading_memory
     from jaxformer.config import DTYPES
     from jaxformer.convert import load_hf
     from jaxformer.memory import cache_entry_bytes
     from jaxformer.quantized import stored_bytes
 
     dtype = DTYPES[weights] if weights in FLOATS else jnp.float32
-    config, params = load_hf(folder, max_seq_len=prompt_len + new, dtype=dtype,
-                             quantize=None if weights in FLOATS else weights)
+    with loading_memory():  # as jaxformer's commands load
+        config, params = load_hf(folder, max_seq_len=prompt_len + new, dtype=dtype,
+                                 quantize=None if weights in FLOATS else weights)
     model, rows = Decoder(config), []
     for batch in batches:
         prompt = jnp.asarray(prompts(batch, prompt_len), jnp.int32)
@@ -121,10 +123,6 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.one:
         impl, weights = args.one
-        if impl == "jaxformer":  # (imported here: transformers' process holds no jax)
-            from jaxformer.command_line import return_large_blocks
-
-            return_large_blocks()  # as jaxformer's commands set their process up
         run = jaxformer_row if impl == "jaxformer" else transformers_row
         print(json.dumps(run(args.checkpoint, weights, args.batch, args.prompt, args.new, args.reps)))
         return

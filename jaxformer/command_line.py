@@ -111,22 +111,32 @@ def interrupts_deferred() -> Iterator[None]:
         _deferring[0] -= 1
 
 
-MMAP_THRESHOLD = 1 << 20  # bytes: a block at least this large is mapped on its own, and unmapped when freed
+# glibc's malloc (mallopt's parameters, malloc.h): a block of M_MMAP_THRESHOLD bytes or more gets a mapping
+# of its own, unmapped when freed; the heap's free top past M_TRIM_THRESHOLD goes back to the system.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
-def return_large_blocks() -> None:
-    """Makes glibc's malloc give every block of `MMAP_THRESHOLD` or more its own mapping, returned to
-    the system when it is freed. By default the threshold grows (to 32 MiB) each time such a block is
-    freed, and blocks below it are kept for reuse among the live ones: loading a checkpoint frees a
-    float copy of each tensor beside the quantized matrices it keeps, and the process went on holding
-    ~0.2 GB of them (the 1B shape quantized to int8 on load peaked at 2.66 GiB against 2.46;
-    tests/test_real_size.py). A command owns its process, so it sets this; elsewhere (musl, macOS)
-    nothing is done."""
+@contextlib.contextmanager
+def loading_memory() -> Iterator[None]:
+    """Around a command's `load_hf`: while it reads, every block of 1 MiB or more is mapped on its own
+    and given back once freed. By default glibc keeps freed blocks below a threshold that grows (to
+    32 MiB) for reuse, and loading frees a float copy of each tensor among the quantized matrices it
+    keeps: the process went on holding ~0.2 GB of them (the 1B shape quantized to int8 on load peaked
+    at 2.66 GiB against 2.46; tests/test_real_size.py). Afterwards, the thresholds that growth reaches
+    (32 MiB, and twice that for the heap's top): a lower one stays would map and unmap a product's
+    blocks at every step (products by blocks ran at half speed). Elsewhere than glibc, nothing."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return
-    libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (malloc.h); a fixed value stops its growing
+        libc = None
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+            libc.mallopt(M_TRIM_THRESHOLD, 64 << 20)
 
 
 def run_command(prog: str, work: Callable[[], int]) -> int:
@@ -141,7 +151,6 @@ def run_command(prog: str, work: Callable[[], int]) -> int:
       work: the command's body; returns its exit status.
     """
     on_main_thread = threading.current_thread() is threading.main_thread()
-    return_large_blocks()
     _interrupted.clear()  # (a Ctrl-C noted after the last command ended is not this one's)
     _running.set()
     previous = signal.signal(signal.SIGINT, _on_interrupt) if on_main_thread else None

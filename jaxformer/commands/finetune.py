@@ -35,6 +35,7 @@ from jaxformer.command_line import (
     check_quantization,
     exit_process,
     fail,
+    loading_memory,
     quantization,
     run_command,
 )
@@ -281,8 +282,9 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), *model.init_inputs()))["params"]
         shardings = tree_shardings(shapes, param_axes(model), mesh, "fsdp" if fsdp else "dp")
     try:
-        _, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=base_dtype, shardings=shardings,
-                          quantize=how)
+        with loading_memory():
+            _, base = load_hf(settings.checkpoint, dtype=dtype, param_dtype=base_dtype, shardings=shardings,
+                              quantize=how)
     except FileNotFoundError as e:
         raise ValueError(f"--checkpoint: {e}") from None
     lora = config.lora

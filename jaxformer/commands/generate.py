@@ -28,6 +28,7 @@ from jaxformer.command_line import (
     check_quantization,
     exit_process,
     fail,
+    loading_memory,
     quantization,
     quantized_formats,
     run_command,
@@ -418,9 +419,10 @@ def load(args, prompts: list[str]):
     how, hf_config = args.quantization, load_hf_config(args.checkpoint)
     check_quantization(hf_config, how)
     adapter = None if args.adapter is None else load_peft(hf_config, args.adapter)
-    config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
-                             scan_layers=args.scan_layers and adapter is None,
-                             quantize=how if adapter is None else None)
+    with loading_memory():
+        config, params = load_hf(args.checkpoint, max_seq_len=args.max_seq_len, dtype=DTYPES[args.dtype],
+                                 scan_layers=args.scan_layers and adapter is None,
+                                 quantize=how if adapter is None else None)
     if adapter is not None:
         params = merge(params, *adapter)
         if args.scan_layers:

@@ -21,6 +21,7 @@ from jaxformer.command_line import (
     check_quantization,
     exit_process,
     fail,
+    loading_memory,
     quantization,
     run_command,
 )
@@ -85,8 +86,9 @@ def _main(argv) -> int:
         check_quantization(config, args.quantization)
         adapter = None if args.adapter is None else load_peft(config, args.adapter)
         # (An adapter is merged into the float matrices, which --quantize then rounds once: as jaxformer-generate.)
-        _, params = load_hf(args.checkpoint, dtype=DTYPES[args.dtype],
-                            quantize=args.quantization if adapter is None else None)
+        with loading_memory():
+            _, params = load_hf(args.checkpoint, dtype=DTYPES[args.dtype],
+                                quantize=args.quantization if adapter is None else None)
     except (OSError, ValueError) as e:
         fail(PROG, str(e))
     if adapter is not None:

@@ -27,6 +27,7 @@ from jaxformer.command_line import (
     check_quantization,
     exit_process,
     fail,
+    loading_memory,
     quantization,
     quantized_formats,
     run_command,
@@ -169,8 +170,9 @@ def load(args):
     max_seq_len, note = choose_max_seq_len(config, args, weights)
     if note is not None:
         say(note)
-    config, params = load_hf(args.checkpoint, max_seq_len=max_seq_len, dtype=DTYPES[args.dtype],
-                             quantize=args.quantization)
+    with loading_memory():
+        config, params = load_hf(args.checkpoint, max_seq_len=max_seq_len, dtype=DTYPES[args.dtype],
+                                 quantize=args.quantization)
     check_fits_model(tokenizer, config.vocab_size, args.checkpoint)
     engine = Engine(Decoder(config), params, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
                     max_queue=args.max_queue, stop_ids=tokenizer.stop_ids,

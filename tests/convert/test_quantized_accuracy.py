@@ -22,13 +22,13 @@ quantized model's logits, `d = z_q - z_f`, `y` the text's next token and `NLL(z)
     Likewise for the top-1 choice: where the float model's top logit leads every other by a
     margin `m`, the quantized model's leads by at least `m - (max d - min d)`: the greedy token
     cannot change where `m > max d - min d`.
-(b) the issue's product targets: int8 (W8A8) perplexity within 1 % of float32's, int4 and NF4
+(b) the stated targets: int8 (W8A8) perplexity within 1 % of float32's, int4 and NF4
     within 5 %. (a) bounds the ratio by the logits' error alone, far looser (docs/precision.md's
     table, "Accuracy"): the per-token changes are of both signs and mostly cancel in the mean.
 (c) greedy agreement, two measures: per position, the quantized model's top-1 token on the
     held-out text against the float model's (every position on the same prefix, the text's), and
     the share of `jaxformer.generate`'s greedy continuations the two models agree on up to their
-    first disagreement. Stated targets per position, in the issue's spirit (the 4-bit formats'
+    first disagreement. Stated targets per position, in the spirit of (b) (the 4-bit formats'
     step is 127 / 7 = 18x int8's): at most 1 position in 20 flips with int8, 1 in 10 with int4 and
     NF4. Were flips independent at rate `p`, a continuation of `N` tokens would agree up to its
     first flip for `(1 - (1 - p)^N) / (N p)` of its tokens on average: the continuations' target,
