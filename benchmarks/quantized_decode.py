@@ -1,12 +1,12 @@
 """Greedy decoding with quantized weights against float32, bfloat16 and transformers, each in a
 fresh process.
 
-    python -m benchmarks.quantized_decode DIR [--weights float32 bfloat16 int8 int4 nf4] [--batch 1 8]
+    python -m benchmarks.quantized_decode DIR [--weights float32 bfloat16 int8 int4 nf4 int8+head ...] [--batch 1 8]
         [--prompt 32] [--new 32] [--reps 2] [--no-peer] [--out quantized_decode.json]
 
 DIR is a checkpoint folder (`python -m benchmarks.llama_1b DIR` writes a Llama-3.2-1B-shaped one).
 For each kind of weights, a process of its own loads the folder (`load_hf(dtype=...)`, or
-`load_hf(quantize=...)` with float32 compute), decodes `--new` greedy tokens after a `--prompt`-token
+`load_hf(quantize=...)` with float32 compute; `F+head`: the embedding and head quantized too), decodes `--new` greedy tokens after a `--prompt`-token
 prompt at each batch size (the whole loop one jitted program, its first call timed apart), and
 reports new tokens/s, its weights' stored bytes (int4 and NF4 at half a byte a value) and its peak
 resident memory (Linux's VmHWM). transformers' `generate` on torch runs the same prompts in float32
@@ -30,6 +30,7 @@ from benchmarks.moe_decode import peak_rss, prompts, transformers_side
 
 FLOATS = ("float32", "bfloat16")
 FORMATS = ("int8", "int4", "nf4")
+HEADS = tuple(f"{f}+head" for f in FORMATS)  # the embedding and output head quantized too
 
 
 def jaxformer_row(folder: str, weights: str, batches: list[int], prompt_len: int, new: int, reps: int) -> dict:
@@ -41,12 +42,13 @@ def jaxformer_row(folder: str, weights: str, batches: list[int], prompt_len: int
     from jaxformer.config import DTYPES
     from jaxformer.convert import load_hf
     from jaxformer.memory import cache_entry_bytes
-    from jaxformer.quantized import stored_bytes
+    from jaxformer.quantized import Quantization, stored_bytes
 
     dtype = DTYPES[weights] if weights in FLOATS else jnp.float32
+    fmt, _, head = weights.partition("+")
     with loading_memory():  # as jaxformer's commands load
         config, params = load_hf(folder, max_seq_len=prompt_len + new, dtype=dtype,
-                                 quantize=None if weights in FLOATS else weights)
+                                 quantize=None if weights in FLOATS else Quantization(fmt, head=bool(head)))
     model, rows = Decoder(config), []
     for batch in batches:
         prompt = jnp.asarray(prompts(batch, prompt_len), jnp.int32)
@@ -94,10 +96,10 @@ def report(results: list[dict]) -> list[str]:
     lines = []
     for r in results:
         if "failed" in r:
-            lines.append(f"{r['impl']:12s} {r['weights']:8s} failed: {' '.join(r['failed'])}")
+            lines.append(f"{r['impl']:12s} {r['weights']:9s} failed: {' '.join(r['failed'])}")
             continue
         for row in r["rows"]:
-            line = (f"{r['impl']:12s} {r['weights']:8s} batch {row['batch']}: {row['tokens_per_s']:7.2f} tokens/s, "
+            line = (f"{r['impl']:12s} {r['weights']:9s} batch {row['batch']}: {row['tokens_per_s']:7.2f} tokens/s, "
                     f"weights {r['weight_bytes'] / 2**20:,.0f} MiB, peak RSS {r['peak_rss'] / 2**20:,.0f} MiB")
             if row["batch"] in float32:
                 line += f"; {row['tokens_per_s'] / float32[row['batch']]:.2f}x jaxformer float32"
@@ -112,7 +114,7 @@ def report(results: list[dict]) -> list[str]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.quantized_decode", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint")
-    p.add_argument("--weights", nargs="+", default=[*FLOATS, *FORMATS], choices=[*FLOATS, *FORMATS])
+    p.add_argument("--weights", nargs="+", default=[*FLOATS, *FORMATS], choices=[*FLOATS, *FORMATS, *HEADS])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=32)

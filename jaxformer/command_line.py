@@ -281,6 +281,9 @@ def add_quantize_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-affine", action="store_true",
                         help="with --quantize int4: a zero point per group, its range from min to max, instead "
                              "of a symmetric one")
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="with --quantize: the embedding and the output head too (a tied one once), a scale "
+                             "per vocabulary row")
 
 
 def quantization(flags) -> Quantization | None:
@@ -296,7 +299,8 @@ def quantization(flags) -> Quantization | None:
     """
     if flags.quantize is None:
         for flag, given in (("--quantize-group", flags.quantize_group is not None),
-                            ("--quantize-affine", flags.quantize_affine)):
+                            ("--quantize-affine", flags.quantize_affine),
+                            ("--quantize-head", flags.quantize_head)):
             if given:
                 raise ValueError(f"{flag} needs --quantize")
         return None
@@ -306,16 +310,18 @@ def quantization(flags) -> Quantization | None:
     if flags.quantize_affine and flags.quantize != "int4":
         raise ValueError(f"--quantize-affine goes with --quantize int4 alone, not {flags.quantize}")
     group = Quantization.group if flags.quantize_group is None else flags.quantize_group
-    return Quantization(flags.quantize, group, flags.quantize_affine)
+    return Quantization(flags.quantize, group, flags.quantize_affine, flags.quantize_head)
 
 
 def quantized_formats(params) -> str:
     """The formats of a parameter tree's quantized matrices (`quantized.format_of`), as the line
     that says what a command loaded names them: "int8 matrices", "fp8, int8 matrices" (a
-    checkpoint's as shipped, and --quantize's), or "" where none is quantized."""
+    checkpoint's as shipped, and --quantize's), "int8 matrices, embedding and head" (--quantize-head),
+    or "" where none is quantized."""
     formats = {format_of(x) for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray))
                if isinstance(x, QArray)}
-    return f"{', '.join(sorted(formats))} matrices" if formats else ""
+    head = ", embedding and head" if isinstance(params.get("embed"), QArray) else ""
+    return f"{', '.join(sorted(formats))} matrices{head}" if formats else ""
 
 
 def check_quantization(config: DecoderConfig, how: Quantization | None) -> int | None:

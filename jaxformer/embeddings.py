@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxformer.products import product
+from jaxformer.quantized import QArray, dequantize_stored
 
 
 def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -13,6 +14,9 @@ def lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     vocab = table.shape[0]
     # jnp.take's "fill" mode still wraps negative ids, so send them past the end first.
     ids = jnp.where((ids >= 0) & (ids < vocab), ids, vocab)
+    if isinstance(table, QArray):  # a quantized table: its rows' values and scales, then dequantized
+        rows = jax.tree.map(lambda a: jnp.take(a, jnp.minimum(ids, vocab - 1), axis=0), table)
+        return jnp.where((ids < vocab)[..., None], dequantize_stored(rows), jnp.nan)
     return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan)
 
 

@@ -60,6 +60,8 @@ SHIPPED = ("mxfp4", "fp8")  # read as the checkpoints ship them (`quantization_c
 # product, and where quantizing costs the most accuracy.
 MATRICES = frozenset({"wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b", "wz", "wb", "wa", "w_gate",
                       "w_up", "w_down"})
+# The embedding and the untied output head: quantized only when asked (`Quantization.head`).
+HEAD = frozenset({"embed", "lm_head"})
 _INPUTS = {"wo": 2}  # o reads heads x channels; every other matrix its first axis
 
 # NF4's code book (Dettmers et al., QLoRA, appendix E): 0, then eight quantiles of N(0, 1) above the
@@ -70,7 +72,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                 0.7229568362236023, 1.0], np.float32)
 
-__all__ = ["FORMATS", "GROUPS", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "Quantized", "check_group",
+__all__ = ["FORMATS", "GROUPS", "HEAD", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "Quantized", "check_group",
            "dequantize", "dequantize_stored", "stored",
            "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "full_scale", "input_axes", "quantize",
            "quantize_params", "to_fp8", "to_mxfp4"]
@@ -135,11 +137,14 @@ class Quantization:
       format: one of `FORMATS`.
       group: int4's and nf4's inputs per scale, one of `GROUPS` (int8's scale covers all of them).
       affine: int4 only: a zero point per group (min..max onto 0..15) instead of a symmetric range.
+      head: the embedding and the output head too (`HEAD`): a tied embedding is both, quantized once,
+        a scale per vocabulary row over its d_model inputs (its rows looked up dequantized).
     """
 
     format: str
     group: int = 64
     affine: bool = False
+    head: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -152,11 +157,13 @@ class Quantization:
             raise ValueError(f"affine applies to int4 alone, not {self.format}")
 
 
-def input_axes(name: str, axes: tuple[str, ...]) -> tuple[int, ...] | None:
+def input_axes(name: str, axes: tuple[str, ...], head: bool = False) -> tuple[int, ...] | None:
     """The axes a product sums over of the parameter `name` whose dimensions are the logical `axes`
     (`jaxformer.sharding`'s names; a scanned stack's `LAYERS` and an expert stack's `EXPERTS` are
-    never summed); None: not one of `MATRICES`."""
-    if name not in MATRICES:
+    never summed); None: not one of `MATRICES` (nor, with `head`, of `HEAD`)."""
+    if head and name == "embed":  # [vocab, d_model]: the tied head's product sums over d_model
+        return (1,)
+    if name not in MATRICES | (HEAD if head else frozenset()):
         return None
     own = [i for i, axis in enumerate(axes) if axis not in (LAYERS, EXPERTS)]
     return tuple(own[:_INPUTS.get(name, 1)])
@@ -175,7 +182,7 @@ def quantize_params(params: dict, axes: dict, how: Quantization, dtype=None) -> 
       A new tree: the quantized matrices in their places, every other leaf the same array.
     """
     def one(path, w, names):
-        inputs = input_axes(path[-1].key, names)
+        inputs = input_axes(path[-1].key, names, how.head)
         return w if inputs is None else quantize(w, how, inputs, w.dtype if dtype is None else dtype)
 
     return jax.tree_util.tree_map_with_path(one, params, axes)

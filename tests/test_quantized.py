@@ -241,7 +241,8 @@ def test_other_formats_multiply_the_dequantized_matrix(how, equation, x_shape, w
     """On a CPU by blocks of output rows, each dequantized as it is multiplied (with a small
     `BLOCK_VALUES`, many blocks): the dequantized matrix's product, within float32's error bound for
     a sum of K products, K u sum |x||W^| (u = 2^-24), of its exact value; and bfloat16's rounded
-    once more (2^-8 of it). In one block, the very numbers of the whole dequantized matrix's."""
+    once more (2^-8 of it). (Not to the bit the whole dequantized matrix's product: a block's
+    product is a 2-D one, whose sums XLA may order otherwise than the equation's.)"""
     if blocks:
         monkeypatch.setattr(products, "BLOCK_VALUES", 2**10)  # (24 or 32 blocks of 3 or 4 rows)
     x, w = jnp.asarray(matrix(x_shape, 1)), jnp.asarray(matrix(w_shape, 2))
@@ -254,8 +255,6 @@ def test_other_formats_multiply_the_dequantized_matrix(how, equation, x_shape, w
         got = np.asarray(product(equation, xd, qd), np.float64)
         assert np.all(np.abs(got - exact) <= k * 2**-24 * np.einsum(equation, np.abs(x64), np.abs(w64))
                       + rounding * np.abs(exact))
-        if not blocks:
-            np.testing.assert_array_equal(got, product(equation, xd, dequantize(qd)))
 
 
 @pytest.mark.parametrize("how", [Quantization("int8"), Quantization("nf4")], ids=str)
@@ -304,3 +303,55 @@ def test_a_model_dequantizes_one_matrix_at_a_time(fmt):
         .memory_analysis().temp_size_in_bytes
     largest = 4 * 512 * 1024  # w_gate's float32 bytes
     assert temp <= 2 * largest + (1 << 20), temp
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+def test_a_quantized_embedding_looks_up_its_dequantized_rows(fmt):
+    from jaxformer.embeddings import lookup
+
+    table = jnp.asarray(matrix((40, 64)))  # [vocab, d_model]: a scale per row (and group of its d_model)
+    q = quantize(table, Quantization(fmt, 32), (1,))
+    ids = jnp.array([[0, 39, 5, -1, 40, 5]])
+    rows = np.asarray(lookup(q, ids))
+    chex.assert_shape(rows, (1, 6, 64))
+    np.testing.assert_array_equal(rows[0, [0, 1, 2, 5]], np.asarray(dequantize(q))[[0, 39, 5, 5]])
+    assert np.isnan(rows[0, [3, 4]]).all()  # ids outside the vocabulary: NaN rows, as a float table's
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("how", [Quantization("int8", head=True), Quantization("int4", 32, affine=True, head=True),
+                                 Quantization("nf4", 32, head=True)], ids=lambda how: how.format)
+def test_a_quantized_head_looks_up_and_scores_with_its_dequantized_matrix(how, tied):
+    """With `head`, the embedding and the untied head are quantized too (a tied one once), a scale
+    per vocabulary row over d_model. The stream is the one of the model whose embedding and head are
+    their dequantized matrices, to the bit (rows looked up, then dequantized); the logits are that
+    stream's product with the dequantized head within the product's bound: float32's for a sum of
+    d_model products, and for int8 the stream's rounding to int8 per row, sum |x - x^||W^| (W8A8)."""
+    import dataclasses
+
+    from conftest import SMALL, random_params
+
+    from jaxformer import Decoder
+    from jaxformer.quantized import quantize_params
+    from jaxformer.sharding import param_axes
+
+    config = dataclasses.replace(SMALL, tie_embeddings=tied)
+    model = Decoder(config)
+    params = random_params(config, seed=3)
+    q = quantize_params(params, param_axes(model), how)
+    heads = ["embed"] if tied else ["embed", "lm_head"]
+    assert all(isinstance(q[name], QArray) and q[name].shape == params[name].shape for name in heads)
+    assert not isinstance(quantize_params(params, param_axes(model), dataclasses.replace(how, head=False))["embed"],
+                          QArray)  # only when asked
+    tokens = jnp.arange(12)[None] % config.vocab_size
+    x = model.apply({"params": q}, tokens, hidden=True)[0]  # [1, T, d_model]
+    floats = dict(q, **{name: dequantize(q[name]) for name in heads})
+    np.testing.assert_array_equal(x, model.apply({"params": floats}, tokens, hidden=True)[0])
+    x = np.asarray(x, np.float64)[0]  # [T, d]
+    w = np.asarray(floats["embed"].T if tied else floats["lm_head"], np.float64)  # [d, V]
+    logits = np.asarray(model.apply({"params": q}, tokens)[0], np.float64)[0]
+    bound = config.d_model * 2**-24 * np.abs(x) @ np.abs(w)
+    if how.format == "int8":  # the stream's rows rounded to int8 (`test_int8_is_w8a8_...`'s bound)
+        s_x = np.abs(x).max(-1, keepdims=True) / 127
+        bound += np.abs(x - np.round(x / s_x) * s_x) @ np.abs(w)
+    assert np.all(np.abs(logits - x @ w) <= bound)

@@ -99,7 +99,8 @@ class Settings:
       capacity_factor: a mixture of experts' capacity (`ExpertsSpec.capacity_factor`): each
         expert takes at most `ceil(factor * tokens * k / E)` of a call's pairs, the rest dropped
         and counted; None (the default) drops none.
-      quantize, quantize_group, quantize_affine: QLoRA: the frozen base's matrices quantized as
+      quantize, quantize_group, quantize_affine, quantize_head: QLoRA: the frozen base's matrices (and,
+        with quantize_head, its embedding and head) quantized as
         they are read (`jaxformer.command_line.quantization`; "int8", "int4" or "nf4"), under LoRA
         alone.
 
@@ -129,11 +130,13 @@ class Settings:
     quantize: str | None = None
     quantize_group: int | None = None
     quantize_affine: bool = False
+    quantize_head: bool = False
 
     RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data", "full", "lora_rank", "lora_alpha",
                                                 "lora_targets", "lora_dropout", "base_dtype", "steps", "batch_size",
                                                 "lr", "warmup", "weight_decay", "clip", "seq_len", "seed",
-                                                "capacity_factor", "quantize", "quantize_group", "quantize_affine")
+                                                "capacity_factor", "quantize", "quantize_group", "quantize_affine",
+                                                "quantize_head")
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data")
 
     def __post_init__(self):

@@ -424,7 +424,14 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
     if missing or unexpected:
         raise ValueError(f"{path}: tensors do not match config.json: missing {missing}, "
                          f"unexpected {sorted(unexpected)}")
-    if stored_head is not None and not np.array_equal(stored_head.astype(config.param_dtype), params["embed"]):
+    embed = params.get("embed")
+    if isinstance(embed, QArray) and stored_head is not None:  # the embedding quantized as read: the stored
+        # head is quantized alike and compared (a head equal to the embedding quantizes to the same leaves)
+        stored_head = quantize_matrix(jnp.asarray(stored_head, config.param_dtype), how, (1,), config.param_dtype)
+        same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(stored_head), jax.tree.leaves(embed)))
+    else:
+        same = stored_head is None or np.array_equal(stored_head.astype(config.param_dtype), embed)
+    if not same:
         raise ValueError(f"{path}: config.json tie_word_embeddings: is true but lm_head.weight differs from "
                          "model.embed_tokens.weight")
     if other_towers:  # (one line: what of an image-text checkpoint is left)
@@ -454,7 +461,7 @@ def _matrix_inputs(config: DecoderConfig, scan_layers: bool, how: Quantization |
     for path, axes in jax.tree_util.tree_flatten_with_path(param_axes(model), is_leaf=lambda x: isinstance(x, tuple)
                                                            )[0]:
         where = tuple(key.key for key in path)
-        axes_in = input_axes(where[-1], axes)
+        axes_in = input_axes(where[-1], axes, how is not None and how.head)
         if axes_in is not None:
             found[where] = axes_in
     shapes = {tuple(key.key for key in path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(

@@ -354,6 +354,24 @@ def test_qlora_trains_adapters_over_a_quantized_base_and_merges_into_a_float_fol
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_qlora_with_a_quantized_head_learns_through_it(checkpoint, tmp_path):
+    """--quantize-head: the embedding and head of the frozen base quantized too; the adapters'
+    gradient flows back through the quantized head (a step lowers the loss)."""
+    from jaxformer.quantized import QArray
+
+    data = tmp_path / "new.txt"
+    data.write_text(NEW_TEXT)
+    setup = finetune.build(finetune.Settings(checkpoint=str(checkpoint), data=str(data), seq_len=32,
+                                              quantize="int8", quantize_head=True))
+    base = finetune.base_of(setup)
+    assert isinstance(base["embed"], QArray)
+    batch = setup.make_batch(jax.random.key(0))
+    loss = jax.jit(lambda params: setup.loss_fn(params, batch, jax.random.key(1), setup.frozen)[0])
+    grads = jax.grad(loss)(setup.params)
+    stepped = jax.tree.map(lambda p, g: p - 1e-2 * g, setup.params, grads)
+    assert float(loss(stepped)) < float(loss(setup.params))
+
+
 def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, tmp_path):
     """The evaluation after training reuses the one before's program (the parameters are its
     argument), and the loss is the direct mean over the scored tokens."""

@@ -58,11 +58,13 @@ def test_each_command_turns_the_flags_into_one_quantization(command, capsys):
     assert parsed(command, "--quantize", "int8") == Quantization("int8")
     assert parsed(command, "--quantize", "nf4", "--quantize-group", "32") == Quantization("nf4", 32)
     assert parsed(command, "--quantize", "int4", "--quantize-affine") == Quantization("int4", 64, affine=True)
+    assert parsed(command, "--quantize", "int8", "--quantize-head") == Quantization("int8", head=True)
     with pytest.raises(SystemExit):
         command.parse_args(["--help"])
     help = " ".join(capsys.readouterr().out.split())  # (argparse wraps the lines)
     assert "--quantize {int8,int4,nf4}" in help and "--quantize-group {32,64,128}" in help
     assert "inputs that share a scale (default: 64)" in help and "--quantize-affine" in help
+    assert "--quantize-head" in help
 
 
 def not_read(folders, tmp_path) -> str:
@@ -83,12 +85,13 @@ GROUP_64 = r"--quantize-group 64 does not divide the matrix's inputs [32] (shape
     (["--quantize", "nf4", "--quantize-affine"], "--quantize-affine goes with --quantize int4 alone, not nf4"),
     (["--quantize-group", "32"], "--quantize-group needs --quantize"),
     (["--quantize-affine"], "--quantize-affine needs --quantize"),
+    (["--quantize-head"], "--quantize-head needs --quantize"),
     (["--quantize", "int8", "--quantize-group", "32"], "--quantize-group does not go with --quantize int8, which "
      "has one scale per output channel"),
     (["--quantize", "int2"], "argument --quantize: invalid choice: 'int2' (choose from 'int8', 'int4', 'nf4')"),
     (["--quantize", "int4", "--quantize-group", "16"], "argument --quantize-group: invalid choice: 16"),
-], ids=["default-group", "group-adapter", "affine-nf4", "group-alone", "affine-alone", "group-int8", "format",
-        "group-choice"])
+], ids=["default-group", "group-adapter", "affine-nf4", "group-alone", "affine-alone", "head-alone", "group-int8",
+         "format", "group-choice"])
 def test_generate_refuses_bad_quantize_flags_before_the_weights_are_read(folders, tmp_path, flags, message):
     flags = [str(folders / "adapter") if flag == "ADAPTER" else flag for flag in flags]
     done = run_main(generate_command.main, ["--checkpoint", not_read(folders, tmp_path), "--prompt", "hi", *flags])
@@ -129,6 +132,19 @@ def test_generate_int8_prints_the_tokens_of_the_library_on_the_int8_model(folder
     # The line that says what was loaded names the format, and counts a quantized matrix's weights, not its scales.
     count = sum(x.size for x in jax.tree.leaves(float_params))
     assert done.stderr.splitlines()[0].endswith(f"vocab 400, {count:,} parameters, float32, int8 matrices")
+
+
+def test_generate_quantizes_the_embedding_and_head_when_asked(folders):
+    done = run_main(generate_command.main, ["--checkpoint", str(folders / "base"), "--prompt", PROMPT,
+                                            "--max-new-tokens", str(NEW), "--json", "--quantize", "int8",
+                                            "--quantize-head"])
+    assert done.returncode == 0, done.stderr
+    _, params = load_hf(str(folders / "base"), quantize=Quantization("int8", head=True))
+    assert isinstance(params["embed"], QArray) and isinstance(params["lm_head"], QArray)
+    want = library_tokens(params)
+    assert json.loads(done.stdout)["token_ids"] == want
+    assert want != library_tokens(load_hf(str(folders / "base"), quantize="int8")[1])  # (the head's rounding shows)
+    assert done.stderr.splitlines()[0].endswith("float32, int8 matrices, embedding and head")
 
 
 def command_nll(folder, *flags) -> float:

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 from jaxformer import Decoder, RopeScaling
 from jaxformer.convert import config_from_hf, config_to_hf, load_hf, save_hf
 from jaxformer.families.common import Tensor, whole_shape
+from jaxformer.quantized import Quantization
 
 LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu",
@@ -271,15 +272,16 @@ def test_config_that_disagrees_with_the_tensors_is_refused(tmp_path):
         load_hf(str(tmp_path))
 
 
-def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
+@pytest.mark.parametrize("quantize", [None, Quantization("int8", head=True)], ids=["float", "quantized-head"])
+def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path, quantize):
     _saved(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, str(tmp_path / "model.safetensors"))
-    load_hf(str(tmp_path))  # a stored copy of the embedding is fine
+    load_hf(str(tmp_path), quantize=quantize)  # a stored copy of the embedding is fine
     save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"] + 1},
               str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="tie_word_embeddings"):
-        load_hf(str(tmp_path))
+        load_hf(str(tmp_path), quantize=quantize)
 
 
 def test_missing_weights_file_is_a_clear_error(tmp_path):

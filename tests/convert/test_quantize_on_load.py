@@ -9,7 +9,7 @@ from conftest import SMALL, random_params
 
 from jaxformer import Decoder
 from jaxformer.convert import config_from_hf, load_hf, save_hf
-from jaxformer.quantized import MATRICES, QArray, Quantization, quantize_params
+from jaxformer.quantized import HEAD, MATRICES, QArray, Quantization, quantize_params
 from jaxformer.sharding import param_axes
 
 MIXTRAL = {"model_type": "mixtral", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
@@ -24,8 +24,9 @@ def leaves(tree):
 
 
 INT8, INT4, NF4 = Quantization("int8"), Quantization("int4", 32, affine=True), Quantization("nf4", 32)
-FAST = [("llama", INT8, False), ("mixtral", NF4, True)]
-EVERY = [(family, how, scan) for family in CONFIGS for how in (INT8, INT4, NF4) for scan in (False, True)
+HEADS = Quantization("int8", head=True), Quantization("nf4", 32, head=True)  # the embedding and head too
+FAST = [("llama", INT8, False), ("mixtral", NF4, True), ("llama", HEADS[0], False), ("mixtral", HEADS[1], True)]
+EVERY = [(family, how, scan) for family in CONFIGS for how in (INT8, INT4, NF4, *HEADS) for scan in (False, True)
          if (family, how, scan) not in FAST]
 
 
@@ -52,17 +53,17 @@ def quantized_as_read(tmp_path, family, how, scan_layers):
     want = quantize_params(params, param_axes(Decoder(config)), how)
     got, expected = leaves(loaded), leaves(want)
     assert [p for p, _ in got] == [p for p, _ in expected]
-    n = 0
+    names, n = MATRICES | (HEAD if how.head else frozenset()), 0
     for (path, a), (_, b) in zip(got, expected):
         assert type(a) is type(b), path
         if isinstance(a, QArray):
             n += 1
-            assert path[-1].key in MATRICES and a.qvalue.dtype == b.qvalue.dtype
+            assert path[-1].key in names and a.qvalue.dtype == b.qvalue.dtype
             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
         else:
             np.testing.assert_array_equal(a, b, err_msg=str(path))
-    assert n == sum(path[-1].key in MATRICES for path, _ in leaves(params))
+    assert n == sum(path[-1].key in names for path, _ in leaves(params))
     tokens = np.arange(8)[None] % config.vocab_size
     logits = model.apply({"params": load_hf(str(tmp_path), quantize=how, scan_layers=scan_layers)[1]}, tokens)[0]
     np.testing.assert_allclose(logits, Decoder(config).apply({"params": want}, tokens)[0], rtol=1e-5, atol=1e-5)
