@@ -72,8 +72,8 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                 0.7229568362236023, 1.0], np.float32)
 
-__all__ = ["FORMATS", "GROUPS", "HEAD", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "Quantized", "check_group",
-           "dequantize", "dequantize_stored", "stored",
+__all__ = ["FORMATS", "GROUPS", "HEAD", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "Quantized",
+           "check_group", "dequantize", "dequantize_stored", "stored",
            "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "full_scale", "input_axes", "quantize",
            "quantize_params", "to_fp8", "to_mxfp4"]
 
