@@ -7,12 +7,12 @@ fresh process.
 DIR is a checkpoint folder (`python -m benchmarks.llama_1b DIR` writes a Llama-3.2-1B-shaped one).
 For each kind of weights, a process of its own loads the folder (`load_hf(dtype=...)`, or
 `load_hf(quantize=...)` with float32 compute; `F+head`: the embedding and head quantized too),
-decodes `--new` greedy tokens after a `--prompt`-token prompt at each batch size (the whole
-loop one jitted program, its first call timed apart), and reports new tokens/s, its weights'
-stored bytes (int4 and NF4 at half a byte a value) and its peak resident memory (Linux's VmHWM). transformers' `generate` on torch runs the same prompts in float32
-and bfloat16, each in a process too; "its best" is the faster at each batch. Printed: each row's
-tokens/s, its ratio to jaxformer float32's and to transformers' best at that batch, and its peak
-memory against its weights' bytes plus the cache.
+decodes `--new` greedy tokens after a `--prompt`-token prompt at each batch size (the whole loop one
+jitted program, its first call timed apart), and reports new tokens/s, its weights' stored bytes
+(int4 and NF4 at half a byte a value) and its peak resident memory (Linux's VmHWM). transformers'
+`generate` on torch runs the same prompts in float32 and bfloat16, each in a process too; "its best"
+is the faster at each batch. Printed: each row's tokens/s, its ratio to jaxformer float32's and to
+transformers' best at that batch, and its peak memory against its weights' bytes plus the cache.
 """
 
 from __future__ import annotations
