@@ -1,7 +1,7 @@
-"""A checkpoint shaped like Llama-3.2-1B, with random weights, made on the spot (nothing is
-downloaded): what the real-size benchmarks and tests run on.
+"""A checkpoint shaped like Llama-3.2-1B (or Llama-3.1-8B), with random weights, made on the spot
+(nothing is downloaded): what the real-size benchmarks and tests run on.
 
-    python -m benchmarks.llama_1b DIR [--seed 0] [--layers 16]
+    python -m benchmarks.llama_1b DIR [--seed 0] [--layers 16] [--shape 1b|8b]
 
 `DIR` gets the folder `save_pretrained` writes for the shipped model: its `config.json` (below:
 16 layers, d_model 2048, 32 query and 8 key/value heads of 64, SwiGLU 8192, vocabulary
@@ -12,6 +12,10 @@ produced by it, but the model still scores and samples all 128,256). The weights
 with the shipped model's init scale (normal, std 0.02; norm weights 1), so activations and
 logits have a real model's scale, not its knowledge. `--layers` makes a shallower model of
 the same width (a quick variant of the same shapes).
+
+`--shape 8b` writes Llama-3.1-8B's shapes instead (`CONFIG_8B`: 32 layers, d_model 4096, 32 query
+and 8 key/value heads of 128, SwiGLU 14,336, the same vocabulary, an untied head; 8.03 B
+parameters, 16.1 GB in four shards), tensor by tensor, so that writing it holds one shard.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ CONFIG = {
     "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
     "vocab_size": 128256,
 }
+# The Llama-3.1-8B config.json as published (the architecture fields that differ).
+CONFIG_8B = CONFIG | {
+    "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "rope_scaling": dict(CONFIG["rope_scaling"], factor=8.0), "tie_word_embeddings": False,
+}
+SHAPES = {"1b": (CONFIG, 2), "8b": (CONFIG_8B, 4)}  # each shape's config and its shards, as shipped
 TEXT = ("Attention is all you need. The Transformer reads a whole sentence at once. Keys and values are "
         "cached, so each new token costs one step. The cat sat on the mat, and the dog sat on the log. ") * 20
 
@@ -45,6 +55,8 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     d, f, head = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], d), "model.norm.weight": (d,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], d)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
@@ -69,23 +81,26 @@ def tokenizer() -> Tokenizer:
     return tok
 
 
-def write(folder: str, *, seed: int = 0, layers: int | None = None) -> str:
-    """Writes the random checkpoint into `folder` (created); returns `folder`."""
-    config = dict(CONFIG, num_hidden_layers=layers or CONFIG["num_hidden_layers"])
+def write(folder: str, *, seed: int = 0, layers: int | None = None, shape: str = "1b") -> str:
+    """Writes the random checkpoint of `shape` ("1b", "8b") into `folder` (created); returns `folder`."""
+    shipped, shards = SHAPES[shape]
+    config = dict(shipped, num_hidden_layers=layers or shipped["num_hidden_layers"])
     tok = tokenizer()
     config |= {"bos_token_id": tok.token_to_id("<|begin_of_text|>"), "eos_token_id": tok.token_to_id("<|end_of_text|>")}
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
     shapes = tensor_shapes(config)
+    # The tensors in order, cut into `shards` runs of about equal bytes, as the shipped ones are split.
     names = list(shapes)
-    halves = [names[:len(names) // 2], names[len(names) // 2:]]  # two shards, as the shipped one is split
+    ends = np.cumsum([np.prod(shapes[name]) for name in names])
+    cut = np.searchsorted(ends, ends[-1] * np.arange(1, shards) / shards)
     weight_map = {}
-    for i, part in enumerate(halves):
-        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+    for i, part in enumerate(np.split(np.array(names, object), cut)):
+        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         tensors = {}
         for name in part:
-            shape = shapes[name]
-            w = np.ones(shape, np.float32) if len(shape) == 1 else rng.standard_normal(shape, np.float32) * 0.02
+            dims = shapes[name]
+            w = np.ones(dims, np.float32) if len(dims) == 1 else rng.standard_normal(dims, np.float32) * 0.02
             tensors[name] = w.astype(ml_dtypes.bfloat16)
             weight_map[name] = shard
         save_file(tensors, os.path.join(folder, shard), metadata={"format": "pt"})
@@ -112,9 +127,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.llama_1b", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shipped 16")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shipped model's")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b", help="Llama-3.2-1B's or Llama-3.1-8B's")
     args = parser.parse_args(argv)
-    write(args.folder, seed=args.seed, layers=args.layers)
+    write(args.folder, seed=args.seed, layers=args.layers, shape=args.shape)
     print(f"wrote {args.folder}")
 
 
