@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import subprocess
 import sys
 import time
@@ -29,6 +31,7 @@ from benchmarks.decode_1b import seconds
 from benchmarks.moe_decode import peak_rss, prompts, transformers_side
 
 FLOATS = ("float32", "bfloat16")
+FLOAT_BYTES = {"float32": np.float32, "bfloat16": np.float16}  # (bfloat16's size is float16's)
 FORMATS = ("int8", "int4", "nf4")
 HEADS = tuple(f"{f}+head" for f in FORMATS)  # the embedding and output head quantized too
 
@@ -71,14 +74,40 @@ def transformers_row(folder: str, weights: str, batches: list[int], prompt_len: 
             "peak_rss": side["peak_rss"]}
 
 
+def parameter_count(folder: str) -> int:
+    """The checkpoint's parameters, from its safetensors files' headers (nothing read)."""
+    from safetensors import safe_open
+
+    count = 0
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "np") as f:
+                count += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
+    return count
+
+
+def memory_total() -> int:
+    """This machine's memory in bytes (Linux's MemTotal)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+
+
 def in_a_process(args, impl: str, weights: str) -> dict:
-    """One run, in a fresh Python process (its own peak memory): its JSON result."""
+    """One run, in a fresh Python process (its own peak memory): its JSON result. Float weights
+    larger than the machine's memory are not run (the Llama-3.1-8B shape's 32 GB of float32 on a
+    24 GB machine): the row says so."""
+    if weights in FLOATS:
+        need = parameter_count(args.checkpoint) * np.dtype(FLOAT_BYTES[weights]).itemsize
+        if need > memory_total():
+            return {"impl": impl, "weights": weights, "failed": [
+                f"not run: its {weights} weights, {need / 1e9:.1f} GB, exceed this machine's memory, "
+                f"{memory_total() / 2**30:.1f} GiB"]}
     command = [sys.executable, "-m", "benchmarks.quantized_decode", args.checkpoint, "--one", impl, weights,
                "--batch", *map(str, args.batch), "--prompt", str(args.prompt), "--new", str(args.new),
                "--reps", str(args.reps)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        return {"impl": impl, "weights": weights, "failed": done.stderr.strip().splitlines()[-1:]}
+        return {"impl": impl, "weights": weights, "failed": ["failed:", *done.stderr.strip().splitlines()[-1:]]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -96,7 +125,7 @@ def report(results: list[dict]) -> list[str]:
     lines = []
     for r in results:
         if "failed" in r:
-            lines.append(f"{r['impl']:12s} {r['weights']:9s} failed: {' '.join(r['failed'])}")
+            lines.append(f"{r['impl']:12s} {r['weights']:9s} {' '.join(r['failed'])}")
             continue
         for row in r["rows"]:
             line = (f"{r['impl']:12s} {r['weights']:9s} batch {row['batch']}: {row['tokens_per_s']:7.2f} tokens/s, "
