@@ -33,3 +33,23 @@ def test_each_kind_of_weights_decodes_in_its_own_process(tmp_path, capsys):
     printed = capsys.readouterr().out
     for said in ("x jaxformer float32", "x transformers' best", "RSS / (weights + cache)"):
         assert said in printed
+
+
+def test_float_weights_larger_than_the_memory_are_not_run_and_bfloat16_is_the_baseline(tmp_path, monkeypatch):
+    import argparse
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros((1000,), np.float32)}, str(tmp_path / "model.safetensors"))
+    assert quantized_decode.parameter_count(str(tmp_path)) == 1000
+    monkeypatch.setattr(quantized_decode, "memory_total", lambda: 3000)  # bf16's 2,000 bytes fit, float32's 4,000 not
+    args = argparse.Namespace(checkpoint=str(tmp_path))
+    row = quantized_decode.in_a_process(args, "jaxformer", "float32")
+    assert row["failed"] == ["not run: its float32 weights, 0.0 GB, exceed this machine's memory, 0.0 GiB"]
+    ran = [{"impl": "jaxformer", "weights": w, "weight_bytes": 1 << 20, "peak_rss": 1 << 21,
+            "rows": [{"batch": 1, "tokens_per_s": t}]} for w, t in (("bfloat16", 2.0), ("int8", 5.0))]
+    lines = quantized_decode.report([row, *ran])
+    assert lines[0].split() == ["jaxformer", "float32", "not", "run:", "its", "float32", "weights,", "0.0", "GB,",
+                                "exceed", "this", "machine's", "memory,", "0.0", "GiB"]
+    assert lines[2].endswith("2.50x jaxformer bfloat16")
