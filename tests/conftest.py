@@ -124,6 +124,7 @@ FULL_TIER = {
     "tests/commands/test_quantize_flags.py::test_generate_int8_prints": "the decoding programs compiled three times",
     "tests/commands/test_quantize_flags.py::test_generate_end_to_end": "a process of its own",
     "tests/test_quantized.py::test_mxfp4_is_decoded_as_transformers_decodes_it": "torch imported for the peer",
+    "tests/test_export.py::test_a_quantized_model_exports": "two formats' programs and QLoRA's lowered twice",
     "tests/test_constants.py": "every user path compiled in a process of its own",
     "tests/test_sharding.py::test_sharding_cases_on_eight_devices": "meshes of 8 devices",
     "tests/benchmarks/": "the benchmarks run small, end to end",

@@ -301,3 +301,37 @@ def test_a_cached_decoding_step_exports_for_cuda_as_the_docs_say():
     assert exported.platforms == ("cuda",)
     assert all(f"@{target}(" in exported.mlir_module() for target in CUDA_CUSTOM_CALL_TARGETS)
     assert jax.export.export(jax.jit(step), platforms=["tpu"])(*args).platforms == ("tpu",)  # (nothing to disable)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_a_quantized_model_exports_with_each_platforms_products(platform):
+    """Quantized matrices (the embedding and head too) in a forward and in QLoRA's gradient: each
+    product's `lax.platform_dependent` lowers its platform's branch. int8: every matrix an int8 x
+    int8 product summed in int32 (W8A8, qwix's einsum: 7 matrices a layer and the head); NF4 the
+    matrix dequantized where the product reads it, with none of the CPU's loop over blocks."""
+    from jaxformer.lora import Adapted, LoraConfig, init_lora
+    from jaxformer.quantized import Quantization, quantize_params
+    from jaxformer.sharding import param_axes
+
+    config = DecoderConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64)
+    model = Decoder(config)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    for fmt in ("int8", "nf4"):
+        params = jax.eval_shape(lambda p, fmt=fmt: quantize_params(p, param_axes(model), Quantization(fmt, head=True)),
+                                shapes)
+        text = jax.export.export(jax.jit(lambda p, t: model.apply({"params": p}, t)), platforms=[platform])(
+            params, tokens).mlir_module()
+        dots = re.findall(r"stablehlo.dot_general.*", text)
+        integer = sum("xi8>" in dot and "xi32>" in dot for dot in dots)
+        assert integer == (2 * 7 + 1 if fmt == "int8" else 0), (fmt, integer)
+        assert "stablehlo.while" not in text
+    lora_config = LoraConfig()
+    adapted = Adapted(Decoder(config.replace(lora=lora_config)))
+    lora = jax.eval_shape(lambda: init_lora(shapes, lora_config, jax.random.key(0)))
+
+    def loss(lora, base, tokens):  # (the NF4 base's: QLoRA's gradient for the adapters alone)
+        return jnp.mean(adapted.apply({"params": {"base": base, "lora": lora}}, tokens)[0])
+
+    exported = jax.export.export(jax.jit(jax.grad(loss)), platforms=[platform])(lora, params, tokens)
+    assert exported.platforms == (platform,)
