@@ -1,4 +1,4 @@
-"""`benchmarks.llama_1b`'s shapes: the published models' parameter counts, and configs jaxformer reads as those models."""
+"""`benchmarks.llama_1b`'s shapes: the published models' parameter counts, and configs read as those models'."""
 
 import math
 
