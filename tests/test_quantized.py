@@ -26,6 +26,7 @@ from jaxformer.quantized import (
     from_fp8,
     from_mxfp4,
     quantize,
+    stored,
     to_fp8,
     to_mxfp4,
 )
@@ -255,6 +256,33 @@ def test_other_formats_multiply_the_dequantized_matrix(how, equation, x_shape, w
         got = np.asarray(product(equation, xd, qd), np.float64)
         assert np.all(np.abs(got - exact) <= k * 2**-24 * np.einsum(equation, np.abs(x64), np.abs(w64))
                       + rounding * np.abs(exact))
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["one block", "blocks"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_shipped_formats_multiply_the_dequantized_matrix(fmt, blocks, monkeypatch):
+    """MXFP4 and FP8 as the other dequantized formats, by blocks on a CPU (their values' bits sliced
+    as integers and decoded in the block; e2m1 from its bits, as twice its value, an integer):
+    within float32's bound for a sum of K products of the dequantized matrix's exact product, and
+    bfloat16's rounding of it."""
+    if blocks:
+        monkeypatch.setattr(products, "BLOCK_VALUES", 2**10)  # (32 or 24 blocks)
+    rng = np.random.default_rng(5)
+    k, n = 256, 96
+    if fmt == "mxfp4":  # every code of e2m1, scales 2^-9 .. 2^2
+        q = from_mxfp4(rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8),
+                       rng.integers(118, 130, (n, k // 32), dtype=np.uint8))
+    else:  # e4m3 values of a wide range, two 128-input blocks' scales
+        q = from_fp8(rng.normal(0, 100, (n, k)).astype(ml_dtypes.float8_e4m3fn),
+                     rng.uniform(1e-4, 1e-2, (1, 2)).astype(np.float32), (128, 128)).swapaxes(0, 1)
+    q = stored(q, (0,))  # [n, k]: inputs last, as a loaded model holds it
+    x = jnp.asarray(matrix((5, k), 1))
+    for dtype, rounding in ((jnp.float32, 0), (jnp.bfloat16, 2**-8)):
+        xd, qd = x.astype(dtype), q.astype(dtype)
+        x64, w64 = np.asarray(xd, np.float64), np.asarray(dequantize(qd), np.float64)
+        exact = x64 @ w64
+        got = np.asarray(product("bd,df->bf", xd, qd), np.float64)
+        assert np.all(np.abs(got - exact) <= k * 2**-24 * (np.abs(x64) @ np.abs(w64)) + rounding * np.abs(exact))
 
 
 @pytest.mark.parametrize("how", [Quantization("int8"), Quantization("nf4")], ids=str)
