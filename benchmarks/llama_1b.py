@@ -105,15 +105,15 @@ def write(folder: str, *, seed: int = 0, layers: int | None = None, shape: str =
             weight_map[name] = shard
         save_file(tensors, os.path.join(folder, shard), metadata={"format": "pt"})
         del tensors
-    return write_folder_files(folder, config, shapes, weight_map, tok)
+    total = sum(int(np.prod(s)) * 2 for s in shapes.values())  # (bfloat16's 2 bytes a value)
+    return write_folder_files(folder, config, total, weight_map, tok)
 
 
-def write_folder_files(folder: str, config: dict, shapes: dict, weight_map: dict, tok: Tokenizer) -> str:
-    """A random checkpoint's files besides its shards: the index of the bf16 tensors `shapes`
-    (`weight_map`: each one's shard), `config.json`, and `tok`'s tokenizer files; returns `folder`."""
-    total = sum(int(np.prod(s)) * 2 for s in shapes.values())
+def write_folder_files(folder: str, config: dict, total_size: int, weight_map: dict, tok: Tokenizer) -> str:
+    """A random checkpoint's files besides its shards: the index of its tensors (`weight_map`: each
+    one's shard; `total_size`: their bytes), `config.json`, and `tok`'s tokenizer files; returns `folder`."""
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     tok.save(os.path.join(folder, "tokenizer.json"))

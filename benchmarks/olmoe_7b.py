@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -70,26 +71,34 @@ def write(folder: str, *, seed: int = 0, layers: int | None = None) -> str:
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
     shapes = tensor_shapes(config)
-    shards, size = [[]], 0
-    for name, shape in shapes.items():  # cut into shards of about SHARD_BYTES
-        if size > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += int(np.prod(shape)) * 2
 
     def draw(name: str) -> np.ndarray:
         shape = shapes[name]
         w = np.ones(shape, np.float32) if len(shape) == 1 else rng.standard_normal(shape, np.float32) * 0.02
         return w.astype(ml_dtypes.bfloat16)
 
+    weight_map = write_shards(folder, {name: (shape, ml_dtypes.bfloat16) for name, shape in shapes.items()}, draw)
+    total = sum(int(np.prod(s)) * 2 for s in shapes.values())  # (bfloat16's 2 bytes a value)
+    return write_folder_files(folder, config, total, weight_map, tok)
+
+
+def write_shards(folder: str, tensors: dict[str, tuple[tuple[int, ...], np.dtype]],
+                 draw: Callable[[str], np.ndarray]) -> dict[str, str]:
+    """Writes `tensors` (`{name: (shape, dtype)}`, in order) into shards of about SHARD_BYTES, each
+    tensor `draw(name)` in turn, one in memory at a time; returns each name's shard (the index's map)."""
+    shards, size = [[]], 0
+    for name, (shape, dtype) in tensors.items():
+        if size > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += int(np.prod(shape)) * np.dtype(dtype).itemsize
     weight_map = {}
     for i, names in enumerate(shards):
         shard = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(os.path.join(folder, shard), [(n, shapes[n], ml_dtypes.bfloat16) for n in names], draw,
-                          {"format": "pt"})
+        write_safetensors(os.path.join(folder, shard), [(n, *tensors[n]) for n in names], draw, {"format": "pt"})
         weight_map |= {n: shard for n in names}
-    return write_folder_files(folder, config, shapes, weight_map, tok)
+    return weight_map
 
 
 def main(argv=None) -> None:

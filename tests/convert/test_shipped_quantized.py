@@ -39,6 +39,15 @@ def random_params(config, seed):
                                      for k, s in zip(keys, leaves)])
 
 
+def mxfp4_dequantized(blocks, scales):
+    """MXFP4 as gpt-oss ships it, `[E, out, in / 32, 16]` bytes (the low nibble first) and `[E, out, in / 32]`
+    e8m0 scales, as float32 `[E, in, out]` (as transformers dequantizes it)."""
+    E, n_out, n_blocks = scales.shape
+    codes = np.stack([blocks & 15, blocks >> 4], -1).reshape(E, n_out, n_blocks * 32)
+    values = E2M1[codes] * np.repeat(2.0 ** (scales.astype(np.int64) - 127), 32, axis=-1)
+    return np.ascontiguousarray(values.transpose(0, 2, 1), np.float32)
+
+
 def write_mxfp4(path, rng):
     """gpt-oss's experts as shipped: each `[E, d, 2F]` / `[E, F, d]` tensor replaced by random e2m1
     codes and exponents, `[E, out, in / 32, 16]` bytes and `[E, out, in / 32]` scales; returns the
@@ -49,9 +58,7 @@ def write_mxfp4(path, rng):
         blocks = rng.integers(0, 256, (E, n_out, n_in // 32, 16), dtype=np.uint8)
         scales = rng.integers(117, 121, (E, n_out, n_in // 32), dtype=np.uint8)  # values of at most 6 / 64
         tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
-        codes = np.stack([blocks & 15, blocks >> 4], -1).reshape(E, n_out, n_in)
-        values = E2M1[codes] * np.repeat(2.0 ** (scales.astype(np.int64) - 127), 32, axis=-1)
-        dequantized[key] = np.ascontiguousarray(values.transpose(0, 2, 1), np.float32)
+        dequantized[key] = mxfp4_dequantized(blocks, scales)
     save_file(tensors, os.path.join(path, "model.safetensors"), {"format": "pt"})
     return dequantized
 
