@@ -128,13 +128,27 @@ def time_torch(path: str, ids: np.ndarray, lora: bool, steps: int, targets: tupl
     torch.set_num_threads(os.cpu_count())
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(targets),
-                                                           lora_dropout=0.0))
+        model = peft.get_peft_model(model, peft_lora(targets))
+    return torch_steps(model, ids, steps)
+
+
+def peft_lora(targets: tuple[str, ...] = TARGETS):
+    """peft's config of the adapters every LoRA row trains: rank 8, alpha 16 on `targets`, no dropout."""
+    import peft
+
+    return peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(targets), lora_dropout=0.0)
+
+
+def torch_steps(model, ids: np.ndarray, steps: int, untimed: int = 2) -> tuple[list[float], float]:
+    """`untimed` then `steps` timed AdamW steps of a torch model over its trainable parameters:
+    each timed step's seconds, and the first step's loss."""
+    import torch
+
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     tokens, targets = torch.tensor(ids[:, :-1]), torch.tensor(ids[:, 1:])
     times, first = [], None
-    for i in range(steps + 2):
+    for i in range(steps + untimed):
         start = time.perf_counter()
         logits = model(input_ids=tokens).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -143,7 +157,7 @@ def time_torch(path: str, ids: np.ndarray, lora: bool, steps: int, targets: tupl
         optimizer.zero_grad()
         value = loss.item()
         first = value if first is None else first
-        if i >= 2:
+        if i >= untimed:
             times.append(time.perf_counter() - start)
     return times, first
 

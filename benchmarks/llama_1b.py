@@ -116,11 +116,16 @@ def write_folder_files(folder: str, config: dict, total_size: int, weight_map: d
         json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    write_tokenizer(folder, tok)
+    return folder
+
+
+def write_tokenizer(folder: str, tok: Tokenizer) -> None:
+    """`tok`'s files in `folder`: `tokenizer.json` and a `tokenizer_config.json` naming its BOS and EOS."""
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
                    "eos_token": "<|end_of_text|>"}, f, indent=2)
-    return folder
 
 
 def main(argv=None) -> None:

@@ -113,6 +113,11 @@ LONGEST_FIRST = ("tests/test_sharding.py", "tests/test_real_size_experts.py", "t
 # meshes of 8 devices. `pytest` alone runs the rest: every module's core checks, in minutes.
 FULL_TIER = {
     "tests/test_quantized.py::test_a_model_dequantizes_one_matrix_at_a_time[nf4]": "a second 8-layer compile",
+    # (The fast tier keeps NF4's QLoRA gradient without remat; these are the other formats and remat.)
+    "tests/test_quantized.py::test_a_qlora_step_dequantizes_one_matrix_at_a_time_in_its_backward_too[int":
+        "more 8-layer gradients compiled",
+    "tests/test_quantized.py::test_a_qlora_step_dequantizes_one_matrix_at_a_time_in_its_backward_too[nf4-remat]":
+        "more 8-layer gradients compiled",
     "tests/commands/test_finetune.py::test_qlora_trains_adapters": "a QLoRA run end to end, merged",
     "tests/test_lora.py::test_a_qlora_step_is_loras_step_on_the_dequantized_base[experts": "a MoE step, per format",
     "tests/convert/test_shipped_quantized.py::test_a_shipped_checkpoint_is": "whole MoE models compiled, per format",

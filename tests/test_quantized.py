@@ -383,3 +383,38 @@ def test_a_quantized_head_looks_up_and_scores_with_its_dequantized_matrix(how, t
         s_x = np.abs(x).max(-1, keepdims=True) / 127
         bound += np.abs(x - np.round(x / s_x) * s_x) @ np.abs(w)
     assert np.all(np.abs(logits - x @ w) <= bound)
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["", "remat"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "nf4"])
+def test_a_qlora_step_dequantizes_one_matrix_at_a_time_in_its_backward_too(fmt, remat, monkeypatch):
+    """The adapters' gradient over a quantized base (QLoRA's step), each matrix in many blocks as at a
+    real size (`BLOCK_VALUES` small): the backward dequantizes each matrix once its layer's gradient
+    is there, so the temporaries hold no layer's float32 matrices beyond those at work (read from the
+    parameters alone, every layer's ran at the backward's start: 8 layers' 68 MiB). The bound also
+    admits each matrix's values unpacked to a byte apiece (XLA:CPU converts a 4-bit array before the
+    forward's loop over its blocks slices it)."""
+    from jaxformer import Decoder, DecoderConfig, LoraConfig
+    from jaxformer.lora import init_lora
+    from jaxformer.quantized import quantize_params
+    from jaxformer.sharding import param_axes
+
+    monkeypatch.setattr(products, "BLOCK_VALUES", 2**16)  # (8 to 32 blocks a matrix)
+    lora = LoraConfig(rank=8, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"))
+    config = DecoderConfig(vocab_size=256, n_layer=8, n_head=8, n_kv_head=2, d_model=512, d_ff=1024, max_seq_len=16,
+                           remat=remat)
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    shapes = jax.eval_shape(lambda: Decoder(config).init(jax.random.key(0), tokens)["params"])
+    base = quantize_params(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), param_axes(Decoder(config)),
+                           Quantization(fmt))
+    model = Decoder(config.replace(lora=lora))
+
+    def loss(adapters, base):  # the base an argument, as jaxformer-finetune's step takes it
+        return model.apply({"params": base, "lora": adapters}, tokens)[0].sum()
+
+    temp = jax.jit(jax.grad(loss)).lower(init_lora(base, lora, jax.random.key(0)), base).compile() \
+        .memory_analysis().temp_size_in_bytes
+    values = config.n_layer * (2 * 512 * 512 + 2 * 512 * 128 + 3 * 512 * 1024)  # every matrix's
+    largest = 4 * 512 * 1024  # w_gate's float32 bytes
+    assert temp <= 2 * largest + values + (1 << 20), (temp, values)
