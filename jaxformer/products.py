@@ -191,34 +191,23 @@ def _by_blocks(wide: bool, k: int, x: jax.Array, w: QArray) -> jax.Array:
     # The fewest blocks of whole rows within BLOCK_VALUES each (rows that divide n).
     count = next(c for c in range(max(1, -(-n * width // BLOCK_VALUES)), n + 1) if n % c == 0)
     rows = x.reshape(-1, width)
-    # XLA:CPU slices a float4 (MXFP4) or float8 (FP8) array in a loop only after converting all of it
-    # to float16 (the whole matrix written out before the loop: the blocks' point lost), so the loop
-    # slices its bits instead, as unsigned integers of its width, and each block decodes its own.
+    # XLA:CPU slices a float8 (FP8) array in a loop only after converting all of it to float16 (the
+    # whole matrix written out before the loop: the blocks' point lost), so the loop slices its bits,
+    # as uint8, and each block takes them back. (MXFP4's float4 alike would need a 4-bit bitcast,
+    # which XLA:CPU's lowering rejects at some shapes: MXFP4 keeps the conversion.)
     values = w.qvalue.dtype
-    bits = {4: jnp.uint4, 8: jnp.uint8}.get(jnp.finfo(values).bits) if jnp.issubdtype(values, jnp.floating) else None
-    qvalue = w.qvalue if bits is None else jax.lax.bitcast_convert_type(w.qvalue, bits)
+    fp8 = jnp.issubdtype(values, jnp.floating) and jnp.finfo(values).bits == 8
+    qvalue = jax.lax.bitcast_convert_type(w.qvalue, jnp.uint8) if fp8 else w.qvalue
     flat = [None if a is None else a.reshape(count, n // count, -1) for a in (qvalue, w.scale, w.zero_point)]
 
     def block(parts):
         q, scale, zero_point = parts
-        if values == jnp.float4_e2m1fn:  # e2m1 from its bits, twice its value an integer (half the scale)
-            q, scale = _e2m1_doubled(q), scale * 0.5
-        elif bits is not None:
-            q = jax.lax.bitcast_convert_type(q, values)
+        q = jax.lax.bitcast_convert_type(q, values) if fp8 else q
         return product("rk,nk->rn", rows, dequantize_stored(QArray(q, scale, zero_point, qtype=w.qtype), x.dtype),
                        wide)
 
     y = jax.lax.map(block, flat)
     return jnp.moveaxis(y, 0, 1).reshape(*x.shape[:-k], *outs)  # [count, rows, n / count] -> [rows..., outs...]
-
-
-def _e2m1_doubled(bits: jax.Array) -> jax.Array:
-    """Twice the e2m1 values of 4-bit codes `bits` (uint4: sign, two exponent bits, one mantissa
-    bit), as int8: 2 x {0, 0.5, 1, 1.5, 2, 3, 4, 6} is {0, 1, 2, 3, 4, 6, 8, 12}, exact integers."""
-    code = bits.astype(jnp.int8)
-    exponent, mantissa = (code >> 1) & 3, code & 1
-    twice = jnp.where(exponent == 0, mantissa, (2 + mantissa) << jnp.maximum(exponent - 1, 0))  # 2^(e-1) (1 + m/2) x 2
-    return jnp.where(code >= 8, -twice, twice)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -261,10 +261,9 @@ def test_other_formats_multiply_the_dequantized_matrix(how, equation, x_shape, w
 @pytest.mark.parametrize("blocks", [False, True], ids=["one block", "blocks"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_shipped_formats_multiply_the_dequantized_matrix(fmt, blocks, monkeypatch):
-    """MXFP4 and FP8 as the other dequantized formats, by blocks on a CPU (their values' bits sliced
-    as integers and decoded in the block; e2m1 from its bits, as twice its value, an integer):
-    within float32's bound for a sum of K products of the dequantized matrix's exact product, and
-    bfloat16's rounding of it."""
+    """MXFP4 and FP8 as the other dequantized formats, by blocks on a CPU (FP8's values' bits sliced
+    as uint8 and taken back in the block): within float32's bound for a sum of K products of the
+    dequantized matrix's exact product, and bfloat16's rounding of it."""
     if blocks:
         monkeypatch.setattr(products, "BLOCK_VALUES", 2**10)  # (32 or 24 blocks)
     rng = np.random.default_rng(5)
