@@ -3,7 +3,8 @@ quantized base's bytes, the compiled step's own memory and the process's peak, e
 process.
 
     python -m benchmarks.qlora_step DIR [--quantize nf4|int4|int8] [--base-dtype float32] [--batch 1]
-        [--seq-len 512] [--steps 1] [--remat] [--memory-scheduler] [--no-peer] [--out qlora_step.json]
+        [--seq-len 512] [--steps 1] [--remat] [--quantize-head] [--memory-scheduler] [--no-peer]
+        [--out qlora_step.json]
 
 DIR is a checkpoint folder with its tokenizer (`python -m benchmarks.llama_1b DIR` writes a
 Llama-3.2-1B-shaped one). jaxformer's step is the one `jaxformer-finetune --quantize` runs:
@@ -75,7 +76,7 @@ def data_file(folder: str, seq_len: int) -> str:
 
 
 def jaxformer_row(folder: str, quantize: str, base_dtype: str, batch: int, seq_len: int, steps: int,
-                  remat: bool) -> dict:
+                  remat: bool, head: bool = False) -> dict:
     """In this (fresh) process: the QLoRA step's times, first loss, bytes and peaks."""
     import jax
 
@@ -85,8 +86,8 @@ def jaxformer_row(folder: str, quantize: str, base_dtype: str, batch: int, seq_l
 
     with tempfile.TemporaryDirectory(prefix="jaxformer-bench-qlora-") as tmp:
         setup = finetune.build(finetune.Settings(checkpoint=folder, data=data_file(tmp, seq_len), quantize=quantize,
-                                                 base_dtype=base_dtype, batch_size=batch, seq_len=seq_len,
-                                                 remat=remat))
+                                                 quantize_head=head, base_dtype=base_dtype, batch_size=batch,
+                                                 seq_len=seq_len, remat=remat))
     base = finetune.base_of(setup)
     ids = batch_ids(setup.model.config.vocab_size, batch, seq_len)
     tokens = {"tokens": jax.numpy.asarray(ids[:, :-1]), "targets": jax.numpy.asarray(ids[:, 1:])}
@@ -108,7 +109,8 @@ def jaxformer_row(folder: str, quantize: str, base_dtype: str, batch: int, seq_l
         if i >= UNTIMED:
             times.append(time.perf_counter() - start)
     scheduler = "memory" if f"--{SCHEDULER}=false" in os.environ.get("XLA_FLAGS", "") else "default"
-    return {"impl": "jaxformer", "quantize": quantize, "base_dtype": base_dtype, "remat": remat, "scheduler": scheduler,
+    return {"impl": "jaxformer", "quantize": quantize, "head": head, "base_dtype": base_dtype, "remat": remat,
+            "scheduler": scheduler,
             "times_s": times, "step_s": statistics.median(times), "compile_s": compile_s, "first_loss": first,
             "base_bytes": stored_bytes(base), "float32_bytes": 4 * parameter_count(folder),
             "temp_bytes": analysis.temp_size_in_bytes, "argument_bytes": analysis.argument_size_in_bytes,
@@ -142,7 +144,8 @@ def in_a_process(args, impl: str) -> dict:
     """One side's run in a fresh Python process (its own peak memory): its JSON result."""
     command = [sys.executable, "-m", "benchmarks.qlora_step", args.checkpoint, "--one", impl,
                "--quantize", args.quantize, "--base-dtype", args.base_dtype, "--batch", str(args.batch),
-               "--seq-len", str(args.seq_len), "--steps", str(args.steps), *(["--remat"] if args.remat else [])]
+               "--seq-len", str(args.seq_len), "--steps", str(args.steps), *(["--remat"] if args.remat else []),
+               *(["--quantize-head"] if args.quantize_head else [])]
     env = dict(os.environ)
     if impl == "jaxformer" and args.memory_scheduler:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --{SCHEDULER}=false".strip()
@@ -160,7 +163,7 @@ def report(rows: list[dict]) -> list[str]:
         if "failed" in r or "skipped" in r:
             lines.append(f"{r['impl']}: {'failed: ' + ' '.join(r['failed']) if 'failed' in r else r['skipped']}")
             continue
-        flags = (f"{' --remat' if r['remat'] else ''}"
+        flags = (f"{' --remat' if r['remat'] else ''}{' --quantize-head' if r.get('head') else ''}"
                  f"{' --base-dtype ' + r['base_dtype'] if r.get('base_dtype', 'float32') != 'float32' else ''}"
                  f"{' ordered for memory' if r.get('scheduler') == 'memory' else ''}")
         lines.append(f"{r['impl']} {r['quantize']}{flags}: step {r['step_s']:.3f} s "
@@ -196,6 +199,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=1, help=f"timed steps, after {UNTIMED} untimed")
     p.add_argument("--remat", action="store_true", help="recompute each block's activations in the backward pass")
+    p.add_argument("--quantize-head", action="store_true", help="jaxformer's embedding and head quantized too")
     p.add_argument("--memory-scheduler", action="store_true",
                    help="jaxformer's step compiled with XLA:CPU ordering it for memory, not concurrency")
     p.add_argument("--no-peer", action="store_true", help="jaxformer alone (no peft + bitsandbytes row)")
@@ -207,7 +211,7 @@ def main(argv=None) -> None:
             p.error(f"{flag} must be at least 1, not {value}")
     if args.one == "jaxformer":
         print(json.dumps(jaxformer_row(args.checkpoint, args.quantize, args.base_dtype, args.batch, args.seq_len,
-                                       args.steps, args.remat)))
+                                       args.steps, args.remat, args.quantize_head)))
         return
     if args.one == "peft":
         print(json.dumps(peft_bnb_row(args.checkpoint, args.batch, args.seq_len, args.steps, args.remat)))

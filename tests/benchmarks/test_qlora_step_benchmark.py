@@ -33,14 +33,15 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def dequantized_loss(path: str, base_dtype=jnp.float32) -> float:
-    """The float model's next-token loss (float32) over the NF4 base, read as the benchmark reads it
-    (what is not quantized in `base_dtype`), dequantized; on the benchmark's batch."""
+def dequantized_loss(path: str, base_dtype=jnp.float32, head: bool = False) -> float:
+    """The float model's next-token loss (float32) over the NF4 base (with `head`, its embedding and
+    head too), read as the benchmark reads it (what is not quantized in `base_dtype`), dequantized; on
+    the benchmark's batch."""
     from jaxformer import Decoder, chunked_cross_entropy
     from jaxformer.convert import load_hf
     from jaxformer.quantized import QArray, Quantization, dequantize
 
-    config, base = load_hf(path, param_dtype=base_dtype, quantize=Quantization("nf4"))
+    config, base = load_hf(path, param_dtype=base_dtype, quantize=Quantization("nf4", head=head))
     params = jax.tree.map(lambda w: dequantize(w) if isinstance(w, QArray) else w, base,
                           is_leaf=lambda w: isinstance(w, QArray))
     model = Decoder(config)
@@ -70,11 +71,12 @@ def test_the_step_reports_its_time_bytes_memory_and_the_goals_ratio(checkpoint, 
         assert peer[0]["step_s"] > 0 and "jaxformer's step takes " in printed
 
 
-def test_remat_and_the_memory_ordering_change_the_program_not_the_loss(checkpoint, tmp_path, capsys):
+def test_remat_the_head_and_the_memory_ordering_change_the_program_not_the_loss(checkpoint, tmp_path, capsys):
     out = tmp_path / "q.json"
-    qlora_step.main([checkpoint, "--seq-len", str(SEQ_LEN), "--remat", "--memory-scheduler", "--base-dtype",
-                     "bfloat16", "--no-peer", "--out", str(out)])
+    qlora_step.main([checkpoint, "--seq-len", str(SEQ_LEN), "--remat", "--quantize-head", "--memory-scheduler",
+                     "--base-dtype", "bfloat16", "--no-peer", "--out", str(out)])
     (ours,) = json.loads(out.read_text())["results"]
-    assert ours["remat"] and ours["scheduler"] == "memory" and ours["base_dtype"] == "bfloat16", ours
-    assert "jaxformer nf4 --remat --base-dtype bfloat16 ordered for memory: step " in capsys.readouterr().out
-    np.testing.assert_allclose(ours["first_loss"], dequantized_loss(checkpoint, jnp.bfloat16), rtol=1e-5)
+    assert ours["remat"] and ours["head"] and ours["scheduler"] == "memory" and ours["base_dtype"] == "bfloat16"
+    printed = capsys.readouterr().out
+    assert "jaxformer nf4 --remat --quantize-head --base-dtype bfloat16 ordered for memory: step " in printed
+    np.testing.assert_allclose(ours["first_loss"], dequantized_loss(checkpoint, jnp.bfloat16, head=True), rtol=1e-5)
