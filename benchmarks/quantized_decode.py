@@ -31,7 +31,7 @@ from benchmarks.decode_1b import seconds
 from benchmarks.moe_decode import peak_rss, prompts, transformers_side
 
 FLOATS = ("float32", "bfloat16")
-FLOAT_BYTES = {"float32": np.float32, "bfloat16": np.float16}  # (bfloat16's size is float16's)
+FLOAT_BYTES = {"float32": 4, "bfloat16": 2}  # a value's bytes
 FORMATS = ("int8", "int4", "nf4")
 HEADS = tuple(f"{f}+head" for f in FORMATS)  # the embedding and output head quantized too
 
@@ -97,7 +97,7 @@ def in_a_process(args, impl: str, weights: str) -> dict:
     larger than the machine's memory are not run (the Llama-3.1-8B shape's 32 GB of float32 on a
     24 GB machine): the row says so."""
     if weights in FLOATS:
-        need = parameter_count(args.checkpoint) * np.dtype(FLOAT_BYTES[weights]).itemsize
+        need = parameter_count(args.checkpoint) * FLOAT_BYTES[weights]
         if need > memory_total():
             return {"impl": impl, "weights": weights, "failed": [
                 f"not run: its {weights} weights, {need / 1e9:.1f} GB, exceed this machine's memory, "
