@@ -366,10 +366,10 @@ def test_qlora_with_a_quantized_head_learns_through_it(checkpoint, tmp_path):
     base = finetune.base_of(setup)
     assert isinstance(base["embed"], QArray)
     batch = setup.make_batch(jax.random.key(0))
-    loss = jax.jit(lambda params: setup.loss_fn(params, batch, jax.random.key(1), setup.frozen)[0])
-    grads = jax.grad(loss)(setup.params)
+    loss = jax.jit(lambda params, base: setup.loss_fn(params, batch, jax.random.key(1), base)[0])  # (base: an argument)
+    grads = jax.grad(loss)(setup.params, base)
     stepped = jax.tree.map(lambda p, g: p - 1e-2 * g, setup.params, grads)
-    assert float(loss(stepped)) < float(loss(setup.params))
+    assert float(loss(stepped, base)) < float(loss(setup.params, base))
 
 
 def test_the_held_out_loss_before_and_after_training_is_one_program(checkpoint, tmp_path):
