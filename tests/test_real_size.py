@@ -85,19 +85,18 @@ def quantized_bytes(fmt: str) -> int:
     return total
 
 
-@pytest.mark.parametrize("fmt,bound", [("int8", 1.3), ("int4", 1.4)])
-def test_quantized_on_load_generation_holds_the_quantized_weights_and_little_more(checkpoint, fmt, bound):
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_on_load_generation_holds_the_quantized_weights_and_little_more(checkpoint, fmt):
     """`jaxformer-generate --quantize` reads the bfloat16 checkpoint and quantizes it tensor by tensor:
-    the process's peak above the runtime's own (`RUNTIME`) is within `bound` x the quantized weights
-    plus the float32 cache. int8 meets the 1.3x asked for; int4 does not (1.31x measured, int8 1.21x):
-    what loading leaves held (XLA's compiled quantizers, the allocator's free blocks) and decoding
-    compiles, ~0.45 GB whatever the model, is a larger share of its 1.6 GB (docs/performance.md)."""
+    the process's peak above the runtime's own (`RUNTIME`) is within 1.3x the quantized weights plus
+    the float32 cache (int8 1.21x measured, int4 1.21x; int4 was 1.31x while loading ran ahead of its
+    quantizers and held several float tensors at once)."""
     runtime = subprocess.run([sys.executable, "-c", RUNTIME], capture_output=True, text=True, check=True)
     runtime = int(runtime.stdout.split()[-1]) * 1024
     out, peak = generate(checkpoint, "float32", "--quantize", fmt)
     assert out["completion_tokens"] == 8
     weights, cache = quantized_bytes(fmt), 16 * 2 * 256 * 8 * 64 * 4
-    assert peak - runtime <= bound * (weights + cache), \
+    assert peak - runtime <= 1.3 * (weights + cache), \
         f"{fmt}: peak {peak / GB:.2f} GB, runtime {runtime / GB:.2f} GB: {(peak - runtime) / (weights + cache):.2f}x"
 
 

@@ -402,6 +402,9 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
                 row_inputs = tuple(i - len(lead) for i in inputs[where])  # (a row's: without the stack's axes)
                 row = stored(value, row_inputs) if isinstance(value, QArray) else quantize_matrix(
                     jnp.asarray(value, config.param_dtype), how, row_inputs, config.param_dtype)
+                # Waited for: jax dispatches asynchronously, and a loop that ran ahead would hold several
+                # tensors' float copies at once (the 1B shape's int4 load peaked 0.23 GB higher)
+                jax.block_until_ready(row)
                 if not lead:
                     _set(params, where, row if shardings is None else put(row, _sharding(shardings, where, row)))
                     continue

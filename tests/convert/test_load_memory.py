@@ -220,7 +220,8 @@ CASES = {"bfloat16": ("bfloat16", "load_hf"), "float32-scanned": ("float32", "lo
 # programs (one per shape) and the allocator's caches. Measured here (2 cores of an AMD EPYC): int8 338 MiB
 # of growth for 194 MiB quantized, NF4 324 for 137, the largest tensor 32 MiB; a load that held the float
 # model would grow by its 580 MiB.
-QUANTIZED = {"int8": ("float32", "quantize-int8"), "nf4": ("float32", "quantize-nf4")}
+QUANTIZED = {"int8": ("float32", "quantize-int8"), "int4": ("float32", "quantize-int4"),
+             "nf4": ("float32", "quantize-nf4")}
 FLOAT32_COPIES, CONSTANT = 2, 192 << 20
 
 
