@@ -193,8 +193,8 @@ def _by_blocks(wide: bool, k: int, x: jax.Array, w: QArray) -> jax.Array:
     rows = x.reshape(-1, width)
     # XLA:CPU slices a float8 (FP8) array in a loop only after converting all of it to float16 (the
     # whole matrix written out before the loop: the blocks' point lost), so the loop slices its bits,
-    # as uint8, and each block takes them back. (MXFP4's float4 alike would need a 4-bit bitcast,
-    # which XLA:CPU's lowering rejects at some shapes: MXFP4 keeps the conversion.)
+    # as uint8, and each block takes them back. (MXFP4's values are held as their uint4 codes for the
+    # same reason, `jaxformer.quantized`: a 4-bit bitcast fails in XLA:CPU's lowering at some shapes.)
     values = w.qvalue.dtype
     fp8 = jnp.issubdtype(values, jnp.floating) and jnp.finfo(values).bits == 8
     qvalue = jax.lax.bitcast_convert_type(w.qvalue, jnp.uint8) if fp8 else w.qvalue

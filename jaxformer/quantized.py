@@ -26,7 +26,10 @@ run of consecutive inputs along the last of them, within one output channel):
 - `nf4` (QLoRA's NormalFloat): one scale per group, `s = max|W|`, and `q` the index of the code
   nearest to `W / s` among `NF4`, sixteen quantiles of a normal distribution scaled into [-1, 1].
 - `mxfp4` (as gpt-oss ships it, read by `from_mxfp4`, written back by `to_mxfp4`): float4 e2m1
-  values, one power of two per 32 inputs.
+  values, one power of two per 32 inputs. The values are held as their 4-bit codes (uint4, `qtype`
+  "mxfp4"), as NF4's are, and decoded from the bits where they are used (`e2m1`): XLA:CPU slices a
+  float4 array only after converting all of it to float16, so a mixture's step that reads four of
+  32 experts converted all 32 (gpt-oss-20b's 24 layers: 13 G values a token).
 - `fp8` (as DeepSeek-V3 and Qwen3's `-FP8` checkpoints ship them, `from_fp8`, `to_fp8`): float8
   e4m3 values, one scale per 128 x 128 block.
 
@@ -74,7 +77,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
 
 __all__ = ["FORMATS", "GROUPS", "HEAD", "MATRICES", "NF4", "SHIPPED", "QArray", "Quantization", "Quantized",
            "check_group", "dequantize", "dequantize_stored", "stored",
-           "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "full_scale", "input_axes", "quantize",
+           "e2m1", "format_of", "from_fp8", "frozen_cotangent", "from_mxfp4", "full_scale", "input_axes", "quantize",
            "quantize_params", "to_fp8", "to_mxfp4"]
 
 
@@ -237,10 +240,10 @@ def stored_bytes(tree) -> int:
 
 def format_of(w: QArray) -> str:
     """The format of a quantized matrix, by its stored dtype (`FORMATS` or `SHIPPED`)."""
-    if w.qtype == "nf4":
-        return "nf4"
+    if w.qtype in ("nf4", "mxfp4"):  # (uint4 codes: a code book's indices, e2m1's bits)
+        return w.qtype
     return {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.int4): "int4", jnp.dtype(jnp.uint4): "int4",
-            jnp.dtype(jnp.float4_e2m1fn): "mxfp4", jnp.dtype(jnp.float8_e4m3fn): "fp8"}[jnp.dtype(w.qtype)]
+            jnp.dtype(jnp.float8_e4m3fn): "fp8"}[jnp.dtype(w.qtype)]
 
 
 def check_group(shape: tuple[int, ...], inputs: tuple[int, ...], how: Quantization) -> None:
@@ -335,7 +338,22 @@ def dequantize(w: QArray, dtype=None) -> jax.Array:
 def dequantize_stored(w: QArray, dtype=None) -> jax.Array:
     """`dequantize` in `w`'s stored layout (`qvalue.shape`): what a product reads."""
     wide = jnp.promote_types(w.scale.dtype, jnp.float32)
+    if w.qtype == "mxfp4":  # its codes decoded, then each value times its block's power of two
+        values = e2m1(w.qvalue).astype(wide)
+        return (values * full_scale(w, jnp).astype(wide)).astype(w.scale.dtype if dtype is None else dtype)
     return qwix_dequantize(w.astype(wide)).astype(w.scale.dtype if dtype is None else dtype)
+
+
+def e2m1(codes: jax.Array) -> jax.Array:
+    """float4 e2m1's values (float32) from their 4-bit codes `s e e m`: `(-1)^s 2^(e-1) (1 + m/2)`,
+    or `(-1)^s m/2` where `e = 0` (subnormal): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Built as
+    float32's bits (sign, exponent `e - 1 + 127`, the mantissa's first bit `m`), elementwise integer
+    work that XLA vectorizes, where a table lookup would gather."""
+    c = codes.astype(jnp.uint32)
+    sign, e, m = c >> 3, (c >> 1) & 3, c & 1
+    exponent = jnp.where(e > 0, e + 126, m * 126)  # a subnormal 0.5 (m = 1) is 2^-1; 0 is all zeros
+    mantissa = jnp.where(e > 0, m << 22, 0)
+    return jax.lax.bitcast_convert_type((sign << 31) | (exponent << 23) | mantissa, jnp.float32)
 
 
 def from_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=jnp.float32) -> QArray:
@@ -358,10 +376,10 @@ def from_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=jnp.float32) -> QAr
     if np.any(scales == 255):
         raise ValueError("MXFP4 scales: 255 (e8m0's NaN) is not a scale")
     nibbles = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [..., out, in / 32, 16, 2]: low first
-    values = nibbles.reshape(*blocks.shape[:-2], -1).view(ml_dtypes.float4_e2m1fn)  # [..., out, in]
+    codes = nibbles.reshape(*blocks.shape[:-2], -1).astype(ml_dtypes.uint4)  # [..., out, in]
     exponents = scales.astype(np.int32) - 127
     scale = np.ldexp(np.ones((), np.float32), exponents).astype(dtype)  # [..., out, in / 32]
-    return QArray(jnp.asarray(np.swapaxes(values, -1, -2)), jnp.asarray(np.swapaxes(scale, -1, -2)))
+    return QArray(jnp.asarray(np.swapaxes(codes, -1, -2)), jnp.asarray(np.swapaxes(scale, -1, -2)), qtype="mxfp4")
 
 
 def from_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], dtype=jnp.float32) -> QArray:
@@ -393,12 +411,12 @@ def from_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], 
     return QArray(jnp.asarray(weight), jnp.asarray(scale.astype(dtype)))
 
 
-def full_scale(w: QArray) -> np.ndarray:
-    """Each value's scale: `w.scale` repeated over its tile, of `w.shape` (a `QArray` in the model's
-    layout or a checkpoint's, not a `Quantized`)."""
-    scale = np.asarray(w.scale)
-    for axis, tile in enumerate(w.scale_tile_shape):
-        scale = np.repeat(scale, tile, axis=axis) if tile > 1 else scale
+def full_scale(w: QArray, xp=np) -> np.ndarray:
+    """Each value's scale: `w.scale` repeated over its tile, of `w.qvalue.shape`, as an array of `xp`
+    (numpy, or jax.numpy inside a program)."""
+    scale = xp.asarray(w.scale)
+    for axis, (n, tiles) in enumerate(zip(w.qvalue.shape, w.scale.shape)):
+        scale = xp.repeat(scale, n // tiles, axis=axis) if n > tiles else scale
     return scale
 
 
@@ -422,7 +440,7 @@ def to_mxfp4(w: QArray) -> tuple[np.ndarray, np.ndarray]:
     biased = exponent - 1 + 127  # (a power of two is 0.5 * 2 ** exponent)
     if np.any(mantissa != 0.5) or np.any((biased < 0) | (biased > 254)):
         raise ValueError("MXFP4 scales must be powers of two from 2 ** -127 to 2 ** 127 (e8m0's)")
-    codes = np.swapaxes(np.asarray(w.qvalue), -1, -2).view(np.uint8).reshape(*lead, n_out, n_in // 32, 16, 2)
+    codes = np.swapaxes(np.asarray(w.qvalue), -1, -2).astype(np.uint8).reshape(*lead, n_out, n_in // 32, 16, 2)
     return codes[..., 0] | (codes[..., 1] << 4), biased.astype(np.uint8)
 
 

@@ -22,6 +22,7 @@ from jaxformer.quantized import (
     QArray,
     Quantization,
     dequantize,
+    e2m1,
     format_of,
     from_fp8,
     from_mxfp4,
@@ -136,10 +137,22 @@ def test_mxfp4_is_decoded_as_gpt_oss_ships_it():
         want[e, o, 32 * b + 2 * i] = e2m1(byte & 15) * scale
         want[e, o, 32 * b + 2 * i + 1] = e2m1(byte >> 4) * scale
     q = from_mxfp4(blocks, scales)
-    assert q.qvalue.dtype == jnp.float4_e2m1fn and q.qvalue.shape == (3, 64, 5) and q.scale.shape == (3, 2, 5)
+    assert q.qvalue.dtype == jnp.uint4 and q.qtype == "mxfp4" and format_of(q) == "mxfp4"  # (e2m1's codes)
+    assert q.qvalue.shape == (3, 64, 5) and q.scale.shape == (3, 2, 5)
     np.testing.assert_array_equal(np.asarray(dequantize(q)), want.transpose(0, 2, 1))
     with pytest.raises(ValueError, match="255"):
         from_mxfp4(blocks, np.full_like(scales, 255))
+
+
+def test_e2m1_codes_decode_to_float4_e2m1s_values():
+    """Each of the 16 codes `quantized.e2m1` builds from bits is the value ml_dtypes' float4_e2m1fn
+    reads the same four bits as (its own definition, written independently)."""
+    codes = np.arange(16, dtype=np.uint8)
+    want = codes.astype(ml_dtypes.uint4).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    got = np.asarray(e2m1(jnp.asarray(codes.astype(ml_dtypes.uint4))))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # (code 8 is -0)
+    assert sorted(set(np.abs(want).tolist())) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
 
 
 def test_mxfp4_is_decoded_as_transformers_decodes_it():
@@ -185,9 +198,9 @@ def test_mxfp4_is_written_back_as_shipped(dtype):
     np.testing.assert_array_equal(again[0], blocks)
     np.testing.assert_array_equal(again[1], scales)
     with pytest.raises(ValueError, match="one scale per 32 inputs"):  # a scale per 16 inputs
-        to_mxfp4(QArray(q.qvalue, jnp.repeat(q.scale, 2, axis=1).at[0, 0, 0].multiply(2)))
+        to_mxfp4(QArray(q.qvalue, jnp.repeat(q.scale, 2, axis=1).at[0, 0, 0].multiply(2), qtype="mxfp4"))
     with pytest.raises(ValueError, match="powers of two"):
-        to_mxfp4(QArray(q.qvalue, q.scale.at[0, 0, 0].multiply(3)))
+        to_mxfp4(QArray(q.qvalue, q.scale.at[0, 0, 0].multiply(3), qtype="mxfp4"))
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (320, 200)])

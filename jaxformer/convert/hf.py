@@ -575,7 +575,7 @@ def save_hf(config: DecoderConfig, params, path: str, *, bos_id: int | None = No
         # The checkpoint's matrix: its values, and each value's scale (`full_scale`: parts' tiles may differ)
         first = _get(params, parts[key][0].path)
         matrix = QArray(whole(key, lambda w: np.asarray(_logical(w).qvalue), first.qvalue.dtype),
-                        whole(key, lambda w: full_scale(_logical(w)), first.scale.dtype))
+                        whole(key, lambda w: full_scale(_logical(w)), first.scale.dtype), qtype=first.qtype)
         try:
             values, scales = to_mxfp4(matrix) if shipped == "mxfp4" else to_fp8(matrix, block)
         except ValueError as e:  # (its scales are not its format's: it cannot be written exactly as shipped)

@@ -17,6 +17,7 @@ from benchmarks import gpt_oss_20b
 from jaxformer import Decoder
 from jaxformer.convert import load_hf
 from jaxformer.convert.safetensors_file import SafetensorsFile, write_safetensors
+from jaxformer.quantized import QArray, format_of
 from tests.convert.test_shipped_quantized import mxfp4_dequantized
 from tests.families.shipped import SHIPPED
 
@@ -117,8 +118,8 @@ def test_jaxformers_model_is_the_numpy_dequantized_folders(folder, tmp_path):
     for name, path in (("shipped", folder), ("plain", str(tmp_path / "plain"))):
         config, params = load_hf(path)
         logits[name] = np.asarray(Decoder(config).apply({"params": params}, TOKENS)[0])
-    assert any(isinstance(w, jax.Array) and w.dtype == jax.numpy.float4_e2m1fn
-               for w in jax.tree.leaves(load_hf(folder)[1]))  # (read as shipped: MXFP4 kept)
+    assert any(isinstance(w, QArray) and format_of(w) == "mxfp4" for w in jax.tree.leaves(
+        load_hf(folder)[1], is_leaf=lambda w: isinstance(w, QArray)))  # (read as shipped: MXFP4 kept)
     want = logits["plain"]
     assert np.all(np.isfinite(want)) and np.abs(want).max() > 0.1
     np.testing.assert_allclose(logits["shipped"], want, rtol=0, atol=1e-5 * float(np.abs(want).max()))

@@ -51,7 +51,7 @@ def test_restore_keeps_structure_and_values(tmp_path):
 def test_quantized_matrices_restore_bit_for_bit(tmp_path):
     """A `QArray` of each stored form restores with its values, scales and zero point bit for bit, each in its
     own dtype: int8; int4; uint4 (affine int4's values and zero points, NF4's code indices: 0..15, which
-    orbax cannot store as uint4: they travel as uint8); MXFP4's float4 e2m1 and FP8's float8 e4m3."""
+    orbax cannot store as uint4: they travel as uint8); MXFP4's e2m1 codes (uint4 too); FP8's float8 e4m3."""
     rng = np.random.default_rng(0)
 
     def values(dtype, low, high):  # [16, 8], every value of the range drawn
@@ -64,7 +64,7 @@ def test_quantized_matrices_restore_bit_for_bit(tmp_path):
               "int4": QArray(values(ml_dtypes.int4, -7, 8), scale(2)),
               "int4-affine": QArray(values(ml_dtypes.uint4, 0, 16), scale(2), values(ml_dtypes.uint4, 0, 16)[:2]),
               "nf4": QArray(values(ml_dtypes.uint4, 0, 16), scale(2), qtype="nf4"),
-              "mxfp4": QArray(jnp.asarray(rng.normal(size=(16, 8)).astype(ml_dtypes.float4_e2m1fn)), scale(1)),
+              "mxfp4": QArray(values(ml_dtypes.uint4, 0, 16), jnp.exp2(jnp.round(scale(1))), qtype="mxfp4"),
               "fp8": QArray(jnp.asarray(rng.normal(size=(16, 8)).astype(ml_dtypes.float8_e4m3fn)), scale(1))}
     assert int(np.asarray(params["nf4"].qvalue).max()) == 15  # (a uint4 read back as int4 would not hold it)
     state = TrainState(step=jnp.array(7, jnp.int32), params=params, opt_state=())
