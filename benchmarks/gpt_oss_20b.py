@@ -54,8 +54,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from benchmarks.llama_1b import tokenizer, write_folder_files
-from benchmarks.olmoe_7b import write_shards
+from benchmarks.llama_1b import tokenizer, write_folder_files, write_shards
 
 # gpt-oss-20b's config.json as published (the architecture fields; token ids are the tokenizer's).
 CONFIG = {

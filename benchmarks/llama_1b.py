@@ -15,7 +15,8 @@ the same width (a quick variant of the same shapes).
 
 `--shape 8b` writes Llama-3.1-8B's shapes instead (`CONFIG_8B`: 32 layers, d_model 4096, 32 query
 and 8 key/value heads of 128, SwiGLU 14,336, the same vocabulary, an untied head; 8.03 B
-parameters, 16.1 GB in four shards), tensor by tensor, so that writing it holds one shard.
+parameters, 16.1 GB in four shards). Either is written tensor by tensor (`write_shards`): one in memory
+at a time.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Callable
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from jaxformer.convert.safetensors_file import write_safetensors
 
 # The Llama-3.2-1B config.json as published (the architecture fields).
 CONFIG = {
@@ -45,6 +48,7 @@ CONFIG_8B = CONFIG | {
     "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
     "rope_scaling": dict(CONFIG["rope_scaling"], factor=8.0), "tie_word_embeddings": False,
 }
+SHARD_BYTES = 5 * 10 ** 9  # about as the hub's shards are cut
 SHAPES = {"1b": (CONFIG, 2), "8b": (CONFIG_8B, 4)}  # each shape's config and its shards, as shipped
 TEXT = ("Attention is all you need. The Transformer reads a whole sentence at once. Keys and values are "
         "cached, so each new token costs one step. The cat sat on the mat, and the dog sat on the log. ") * 20
@@ -90,23 +94,36 @@ def write(folder: str, *, seed: int = 0, layers: int | None = None, shape: str =
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
     shapes = tensor_shapes(config)
-    # The tensors in order, cut into `shards` runs of about equal bytes, as the shipped ones are split.
-    names = list(shapes)
-    ends = np.cumsum([np.prod(shapes[name]) for name in names])
-    cut = np.searchsorted(ends, ends[-1] * np.arange(1, shards) / shards)
-    weight_map = {}
-    for i, part in enumerate(np.split(np.array(names, object), cut)):
-        shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {}
-        for name in part:
-            dims = shapes[name]
-            w = np.ones(dims, np.float32) if len(dims) == 1 else rng.standard_normal(dims, np.float32) * 0.02
-            tensors[name] = w.astype(ml_dtypes.bfloat16)
-            weight_map[name] = shard
-        save_file(tensors, os.path.join(folder, shard), metadata={"format": "pt"})
-        del tensors
+
+    def draw(name: str) -> np.ndarray:  # norms 1, matrices N(0, 0.02^2)
+        dims = shapes[name]
+        w = np.ones(dims, np.float32) if len(dims) == 1 else rng.standard_normal(dims, np.float32) * 0.02
+        return w.astype(ml_dtypes.bfloat16)
+
     total = sum(int(np.prod(s)) * 2 for s in shapes.values())  # (bfloat16's 2 bytes a value)
+    weight_map = write_shards(folder, {name: (dims, ml_dtypes.bfloat16) for name, dims in shapes.items()}, draw,
+                              -(-total // shards))  # (as the shipped ones are split: `shards` of about equal bytes)
     return write_folder_files(folder, config, total, weight_map, tok)
+
+
+def write_shards(folder: str, tensors: dict[str, tuple[tuple[int, ...], np.dtype]],
+                 draw: Callable[[str], np.ndarray], shard_bytes: int = SHARD_BYTES) -> dict[str, str]:
+    """Writes `tensors` (`{name: (shape, dtype)}`, in order) into shards of about `shard_bytes` (a shard
+    closed once past them), each tensor `draw(name)` in turn, one in memory at a time; returns each
+    name's shard (the index's map)."""
+    shards, size = [[]], 0
+    for name, (shape, dtype) in tensors.items():
+        if size > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += int(np.prod(shape)) * np.dtype(dtype).itemsize
+    weight_map = {}
+    for i, names in enumerate(shards):
+        shard = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(os.path.join(folder, shard), [(n, *tensors[n]) for n in names], draw, {"format": "pt"})
+        weight_map |= {n: shard for n in names}
+    return weight_map
 
 
 def write_folder_files(folder: str, config: dict, total_size: int, weight_map: dict, tok: Tokenizer) -> str:

@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
-from benchmarks.llama_1b import tokenizer, write_folder_files
-from jaxformer.convert.safetensors_file import write_safetensors
+from benchmarks.llama_1b import tokenizer, write_folder_files, write_shards
 
 # OLMoE-1B-7B-0924's config.json as published (the architecture fields).
 CONFIG = {
@@ -34,7 +32,6 @@ CONFIG = {
     "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
     "router_aux_loss_coef": 0.01, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 50304,
 }
-SHARD_BYTES = 5 * 10 ** 9  # about as the hub's shards are cut
 
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -80,25 +77,6 @@ def write(folder: str, *, seed: int = 0, layers: int | None = None) -> str:
     weight_map = write_shards(folder, {name: (shape, ml_dtypes.bfloat16) for name, shape in shapes.items()}, draw)
     total = sum(int(np.prod(s)) * 2 for s in shapes.values())  # (bfloat16's 2 bytes a value)
     return write_folder_files(folder, config, total, weight_map, tok)
-
-
-def write_shards(folder: str, tensors: dict[str, tuple[tuple[int, ...], np.dtype]],
-                 draw: Callable[[str], np.ndarray]) -> dict[str, str]:
-    """Writes `tensors` (`{name: (shape, dtype)}`, in order) into shards of about SHARD_BYTES, each
-    tensor `draw(name)` in turn, one in memory at a time; returns each name's shard (the index's map)."""
-    shards, size = [[]], 0
-    for name, (shape, dtype) in tensors.items():
-        if size > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += int(np.prod(shape)) * np.dtype(dtype).itemsize
-    weight_map = {}
-    for i, names in enumerate(shards):
-        shard = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(os.path.join(folder, shard), [(n, *tensors[n]) for n in names], draw, {"format": "pt"})
-        weight_map |= {n: shard for n in names}
-    return weight_map
 
 
 def main(argv=None) -> None:

@@ -10,12 +10,13 @@ what a folder may not do are in docs/parity.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -175,11 +176,11 @@ def _shards(path: str) -> dict[str, list[str] | None]:
     raise FileNotFoundError(f"path: no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """`(name, tensor)` for every tensor of a checkpoint folder, shard by shard, each a
+def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray, Callable[[], None]]]:
+    """`(name, tensor, release)` for every tensor of a checkpoint folder, shard by shard, each a
     read-only view of the memory-mapped shard in its stored dtype (`SafetensorsFile`): no
-    tensor is copied before `load_hf` casts and lays it out, and its pages are released once
-    the caller asks for the next."""
+    tensor is copied before `load_hf` casts and lays it out. `release()` drops the pages read
+    from it from the process's memory once the caller is done with it (`SafetensorsFile.release`)."""
     index = os.path.join(path, "model.safetensors.index.json")
     for name, keys in _shards(path).items():
         shard = SafetensorsFile(os.path.join(path, name))
@@ -189,8 +190,7 @@ def _read_tensors(path: str) -> Iterator[tuple[str, np.ndarray]]:
             raise ValueError(f"{index}: weight_map puts {absent[0]!r}{more} in {name}, but {shard.file} does not "
                              "hold it")
         for key in keys or sorted(shard.keys):
-            yield key, shard.tensor(key)
-            shard.release(key)  # the caller has made its copy: the mapped pages need not stay resident
+            yield key, shard.tensor(key), functools.partial(shard.release, key)
         del shard  # unmapped once the last view of it is dropped
 
 
@@ -204,20 +204,25 @@ def _shipped_tensors(path: str, shipped, dtype) -> Iterator[tuple[str, np.ndarra
     """
     method, block = shipped or (None, None)
     pending: dict[str, dict[str, np.ndarray]] = {}  # a matrix's first part read, until its other is
-    for key, w in _read_tensors(path):
+    releases: dict[str, list] = {}
+    for key, w, release in _read_tensors(path):
         if method == "mxfp4" and key.endswith(("_blocks", "_scales")):
             name, part = key.rsplit("_", 1)
         elif method == "fp8" and (key.endswith(".weight_scale_inv") or w.dtype == ml_dtypes.float8_e4m3fn):
             name, part = key.removesuffix("_scale_inv"), "scales" if key.endswith("_scale_inv") else "blocks"
         else:
             yield key, w
+            release()  # the caller has made its copy: the mapped pages need not stay resident
             continue
         parts = pending.setdefault(name, {})
         parts[part] = w
+        releases.setdefault(name, []).append(release)
         if len(parts) == 2:
             del pending[name]
             yield name, (from_mxfp4(parts["blocks"], parts["scales"], dtype) if method == "mxfp4"
                          else from_fp8(parts["blocks"], parts["scales"], block, dtype))
+            for release in releases.pop(name):  # both parts' pages, once the matrix is made from them
+                release()
     if pending:
         name, parts = next(iter(pending.items()))
         raise ValueError(f"{path}: {name}: {'its scales' if 'blocks' in parts else 'its values'} are missing "
