@@ -254,6 +254,13 @@ def _placed(w: np.ndarray, dtype, sharding=None) -> jax.Array:
     return jax.device_put(out)
 
 
+def _as_param(w: np.ndarray, dtype) -> jax.Array:
+    """A tensor about to be quantized, as its parameter dtype holds it: as stored where that dtype holds
+    it exactly (bfloat16 for float32 parameters; the quantizer widens it inside its program, where no
+    float32 copy of the whole tensor is made: 1 GB for the 1B shape's embedding), else rounded to it."""
+    return jnp.asarray(w) if jnp.promote_types(w.dtype, dtype) == jnp.dtype(dtype) else jnp.asarray(w, dtype)
+
+
 def _check_inside(folder: str, name: str, where: str) -> None:
     """A ValueError naming `where` unless `name` is relative, has no `..`, and stays inside
     `folder` once symlinks are resolved (for a hub snapshot, inside its repository)."""
@@ -406,10 +413,7 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
                 # as read (the float tensor lives no longer than this)
                 row_inputs = tuple(i - len(lead) for i in inputs[where])  # (a row's: without the stack's axes)
                 row = stored(value, row_inputs) if isinstance(value, QArray) else quantize_matrix(
-                    jnp.asarray(value, config.param_dtype), how, row_inputs, config.param_dtype)
-                # Waited for: jax dispatches asynchronously, and a loop that ran ahead would hold several
-                # tensors' float copies at once (the 1B shape's int4 load peaked 0.23 GB higher)
-                jax.block_until_ready(row)
+                    _as_param(value, config.param_dtype), how, row_inputs, config.param_dtype)
                 if not lead:
                     _set(params, where, row if shardings is None else put(row, _sharding(shardings, where, row)))
                     continue
