@@ -42,6 +42,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import string
 import subprocess
@@ -151,7 +152,9 @@ def in_a_process(args, impl: str) -> dict:
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --{SCHEDULER}=false".strip()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
-        return {"impl": impl, "failed": done.stderr.strip().splitlines()[-1:]}
+        last = done.stderr.strip().splitlines()[-1:]  # (a process killed from outside ends on what it last wrote)
+        killed = [f"killed by {signal.Signals(-done.returncode).name}"] if done.returncode < 0 else []
+        return {"impl": impl, "failed": killed + last}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

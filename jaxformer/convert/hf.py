@@ -414,6 +414,8 @@ def load_hf(path: str, *, max_seq_len: int | None = None, dtype=jnp.float32, par
                 row_inputs = tuple(i - len(lead) for i in inputs[where])  # (a row's: without the stack's axes)
                 row = stored(value, row_inputs) if isinstance(value, QArray) else quantize_matrix(
                     _as_param(value, config.param_dtype), how, row_inputs, config.param_dtype)
+                jax.block_until_ready(row)  # (jax runs it asynchronously: a loop that ran ahead would hold
+                # several tensors in flight, not one)
                 if not lead:
                     _set(params, where, row if shardings is None else put(row, _sharding(shardings, where, row)))
                     continue
