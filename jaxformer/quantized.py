@@ -27,9 +27,8 @@ run of consecutive inputs along the last of them, within one output channel):
   nearest to `W / s` among `NF4`, sixteen quantiles of a normal distribution scaled into [-1, 1].
 - `mxfp4` (as gpt-oss ships it, read by `from_mxfp4`, written back by `to_mxfp4`): float4 e2m1
   values, one power of two per 32 inputs. The values are held as their 4-bit codes (uint4, `qtype`
-  "mxfp4"), as NF4's are, and decoded from the bits where they are used (`e2m1`): XLA:CPU slices a
-  float4 array only after converting all of it to float16, so a mixture's step that reads four of
-  32 experts converted all 32 (gpt-oss-20b's 24 layers: 13 G values a token).
+  "mxfp4"), as NF4's are, and decoded from the bits where they are used (`e2m1`): XLA:CPU converts
+  a float4 array to float16 before it slices it (docs/precision.md).
 - `fp8` (as DeepSeek-V3 and Qwen3's `-FP8` checkpoints ship them, `from_fp8`, `to_fp8`): float8
   e4m3 values, one scale per 128 x 128 block.
 
