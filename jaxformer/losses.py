@@ -87,19 +87,63 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, head: OutputHea
     """
     smoothing = as_float(smoothing, "chunked_cross_entropy smoothing", at_least=0, below=1)
     ignore_id = as_int(ignore_id, "chunked_cross_entropy ignore_id", optional=True)
-    chunk_size = as_int(chunk_size, "chunked_cross_entropy chunk_size", minimum=1, optional=True)
+    x, t, k, keep = _chunks("chunked_cross_entropy", hidden, targets, head, ignore_id, chunk_size)
+
+    # Saved for the backward pass: only the chunk's inputs; its logits are made again there.
+    @jax.checkpoint
+    def chunk_sum(head, x, t, k):
+        logits = head.logits(x)  # [chunk, V], the only logits alive
+        return jnp.sum(_per_position(logits, t, k, smoothing))  # [] this chunk's summed loss
+
+    def step(total, chunk):
+        return total + chunk_sum(head, *chunk), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (x, t, k))  # sum over every kept position
+    return total / _count(keep)
+
+
+def chunked_token_logps(hidden: jax.Array, targets: jax.Array, head: OutputHead, ignore_id: int | None = None,
+                        chunk_size: int | None = None) -> jax.Array:
+    """`log p[target]` at each position, `log_softmax(head.logits(hidden))` read at its target,
+    a chunk of positions at a time as `chunked_cross_entropy` makes them (its arguments, without
+    smoothing): what a sequence's log-probability sums (preference and reinforcement losses,
+    `jaxformer.preference`), with gradients, never holding more than one chunk's logits.
+
+    Returns:
+      float32 `[...]`, targets' shape: `log p[target]` (<= 0) where kept, exactly 0.0 with a zero
+      gradient at an ignored position; NaN at a kept id outside `[0, V)` inside `jit`.
+
+    Raises:
+      ValueError: as `chunked_cross_entropy`'s.
+    """
+    ignore_id = as_int(ignore_id, "chunked_token_logps ignore_id", optional=True)
+    x, t, k, _ = _chunks("chunked_token_logps", hidden, targets, head, ignore_id, chunk_size)
+
+    @jax.checkpoint  # (as chunked_cross_entropy's: the backward pass makes the chunk's logits again)
+    def chunk_logps(head, x, t, k):
+        return -_per_position(head.logits(x), t, k, 0.0)  # [chunk]: log p[target], 0 where not kept
+
+    _, logps = jax.lax.scan(lambda carry, chunk: (carry, chunk_logps(head, *chunk)), None, (x, t, k))
+    return logps.reshape(-1)[:targets.size].reshape(targets.shape)  # [n_chunks, chunk] -> [...], padding dropped
+
+
+def _chunks(name: str, hidden, targets, head: OutputHead, ignore_id: int | None, chunk_size: int | None):
+    """The positions of `hidden` `[..., d_model]` and `targets` `[...]`, checked, cut into chunks of
+    `chunk_size` (default `chunk_positions`), the last padded with positions not kept:
+    `x [n_chunks, chunk, d_model]` (zero where not kept), `t`, `k [n_chunks, chunk]`, and `keep [...]`."""
+    chunk_size = as_int(chunk_size, f"{name} chunk_size", minimum=1, optional=True)
     if not isinstance(head, OutputHead):
-        raise ValueError(f"chunked_cross_entropy: head must be an OutputHead (Decoder.output_head(params)), "
+        raise ValueError(f"{name}: head must be an OutputHead (Decoder.output_head(params)), "
                          f"got {type(head).__name__}")
     hidden = jnp.asarray(hidden)
     targets = jnp.asarray(targets)
     if (hidden.ndim < 1 or hidden.shape[:-1] != targets.shape or head.weight.ndim != 2
             or hidden.shape[-1] != head.d_model or head.vocab_size < 1):
         raise ValueError(
-            f"chunked_cross_entropy: hidden must be [..., d_model], targets the same shape without d_model, "
+            f"{name}: hidden must be [..., d_model], targets the same shape without d_model, "
             f"and head.weight [V, d_model] if tied, else [d_model, V], with V >= 1; got hidden {hidden.shape}, "
             f"targets {targets.shape}, head.weight {head.weight.shape} (tied={head.tied})")
-    _check_targets("chunked_cross_entropy", targets, head.vocab_size, ignore_id)
+    _check_targets(name, targets, head.vocab_size, ignore_id)
     keep = _kept(targets, ignore_id)  # [...]
 
     n = targets.size
@@ -114,18 +158,7 @@ def chunked_cross_entropy(hidden: jax.Array, targets: jax.Array, head: OutputHea
     x = jnp.pad(x, ((0, pad), (0, 0))).reshape(n_chunks, chunk_size, -1)  # [n_chunks, chunk, d_model]
     t = jnp.pad(targets.reshape(n), (0, pad)).reshape(n_chunks, chunk_size)  # [n_chunks, chunk]
     k = jnp.pad(keep.reshape(n), (0, pad)).reshape(n_chunks, chunk_size)  # [n_chunks, chunk], padding False
-
-    # Saved for the backward pass: only the chunk's inputs; its logits are made again there.
-    @jax.checkpoint
-    def chunk_sum(head, x, t, k):
-        logits = head.logits(x)  # [chunk, V], the only logits alive
-        return jnp.sum(_per_position(logits, t, k, smoothing))  # [] this chunk's summed loss
-
-    def step(total, chunk):
-        return total + chunk_sum(head, *chunk), None
-
-    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (x, t, k))  # sum over every kept position
-    return total / _count(keep)
+    return x, t, k, keep
 
 
 def chunk_positions(vocab_size: int) -> int:

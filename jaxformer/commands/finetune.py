@@ -6,9 +6,14 @@ to your text or chat data, with LoRA (the default) or all its parameters (--full
                   loss on the assistant turns) or {"prompt", "completion"} records (loss on
                   the completion): one record a row, padded
 
-The last 10 % of the data is held out: its loss (and perplexity) is reported before and
-after training. A LoRA run writes its adapters to RUN_DIR/adapter in peft's format (peft's
-PeftModel.from_pretrained and --adapter of jaxformer-generate open it);
+--method dpo aligns it to preferences instead: direct preference optimisation on pairs,
+{"prompt", "chosen", "rejected"} records as text or chat messages (TRL's format), the sigmoid
+loss scaled by --beta against the checkpoint as read (with LoRA: its base, the adapters off).
+
+The last 10 % of the data is held out: its loss (and perplexity; with DPO, the rewards and
+their accuracy) is reported before and after training. A LoRA run writes its adapters to
+RUN_DIR/adapter in peft's format (peft's PeftModel.from_pretrained and --adapter of
+jaxformer-generate open it);
 --merge DIR writes the fine-tuned model, adapters merged in, as a checkpoint folder.
 
 AdamW (0.9, 0.999) with weight decay on matrices only, warm-up then cosine to 10 %, gradient
@@ -39,6 +44,7 @@ from jaxformer.command_line import (
     quantization,
     run_command,
 )
+from jaxformer.commands import dpo
 from jaxformer.config import DTYPES, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.convert.hf import TEXT_MODELS
@@ -58,12 +64,14 @@ from jaxformer.schedules import warmup_cosine_schedule
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, to_host, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
+from jaxformer.text.preference import PreferenceData
 from jaxformer.text.tokenizer import check_fits_model
 from jaxformer.training import exports, failures, flags, run_start, runs
 from jaxformer.training.report_page import attention_group, experts_group, result_label, token_labels
-from jaxformer.validation import NotFinite, as_float, as_int, refuse, require, why_not_finite
+from jaxformer.validation import NotFinite, as_float, as_int, one_of, refuse, require, why_not_finite
 
 PROG = "jaxformer-finetune"
+METHODS = ("sft", "dpo")  # --method: supervised fine-tuning (next-token loss), direct preference optimisation
 MODEL_CONFIG = DecoderConfig
 ALL_TARGETS = "all"  # --lora-targets: every module LoRA can adapt (a model of experts' attention: not its experts)
 ADAPTER_DIR = "adapter"  # in the run directory: the adapters in peft's format
@@ -84,14 +92,18 @@ class Settings:
     Attributes:
       checkpoint: the Hugging Face checkpoint folder (`jaxformer.convert.load_hf` reads it,
         `jaxformer.text.load_tokenizer` its tokenizer).
-      data: the data file (`jaxformer.text.dataset.FinetuneData`: `.jsonl` records or text).
+      data: the data file (`jaxformer.text.dataset.FinetuneData`: `.jsonl` records or text;
+        with DPO `jaxformer.text.preference.PreferenceData`'s pairs).
+      method: "sft" (the next-token loss on the data) or "dpo" (`jaxformer.commands.dpo`).
+      beta: DPO's reward scale (default `dpo.BETA`); None for SFT, which has none.
       full: train every parameter instead of LoRA adapters.
       lora_rank, lora_alpha, lora_dropout: the adapters' rank r, scale numerator (the
         change is `alpha / r * A @ B`) and the dropout rate on their input.
       lora_targets: "all", or peft's names of the adapted matrices, comma-separated.
       base_dtype: the frozen base's storage dtype under LoRA ("bfloat16" halves it); the
         adapters and optimizer state stay float32.
-      steps, batch_size, lr, warmup, weight_decay, clip: the optimizer's recipe.
+      steps, batch_size, lr, warmup, weight_decay, clip: the optimizer's recipe (with DPO a
+        batch is `batch_size` pairs, twice as many rows).
       seq_len: tokens per row.
       seed: seeds the adapters, the batches and dropout.
       dtype: compute dtype.
@@ -110,6 +122,8 @@ class Settings:
 
     checkpoint: str | None = None
     data: str | None = None
+    method: str = "sft"
+    beta: float | None = None
     full: bool = False
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -132,15 +146,21 @@ class Settings:
     quantize_affine: bool = False
     quantize_head: bool = False
 
-    RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data", "full", "lora_rank", "lora_alpha",
-                                                "lora_targets", "lora_dropout", "base_dtype", "steps", "batch_size",
-                                                "lr", "warmup", "weight_decay", "clip", "seq_len", "seed",
+    RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data", "method", "beta", "full", "lora_rank",
+                                                "lora_alpha", "lora_targets", "lora_dropout", "base_dtype", "steps",
+                                                "batch_size", "lr", "warmup", "weight_decay", "clip", "seq_len", "seed",
                                                 "capacity_factor", "quantize", "quantize_group", "quantize_affine",
                                                 "quantize_head")
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data")
 
     def __post_init__(self):
         flags.check_shared_settings(self)
+        flags.check(self, one_of, "method", choices=METHODS)
+        if self.method == "dpo" and self.beta is None:
+            object.__setattr__(self, "beta", dpo.BETA)
+        require(self.method != "sft" or self.beta is None, "--beta", f"given only with --method {METHODS[1]}",
+                self.beta)
+        flags.check(self, as_float, "beta", above=0, optional=True)
         flags.check(self, as_int, "seq_len", "lora_rank", minimum=1)
         flags.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
         flags.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
@@ -178,8 +198,8 @@ class Settings:
 
     @property
     def run_name(self) -> str:
-        """A new run directory is runs/<run_name>-<time>."""
-        return "finetune-full" if self.full else "finetune-lora"
+        """A new run directory is runs/<run_name>-<time>: finetune-lora, dpo-full, ..."""
+        return f"{'finetune' if self.method == 'sft' else self.method}-{'full' if self.full else 'lora'}"
 
 
 def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
@@ -188,6 +208,11 @@ def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
     p.add_argument("--checkpoint", metavar="DIR", required=True, help="the Hugging Face checkpoint folder to adapt")
     p.add_argument("--data", metavar="FILE", required=True,
                    help="a .jsonl file of messages or prompt/completion records, or a UTF-8 text file")
+    p.add_argument("--method", default=defaults.method, choices=METHODS,
+                   help="sft: the next-token loss on the data; dpo: direct preference optimisation on "
+                        "{prompt, chosen, rejected} pairs")
+    p.add_argument("--beta", type=float, default=None,
+                   help=f"DPO: the reward's scale, beta * (log pi - log pi_ref) (default {dpo.BETA})")
     p.add_argument("--full", action="store_true", help="train every parameter instead of LoRA adapters")
     p.add_argument("--lora-rank", type=int, default=defaults.lora_rank, help="the adapters' rank r")
     p.add_argument("--lora-alpha", type=float, default=defaults.lora_alpha,
@@ -223,19 +248,19 @@ def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
 def base_of(setup: runs.Setup) -> dict:
     """The checkpoint's parameters: LoRA's frozen base (`setup.frozen`), or with `--full` the
     start of training (`setup.params`)."""
-    return setup.params if setup.frozen is None else setup.frozen
+    return setup.params if setup.model.config.lora is None else setup.frozen
 
 
 def variables(setup: runs.Setup, trained) -> dict:
     """What the model applies with: the trained parameters, or with LoRA the base beside the
     adapters (never merged into a copy of the base, which would hold the weights twice)."""
-    return {"params": trained} if setup.frozen is None else {"params": setup.frozen, "lora": trained}
+    return {"params": trained} if setup.model.config.lora is None else {"params": setup.frozen, "lora": trained}
 
 
 def decodable(setup: runs.Setup, trained) -> tuple[Decodable, dict]:
     """The model as decoding drives it, and its parameters: with LoRA, `Adapted`."""
     model = Decoder(setup.model.config.replace(remat=False))
-    return (model, trained) if setup.frozen is None else (Adapted(model), {"base": setup.frozen, "lora": trained})
+    return (model, trained) if model.config.lora is None else (Adapted(model), {"base": setup.frozen, "lora": trained})
 
 
 def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False) -> runs.Setup:
@@ -272,13 +297,14 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         check_rank(config, config.lora)
     how = quantization(settings)
     quantized_bytes = check_quantization(config, how)  # (a group that does not tile a matrix: refused here)
-    check_memory(config, settings.batch_size, settings.seq_len, quantized_bytes)
+    rows = settings.batch_size * (2 if settings.method == "dpo" else 1)  # DPO: a pair is two rows
+    check_memory(config, rows, settings.seq_len, quantized_bytes)
     if mesh is not None:
         mesh = make_mesh(**parse_mesh(mesh))
         check_mesh_fits(config, mesh)
     tokenizer = load_tokenizer(settings.checkpoint)
     check_fits_model(tokenizer, config.vocab_size, f"--checkpoint {settings.checkpoint}")
-    data = FinetuneData(settings.data, tokenizer, settings.seq_len)
+    data = (PreferenceData if settings.method == "dpo" else FinetuneData)(settings.data, tokenizer, settings.seq_len)
     model = Decoder(config)
     shardings = None
     if mesh is not None:  # the base is read by every step: each tensor placed as the model's rules split it, as read
@@ -302,6 +328,15 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         optax.adamw(schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=settings.weight_decay,
                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
     )
+
+    if settings.method == "dpo":
+        objective, table = dpo.objective(trained_model, base, data, settings.beta, settings.batch_size)
+        return runs.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule,
+                          loss_fn=objective.loss_fn,
+                          make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
+                          tokens_per_step=2 * settings.batch_size * settings.seq_len, corpus=data,
+                          tokenizer=tokenizer, param_axes=axes, frozen=base if lora is not None else table,
+                          objective=objective)
 
     experts = [spec.ffn for spec in layer_specs(config) if isinstance(spec.ffn, ExpertsSpec)]
 
@@ -506,6 +541,12 @@ def describe(setup: runs.Setup, settings: Settings) -> None:
         f"LoRA r={config.lora.rank} alpha={config.lora.alpha:g} on {', '.join(config.lora.targets)}")
     print(f"checkpoint {settings.checkpoint} ({config.hf_model_type or 'llama'}): {config.n_layer} layers x "
           f"{config.d_model}, {total:,} params; training {what}: {trained:,} params ({trained / total:.2%})")
+    if settings.method == "dpo":
+        print(f"data {settings.data}: {len(data.train['tokens']):,} pairs to train on, "
+              f"{len(data.val['tokens']):,} held out"
+              + (f" ({data.cut} cut to --seq-len {settings.seq_len})" if data.cut else "")
+              + (f"; {data.dropped} left out, their prompt filling --seq-len" if data.dropped else ""))
+        return
     rows = len(data.train["tokens"]) if data.kind == "records" else len(data.train)
     print(f"data {settings.data}: {rows:,} {'records' if data.kind == 'records' else 'tokens'} to train on"
           + (f" ({data.cut} cut to --seq-len {settings.seq_len})" if data.cut else ""))
@@ -521,6 +562,8 @@ def _main(argv) -> int:
     setup = runs.build_or_fail(PROG, functools.partial(build, mesh=run.mesh, fsdp=run.fsdp), settings)
     with run_start.start(PROG, setup, settings, run) as begun:
         describe(setup, settings)
+        if settings.method == "dpo":
+            return _align(setup, settings, run, begun)
         with failures.failing_as(begun):
             before, perplexity_before = held_out(setup, setup.params, settings.batch_size, "before training")
         print(f"held-out loss before: {before:.4f} (perplexity {perplexity_before:.3f})")
@@ -534,6 +577,29 @@ def _main(argv) -> int:
         with failures.failing_as(begun):
             write_outputs(setup, settings, trained, run)
     return 0
+
+
+def _align(setup: runs.Setup, settings: Settings, run: flags.RunOptions, begun) -> int:
+    """`_main`'s training and evaluation for DPO: the held-out pairs' loss and rewards before
+    and after training, as TRL's `eval_` metrics."""
+    objective = setup.objective
+    with failures.failing_as(begun):
+        before = objective.held_out(variables(setup, setup.params), settings.batch_size)
+    print("held-out before: " + _metrics_line(before))
+    trained = runs.train(setup, settings, run, begun, snapshotter(setup, settings))
+    with failures.failing_as(begun):
+        after = objective.held_out(variables(setup, trained.params), settings.batch_size)
+    print("held-out after:  " + _metrics_line(after))
+    results = {**{f"{name}_before": value for name, value in before.items()}, **after}
+    runs.write_results(run.run_dir, trained, results, dpo.RESULT_LABELS)
+    with failures.failing_as(begun):
+        write_outputs(setup, settings, trained, run)
+    return 0
+
+
+def _metrics_line(metrics: dict[str, float]) -> str:
+    """`loss 0.6931, rewards/chosen 0.0000, ...` without the `eval_` prefix."""
+    return ", ".join(f"{name.removeprefix('eval_')} {value:.4f}" for name, value in metrics.items())
 
 
 if __name__ == "__main__":

@@ -110,7 +110,20 @@ def read_records(path: str, tokenizer: Tokenizer) -> list[Example]:
         kind (whatever JSON it holds instead), or a message that is not a `{"role": str,
         "content": str}` object.
     """
-    examples = []
+    examples = [dataclasses.replace(example, line=n) for n, example in jsonl_records(path, record_example, tokenizer)]
+    if len(examples) < 2:
+        raise ValueError(f"{path} holds {len(examples)} record(s): at least 2 are needed (one to train, "
+                         "one to validate)")
+    return examples
+
+
+def jsonl_records(path: str, read, *args) -> list[tuple[int, object]]:
+    """`(line, read(*args, record))` for each record of the JSONL file `path` (blank lines skipped).
+
+    Raises:
+      ValueError: `path:line: why`: not UTF-8, not JSON, or what `read` raised for it.
+    """
+    out = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             where = f"{path}:{n}"
@@ -128,14 +141,10 @@ def read_records(path: str, tokenizer: Tokenizer) -> list[Example]:
             except RecursionError:
                 raise ValueError(f"{where}: its JSON nests too deeply to read") from None
             try:
-                example = record_example(tokenizer, record)
+                out.append((n, read(*args, record)))
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
-            examples.append(dataclasses.replace(example, line=n))
-    if len(examples) < 2:
-        raise ValueError(f"{path} holds {len(examples)} record(s): at least 2 are needed (one to train, "
-                         "one to validate)")
-    return examples
+    return out
 
 
 def record_example(tokenizer: Tokenizer, record) -> Example:
@@ -143,27 +152,32 @@ def record_example(tokenizer: Tokenizer, record) -> Example:
     instead of `{"messages": [...]}` or `{"prompt": str, "completion": str}`."""
     kinds = '{"messages": [{"role": str, "content": str}, ...]} or {"prompt": str, "completion": str}'
     if not isinstance(record, dict):
-        raise ValueError(f"a record is {kinds} (got {_json_kind(record)})")
+        raise ValueError(f"a record is {kinds} (got {json_kind(record)})")
     if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list):
-            raise ValueError(f"messages must be a list of {{\"role\": str, \"content\": str}} objects "
-                             f"(got {_json_kind(messages)})")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise ValueError(f"messages[{i}] must be a {{\"role\": str, \"content\": str}} object "
-                                 f"(got {_json_kind(message)})")
-            for key in ("role", "content"):
-                if not isinstance(message.get(key), str):
-                    raise ValueError(f"messages[{i}].{key} must be a string (got {_json_kind(message.get(key))})")
-        return chat_example(tokenizer, messages)
+        return chat_example(tokenizer, checked_messages(record["messages"], "messages"))
     for key in ("prompt", "completion"):
         if not isinstance(record.get(key), str):
-            raise ValueError(f"a record is {kinds} ({key}: got {_json_kind(record.get(key))})")
+            raise ValueError(f"a record is {kinds} ({key}: got {json_kind(record.get(key))})")
     return completion_example(tokenizer, record["prompt"], record["completion"])
 
 
-def _json_kind(value) -> str:
+def checked_messages(messages, key: str) -> list[dict]:
+    """`messages`, the value of a record's `key`, if it is a list of `{"role": str, "content": str}`
+    objects; else a `ValueError` naming the first that is not (`messages[2].content must be ...`)."""
+    if not isinstance(messages, list):
+        raise ValueError(f"{key} must be a list of {{\"role\": str, \"content\": str}} objects "
+                         f"(got {json_kind(messages)})")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"{key}[{i}] must be a {{\"role\": str, \"content\": str}} object "
+                             f"(got {json_kind(message)})")
+        for part in ("role", "content"):
+            if not isinstance(message.get(part), str):
+                raise ValueError(f"{key}[{i}].{part} must be a string (got {json_kind(message.get(part))})")
+    return messages
+
+
+def json_kind(value) -> str:
     """What a parsed JSON value is, as a message names it: `null`, `an object`, `the number 3`."""
     if value is None:
         return "null"

@@ -83,6 +83,9 @@ class Setup:
       evaluated: `evaluated(state) -> params`, the parameters the run's evaluation and results
         use, from its final `TrainState` (e.g. `jaxformer.training.averaged` of its optimizer
         state); None: the state's own.
+      objective: what a command with several training methods trains by, beyond `loss_fn`
+        (`jaxformer-finetune --method dpo`'s `jaxformer.commands.dpo.Objective`: its held-out
+        evaluation), or None.
     """
 
     model: nn.Module
@@ -98,6 +101,7 @@ class Setup:
     frozen: Any = None
     steps_per_call: int = 1
     evaluated: Callable | None = None
+    objective: Any = None
 
 
 class Demo(Protocol):
