@@ -110,8 +110,8 @@ def check_report(run_dir: Path, snapshots: list[dict] | None = None) -> Page:
         assert_shown_equals(shown, source_value(src, run_dir, recorded))
     sources = {src for src, _ in page.figures}
     for m in read_metrics(run_dir / "metrics.jsonl"):
-        for name in ("loss", "lr", "steps_per_sec"):
-            assert f"metrics/{m['step']}/{name}" in sources
+        for name in m.keys() - {"step"}:  # every logged value: loss, lr, steps/s, a method's own
+            assert f"metrics/{m['step']}/{name}" in sources, name
     results_path = run_dir / "eval.json"
     if results_path.exists():
         results = json.loads(results_path.read_text())

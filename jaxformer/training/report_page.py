@@ -6,7 +6,8 @@ files the run records.
                         the shape trace, and each session (the step it started from, the
                         device); `record_session`
       config.json       what a resumed run must match (`jaxformer.training.run_dir`)
-      metrics.jsonl     loss, learning rate and steps/s every `log_every` updates
+      metrics.jsonl     loss, learning rate and steps/s every `log_every` updates (and a
+                        method's own: DPO's rewards)
       snapshots.jsonl   at step 0 and every checkpoint: attention maps of one example,
                         every layer and head, samples, and a mixture of experts' load
                         (the pairs each layer's router sent to each expert); `record_snapshot`
@@ -350,7 +351,14 @@ def _curves_section(metrics, about) -> str:
         return parts[0] + "<p>No metrics logged yet.</p></section>"
     resumes = [s["step"] for s in (about or {}).get("sessions", [])[1:]]
     # (name, label, whether the axis starts at 0: not for the loss, whose changes would be flattened)
-    charts = [("loss", "training loss (nats per target token)", False), ("lr", "learning rate (per update)", True),
+    charts = [("loss", "training loss (nats per target token; DPO: per pair)", False),
+              # Preference optimisation's: the rewards beta * (log pi - log pi_ref) of the chosen and the rejected
+              # answers, their margin, and the share of pairs ranked right.
+              ("rewards/chosen", "DPO: mean reward of the chosen answers", False),
+              ("rewards/rejected", "DPO: mean reward of the rejected answers", False),
+              ("rewards/margins", "DPO: mean margin, chosen reward - rejected reward", False),
+              ("rewards/accuracies", "DPO: share of pairs whose chosen reward is higher", True),
+              ("lr", "learning rate (per update)", True),
               ("steps_per_sec", "updates per second (the first includes compilation)", True)]
     for name, label, from_zero in charts:
         points = [(m["step"], m[name]) for m in metrics if name in m]
@@ -359,9 +367,9 @@ def _curves_section(metrics, about) -> str:
     if resumes:
         parts.append(f"<p>Dashed lines: where the run was resumed (step{'s' if len(resumes) > 1 else ''} "
                      f"{', '.join(map(str, resumes))}).</p>")
-    names = [n for n, _, _ in charts if n in metrics[0]]
+    names = list(dict.fromkeys(n for m in metrics for n in m if n != "step"))  # each logged name, first seen first
     parts.append("<details><summary>Every logged value</summary>" + _table(
-        ["step", *names], [[m["step"], *(_number(m[n], f"metrics/{m['step']}/{n}") for n in names)]
+        ["step", *names], [[m["step"], *(_number(m[n], f"metrics/{m['step']}/{n}") if n in m else "" for n in names)]
                            for m in metrics]) + "</details>")
     return "\n".join(parts) + "</section>"
 
