@@ -1027,3 +1027,11 @@ def torch_peer():
     torch = import_peer("torch")
     torch.set_num_threads(1)
     return torch
+# DPO's command (tests/commands/test_dpo.py): the fast tier keeps a LoRA run (ln 2 at its first step, the held-out
+# pairs ranked right, its report page) and the refusals; full fine-tuning's reference table and resume here.
+FULL_TIER.update({
+    "tests/commands/test_dpo.py::test_full_dpo_reads_the_reference_from_a_table_and_starts_at_ln_2":
+        "a second DPO run",
+    "tests/commands/test_dpo.py::test_a_resumed_dpo_run_gives_the_uninterrupted_runs_adapters_bit_for_bit":
+        "three more DPO runs",
+})

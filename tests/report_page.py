@@ -61,15 +61,15 @@ def source_value(src: str, run_dir: Path, snapshots: list[dict] | None = None):
         snapshot = next(s for s in (read_snapshots(run_dir) if snapshots is None else snapshots) if s["step"] == step)
         counts = next(g["counts"] for g in snapshot["experts"] if g["layer"] == layer)
         return counts[expert] / sum(counts)
-    if kind == "metrics":
-        step, name = int(path[0]), path[1]
+    if kind == "metrics":  # (a name may hold "/": DPO's rewards/chosen)
+        step, name = int(path[0]), "/".join(path[1:])
         return next(m for m in read_metrics(run_dir / "metrics.jsonl") if m["step"] == step)[name]
     if kind == "about":
         return json.loads((run_dir / "about.json").read_text())[path[0]]
     results = json.loads((run_dir / "eval.json").read_text())
-    if len(path) == 1:
-        return results[path[0]]
-    key, length, which = path
+    if "/".join(path) in results:
+        return results["/".join(path)]
+    key, length, which = "/".join(path[:-2]), path[-2], path[-1]
     return results[key][length][0 if which == "rate" else 1]
 
 
