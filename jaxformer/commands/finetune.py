@@ -10,6 +10,11 @@ to your text or chat data, with LoRA (the default) or all its parameters (--full
 {"prompt", "chosen", "rejected"} records as text or chat messages (TRL's format), the sigmoid
 loss scaled by --beta against the checkpoint as read (with LoRA: its base, the adapters off).
 
+--method grpo learns from rewards: {"prompt", ...} records, --num-generations completions of
+each sampled by the serving engine with the policy's current weights, scored by --reward
+(exact: the record's "answer"; regex: --reward-pattern; or module:function), and the clipped
+objective of group relative policy optimisation (a KL penalty to the checkpoint with --beta).
+
 The last 10 % of the data is held out: its loss (and perplexity; with DPO, the rewards and
 their accuracy) is reported before and after training. A LoRA run writes its adapters to
 RUN_DIR/adapter in peft's format (peft's PeftModel.from_pretrained and --adapter of
@@ -44,7 +49,7 @@ from jaxformer.command_line import (
     quantization,
     run_command,
 )
-from jaxformer.commands import dpo
+from jaxformer.commands import dpo, grpo
 from jaxformer.config import DTYPES, LORA_TARGETS, DecoderConfig, LoraConfig
 from jaxformer.convert import load_hf, load_hf_config, save_hf
 from jaxformer.convert.hf import TEXT_MODELS
@@ -59,19 +64,23 @@ from jaxformer.layers import layer_specs
 from jaxformer.lora import Adapted, init_lora, merge
 from jaxformer.losses import chunk_positions, chunked_cross_entropy
 from jaxformer.memory import check_fits, format_bytes
+from jaxformer.rewards import load_reward
 from jaxformer.runtime import is_primary
 from jaxformer.schedules import warmup_cosine_schedule
 from jaxformer.sharding import check_mesh_fits, make_mesh, param_axes, parse_mesh, to_host, tree_shardings
 from jaxformer.text import load_tokenizer, save_tokenizer
 from jaxformer.text.dataset import IGNORE, FinetuneData
 from jaxformer.text.preference import PreferenceData
+from jaxformer.text.prompts import PromptData
 from jaxformer.text.tokenizer import check_fits_model
 from jaxformer.training import exports, failures, flags, run_start, runs
 from jaxformer.training.report_page import attention_group, experts_group, result_label, token_labels
 from jaxformer.validation import NotFinite, as_float, as_int, one_of, refuse, require, why_not_finite
 
 PROG = "jaxformer-finetune"
-METHODS = ("sft", "dpo")  # --method: supervised fine-tuning (next-token loss), direct preference optimisation
+GRPO_FIELDS = ("num_generations", "max_completion_length", "temperature", "epsilon", "iterations", "reward",
+               "reward_pattern")  # the settings GRPO alone reads
+METHODS = ("sft", "dpo", "grpo")  # --method: the next-token loss; direct preference optimisation; GRPO
 MODEL_CONFIG = DecoderConfig
 ALL_TARGETS = "all"  # --lora-targets: every module LoRA can adapt (a model of experts' attention: not its experts)
 ADAPTER_DIR = "adapter"  # in the run directory: the adapters in peft's format
@@ -94,8 +103,14 @@ class Settings:
         `jaxformer.text.load_tokenizer` its tokenizer).
       data: the data file (`jaxformer.text.dataset.FinetuneData`: `.jsonl` records or text;
         with DPO `jaxformer.text.preference.PreferenceData`'s pairs).
-      method: "sft" (the next-token loss on the data) or "dpo" (`jaxformer.commands.dpo`).
-      beta: DPO's reward scale (default `dpo.BETA`); None for SFT, which has none.
+      method: "sft" (the next-token loss on the data), "dpo" (`jaxformer.commands.dpo`) or
+        "grpo" (`jaxformer.commands.grpo`).
+      beta: DPO's reward scale (default `dpo.BETA`), GRPO's KL weight (default `grpo.BETA`); None
+        for SFT, which has none.
+      num_generations, max_completion_length, temperature, epsilon, iterations: GRPO's group
+        size, the completions' most tokens (stop id included), their sampling temperature, the
+        clip range, and the updates a batch of rollouts.
+      reward, reward_pattern: GRPO's reward (`jaxformer.rewards.load_reward`'s spec and regex).
       full: train every parameter instead of LoRA adapters.
       lora_rank, lora_alpha, lora_dropout: the adapters' rank r, scale numerator (the
         change is `alpha / r * A @ B`) and the dropout rate on their input.
@@ -124,6 +139,13 @@ class Settings:
     data: str | None = None
     method: str = "sft"
     beta: float | None = None
+    num_generations: int = 4
+    max_completion_length: int = 32
+    temperature: float = 1.0
+    epsilon: float = grpo.EPSILON
+    iterations: int = 1
+    reward: str | None = None
+    reward_pattern: str | None = None
     full: bool = False
     lora_rank: int = 8
     lora_alpha: float = 16.0
@@ -150,18 +172,15 @@ class Settings:
                                                 "lora_alpha", "lora_targets", "lora_dropout", "base_dtype", "steps",
                                                 "batch_size", "lr", "warmup", "weight_decay", "clip", "seq_len", "seed",
                                                 "capacity_factor", "quantize", "quantize_group", "quantize_affine",
+                                                "num_generations", "max_completion_length", "temperature",
+                                                "epsilon", "iterations", "reward", "reward_pattern",
                                                 "quantize_head")
     INPUT_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "data")
 
     def __post_init__(self):
         flags.check_shared_settings(self)
-        flags.check(self, one_of, "method", choices=METHODS)
-        if self.method == "dpo" and self.beta is None:
-            object.__setattr__(self, "beta", dpo.BETA)
-        require(self.method != "sft" or self.beta is None, "--beta", f"given only with --method {METHODS[1]}",
-                self.beta)
-        flags.check(self, as_float, "beta", above=0, optional=True)
         flags.check(self, as_int, "seq_len", "lora_rank", minimum=1)
+        self._check_method()
         flags.check(self, as_int, "warmup", minimum=1, maximum=self.steps, maximum_name="--steps")
         flags.check(self, as_float, "lr", "clip", "lora_alpha", above=0)
         flags.check(self, as_float, "weight_decay", at_least=0)
@@ -183,6 +202,32 @@ class Settings:
             require(self.full or self.lora_dropout == 0 or not lora.parameter_targets, "--lora-dropout",
                     f"0 with the experts' targets ({', '.join(lora.parameter_targets)}): peft adapts a parameter "
                     "without dropout", self.lora_dropout)
+
+    def _check_method(self) -> None:
+        """The method's own settings checked (`--beta` given its default), and the other methods' left alone."""
+        flags.check(self, one_of, "method", choices=METHODS)
+        if self.beta is None and self.method != "sft":
+            object.__setattr__(self, "beta", dpo.BETA if self.method == "dpo" else grpo.BETA)
+        require(self.method != "sft" or self.beta is None, "--beta", "given only with --method dpo or grpo",
+                self.beta)
+        if self.method == "dpo":
+            flags.check(self, as_float, "beta", above=0)
+        if self.method == "grpo":
+            flags.check(self, as_float, "beta", at_least=0)
+            flags.check(self, as_int, "num_generations", minimum=2)  # an advantage compares a completion to others
+            flags.check(self, as_int, "max_completion_length", minimum=1, maximum=self.seq_len - 1,
+                        maximum_name="--seq-len - 1")
+            flags.check(self, as_int, "iterations", minimum=1)
+            flags.check(self, as_float, "epsilon", above=0)
+            # Sampled: at 0 a group's completions would be one greedy answer, every advantage 0.
+            flags.check(self, as_float, "temperature", above=0)
+            require(self.reward is not None, "--reward", "given with --method grpo: exact, regex or module:function",
+                    self.reward)
+            return
+        for field in dataclasses.fields(self):
+            if field.name in GRPO_FIELDS:
+                require(getattr(self, field.name) == field.default, flags.flag(field.name),
+                        "given only with --method grpo", getattr(self, field.name))
 
     def targets(self, config: DecoderConfig | None) -> tuple[str, ...]:
         """`lora_targets` as peft's names: with "all", every module `config`'s format has (a model
@@ -212,7 +257,20 @@ def parse_args(argv=None) -> tuple[Settings, flags.RunOptions]:
                    help="sft: the next-token loss on the data; dpo: direct preference optimisation on "
                         "{prompt, chosen, rejected} pairs")
     p.add_argument("--beta", type=float, default=None,
-                   help=f"DPO: the reward's scale, beta * (log pi - log pi_ref) (default {dpo.BETA})")
+                   help=f"DPO: the reward's scale, beta * (log pi - log pi_ref) (default {dpo.BETA}); GRPO: the "
+                        f"weight of the KL penalty to the checkpoint (default {grpo.BETA}: none)")
+    p.add_argument("--reward", metavar="SPEC", default=None,
+                   help="GRPO: exact (the completion equals the record's answer), regex (it matches "
+                        "--reward-pattern), or module:function, called as f(prompt, completion, **record) -> float")
+    p.add_argument("--reward-pattern", metavar="REGEX", default=None, help="GRPO: --reward regex's pattern")
+    p.add_argument("--num-generations", type=int, default=defaults.num_generations,
+                   help="GRPO: completions sampled for each prompt (a group)")
+    p.add_argument("--max-completion-length", type=int, default=defaults.max_completion_length,
+                   help="GRPO: the most tokens of a completion (its stop token included)")
+    p.add_argument("--temperature", type=float, default=defaults.temperature, help="GRPO: sampling temperature")
+    p.add_argument("--epsilon", type=float, default=defaults.epsilon, help="GRPO: the ratio's clip range")
+    p.add_argument("--iterations", type=int, default=defaults.iterations,
+                   help="GRPO: optimizer updates on each batch of rollouts")
     p.add_argument("--full", action="store_true", help="train every parameter instead of LoRA adapters")
     p.add_argument("--lora-rank", type=int, default=defaults.lora_rank, help="the adapters' rank r")
     p.add_argument("--lora-alpha", type=float, default=defaults.lora_alpha,
@@ -297,14 +355,21 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
         check_rank(config, config.lora)
     how = quantization(settings)
     quantized_bytes = check_quantization(config, how)  # (a group that does not tile a matrix: refused here)
-    rows = settings.batch_size * (2 if settings.method == "dpo" else 1)  # DPO: a pair is two rows
+    # DPO: a pair is two rows; GRPO: a prompt is a group of completions.
+    rows = settings.batch_size * {"sft": 1, "dpo": 2, "grpo": settings.num_generations}[settings.method]
     check_memory(config, rows, settings.seq_len, quantized_bytes)
     if mesh is not None:
         mesh = make_mesh(**parse_mesh(mesh))
         check_mesh_fits(config, mesh)
     tokenizer = load_tokenizer(settings.checkpoint)
     check_fits_model(tokenizer, config.vocab_size, f"--checkpoint {settings.checkpoint}")
-    data = (PreferenceData if settings.method == "dpo" else FinetuneData)(settings.data, tokenizer, settings.seq_len)
+    if settings.method == "grpo":
+        reward = load_reward(settings.reward, settings.reward_pattern)  # (a ValueError naming --reward)
+        data = PromptData(settings.data, tokenizer, settings.seq_len - settings.max_completion_length,
+                          "--seq-len - --max-completion-length")
+    else:
+        data = (PreferenceData if settings.method == "dpo" else FinetuneData)(settings.data, tokenizer,
+                                                                               settings.seq_len)
     model = Decoder(config)
     shardings = None
     if mesh is not None:  # the base is read by every step: each tensor placed as the model's rules split it, as read
@@ -338,6 +403,20 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
                           tokenizer=tokenizer, param_axes=axes, frozen=base if lora is not None else table,
                           objective=objective)
 
+    if settings.method == "grpo":
+        recipe = grpo.Recipe(group=settings.num_generations, max_new=settings.max_completion_length,
+                             temperature=settings.temperature, epsilon=settings.epsilon, beta=settings.beta,
+                             iterations=settings.iterations)
+        # The reference, with a KL penalty: LoRA's base; with every parameter trained, a frozen copy.
+        reference = None if settings.beta == 0 else base if lora is not None else jax.tree.map(jnp.copy, base)
+        objective = grpo.Objective(trained_model, base if lora is not None else None, reference, data, tokenizer,
+                                   reward, recipe, settings.batch_size, settings.seq_len, trained)
+        return runs.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule,
+                          loss_fn=objective.loss_fn, make_batch=functools.partial(_prompts, data, settings.batch_size),
+                          tokens_per_step=settings.batch_size * settings.num_generations * settings.seq_len,
+                          corpus=data, tokenizer=tokenizer, param_axes=axes, frozen=objective.frozen(),
+                          objective=objective, make_step=objective.make_step)
+
     experts = [spec.ffn for spec in layer_specs(config) if isinstance(spec.ffn, ExpertsSpec)]
 
     def loss_fn(trained, batch, dropout_key, base=None):
@@ -362,6 +441,11 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
                       make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
                       tokens_per_step=settings.batch_size * settings.seq_len, corpus=data, tokenizer=tokenizer,
                       param_axes=axes, frozen=None if lora is None else base)
+
+
+def _prompts(data: PromptData, batch_size: int, data_key: jax.Array) -> dict[str, jax.Array]:
+    """GRPO's batch of update `s`: its prompts' indices, and the key its completions are sampled from."""
+    return {"prompt": data.batch(data_key, batch_size), "sample": jax.random.fold_in(data_key, 1)}
 
 
 def with_capacity(config: DecoderConfig, factor: float | None) -> DecoderConfig:
@@ -541,6 +625,10 @@ def describe(setup: runs.Setup, settings: Settings) -> None:
         f"LoRA r={config.lora.rank} alpha={config.lora.alpha:g} on {', '.join(config.lora.targets)}")
     print(f"checkpoint {settings.checkpoint} ({config.hf_model_type or 'llama'}): {config.n_layer} layers x "
           f"{config.d_model}, {total:,} params; training {what}: {trained:,} params ({trained / total:.2%})")
+    if settings.method == "grpo":
+        print(f"data {settings.data}: {len(data.train):,} prompts to train on, {len(data.val):,} held out; "
+              f"{settings.num_generations} completions of each sampled a step, rewarded by {settings.reward}")
+        return
     if settings.method == "dpo":
         print(f"data {settings.data}: {len(data.train['tokens']):,} pairs to train on, "
               f"{len(data.val['tokens']):,} held out"
@@ -562,7 +650,7 @@ def _main(argv) -> int:
     setup = runs.build_or_fail(PROG, functools.partial(build, mesh=run.mesh, fsdp=run.fsdp), settings)
     with run_start.start(PROG, setup, settings, run) as begun:
         describe(setup, settings)
-        if settings.method == "dpo":
+        if settings.method != "sft":
             return _align(setup, settings, run, begun)
         with failures.failing_as(begun):
             before, perplexity_before = held_out(setup, setup.params, settings.batch_size, "before training")
@@ -580,18 +668,25 @@ def _main(argv) -> int:
 
 
 def _align(setup: runs.Setup, settings: Settings, run: flags.RunOptions, begun) -> int:
-    """`_main`'s training and evaluation for DPO: the held-out pairs' loss and rewards before
-    and after training, as TRL's `eval_` metrics."""
+    """`_main`'s training and evaluation for DPO and GRPO: before and after training, the held-out
+    pairs' loss and rewards (as TRL's `eval_` metrics), or the held-out prompts' reward."""
     objective = setup.objective
+    if settings.method == "dpo":
+        def held_out(trained):
+            return objective.held_out(variables(setup, trained), settings.batch_size)
+
+        snapshot, labels = snapshotter(setup, settings), dpo.RESULT_LABELS
+    else:
+        held_out, snapshot, labels = objective.held_out, objective.snapshot, grpo.RESULT_LABELS
     with failures.failing_as(begun):
-        before = objective.held_out(variables(setup, setup.params), settings.batch_size)
+        before = held_out(setup.params)
     print("held-out before: " + _metrics_line(before))
-    trained = runs.train(setup, settings, run, begun, snapshotter(setup, settings))
+    trained = runs.train(setup, settings, run, begun, snapshot)
     with failures.failing_as(begun):
-        after = objective.held_out(variables(setup, trained.params), settings.batch_size)
+        after = held_out(trained.params)
     print("held-out after:  " + _metrics_line(after))
     results = {**{f"{name}_before": value for name, value in before.items()}, **after}
-    runs.write_results(run.run_dir, trained, results, dpo.RESULT_LABELS)
+    runs.write_results(run.run_dir, trained, results, labels)
     with failures.failing_as(begun):
         write_outputs(setup, settings, trained, run)
     return 0

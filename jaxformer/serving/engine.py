@@ -91,6 +91,7 @@ class Event:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    stop_id: int | None = None  # with finish_reason "stop" by a stop id: that id
 
 
 class Handle:
@@ -455,6 +456,34 @@ class Engine:
           QueueFull: `max_queue` requests wait already.
           EngineClosed: the engine is shutting down.
         """
+        return self.submit_all([prompt], options, listener=listener, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs, constraint=constraint)[0]
+
+    def submit_all(self, prompts: Sequence[Sequence[int]], options: DecodeOptions | Sequence[DecodeOptions], *,
+                   listener: Callable[[Event], None] | None = None, logprobs: int | None = None,
+                   prompt_logprobs: bool = False, constraint=None) -> list[Handle]:
+        """`submit` of each of `prompts` (with `options`, or one `DecodeOptions` each), queued
+        together once every one is checked: all or none, and in this order, so the engine takes
+        them into its rows as it would the same list again (a run that samples many completions
+        at once draws the same ones from the same keys and weights)."""
+        options = [options] * len(prompts) if isinstance(options, DecodeOptions) else list(options)
+        if len(options) != len(prompts):
+            raise ValueError(f"options must be one DecodeOptions or one per prompt ({len(prompts)}), "
+                             f"got {len(options)}")
+        handles = [self._handle(prompt, option, listener, logprobs, prompt_logprobs, constraint)
+                   for prompt, option in zip(prompts, options)]
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("the server is shutting down")
+            if len(self._waiting) + len(handles) > self.max_queue + self._free_slots():
+                raise QueueFull(f"{len(self._waiting)} requests are waiting; {len(handles)} more would pass what "
+                                f"the queue holds (max_queue {self.max_queue}) and the free rows")
+            self._waiting.extend(handles)
+            self._lock.notify()
+        return handles
+
+    def _handle(self, prompt, options: DecodeOptions, listener, logprobs, prompt_logprobs, constraint) -> Handle:
+        """A request's `Handle`, every argument checked (`submit`'s Raises)."""
         prompt = self._checked_prompt(prompt)
         max_tokens = as_int(options.max_new_tokens, "max_new_tokens", minimum=0)
         if logprobs is not None:
@@ -466,17 +495,34 @@ class Engine:
                              f"{len(prompt) + max_tokens}, past the server's max_seq_len {self.capacity}")
         check_served(options)
         sampling = options.sampling(1, self.vocab_size)  # (`Sampling.create` checks the settings)
-        handle = Handle(prompt, max_tokens, sampling, self._key_data(options.key, sampling), listener, logprobs,
-                        bool(prompt_logprobs), constraint)
+        return Handle(prompt, max_tokens, sampling, self._key_data(options.key, sampling), listener, logprobs,
+                      bool(prompt_logprobs), constraint)
+
+    def set_params(self, params) -> None:
+        """Decodes with `params` from now on: a policy in training samples with its weights of
+        the moment, no copy made. They must be the tree of shapes and dtypes the engine was made
+        with (no program compiles again), and no request may be running or waiting. The prefix
+        cache is emptied: its entries were prefilled by the old weights.
+
+        Raises:
+          ValueError: another tree, shape or dtype (the first leaf that differs named), or requests in flight.
+        """
+        def shapes(tree):
+            return jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), tree)
+
+        old, new = jax.tree_util.tree_flatten_with_path(shapes(self.params)), jax.tree_util.tree_flatten_with_path(
+            shapes(params))
+        if old[1] != new[1]:
+            raise ValueError("set_params: params must have the engine's tree of parameters (another structure given)")
+        for (path, was), (_, now) in zip(old[0], new[0]):
+            if was != now:
+                raise ValueError(f"set_params: {jax.tree_util.keystr(path)} is {now[0]} {now[1]}, the engine's is "
+                                 f"{was[0]} {was[1]}")
         with self._lock:
-            if self._closing:
-                raise EngineClosed("the server is shutting down")
-            if len(self._waiting) >= self.max_queue + self._free_slots():
-                raise QueueFull(f"{len(self._waiting)} requests are waiting, as many as the queue holds "
-                                f"(max_queue {self.max_queue})")
-            self._waiting.append(handle)
-            self._lock.notify()
-        return handle
+            if self._waiting or any(slot is not None for slot in self._slots):
+                raise ValueError("set_params: requests are running or waiting; set the weights between them")
+            self.params = params
+            self._prefixes.clear()
 
     def _checked_prompt(self, prompt: Sequence[int]) -> list[int]:
         """`prompt` as a list of ids, each in the vocabulary, at least one."""
@@ -735,7 +781,7 @@ class Engine:
         if token == NO_TOKEN:
             event = Event(finish_reason="error", error=f"new token {handle.made - 1}: {NonFiniteLogitsError.CAUSE}")
         elif token in self.stop_ids:
-            event = Event(finish_reason="stop")
+            event = Event(finish_reason="stop", stop_id=token)
         elif handle.constraint is not None and (failed := self._follow(handle.constraint, token)):
             event = Event(finish_reason="error", error=failed)
         elif handle.constraint is not None and handle.constraint.is_finished():  # the grammar ends here

@@ -51,6 +51,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        """Drops every entry (the weights that prefilled them have changed)."""
+        self._entries.clear()
+        self.nbytes = 0
+
     def longest(self, prompt: list[int], ring: int | None) -> tuple[Entry | None, int]:
         """The entry sharing the longest start with `prompt` and how many of its positions may be
         used, `(None, 0)` if none: at most `len(prompt) - 1`, since the last prompt token's

@@ -86,6 +86,9 @@ class Setup:
       objective: what a command with several training methods trains by, beyond `loss_fn`
         (`jaxformer-finetune --method dpo`'s `jaxformer.commands.dpo.Objective`: its held-out
         evaluation), or None.
+      make_step: `make_step(optimizer, state_sharding) -> step`, a step of the command's own
+        (`train_loop`'s `train_step`: GRPO's samples its rollouts, then updates) in place of
+        `make_train_step(loss_fn, ...)`'s; None for that one.
     """
 
     model: nn.Module
@@ -102,6 +105,7 @@ class Setup:
     steps_per_call: int = 1
     evaluated: Callable | None = None
     objective: Any = None
+    make_step: Callable | None = None
 
 
 class Demo(Protocol):
@@ -205,8 +209,9 @@ def train(setup: Setup, settings, run: RunOptions, begun: Start, snapshot: Calla
                 observe(begun.state)
             print(f"report page (rewritten at every checkpoint): {run.run_dir / REPORT_FILE}")
         # Calls of n updates that line up with every log line and checkpoint, compiled since the start.
-        state = train_loop(begun.state, make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding,
-                                                        frozen=setup.frozen),
+        step = (make_train_step(setup.loss_fn, setup.optimizer, begun.state_sharding, frozen=setup.frozen)
+                if setup.make_step is None else setup.make_step(setup.optimizer, begun.state_sharding))
+        state = train_loop(begun.state, step,
                            begun.make_batch, seed=settings.seed, num_steps=settings.steps, run_dir=run.run_dir,
                            checkpoint_every=run.checkpoint_every, log_every=run.log_every,
                            lr_schedule=setup.schedule, resume=begun.restored,
