@@ -1035,3 +1035,12 @@ FULL_TIER.update({
     "tests/commands/test_dpo.py::test_a_resumed_dpo_run_gives_the_uninterrupted_runs_adapters_bit_for_bit":
         "three more DPO runs",
 })
+# GRPO's command (tests/commands/test_grpo.py): the fast tier keeps a LoRA run with the KL penalty and two updates a
+# batch (what it logs, its report page), the engine's rollouts from a key and weights, and the refusals; the
+# reward rising over 400 steps and resume here.
+FULL_TIER.update({
+    "tests/commands/test_grpo.py::test_the_reward_of_the_reversal_rises_over_a_few_hundred_steps":
+        "400 GRPO steps",
+    "tests/commands/test_grpo.py::test_a_resumed_run_repeats_the_uninterrupted_runs_rollouts_and_weights_bit_for_bit":
+        "three more GRPO runs",
+})

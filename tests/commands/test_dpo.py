@@ -39,7 +39,7 @@ def pairs(tmp_path_factory) -> Path:
     rng = np.random.default_rng(0)
     words = ["cat", "dog", "sun", "sky", "log", "keys", "values", "token"]
     records = []
-    for i in range(60):
+    for _ in range(60):
         subject, other = rng.choice(words, 2, replace=False)
         records.append({"prompt": f"The {subject} sat on the", "chosen": " mat.", "rejected": f" {other}."})
     path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
