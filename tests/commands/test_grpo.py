@@ -6,7 +6,6 @@ tests/test_grpo.py; the rewards: tests/test_rewards.py.)"""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import jax
