@@ -63,7 +63,7 @@ from jaxformer.files import read_json_object, write_folder_atomically
 from jaxformer.layers import layer_specs
 from jaxformer.lora import Adapted, init_lora, merge
 from jaxformer.losses import chunk_positions, chunked_cross_entropy
-from jaxformer.memory import check_fits, format_bytes
+from jaxformer.memory import cache_entry_bytes, check_fits, format_bytes
 from jaxformer.rewards import load_reward
 from jaxformer.runtime import is_primary
 from jaxformer.schedules import warmup_cosine_schedule
@@ -357,7 +357,10 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     quantized_bytes = check_quantization(config, how)  # (a group that does not tile a matrix: refused here)
     # DPO: a pair is two rows; GRPO: a prompt is a group of completions.
     rows = settings.batch_size * {"sft": 1, "dpo": 2, "grpo": settings.num_generations}[settings.method]
-    check_memory(config, rows, settings.seq_len, quantized_bytes)
+    named = {"sft": None, "dpo": f"{rows} rows (--batch-size {settings.batch_size} pairs)",
+             "grpo": f"{rows} rows (--batch-size {settings.batch_size} x --num-generations "
+                     f"{settings.num_generations})"}[settings.method]
+    check_memory(config, rows, settings.seq_len, quantized_bytes, *_grpo_bytes(config, settings), rows_named=named)
     if mesh is not None:
         mesh = make_mesh(**parse_mesh(mesh))
         check_mesh_fits(config, mesh)
@@ -444,8 +447,10 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
 
 
 def _prompts(data: PromptData, batch_size: int, data_key: jax.Array) -> dict[str, jax.Array]:
-    """GRPO's batch of update `s`: its prompts' indices, and the key its completions are sampled from."""
-    return {"prompt": data.batch(data_key, batch_size), "sample": jax.random.fold_in(data_key, 1)}
+    """GRPO's batch of an update: its prompts' indices, and for each the key its group of completions
+    is sampled from (rows first, as a mesh splits a batch)."""
+    return {"prompt": data.batch(data_key, batch_size),
+            "sample": jax.random.split(jax.random.fold_in(data_key, 1), batch_size)}
 
 
 def with_capacity(config: DecoderConfig, factor: float | None) -> DecoderConfig:
@@ -476,14 +481,32 @@ def check_rank(config: DecoderConfig, lora: LoraConfig) -> None:
                "at this rank, 4x that with their gradients and Adam's moments) but no freedom", lora.rank)
 
 
-def check_memory(config: DecoderConfig, batch_size: int, seq_len: int, quantized_bytes: int | None = None) -> None:
+def _grpo_bytes(config: DecoderConfig, settings: Settings) -> tuple[int, str]:
+    """What GRPO holds beyond a step's own, and its words for `check_memory`: the serving
+    engine's cache (a row for each completion of a step, `--seq-len` positions) and, with every
+    parameter trained and a KL penalty, the reference's frozen copy of the weights."""
+    if settings.method != "grpo":
+        return 0, ""
+    itemsize = jnp.dtype(config.cache_storage_dtype).itemsize
+    cache = settings.batch_size * settings.num_generations * sum(
+        cache_entry_bytes(entry, settings.seq_len, itemsize) for entry in config.cache_entries)
+    copy = 0 if config.lora is not None or settings.beta == 0 else sum(
+        math.prod(t.shape) for t in family_of(config).tensors(config)) * jnp.dtype(config.param_dtype).itemsize
+    return cache + copy, (f"{format_bytes(cache)} of the sampler's cache"
+                          + (f" and {format_bytes(copy)} of the reference's copy of the weights" if copy else ""))
+
+
+def check_memory(config: DecoderConfig, batch_size: int, seq_len: int, quantized_bytes: int | None = None,
+                 extra: int = 0, extra_note: str = "", rows_named: str | None = None) -> None:
     """Refuses, before anything is allocated, a run that cannot fit the free memory, by a
     lower bound of what a step holds: LoRA's frozen base (`quantized_bytes` where QLoRA quantizes
     it); the trained parameters (the
     adapters, or with `--full` the whole model) in float32 with their gradients and Adam's
     two moments; and of the activations, each block's input (which the backward pass reads,
     `--remat` or not), `[batch, seq_len, n_layer * d_model]` in the compute dtype, and the
-    loss's one chunk of float32 logits (`chunked_cross_entropy` never holds them whole)."""
+    loss's one chunk of float32 logits (`chunked_cross_entropy` never holds them whole); and
+    `extra` bytes a method holds besides (`extra_note` says what). `rows_named`: how the message
+    names the `batch_size` rows where they are not `--batch-size`'s (DPO's pairs, GRPO's groups)."""
     base = sum(math.prod(t.shape) for t in family_of(config).tensors(config))
     trained = base if config.lora is None else sum(
         math.prod(a) + math.prod(b) for a, b in adapter_shapes_of(config, config.lora).values())
@@ -493,10 +516,11 @@ def check_memory(config: DecoderConfig, batch_size: int, seq_len: int, quantized
     activations = (positions * config.n_layer * config.d_model * jnp.dtype(config.dtype).itemsize
                    + min(positions, chunk_positions(config.vocab_size)) * config.vocab_size * 4)
     held = "quantized matrices" if quantized_bytes else jnp.dtype(config.param_dtype).name
-    check_fits(state + frozen + activations,
+    check_fits(state + frozen + activations + extra,
                f"fine-tuning with these flags ({format_bytes(frozen)} of frozen base in {held}, "
-               f"{format_bytes(state)} of trained parameters with their gradients and Adam's moments, and at least "
-               f"{format_bytes(activations)} of activations for --batch-size {batch_size} x --seq-len {seq_len})")
+               f"{format_bytes(state)} of trained parameters with their gradients and Adam's moments, "
+               + (f"{extra_note}, " if extra else "") + f"and at least {format_bytes(activations)} of activations "
+               f"for {rows_named or f'--batch-size {batch_size}'} x --seq-len {seq_len})")
 
 
 def validation_loss(setup: runs.Setup, trained, batch_size: int) -> float:

@@ -116,7 +116,7 @@ class Objective:
 
     def make_step(self, optimizer, state_sharding=None) -> Callable:
         """`step(state, batch, dropout_key) -> (state, metrics)`: a batch of prompts (`batch`:
-        `prompt` indices and the `sample` key) sampled, scored and learned from (the module
+        `prompt` indices and their `sample` keys) sampled, scored and learned from (the module
         docstring's four stages). The state is donated, as `make_train_step`'s."""
         update = make_train_step(self.loss_fn, optimizer, state_sharding, frozen=self.frozen())
         policy_logps = jax.jit(_token_logps, static_argnums=0)
@@ -157,12 +157,12 @@ class Objective:
             completions.append(tokens + ([event.stop_id] if event.stop_id is not None else []))
         return completions
 
-    def rollouts(self, trained, prompts: list[Prompt], key: jax.Array) -> tuple[dict, dict]:
-        """`recipe.group` completions of each of `prompts`, scored: the rows to learn from
-        (`tokens`, `targets` `[N, seq_len]`, the completion scored; `advantages` `[N]`) and what
-        the step logs of them."""
+    def rollouts(self, trained, prompts: list[Prompt], keys: jax.Array) -> tuple[dict, dict]:
+        """`recipe.group` completions of each of `prompts` (completion j of prompt i sampled with
+        `fold_in(keys[i], j)`), scored: the rows to learn from (`tokens`, `targets` `[N, seq_len]`,
+        the completion scored; `advantages` `[N]`) and what the step logs of them."""
         group = [p for p in prompts for _ in range(self.recipe.group)]  # [N], each prompt's group together
-        keys = [jax.random.fold_in(key, i) for i in range(len(group))]
+        keys = [jax.random.fold_in(key, j) for key in keys for j in range(self.recipe.group)]
         completions = self.sample(trained, group, keys)
         rewards = np.asarray([self.score(p, ids) for p, ids in zip(group, completions)], np.float32)  # [N]
         examples = [Example(ids=p.ids + ids, scored=[False] * len(p.ids) + [True] * len(ids))

@@ -7,7 +7,7 @@ files the run records.
                         device); `record_session`
       config.json       what a resumed run must match (`jaxformer.training.run_dir`)
       metrics.jsonl     loss, learning rate and steps/s every `log_every` updates (and a
-                        method's own: DPO's rewards)
+                        method's own: DPO's rewards, GRPO's reward and KL)
       snapshots.jsonl   at step 0 and every checkpoint: attention maps of one example,
                         every layer and head, samples, and a mixture of experts' load
                         (the pairs each layer's router sent to each expert); `record_snapshot`
@@ -358,6 +358,12 @@ def _curves_section(metrics, about) -> str:
               ("rewards/rejected", "DPO: mean reward of the rejected answers", False),
               ("rewards/margins", "DPO: mean margin, chosen reward - rejected reward", False),
               ("rewards/accuracies", "DPO: share of pairs whose chosen reward is higher", True),
+              # Reinforcement learning's: the sampled completions' reward, its spread, and how far the policy moved.
+              ("reward", "GRPO: mean reward of the step's completions", False),
+              ("reward_std", "GRPO: spread (standard deviation) of the step's rewards", True),
+              ("kl", "GRPO: KL divergence from the reference, per completion token", True),
+              ("clip_ratio", "GRPO: share of completion tokens whose ratio was clipped", True),
+              ("completion_length", "GRPO: mean completion length (tokens)", True),
               ("lr", "learning rate (per update)", True),
               ("steps_per_sec", "updates per second (the first includes compilation)", True)]
     for name, label, from_zero in charts:

@@ -118,14 +118,14 @@ def test_the_engine_samples_with_the_weights_it_is_given_and_repeats_from_a_key(
     setup = finetune.build(settings)
     objective = setup.objective
     prompts = objective.data.train[:2]
-    key = jax.random.key(3)
-    first, again = (objective.rollouts(setup.params, prompts, key)[0] for _ in range(2))
+    keys = jax.random.split(jax.random.key(3), 2)
+    first, again = (objective.rollouts(setup.params, prompts, keys)[0] for _ in range(2))
     assert all(np.array_equal(first[name], again[name]) for name in first)
-    other = objective.rollouts(setup.params, prompts, jax.random.key(4))[0]
+    other = objective.rollouts(setup.params, prompts, jax.random.split(jax.random.key(4), 2))[0]
     assert not np.array_equal(first["tokens"], other["tokens"])
     # Other weights (here: the checkpoint's reversed in sign) sample other completions from the same key.
     _, params = load_hf(str(on_path / "checkpoint"))
-    flipped = objective.rollouts(jax.tree.map(lambda x: -x, params), prompts, key)[0]
+    flipped = objective.rollouts(jax.tree.map(lambda x: -x, params), prompts, keys)[0]
     assert not np.array_equal(first["tokens"], flipped["tokens"])
     tokenizer = load_tokenizer(str(on_path / "checkpoint"))
     assert tokenizer.decode(first["tokens"][0][:len(prompts[0].ids)]) == prompts[0].prompt  # each row: its prompt

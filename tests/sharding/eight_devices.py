@@ -682,3 +682,48 @@ def test_a_hybrids_cache_after_the_prefill_lies_where_cache_shardings_says(data,
     for array, sharding in zip(jax.tree.leaves(cache), jax.tree.leaves(cache_shardings(cache, mesh))):
         assert array.sharding.is_equivalent_to(sharding, array.ndim), (array.shape, array.sharding, sharding)
     assert cache.layers[0].conv.sharding.is_equivalent_to(NamedSharding(mesh, conv), 3), cache.layers[0].conv.sharding
+
+
+@pytest.mark.parametrize("method", ["dpo", "grpo"])
+def test_dpo_and_grpo_on_a_mesh_have_one_devices_steps(tmp_path, method):
+    """`jaxformer-finetune --method dpo|grpo`, LoRA and full, on a 4 x 2 mesh (FSDP too): the
+    losses of one device, and GRPO's completions (their rewards and lengths) the same: the engine
+    samples with the split weights as with whole ones."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
+    from checkpoints import save_random_checkpoint
+
+    from jaxformer.commands import finetune
+    from jaxformer.training import read_metrics
+
+    save_random_checkpoint(tmp_path / "checkpoint")
+    data = tmp_path / "data.jsonl"
+    if method == "dpo":
+        records = [{"prompt": f"The {w} sat on the", "chosen": " mat.", "rejected": f" {w}."}
+                   for w in ("cat", "dog", "sun", "sky", "log") * 4]
+        extra = ["--batch-size", "4"]
+    else:
+        records = [{"prompt": f"The {w} sat on the"} for w in ("cat", "dog", "sun", "sky", "log") * 4]
+        extra = ["--batch-size", "4", "--num-generations", "4", "--max-completion-length", "6", "--reward", "regex",
+                 "--reward-pattern", ".*a.*", "--beta", "0.04", "--iterations", "2"]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    flags = ["--checkpoint", str(tmp_path / "checkpoint"), "--data", str(data), "--method", method, "--steps", "4",
+             "--lr", "3e-3", "--seq-len", "24", "--lora-rank", "4", "--warmup", "2", "--log-every", "1",
+             "--checkpoint-every", "4", *extra]
+    logged = ["loss"] if method == "dpo" else ["loss", "kl"]
+    for full in ([], ["--full"]):
+        runs = {}
+        for name, mesh in (("one", []), ("dp", ["--mesh", "data=4,model=2"]), ("fsdp", ["--mesh", "data=4,model=2",
+                                                                                        "--fsdp"])):
+            assert finetune.main([*flags, *full, *mesh, "--run-dir", str(tmp_path / f"{name}{full}")]) == 0
+            runs[name] = read_metrics(tmp_path / f"{name}{full}" / "metrics.jsonl")
+        for name in ("dp", "fsdp"):
+            for key in logged:
+                np.testing.assert_allclose([m[key] for m in runs[name]], [m[key] for m in runs["one"]], rtol=1e-5,
+                                           atol=1e-7)
+            if method == "grpo":  # the same completions sampled
+                assert [(m["reward"], m["completion_length"]) for m in runs[name]] == \
+                       [(m["reward"], m["completion_length"]) for m in runs["one"]]
