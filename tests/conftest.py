@@ -1027,3 +1027,37 @@ def torch_peer():
     torch = import_peer("torch")
     torch.set_num_threads(1)
     return torch
+
+
+def trl_dpo_trainer(output_dir, model, tokenizer, train: list[dict], *, eval_sets: dict[str, list[dict]] | None = None,
+                    ref_model=None, peft_config=None, **config):
+    """TRL's `DPOTrainer` of `model` (a transformers model) on the preference records `train`
+    (and `eval_sets`, named lists of them), each tokenized by TRL as it prepares a dataset
+    (`trainer.train_dataset`, `trainer.eval_dataset[name]`), in float32 on the CPU (TRL's `bf16`
+    default off: it would run the reference under bfloat16 autocast), logging nowhere. `config`:
+    more `DPOConfig` fields (`beta`, `max_length`)."""
+    trl = import_peer("trl")
+    import datasets
+
+    args = trl.DPOConfig(output_dir=str(output_dir), report_to=[], bf16=False, use_cpu=True, disable_tqdm=True,
+                         **config)
+    evaluated = None if eval_sets is None else {name: datasets.Dataset.from_list(records)
+                                                for name, records in eval_sets.items()}
+    return trl.DPOTrainer(model=model, ref_model=ref_model, args=args, processing_class=tokenizer,
+                          train_dataset=datasets.Dataset.from_list(train), eval_dataset=evaluated,
+                          peft_config=peft_config)
+
+
+def trl_dpo_metrics(trainer, dataset) -> tuple[float, dict[str, float]]:
+    """TRL's DPO loss of the pairs of `dataset` (as `trl_dpo_trainer` prepared it) in one batch of
+    its collator, its model in eval mode, and what it logs beside the loss (`jaxformer.dpo.METRICS`)."""
+    from jaxformer.dpo import METRICS
+
+    torch = torch_peer()
+    batch = trainer.data_collator([{key: row[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")}
+                                   for row in dataset])
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+    logged = trainer._metrics["eval"]  # each metric's list, this batch's last
+    return float(loss), {name: logged[name][-1] for name in METRICS}

@@ -2,6 +2,7 @@
 a sequence's log-probability against the whole logits', and (with the peers extra) the loss and
 TRL's reward metrics against TRL's DPOTrainer on two random checkpoints."""
 
+import functools
 import sys
 from pathlib import Path
 
@@ -9,13 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SMALL, init_params, jit_apply
+from conftest import SMALL, import_peer, init_params, jit_apply, torch_peer, trl_dpo_metrics, trl_dpo_trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "text"))
+from checkpoints import save_random_checkpoint  # noqa: E402
 
 from jaxformer import Decoder  # noqa: E402
+from jaxformer.convert import load_hf  # noqa: E402
 from jaxformer.dpo import METRICS, dpo_metrics, dpo_sums, dpo_terms, sequence_logps  # noqa: E402
-from jaxformer.text.dataset import IGNORE  # noqa: E402
+from jaxformer.text import load_tokenizer  # noqa: E402
+from jaxformer.text.dataset import IGNORE, rows  # noqa: E402
+from jaxformer.text.preference import pair_of  # noqa: E402
 
 LN2 = np.float32(np.log(2.0))
 
@@ -141,3 +146,65 @@ def test_sequence_logps_is_the_sum_of_the_whole_logits_log_probabilities_of_its_
     assert got.dtype == jnp.float32 and got.shape == (4,)
     np.testing.assert_allclose(got, per_token.sum(-1), rtol=2e-6, atol=2e-6)
     assert float(got[3]) == 0.0 and np.all(np.asarray(got[:3]) < -1.0)
+
+
+# Text pairs of several lengths (padded apart in a batch): a prompt whose last token the answer
+# merges with (" m" + "at." is " mat."), an answer that ends with the EOS token already, a pair
+# whose answers are the same (a tie, no accuracy), Chinese.
+PAIRS = [{"prompt": "The cat sat on the m", "chosen": "at.", "rejected": "og, and the dog sat on the log."},
+         {"prompt": "Keys and values ", "chosen": "are cached.</s>", "rejected": "are not."},
+         {"prompt": "Attention is all you need", "chosen": ".", "rejected": ". 注意力就是你所需要的一切。"},
+         {"prompt": "今天天气很好，", "chosen": "我们去公园散步吧。", "rejected": "明天也许会下雨。"},
+         {"prompt": "The dog sat", "chosen": " on the log.", "rejected": " on the log."},
+         {"prompt": "Machine learning needs data", "chosen": ", compute and patience.", "rejected": "."}]
+
+
+@pytest.fixture(scope="module")
+def policy_and_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """Two random checkpoint folders of one shape and tokenizer, other weights."""
+    root = tmp_path_factory.mktemp("dpo")
+    for name, seed in (("policy", 0), ("reference", 1)):
+        save_random_checkpoint(root / name, seed=seed)
+    return root / "policy", root / "reference"
+
+
+def _chosen_then_rejected(pairs, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """`tokens`, `targets` `[2 len(pairs), seq_len]`: every chosen row, then every rejected row, as
+    TRL batches them."""
+    both = rows([example for pair in pairs for example in pair.examples()], seq_len)  # chosen, rejected, ...
+    return tuple(np.concatenate([both[name][0::2], both[name][1::2]]) for name in ("tokens", "targets"))
+
+
+@pytest.mark.peers
+@pytest.mark.parametrize("beta", [0.1, 1.0])
+def test_the_loss_and_reward_metrics_are_trls(policy_and_reference, beta, tmp_path):
+    """TRL's DPOTrainer (policy and reference models of their own, transformers') computes the loss
+    of one batch of `PAIRS` and logs its metrics; `dpo_metrics` of `sequence_logps` under each of
+    the two checkpoints jaxformer loads gives them within float32's error. Each sequence's
+    log-probability sums up to ~40 per-token terms of a few nats (|sum| <= 130); torch and XLA sum
+    them in other orders, a few ulps (ulp(128) = 7.6e-6) apart: rtol 1e-5. The rewards are beta
+    times differences of two such sums and the loss softplus (slope < 1) of their margin: at these
+    betas (<= 1) within 1e-5 too (measured: 2e-6 at most, at beta 1)."""
+    torch = torch_peer()
+    transformers = import_peer("transformers")
+    policy_dir, reference_dir = policy_and_reference
+    models = [transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+              for d in (policy_dir, reference_dir)]
+    trainer = trl_dpo_trainer(tmp_path, models[0], transformers.AutoTokenizer.from_pretrained(str(policy_dir)),
+                              PAIRS, ref_model=models[1], beta=beta)
+    loss, metrics = trl_dpo_metrics(trainer, trainer.train_dataset)
+
+    pairs = [pair_of(load_tokenizer(str(policy_dir)), record) for record in PAIRS]
+    assert [[pair.prompt, pair.chosen, pair.rejected] for pair in pairs] == \
+        [[row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]] for row in trainer.train_dataset]
+    seq_len = max(len(pair.prompt) + max(len(pair.chosen), len(pair.rejected)) for pair in pairs) - 1  # none cut
+    tokens, targets = (jnp.asarray(x) for x in _chosen_then_rejected(pairs, seq_len))
+    logps = []
+    for folder in (policy_dir, reference_dir):
+        config, params = load_hf(str(folder))
+        logps.append(jax.jit(functools.partial(sequence_logps, Decoder(config)))({"params": params}, tokens, targets))
+    want_loss, want = dpo_metrics(*logps, beta)
+    assert 0 < float(want["rewards/accuracies"]) < 1 and abs(float(want_loss) - LN2) > 1e-3  # the checks have teeth
+    np.testing.assert_allclose(loss, float(want_loss), rtol=1e-5, atol=1e-5)
+    for name in METRICS:
+        np.testing.assert_allclose(metrics[name], float(want[name]), rtol=1e-5, atol=1e-5, err_msg=name)
