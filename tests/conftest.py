@@ -435,6 +435,9 @@ FULL_TIER.update({
         "a fine-tuning run interrupted and resumed",
     "tests/commands/test_finetune.py::test_the_report_knows_a_fine_tuning_run_and_recomputes_its_snapshots":
         "the report of a fine-tuning run",
+    # (DPO: the fast tier keeps the loss and TRL's metrics against TRL on two checkpoints, tests/test_dpo.py, and the
+    # pairs' tokens against TRL's, tests/text/test_preference.py.)
+    "tests/commands/test_dpo.py": "a DPO run with LoRA, its held-out metrics against TRL with peft",
     # (Processes under a memory limit; the library's estimate and refusal stay, test_untrusted's others.)
     "tests/faults/test_untrusted.py::test_cli_under_an_address_space_limit_refuses_a_long_prompt_in_one_line":
         "commands in processes under an address-space limit",
