@@ -435,6 +435,10 @@ FULL_TIER.update({
         "a fine-tuning run interrupted and resumed",
     "tests/commands/test_finetune.py::test_the_report_knows_a_fine_tuning_run_and_recomputes_its_snapshots":
         "the report of a fine-tuning run",
+    # (DPO: the fast tier keeps the loss and TRL's metrics against TRL on two checkpoints, tests/test_dpo.py, and the
+    # pairs' tokens against TRL's, tests/text/test_preference.py.)
+    "tests/commands/test_finetune_dpo.py::test_a_lora_runs_held_out_metrics_are_trls_with_peft_its_reference_the_base":
+        "a DPO run with LoRA, its held-out metrics against TRL with peft",
     # (Processes under a memory limit; the library's estimate and refusal stay, test_untrusted's others.)
     "tests/faults/test_untrusted.py::test_cli_under_an_address_space_limit_refuses_a_long_prompt_in_one_line":
         "commands in processes under an address-space limit",
@@ -1027,20 +1031,54 @@ def torch_peer():
     torch = import_peer("torch")
     torch.set_num_threads(1)
     return torch
-# DPO's command (tests/commands/test_dpo.py): the fast tier keeps a LoRA run (ln 2 at its first step, the held-out
-# pairs ranked right, its report page) and the refusals; full fine-tuning's reference table and resume here.
+# DPO's command (tests/commands/test_finetune_dpo.py): the fast tier keeps a LoRA run (ln 2 at its first step, the
+# held-out pairs ranked right, its report page) and the refusals; full fine-tuning's reference table and resume here.
 FULL_TIER.update({
-    "tests/commands/test_dpo.py::test_full_dpo_reads_the_reference_from_a_table_and_starts_at_ln_2":
+    "tests/commands/test_finetune_dpo.py::test_full_dpo_reads_the_reference_from_a_table_and_starts_at_ln_2":
         "a second DPO run",
-    "tests/commands/test_dpo.py::test_a_resumed_dpo_run_gives_the_uninterrupted_runs_adapters_bit_for_bit":
+    "tests/commands/test_finetune_dpo.py::test_a_resumed_dpo_run_gives_the_uninterrupted_runs_adapters_bit_for_bit":
         "three more DPO runs",
 })
-# GRPO's command (tests/commands/test_grpo.py): the fast tier keeps a LoRA run with the KL penalty and two updates a
-# batch (what it logs, its report page), the engine's rollouts from a key and weights, and the refusals; the
-# reward rising over 400 steps and resume here.
+# GRPO's command (tests/commands/test_finetune_grpo.py): the fast tier keeps a LoRA run with the KL penalty and two
+# updates a batch (what it logs, its report page), the engine's rollouts from a key and weights, and the refusals;
+# the reward rising over 400 steps and resume here.
 FULL_TIER.update({
-    "tests/commands/test_grpo.py::test_the_reward_of_the_reversal_rises_over_a_few_hundred_steps":
+    "tests/commands/test_finetune_grpo.py::test_the_reward_of_the_reversal_rises_over_a_few_hundred_steps":
         "400 GRPO steps",
-    "tests/commands/test_grpo.py::test_a_resumed_run_repeats_the_uninterrupted_runs_rollouts_and_weights_bit_for_bit":
+    "tests/commands/test_finetune_grpo.py::test_a_resumed_run_repeats_the_uninterrupted_runs_rollouts_and_weights_bit_for_bit":
         "three more GRPO runs",
 })
+
+
+def trl_dpo_trainer(output_dir, model, tokenizer, train: list[dict], *, eval_sets: dict[str, list[dict]] | None = None,
+                    ref_model=None, peft_config=None, **config):
+    """TRL's `DPOTrainer` of `model` (a transformers model) on the preference records `train`
+    (and `eval_sets`, named lists of them), each tokenized by TRL as it prepares a dataset
+    (`trainer.train_dataset`, `trainer.eval_dataset[name]`), in float32 on the CPU (TRL's `bf16`
+    default off: it would run the reference under bfloat16 autocast), logging nowhere. `config`:
+    more `DPOConfig` fields (`beta`, `max_length`)."""
+    trl = import_peer("trl")
+    import datasets
+
+    args = trl.DPOConfig(output_dir=str(output_dir), report_to=[], bf16=False, use_cpu=True, disable_tqdm=True,
+                         **config)
+    evaluated = None if eval_sets is None else {name: datasets.Dataset.from_list(records)
+                                                for name, records in eval_sets.items()}
+    return trl.DPOTrainer(model=model, ref_model=ref_model, args=args, processing_class=tokenizer,
+                          train_dataset=datasets.Dataset.from_list(train), eval_dataset=evaluated,
+                          peft_config=peft_config)
+
+
+def trl_dpo_metrics(trainer, dataset) -> tuple[float, dict[str, float]]:
+    """TRL's DPO loss of the pairs of `dataset` (as `trl_dpo_trainer` prepared it) in one batch of
+    its collator, its model in eval mode, and what it logs beside the loss (`jaxformer.dpo.METRICS`)."""
+    from jaxformer.dpo import METRICS
+
+    torch = torch_peer()
+    batch = trainer.data_collator([{key: row[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")}
+                                   for row in dataset])
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+    logged = trainer._metrics["eval"]  # each metric's list, this batch's last
+    return float(loss), {name: logged[name][-1] for name in METRICS}

@@ -14,7 +14,7 @@ from conftest import torch_peer
 from jax.experimental import checkify
 
 from jaxformer.embeddings import OutputHead
-from jaxformer.losses import CHUNK_BYTES, chunked_cross_entropy, label_smoothed_cross_entropy
+from jaxformer.losses import CHUNK_BYTES, chunked_cross_entropy, chunked_token_logps, label_smoothed_cross_entropy
 
 V = 11
 
@@ -307,6 +307,54 @@ def test_chunked_ignores_garbage_and_gives_zero_when_nothing_is_kept(smoothing):
     np.testing.assert_array_equal(d_hidden, np.zeros(hidden.shape))
     np.testing.assert_array_equal(d_weight, np.zeros(head.weight.shape))
 
+
+
+def _whole_token_logps(hidden, targets, head, ignore_id):
+    """What `chunked_token_logps` must equal: `log_softmax` of the whole logits read at each
+    target, 0.0 where the target is `ignore_id`."""
+    keep = targets != ignore_id
+    log_p = jax.nn.log_softmax(head.logits(hidden), axis=-1)  # [..., V]
+    return jnp.where(keep, jnp.take_along_axis(log_p, jnp.where(keep, targets, 0)[..., None], axis=-1)[..., 0], 0.0)
+
+
+def _weighted(token_logps):
+    """`sum_i c_i log p_i` of `token_logps(hidden, targets, head, *args)`, with fixed random weights
+    `c` (a cotangent that tells the positions apart, as a sequence's sum would not)."""
+    def loss(hidden, targets, head, *args):
+        c = jax.random.normal(jax.random.key(7), targets.shape)
+        return jnp.sum(c * token_logps(hidden, targets, head, *args))
+    return loss
+
+
+_CHUNKED_SUM, _WHOLE_SUM = _weighted(chunked_token_logps), _weighted(_whole_token_logps)
+
+
+@pytest.mark.parametrize("chunk_size, tied", [(None, True), (1, False), (4, True), (21, False), (50, True)])
+def test_token_logps_are_the_whole_logits_log_softmax_at_the_targets_and_their_gradients(chunk_size, tied):
+    """Each position's `log p[target]` and the gradients w.r.t. the hidden states and the head, in
+    chunks of `chunk_size` positions (21 positions: 4 leaves a padded last chunk), equal the whole
+    logits' at 2e-6 (the same per-position math, as the chunked loss above: only the sums' order
+    differs); an ignored position is exactly 0.0 with an exactly zero gradient, whatever its hidden
+    state holds (NaN and inf here)."""
+    hidden, head, targets = _hidden_batch(16, -100, tied)
+    ignored = np.asarray(targets) == -100
+    assert 0 < ignored.sum() < ignored.size  # the mask really matters
+    bad = np.asarray(hidden).copy()
+    bad[ignored] = np.nan
+    bad[ignored, 0] = np.inf
+    got = chunked_token_logps(jnp.asarray(bad), targets, head, ignore_id=-100, chunk_size=chunk_size)
+    chex.assert_shape(got, targets.shape)
+    chex.assert_type(got, jnp.float32)
+    want = _whole_token_logps(hidden, targets, head, -100)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(got)[ignored], 0.0)
+    assert np.all(np.asarray(got)[~ignored] < 0)
+    total, (d_hidden, d_weight) = _value_and_grads(_CHUNKED_SUM, jnp.asarray(bad), head, targets, -100, chunk_size)
+    want_total, (want_hidden, want_weight) = _value_and_grads(_WHOLE_SUM, hidden, head, targets, -100)
+    np.testing.assert_allclose(float(total), float(want_total), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(d_hidden, want_hidden, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(d_weight, want_weight, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(d_hidden)[ignored], 0.0)
 
 def test_chunked_kept_out_of_range_ids_raise_or_give_nan_under_jit():
     hidden, head, targets = _hidden_batch(14, None, tied=True)

@@ -66,9 +66,9 @@ def set_eos(path: str, eos_ids: list[int]) -> None:
         json.dump(config, f)
 
 
-def save_random_checkpoint(path, experts: bool = False, shipped: str | None = None) -> None:
+def save_random_checkpoint(path, experts: bool = False, shipped: str | None = None, seed: int = 0) -> None:
     """A random Llama-shaped checkpoint folder written by jaxformer (2 layers of 32, small
-    weights), with `bpe_tokenizer` and `CHAT_TEMPLATE`: what fine-tuning tests adapt. With
+    weights drawn from `seed`), with `bpe_tokenizer` and `CHAT_TEMPLATE`: what fine-tuning tests adapt. With
     `experts`, a Qwen3-MoE of the same shape: each feed-forward 4 experts of 16, 2 a token.
     With `shipped`, that shipped config's family at `tests/families/shipped.py`'s tiny sizes
     (e.g. "DeepSeek-V3": latent attention; "Qwen3-Next-80B-A3B-Instruct": a Gated DeltaNet hybrid)."""
@@ -98,7 +98,7 @@ def save_random_checkpoint(path, experts: bool = False, shipped: str | None = No
         config = config.replace(qk_norm=True, hf_model_type="qwen3_moe")
         config = config.replace(layers=tuple(dataclasses.replace(spec, ffn=ExpertsSpec(4, 2, 16))
                                              for spec in layer_specs(config)))
-    save_hf(config, random_params(config, seed=0, scale=0.1), str(path), bos_id=tokenizer.bos_id,
+    save_hf(config, random_params(config, seed=seed, scale=0.1), str(path), bos_id=tokenizer.bos_id,
             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
     save_tokenizer(tokenizer, str(path))
 
