@@ -7,8 +7,9 @@ the negative log-likelihood of the preference under Bradley-Terry,
 
     loss = -log sigmoid(r(y_w) - r(y_l)),
 
-averaged over the pairs. While the policy is the reference both rewards are 0 and the loss is
-exactly `ln 2`. What TRL logs beside it (`dpo_metrics`): the mean rewards of the chosen and the
+averaged over the pairs. While the policy is the reference both rewards are 0 and each pair's
+loss is exactly `ln 2` (their float32 mean too, over at most 12 pairs: past that the sum
+rounds). What TRL logs beside it (`dpo_metrics`): the mean rewards of the chosen and the
 rejected answers, the share of pairs whose chosen reward is higher (accuracy), their mean
 margin, and the policy's mean log-probabilities of each.
 
@@ -80,12 +81,19 @@ def dpo_metrics(logps: jax.Array, ref_logps: jax.Array, beta: float,
 def dpo_sums(logps: jax.Array, ref_logps: jax.Array, beta: float,
              weights: jax.Array | None = None) -> tuple[dict[str, jax.Array], jax.Array]:
     """The weighted sums over the pairs of the loss and of each of `METRICS`, and the weights'
-    sum: a split's means are its batches' sums added, over their counts added."""
+    sum: a split's means are its batches' sums added, over their counts added. (In float32: a
+    sum of more than 12 losses of exactly ln 2 rounds; `dpo_per_pair`'s values summed in float64
+    do not.)"""
+    per_pair = dpo_per_pair(logps, ref_logps, beta)
+    weights = jnp.ones_like(per_pair["loss"]) if weights is None else weights.astype(jnp.float32)
+    return {name: jnp.sum(weights * value) for name, value in per_pair.items()}, jnp.sum(weights)
+
+
+def dpo_per_pair(logps: jax.Array, ref_logps: jax.Array, beta: float) -> dict[str, jax.Array]:
+    """Each pair's loss and `METRICS` (its accuracy 1.0 or 0.0), float32 `[B]` each."""
     terms = dpo_terms(logps, ref_logps, beta)
     policy_chosen, policy_rejected = jnp.split(logps.astype(jnp.float32), 2)
-    per_pair = {"loss": terms["loss"], "rewards/chosen": terms["chosen"], "rewards/rejected": terms["rejected"],
-                "rewards/accuracies": (terms["chosen"] > terms["rejected"]).astype(jnp.float32),
-                "rewards/margins": terms["chosen"] - terms["rejected"],
-                "logps/chosen": policy_chosen, "logps/rejected": policy_rejected}
-    weights = jnp.ones_like(terms["loss"]) if weights is None else weights.astype(jnp.float32)
-    return {name: jnp.sum(weights * value) for name, value in per_pair.items()}, jnp.sum(weights)
+    return {"loss": terms["loss"], "rewards/chosen": terms["chosen"], "rewards/rejected": terms["rejected"],
+            "rewards/accuracies": (terms["chosen"] > terms["rejected"]).astype(jnp.float32),
+            "rewards/margins": terms["chosen"] - terms["rejected"],
+            "logps/chosen": policy_chosen, "logps/rejected": policy_rejected}

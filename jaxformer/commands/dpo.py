@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer.decoder import Decoder
-from jaxformer.dpo import METRICS, dpo_metrics, dpo_sums, sequence_logps
+from jaxformer.dpo import METRICS, dpo_metrics, dpo_per_pair, sequence_logps
 from jaxformer.text.preference import PreferenceData
 from jaxformer.training.report_page import result_label
 
@@ -68,14 +68,15 @@ class Objective:
         return dpo_metrics(logps, reference, self.beta)
 
     def held_out(self, variables: dict, batch_size: int) -> dict[str, float]:
-        """The held-out pairs' loss and `METRICS`, means over every pair (`dpo_sums` of each batch
-        added), under the policy of `variables` (`{"params": ...}`, with LoRA `"lora"` too)."""
-        sums, count = None, 0.0
+        """The held-out pairs' loss and `METRICS`, means over every pair (each pair's values summed
+        in float64: before training the loss is then exactly float32's `ln 2` however many pairs),
+        under the policy of `variables` (`{"params": ...}`, with LoRA `"lora"` too)."""
+        kept = []  # each batch's per-pair values, its filler pairs left out
         for batch, reference in zip(self.data.validation_batches(batch_size), self.held_out_reference):
-            totals, n = jax.device_get(_held_out_sums(self.model, self.beta, variables, batch, reference))
-            sums = totals if sums is None else {name: sums[name] + totals[name] for name in sums}
-            count += float(n)
-        return {f"eval_{name}": float(total) / count for name, total in sums.items()}
+            values = jax.device_get(_held_out_per_pair(self.model, self.beta, variables, batch, reference))
+            real = batch["pair"] >= 0
+            kept.append({name: np.asarray(value, np.float64)[real] for name, value in values.items()})
+        return {f"eval_{name}": float(np.concatenate([k[name] for k in kept]).mean()) for name in kept[0]}
 
 
 def objective(model: Decoder, base, data: PreferenceData, beta: float,
@@ -101,7 +102,6 @@ def _logps(model: Decoder, variables: dict, batch: dict) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _held_out_sums(model: Decoder, beta: float, variables: dict, batch: dict, reference: jax.Array):
-    """A held-out batch's `dpo_sums`, its filler pairs (`pair` -1) weighing nothing."""
-    logps = sequence_logps(model, variables, batch["tokens"], batch["targets"])
-    return dpo_sums(logps, reference, beta, weights=batch["pair"] >= 0)
+def _held_out_per_pair(model: Decoder, beta: float, variables: dict, batch: dict, reference: jax.Array):
+    """A held-out batch's `dpo_per_pair` values."""
+    return dpo_per_pair(sequence_logps(model, variables, batch["tokens"], batch["targets"]), reference, beta)
