@@ -6,6 +6,10 @@ A `.jsonl` file holds one pair a line, in TRL's preference format:
   {"prompt": [messages], "chosen": [messages], "rejected": [messages]}   a conversation
   {"chosen": [messages], "rejected": [messages]}              the prompt implicit: the turns
                                                               both conversations begin with
+  {"chosen": str, "rejected": str}                            the prompt implicit: the text both
+                                                              begin with (a space before where
+                                                              they part goes to the answers), as
+                                                              TRL's extract_prompt takes it
 
 A text pair is tokenized as TRL tokenizes it: the prompt alone, and the prompt followed by each
 answer and the EOS token's text (unless the answer ends with it), each framed as the tokenizer
@@ -35,7 +39,7 @@ from jaxformer.text.dataset import HELD_OUT, IGNORE, Example, checked_messages, 
 from jaxformer.text.tokenizer import Tokenizer
 
 FORMAT = ('{"prompt": str, "chosen": str, "rejected": str}, the same with lists of {"role", "content"} '
-          'messages, or {"chosen": [messages], "rejected": [messages]}')
+          'messages, or either without its prompt')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +56,8 @@ class Pair:
                      for answer in (self.chosen, self.rejected))
 
 
-def _shared(a: list[int], b: list[int]) -> int:
-    """The number of leading ids `a` and `b` share."""
+def _shared(a, b) -> int:
+    """The number of leading items (ids, characters, turns) `a` and `b` share."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -93,6 +97,14 @@ def pair_of(tokenizer: Tokenizer, record) -> Pair:
     for key in ("chosen", "rejected"):
         if key not in record:
             raise ValueError(f"a preference record is {FORMAT}: it has no {key!r}")
+    if "prompt" not in record and all(isinstance(record[key], str) for key in ("chosen", "rejected")):
+        chosen, rejected = record["chosen"], record["rejected"]
+        n = _shared(chosen, rejected)
+        n -= n > 0 and n < min(len(chosen), len(rejected)) and chosen[n - 1] == " "  # the space: the answers'
+        if n == 0:
+            raise ValueError("chosen and rejected share no first character, so they hold no prompt: give it as "
+                             "'prompt'")
+        return text_pair(tokenizer, chosen[:n], chosen[n:], rejected[n:])
     if all(isinstance(record.get(key), str) for key in ("prompt", "chosen", "rejected")):
         return text_pair(tokenizer, record["prompt"], record["chosen"], record["rejected"])
     if any(isinstance(record.get(key), str) for key in ("prompt", "chosen", "rejected")):
@@ -103,9 +115,7 @@ def pair_of(tokenizer: Tokenizer, record) -> Pair:
     if "prompt" in record:
         prompt = checked_messages(record["prompt"], "prompt")
     else:  # the prompt implicit: the turns both conversations begin with
-        n = 0
-        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-            n += 1
+        n = _shared(chosen, rejected)
         prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         if not prompt:
             raise ValueError("chosen and rejected share no first turn, so they hold no prompt: give it as 'prompt'")

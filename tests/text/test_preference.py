@@ -61,6 +61,14 @@ def test_a_conversation_pair_is_rendered_by_the_chat_template_and_its_prompt_may
     assert implicit == pair
 
 
+def test_a_text_pairs_implicit_prompt_is_the_text_both_begin_with_the_space_the_answers():
+    tokenizer = tiny_tokenizer()
+    implicit = pair_of(tokenizer, {"chosen": "The cat sat on the mat.", "rejected": "The cat sat on the log."})
+    assert implicit == pair_of(tokenizer, {"prompt": "The cat sat on the", "chosen": " mat.", "rejected": " log."})
+    with pytest.raises(ValueError, match="share no first character"):
+        pair_of(tokenizer, {"chosen": "Yes.", "rejected": "No."})
+
+
 def test_rows_score_the_answers_alone_and_batches_put_the_chosen_rows_first(tmp_path):
     tokenizer = tiny_tokenizer()
     records = [{"prompt": f"The {w} sat on the", "chosen": " mat.", "rejected": f" {w}."}
@@ -162,6 +170,10 @@ IMPLICIT = [{"chosen": [WHERE, _assistant("On the mat.")], "rejected": [WHERE, _
             {"chosen": [WHERE, _assistant("On the mat."), _user("And the dog?"), _assistant("On the log.")],
              "rejected": [WHERE, _assistant("On the mat."), _user("And the dog?"), _assistant("It ran away.")]}]
 
+# Text without its prompt: the text both begin with, the space before where they part the answers'.
+IMPLICIT_TEXT = [{"chosen": "The cat sat on the mat.", "rejected": "The cat sat on the log."},
+                 {"chosen": "Keys and values are cached.", "rejected": "Keys and values are not."}]
+
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -188,10 +200,12 @@ def test_pairs_are_tokenized_as_trls_dpo_trainer_tokenizes_them(checkpoint, conv
         save_tokenizer_files(convention, str(folder))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    trainer = trl_dpo_trainer(tmp_path / "trl", model, tokenizer, TEXT, eval_sets={"chat": CHAT, "implicit": IMPLICIT})
+    trainer = trl_dpo_trainer(tmp_path / "trl", model, tokenizer, TEXT,
+                              eval_sets={"chat": CHAT, "implicit": IMPLICIT, "implicit_text": IMPLICIT_TEXT})
     ours = load_tokenizer(str(folder))
     for records, prepared in ((TEXT, trainer.train_dataset), (CHAT, trainer.eval_dataset["chat"]),
-                              (IMPLICIT, trainer.eval_dataset["implicit"])):
+                              (IMPLICIT, trainer.eval_dataset["implicit"]),
+                              (IMPLICIT_TEXT, trainer.eval_dataset["implicit_text"])):
         assert len(prepared) == len(records)
         for record, row in zip(records, prepared):
             pair = pair_of(ours, record)
