@@ -447,10 +447,10 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
 
 
 def _prompts(data: PromptData, batch_size: int, data_key: jax.Array) -> dict[str, jax.Array]:
-    """GRPO's batch of an update: its prompts' indices, and for each the key its group of completions
-    is sampled from (rows first, as a mesh splits a batch)."""
+    """GRPO's batch of an update: its prompts' indices, and for each the key (its data, uint32) its
+    group of completions is sampled from (rows first, as a mesh splits a batch)."""
     return {"prompt": data.batch(data_key, batch_size),
-            "sample": jax.random.split(jax.random.fold_in(data_key, 1), batch_size)}
+            "sample": jax.random.key_data(jax.random.split(jax.random.fold_in(data_key, 1), batch_size))}
 
 
 def with_capacity(config: DecoderConfig, factor: float | None) -> DecoderConfig:

@@ -40,6 +40,7 @@ from jaxformer.lora import Adapted
 from jaxformer.losses import chunked_token_logps
 from jaxformer.rewards import score
 from jaxformer.serving.engine import Engine
+from jaxformer.sharding import to_host
 from jaxformer.text.dataset import IGNORE, Example, rows
 from jaxformer.text.prompts import Prompt, PromptData
 from jaxformer.text.tokenizer import Tokenizer
@@ -122,8 +123,9 @@ class Objective:
         policy_logps = jax.jit(_token_logps, static_argnums=0)
 
         def step(state, batch, dropout_key):
-            prompts = [self.data.train[int(i)] for i in np.asarray(batch["prompt"])]
-            rollout, found = self.rollouts(state.params, prompts, batch["sample"])
+            batch = to_host(batch)  # (whole on every process: each samples every completion)
+            prompts = [self.data.train[int(i)] for i in batch["prompt"]]
+            rollout, found = self.rollouts(state.params, prompts, jax.random.wrap_key_data(batch["sample"]))
             if self.recipe.beta > 0:
                 rollout["reference"] = policy_logps(self.reference_model, {"params": self.reference},
                                                     rollout["tokens"], rollout["targets"])

@@ -265,3 +265,32 @@ def test_a_process_that_dies_mid_run_ends_the_other_within_the_heartbeat_timeout
     # The first layer to notice says so: JAX's heartbeat ("another task died"), or gloo, in
     # a collective whose peer's socket closed mid-message.
     assert "another task died" in survivor.stderr or "gloo" in survivor.stderr, survivor.stderr[-2000:]
+
+
+@pytest.mark.parametrize("method", ["dpo", "grpo"])
+def test_dpo_and_grpo_over_two_processes_have_the_steps_of_one(checkpoint, tmp_path, method):
+    """LoRA DPO and GRPO on 2 processes x 4 devices (FSDP and model parallelism over both): the
+    losses of 1 process of 8 devices, and GRPO's completions the same (their rewards and lengths:
+    each process's engine samples with the weights split over both, every process the same)."""
+    data = tmp_path / "data.jsonl"
+    words = ("cat", "dog", "sun", "sky", "log") * 4
+    if method == "dpo":
+        records = [{"prompt": f"The {w} sat on the", "chosen": " mat.", "rejected": f" {w}."} for w in words]
+        extra = []
+    else:
+        records = [{"prompt": f"The {w} sat on the"} for w in words]
+        extra = ["--num-generations", "4", "--max-completion-length", "6", "--reward", "regex", "--reward-pattern",
+                 ".*a.*", "--beta", "0.04"]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    command = ["-m", "jaxformer.commands.finetune", "--checkpoint", str(checkpoint), "--data", str(data), "--method",
+               method, "--steps", "4", "--lr", "3e-3", "--log-every", "1", "--checkpoint-every", "2", "--warmup", "2",
+               "--batch-size", "4", "--seq-len", "24", "--lora-rank", "4", *FSDP_TP, *extra]
+    one_process([*command, "--run-dir", str(tmp_path / "one")], tmp_path)
+    run([*command, "--run-dir", str(tmp_path / "two")], tmp_path)
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=0, atol=TOLERANCE)
+    if method == "grpo":
+        one, two = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                    for name in ("one", "two"))
+        assert [(m["reward"], m["completion_length"]) for m in two] == \
+               [(m["reward"], m["completion_length"]) for m in one]
+    assert (tmp_path / "two" / "adapter" / "adapter_config.json").exists()
