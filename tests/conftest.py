@@ -1047,6 +1047,8 @@ FULL_TIER.update({
         "400 GRPO steps",
     "tests/commands/test_finetune_grpo.py::test_a_resumed_run_repeats_the_uninterrupted_runs_rollouts_and_weights_bit_for_bit":
         "three more GRPO runs",
+    "tests/commands/test_finetune_grpo.py::test_a_mixture_of_experts_with_a_capacity_samples_with_every_expert_and_trains":
+        "a mixture's GRPO run",
 })
 
 

@@ -37,9 +37,11 @@ class Objective:
     """DPO's loss for `jaxformer-finetune`'s step, and its held-out evaluation.
 
     Attributes:
-      model: the policy as trained (`config.lora` set with LoRA).
+      model: the policy as trained (`config.lora` set with LoRA; with `--capacity-factor`, its
+        experts dropping what overflows).
+      evaluated: the policy as evaluated: `model` dropping nothing.
       reference: the model that gives the reference's log-probabilities: the checkpoint's
-        model without adapters.
+        model without adapters, dropping nothing.
       beta: the reward's scale.
       lora: whether the trained parameters are adapters on a frozen base.
       data: the pairs.
@@ -47,6 +49,7 @@ class Objective:
     """
 
     model: Decoder
+    evaluated: Decoder
     reference: Decoder
     beta: float
     lora: bool
@@ -73,18 +76,18 @@ class Objective:
         under the policy of `variables` (`{"params": ...}`, with LoRA `"lora"` too)."""
         kept = []  # each batch's per-pair values, its filler pairs left out
         for batch, reference in zip(self.data.validation_batches(batch_size), self.held_out_reference):
-            values = jax.device_get(_held_out_per_pair(self.model, self.beta, variables, batch, reference))
+            values = jax.device_get(_held_out_per_pair(self.evaluated, self.beta, variables, batch, reference))
             real = batch["pair"] >= 0
             kept.append({name: np.asarray(value, np.float64)[real] for name, value in values.items()})
         return {f"eval_{name}": float(np.concatenate([k[name] for k in kept]).mean()) for name in kept[0]}
 
 
-def objective(model: Decoder, base, data: PreferenceData, beta: float,
+def objective(model: Decoder, evaluated: Decoder, base, data: PreferenceData, beta: float,
               batch_size: int) -> tuple[Objective, dict | None]:
-    """DPO's `Objective` for the policy `model` and the checkpoint's parameters `base`, and what
-    each step reads beside the trained parameters with every parameter trained (`{"reference":
-    [pairs, 2]}`; None with LoRA, whose steps read the base)."""
-    reference = Decoder(model.config.replace(lora=None, remat=False))
+    """DPO's `Objective` for the policy `model` as trained and `evaluated`, and the checkpoint's
+    parameters `base`, and what each step reads beside the trained parameters with every
+    parameter trained (`{"reference": [pairs, 2]}`; None with LoRA, whose steps read the base)."""
+    reference = Decoder(evaluated.config.replace(lora=None, remat=False))
     logps = functools.partial(_logps, reference, {"params": base})
     held_out = tuple(np.asarray(logps(batch)) for batch in data.validation_batches(batch_size))
     lora = model.config.lora is not None
@@ -92,7 +95,7 @@ def objective(model: Decoder, base, data: PreferenceData, beta: float,
     if not lora:  # [pairs, 2]: each training pair's chosen, then rejected, reference log-probability
         chosen_first = [np.asarray(logps(batch)).reshape(2, -1).T for batch in data.training_batches(batch_size)]
         table = {"reference": jnp.asarray(np.concatenate(chosen_first)[:len(data.train["tokens"])])}
-    return Objective(model=model, reference=reference, beta=beta, lora=lora, data=data,
+    return Objective(model=model, evaluated=evaluated, reference=reference, beta=beta, lora=lora, data=data,
                      held_out_reference=held_out), table
 
 

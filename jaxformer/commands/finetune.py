@@ -398,7 +398,7 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
     )
 
     if settings.method == "dpo":
-        objective, table = dpo.objective(trained_model, base, data, settings.beta, settings.batch_size)
+        objective, table = dpo.objective(trained_model, model, base, data, settings.beta, settings.batch_size)
         return runs.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule,
                           loss_fn=objective.loss_fn,
                           make_batch=functools.partial(data.batch, batch_size=settings.batch_size),
@@ -412,8 +412,8 @@ def build(settings: Settings = None, mesh: str | None = None, fsdp: bool = False
                              iterations=settings.iterations)
         # The reference, with a KL penalty: LoRA's base; with every parameter trained, a frozen copy.
         reference = None if settings.beta == 0 else base if lora is not None else jax.tree.map(jnp.copy, base)
-        objective = grpo.Objective(trained_model, base if lora is not None else None, reference, data, tokenizer,
-                                   reward, recipe, settings.batch_size, settings.seq_len, trained)
+        objective = grpo.Objective(trained_model, config, base if lora is not None else None, reference, data,
+                                   tokenizer, reward, recipe, settings.batch_size, settings.seq_len, trained)
         return runs.Setup(model=model, params=trained, optimizer=optimizer, schedule=schedule,
                           loss_fn=objective.loss_fn, make_batch=functools.partial(_prompts, data, settings.batch_size),
                           tokens_per_step=settings.batch_size * settings.num_generations * settings.seq_len,

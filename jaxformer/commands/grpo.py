@@ -73,7 +73,9 @@ class Objective:
     """GRPO's step for `jaxformer-finetune` and its held-out evaluation.
 
     Args:
-      model: the policy as trained (`config.lora` set with LoRA).
+      model: the policy as trained (`config.lora` set with LoRA; with `--capacity-factor`, its
+        experts dropping what overflows).
+      config: its config as read (dropping nothing): the sampler's and the reference's.
       base: LoRA's frozen base; None with every parameter trained.
       reference: the reference's parameters (with `recipe.beta` > 0: the base, or a frozen copy of
         the checkpoint's), or None.
@@ -86,13 +88,13 @@ class Objective:
       params: the trained parameters' initial values (the engine is built for their shapes).
     """
 
-    def __init__(self, model: Decoder, base, reference, data: PromptData, tokenizer: Tokenizer, reward: Callable,
-                 recipe: Recipe, batch_size: int, seq_len: int, params):
+    def __init__(self, model: Decoder, config, base, reference, data: PromptData, tokenizer: Tokenizer,
+                 reward: Callable, recipe: Recipe, batch_size: int, seq_len: int, params):
         self.model, self.base, self.reference, self.data = model, base, reference, data
         self.tokenizer, self.reward, self.recipe, self.seq_len = tokenizer, reward, recipe, seq_len
         self.lora = model.config.lora is not None
-        self.reference_model = Decoder(model.config.replace(lora=None, remat=False))
-        decoding = Decoder(model.config.replace(remat=False))
+        self.reference_model = Decoder(config.replace(lora=None, remat=False))
+        decoding = Decoder(config.replace(remat=False))
         self.decodable: Decodable = Adapted(decoding) if self.lora else decoding
         rows_ = batch_size * recipe.group
         self.engine = Engine(self.decodable, self._decoding_params(params), max_batch=rows_, capacity=seq_len,

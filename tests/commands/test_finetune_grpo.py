@@ -6,6 +6,7 @@ tests/test_grpo.py; the rewards: tests/test_rewards.py.)"""
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -159,3 +160,26 @@ def test_grpo_settings_without_grpo_and_prompts_past_the_room_are_refused(on_pat
     del missing[missing.index("--reward"):missing.index("--reward") + 2]
     done = run_main(finetune.main, missing)
     assert done.returncode == 2 and "--reward must be given with --method grpo" in done.stderr, done.stderr
+
+
+def test_a_mixture_of_experts_with_a_capacity_samples_with_every_expert_and_trains(tmp_path):
+    """A Qwen3-MoE checkpoint, `--capacity-factor` on: the updates' experts drop what overflows,
+    the sampler's and the reference's (the model as read) drop nothing."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
+    from checkpoints import save_random_checkpoint
+
+    save_random_checkpoint(tmp_path / "checkpoint", experts=True)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"The {w} sat on the"}) + "\n" for w in ("cat", "dog", "sun") * 3))
+    done = run_main(finetune.main, ["--checkpoint", str(tmp_path / "checkpoint"), "--data", str(data), "--method",
+                                    "grpo", "--reward", "regex", "--reward-pattern", ".*a.*", "--steps", "2",
+                                    "--batch-size", "2", "--seq-len", "24", "--max-completion-length", "6",
+                                    "--capacity-factor", "1.0", "--beta", "0.04", "--warmup", "1", "--log-every", "1",
+                                    "--checkpoint-every", "2", "--run-dir", str(tmp_path / "run")])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    objective = finetune.build(finetune.Settings(
+        checkpoint=str(tmp_path / "checkpoint"), data=str(data), method="grpo", reward="exact", seq_len=24,
+        max_completion_length=6, capacity_factor=1.0, batch_size=2)).objective
+    capacities = {spec.ffn.capacity_factor for spec in objective.model.config.layers}
+    sampled = {spec.ffn.capacity_factor for spec in objective.engine.model.model.config.layers}
+    assert capacities == {1.0} and sampled == {None}
