@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from jaxformer.validation import finite_float
+from jaxformer.validation import UserCodeFailed, finite_float
 
 Reward = Callable[..., float]  # reward(prompt: str, completion: str, **fields) -> float
 SPECS = "'exact', 'regex' or 'module:function'"  # what --reward takes
@@ -143,10 +143,10 @@ def score(reward: Reward, prompt: str, completion: str, fields: Mapping) -> floa
       The reward, a finite float.
 
     Raises:
-      ValueError: in one line naming the function (`module:qualname`) and showing the start of
-        the completion: the function raised (the exception's type and message), or returned
-        anything but a finite real number (NaN, inf, a string, None). Also `fields` holding
-        "prompt" or "completion", which are the reward's arguments.
+      UserCodeFailed: (a ValueError) in one line naming the function (`module:qualname`) and
+        showing the start of the completion: the function raised (the exception's type and
+        message), or returned anything but a finite real number (NaN, inf, a string, None).
+      ValueError: `fields` holding "prompt" or "completion", which are the reward's arguments.
     """
     clash = sorted({"prompt", "completion"} & set(fields))
     if clash:
@@ -155,11 +155,11 @@ def score(reward: Reward, prompt: str, completion: str, fields: Mapping) -> floa
     try:
         value = reward(prompt, completion, **fields)
     except Exception as e:  # the user's code: reported in one line, without its traceback
-        raise ValueError(f"reward {reward_name(reward)} raised {_one_line(e)} on the completion "
+        raise UserCodeFailed(f"reward {reward_name(reward)} raised {_one_line(e)} on the completion "
                          f"{_start(completion)}") from None
     result = float(value) if isinstance(value, (bool, np.bool_)) else finite_float(value)
     if result is None:
-        raise ValueError(f"reward {reward_name(reward)} must return a finite number, got "
+        raise UserCodeFailed(f"reward {reward_name(reward)} must return a finite number, got "
                          f"{' '.join(reprlib.repr(value).split())} ({type(value).__name__}) for the completion "
                          f"{_start(completion)}")
     return result

@@ -66,6 +66,11 @@ class NotFinite(ValueError):
     names the figure and its cause. Such a figure is an error, never a result."""
 
 
+class UserCodeFailed(ValueError):
+    """A user's code the run calls (a reward function) raised or returned what it may not: the
+    message names the function and what it did; the run ends with it in one line."""
+
+
 @jax.jit  # one program a leaf, also for a leaf split over several processes (op by op, two)
 def _all_finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all()

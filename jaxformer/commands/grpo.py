@@ -46,6 +46,7 @@ from jaxformer.text.prompts import Prompt, PromptData
 from jaxformer.text.tokenizer import Tokenizer
 from jaxformer.training.report_page import result_label, token_labels
 from jaxformer.training.state import make_train_step
+from jaxformer.validation import NotFinite
 
 BETA = 0.0  # --beta's default, TRL's: no KL penalty, no reference
 EPSILON = 0.2  # --epsilon's default: the clip range of the ratio
@@ -156,8 +157,8 @@ class Objective:
             tokens = []
             for event in handle.events():
                 tokens += event.tokens
-            if event.finish_reason == "error":
-                raise ValueError(f"sampling a completion failed: {event.error}")
+            if event.finish_reason == "error":  # (the engine's one error: logits that are not finite)
+                raise NotFinite(f"sampling a completion failed: {event.error}")
             completions.append(tokens + ([event.stop_id] if event.stop_id is not None else []))
         return completions
 

@@ -2,7 +2,8 @@
 says why and what the run directory keeps, never a traceback. The causes are the run's,
 not bugs: the run directory cannot be written (a full disk), the loss stopped being
 finite (`jaxformer.training.Diverged`), a figure it computed is not
-(`jaxformer.validation.NotFinite`), or the device ran out of memory. Anything else is
+(`jaxformer.validation.NotFinite`), a user's code it calls failed (a reward function,
+`jaxformer.validation.UserCodeFailed`), or the device ran out of memory. Anything else is
 raised as it is: its traceback is the report. Before the line, the run is let go
 (`Start.abandon`): a new run that kept nothing is undone, and the lock released.
 """
@@ -17,7 +18,7 @@ import jax
 from jaxformer.command_line import FAILED, describe_os_error, fail
 from jaxformer.training.checkpoints import committed_steps
 from jaxformer.training.loop import Diverged
-from jaxformer.validation import NotFinite
+from jaxformer.validation import NotFinite, UserCodeFailed
 
 
 def kept(run_dir: Path) -> str:
@@ -40,7 +41,7 @@ def failing_as(begun):
     """
     try:
         yield
-    except NotFinite as e:
+    except (NotFinite, UserCodeFailed) as e:
         begun.abandon()
         fail(begun.prog, f"{e}; {kept(begun.run_dir)}", FAILED)
     except jax.errors.JaxRuntimeError as e:

@@ -183,3 +183,14 @@ def test_a_mixture_of_experts_with_a_capacity_samples_with_every_expert_and_trai
     capacities = {spec.ffn.capacity_factor for spec in objective.model.config.layers}
     sampled = {spec.ffn.capacity_factor for spec in objective.engine.model.model.config.layers}
     assert capacities == {1.0} and sampled == {None}
+
+
+def test_a_reward_that_fails_ends_the_run_in_one_line_naming_it(on_path, tmp_path, monkeypatch):
+    (tmp_path / "strict_reward.py").write_text("def judge(prompt, completion, answer):\n"
+                                               "    return {'answer': answer}  # (not a number)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    done = run_main(finetune.main, grpo(on_path, tmp_path / "run", "--steps", "2", "--batch-size", "2",
+                                        "--reward", "strict_reward:judge"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "reward strict_reward:judge must return a finite number, got {'answer':" in done.stderr
+    assert not (tmp_path / "run").exists()  # (a new run that kept nothing is undone)
