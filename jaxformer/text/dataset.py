@@ -121,10 +121,15 @@ def jsonl_records(path: str, read, *args) -> list[tuple[int, object]]:
     """`(line, read(*args, record))` for each record of the JSONL file `path` (blank lines skipped).
 
     Raises:
-      ValueError: `path:line: why`: not UTF-8, not JSON, or what `read` raised for it.
+      ValueError: `cannot read --data path` (an unreadable file), or `path:line: why`: not UTF-8,
+        not JSON, or what `read` raised for it.
     """
     out = []
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"cannot read --data {path}: {e.strerror or e}") from None
+    with f:
         for n, raw in enumerate(f, 1):
             where = f"{path}:{n}"
             try:
@@ -227,10 +232,7 @@ class FinetuneData:
     def __init__(self, path: str, tokenizer: Tokenizer, seq_len: int):
         self.seq_len = seq_len
         if path.endswith(".jsonl"):
-            try:
-                examples = read_records(path, tokenizer)
-            except OSError as e:
-                raise ValueError(f"cannot read --data {path}: {e.strerror or e}") from None
+            examples = read_records(path, tokenizer)
             self.kind = "records"
             n_val = max(1, int(round(HELD_OUT * len(examples))))
             _check_scored(examples[:-n_val], seq_len, path, "training")

@@ -144,10 +144,7 @@ class PreferenceData:
     def __init__(self, path: str, tokenizer: Tokenizer, seq_len: int):
         if not path.endswith(".jsonl"):
             raise ValueError(f"--data {path}: preference pairs are a .jsonl file of {FORMAT} records")
-        try:
-            pairs = jsonl_records(path, pair_of, tokenizer)
-        except OSError as e:
-            raise ValueError(f"cannot read --data {path}: {e.strerror or e}") from None
+        pairs = jsonl_records(path, pair_of, tokenizer)
         # A prompt of seq_len ids or more leaves no answer token predicted within the window.
         kept = [pair for _, pair in pairs if len(pair.prompt) < seq_len + 1]
         self.seq_len, self.dropped = seq_len, len(pairs) - len(kept)

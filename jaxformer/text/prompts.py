@@ -66,10 +66,7 @@ class PromptData:
     def __init__(self, path: str, tokenizer: Tokenizer, max_prompt: int, room: str):
         if not path.endswith(".jsonl"):
             raise ValueError(f"--data {path}: prompts are a .jsonl file of {{\"prompt\": ...}} records")
-        try:
-            prompts = jsonl_records(path, prompt_of, tokenizer)
-        except OSError as e:
-            raise ValueError(f"cannot read --data {path}: {e.strerror or e}") from None
+        prompts = jsonl_records(path, prompt_of, tokenizer)
         for line, prompt in prompts:
             if len(prompt.ids) > max_prompt:
                 raise ValueError(f"{path}:{line}: the prompt is {len(prompt.ids)} tokens, past {room} = {max_prompt}")
