@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
+from jaxformer.kernels import cpu
 from jaxformer.quantized import QArray, Quantized, dequantize_stored, format_of, frozen_cotangent
 
 
@@ -57,10 +58,75 @@ def product(equation: str, x: jax.Array, w: jax.Array, wide: bool = False) -> ja
     """
     if isinstance(w, QArray):
         return _quantized(equation, wide, x, w)
+    form = _kernel_form(equation, x)
+    if form and x.dtype == w.dtype and x.dtype in (jnp.float32, jnp.bfloat16) and cpu.fits(
+            f"{form}_product", *_sizes(equation, w)):
+        return _decoding(equation, wide, x, w)
+    return _reference(equation, wide, x, w)
+
+
+def _reference(equation: str, wide: bool, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A float `product` as XLA computes it."""
     if min(jnp.finfo(x.dtype).bits, jnp.finfo(w.dtype).bits) >= 32:
         # float32 (or float64) throughout: autodiff's gradient, at the library's float32 precision
         return jnp.einsum(equation, x, w, precision=precision_for(x.dtype))
     return _narrow(equation, wide, x, w)
+
+
+KERNEL_ROWS = 16  # the most rows of x a product sends to the CPU products (decoding's); more: XLA's
+
+
+def _kernel_form(equation: str, x: jax.Array) -> str | None:
+    """"kn" or "nk" where `equation` (its matrix's letters in their stored order) is a 2-D product the
+    CPU products take (`jaxformer.kernels.cpu`, where they run): x `[rows..., K...]` with at most
+    `KERNEL_ROWS` rows, w stored `[K..., N...]` ("kn") or `[N..., K...]` ("nk"), the output
+    `[rows..., N...]`; else None."""
+    if not cpu.enabled():
+        return None
+    x_spec, w_spec, out, summed = _letters(equation)
+    x_rest, w_rest = x_spec[:-len(summed)], "".join(a for a in w_spec if a not in summed)
+    if not (x_spec.endswith(summed) and out == x_rest + w_rest) or math.prod(x.shape[:len(x_rest)]) > KERNEL_ROWS:
+        return None
+    return "kn" if w_spec == summed + w_rest else "nk" if w_spec == w_rest + summed else None
+
+
+def _sizes(equation: str, w) -> tuple[int, int]:
+    """(K, N): the sizes of the matrix's summed axes and of its others."""
+    _, w_spec, _, summed = _letters(equation)
+    return (math.prod(n for a, n in zip(w_spec, w.shape) if a in summed),
+            math.prod(n for a, n in zip(w_spec, w.shape) if a not in summed))
+
+
+def _as_rows(equation: str, x: jax.Array, w) -> tuple[jax.Array, int, tuple[int, ...]]:
+    """x as `[R, K]`, K, and the output's shape, for a product in `_kernel_form`."""
+    x_spec, _, out, summed = _letters(equation)
+    rows = x.shape[:len(x_spec) - len(summed)]
+    k = math.prod(x.shape[len(rows):])
+    out_shape = rows + tuple(n for a, n in zip(_letters(equation)[1], w.shape) if a not in summed)
+    return x.reshape(-1, k), k, out_shape
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _decoding(equation: str, wide: bool, x: jax.Array, w: jax.Array) -> jax.Array:
+    """A float product of a few rows by the CPU products (XLA's elsewhere), the gradient XLA's."""
+    def on_cpu(x, w):
+        rows, k, out_shape = _as_rows(equation, x, w)
+        y = (cpu.kn_product(rows, w.reshape(k, -1)) if _kernel_form(equation, x) == "kn"
+             else cpu.nk_product(rows, w.reshape(-1, k)))
+        return y.reshape(out_shape).astype(jnp.float32 if wide else x.dtype)
+
+    return jax.lax.platform_dependent(x, w, cpu=on_cpu, default=functools.partial(_reference, equation, wide))
+
+
+def _decoding_fwd(equation, wide, x, w):
+    return _decoding(equation, wide, x, w), (x, w)
+
+
+def _decoding_bwd(equation, wide, residuals, dy):
+    return jax.vjp(functools.partial(_reference, equation, wide), *residuals)[1](dy)
+
+
+_decoding.defvjp(_decoding_fwd, _decoding_bwd)
 
 
 def precision_for(dtype) -> jax.lax.Precision:
@@ -113,15 +179,21 @@ def _letters(equation: str) -> tuple[str, str, str, str]:
     return x_spec, w_spec, out, "".join(a for a in x_spec if a in w_spec and a not in out)
 
 
+def _int8_rows(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """`(q_x, s_x)`: x's rows (over `axes`) as int8, each with its own scale `s_x = max|row| / 127`
+    (float32, `axes` kept as 1s), `q_x = round(x / s_x)` in [-127, 127]."""
+    x = x.astype(jnp.float32)
+    s_x = jnp.max(jnp.abs(x), axis=axes, keepdims=True) / 127
+    s_x = jnp.where(s_x > 0, s_x, 1)  # an all-zero row: any scale gives zeros
+    return jnp.round(x / s_x).astype(jnp.int8), s_x
+
+
 def _w8a8(equation: str, x: jax.Array, w: QArray) -> jax.Array:
     """`einsum(equation, x, W)` for an int8 `w` (a scale per output channel), float32: `x`'s rows
     quantized to int8 each with its own scale, the integer product summed in int32, then scaled."""
     x_spec, w_spec, out, summed = _letters(equation)
     x_axes = tuple(x_spec.index(a) for a in summed)
-    x = x.astype(jnp.float32)
-    s_x = jnp.max(jnp.abs(x), axis=x_axes, keepdims=True) / 127
-    s_x = jnp.where(s_x > 0, s_x, 1)  # an all-zero row: any scale gives zeros
-    q_x = jnp.round(x / s_x).astype(jnp.int8)  # in [-127, 127]
+    q_x, s_x = _int8_rows(x, x_axes)
     s_w = w.scale.astype(jnp.float32)
     x_rest = "".join(a for a in x_spec if a not in summed)
     w_rest = "".join(a for a in w_spec if a not in summed)
@@ -136,8 +208,11 @@ def _w8a8(equation: str, x: jax.Array, w: QArray) -> jax.Array:
             # several output or summed axes it took ~6x as long), one row as two (one alone: 10x).
             rows = math.prod(q_x.shape[:-k])
             flat_x, flat_w = q_x.reshape(rows, -1), q_w.reshape(math.prod(q_w.shape[:-k]), -1)
-            flat_x = jnp.concatenate([flat_x, jnp.zeros_like(flat_x)]) if rows == 1 else flat_x
-            ints = jnp.einsum("rk,nk->rn", flat_x, flat_w, preferred_element_type=jnp.int32)[:rows]
+            if _kernel_form(equation, x) and cpu.fits("int8_product", *flat_w.shape[::-1]):
+                ints = cpu.int8_product(flat_x, flat_w)  # (a few rows: the CPU products' exact sums)
+            else:
+                flat_x = jnp.concatenate([flat_x, jnp.zeros_like(flat_x)]) if rows == 1 else flat_x
+                ints = jnp.einsum("rk,nk->rn", flat_x, flat_w, preferred_element_type=jnp.int32)[:rows]
             return ints.reshape(*q_x.shape[:-k], *q_w.shape[:-k]).astype(jnp.float32)  # (exact below 2^24)
         return jnp.einsum(equation, q_x, q_w, preferred_element_type=jnp.int32).astype(jnp.float32)
 
@@ -161,21 +236,66 @@ def _quantized_forward(equation: str, wide: bool, x: jax.Array, w: QArray) -> ja
         # its inputs: one scale per output channel; a product over its outputs takes the dequantized matrix)
         y = _w8a8(equation, x, w)
         return y if wide or jnp.finfo(x.dtype).bits > 32 else y.astype(x.dtype)
-    # Dequantized once `x` is there. A dequantization reads parameters alone, and XLA:CPU schedules
-    # every layer's first, holding the whole model in float at once (it drops an optimization barrier);
-    # a zero times one of x's numbers (which it does not fold: x may not be finite) makes each wait for
-    # its layer.
-    w = w.replace(scale=w.scale + jnp.zeros((), w.scale.dtype) * x.reshape(-1)[0].astype(w.scale.dtype))
     x_rest, w_rest = (''.join(a for a in spec if a not in summed) for spec in (x_spec, w_spec))
     if not (x_spec.endswith(summed) and w_spec.endswith(summed) and out == x_rest + w_rest):
         return _dequantized(equation, wide, x, w)  # (a product over the matrix's outputs, or its experts')
-    return jax.lax.platform_dependent(x, w, cpu=functools.partial(_by_blocks, wide, len(summed)),
-                                      default=functools.partial(_dequantized, equation, wide))
+    k = len(summed)
+    if format_of(w) == "int4" and w.zero_point is None and _group(w, k):
+        on_cpu = functools.partial(_w4a8, equation, wide)
+    else:
+        on_cpu = functools.partial(_by_blocks, wide, k)
+    return jax.lax.platform_dependent(x, w, cpu=on_cpu, default=functools.partial(_dequantized, equation, wide))
+
+
+def _waiting(w: QArray, x: jax.Array) -> QArray:
+    """`w` made to wait for `x` before it is dequantized. A dequantization reads parameters alone, and
+    XLA:CPU schedules every layer's first, holding the whole model in float at once (it drops an
+    optimization barrier); a zero times one of x's numbers (which it does not fold: x may not be
+    finite) added to the scales makes each wait for its layer."""
+    return w.replace(scale=w.scale + jnp.zeros((), w.scale.dtype) * x.reshape(-1)[0].astype(w.scale.dtype))
 
 
 def _dequantized(equation: str, wide: bool, x: jax.Array, w: QArray) -> jax.Array:
-    """`equation` with `w` dequantized whole."""
-    return product(equation, x, dequantize_stored(w, x.dtype), wide)
+    """`equation` with `w` dequantized whole, once `x` is there."""
+    return product(equation, x, dequantize_stored(_waiting(w, x), x.dtype), wide)
+
+
+def _group(w: QArray, k: int) -> int | None:
+    """The inputs a scale of `w` (stored `[outs..., ins...]`, k input axes) covers, where they are a run
+    of consecutive inputs of one output (int4's groups, as `jaxformer.quantized` tiles them): each
+    input axis's tile, from the last, its whole length until one that is not, 1 before it; else None."""
+    tiles = [n // m for n, m in zip(w.qvalue.shape, w.scale.shape)]
+    if any(t != 1 for t in tiles[:-k]):
+        return None
+    group, whole = 1, True
+    for n, t in reversed(list(zip(w.qvalue.shape[-k:], tiles[-k:]))):
+        if t > 1 and not whole:
+            return None
+        group, whole = group * t, whole and t == n
+    return group
+
+
+def _w4a8(equation: str, wide: bool, x: jax.Array, w: QArray) -> jax.Array:
+    """int4 (symmetric, in groups) on a CPU: W4A8, as llama.cpp computes Q4_0. `x`'s rows are quantized
+    to int8 as W8A8's are (`_int8_rows`), each group's integer sum is taken and scaled by its group's
+    scale, and the row's scale multiplies the total:
+
+        y[r, n] = s_x[r] sum_g s[n, g] sum_{k in g} q_x[r, k] q[n, k]
+
+    by the CPU products for a few rows (each group's sum exact in int32), else as the product of
+    `q_x` (exact in x's dtype) with the dequantized matrix by blocks (`_by_blocks`)."""
+    x_spec, _, _, summed = _letters(equation)
+    k = len(summed)
+    q_x, s_x = _int8_rows(x, tuple(range(x.ndim - k, x.ndim)))
+    rows, n = x.shape[:-k], w.qvalue.shape[:-k]
+    flat_q = w.qvalue.reshape(math.prod(n), -1)  # [N, K]
+    if _kernel_form(equation, x) and cpu.fits("int4_product", flat_q.shape[1], flat_q.shape[0], _group(w, k)):
+        sums = cpu.int4_product(q_x.reshape(-1, flat_q.shape[1]), flat_q, w.scale.reshape(flat_q.shape[0], -1))
+        sums = sums.reshape(*rows, *n)
+    else:
+        sums = _by_blocks(True, k, q_x.astype(x.dtype), w)
+    y = sums * s_x.reshape(*rows, *(1,) * len(n))
+    return y if wide or jnp.finfo(x.dtype).bits > 32 else y.astype(x.dtype)
 
 
 BLOCK_VALUES = 2**19  # a block's dequantized values: 2 MiB of float32, which stays in a core's cache
@@ -195,6 +315,7 @@ def _by_blocks(wide: bool, k: int, x: jax.Array, w: QArray) -> jax.Array:
     # whole matrix written out before the loop: the blocks' point lost), so the loop slices its bits,
     # as uint8, and each block takes them back. (MXFP4's values are held as their uint4 codes for the
     # same reason, `jaxformer.quantized`: a 4-bit bitcast fails in XLA:CPU's lowering at some shapes.)
+    w = _waiting(w, x)
     values = w.qvalue.dtype
     fp8 = jnp.issubdtype(values, jnp.floating) and jnp.finfo(values).bits == 8
     qvalue = jax.lax.bitcast_convert_type(w.qvalue, jnp.uint8) if fp8 else w.qvalue

@@ -247,10 +247,40 @@ def test_int8_is_w8a8_the_rows_quantized_and_summed_in_exact_integers(equation, 
     assert np.all(np.abs(got - np.einsum(equation, x.astype(np.float64), w_hat)) <= error + 1e-5)
 
 
+@pytest.mark.parametrize("path", ["cpu products", "xla", "xla by blocks"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("equation,x_shape,w_shape,inputs", EQUATIONS, ids=["q", "o", "2-d"])
+def test_int4_is_w4a8_on_a_cpu_each_groups_integers_summed_and_scaled(equation, x_shape, w_shape, inputs, group,
+                                                                       path, monkeypatch):
+    """Symmetric int4 on a CPU: y = s_x sum_g s_g (sum over the group of q_x q), x's rows quantized as
+    W8A8's; within float32's bound for a sum of K products, K u sum |q_x s_x||W^| (u = 2^-24), of
+    that value computed exactly, by the CPU products (a few rows) and by XLA (more rows: the
+    integers times the dequantized matrix, whole or by blocks); and so within sum |x - x^||W^| of
+    the dequantized matrix's float product."""
+    if path != "cpu products":
+        monkeypatch.setattr(products, "KERNEL_ROWS", 0)
+    if path == "xla by blocks":
+        monkeypatch.setattr(products, "BLOCK_VALUES", 2**10)
+    x, w = matrix(x_shape, 1), matrix(w_shape, 2)
+    q = quantize(jnp.asarray(w), Quantization("int4", group), inputs)
+    x_spec = equation.split(",")[0]
+    summed = tuple(i for i, a in enumerate(x_spec) if a in equation.split(",")[1].split("->")[0])
+    s_x = np.abs(x).max(axis=summed, keepdims=True) / 127
+    q_x = np.round(x / s_x)
+    w_hat = np.asarray(dequantize(q), np.float64)  # (q s: each an integer times its group's scale, exact)
+    out_axes = equation.split("->")[1]
+    scale = s_x.reshape(*s_x.shape[:len(s_x.shape) - len(summed)], *(1,) * (len(out_axes) - len(x_spec) + len(summed)))
+    want = np.einsum(equation, q_x, w_hat) * scale  # (float64: exact to 2^-53 here)
+    got = np.asarray(product(equation, jnp.asarray(x), q), np.float64)
+    k = math.prod(x.shape[i] for i in summed)
+    assert np.all(np.abs(got - want) <= k * 2.0**-24 * np.einsum(equation, np.abs(q_x), np.abs(w_hat)) * scale)
+    error = np.einsum(equation, np.abs(x - q_x * s_x), np.abs(w_hat))
+    assert np.all(np.abs(got - np.einsum(equation, x.astype(np.float64), w_hat)) <= error + 1e-5)
+
+
 @pytest.mark.parametrize("blocks", [False, True], ids=["one block", "blocks"])
 @pytest.mark.parametrize("equation,x_shape,w_shape,inputs", EQUATIONS[:2], ids=["q", "o"])
-@pytest.mark.parametrize("how", [Quantization("int4"), Quantization("int4", 32, affine=True), Quantization("nf4")],
-                         ids=str)
+@pytest.mark.parametrize("how", [Quantization("int4", 32, affine=True), Quantization("nf4")], ids=str)
 def test_other_formats_multiply_the_dequantized_matrix(how, equation, x_shape, w_shape, inputs, blocks, monkeypatch):
     """On a CPU by blocks of output rows, each dequantized as it is multiplied (with a small
     `BLOCK_VALUES`, many blocks): the dequantized matrix's product, within float32's error bound for

@@ -1,0 +1,516 @@
+// The weight products of decoding on an x86 CPU, registered with XLA as FFI custom calls
+// (jaxformer/kernels/cpu.py calls them; jaxformer/products.py says when).
+//
+// A decoding step multiplies a few rows of activations by every matrix of the model once: the
+// time is the matrices' bytes read from memory. XLA:CPU's products read float32 on one core,
+// bfloat16 through a float32 copy, and int8 and int4 well below the memory's speed
+// (docs/performance.md). These read each matrix once, in the layout it is stored in, on every
+// core XLA gives them, with the conversion (bfloat16 to float32, int4 to int8) done in registers:
+//
+//   kn_product     y[r, n] = sum_k x[r, k] w[k, n]        float32 or bfloat16 w stored [K, N]
+//   nk_product     y[r, n] = sum_k x[r, k] w[n, k]        float32 or bfloat16 w stored [N, K]
+//   int8_product   y[r, n] = sum_k x[r, k] w[n, k]        int8 x and w, summed exactly in int32
+//   int4_product   y[r, n] = sum_g s[n, g] sum_{k in g} x[r, k] q[n, k]
+//                                                         int8 x, int4 q in groups g with scales s
+//
+// Float products accumulate in float32 (a bfloat16 value widens exactly; products of two are
+// exact in float32), each output's terms summed in an order of its own (a test bounds the
+// difference from XLA's product by that of any summation order). The integer sums are exact.
+//
+// Built by `pip install` where a compiler is present (setup.py); compiled for the building
+// machine's instructions, it registers its products only where AVX-512 (F, BW) and VNNI run.
+
+#include <Python.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define JAXFORMER_KERNELS 1
+#include <immintrin.h>
+#else
+#define JAXFORMER_KERNELS 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// The work of one call split into chunks, taken one at a time by the calling thread and by
+// helpers scheduled on XLA's intra-op threads. The caller takes chunks too, so the call finishes
+// whether or not a helper ever starts; a helper that starts late finds none left. The chunks'
+// state is shared (a helper may outlive the call); `body` is run only while the call waits.
+// ---------------------------------------------------------------------------------------------
+struct Chunks {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t count = 0;
+  std::function<void(int64_t)> body;
+};
+
+void Take(Chunks& chunks) {
+  for (int64_t c; (c = chunks.next.fetch_add(1, std::memory_order_relaxed)) < chunks.count;) {
+    chunks.body(c);
+    chunks.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+void ParallelFor(ffi::ThreadPool& pool, int64_t count, std::function<void(int64_t)> body) {
+  auto chunks = std::make_shared<Chunks>();
+  chunks->count = count;
+  chunks->body = std::move(body);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([chunks] { Take(*chunks); });
+  Take(*chunks);
+  while (chunks->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+// The machine's read speed, without XLA: `threads` threads each streaming through their share of
+// a buffer of `bytes`, the best of `reps` passes (after one that touches it). Bytes per second.
+double ReadBandwidth(int64_t bytes, int threads, int reps) {
+  const int64_t words = bytes / 8 / threads * threads;
+  std::vector<uint64_t> buffer(words, 1);
+  std::vector<uint64_t> sink(threads * 8);
+  auto pass = [&] {
+    std::vector<std::thread> running;
+    const int64_t share = words / threads;
+    for (int t = 0; t < threads; ++t) {
+      running.emplace_back([&, t] {
+        const uint64_t* p = buffer.data() + t * share;
+        uint64_t a = 0, b = 0, c = 0, d = 0;  // four chains: the loads, not the xors, set the pace
+        for (int64_t i = 0; i + 4 <= share; i += 4) {
+          a ^= p[i];
+          b ^= p[i + 1];
+          c ^= p[i + 2];
+          d ^= p[i + 3];
+        }
+        sink[t * 8] = a ^ b ^ c ^ d;
+      });
+    }
+    for (auto& thread : running) thread.join();
+  };
+  pass();
+  double best = 0;
+  for (int r = 0; r < reps; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    pass();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = std::max(best, words * 8.0 / seconds);
+  }
+  return best;
+}
+
+#if JAXFORMER_KERNELS
+
+// ----- float products ------------------------------------------------------------------------
+
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 Load16(const uint16_t* p) {  // 16 bfloat16s widened: their bits are a float32's top half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+inline float Widen(float v) { return v; }
+inline float Widen(uint16_t v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// x as float32 rows (a bfloat16 x widened once per call).
+template <class T>
+std::vector<float> Widened(const T* x, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = Widen(x[i]);
+  return out;
+}
+
+// y[r, 0 : width] += sum_{k0 <= k < k1} x[r, k] w[k, n0 + (0 : width)] for RG rows of x (x at the
+// group's first row, y at its first row with rows ldy apart): w's rows four at a time, each read
+// as a run of `width` values, y's values in cache.
+template <int RG, class W>
+void KnTile(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t ldy, int64_t n0, int64_t width,
+            int64_t k0, int64_t k1) {
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    __m512 xk[RG][4];
+    for (int r = 0; r < RG; ++r)
+      for (int i = 0; i < 4; ++i) xk[r][i] = _mm512_set1_ps(x[r * K + k + i]);
+    const W* row = w + k * N + n0;
+    for (int64_t v = 0; v < width; v += 16) {
+      const __m512 w0 = Load16(row + v), w1 = Load16(row + N + v), w2 = Load16(row + 2 * N + v),
+                   w3 = Load16(row + 3 * N + v);
+      for (int r = 0; r < RG; ++r) {
+        __m512 acc = _mm512_loadu_ps(y + r * ldy + v);
+        acc = _mm512_fmadd_ps(xk[r][0], w0, acc);  // in k's order
+        acc = _mm512_fmadd_ps(xk[r][1], w1, acc);
+        acc = _mm512_fmadd_ps(xk[r][2], w2, acc);
+        acc = _mm512_fmadd_ps(xk[r][3], w3, acc);
+        _mm512_storeu_ps(y + r * ldy + v, acc);
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    const W* row = w + k * N + n0;
+    for (int r = 0; r < RG; ++r) {
+      const __m512 xk = _mm512_set1_ps(x[r * K + k]);
+      for (int64_t v = 0; v < width; v += 16)
+        _mm512_storeu_ps(y + r * ldy + v, _mm512_fmadd_ps(xk, Load16(row + v), _mm512_loadu_ps(y + r * ldy + v)));
+    }
+  }
+}
+
+constexpr int64_t kRun = 4096;   // bytes of a row of w a tile reads in one run (a page)
+constexpr int64_t kTiles = 16;   // tiles a product is cut into at least, for the threads to share
+
+// w [K, N] cut into tiles: panels of columns (runs of kRun bytes) by slabs of rows, as many
+// slabs as make kTiles tiles. One slab: each tile adds into y; several: into its slab's partial
+// sums, added in the slabs' order at the end.
+template <class W>
+void KnProduct(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, const W* w, int64_t N, float* y) {
+  const int64_t width = std::min<int64_t>(N, kRun / sizeof(W)), panels = (N + width - 1) / width;
+  const int64_t slabs = std::min<int64_t>(std::max<int64_t>(1, kTiles / panels), std::max<int64_t>(1, K / 64));
+  const int64_t depth = (K + slabs - 1) / slabs;
+  std::vector<float> partial(slabs > 1 ? slabs * R * N : 0, 0.0f);
+  float* out = slabs > 1 ? partial.data() : y;
+  if (slabs == 1) std::fill(y, y + R * N, 0.0f);
+  ParallelFor(pool, panels * slabs, [=](int64_t t) {
+    const int64_t n0 = (t % panels) * width, cols = std::min(width, N - n0);
+    const int64_t k0 = (t / panels) * depth, k1 = std::min(K, k0 + depth);
+    float* into = out + (t / panels) * R * N + n0;
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) KnTile<4>(x + r * K, K, w, N, into + r * N, N, n0, cols, k0, k1);
+    for (; r < R; ++r) KnTile<1>(x + r * K, K, w, N, into + r * N, N, n0, cols, k0, k1);
+  });
+  for (int64_t s = 0; s < (slabs > 1 ? slabs : 0); ++s)
+    for (int64_t i = 0; i < R * N; ++i) y[i] = (s == 0 ? 0.0f : y[i]) + partial[s * R * N + i];
+}
+
+// y[r, n] for 4 consecutive n (w at row n) and RG rows of x: dot products along k, 16 lanes each,
+// the lanes added last.
+template <int RG, class W>
+void NkQuad(const float* x, int64_t K, const W* w, float* y, int64_t N) {
+  __m512 acc[RG][4];
+  for (int r = 0; r < RG; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wk[4];
+    for (int i = 0; i < 4; ++i) wk[i] = Load16(w + i * K + k);
+    for (int r = 0; r < RG; ++r) {
+      const __m512 xk = _mm512_loadu_ps(x + r * K + k);
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(xk, wk[i], acc[r][i]);
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int i = 0; i < 4; ++i) y[r * N + i] = _mm512_reduce_add_ps(acc[r][i]);
+}
+
+constexpr int64_t kRowsPerChunk = 32;  // w's rows (outputs) a chunk of the nk products covers
+
+template <class W>
+void NkProduct(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, const W* w, int64_t N, float* y) {
+  ParallelFor(pool, (N + kRowsPerChunk - 1) / kRowsPerChunk, [=](int64_t c) {
+    const int64_t end = std::min(N, (c + 1) * kRowsPerChunk);
+    for (int64_t n = c * kRowsPerChunk; n < end; n += 4) {
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4) NkQuad<4>(x + r * K, K, w + n * K, y + r * N + n, N);
+      for (; r < R; ++r) NkQuad<1>(x + r * K, K, w + n * K, y + r * N + n, N);
+    }
+  });
+}
+
+// ----- int8: W8A8 ------------------------------------------------------------------------------
+// VNNI's dpbusd multiplies unsigned bytes by signed ones, four to an int32 lane. w is made
+// unsigned, w + 128 (its top bit flipped), so that sum_k (w + 128) x = sum_k w x + 128 sum_k x:
+// the second term is x's alone, taken off once per row at the end. Every sum is exact in int32
+// while |sum| <= K 255 127 < 2^31 (K below 66,000; checked by the caller).
+
+template <int RG>
+void Int8Quad(const int8_t* x, int64_t K, const int8_t* w, const int32_t* xsum, int32_t* y, int64_t N) {
+  __m512i acc[RG][4];
+  for (int r = 0; r < RG; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t k = 0; k < K; k += 64) {
+    const __mmask64 in = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;  // past K: zeros
+    __m512i wk[4];
+    for (int i = 0; i < 4; ++i)
+      wk[i] = _mm512_maskz_mov_epi8(in, _mm512_xor_si512(_mm512_maskz_loadu_epi8(in, w + i * K + k), flip));
+    for (int r = 0; r < RG; ++r) {
+      const __m512i xk = _mm512_maskz_loadu_epi8(in, x + r * K + k);
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], wk[i], xk);
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int i = 0; i < 4; ++i) y[r * N + i] = _mm512_reduce_add_epi32(acc[r][i]) - 128 * xsum[r];
+}
+
+void Int8Product(ffi::ThreadPool& pool, const int8_t* x, int64_t R, int64_t K, const int8_t* w, int64_t N,
+                 int32_t* y) {
+  std::vector<int32_t> xsum(R, 0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k) xsum[r] += x[r * K + k];
+  const int32_t* sums = xsum.data();
+  ParallelFor(pool, (N + kRowsPerChunk - 1) / kRowsPerChunk, [=](int64_t c) {
+    const int64_t end = std::min(N, (c + 1) * kRowsPerChunk);
+    for (int64_t n = c * kRowsPerChunk; n < end; n += 4) {
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4) Int8Quad<4>(x + r * K, K, w + n * K, sums + r, y + r * N + n, N);
+      for (; r < R; ++r) Int8Quad<1>(x + r * K, K, w + n * K, sums + r, y + r * N + n, N);
+    }
+  });
+}
+
+// ----- int4 in groups: W4A8 --------------------------------------------------------------------
+// q is packed two values a byte, the even k in the low four bits. 64 values (32 bytes, two blocks
+// of 32) are unpacked into one 512-bit register as [evens of block 0 | evens of block 1 | odds of
+// block 0 | odds of block 1], 16 bytes each, and made unsigned, u = q + 8 (q in [-8, 7]: flipping
+// the four-bit sign bit). x's rows are laid out once per call in the same order (`Int4Rows`), and
+// each 32-bit lane of dpbusd(bias, u, x) starts from bias = -8 (its four x's sum): the lane holds
+// sum q x over its four values, exact. The lanes are then widened to float32 and multiplied by
+// their block's scale: y = sum over lanes of s_lane * lane.
+
+struct Int4Rows {  // x's rows in the unpacked order, and each lane's -8 sum x
+  std::vector<int8_t> x;    // [R, K]
+  std::vector<int32_t> bias;  // [R, K / 4]
+};
+
+Int4Rows LayOut(const int8_t* x, int64_t R, int64_t K) {
+  Int4Rows out{std::vector<int8_t>(R * K), std::vector<int32_t>(R * K / 4)};
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t t = 0; t < K; t += 64) {
+      const int8_t* from = x + r * K + t;
+      int8_t* to = out.x.data() + r * K + t;
+      for (int j = 0; j < 16; ++j) {
+        to[j] = from[2 * j];                // evens of block 0
+        to[16 + j] = from[32 + 2 * j];      // evens of block 1
+        to[32 + j] = from[2 * j + 1];       // odds of block 0
+        to[48 + j] = from[32 + 2 * j + 1];  // odds of block 1
+      }
+      for (int lane = 0; lane < 16; ++lane)
+        out.bias[(r * K + t) / 4 + lane] = -8 * (to[4 * lane] + to[4 * lane + 1] + to[4 * lane + 2] + to[4 * lane + 3]);
+    }
+  }
+  return out;
+}
+
+inline __m512 Scale(const float* s) { return _mm512_set1_ps(*s); }
+inline __m512 Scale(const uint16_t* s) { return _mm512_set1_ps(Widen(*s)); }
+
+// Each lane's scale for the two blocks starting at value k (groups of G values).
+template <int G, class S>
+inline __m512 LaneScales(const S* s, int64_t k) {
+  if constexpr (G == 32) {  // block 0's scale in lanes 0-3 and 8-11, block 1's in 4-7 and 12-15
+    const __m512 first = Scale(s + k / 32), second = Scale(s + k / 32 + 1);
+    return _mm512_mask_blend_ps(__mmask16(0xF0F0), first, second);
+  } else {
+    return Scale(s + k / G);
+  }
+}
+
+template <int RG, int G, class S>
+void Int4Row(const int8_t* x, const int32_t* bias, int64_t K, const uint8_t* q, const S* s, float* y, int64_t N) {
+  __m512 acc[RG];
+  for (int r = 0; r < RG; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(0x08);
+  for (int64_t k = 0; k < K; k += 64) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i*)(q + k / 2));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+    const __m512i u = _mm512_xor_si512(_mm512_and_si512(both, low), sign);
+    const __m512 scale = LaneScales<G>(s, k);
+    for (int r = 0; r < RG; ++r) {
+      const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(bias + (r * K + k) / 4), u,
+                                                _mm512_loadu_si512(x + r * K + k));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < RG; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int G, class S>
+void Int4Product(ffi::ThreadPool& pool, const Int4Rows& rows, int64_t R, int64_t K, const uint8_t* q, const S* s,
+                 int64_t N, float* y) {
+  const int8_t* x = rows.x.data();
+  const int32_t* bias = rows.bias.data();
+  ParallelFor(pool, (N + kRowsPerChunk - 1) / kRowsPerChunk, [=](int64_t c) {
+    const int64_t end = std::min(N, (c + 1) * kRowsPerChunk);
+    for (int64_t n = c * kRowsPerChunk; n < end; ++n) {
+      const uint8_t* qn = q + n * (K / 2);
+      const S* sn = s + n * (K / G);
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4) Int4Row<4, G>(x + r * K, bias + r * K / 4, K, qn, sn, y + r * N + n, N);
+      for (; r < R; ++r) Int4Row<1, G>(x + r * K, bias + r * K / 4, K, qn, sn, y + r * N + n, N);
+    }
+  });
+}
+
+#endif  // JAXFORMER_KERNELS
+
+// ----- the FFI handlers ------------------------------------------------------------------------
+// Each checks what it is given (jaxformer/kernels/cpu.py sends only what they take, so an error
+// here is a bug there) and writes its result.
+
+ffi::Error Refuse(const char* what) { return ffi::Error::InvalidArgument(std::string("jaxformer cpu product: ") + what); }
+
+bool Matrix(const ffi::AnyBuffer& a, int64_t& rows, int64_t& cols) {
+  const auto dims = a.dimensions();
+  if (dims.size() != 2) return false;
+  rows = dims[0];
+  cols = dims[1];
+  return true;
+}
+
+bool Float(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+#if JAXFORMER_KERNELS
+
+// x [R, K] float32 or bfloat16 as float32 rows: the buffer's own, or widened into `widened`.
+const float* FloatRows(const ffi::AnyBuffer& x, std::vector<float>& widened) {
+  if (x.element_type() == ffi::DataType::F32) return static_cast<const float*>(x.untyped_data());
+  widened = Widened(static_cast<const uint16_t*>(x.untyped_data()), x.element_count());
+  return widened.data();
+}
+
+ffi::Error FloatImpl(bool kn, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  int64_t R, K, a, b;
+  if (!Matrix(x, R, K) || !Matrix(w, a, b) || !Float(x.element_type()) || !Float(w.element_type()))
+    return Refuse("x and w must be float32 or bfloat16 matrices");
+  const int64_t N = kn ? b : a;
+  if ((kn ? a : b) != K || (kn ? N % 16 : K % 16 + N % 4)) return Refuse("shapes");
+  std::vector<float> widened;
+  const float* xf = FloatRows(x, widened);
+  float* out = static_cast<float*>(y->untyped_data());
+  const bool wide = w.element_type() == ffi::DataType::F32;
+  if (kn && wide) KnProduct(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
+  if (kn && !wide) KnProduct(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
+  if (!kn && wide) NkProduct(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
+  if (!kn && !wide) NkProduct(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
+  return ffi::Error::Success();
+}
+
+ffi::Error KnImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  return FloatImpl(true, pool, x, w, y);
+}
+
+ffi::Error NkImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  return FloatImpl(false, pool, x, w, y);
+}
+
+ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  int64_t R, K, N, K2;
+  if (!Matrix(x, R, K) || !Matrix(w, N, K2) || K2 != K || x.element_type() != ffi::DataType::S8 ||
+      w.element_type() != ffi::DataType::S8 || N % 4 || K >= 66000)
+    return Refuse("int8_product takes int8 x [R, K] and w [N, K], N a multiple of 4, K below 66,000");
+  Int8Product(pool, static_cast<const int8_t*>(x.untyped_data()), R, K, static_cast<const int8_t*>(w.untyped_data()),
+              N, static_cast<int32_t*>(y->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, ffi::AnyBuffer s,
+                    ffi::Result<ffi::AnyBuffer> y) {
+  int64_t R, K, N, K2, N2, groups;
+  if (!Matrix(x, R, K) || !Matrix(q, N, K2) || !Matrix(s, N2, groups) || K2 != K || N2 != N || K % 64 ||
+      x.element_type() != ffi::DataType::S8 || q.element_type() != ffi::DataType::S4 || !Float(s.element_type()))
+    return Refuse("int4_product takes int8 x [R, K], int4 q [N, K] and float scales [N, groups], K a multiple of 64");
+  const int64_t G = K / groups;
+  if (groups * G != K || (G != 32 && G != 64 && G != 128)) return Refuse("groups of 32, 64 or 128");
+  const Int4Rows rows = LayOut(static_cast<const int8_t*>(x.untyped_data()), R, K);
+  const auto* packed = static_cast<const uint8_t*>(q.untyped_data());
+  float* out = static_cast<float*>(y->untyped_data());
+  const void* scales = s.untyped_data();
+  const bool wide = s.element_type() == ffi::DataType::F32;
+  auto run = [&](auto group) {
+    constexpr int g = decltype(group)::value;
+    if (wide) Int4Product<g>(pool, rows, R, K, packed, static_cast<const float*>(scales), N, out);
+    else Int4Product<g>(pool, rows, R, K, packed, static_cast<const uint16_t*>(scales), N, out);
+  };
+  if (G == 32) run(std::integral_constant<int, 32>());
+  if (G == 64) run(std::integral_constant<int, 64>());
+  if (G == 128) run(std::integral_constant<int, 128>());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kKnProduct, KnImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNkProduct, NkImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kInt8Product, Int8Impl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kInt4Product, Int4Impl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+#endif  // JAXFORMER_KERNELS
+
+// ----- the Python module -----------------------------------------------------------------------
+
+// Whether this machine runs what was compiled: the instructions the build assumed.
+bool Runs() {
+#if JAXFORMER_KERNELS
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+PyObject* Targets(PyObject*, PyObject*) {
+  PyObject* targets = PyDict_New();
+#if JAXFORMER_KERNELS
+  if (Runs()) {
+    const std::pair<const char*, void*> handlers[] = {
+        {"kn_product", reinterpret_cast<void*>(kKnProduct)},
+        {"nk_product", reinterpret_cast<void*>(kNkProduct)},
+        {"int8_product", reinterpret_cast<void*>(kInt8Product)},
+        {"int4_product", reinterpret_cast<void*>(kInt4Product)},
+    };
+    for (const auto& [name, handler] : handlers) {
+      PyObject* capsule = PyCapsule_New(handler, nullptr, nullptr);
+      PyDict_SetItemString(targets, name, capsule);
+      Py_DECREF(capsule);
+    }
+  }
+#endif
+  return targets;
+}
+
+PyObject* PyReadBandwidth(PyObject*, PyObject* args) {
+  long long bytes;
+  int threads, reps;
+  if (!PyArg_ParseTuple(args, "Lii", &bytes, &threads, &reps)) return nullptr;
+  if (bytes < 64 * threads || threads < 1 || reps < 1) {
+    PyErr_SetString(PyExc_ValueError, "read_bandwidth: bytes >= 64 per thread, threads >= 1, reps >= 1");
+    return nullptr;
+  }
+  double speed;
+  Py_BEGIN_ALLOW_THREADS speed = ReadBandwidth(bytes, threads, reps);
+  Py_END_ALLOW_THREADS return PyFloat_FromDouble(speed);
+}
+
+PyMethodDef kMethods[] = {
+    {"targets", Targets, METH_NOARGS, "The products' FFI handlers by name (none where this CPU cannot run them)."},
+    {"read_bandwidth", PyReadBandwidth, METH_VARARGS,
+     "read_bandwidth(bytes, threads, reps): the best bytes per second of `threads` threads streaming through a "
+     "buffer of `bytes`."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu_products", nullptr, -1, kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__cpu_products(void) { return PyModule_Create(&kModule); }
