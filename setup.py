@@ -12,7 +12,7 @@ products = Extension(
     "jaxformer.kernels._cpu_products",
     sources=["jaxformer/kernels/cpu_products.cc"],
     include_dirs=[os.path.join(os.path.dirname(jaxlib.__file__), "include")],  # XLA's FFI headers
-    extra_compile_args=["-O3", "-march=native", "-std=c++17", "-fvisibility=hidden"],
+    extra_compile_args=["-O3", "-march=native", "-std=c++20", "-fvisibility=hidden"],
     language="c++",
     optional=True,  # a failed build is a warning, not a failed install
 )

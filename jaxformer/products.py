@@ -289,7 +289,8 @@ def _w4a8(equation: str, wide: bool, x: jax.Array, w: QArray) -> jax.Array:
     q_x, s_x = _int8_rows(x, tuple(range(x.ndim - k, x.ndim)))
     rows, n = x.shape[:-k], w.qvalue.shape[:-k]
     flat_q = w.qvalue.reshape(math.prod(n), -1)  # [N, K]
-    if _kernel_form(equation, x) and cpu.fits("int4_product", flat_q.shape[1], flat_q.shape[0], _group(w, k)):
+    if _kernel_form(equation, x) and cpu.fits("int4_product", flat_q.shape[1], flat_q.shape[0],
+                                              flat_q.shape[1] // _group(w, k)):
         sums = cpu.int4_product(q_x.reshape(-1, flat_q.shape[1]), flat_q, w.scale.reshape(flat_q.shape[0], -1))
         sums = sums.reshape(*rows, *n)
     else:

@@ -355,6 +355,312 @@ void Int4Product(ffi::ThreadPool& pool, const Int4Rows& rows, int64_t R, int64_t
   });
 }
 
+// ----- many rows: a packed panel of w, rows of x in blocks ----------------------------------------
+// A prompt multiplies many rows by each matrix, and the time is arithmetic, not reading: each panel
+// of kPanel outputs is laid out once a call, in cache, as the instructions read it, and every block
+// of kBlock rows of x passes over it, its kBlock x kPanel sums held in registers.
+//
+//   float32:  P[k][32]        one vector of 16 outputs' weights at k; x[r, k] broadcast; FMA.
+//   bfloat16: P[k/2][32][2]   16 outputs' pairs (k, k+1); x's pair broadcast; dpbf16ps adds both
+//                             products into each float32 lane.
+//   int8/int4: P[k/4][32][4]  16 outputs' quads of k as int32 words; x's quad + 128 broadcast as
+//                             unsigned bytes; dpbusd adds the four products into each int32 lane.
+
+constexpr int kPanel = 32;  // outputs a panel holds: two vectors
+constexpr int64_t kStreamRows = 8;  // the most rows the streaming products take; more: the panels'
+
+inline __mmask16 Mask(int64_t n) { return n >= 16 ? 0xFFFF : n <= 0 ? 0 : __mmask16((1u << n) - 1); }  // n of 16
+
+inline __m512 Load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+constexpr int64_t kSlice = 2048;  // values of k a float panel holds at a time (256 KiB of float32: in L2)
+
+// Runs f.template operator()<MR>() for MR = rows (1 .. kBlock): the row blocks' kernels unrolled.
+template <class F>
+void ForRows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 6: f.template operator()<6>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 2: f.template operator()<2>(); break;
+    default: f.template operator()<1>(); break;
+  }
+}
+
+constexpr int64_t kBlock = 6;  // rows of x a block holds: 12 vectors of sums (int4: and 12 of its float totals)
+
+// y[r, n0 + (0 : 32)] (+)= sum over the slice's k of x[r, k] P[k], MR rows: float32 x, panel of floats.
+template <int MR>
+void FloatBlock(const float* x, int64_t K, const float* panel, int64_t depth, float* y, int64_t N, int64_t cols,
+                bool first) {
+  __m512 acc[MR][2];
+  const __mmask16 m0 = Mask(cols), m1 = Mask(cols - 16);
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + r * N);
+    acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + r * N + 16);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const __m512 p0 = _mm512_loadu_ps(panel + k * kPanel), p1 = _mm512_loadu_ps(panel + k * kPanel + 16);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xk = _mm512_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm512_fmadd_ps(xk, p0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xk, p1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(y + r * N, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * N + 16, m1, acc[r][1]);
+  }
+}
+
+// x [R, K] . w [K, N] for many rows, w float32 (bfloat16 widened into the panel).
+template <class W>
+void KnGemm(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, const W* w, int64_t N, float* y) {
+  ParallelFor(pool, (N + kPanel - 1) / kPanel, [=](int64_t c) {
+    const int64_t n0 = c * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
+    std::vector<float> panel(std::min(K, kSlice) * kPanel, 0.0f);
+    for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
+      const int64_t depth = std::min(kSlice, K - k0);
+      for (int64_t k = 0; k < depth; ++k) {  // the slice's rows of the panel, widened, zeros past N
+        const W* row = w + (k0 + k) * N + n0;
+        _mm512_storeu_ps(panel.data() + k * kPanel, Load16(row, Mask(cols)));
+        _mm512_storeu_ps(panel.data() + k * kPanel + 16, Load16(row + 16, Mask(cols - 16)));
+      }
+      for (int64_t r = 0; r < R; r += kBlock) {
+        ForRows(std::min(kBlock, R - r), [&]<int MR>() {
+          FloatBlock<MR>(x + r * K + k0, K, panel.data(), depth, y + r * N + n0, N, cols, k0 == 0);
+        });
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 x bfloat16 for many rows: the panel as pairs of k, [K/2][32][2], and dpbf16ps (both
+// products of a pair, exact in float32, added to the lane; inputs below float32's normal range read
+// as zero). x's rows rows Kp apart, Kp = K rounded up to even (the pad meets a zero row of w).
+template <int MR>
+void Bf16Block(const uint16_t* x, int64_t Kp, const uint16_t* panel, int64_t pairs, float* y, int64_t N, int64_t cols,
+               bool first) {
+  __m512 acc[MR][2];
+  const __mmask16 m0 = Mask(cols), m1 = Mask(cols - 16);
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + r * N);
+    acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + r * N + 16);
+  }
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const __m512bh p0 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel);
+    const __m512bh p1 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel + 32);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xk = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * Kp + 2 * kp));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xk, p0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xk, p1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(y + r * N, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * N + 16, m1, acc[r][1]);
+  }
+}
+
+void Bf16Gemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t R, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  const int64_t Kp = K + K % 2;
+  std::vector<uint16_t> padded(R * Kp, 0);
+  for (int64_t r = 0; r < R; ++r) std::copy(x + r * K, x + (r + 1) * K, padded.begin() + r * Kp);
+  const uint16_t* xs = padded.data();
+  ParallelFor(pool, (N + kPanel - 1) / kPanel, [=](int64_t c) {
+    const int64_t n0 = c * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
+    std::vector<uint16_t> panel(std::min(Kp, kSlice) * kPanel, 0);
+    __m512i first, second;  // the pairs' order: a0 b0 a1 b1 ... of rows a = k, b = k + 1
+    alignas(64) uint16_t order[64];
+    for (int i = 0; i < 32; ++i) order[2 * i] = i, order[2 * i + 1] = 32 + i;
+    first = _mm512_load_si512(order);
+    second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+    for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
+      const int64_t depth = std::min(kSlice, K - k0), pairs = (depth + 1) / 2;
+      const __mmask32 in = cols >= 32 ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+      for (int64_t kp = 0; kp < pairs; ++kp) {
+        const int64_t k = k0 + 2 * kp;
+        const __m512i a = _mm512_maskz_loadu_epi16(in, w + k * N + n0);
+        const __m512i b = k + 1 < K ? _mm512_maskz_loadu_epi16(in, w + (k + 1) * N + n0) : _mm512_setzero_si512();
+        _mm512_storeu_si512(panel.data() + kp * 2 * kPanel, _mm512_permutex2var_epi16(a, first, b));
+        _mm512_storeu_si512(panel.data() + kp * 2 * kPanel + 32, _mm512_permutex2var_epi16(a, second, b));
+      }
+      for (int64_t r = 0; r < R; r += kBlock) {
+        ForRows(std::min(kBlock, R - r), [&]<int MR>() {
+          Bf16Block<MR>(xs + r * Kp + k0, Kp, panel.data(), pairs, y + r * N + n0, N, cols, k0 == 0);
+        });
+      }
+    }
+  });
+}
+#endif  // __AVX512BF16__
+
+// int8 and int4: the panel's words, and per group (int8: the whole of K) and output 128 sum w, the
+// term that x + 128 adds.
+struct IntPanel {
+  std::vector<int32_t> words;  // [K4, kPanel]: word (k4, i) = w[n0 + i, 4 k4 .. 4 k4 + 3]
+  std::vector<int32_t> extra;  // [groups, kPanel]
+};
+
+// The 16 x 16 matrix of 32-bit words in r (row i in r[i]) transposed in place: r[c] its column c.
+inline void Transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: rows 2i, 2i + 1 interleaved
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + j], lane L: rows i .. i + 3 of column j + 4 L
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // the lanes transposed: column j + 4 L gathers lane L of u[j], u[4 + j], ...
+    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[j + 4] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[j + 8] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[j + 12] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// Lays out 32 rows of int8 values [., K] (`values(i)`: row i's, or null: zeros) as the panel's words,
+// 16 rows by 16 words at a time, and adds up each group's 128 sum w (dpbusd of 1s and the words).
+template <class Values>
+void Pack(IntPanel& p, int64_t K, int64_t group, Values values) {
+  const int64_t K4 = (K + 3) / 4;
+  p.words.assign(K4 * kPanel, 0);
+  p.extra.assign((K + group - 1) / group * kPanel, 0);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int half = 0; half < 2; ++half) {
+    for (int64_t k = 0; k < K; k += 64) {  // words k / 4 .. k / 4 + 15
+      const __mmask64 in = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int8_t* v = values(16 * half + i);
+        r[i] = v == nullptr ? _mm512_setzero_si512() : _mm512_maskz_loadu_epi8(in, v + k);
+      }
+      Transpose16(r);
+      for (int c = 0; c < 16 && k / 4 + c < K4; ++c) {
+        const int64_t k4 = k / 4 + c;
+        _mm512_storeu_si512(&p.words[k4 * kPanel + 16 * half], r[c]);
+        int32_t* extra = &p.extra[(4 * k4 / group) * kPanel + 16 * half];  // (a group holds whole words)
+        _mm512_storeu_si512(extra, _mm512_add_epi32(_mm512_loadu_si512(extra),
+                                                    _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                                                          ones, r[c]), 7)));
+      }
+    }
+  }
+}
+
+// MR rows (xu: x + 128 as bytes, rows K4 words apart) by the panel's words [from, to): the int32 sums.
+template <int MR>
+inline void IntSums(const uint8_t* xu, int64_t K4, const int32_t* words, int64_t from, int64_t to,
+                    __m512i (&acc)[MR][2]) {
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  for (int64_t k4 = from; k4 < to; ++k4) {
+    const __m512i p0 = _mm512_loadu_si512(words + k4 * kPanel), p1 = _mm512_loadu_si512(words + k4 * kPanel + 16);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xk = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(xu)[r * K4 + k4]);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xk, p0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xk, p1);
+    }
+  }
+}
+
+// x's rows + 128 as bytes, each padded to K4 words (the padding meets zero words).
+std::vector<uint8_t> Shifted(const int8_t* x, int64_t R, int64_t K) {
+  const int64_t K4 = (K + 3) / 4;
+  std::vector<uint8_t> out(R * K4 * 4, 0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k) out[r * K4 * 4 + k] = uint8_t(x[r * K + k]) ^ 0x80;
+  return out;
+}
+
+void Int8Gemm(ffi::ThreadPool& pool, const int8_t* x, int64_t R, int64_t K, const int8_t* w, int64_t N, int32_t* y) {
+  const std::vector<uint8_t> xu = Shifted(x, R, K);
+  const int64_t K4 = (K + 3) / 4;
+  const uint8_t* xs = xu.data();
+  ParallelFor(pool, (N + kPanel - 1) / kPanel, [=](int64_t c) {
+    const int64_t n0 = c * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
+    IntPanel panel;
+    Pack(panel, K, K, [&](int i) { return i < cols ? w + (n0 + i) * K : nullptr; });
+    const __m512i extra0 = _mm512_loadu_si512(panel.extra.data()), extra1 = _mm512_loadu_si512(panel.extra.data() + 16);
+    for (int64_t r0 = 0; r0 < R; r0 += kBlock) {
+      ForRows(std::min(kBlock, R - r0), [&]<int MR>() {
+        __m512i acc[MR][2];
+        IntSums<MR>(xs + r0 * K4 * 4, K4, panel.words.data(), 0, K4, acc);
+        for (int r = 0; r < MR; ++r) {
+          int32_t* out = y + (r0 + r) * N + n0;
+          _mm512_mask_storeu_epi32(out, Mask(cols), _mm512_sub_epi32(acc[r][0], extra0));
+          _mm512_mask_storeu_epi32(out + 16, Mask(cols - 16), _mm512_sub_epi32(acc[r][1], extra1));
+        }
+      });
+    }
+  });
+}
+
+// Row n of a packed int4 matrix [N, K / 2] as int8 values in order (the even k in the low bits), 64 at
+// a time: the two nibbles of each byte interleaved, then made signed, (v ^ 8) - 8.
+void Unpack(const uint8_t* q, int64_t K, int8_t* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F), sign = _mm256_set1_epi8(0x08);
+  for (int64_t k = 0; k < K; k += 64) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + k / 2));
+    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    const __m256i a = _mm256_unpacklo_epi8(lo, hi), b = _mm256_unpackhi_epi8(lo, hi);  // per lane, in order
+    const __m256i first = _mm256_permute2x128_si256(a, b, 0x20), second = _mm256_permute2x128_si256(a, b, 0x31);
+    _mm256_storeu_si256((__m256i*)(out + k), _mm256_sub_epi8(_mm256_xor_si256(first, sign), sign));
+    _mm256_storeu_si256((__m256i*)(out + k + 32), _mm256_sub_epi8(_mm256_xor_si256(second, sign), sign));
+  }
+}
+
+template <class S>
+void Int4Gemm(ffi::ThreadPool& pool, const int8_t* x, int64_t R, int64_t K, const uint8_t* q, const S* s, int64_t G,
+              int64_t N, float* y) {
+  const std::vector<uint8_t> xu = Shifted(x, R, K);
+  const int64_t K4 = K / 4, groups = K / G;
+  const uint8_t* xs = xu.data();
+  ParallelFor(pool, (N + kPanel - 1) / kPanel, [=](int64_t c) {
+    const int64_t n0 = c * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
+    std::vector<int8_t> values(kPanel * K);
+    for (int i = 0; i < cols; ++i) Unpack(q + (n0 + i) * (K / 2), K, values.data() + i * K);
+    IntPanel panel;
+    Pack(panel, K, G, [&](int i) { return i < cols ? values.data() + i * K : nullptr; });
+    std::vector<float> scales(groups * kPanel, 0.0f);  // [groups, kPanel]
+    for (int i = 0; i < cols; ++i)
+      for (int64_t g = 0; g < groups; ++g) scales[g * kPanel + i] = Widen(s[(n0 + i) * groups + g]);
+    for (int64_t r0 = 0; r0 < R; r0 += kBlock) {
+      ForRows(std::min(kBlock, R - r0), [&]<int MR>() {
+        {
+          __m512 total[MR][2];
+          for (int r = 0; r < MR; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
+          for (int64_t g = 0; g < groups; ++g) {  // each group's exact sums, scaled, added in the groups' order
+            __m512i acc[MR][2];
+            IntSums<MR>(xs + r0 * K4 * 4, K4, panel.words.data(), g * G / 4, (g + 1) * G / 4, acc);
+            const int32_t* extra = panel.extra.data() + g * kPanel;
+            const float* scale = scales.data() + g * kPanel;
+            for (int r = 0; r < MR; ++r)
+              for (int j = 0; j < 2; ++j)
+                total[r][j] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], _mm512_loadu_si512(extra + 16 * j))),
+                    _mm512_loadu_ps(scale + 16 * j), total[r][j]);
+          }
+          for (int r = 0; r < MR; ++r) {
+            float* out = y + (r0 + r) * N + n0;
+            _mm512_mask_storeu_ps(out, Mask(cols), total[r][0]);
+            _mm512_mask_storeu_ps(out + 16, Mask(cols - 16), total[r][1]);
+          }
+        }
+      });
+    }
+  });
+}
+
 #endif  // JAXFORMER_KERNELS
 
 // ----- the FFI handlers ------------------------------------------------------------------------
@@ -391,9 +697,18 @@ ffi::Error FloatImpl(bool kn, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
   std::vector<float> widened;
   const float* xf = FloatRows(x, widened);
   float* out = static_cast<float*>(y->untyped_data());
-  const bool wide = w.element_type() == ffi::DataType::F32;
-  if (kn && wide) KnProduct(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
-  if (kn && !wide) KnProduct(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
+  const bool wide = w.element_type() == ffi::DataType::F32, many = R > kStreamRows;
+  if (kn && wide && many) KnGemm(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
+#if defined(__AVX512BF16__)
+  if (kn && !wide && many && x.element_type() == ffi::DataType::BF16) {
+    Bf16Gemm(pool, static_cast<const uint16_t*>(x.untyped_data()), R, K, static_cast<const uint16_t*>(w.untyped_data()),
+             N, out);
+    return ffi::Error::Success();
+  }
+#endif
+  if (kn && !wide && many) KnGemm(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
+  if (kn && wide && !many) KnProduct(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
+  if (kn && !wide && !many) KnProduct(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
   if (!kn && wide) NkProduct(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
   if (!kn && !wide) NkProduct(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
   return ffi::Error::Success();
@@ -412,8 +727,9 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   if (!Matrix(x, R, K) || !Matrix(w, N, K2) || K2 != K || x.element_type() != ffi::DataType::S8 ||
       w.element_type() != ffi::DataType::S8 || N % 4 || K >= 66000)
     return Refuse("int8_product takes int8 x [R, K] and w [N, K], N a multiple of 4, K below 66,000");
-  Int8Product(pool, static_cast<const int8_t*>(x.untyped_data()), R, K, static_cast<const int8_t*>(w.untyped_data()),
-              N, static_cast<int32_t*>(y->untyped_data()));
+  (R > kStreamRows ? Int8Gemm : Int8Product)(pool, static_cast<const int8_t*>(x.untyped_data()), R, K,
+                                             static_cast<const int8_t*>(w.untyped_data()), N,
+                                             static_cast<int32_t*>(y->untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -425,11 +741,17 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer q, ff
     return Refuse("int4_product takes int8 x [R, K], int4 q [N, K] and float scales [N, groups], K a multiple of 64");
   const int64_t G = K / groups;
   if (groups * G != K || (G != 32 && G != 64 && G != 128)) return Refuse("groups of 32, 64 or 128");
-  const Int4Rows rows = LayOut(static_cast<const int8_t*>(x.untyped_data()), R, K);
+  const auto* xq = static_cast<const int8_t*>(x.untyped_data());
   const auto* packed = static_cast<const uint8_t*>(q.untyped_data());
   float* out = static_cast<float*>(y->untyped_data());
   const void* scales = s.untyped_data();
   const bool wide = s.element_type() == ffi::DataType::F32;
+  if (R > kStreamRows) {
+    if (wide) Int4Gemm(pool, xq, R, K, packed, static_cast<const float*>(scales), G, N, out);
+    else Int4Gemm(pool, xq, R, K, packed, static_cast<const uint16_t*>(scales), G, N, out);
+    return ffi::Error::Success();
+  }
+  const Int4Rows rows = LayOut(xq, R, K);
   auto run = [&](auto group) {
     constexpr int g = decltype(group)::value;
     if (wide) Int4Product<g>(pool, rows, R, K, packed, static_cast<const float*>(scales), N, out);

@@ -19,13 +19,13 @@ from checkpoints import CORPUS
 
 from jaxformer import Decoder, DecoderConfig, generate, products
 from jaxformer.kernels import cpu
-from jaxformer.quantized import Quantization, quantize_params
+from jaxformer.quantized import Quantization, quantize, quantize_params
 from jaxformer.sharding import param_axes
 from jaxformer.text import train_bpe
 
 pytestmark = pytest.mark.skipif(not cpu.enabled(), reason="the CPU products are not built or this CPU lacks AVX-512")
 
-ROWS = [1, 3, 4, 5, 8, 13]  # (rows two at a time and four at a time, and what is left)
+ROWS = [1, 3, 4, 5, 8, 13, 30]  # (streamed: two and four at a time, and what is left; in blocks of 12 and 6 past 8)
 
 
 def within_float32_sums(got, x, w):
@@ -106,12 +106,20 @@ def test_the_read_probe_reads_and_refuses_a_bad_size():
         cpu.read_bandwidth(10, 2, 1)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_a_product_of_a_few_rows_calls_the_cpu_products_and_of_more_xlas(dtype):
-    w = jnp.ones((64, 32), dtype)
+@pytest.mark.parametrize("weights,target", [("float32", "kn_product"), ("bfloat16", "kn_product"),
+                                            ("tied float32", "nk_product"), ("int8", "int8_product"),
+                                            ("int4", "int4_product")])
+def test_a_product_of_a_few_rows_calls_the_cpu_products_and_of_more_xlas(weights, target):
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(128, 32)), jnp.bfloat16 if weights == "bfloat16" else None)
+    equation = "rd,df->rf"
+    if weights == "tied float32":  # an embedding [vocab, d] as the output head
+        equation, w = "rd,fd->rf", w.T
+    elif weights in ("int8", "int4"):
+        w = quantize(w, Quantization(weights, group=32), (0,))
     for rows, called in ((products.KERNEL_ROWS, True), (products.KERNEL_ROWS + 1, False)):
-        text = jax.jit(lambda x, w: products.product("rd,df->rf", x, w)).lower(jnp.ones((rows, 64), dtype), w).as_text()
-        assert ("jaxformer_kn_product" in text) == called, rows
+        x = jnp.ones((rows, 128), jnp.bfloat16 if weights == "bfloat16" else jnp.float32)
+        text = jax.jit(lambda x, w: products.product(equation, x, w)).lower(x, w).as_text()
+        assert (f"jaxformer_{target}" in text) == called, rows
 
 
 BPE = train_bpe([CORPUS], 280)
