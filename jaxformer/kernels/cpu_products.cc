@@ -171,15 +171,17 @@ void KnTile(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t 
   }
 }
 
-constexpr int64_t kRun = 4096;   // bytes of a row of w a tile reads in one run (a page)
-constexpr int64_t kTiles = 16;   // tiles a product is cut into at least, for the threads to share
+constexpr int64_t kSums = 16384;  // float32 sums a tile keeps (64 KiB: in L2), rows x columns
+constexpr int64_t kTiles = 16;    // tiles a product is cut into at least, for the threads to share
 
-// w [K, N] cut into tiles: panels of columns (runs of kRun bytes) by slabs of rows, as many
-// slabs as make kTiles tiles. One slab: each tile adds into y; several: into its slab's partial
-// sums, added in the slabs' order at the end.
+// w [K, N] cut into tiles: panels of columns by slabs of rows, as many slabs as make kTiles tiles.
+// A panel is as wide as kSums sums allow, the whole of w's rows for a row or two of x: a slab is
+// then one run of memory, which the hardware prefetches (it stops at each 4 KiB page otherwise).
+// One slab: each tile adds into y; several: into its slab's partial sums, added in the slabs'
+// order at the end.
 template <class W>
 void KnProduct(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, const W* w, int64_t N, float* y) {
-  const int64_t width = std::min<int64_t>(N, kRun / sizeof(W)), panels = (N + width - 1) / width;
+  const int64_t width = std::min(N, std::max<int64_t>(256, kSums / R / 16 * 16)), panels = (N + width - 1) / width;
   const int64_t slabs = std::min<int64_t>(std::max<int64_t>(1, kTiles / panels), std::max<int64_t>(1, K / 64));
   const int64_t depth = (K + slabs - 1) / slabs;
   std::vector<float> partial(slabs > 1 ? slabs * R * N : 0, 0.0f);
@@ -421,7 +423,8 @@ template <class W>
 void KnGemm(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, const W* w, int64_t N, float* y) {
   ParallelFor(pool, (N + kPanel - 1) / kPanel, [=](int64_t c) {
     const int64_t n0 = c * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
-    std::vector<float> panel(std::min(K, kSlice) * kPanel, 0.0f);
+    thread_local std::vector<float> panel;  // (each thread's own, kept between calls: no allocation a chunk)
+    panel.resize(std::max<size_t>(panel.size(), std::min(K, kSlice) * kPanel));
     for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
       const int64_t depth = std::min(kSlice, K - k0);
       for (int64_t k = 0; k < depth; ++k) {  // the slice's rows of the panel, widened, zeros past N
@@ -473,7 +476,8 @@ void Bf16Gemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t R, int64_t K, co
   const uint16_t* xs = padded.data();
   ParallelFor(pool, (N + kPanel - 1) / kPanel, [=](int64_t c) {
     const int64_t n0 = c * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
-    std::vector<uint16_t> panel(std::min(Kp, kSlice) * kPanel, 0);
+    thread_local std::vector<uint16_t> panel;
+    panel.resize(std::max<size_t>(panel.size(), std::min(Kp, kSlice) * kPanel));
     __m512i first, second;  // the pairs' order: a0 b0 a1 b1 ... of rows a = k, b = k + 1
     alignas(64) uint16_t order[64];
     for (int i = 0; i < 32; ++i) order[2 * i] = i, order[2 * i + 1] = 32 + i;
@@ -588,7 +592,7 @@ void Int8Gemm(ffi::ThreadPool& pool, const int8_t* x, int64_t R, int64_t K, cons
   const uint8_t* xs = xu.data();
   ParallelFor(pool, (N + kPanel - 1) / kPanel, [=](int64_t c) {
     const int64_t n0 = c * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
-    IntPanel panel;
+    thread_local IntPanel panel;
     Pack(panel, K, K, [&](int i) { return i < cols ? w + (n0 + i) * K : nullptr; });
     const __m512i extra0 = _mm512_loadu_si512(panel.extra.data()), extra1 = _mm512_loadu_si512(panel.extra.data() + 16);
     for (int64_t r0 = 0; r0 < R; r0 += kBlock) {
@@ -627,11 +631,13 @@ void Int4Gemm(ffi::ThreadPool& pool, const int8_t* x, int64_t R, int64_t K, cons
   const uint8_t* xs = xu.data();
   ParallelFor(pool, (N + kPanel - 1) / kPanel, [=](int64_t c) {
     const int64_t n0 = c * kPanel, cols = std::min<int64_t>(kPanel, N - n0);
-    std::vector<int8_t> values(kPanel * K);
+    thread_local std::vector<int8_t> values;
+    values.resize(std::max<size_t>(values.size(), kPanel * K));
     for (int i = 0; i < cols; ++i) Unpack(q + (n0 + i) * (K / 2), K, values.data() + i * K);
-    IntPanel panel;
+    thread_local IntPanel panel;
     Pack(panel, K, G, [&](int i) { return i < cols ? values.data() + i * K : nullptr; });
-    std::vector<float> scales(groups * kPanel, 0.0f);  // [groups, kPanel]
+    thread_local std::vector<float> scales;  // [groups, kPanel]
+    scales.assign(groups * kPanel, 0.0f);
     for (int i = 0; i < cols; ++i)
       for (int64_t g = 0; g < groups; ++g) scales[g * kPanel + i] = Widen(s[(n0 + i) * groups + g]);
     for (int64_t r0 = 0; r0 < R; r0 += kBlock) {
@@ -694,23 +700,24 @@ ffi::Error FloatImpl(bool kn, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
     return Refuse("x and w must be float32 or bfloat16 matrices");
   const int64_t N = kn ? b : a;
   if ((kn ? a : b) != K || (kn ? N % 16 : K % 16 + N % 4)) return Refuse("shapes");
-  std::vector<float> widened;
-  const float* xf = FloatRows(x, widened);
   float* out = static_cast<float*>(y->untyped_data());
-  const bool wide = w.element_type() == ffi::DataType::F32, many = R > kStreamRows;
-  if (kn && wide && many) KnGemm(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
+  const bool many = R > kStreamRows;
 #if defined(__AVX512BF16__)
-  if (kn && !wide && many && x.element_type() == ffi::DataType::BF16) {
+  if (kn && many && w.element_type() == ffi::DataType::BF16 && x.element_type() == ffi::DataType::BF16) {
     Bf16Gemm(pool, static_cast<const uint16_t*>(x.untyped_data()), R, K, static_cast<const uint16_t*>(w.untyped_data()),
              N, out);
     return ffi::Error::Success();
   }
 #endif
-  if (kn && !wide && many) KnGemm(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
-  if (kn && wide && !many) KnProduct(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
-  if (kn && !wide && !many) KnProduct(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
-  if (!kn && wide) NkProduct(pool, xf, R, K, static_cast<const float*>(w.untyped_data()), N, out);
-  if (!kn && !wide) NkProduct(pool, xf, R, K, static_cast<const uint16_t*>(w.untyped_data()), N, out);
+  std::vector<float> widened;
+  const float* xf = FloatRows(x, widened);
+  auto run = [&](const auto* weights) {
+    if (!kn) NkProduct(pool, xf, R, K, weights, N, out);
+    else if (many) KnGemm(pool, xf, R, K, weights, N, out);
+    else KnProduct(pool, xf, R, K, weights, N, out);
+  };
+  if (w.element_type() == ffi::DataType::F32) run(static_cast<const float*>(w.untyped_data()));
+  else run(static_cast<const uint16_t*>(w.untyped_data()));
   return ffi::Error::Success();
 }
 

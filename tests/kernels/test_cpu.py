@@ -5,6 +5,8 @@ sum of K products in any order (K u sum |x||w|, u = 2^-24), over the shapes thei
 `product` sending them a few rows and XLA more; and greedy decoding of a trained model, in each
 weight format, giving the tokens of XLA's products."""
 
+import functools
+import logging
 import sys
 from pathlib import Path
 
@@ -23,7 +25,20 @@ from jaxformer.quantized import Quantization, quantize, quantize_params
 from jaxformer.sharding import param_axes
 from jaxformer.text import train_bpe
 
-pytestmark = pytest.mark.skipif(not cpu.enabled(), reason="the CPU products are not built or this CPU lacks AVX-512")
+needs_products = pytest.mark.skipif(not cpu.enabled(), reason="no CPU products: not built, or no AVX-512 here")
+
+
+def test_without_the_products_xla_runs_said_once_in_one_line(monkeypatch, caplog):
+    """Not built (or not runnable here): `enabled()` is False, so every product is XLA's, and the
+    reason is logged once, in one line, however often it is asked."""
+    monkeypatch.setattr(cpu, "_cpu_products", None)
+    monkeypatch.setattr(cpu, "_registered", functools.cache(cpu._registered.__wrapped__))
+    with caplog.at_level(logging.WARNING, logger=cpu.__name__):
+        assert not cpu.enabled() and not cpu.enabled()
+    assert [r.getMessage() for r in caplog.records] == [
+        "jaxformer: the CPU products were not built (no C++ compiler at install); XLA's run instead"]
+    w = jnp.ones((64, 32))
+    assert "jaxformer_" not in jax.jit(lambda x: products.product("rd,df->rf", x, w)).lower(jnp.ones((1, 64))).as_text()
 
 ROWS = [1, 3, 4, 5, 8, 13, 30]  # (streamed: two and four at a time, and what is left; in blocks of 12 and 6 past 8)
 
@@ -36,6 +51,7 @@ def within_float32_sums(got, x, w):
     assert np.all(error <= bound), (error - bound).max()
 
 
+@needs_products
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("k,n", [(320, 272), (37, 2064), (1024, 16)])  # (a panel's tail; K odd, two panels; one)
@@ -47,6 +63,7 @@ def test_kn_product_is_the_float_product_summed_in_float32(k, n, rows, dtype):
     within_float32_sums(got, x, w)
 
 
+@needs_products
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("k,n", [(320, 68), (2048, 4)])
@@ -58,6 +75,7 @@ def test_nk_product_is_the_float_product_summed_in_float32(k, n, rows, dtype):
     within_float32_sums(got, x, w.T)
 
 
+@needs_products
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("k,n", [(320, 68), (333, 8), (8192, 4)])  # (K a multiple of 64, or not)
 def test_int8_product_is_the_integer_product_exactly(k, n, rows):
@@ -71,6 +89,7 @@ def test_int8_product_is_the_integer_product_exactly(k, n, rows):
     np.testing.assert_array_equal(got, x.astype(np.int64) @ w.T.astype(np.int64))
 
 
+@needs_products
 @pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.bfloat16], ids=["float32 scales", "bfloat16 scales"])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", ROWS)
@@ -90,6 +109,7 @@ def test_int4_product_is_each_groups_integer_sum_scaled(rows, group, scale_dtype
     assert got.dtype == jnp.float32 and np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
 
 
+@needs_products
 def test_the_handlers_refuse_what_they_do_not_take():
     """jaxformer/products.py sends only shapes that `fits`; a handler given others says so."""
     x = jnp.zeros((2, 100), jnp.int8)
@@ -100,12 +120,14 @@ def test_the_handlers_refuse_what_they_do_not_take():
         jax.jit(cpu.kn_product)(jnp.zeros((2, 16), jnp.float16), jnp.zeros((16, 16), jnp.float16))
 
 
+@needs_products
 def test_the_read_probe_reads_and_refuses_a_bad_size():
     assert cpu.read_bandwidth(2**24, 2, 1) > 1e8  # (at least 100 MB/s: it read the buffer)
     with pytest.raises(ValueError, match="read_bandwidth"):
         cpu.read_bandwidth(10, 2, 1)
 
 
+@needs_products
 @pytest.mark.parametrize("weights,target", [("float32", "kn_product"), ("bfloat16", "kn_product"),
                                             ("tied float32", "nk_product"), ("int8", "int8_product"),
                                             ("int4", "int4_product")])
@@ -131,6 +153,7 @@ def trained():
     return memorised_params(CONFIG, BPE.encode(CORPUS, add_special_tokens=False), batch=8)
 
 
+@needs_products
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "int4"])
 def test_greedy_tokens_of_a_trained_model_are_xlas_in_each_format(trained, weights, monkeypatch):
     """Batch 1 and 3 (the CPU products) against the same decoding with XLA's products alone
