@@ -73,7 +73,7 @@ def _reference(equation: str, wide: bool, x: jax.Array, w: jax.Array) -> jax.Arr
     return _narrow(equation, wide, x, w)
 
 
-KERNEL_ROWS = 16  # the most rows of x a product sends to the CPU products (decoding's); more: XLA's
+KERNEL_ROWS = 256  # the most rows of x a product sends to the CPU products (decoding's, a prompt's); more: XLA's
 
 
 def _kernel_form(equation: str, x: jax.Array) -> str | None:
