@@ -60,3 +60,7 @@ class Decodable(Protocol):
     def decode_step(self, tokens: jax.Array, cache: Any, context: Any) -> tuple[jax.Array, Any]:
         """`tokens [batch, T]` -> `(logits [batch, T, vocab], cache)`, row b's at positions
         `cache.pos[b] ..`, the cache advanced by T."""
+
+    # Optional: `decode_last(tokens, cache, context, last)`, `decode_step` for a prompt that gives
+    # `(logits [batch, vocab] at each row's position last[b], cache)`, the only ones a prefill reads
+    # (a decoder runs its output head on them alone); without it, decode_step's at `last`.

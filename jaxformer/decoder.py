@@ -295,6 +295,13 @@ class Decoder(nn.Module):
     def decode_step(self, tokens: jax.Array, cache: KVCache, context: None):
         return self(tokens, cache)
 
+    def decode_last(self, tokens: jax.Array, cache: KVCache, context: None, last: jax.Array):
+        # The final stream at `last` alone through the head: a prompt's other positions' logits
+        # (1B's head: a quarter of a 128-token prefill's arithmetic) are never read.
+        x, cache = self(tokens, cache, hidden=True)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [batch, 1, d_model]
+        return self.output_head(self.variables["params"]).logits(x)[:, 0], cache
+
 
 def attending_layers(config: DecoderConfig) -> tuple[int, ...]:
     """The layers of `config` that sow attention weights: all but linear attention's (Gated DeltaNet

@@ -246,3 +246,7 @@ class VanillaTransformer(nn.Module):
     def decode_step(self, tokens: jax.Array, cache: KVCache, context):
         memory_kv, src = context
         return self.decode(tokens, None, src, cache=cache, memory_kv=memory_kv)
+
+    def decode_last(self, tokens: jax.Array, cache: KVCache, context, last: jax.Array):
+        logits, cache = self.decode_step(tokens, cache, context)
+        return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], cache

@@ -40,10 +40,14 @@ def prefill(model: Decodable, params, request: DecodeRequest, mesh=None, extra_c
     if mesh is not None:  # rows over `data`, kv heads over `model`: each device keeps its own part
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
     prompt_len = request.decoder_prompt.shape[1]
-    logits, cache = step_fn(model, params, context)(request.decoder_prompt, with_span(cache, prompt_len))
+    tokens, cache = request.decoder_prompt, with_span(cache, prompt_len)
+    if hasattr(model, "decode_last"):  # (optional in the protocol: the logits at each row's last position alone)
+        last, cache = model.apply({"params": params}, tokens, cache, context, lengths - 1, method="decode_last")
+    else:
+        logits, cache = step_fn(model, params, context)(tokens, cache)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
     if mesh is not None:  # what the prompt wrote, placed so too (not left to XLA: a linear layer's conv inputs)
         cache = jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
-    last = jnp.take_along_axis(logits, (request.lengths - 1)[:, None, None], axis=1)[:, 0]  # [batch, vocab]
     return context, last, with_span(cache, None).replace(pos=lengths, stop=None)
 
 
