@@ -292,66 +292,75 @@ void Int8Product(ffi::ThreadPool& pool, const int8_t* x, int64_t R, int64_t K, c
 }
 
 // ----- int4 in groups: W4A8 --------------------------------------------------------------------
-// q is packed two values a byte, the even k in the low four bits. 64 values (32 bytes, two blocks
-// of 32) are unpacked into one 512-bit register as [evens of block 0 | evens of block 1 | odds of
-// block 0 | odds of block 1], 16 bytes each, and made unsigned, u = q + 8 (q in [-8, 7]: flipping
-// the four-bit sign bit). x's rows are laid out once per call in the same order (`Int4Rows`), and
-// each 32-bit lane of dpbusd(bias, u, x) starts from bias = -8 (its four x's sum): the lane holds
-// sum q x over its four values, exact. The lanes are then widened to float32 and multiplied by
-// their block's scale: y = sum over lanes of s_lane * lane.
+// q is packed two values a byte, the even k in the low four bits. 128 values (64 bytes, four
+// blocks of 32) are read at once: their low nibbles, the even k, and their high nibbles, the odd,
+// each a 512-bit register whose 32-bit lane L holds four values of block L / 4, made unsigned,
+// u = q + 8 (q in [-8, 7]: flipping the four-bit sign bit). x's rows are laid out once per call in
+// the same order (`Int4Rows`: its evens, then its odds, 64 of each a step), and each lane of
+// dpbusd(dpbusd(bias, u_even, x_even), u_odd, x_odd) starts from bias = -8 (its eight x's sum): the
+// lane holds sum q x over its eight values, exact. The lanes are then widened to float32 and
+// multiplied by their block's scale: y = sum over lanes of s_lane * lane.
 
-struct Int4Rows {  // x's rows in the unpacked order, and each lane's -8 sum x
-  std::vector<int8_t> x;    // [R, K]
-  std::vector<int32_t> bias;  // [R, K / 4]
+struct Int4Rows {  // x's rows in the unpacked order (K rounded up to 128, zeros after), each lane's bias
+  int64_t Kp;
+  std::vector<int8_t> x;      // [R, Kp]: per 128 values, the 64 evens then the 64 odds
+  std::vector<int32_t> bias;  // [R, Kp / 8]: -8 (the sum of each lane's eight x)
 };
 
 Int4Rows LayOut(const int8_t* x, int64_t R, int64_t K) {
-  Int4Rows out{std::vector<int8_t>(R * K), std::vector<int32_t>(R * K / 4)};
+  const int64_t Kp = (K + 127) / 128 * 128;
+  Int4Rows out{Kp, std::vector<int8_t>(R * Kp, 0), std::vector<int32_t>(R * Kp / 8, 0)};
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t t = 0; t < K; t += 64) {
-      const int8_t* from = x + r * K + t;
-      int8_t* to = out.x.data() + r * K + t;
-      for (int j = 0; j < 16; ++j) {
-        to[j] = from[2 * j];                // evens of block 0
-        to[16 + j] = from[32 + 2 * j];      // evens of block 1
-        to[32 + j] = from[2 * j + 1];       // odds of block 0
-        to[48 + j] = from[32 + 2 * j + 1];  // odds of block 1
+    for (int64_t t = 0; t < K; t += 64) {  // (K a multiple of 64: whole blocks of 32)
+      int8_t* to = out.x.data() + r * Kp + t / 128 * 128 + t % 128 / 2;
+      for (int j = 0; j < 32; ++j) {
+        to[j] = x[r * K + t + 2 * j];           // evens
+        to[64 + j] = x[r * K + t + 2 * j + 1];  // odds
       }
-      for (int lane = 0; lane < 16; ++lane)
-        out.bias[(r * K + t) / 4 + lane] = -8 * (to[4 * lane] + to[4 * lane + 1] + to[4 * lane + 2] + to[4 * lane + 3]);
+    }
+    for (int64_t lane = 0; lane < Kp / 8; ++lane) {
+      const int8_t* even = out.x.data() + r * Kp + lane / 16 * 128 + lane % 16 * 4;
+      int32_t sum = 0;
+      for (int i = 0; i < 4; ++i) sum += even[i] + even[64 + i];
+      out.bias[r * Kp / 8 + lane] = -8 * sum;
     }
   }
   return out;
 }
 
-inline __m512 Scale(const float* s) { return _mm512_set1_ps(*s); }
-inline __m512 Scale(const uint16_t* s) { return _mm512_set1_ps(Widen(*s)); }
+inline __m128 Scales4(const float* s, __mmask8 m) { return _mm_maskz_loadu_ps(m, s); }
+inline __m128 Scales4(const uint16_t* s, __mmask8 m) {
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_maskz_loadu_epi16(m, s)), 16));
+}
 
-// Each lane's scale for the two blocks starting at value k (groups of G values).
+// Each lane's scale for the four blocks from value k (groups of G values; lane L: block L / 4).
 template <int G, class S>
-inline __m512 LaneScales(const S* s, int64_t k) {
-  if constexpr (G == 32) {  // block 0's scale in lanes 0-3 and 8-11, block 1's in 4-7 and 12-15
-    const __m512 first = Scale(s + k / 32), second = Scale(s + k / 32 + 1);
-    return _mm512_mask_blend_ps(__mmask16(0xF0F0), first, second);
-  } else {
-    return Scale(s + k / G);
-  }
+inline __m512 LaneScales(const S* s, int64_t k, int64_t K) {
+  constexpr int per = 128 / G;  // the groups the four blocks span
+  const int64_t have = std::min<int64_t>(per, (K - k + G - 1) / G);
+  const __m512i which = G == 32 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                        : G == 64 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                                  : _mm512_setzero_si512();
+  return _mm512_permutexvar_ps(which, _mm512_castps128_ps512(Scales4(s + k / G, __mmask8((1u << have) - 1))));
 }
 
 template <int RG, int G, class S>
-void Int4Row(const int8_t* x, const int32_t* bias, int64_t K, const uint8_t* q, const S* s, float* y, int64_t N) {
+void Int4Row(const int8_t* x, const int32_t* bias, int64_t Kp, int64_t K, const uint8_t* q, const S* s, float* y,
+             int64_t N) {
   __m512 acc[RG];
   for (int r = 0; r < RG; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(0x08);
-  for (int64_t k = 0; k < K; k += 64) {
+  for (int64_t k = 0; k < K; k += 128) {
     Ahead(q + k / 2);
-    const __m256i packed = _mm256_loadu_si256((const __m256i*)(q + k / 2));
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
-    const __m512i u = _mm512_xor_si512(_mm512_and_si512(both, low), sign);
-    const __m512 scale = LaneScales<G>(s, k);
+    const __mmask64 in = K - k >= 128 ? ~__mmask64(0) : (__mmask64(1) << ((K - k) / 2)) - 1;
+    const __m512i packed = _mm512_maskz_loadu_epi8(in, q + k / 2);  // (past K: u = 8 against x = 0)
+    const __m512i even = _mm512_xor_si512(_mm512_and_si512(packed, low), sign);
+    const __m512i odd = _mm512_xor_si512(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low), sign);
+    const __m512 scale = LaneScales<G>(s, k, K);
     for (int r = 0; r < RG; ++r) {
-      const __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(bias + (r * K + k) / 4), u,
-                                                _mm512_loadu_si512(x + r * K + k));
+      const int8_t* xr = x + r * Kp + k;
+      __m512i lanes = _mm512_dpbusd_epi32(_mm512_loadu_si512(bias + (r * Kp + k) / 8), even, _mm512_loadu_si512(xr));
+      lanes = _mm512_dpbusd_epi32(lanes, odd, _mm512_loadu_si512(xr + 64));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, acc[r]);
     }
   }
@@ -363,14 +372,15 @@ void Int4Product(ffi::ThreadPool& pool, const Int4Rows& rows, int64_t R, int64_t
                  int64_t N, float* y) {
   const int8_t* x = rows.x.data();
   const int32_t* bias = rows.bias.data();
+  const int64_t Kp = rows.Kp;
   ParallelFor(pool, (N + kRowsPerChunk - 1) / kRowsPerChunk, [=](int64_t c) {
     const int64_t end = std::min(N, (c + 1) * kRowsPerChunk);
     for (int64_t n = c * kRowsPerChunk; n < end; ++n) {
       const uint8_t* qn = q + n * (K / 2);
       const S* sn = s + n * (K / G);
       int64_t r = 0;
-      for (; r + 4 <= R; r += 4) Int4Row<4, G>(x + r * K, bias + r * K / 4, K, qn, sn, y + r * N + n, N);
-      for (; r < R; ++r) Int4Row<1, G>(x + r * K, bias + r * K / 4, K, qn, sn, y + r * N + n, N);
+      for (; r + 4 <= R; r += 4) Int4Row<4, G>(x + r * Kp, bias + r * Kp / 8, Kp, K, qn, sn, y + r * N + n, N);
+      for (; r < R; ++r) Int4Row<1, G>(x + r * Kp, bias + r * Kp / 8, Kp, K, qn, sn, y + r * N + n, N);
     }
   });
 }

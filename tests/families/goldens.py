@@ -33,6 +33,7 @@ from shipped import tiny  # noqa: E402
 
 from jaxformer import Decoder, LoraConfig, generate, init_lora, label_smoothed_cross_entropy  # noqa: E402
 from jaxformer.convert import config_from_hf, with_scan_layers  # noqa: E402
+from jaxformer.kernels import cpu  # noqa: E402
 
 # The families' tiny checkpoints, as tests/families/test_families.py builds them (its OVERRIDES and VARIANTS).
 FAMILIES = {
@@ -130,7 +131,8 @@ def fingerprint() -> dict:
     return {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "machine": platform.machine(),
             "cpu_flags": flags, "backend": jax.default_backend(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
-            "most_optimizations_disabled": os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", "")}
+            "most_optimizations_disabled": os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS", ""),
+            "cpu_products": cpu.enabled()}  # (jaxformer.kernels.cpu: their sums' order, or XLA's)
 
 
 if __name__ == "__main__":
