@@ -136,43 +136,44 @@ std::vector<float> Widened(const T* x, int64_t n) {
   return out;
 }
 
-// y[r, 0 : width] += sum_{k0 <= k < k1} x[r, k] w[k, n0 + (0 : width)] for RG rows of x (x at the
-// group's first row, y at its first row with rows ldy apart): w's rows four at a time, each read
-// as a run of `width` values, y's values in cache.
-template <int RG, class W>
+// y[r, 0 : width] = sum_{k0 <= k < k1} x[r, k] w[k, n0 + (0 : width)] for RG rows of x (x at the
+// group's first row, y at its first row with rows ldy apart): w's rows U at a time, each read as a
+// run of `width` values, y's values in cache (stored once a U rows: 8 for one row of x; what y
+// held before is never read).
+template <int RG, int U, class W>
 void KnTile(const float* x, int64_t K, const W* w, int64_t N, float* y, int64_t ldy, int64_t n0, int64_t width,
             int64_t k0, int64_t k1) {
   int64_t k = k0;
-  for (; k + 4 <= k1; k += 4) {
-    __m512 xk[RG][4];
+  bool fresh = true;  // (the first rows start the sums from zero)
+  for (; k + U <= k1; k += U, fresh = false) {
+    __m512 xk[RG][U];
     for (int r = 0; r < RG; ++r)
-      for (int i = 0; i < 4; ++i) xk[r][i] = _mm512_set1_ps(x[r * K + k + i]);
+      for (int i = 0; i < U; ++i) xk[r][i] = _mm512_set1_ps(x[r * K + k + i]);
     const W* row = w + k * N + n0;
     for (int64_t v = 0; v < width; v += 16) {
-      const __m512 w0 = Load16(row + v), w1 = Load16(row + N + v), w2 = Load16(row + 2 * N + v),
-                   w3 = Load16(row + 3 * N + v);
+      __m512 wk[U];
+      for (int i = 0; i < U; ++i) wk[i] = Load16(row + i * N + v);
       for (int r = 0; r < RG; ++r) {
-        __m512 acc = _mm512_loadu_ps(y + r * ldy + v);
-        acc = _mm512_fmadd_ps(xk[r][0], w0, acc);  // in k's order
-        acc = _mm512_fmadd_ps(xk[r][1], w1, acc);
-        acc = _mm512_fmadd_ps(xk[r][2], w2, acc);
-        acc = _mm512_fmadd_ps(xk[r][3], w3, acc);
+        __m512 acc = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + v);
+        for (int i = 0; i < U; ++i) acc = _mm512_fmadd_ps(xk[r][i], wk[i], acc);  // in k's order
         _mm512_storeu_ps(y + r * ldy + v, acc);
       }
     }
   }
-  for (; k < k1; ++k) {
+  for (; k < k1; ++k, fresh = false) {
     const W* row = w + k * N + n0;
     for (int r = 0; r < RG; ++r) {
       const __m512 xk = _mm512_set1_ps(x[r * K + k]);
-      for (int64_t v = 0; v < width; v += 16)
-        _mm512_storeu_ps(y + r * ldy + v, _mm512_fmadd_ps(xk, Load16(row + v), _mm512_loadu_ps(y + r * ldy + v)));
+      for (int64_t v = 0; v < width; v += 16) {
+        const __m512 acc = fresh ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + v);
+        _mm512_storeu_ps(y + r * ldy + v, _mm512_fmadd_ps(xk, Load16(row + v), acc));
+      }
     }
   }
 }
 
 constexpr int64_t kSums = 16384;  // float32 sums a tile keeps (64 KiB: in L2), rows x columns
-constexpr int64_t kTiles = 16;    // tiles a product is cut into at least, for the threads to share
+constexpr int64_t kTiles = 8;     // tiles a product is cut into at least, for the threads to share
 
 // w [K, N] cut into tiles: panels of columns by slabs of rows, as many slabs as make kTiles tiles.
 // A panel is as wide as kSums sums allow, the whole of w's rows for a row or two of x: a slab is
@@ -184,19 +185,23 @@ void KnProduct(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, cons
   const int64_t width = std::min(N, std::max<int64_t>(256, kSums / R / 16 * 16)), panels = (N + width - 1) / width;
   const int64_t slabs = std::min<int64_t>(std::max<int64_t>(1, kTiles / panels), std::max<int64_t>(1, K / 64));
   const int64_t depth = (K + slabs - 1) / slabs;
-  std::vector<float> partial(slabs > 1 ? slabs * R * N : 0, 0.0f);
+  thread_local std::vector<float> partial;  // (the caller's, kept between calls: no allocation a call)
+  partial.resize(std::max<size_t>(partial.size(), slabs > 1 ? slabs * R * N : 0));
   float* out = slabs > 1 ? partial.data() : y;
-  if (slabs == 1) std::fill(y, y + R * N, 0.0f);
   ParallelFor(pool, panels * slabs, [=](int64_t t) {
     const int64_t n0 = (t % panels) * width, cols = std::min(width, N - n0);
     const int64_t k0 = (t / panels) * depth, k1 = std::min(K, k0 + depth);
     float* into = out + (t / panels) * R * N + n0;
     int64_t r = 0;
-    for (; r + 4 <= R; r += 4) KnTile<4>(x + r * K, K, w, N, into + r * N, N, n0, cols, k0, k1);
-    for (; r < R; ++r) KnTile<1>(x + r * K, K, w, N, into + r * N, N, n0, cols, k0, k1);
+    for (; r + 4 <= R; r += 4) KnTile<4, 4>(x + r * K, K, w, N, into + r * N, N, n0, cols, k0, k1);
+    for (; r < R; ++r) KnTile<1, 8>(x + r * K, K, w, N, into + r * N, N, n0, cols, k0, k1);
   });
-  for (int64_t s = 0; s < (slabs > 1 ? slabs : 0); ++s)
-    for (int64_t i = 0; i < R * N; ++i) y[i] = (s == 0 ? 0.0f : y[i]) + partial[s * R * N + i];
+  if (slabs == 1) return;
+  std::copy(out, out + R * N, y);
+  for (int64_t s = 1; s < slabs; ++s) {  // the slabs' sums added in order
+    const float* slab = out + s * R * N;
+    for (int64_t i = 0; i < R * N; ++i) y[i] += slab[i];
+  }
 }
 
 // The streaming products below read w's rows one after another, one run of memory, and ask for
