@@ -29,7 +29,7 @@ try:
 except ImportError:  # not built: no compiler at install, or another platform
     _cpu_products = None
 
-__all__ = ["enabled", "fits", "int4_product", "int8_product", "kn_product", "nk_product", "read_bandwidth"]
+__all__ = ["enabled", "fits", "int4_product", "int8_product", "kn_product", "nk_product"]
 
 _PREFIX = "jaxformer_"  # the targets' names in XLA's registry
 
@@ -85,16 +85,3 @@ def int4_product(x: jax.Array, q: jax.Array, s: jax.Array) -> jax.Array:
     """`sum_g s[n, g] sum_{k in g} x[r, k] q[n, k]` in float32 for int8 `x [R, K]`, int4 `q [N, K]` and
     float32 or bfloat16 scales `s [N, K / G]`, G = 32, 64 or 128 (K a multiple of 64)."""
     return _call("int4_product", jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32), x, q, s)
-
-
-def read_bandwidth(nbytes: int, threads: int = 2, reps: int = 3) -> float:
-    """This machine's read speed without XLA, bytes per second: `threads` threads streaming through
-    their shares of a buffer of `nbytes`, the best of `reps` passes.
-
-    Raises:
-      RuntimeError: the products were not built (the probe is compiled with them).
-    """
-    if _cpu_products is None:
-        raise RuntimeError("read_bandwidth needs jaxformer's CPU products, built by `pip install` with a C++ compiler")
-    return _cpu_products.read_bandwidth(int(nbytes), int(threads), int(reps))
-

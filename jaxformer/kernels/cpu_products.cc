@@ -24,7 +24,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -73,41 +72,6 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t count, std::function<void(int64_
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([chunks] { Take(*chunks); });
   Take(*chunks);
   while (chunks->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
-}
-
-// The machine's read speed, without XLA: `threads` threads each streaming through their share of
-// a buffer of `bytes`, the best of `reps` passes (after one that touches it). Bytes per second.
-double ReadBandwidth(int64_t bytes, int threads, int reps) {
-  const int64_t words = bytes / 8 / threads * threads;
-  std::vector<uint64_t> buffer(words, 1);
-  std::vector<uint64_t> sink(threads * 8);
-  auto pass = [&] {
-    std::vector<std::thread> running;
-    const int64_t share = words / threads;
-    for (int t = 0; t < threads; ++t) {
-      running.emplace_back([&, t] {
-        const uint64_t* p = buffer.data() + t * share;
-        uint64_t a = 0, b = 0, c = 0, d = 0;  // four chains: the loads, not the xors, set the pace
-        for (int64_t i = 0; i + 4 <= share; i += 4) {
-          a ^= p[i];
-          b ^= p[i + 1];
-          c ^= p[i + 2];
-          d ^= p[i + 3];
-        }
-        sink[t * 8] = a ^ b ^ c ^ d;
-      });
-    }
-    for (auto& thread : running) thread.join();
-  };
-  pass();
-  double best = 0;
-  for (int r = 0; r < reps; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    pass();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = std::max(best, words * 8.0 / seconds);
-  }
-  return best;
 }
 
 #if JAXFORMER_KERNELS
@@ -850,24 +814,8 @@ PyObject* Targets(PyObject*, PyObject*) {
   return targets;
 }
 
-PyObject* PyReadBandwidth(PyObject*, PyObject* args) {
-  long long bytes;
-  int threads, reps;
-  if (!PyArg_ParseTuple(args, "Lii", &bytes, &threads, &reps)) return nullptr;
-  if (bytes < 64 * threads || threads < 1 || reps < 1) {
-    PyErr_SetString(PyExc_ValueError, "read_bandwidth: bytes >= 64 per thread, threads >= 1, reps >= 1");
-    return nullptr;
-  }
-  double speed;
-  Py_BEGIN_ALLOW_THREADS speed = ReadBandwidth(bytes, threads, reps);
-  Py_END_ALLOW_THREADS return PyFloat_FromDouble(speed);
-}
-
 PyMethodDef kMethods[] = {
     {"targets", Targets, METH_NOARGS, "The products' FFI handlers by name (none where this CPU cannot run them)."},
-    {"read_bandwidth", PyReadBandwidth, METH_VARARGS,
-     "read_bandwidth(bytes, threads, reps): the best bytes per second of `threads` threads streaming through a "
-     "buffer of `bytes`."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -121,13 +121,6 @@ def test_the_handlers_refuse_what_they_do_not_take():
 
 
 @needs_products
-def test_the_read_probe_reads_and_refuses_a_bad_size():
-    assert cpu.read_bandwidth(2**24, 2, 1) > 1e8  # (at least 100 MB/s: it read the buffer)
-    with pytest.raises(ValueError, match="read_bandwidth"):
-        cpu.read_bandwidth(10, 2, 1)
-
-
-@needs_products
 @pytest.mark.parametrize("weights,target", [("float32", "kn_product"), ("bfloat16", "kn_product"),
                                             ("tied float32", "nk_product"), ("int8", "int8_product"),
                                             ("int4", "int4_product")])
