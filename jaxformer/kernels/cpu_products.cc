@@ -391,16 +391,33 @@ void ForRows(int64_t rows, F&& f) {
 
 constexpr int64_t kBlock = 6;  // rows of x a block holds: 12 vectors of sums (int4: and 12 of its float totals)
 
+// A block's MR x 32 float32 sums: y's (or zeros, `first`), then back into y, columns past `cols` untouched.
+template <int MR>
+struct Sums {
+  __m512 acc[MR][2];
+  __mmask16 m0, m1;
+
+  Sums(const float* y, int64_t N, int64_t cols, bool first) : m0(Mask(cols)), m1(Mask(cols - 16)) {
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + r * N);
+      acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + r * N + 16);
+    }
+  }
+
+  void Store(float* y, int64_t N) const {
+    for (int r = 0; r < MR; ++r) {
+      _mm512_mask_storeu_ps(y + r * N, m0, acc[r][0]);
+      _mm512_mask_storeu_ps(y + r * N + 16, m1, acc[r][1]);
+    }
+  }
+};
+
 // y[r, n0 + (0 : 32)] (+)= sum over the slice's k of x[r, k] P[k], MR rows: float32 x, panel of floats.
 template <int MR>
 void FloatBlock(const float* x, int64_t K, const float* panel, int64_t depth, float* y, int64_t N, int64_t cols,
                 bool first) {
-  __m512 acc[MR][2];
-  const __mmask16 m0 = Mask(cols), m1 = Mask(cols - 16);
-  for (int r = 0; r < MR; ++r) {
-    acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + r * N);
-    acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + r * N + 16);
-  }
+  Sums<MR> sums(y, N, cols, first);
+  auto& acc = sums.acc;
   for (int64_t k = 0; k < depth; ++k) {
     const __m512 p0 = _mm512_loadu_ps(panel + k * kPanel), p1 = _mm512_loadu_ps(panel + k * kPanel + 16);
     for (int r = 0; r < MR; ++r) {
@@ -409,10 +426,7 @@ void FloatBlock(const float* x, int64_t K, const float* panel, int64_t depth, fl
       acc[r][1] = _mm512_fmadd_ps(xk, p1, acc[r][1]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(y + r * N, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * N + 16, m1, acc[r][1]);
-  }
+  sums.Store(y, N);
 }
 
 // x [R, K] . w [K, N] for many rows, w float32 (bfloat16 widened into the panel).
@@ -445,12 +459,8 @@ void KnGemm(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, const W
 template <int MR>
 void Bf16Block(const uint16_t* x, int64_t Kp, const uint16_t* panel, int64_t pairs, float* y, int64_t N, int64_t cols,
                bool first) {
-  __m512 acc[MR][2];
-  const __mmask16 m0 = Mask(cols), m1 = Mask(cols - 16);
-  for (int r = 0; r < MR; ++r) {
-    acc[r][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + r * N);
-    acc[r][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + r * N + 16);
-  }
+  Sums<MR> sums(y, N, cols, first);
+  auto& acc = sums.acc;
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const __m512bh p0 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel);
     const __m512bh p1 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * kPanel + 32);
@@ -460,10 +470,7 @@ void Bf16Block(const uint16_t* x, int64_t Kp, const uint16_t* panel, int64_t pai
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xk, p1);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(y + r * N, m0, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * N + 16, m1, acc[r][1]);
-  }
+  sums.Store(y, N);
 }
 
 void Bf16Gemm(ffi::ThreadPool& pool, const uint16_t* x, int64_t R, int64_t K, const uint16_t* w, int64_t N, float* y) {
