@@ -18,6 +18,7 @@ products everywhere else: those stay the reference these are tested against (tes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -29,7 +30,7 @@ try:
 except ImportError:  # not built: no compiler at install, or another platform
     _cpu_products = None
 
-__all__ = ["enabled", "fits", "int4_product", "int8_product", "kn_product", "nk_product"]
+__all__ = ["disabled", "enabled", "fits", "int4_product", "int8_product", "kn_product", "nk_product"]
 
 _PREFIX = "jaxformer_"  # the targets' names in XLA's registry
 
@@ -47,11 +48,28 @@ def _registered() -> bool:
     return bool(targets)
 
 
+_off = 0  # how many `disabled()` blocks are open
+
+
 def enabled() -> bool:
-    """Whether the products run here: built, on a processor that runs them, and one CPU device in
-    one process (XLA cannot split a custom call across devices: a sharded program keeps XLA's)."""
-    return (jax.default_backend() == "cpu" and jax.process_count() == 1 and jax.local_device_count() == 1
-            and _registered())
+    """Whether the products run here: built, on a processor that runs them, one CPU device in one
+    process (XLA cannot split a custom call across devices: a sharded program keeps XLA's), and not
+    inside `disabled()`."""
+    return (not _off and jax.default_backend() == "cpu" and jax.process_count() == 1
+            and jax.local_device_count() == 1 and _registered())
+
+
+@contextlib.contextmanager
+def disabled():
+    """Programs traced inside use XLA's products alone: for XLA's own view of a program (its cost
+    analysis counts no custom call's arithmetic) or a program exported for the CPU (`jax.export`
+    does not serialize these custom calls). A function jitted before keeps what it traced."""
+    global _off
+    _off += 1
+    try:
+        yield
+    finally:
+        _off -= 1
 
 
 def fits(name: str, k: int, n: int, groups: int = 0) -> bool:

@@ -110,6 +110,15 @@ def test_int4_product_is_each_groups_integer_sum_scaled(k, group, rows, scale_dt
 
 
 @needs_products
+def test_inside_disabled_a_program_keeps_xlas_products():
+    w = jnp.ones((64, 32))
+    lowered = lambda: jax.jit(lambda x: products.product("rd,df->rf", x, w)).lower(jnp.ones((1, 64))).as_text()  # noqa: E731
+    with cpu.disabled():
+        assert not cpu.enabled() and "jaxformer_" not in lowered()
+    assert cpu.enabled() and "jaxformer_kn_product" in lowered()
+
+
+@needs_products
 def test_the_handlers_refuse_what_they_do_not_take():
     """jaxformer/products.py sends only shapes that `fits`; a handler given others says so."""
     x = jnp.zeros((2, 100), jnp.int8)
