@@ -703,7 +703,8 @@ ffi::Error FloatImpl(bool kn, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
   if (!Matrix(x, R, K) || !Matrix(w, a, b) || !Float(x.element_type()) || !Float(w.element_type()))
     return Refuse("x and w must be float32 or bfloat16 matrices");
   const int64_t N = kn ? b : a;
-  if ((kn ? a : b) != K || (kn ? N % 16 : K % 16 + N % 4)) return Refuse("shapes");
+  if ((kn ? a : b) != K || (kn ? N % 16 : K % 16 + N % 4))
+    return Refuse("kn_product takes w [K, N], N a multiple of 16; nk_product w [N, K], K of 16 and N of 4");
   float* out = static_cast<float*>(y->untyped_data());
   const bool many = R > kStreamRows;
 #if defined(__AVX512BF16__)
